@@ -1,0 +1,36 @@
+# radixmesh: `make test` sets up .venv on a fresh clone and runs the whole suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch on this machine's disk; pinned here so a CPU host never pulls a CUDA build.
+TORCH_CPU ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: test lint typecheck unit bench-cache clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_CPU)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP) lint typecheck unit
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench-cache: $(STAMP)
+	$(PY) benchmarks/cache_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

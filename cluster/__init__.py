@@ -1,0 +1,1 @@
+"""Wiring: configuration, Ray bootstrap, the command line and the load-test harness."""

@@ -1,0 +1,1 @@
+"""The gRPC wire: .proto sources and the Python modules generated from them."""
