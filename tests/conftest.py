@@ -1,4 +1,4 @@
-"""Suite-wide settings: the `gpu` marker skips without CUDA; hypothesis profiles for CI and local."""
+"""Suite-wide settings: `gpu` tests skip without CUDA; hypothesis profiles for CI and local."""
 
 from __future__ import annotations
 
