@@ -1,0 +1,145 @@
+"""Token types and the cache keys they expand to: one key per KV position.
+
+A plain text token's key is its int id (the fast path: a prompt of ids is its own key list).
+Every other type expands to tagged tuples, which never equal an int and never equal a tuple of
+another type, so keys of different types cannot collide:
+
+    TextToken(id)                    -> id                              1 position
+    CoordToken(pos, bin)             -> (COORD, bin)                    1 position
+    SizeToken(w, h, w_bin, h_bin)    -> (SIZE, w_bin, h_bin)            1 position
+    ImageToken(content_hash, n)      -> (IMAGE, hash, n, 0) ... (IMAGE, hash, n, n-1)   n positions
+
+Expanding an image into its positions keeps the tree, the page table and the block hashes in one
+unit (KV positions). The index inside an image tells how far a position is from the image start,
+so a cut never has to land inside an image (`token_boundary`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from cache.errors import InvalidToken, UnknownTokenType
+
+CacheKey: TypeAlias = int | tuple[int, ...]
+
+COORD = 1
+SIZE = 2
+IMAGE = 3
+_BINS = 1024
+_HASH_BITS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class TextToken:
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CoordToken:
+    pos: float
+    """The continuous value, used for the embedding and ignored by the cache."""
+    bin: int
+
+
+@dataclass(frozen=True, slots=True)
+class SizeToken:
+    width: float
+    height: float
+    width_bin: int
+    height_bin: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImageToken:
+    content_hash: int
+    """First 128 bits of the SHA-256 of the image bytes, as an int."""
+    kv_length: int
+    """KV positions the image occupies (729 for a SigLIP 27x27 grid)."""
+
+
+CacheToken: TypeAlias = int | TextToken | CoordToken | SizeToken | ImageToken
+
+
+def _check_bin(name: str, value: object) -> int:
+    if type(value) is not int or not 0 <= value < _BINS:
+        raise InvalidToken(f"{name} must be an int in [0, {_BINS}), got {value!r}")
+    return value
+
+
+def _image_keys(token: ImageToken) -> list[CacheKey]:
+    h, n = token.content_hash, token.kv_length
+    if type(h) is not int or not 0 <= h < 1 << _HASH_BITS:
+        raise InvalidToken(f"ImageToken.content_hash must be a 128-bit int, got {h!r}")
+    if type(n) is not int or n < 1:
+        raise InvalidToken(f"ImageToken.kv_length must be a positive int, got {n!r}")
+    return [(IMAGE, h, n, i) for i in range(n)]
+
+
+def _keys_of(token: object) -> list[CacheKey]:
+    if type(token) is int:
+        if token < 0:
+            raise InvalidToken(f"token ids are non-negative, got {token}")
+        return [token]
+    if isinstance(token, TextToken):
+        return _keys_of(token.token_id)
+    if isinstance(token, CoordToken):
+        return [(COORD, _check_bin("CoordToken.bin", token.bin))]
+    if isinstance(token, SizeToken):
+        w = _check_bin("SizeToken.width_bin", token.width_bin)
+        return [(SIZE, w, _check_bin("SizeToken.height_bin", token.height_bin))]
+    if isinstance(token, ImageToken):
+        return _image_keys(token)
+    raise UnknownTokenType(
+        f"cannot cache a token of type {type(token).__name__} ({token!r}); expected an int id, "
+        "TextToken, CoordToken, SizeToken or ImageToken"
+    )
+
+
+def to_cache_keys(tokens: Iterable[CacheToken]) -> list[CacheKey]:
+    """Expand tokens into one cache key per KV position, validating each.
+
+    A sequence of plain integer ids (int, numpy integers) is checked and converted at C speed.
+    """
+    tokens = tokens if isinstance(tokens, list) else list(tokens)
+    try:
+        packed = array("q", tokens)
+    except (TypeError, OverflowError):
+        packed = None
+    if packed is not None:
+        if packed and min(packed) < 0:
+            raise InvalidToken(f"token ids are non-negative, got {min(packed)}")
+        return packed.tolist()
+    keys: list[CacheKey] = []
+    for token in tokens:
+        keys.extend(_keys_of(token))
+    return keys
+
+
+def image_offset(key: CacheKey) -> int:
+    """How many positions `key` lies after the start of its image (0 for non-image keys)."""
+    if type(key) is tuple and key[0] == IMAGE:
+        return key[3]
+    return 0
+
+
+def token_boundary(keys: Sequence[CacheKey], cut: int, start: int = 0) -> int:
+    """The largest position <= `cut` (relative to `start`) that does not split an image."""
+    while 0 < cut < len(keys) - start:
+        back = image_offset(keys[start + cut])
+        if back == 0:
+            break
+        cut -= back
+    return cut
+
+
+def aligned_boundary(keys: Sequence[CacheKey], cut: int, page_size: int, start: int = 0) -> int:
+    """The largest position <= `cut` that is a multiple of `page_size` and a token boundary."""
+    cut -= cut % page_size
+    while True:
+        bounded = token_boundary(keys, cut, start)
+        if bounded == cut:
+            return cut
+        cut = bounded - bounded % page_size
