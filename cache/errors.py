@@ -11,7 +11,7 @@ class CacheError(Exception):
     """Base class of every error the cache package raises on purpose."""
 
 
-class OutOfPages(CacheError):  # noqa: N818 - the name says what ran out, as the design uses it
+class OutOfPages(CacheError):
     """An allocation asked for more pages than are free plus evictable."""
 
     def __init__(self, requested: int, free: int, evictable: int) -> None:
@@ -24,7 +24,7 @@ class OutOfPages(CacheError):  # noqa: N818 - the name says what ran out, as the
         )
 
 
-class OutOfSlots(CacheError):  # noqa: N818
+class OutOfSlots(CacheError):
     """Every sequence slot of the page table is in use."""
 
     def __init__(self, max_slots: int) -> None:

@@ -60,7 +60,7 @@ def _field(value: str | int | None) -> bytes:
 
 def _encode_block(keys: Sequence[CacheKey]) -> bytes:
     try:
-        packed = array("q", keys)
+        packed = array("q", keys)  # type: ignore[type-var]  # TypeError on tuple keys
     except TypeError:
         packed = None
     if packed is not None:
@@ -69,7 +69,7 @@ def _encode_block(keys: Sequence[CacheKey]) -> bytes:
         return _TEXT_BLOCK + packed.tobytes()
     parts = [_MIXED_BLOCK]
     for key in keys:
-        if type(key) is int:
+        if isinstance(key, int):
             parts.append(b"t" + key.to_bytes(8, "little", signed=True))
         else:
             parts.append(b"k" + len(key).to_bytes(1, "little"))

@@ -95,7 +95,7 @@ class RadixCache:
             return MatchResult()
         keys = keys if type(keys) is tuple else tuple(keys)
         ps, n = self.page_size, len(keys)
-        node, pos, pages = root, 0, []
+        node, pos, pages = root, 0, list[int]()
         while pos + ps <= n:
             child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps])
             if child is None:
@@ -179,7 +179,7 @@ class RadixCache:
                 "(insert whole pages: one page per page_size keys)"
             )
         node = self._start_node(keys, namespace, from_node)
-        pos, existing, blocked = node.end, [], False
+        pos, existing, blocked = node.end, list[int](), False
         while pos < n:
             child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps])
             if child is None:
@@ -280,7 +280,7 @@ class RadixCache:
     # -- eviction ------------------------------------------------------------------------------
     def evict(self, needed_pages: int) -> int:
         """Free at least `needed_pages` pages if unlocked ones allow; returns the pages freed."""
-        freed, removed = 0, []
+        freed, removed = 0, list[int]()
         while freed < needed_pages:
             victim = self._pop_victim()
             if victim is None:

@@ -201,7 +201,9 @@ class SequenceCache:
         if result.existing_pages:
             first = anchor.end // ps if anchor is not None else 0
             old = self.table.replace_pages(seq.slot, first, result.existing_pages)
-            duplicates = [p for p, tree_page in zip(old, result.existing_pages) if p != tree_page]
+            duplicates = [
+                p for p, tree_page in zip(old, result.existing_pages, strict=True) if p != tree_page
+            ]
             self.pool.free_private(duplicates)
             self.stats.duplicate_pages_freed += len(duplicates)
         if result.node is not seq.lock_node:
