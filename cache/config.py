@@ -14,7 +14,8 @@ class CacheConfig:
     max_sequences: int = 256
     """Slots (rows) of the page table: how many sequences can hold pages at once."""
     block_size: int = 16
-    """Positions per routing block: the unit of block hashes and KV events."""
+    """Positions per routing block: the unit of block hashes and KV events. A multiple of
+    page_size, so that every block ends on a page boundary and one tree node owns it."""
     model_revision: str = ""
     """Identifies the weights; part of every block hash."""
 
@@ -25,5 +26,8 @@ class CacheConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.block_size < 1 or self.block_size % self.page_size:
+            raise ValueError(
+                f"block_size must be a positive multiple of page_size ({self.page_size}), "
+                f"got {self.block_size}"
+            )

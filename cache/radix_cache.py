@@ -12,7 +12,7 @@ Contract (every operation runs on the one scheduler thread; nothing here is thre
 - `evict(n)` frees at least `n` pages if it can, least recently used leaves first, trimming only
   the tail of the last leaf it needs; evicting 0 pages is always safe. Afterwards a parent left
   with one child is merged into that child, and an empty root is pruned.
-- With `page_size > 1`, nodes, matches and splits are whole pages; no cut falls inside an image.
+- With `page_size > 1`, nodes, matches and splits are whole pages.
 
 `evictable_pages` is kept incrementally (cached minus locked), never by walking the tree. Every
 page range the tree gains or loses is published as block hashes when a publisher is attached.
@@ -29,7 +29,7 @@ from cache.lru_heap import LruHeap
 from cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from cache.page_pool import PagePool
 from cache.radix_node import InsertResult, MatchResult, Node
-from cache.tokens import CacheKey, aligned_boundary
+from cache.tokens import CacheKey
 
 
 def common_prefix(node_keys: tuple[CacheKey, ...], keys: tuple[CacheKey, ...], at: int) -> int:
@@ -54,6 +54,12 @@ class RadixCache:
         hasher: BlockHasher | None = None,
         publisher: KvEventPublisher | None = None,
     ) -> None:
+        if hasher is not None and hasher.block_size % pool.page_size:
+            raise ValueError(
+                f"block_size {hasher.block_size} must be a multiple of page_size "
+                f"{pool.page_size}: a block ending inside a page would belong to every sibling "
+                "that shares that page's start"
+            )
         self.pool = pool
         self.page_size = pool.page_size
         self.hasher = hasher
@@ -102,12 +108,12 @@ class RadixCache:
                 break
             length = len(child.keys)
             if keys[pos : pos + length] != child.keys:
-                cut = aligned_boundary(child.keys, common_prefix(child.keys, keys, pos), ps)
-                if cut > 0:
-                    child = self._split(child, cut)
-                    pages.extend(child.pages)
-                    pos += cut
-                    node = child
+                cut = common_prefix(child.keys, keys, pos)
+                cut -= cut % ps  # > 0: the child's first page matched
+                child = self._split(child, cut)
+                pages.extend(child.pages)
+                pos += cut
+                node = child
                 break
             pages.extend(child.pages)
             pos += length
@@ -179,25 +185,24 @@ class RadixCache:
                 "(insert whole pages: one page per page_size keys)"
             )
         node = self._start_node(keys, namespace, from_node)
-        pos, existing, blocked = node.end, list[int](), False
+        pos, existing = node.end, list[int]()
         while pos < n:
             child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps])
             if child is None:
                 break
             length = len(child.keys)
             if keys[pos : pos + length] != child.keys:
-                cut = aligned_boundary(child.keys, common_prefix(child.keys, keys, pos), ps)
-                blocked = cut == 0
-                if cut > 0:
-                    node = self._split(child, cut)
-                    existing.extend(node.pages)
-                    pos += cut
+                cut = common_prefix(child.keys, keys, pos)
+                cut -= cut % ps  # > 0: the child's first page matched
+                node = self._split(child, cut)
+                existing.extend(node.pages)
+                pos += cut
                 break
             existing.extend(child.pages)
             pos += length
             node = child
         inserted = 0
-        if pos < n and not blocked:
+        if pos < n:
             node = self._add_leaf(node, keys, tuple(pages[pos // ps :]), namespace, block_hashes)
             inserted = len(node.pages)
         self._touch(node)
@@ -286,10 +291,8 @@ class RadixCache:
             if victim is None:
                 break
             surplus = len(victim.pages) - (needed_pages - freed)
-            if surplus > 0:
-                keep = aligned_boundary(victim.keys, surplus * self.page_size, self.page_size)
-                if keep > 0:
-                    self._split(victim, keep)
+            if surplus > 0:  # keep the head, evict only the pages still needed
+                self._split(victim, surplus * self.page_size)
             freed += self._remove_leaf(victim, removed)
         if removed and self.publisher is not None:
             self.publisher.publish(KvEventKind.REMOVED, removed)

@@ -40,7 +40,7 @@ from cache.page_pool import PagePool
 from cache.page_table import PageTable
 from cache.radix_cache import RadixCache
 from cache.radix_node import Node
-from cache.tokens import CacheKey, CacheToken, aligned_boundary, to_cache_keys, token_boundary
+from cache.tokens import CacheKey, CacheToken, to_cache_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ class SequenceCache:
         if n == 0:
             raise SequenceError("empty prompt: a sequence needs at least one position")
         match = self.tree.match(keys, namespace)
-        reuse = min(match.length, token_boundary(keys, n - 1))
+        reuse = min(match.length, n - 1)
         full = reuse // ps
         node = match.last_node
         self.tree.lock(node)
@@ -182,7 +182,7 @@ class SequenceCache:
                 f"{min(len(seq.keys), mapped)}] (keys {len(seq.keys)}, mapped positions {mapped})"
             )
         seq.computed = computed
-        target = aligned_boundary(seq.keys, computed, ps)
+        target = computed - computed % ps
         cached_positions = seq.cached_pages * ps
         if target <= cached_positions:
             return 0

@@ -10,14 +10,14 @@ another type, so keys of different types cannot collide:
     ImageToken(content_hash, n)      -> (IMAGE, hash, n, 0) ... (IMAGE, hash, n, n-1)   n positions
 
 Expanding an image into its positions keeps the tree, the page table and the block hashes in one
-unit (KV positions). The index inside an image tells how far a position is from the image start,
-so a cut never has to land inside an image (`token_boundary`).
+unit (KV positions). A cached prefix may end inside an image: the KV of an image position depends
+only on the whole image, so the worker recomputes the rest of it from the image's embeddings.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -116,30 +116,3 @@ def to_cache_keys(tokens: Iterable[CacheToken]) -> list[CacheKey]:
     for token in tokens:
         keys.extend(_keys_of(token))
     return keys
-
-
-def image_offset(key: CacheKey) -> int:
-    """How many positions `key` lies after the start of its image (0 for non-image keys)."""
-    if type(key) is tuple and key[0] == IMAGE:
-        return key[3]
-    return 0
-
-
-def token_boundary(keys: Sequence[CacheKey], cut: int, start: int = 0) -> int:
-    """The largest position <= `cut` (relative to `start`) that does not split an image."""
-    while 0 < cut < len(keys) - start:
-        back = image_offset(keys[start + cut])
-        if back == 0:
-            break
-        cut -= back
-    return cut
-
-
-def aligned_boundary(keys: Sequence[CacheKey], cut: int, page_size: int, start: int = 0) -> int:
-    """The largest position <= `cut` that is a multiple of `page_size` and a token boundary."""
-    cut -= cut % page_size
-    while True:
-        bounded = token_boundary(keys, cut, start)
-        if bounded == cut:
-            return cut
-        cut = bounded - bounded % page_size

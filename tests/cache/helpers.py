@@ -29,8 +29,9 @@ class Stack:
 
 
 def make_stack(
-    num_pages: int = 100, page_size: int = 1, max_slots: int = 10, block_size: int = 4
+    num_pages: int = 100, page_size: int = 1, max_slots: int = 10, block_size: int | None = None
 ) -> Stack:
+    block_size = block_size or max(4, page_size)
     pool = PagePool(num_pages, page_size)
     events = KvEventPublisher("test")
     tree = RadixCache(pool, BlockHasher(IdentityScheme(block_size, "test-model")), events)

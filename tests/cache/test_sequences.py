@@ -1,0 +1,194 @@
+"""The sequence-ownership protocol: start, commit, grow, fork, finish, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache import (
+    CacheConfig,
+    CacheNamespace,
+    OutOfPages,
+    OutOfSlots,
+    PageCopy,
+    SequenceCache,
+    SequenceError,
+)
+from cache.integrity import check_sequence_cache
+from cache.page_pool import PRIVATE
+
+
+def make(num_pages: int = 64, page_size: int = 1, max_sequences: int = 8) -> SequenceCache:
+    return SequenceCache(CacheConfig(num_pages, page_size, max_sequences, max(4, page_size)))
+
+
+def test_a_miss_maps_private_pages_for_the_prompt_and_the_reserve() -> None:
+    cache = make(page_size=4)
+    seq = cache.start(list(range(10)), reserve=13)
+    assert (seq.reused, seq.computed, seq.cached_pages, seq.lock_node) == (0, 0, 0, None)
+    row = cache.table.row(seq.slot)
+    assert len(row) == 4 and all(cache.pool.state(p) == PRIVATE for p in row)
+    check_sequence_cache(cache)
+
+
+def test_concurrent_duplicate_prefills_do_not_leak() -> None:
+    cache = make()
+    prompt = list(range(10))
+    a, b = cache.start(prompt), cache.start(prompt)  # both miss: b started before a committed
+    b_private = list(cache.table.row(b.slot))
+    cache.commit(a, 10)
+    cache.commit(b, 10)
+    assert list(cache.table.row(b.slot)) == list(cache.table.row(a.slot))
+    assert all(cache.pool.state(p) == 1 for p in b_private)  # b's duplicates went back to the pool
+    assert cache.stats.duplicate_pages_freed == 10
+    assert b.lock_node is a.lock_node and a.lock_node is not None and a.lock_node.lock_ref == 2
+    check_sequence_cache(cache)
+    cache.finish(a)
+    cache.finish(b)
+    assert cache.pool.num_free + cache.tree.cached_pages == cache.pool.usable_pages
+    check_sequence_cache(cache)
+
+
+def test_a_longer_duplicate_keeps_its_own_tail() -> None:
+    cache = make()
+    short, long = cache.start(list(range(10))), cache.start(list(range(15)))
+    long_row = list(cache.table.row(long.slot))
+    cache.commit(short, 10)
+    claimed = cache.commit(long, 15)
+    assert claimed == 5
+    assert list(cache.table.row(long.slot))[10:] == long_row[10:]
+    assert cache.tree.cached_pages == 15
+    check_sequence_cache(cache)
+
+
+def test_full_hit_with_big_pages_copies_the_shared_last_page() -> None:
+    cache = make(page_size=16)
+    prompt = list(range(32))
+    first = cache.start(prompt)
+    cache.commit(first, 32)
+    cached_pages = list(cache.table.row(first.slot))
+    cache.finish(first)
+    again = cache.start(prompt)
+    assert again.reused == 31 and again.cached_pages == 1
+    row = list(cache.table.row(again.slot))
+    assert row[0] == cached_pages[0] and row[1] != cached_pages[1]
+    assert again.page_copies == [PageCopy(cached_pages[1], row[1], 15)]
+    with pytest.raises(SequenceError, match="page copies"):
+        cache.commit(again, 32)
+    assert cache.take_page_copies(again) == [PageCopy(cached_pages[1], row[1], 15)]
+    cache.commit(again, 32)
+    assert list(cache.table.row(again.slot)) == cached_pages  # the private copy was a duplicate
+    check_sequence_cache(cache)
+
+
+def test_fork_shares_cached_pages_and_copies_the_partial_page() -> None:
+    cache = make(page_size=4)
+    parent = cache.start(list(range(10)), reserve=16)
+    cache.commit(parent, 10)
+    clone = cache.fork(parent)
+    p_row, c_row = list(cache.table.row(parent.slot)), list(cache.table.row(clone.slot))
+    assert c_row[:2] == p_row[:2] and set(c_row[2:]).isdisjoint(p_row[2:])
+    assert len(c_row) == len(p_row) == 4
+    assert clone.page_copies == [PageCopy(p_row[2], c_row[2], 2)]
+    assert clone.lock_node is parent.lock_node and parent.lock_node is not None
+    assert parent.lock_node.lock_ref == 2
+    cache.take_page_copies(clone)
+    check_sequence_cache(cache)
+    for i, seq in enumerate((parent, clone)):
+        cache.append(seq, [900 + i])
+        cache.commit(seq, 11)
+    cache.finish(parent)
+    cache.abort(clone)
+    check_sequence_cache(cache)
+
+
+def test_finish_caches_generated_tokens_for_the_next_turn() -> None:
+    cache = make()
+    seq = cache.start([1, 2, 3])
+    cache.commit(seq, 3)
+    for step, token in enumerate([7, 8, 9]):
+        cache.append(seq, [token])
+        cache.grow(seq, 4 + step)
+    cache.finish(seq, computed=5)  # the last sampled token (9) has no KV yet
+    turn_two = cache.start([1, 2, 3, 7, 8, 9, 4])
+    assert turn_two.reused == 5
+    check_sequence_cache(cache)
+
+
+def test_preempted_sequence_resumes_from_its_own_cached_prompt() -> None:
+    cache = make()
+    seq = cache.start(list(range(20)))
+    cache.commit(seq, 20)
+    cache.finish(seq)
+    resumed = cache.start(list(range(20)))
+    assert resumed.reused == 19
+    check_sequence_cache(cache)
+
+
+@pytest.mark.parametrize("stage", ["started", "committed", "forked", "grown"])
+def test_abort_at_any_point_leaks_nothing(stage: str) -> None:
+    cache = make(page_size=4)
+    warm = cache.start(list(range(12)))
+    cache.commit(warm, 12)
+    cache.finish(warm)
+    seq = cache.start([*range(8), 50, 51, 52], reserve=20)
+    if stage != "started":
+        cache.commit(seq, 11)
+    others = [cache.fork(seq)] if stage == "forked" else []
+    if stage == "grown":
+        cache.grow(seq, 40)
+    cache.abort(seq)
+    for other in others:
+        cache.abort(other)
+    check_sequence_cache(cache)
+    assert cache.pool.num_private == 0
+    assert all(node.lock_ref == 0 for node in cache.tree.nodes())
+
+
+def test_start_that_cannot_get_pages_changes_nothing() -> None:
+    cache = make(num_pages=12)
+    holder = cache.start(list(range(6)))
+    cache.commit(holder, 6)
+    before = (cache.pool.num_free, cache.tree.cached_pages, cache.table.active_slots)
+    with pytest.raises(OutOfPages) as err:
+        cache.start([*range(6), *range(100, 110)])  # 6 cached + 10 new > 5 free
+    assert (err.value.requested, err.value.free, err.value.evictable) == (10, 5, 0)
+    assert (cache.pool.num_free, cache.tree.cached_pages, cache.table.active_slots) == before
+    assert holder.lock_node is not None and holder.lock_node.lock_ref == 1
+    check_sequence_cache(cache)
+
+
+def test_start_without_a_free_slot_changes_nothing() -> None:
+    cache = make(max_sequences=1)
+    seq = cache.start([1, 2, 3])
+    cache.commit(seq, 3)
+    with pytest.raises(OutOfSlots):
+        cache.start([1, 2, 3, 4])
+    assert seq.lock_node is not None and seq.lock_node.lock_ref == 1
+    check_sequence_cache(cache)
+
+
+def test_namespaces_never_share_pages() -> None:
+    cache = make()
+    a = cache.start([1, 2, 3, 4], CacheNamespace(tenant="a"))
+    cache.commit(a, 4)
+    b = cache.start([1, 2, 3, 4], CacheNamespace(tenant="b"))
+    assert b.reused == 0
+    assert set(cache.table.row(a.slot)).isdisjoint(cache.table.row(b.slot))
+    check_sequence_cache(cache)
+
+
+def test_misuse_is_refused_with_sequence_errors() -> None:
+    cache = make()
+    with pytest.raises(SequenceError, match="empty prompt"):
+        cache.start([])
+    seq = cache.start([1, 2, 3])
+    cache.commit(seq, 2)
+    with pytest.raises(SequenceError, match="computed=1"):
+        cache.commit(seq, 1)
+    with pytest.raises(SequenceError, match="computed=4"):
+        cache.commit(seq, 4)
+    cache.finish(seq)
+    for call in (cache.finish, cache.abort, lambda s: cache.commit(s, 3), cache.fork):
+        with pytest.raises(SequenceError, match="already released"):
+            call(seq)
+    check_sequence_cache(cache)

@@ -1,0 +1,89 @@
+"""Token types expand to one non-colliding key per KV position; bad tokens get typed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache import (
+    CoordToken,
+    ImageToken,
+    InvalidToken,
+    SizeToken,
+    TextToken,
+    UnknownTokenType,
+    to_cache_keys,
+)
+from cache.tokens import COORD, IMAGE, SIZE
+
+
+def test_plain_ids_are_their_own_keys() -> None:
+    ids = [5, 0, 49151, 7]
+    assert to_cache_keys(ids) == ids
+    assert to_cache_keys(np.array(ids, dtype=np.int64)) == ids
+    assert all(type(k) is int for k in to_cache_keys(np.array(ids, dtype=np.int32)))
+
+
+def test_each_type_has_its_own_tagged_key() -> None:
+    keys = to_cache_keys(
+        [TextToken(3), CoordToken(0.25, 3), SizeToken(0.5, 0.5, 3, 3), ImageToken(3, 2)]
+    )
+    assert keys == [3, (COORD, 3), (SIZE, 3, 3), (IMAGE, 3, 2, 0), (IMAGE, 3, 2, 1)]
+    assert len(set(keys)) == len(keys)
+
+
+def test_coord_and_size_keys_ignore_the_continuous_values() -> None:
+    assert to_cache_keys([CoordToken(0.1, 7)]) == to_cache_keys([CoordToken(0.9, 7)])
+    assert to_cache_keys([SizeToken(0.1, 0.2, 4, 5)]) == to_cache_keys([SizeToken(9, 9, 4, 5)])
+
+
+def test_image_expands_to_its_kv_length() -> None:
+    keys = to_cache_keys([1, ImageToken(0xFFFF, 729), 2])
+    assert len(keys) == 731
+    assert keys[1] == (IMAGE, 0xFFFF, 729, 0) and keys[729] == (IMAGE, 0xFFFF, 729, 728)
+    other = to_cache_keys([1, ImageToken(0xFFFE, 729), 2])
+    assert keys[1:730] != other[1:730]
+    longer = to_cache_keys([1, ImageToken(0xFFFF, 730), 2])
+    assert set(keys[1:730]).isdisjoint(longer[1:731])
+
+
+@pytest.mark.parametrize(
+    ("token", "error", "words"),
+    [
+        (-1, InvalidToken, "non-negative"),
+        (TextToken(-3), InvalidToken, "non-negative"),
+        (1.5, UnknownTokenType, "float"),
+        ("hello", UnknownTokenType, "str"),
+        (None, UnknownTokenType, "NoneType"),
+        (CoordToken(0.5, 1024), InvalidToken, "CoordToken.bin"),
+        (SizeToken(0.5, 0.5, 1, -1), InvalidToken, "SizeToken.height_bin"),
+        (ImageToken(1, 0), InvalidToken, "kv_length"),
+        (ImageToken(-1, 4), InvalidToken, "content_hash"),
+        (ImageToken(1 << 128, 4), InvalidToken, "content_hash"),
+    ],
+)
+def test_bad_tokens_raise_typed_errors_naming_the_problem(
+    token: object, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        to_cache_keys([1, 2, token])  # type: ignore[list-item]
+
+
+_tokens = st.one_of(
+    st.integers(0, 1 << 40),
+    st.builds(CoordToken, st.floats(0, 1), st.integers(0, 1023)),
+    st.builds(
+        SizeToken, st.floats(0, 1), st.floats(0, 1), st.integers(0, 1023), st.integers(0, 1023)
+    ),
+    st.builds(ImageToken, st.integers(0, (1 << 128) - 1), st.integers(1, 40)),
+)
+
+
+@given(st.lists(_tokens, max_size=30))
+def test_one_key_per_position_and_equal_tokens_give_equal_keys(tokens: list[object]) -> None:
+    keys = to_cache_keys(tokens)  # type: ignore[arg-type]
+    assert len(keys) == sum(t.kv_length if isinstance(t, ImageToken) else 1 for t in tokens)
+    assert keys == to_cache_keys(list(tokens))  # type: ignore[arg-type]
+    assert all(type(k) is int or (type(k) is tuple and k[0] in (COORD, SIZE, IMAGE)) for k in keys)
