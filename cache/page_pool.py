@@ -13,6 +13,7 @@ nothing of trees or sequences; it makes double frees and leaks impossible to mis
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import itemgetter
 from typing import Final
 
 from cache.errors import InvalidPageState, OutOfPages
@@ -72,21 +73,43 @@ class PagePool:
     def _move(self, pages: Iterable[int], src: int, dst: int) -> list[int]:
         """Move every page from `src` to `dst`, or none of them (a repeated page is an error)."""
         pages = list(pages)
+        if not pages:
+            return pages
         state = self._state
-        for i, page in enumerate(pages):
-            if type(page) is not int or not 0 < page < self.num_pages or state[page] != src:
-                ok_range = type(page) is int and 0 <= page < self.num_pages
-                found = STATE_NAMES[state[page]] if ok_range else "not a page of this pool"
-                if ok_range and page in pages[:i]:
-                    found = "listed twice"
-                for done in pages[:i]:
-                    state[done] = src
-                raise InvalidPageState(
-                    f"page {page!r} is {found}, expected {STATE_NAMES[src]} "
-                    f"(moving {len(pages)} pages to {STATE_NAMES[dst]})"
-                )
+        try:
+            in_range = min(pages) > 0 and max(pages) < self.num_pages
+            states = itemgetter(*pages)(state) if in_range else ()
+        except TypeError:
+            states = ()
+        if len(pages) == 1 and states != ():
+            states = (states,)
+        if (
+            not isinstance(states, tuple)
+            or states.count(src) != len(pages)
+            or (src != dst and len(set(pages)) != len(pages))
+        ):
+            raise self._bad_move(pages, src, dst)
+        for page in pages:
             state[page] = dst
         return pages
+
+    def _bad_move(self, pages: list[int], src: int, dst: int) -> InvalidPageState:
+        seen: set[int] = set()
+        for page in pages:
+            if type(page) is not int or not 0 <= page < self.num_pages:
+                found = "not a page of this pool"
+            elif page in seen and src != dst:
+                found = "listed twice"
+            elif self._state[page] != src:
+                found = STATE_NAMES[self._state[page]]
+            else:
+                seen.add(page)
+                continue
+            return InvalidPageState(
+                f"page {page!r} is {found}, expected {STATE_NAMES[src]} "
+                f"(moving {len(pages)} pages to {STATE_NAMES[dst]})"
+            )
+        raise AssertionError("_bad_move found no bad page")  # pragma: no cover
 
     def free_private(self, pages: Iterable[int]) -> None:
         """Return a sequence's private pages to the pool."""

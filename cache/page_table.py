@@ -88,18 +88,25 @@ class PageTable:
             self.evictor.evict(count - free)
         return self.pool.allocate(count, self.evictable_pages)
 
-    def map_pages(self, slot: int, logical_start: int, pages: Sequence[int]) -> None:
-        """Append `pages` to the slot's row; `logical_start` must be the row's current length."""
+    def map_pages(
+        self, slot: int, logical_start: int, pages: Sequence[int], *, validate: bool = True
+    ) -> None:
+        """Append `pages` to the slot's row; `logical_start` must be the row's current length.
+
+        `validate` checks that every page is allocated (private or cached); callers that got the
+        pages from `allocate_pages` or from a locked match skip it (it is O(pages)).
+        """
         row = self._row(slot)
         if logical_start != len(row):
             raise PageMappingError(
                 f"map_pages must be sequential: slot {slot} maps {len(row)} pages, "
                 f"got logical_start={logical_start}"
             )
-        for page in pages:
-            state = self.pool.state(page) if 0 < page < self.pool.num_pages else -1
-            if state not in (PRIVATE, CACHED):
-                raise PageMappingError(f"page {page} is not allocated; it cannot be mapped")
+        if validate:
+            for page in pages:
+                state = self.pool.state(page) if 0 < page < self.pool.num_pages else -1
+                if state not in (PRIVATE, CACHED):
+                    raise PageMappingError(f"page {page} is not allocated; it cannot be mapped")
         row.extend(pages)
 
     def replace_pages(self, slot: int, logical_start: int, pages: Sequence[int]) -> list[int]:

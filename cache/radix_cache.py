@@ -101,7 +101,7 @@ class RadixCache:
             return MatchResult()
         keys = keys if type(keys) is tuple else tuple(keys)
         ps, n = self.page_size, len(keys)
-        node, pos, pages = root, 0, list[int]()
+        node, pos, pages, blocks = root, 0, list[int](), list[int]()
         while pos + ps <= n:
             child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps])
             if child is None:
@@ -110,18 +110,19 @@ class RadixCache:
             if keys[pos : pos + length] != child.keys:
                 cut = common_prefix(child.keys, keys, pos)
                 cut -= cut % ps  # > 0: the child's first page matched
-                child = self._split(child, cut)
-                pages.extend(child.pages)
+                node = self._split(child, cut)
+                pages.extend(node.pages)
+                blocks.extend(node.blocks)
                 pos += cut
-                node = child
                 break
             pages.extend(child.pages)
+            blocks.extend(child.blocks)
             pos += length
             node = child
         if node is root:
             return MatchResult()
         self._touch(node)
-        return MatchResult(pages, pos, node)
+        return MatchResult(pages, pos, node, blocks)
 
     def _split(self, node: Node, cut: int) -> Node:
         """Split `node` after `cut` positions; returns the new parent holding the head."""

@@ -79,6 +79,8 @@ class MatchResult:
     """Matched positions: a whole number of pages."""
     last_node: Node | None = None
     """The node that ends exactly at `length`; None when nothing matched."""
+    block_hashes: list[int] = field(default_factory=list)
+    """The chained hashes of the routing blocks inside [0, length), read off the nodes."""
 
 
 @dataclass(slots=True)

@@ -129,9 +129,9 @@ class SequenceCache:
         slot = None
         try:
             slot = self.table.allocate()
-            self.table.map_pages(slot, 0, match.pages[:full])
+            self.table.map_pages(slot, 0, match.pages[:full], validate=False)
             fresh = self.table.allocate_pages(_pages_for(max(n, reserve), ps) - full)
-            self.table.map_pages(slot, full, fresh)
+            self.table.map_pages(slot, full, fresh, validate=False)
         except CacheError:
             if slot is not None:
                 self.table.erase(slot, full)
@@ -140,7 +140,9 @@ class SequenceCache:
         copies = []
         if reuse > full * ps:
             copies.append(PageCopy(match.pages[full], fresh[0], reuse - full * ps))
-        seq = CachedSequence(slot, namespace, keys, n, reuse, reuse, node, full, copies)
+        seq = CachedSequence(
+            slot, namespace, keys, n, reuse, reuse, node, full, copies, match.block_hashes
+        )
         self._live[slot] = seq
         self.stats.started += 1
         self.stats.prompt_positions += n
@@ -164,7 +166,7 @@ class SequenceCache:
         have = len(self.table.row(seq.slot))
         need = _pages_for(positions, self.page_size) - have
         if need > 0:
-            self.table.map_pages(seq.slot, have, self.table.allocate_pages(need))
+            self.table.map_pages(seq.slot, have, self.table.allocate_pages(need), validate=False)
 
     def commit(self, seq: CachedSequence, computed: int) -> int:
         """Record that the KV of positions [0, computed) is written and cache its whole pages.
@@ -227,9 +229,9 @@ class SequenceCache:
         slot = None
         try:
             slot = self.table.allocate()
-            self.table.map_pages(slot, 0, row[:shared])
+            self.table.map_pages(slot, 0, row[:shared], validate=False)
             fresh = self.table.allocate_pages(len(row) - shared)
-            self.table.map_pages(slot, shared, fresh)
+            self.table.map_pages(slot, shared, fresh, validate=False)
         except CacheError:
             if slot is not None:
                 self.table.erase(slot, shared)

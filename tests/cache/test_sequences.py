@@ -192,3 +192,12 @@ def test_misuse_is_refused_with_sequence_errors() -> None:
         with pytest.raises(SequenceError, match="already released"):
             call(seq)
     check_sequence_cache(cache)
+
+
+def test_a_hit_starts_with_the_cached_prefix_hashes() -> None:
+    cache = make()
+    first = cache.start(list(range(20)))
+    cache.commit(first, 20)
+    second = cache.start([*range(12), 77, 78])
+    assert second.block_hashes == first.block_hashes[:3]
+    assert second.block_hashes == cache.hasher.hashes(list(range(12)), second.namespace)
