@@ -60,7 +60,7 @@ def _field(value: str | int | None) -> bytes:
 
 def _encode_block(keys: Sequence[CacheKey]) -> bytes:
     try:
-        packed = array("q", keys)  # type: ignore[type-var]  # TypeError on tuple keys
+        packed = array("Q", keys)  # type: ignore[type-var]  # TypeError on tuple keys
     except TypeError:
         packed = None
     if packed is not None:
@@ -70,7 +70,7 @@ def _encode_block(keys: Sequence[CacheKey]) -> bytes:
     parts = [_MIXED_BLOCK]
     for key in keys:
         if isinstance(key, int):
-            parts.append(b"t" + key.to_bytes(8, "little", signed=True))
+            parts.append(b"t" + key.to_bytes(8, "little"))
         else:
             parts.append(b"k" + len(key).to_bytes(1, "little"))
             parts.extend(_field(v) for v in key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
+from numbers import Integral
 from typing import TypeAlias
 
 from cache.errors import InvalidToken, UnknownTokenType
@@ -79,9 +80,11 @@ def _image_keys(token: ImageToken) -> list[CacheKey]:
 
 
 def _keys_of(token: object) -> list[CacheKey]:
+    if isinstance(token, Integral) and not isinstance(token, bool):
+        token = int(token)
     if type(token) is int:
-        if token < 0:
-            raise InvalidToken(f"token ids are non-negative, got {token}")
+        if not 0 <= token < 1 << 64:
+            raise InvalidToken(f"token ids are non-negative 64-bit ints, got {token}")
         return [token]
     if isinstance(token, TextToken):
         return _keys_of(token.token_id)
@@ -104,14 +107,10 @@ def to_cache_keys(tokens: Iterable[CacheToken]) -> list[CacheKey]:
     A sequence of plain integer ids (int, numpy integers) is checked and converted at C speed.
     """
     tokens = tokens if isinstance(tokens, list) else list(tokens)
-    try:
-        packed = array("q", tokens)
+    try:  # unsigned: a negative id raises OverflowError here, at C speed
+        return array("Q", tokens).tolist()
     except (TypeError, OverflowError):
-        packed = None
-    if packed is not None:
-        if packed and min(packed) < 0:
-            raise InvalidToken(f"token ids are non-negative, got {min(packed)}")
-        return packed.tolist()
+        pass
     keys: list[CacheKey] = []
     for token in tokens:
         keys.extend(_keys_of(token))

@@ -133,3 +133,10 @@ def test_scheme_version_1_is_frozen() -> None:
 
 
 GOLDEN = 10062755185459333537
+
+
+def test_the_whole_id_range_hashes() -> None:
+    top = (1 << 64) - 1
+    assert hashes([top] * 4) != hashes([0] * 4)
+    mixed = to_cache_keys([top, 0, ImageToken(1, 2)])
+    assert len(hashes(mixed)) == 1

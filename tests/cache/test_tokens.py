@@ -53,6 +53,7 @@ def test_image_expands_to_its_kv_length() -> None:
     ("token", "error", "words"),
     [
         (-1, InvalidToken, "non-negative"),
+        (1 << 64, InvalidToken, "64-bit"),
         (TextToken(-3), InvalidToken, "non-negative"),
         (1.5, UnknownTokenType, "float"),
         ("hello", UnknownTokenType, "str"),
@@ -87,3 +88,13 @@ def test_one_key_per_position_and_equal_tokens_give_equal_keys(tokens: list[obje
     assert len(keys) == sum(t.kv_length if isinstance(t, ImageToken) else 1 for t in tokens)
     assert keys == to_cache_keys(list(tokens))  # type: ignore[arg-type]
     assert all(type(k) is int or (type(k) is tuple and k[0] in (COORD, SIZE, IMAGE)) for k in keys)
+
+
+def test_negative_ids_are_refused_from_lists_and_arrays_alike() -> None:
+    with pytest.raises(InvalidToken, match="got -7"):
+        to_cache_keys([3, -7, 4])
+    with pytest.raises(InvalidToken, match="got -7"):
+        to_cache_keys(np.array([3, -7, 4]))
+    assert to_cache_keys([(1 << 64) - 1]) == [(1 << 64) - 1]
+    with pytest.raises(InvalidToken, match="64-bit"):
+        to_cache_keys([1 << 64])
