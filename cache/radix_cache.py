@@ -100,8 +100,23 @@ class RadixCache:
         if root is None:
             return MatchResult()
         keys = keys if type(keys) is tuple else tuple(keys)
-        ps, n = self.page_size, len(keys)
-        node, pos, pages, blocks = root, 0, list[int](), list[int]()
+        node, length, pages, blocks = self._descend(root, keys)
+        if node is root:
+            return MatchResult()
+        self._touch(node)
+        return MatchResult(pages, length, node, blocks)
+
+    def _descend(
+        self, node: Node, keys: tuple[CacheKey, ...]
+    ) -> tuple[Node, int, list[int], list[int]]:
+        """Walk down from `node` along `keys` as far as the tree holds them.
+
+        The node where the walk stops inside a label is split there, so the walk always ends on
+        a node. Returns that node, its end, and the pages and block hashes of the nodes passed.
+        """
+        ps, n, pos = self.page_size, len(keys), node.end
+        pages: list[int] = []
+        blocks: list[int] = []
         while pos + ps <= n:
             child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps])
             if child is None:
@@ -119,10 +134,7 @@ class RadixCache:
             blocks.extend(child.blocks)
             pos += length
             node = child
-        if node is root:
-            return MatchResult()
-        self._touch(node)
-        return MatchResult(pages, pos, node, blocks)
+        return node, pos, pages, blocks
 
     def _split(self, node: Node, cut: int) -> Node:
         """Split `node` after `cut` positions; returns the new parent holding the head."""
@@ -185,23 +197,7 @@ class RadixCache:
                 f"{len(pages)} pages of {ps} positions cannot hold {n} keys "
                 "(insert whole pages: one page per page_size keys)"
             )
-        node = self._start_node(keys, namespace, from_node)
-        pos, existing = node.end, list[int]()
-        while pos < n:
-            child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps])
-            if child is None:
-                break
-            length = len(child.keys)
-            if keys[pos : pos + length] != child.keys:
-                cut = common_prefix(child.keys, keys, pos)
-                cut -= cut % ps  # > 0: the child's first page matched
-                node = self._split(child, cut)
-                existing.extend(node.pages)
-                pos += cut
-                break
-            existing.extend(child.pages)
-            pos += length
-            node = child
+        node, pos, existing, _ = self._descend(self._start_node(keys, namespace, from_node), keys)
         inserted = 0
         if pos < n:
             node = self._add_leaf(node, keys, tuple(pages[pos // ps :]), namespace, block_hashes)
