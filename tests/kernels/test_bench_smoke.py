@@ -1,0 +1,52 @@
+"""benchmarks/kernels_bench.py imports everywhere, refuses clearly without CUDA, runs with one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_bench.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script really benchmarks")
+def test_without_cuda_it_says_so_and_exits_2() -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 2, f"exit {done.returncode}; stderr: {done.stderr}"
+    assert "needs a CUDA device" in done.stderr
+    assert done.stdout == "", "nothing measured, nothing printed as a result"
+
+
+def test_cost_model_counts_the_visible_pairs() -> None:
+    from benchmarks.kernels_bench import HEAD_DIM, Q_HEADS, prefill_cost
+
+    flops, nbytes = prefill_cost(batch=1, prefix=3, suffix=2)
+    assert flops == 4 * Q_HEADS * HEAD_DIM * (2 * 3 + 3)  # rows see 4 and 5 keys
+    decode_flops, _ = prefill_cost(batch=2, prefix=9, suffix=1)
+    assert decode_flops == 4 * Q_HEADS * HEAD_DIM * 2 * 10
+    assert nbytes > 0
+
+
+@pytest.mark.gpu
+def test_quick_run_prints_one_json_object(tmp_path: Path) -> None:
+    output = tmp_path / "kernels.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--output", str(output)],
+        capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["peaks"]["matmul_tflops"] > 0 and result["peaks"]["copy_gbs"] > 0
+    kernels = {(row["kernel"], row["backend"]) for row in result["rows"]}
+    assert {("prefill", "triton"), ("decode", "triton")} <= kernels
+    assert json.loads(output.read_text()) == result
