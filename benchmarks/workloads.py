@@ -6,12 +6,14 @@ derived from a seed, so two runs (and two implementations in one run) see the sa
 Mooncake trace expansion (../shared/traces/README.md): every hash id becomes one block of
 `block_tokens` token ids drawn from a PRNG seeded by the id, so equal ids give equal blocks and
 real prefix sharing; a prompt's last block is cut to its (scaled) input length. The trace's
-512-token blocks scale to `block_tokens` (32 by default, 1/16), lengths with them.
+512-token blocks scale to `block_tokens` (32 by default, 1/16), lengths with them. The trace is
+read from ../shared/traces beside the checkout, or from $RADIXMESH_TRACE_DIR.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +21,9 @@ from pathlib import Path
 
 VOCAB = 49_152
 MOONCAKE_BLOCK = 512
-TRACE_PATH = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACE_PATH = Path(
+    os.environ.get("RADIXMESH_TRACE_DIR", Path(__file__).resolve().parents[2] / "shared" / "traces")
+)
 MOONCAKE_TRACE = TRACE_PATH / "mooncake_conversation_trace.jsonl"
 
 
