@@ -1,0 +1,169 @@
+"""The Llama / Qwen decoder over a flattened, unpadded batch, writing K/V into the paged cache.
+
+    embed -> [ RMSNorm -> attention -> + -> RMSNorm -> SwiGLU MLP -> + ] x L -> RMSNorm -> head
+
+Attention projects q/k/v (bias for Qwen2), applies per-head RMSNorm to q and k (Qwen3), rotates
+them by position, writes K/V into each layer's pages (`kernels.write_kv`), and attends over each
+sequence's whole paged K/V: `append_prefill_attention` for chunks, `decode_attention` when every
+chunk is one token. Logits are computed only for the rows in `batch.logits_indices`, in float32.
+Parameter names are Hugging Face's, so `load_state_dict` takes an HF Llama/Qwen state dict.
+The model holds no KV and no request state; never call it from two threads at once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from worker.batch import ForwardBatch
+from worker.config import ModelConfig
+from worker.rope import RotaryEmbedding
+
+KvCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.kv_size, bias=bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = [rotary]  # shared by all layers; a list keeps it out of the state dict
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KvCache) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](q, k, batch.positions)
+        k_cache, v_cache = cache
+        kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, check_values=False)
+        if batch.is_decode:
+            out = kernels.decode_attention(
+                q, k_cache, v_cache, batch.page_table, batch.seq_lens_k, check_values=False
+            )
+        else:
+            out = kernels.append_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.page_table,
+                batch.cu_seqlens_q,
+                batch.seq_lens_k,
+                max_seqlen_q=batch.max_seqlen_q,
+                check_values=False,
+            )
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class Mlp(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Mlp(config)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KvCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """`model.*` in a Hugging Face checkpoint."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_scaling,
+            config.max_position_embeddings,
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[KvCache]) -> torch.Tensor:
+        """Float32 logits [len(batch.logits_indices), vocab] of one step; writes its K/V."""
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, batch, cache)
+        x = self.model.norm(x[batch.logits_indices])
+        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return (x @ head.t()).float()
+
+    def allocate_kv(
+        self, num_pages: int, page_size: int, device: torch.device | str | None = None
+    ) -> list[KvCache]:
+        """One (k, v) pair of [num_pages, page_size, kv_heads, head_dim] per layer."""
+        weight = self.model.embed_tokens.weight
+        return [
+            kernels.empty_kv_cache(
+                num_pages,
+                page_size,
+                self.config.num_kv_heads,
+                self.config.head_dim,
+                weight.dtype,
+                device if device is not None else weight.device,
+            )
+            for _ in range(self.config.num_layers)
+        ]
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face-named state dict strictly (a tied head has no `lm_head.weight`)."""
+        state = dict(state_dict)
+        if self.lm_head is None:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not fit the model: missing {missing}, unexpected {unexpected}"
+            )

@@ -1,0 +1,83 @@
+"""Runs the model for the engine: owns the paged KV tensors and builds each step's batch.
+
+The engine hands over `Chunk`s (the tokens of one sequence to compute this step, where they
+start, the sequence's page row, whether its next token is sampled); the runner lays them end to
+end into a `ForwardBatch`, performs pending page copies, and returns the logits of the sampling
+rows. It never touches the cache's bookkeeping: page rows come from `cache.PageTable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cache import PageCopy
+from worker.batch import ForwardBatch
+from worker.model import CausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    token_ids: Sequence[int]
+    start: int
+    """Position of the first token: the sequence's KV [0, start) is already in its pages."""
+    pages: Sequence[int]
+    """The sequence's page row (covering at least start + len(token_ids) positions)."""
+    sample: bool
+    """Whether logits are wanted at the chunk's last token."""
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.device = model.model.embed_tokens.weight.device
+        self.kv = model.allocate_kv(num_pages, page_size, self.device)
+
+    def copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        """Copy KV slots [0, n) of page src into page dst, in every layer."""
+        for copy in copies:
+            for k_cache, v_cache in self.kv:
+                k_cache[copy.dst, : copy.num_slots] = k_cache[copy.src, : copy.num_slots]
+                v_cache[copy.dst, : copy.num_slots] = v_cache[copy.src, : copy.num_slots]
+
+    def build_batch(self, chunks: Sequence[Chunk]) -> ForwardBatch:
+        ps = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        lens_k: list[int] = []
+        sample_rows: list[int] = []
+        width = max(-(-(c.start + len(c.token_ids)) // ps) for c in chunks)
+        table = torch.zeros((len(chunks), width), dtype=torch.int32)
+        for i, chunk in enumerate(chunks):
+            end = chunk.start + len(chunk.token_ids)
+            ids.extend(chunk.token_ids)
+            span = range(chunk.start, end)
+            positions.extend(span)
+            row = chunk.pages
+            slots.extend(row[p // ps] * ps + p % ps for p in span)
+            used = -(-end // ps)
+            table[i, :used] = torch.tensor(row[:used], dtype=torch.int32)
+            cu.append(cu[-1] + len(chunk.token_ids))
+            lens_k.append(end)
+            if chunk.sample:
+                sample_rows.append(cu[-1] - 1)
+        device = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            page_table=table.to(device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            seq_lens_k=torch.tensor(lens_k, dtype=torch.int32, device=device),
+            logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
+            max_seqlen_q=max(len(c.token_ids) for c in chunks),
+        )
+
+    def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """Compute the chunks' K/V; float32 logits for the sampling chunks, in chunk order."""
+        return self.model(self.build_batch(chunks), self.kv)

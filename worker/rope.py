@@ -1,0 +1,83 @@
+"""Rotary position embeddings with the scaling variants of the Llama / Qwen family.
+
+`inv_frequencies` gives the per-pair frequencies for a `RopeScaling`; `RotaryEmbedding` keeps a
+cos/sin table over positions and applies the rotation in Hugging Face's half-split layout
+(pairs are (i, i + head_dim / 2)), computed in float32 exactly as Hugging Face does (the
+models were trained with those rotations). Dynamic NTK scaling uses vLLM's static form (the base is
+fixed once for max_positions x factor) rather than Hugging Face's, which changes the frequencies
+as a sequence grows: a position's rotation must not depend on how long the sequence became later,
+or cached KV would disagree with recomputed KV.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from worker.config import RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """float32 [head_dim / 2] inverse frequencies after scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling.kind == "dynamic":
+        factor = scaling.factor
+        theta = theta * (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
+    inv = 1.0 / (theta**exponents)
+    if scaling.kind == "linear":
+        return inv / scaling.factor
+    if scaling.kind == "llama3":
+        return _llama3(inv, scaling)
+    return inv
+
+
+def _llama3(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    old = s.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(
+        self, head_dim: int, theta: float, scaling: RopeScaling, max_positions: int
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.inv = inv_frequencies(head_dim, theta, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self._extend(max_positions)
+
+    def _extend(self, positions: int) -> None:
+        angles = torch.outer(torch.arange(positions, dtype=torch.float32), self.inv)
+        angles = torch.cat([angles, angles], dim=-1)
+        device = self.cos.device
+        self.cos = angles.cos().to(device)
+        self.sin = angles.sin().to(device)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hk, D] by their tokens' positions [T]."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.cos.shape[0]:
+            self._extend(max(needed, 2 * self.cos.shape[0]))
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    out = x.float() * cos + rotated.float() * sin
+    return out.to(x.dtype)
