@@ -150,3 +150,17 @@ def test_default_scale_and_explicit_scale(triton_device: torch.device) -> None:
     assert_close(got, sharp, seed, "append_prefill", "softmax_scale=0.7")
     default = reference.append_prefill_attention(*args)
     assert not torch.allclose(sharp, default), "the scale should matter"
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_every_diagonal_offset_around_block_edges(triton_device: torch.device, group: int) -> None:
+    """Short chunks whose diagonals land on every residue around the 64-key block edges: the
+    border between the unmasked and the masked stage is exact."""
+    seed = fresh_seed()
+    k_lens = [*range(58, 71), *range(122, 134)]
+    q_lens = [1 + k % 3 for k in k_lens]
+    batch = make_batch(
+        seed, q_lens, k_lens, page_size=16, kv_heads=1, group=group, head_dim=16,
+        dtype=torch.float32, device=triton_device,
+    )  # fmt: skip
+    assert_close(run_triton(batch), oracle(batch), seed, "append_prefill", "block edges")

@@ -1,0 +1,139 @@
+"""Compile every Triton kernel for an H100 (sm_90) on a machine without a GPU; print resource use.
+
+`python -m tests.kernels.compile_sm90` runs triton's real CUDA pipeline (TTIR -> TTGIR -> PTX ->
+cubin with the ptxas bundled in the triton wheel) on the launchers' production configurations
+(Llama-8B heads: 32 q / 8 kv, head_dim 128, bf16), with the specialisations a real launch gets
+(16-byte aligned pointers, strides divisible by 16), and prints one JSON object: per kernel,
+registers, spill stack bytes, shared memory, and whether its K/V loads became pipelined
+asynchronous copies (cp.async) feeding tensor-core MMAs. It must run in a process where
+TRITON_INTERPRET is unset: the interpreter replaces the compiler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BF16_ATTENTION = {"Q": "bf16", "K": "bf16", "V": "bf16", "PageTable": "i32"}
+
+
+def kernel_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    """(name, kernel, pointer dtypes, constexprs, warps, stages), as the launchers use them."""
+    from kernels import triton_decode, triton_prefill, triton_write_kv
+
+    prefill = triton_prefill.tile_config(128)
+    block_m, warps, stages = prefill["BLOCK_M"], prefill["num_warps"], prefill["num_stages"]
+    specs = []
+    for page_size in (1, 16):
+        tile = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": block_m}
+        tile |= {"BLOCK_N": prefill["BLOCK_N"], "PAGE_SIZE": page_size, "PRECISION": "tf32"}
+        ptrs = BF16_ATTENTION | {"Out": "bf16", "CuSeqlensQ": "i32", "SeqLensK": "i32"}
+        specs.append(
+            (
+                f"prefill_causal_p{page_size}",
+                triton_prefill._prefill_causal_kernel,
+                ptrs,
+                tile,
+                warps,
+                stages,
+            )
+        )
+        ptrs_lm = ptrs | {"Horizon": "i32"}
+        specs.append(
+            (
+                f"prefill_prefix_lm_p{page_size}",
+                triton_prefill._prefill_prefix_lm_kernel,
+                ptrs_lm,
+                tile,
+                warps,
+                stages,
+            )
+        )
+        split = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "NUM_SPLITS": 8}
+        split |= {"BLOCK_N": triton_decode.BLOCK_N, "PAGE_SIZE": page_size, "PRECISION": "tf32"}
+        ptrs_d = BF16_ATTENTION | {"PartialOut": "fp32", "PartialLse": "fp32", "SeqLens": "i32"}
+        specs.append(
+            (f"decode_split_p{page_size}", triton_decode._decode_split_kernel, ptrs_d, split, 4, 3)
+        )
+    merge = {"HEAD_DIM": 128, "BLOCK_D": 128, "NUM_SPLITS": 8, "BLOCK_S": 8}
+    specs.append(
+        (
+            "decode_merge",
+            triton_decode._decode_merge_kernel,
+            {"PartialOut": "fp32", "PartialLse": "fp32", "Out": "bf16"},
+            merge,
+            4,
+            1,
+        )
+    )
+    write = {"HEAD_DIM": 128, "ROW": 1024, "BLOCK_ROW": 1024, "BLOCK_T": 4}
+    ptrs_w = {"K": "bf16", "V": "bf16", "KCache": "bf16", "VCache": "bf16", "SlotMapping": "i64"}
+    specs.append(("write_kv", triton_write_kv._write_kv_kernel, ptrs_w, write, 4, 1))
+    return specs
+
+
+def compile_one(
+    kernel: Any, ptrs: dict[str, str], constexprs: dict[str, Any], warps: int, stages: int
+) -> Any:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ptrs:
+            signature[name] = "*" + ptrs[name]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if name in ptrs or name.startswith("stride")
+    }
+    source = ASTSource(kernel, signature, constexprs=constexprs, attrs=aligned)
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run(
+            [str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    assert found is not None, f"no resource line in cuobjdump output: {text[:300]}"
+    reg, stack, _, local = (int(g) for g in found.groups())
+    return {"registers": reg, "stack_bytes": stack, "local_bytes": local}
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") != "1", (
+        "unset TRITON_INTERPRET: it replaces the compiler"
+    )
+    report = {}
+    for name, kernel, ptrs, constexprs, warps, stages in kernel_specs():
+        compiled = compile_one(kernel, ptrs, constexprs, warps, stages)
+        ptx = compiled.asm["ptx"]
+        report[name] = resource_usage(compiled.asm["cubin"]) | {
+            "shared_bytes": compiled.metadata.shared,
+            "cp_async": ptx.count("cp.async"),
+            "tensor_core_mma": ptx.count("wgmma") + ptx.count("mma.sync"),
+        }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
