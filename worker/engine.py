@@ -1,0 +1,431 @@
+"""The engine: one thread that owns the cache and the model and runs steps while work remains.
+
+Other threads call `submit` (validates, then queues) and `abort`; everything else happens on
+the engine thread, one step at a time:
+
+    take new requests and aborts -> schedule (running first, then admissions) -> forward pass
+    -> commit completed prefills (a second request with the same prefix now hits) -> n > 1 forks
+    -> sample -> stop checks -> stream a RequestOutput per sample -> finish: cache what was
+       computed, unlock, free
+
+`step()` can also be driven directly (no thread) for deterministic tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cache import CacheConfig, OutOfPages, OutOfSlots, SequenceCache
+from cache.integrity import check_sequence_cache
+from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.model import CausalLM
+from worker.model_runner import Chunk, ModelRunner
+from worker.request import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerateRequest,
+    RequestOutput,
+)
+from worker.samples import Phase, RequestState, SampleState, TextDecoder
+from worker.sampling import Sampler
+from worker.scheduler import Scheduler, SchedulerConfig
+from worker.stop import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+    eos_token_ids: Sequence[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+
+    def incremental_decoder(self) -> TextDecoder: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_pages: int = 4096
+    page_size: int = 16
+    max_running: int = 64
+    token_budget: int = 512
+    max_prefill_chunk: int = 512
+    max_model_len: int | None = None
+    """Positions per sequence; defaults to the model's max_position_embeddings."""
+    max_waiting: int = 1024
+    block_size: int = 16
+    model_revision: str = ""
+    debug_checks: bool = False
+    """Run the cache's full integrity check whenever the engine goes idle."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    free_pages: int
+    cached_pages: int
+    private_pages: int
+    evicted_pages: int
+    preemptions: int
+    requests_finished: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: TokenizerLike | None,
+        config: EngineConfig,
+        source: str = "worker",
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        positions = model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or positions, positions)
+        self.vocab_size = model.config.vocab_size
+        eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+        self.cache = SequenceCache(
+            CacheConfig(
+                config.num_pages,
+                config.page_size,
+                config.max_running,
+                config.block_size,
+                config.model_revision,
+            ),
+            source,
+        )
+        self.runner = ModelRunner(model, config.num_pages, config.page_size)
+        self.scheduler = Scheduler(
+            self.cache,
+            SchedulerConfig(config.token_budget, config.max_prefill_chunk, config.max_running),
+            self.runner.copy_pages,
+        )
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._requests: dict[str, RequestState] = {}
+        self._lock = threading.Lock()
+        self._active_ids: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._finished = 0
+        self._prompt_tokens = self._cached_tokens = self._generated = 0
+
+    # -- any thread ----------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> int:
+        """Validate and queue a request; returns its prompt length. Raises `InvalidRequest`,
+        `EngineOverloaded` or `EngineStopped` without queueing anything."""
+        if self._stopping.is_set():
+            raise EngineStopped("the engine is stopping")
+        prompt = self._prompt_ids(request)
+        self._validate(request, prompt)
+        with self._lock:
+            if request.request_id in self._active_ids:
+                raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
+            if len(self._active_ids) >= self.config.max_waiting + self.config.max_running:
+                raise EngineOverloaded(
+                    f"{len(self._active_ids)} requests in flight; the engine takes at most "
+                    f"{self.config.max_waiting + self.config.max_running}"
+                )
+            self._active_ids.add(request.request_id)
+        self._inbox.put(("add", RequestState(request, prompt, sink)))
+        self._wake.set()
+        return len(prompt)
+
+    def abort(self, request_id: str) -> None:
+        """End a request at the next step boundary (its samples finish with reason `abort`)."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def generate(self, request: GenerateRequest) -> Iterator[RequestOutput]:
+        """Submit and stream a request's outputs (needs the engine thread: `start()`)."""
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.submit(request, outputs.put)
+        remaining = request.sampling.n
+        while remaining:
+            output = outputs.get()
+            remaining -= output.finished
+            yield output
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running")
+        self._thread = threading.Thread(target=self._loop, name="radixmesh-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight and stop the thread."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def stats(self) -> EngineStats:
+        pool = self.cache.pool
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            free_pages=pool.num_free,
+            cached_pages=pool.num_cached,
+            private_pages=pool.num_private,
+            evicted_pages=self.cache.tree.evicted_pages,
+            preemptions=self.scheduler.preemptions,
+            requests_finished=self._finished,
+            prompt_tokens=self._prompt_tokens,
+            cached_prompt_tokens=self._cached_tokens,
+            generated_tokens=self._generated,
+        )
+
+    # -- validation (caller's thread) ----------------------------------------------------------
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        given = [
+            name
+            for name in ("prompt_token_ids", "prompt", "messages")
+            if getattr(request, name) is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequest(
+                "prompt", f"give exactly one of token ids, text or messages; got {given}"
+            )
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if self.tokenizer is None:
+            raise InvalidRequest(given[0], "this worker has no tokenizer; send token ids")
+        if request.prompt is not None:
+            return self.tokenizer.encode(request.prompt)
+        assert request.messages is not None
+        for i, message in enumerate(request.messages):
+            if not isinstance(message.get("content"), str) or not message.get("role"):
+                raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
+        text = self.tokenizer.apply_chat_template(list(request.messages))
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _validate(self, request: GenerateRequest, prompt: list[int]) -> None:
+        if not prompt:
+            raise InvalidRequest("prompt", "is empty")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                "prompt_token_ids", f"token {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequest(
+                "prompt",
+                f"{len(prompt)} tokens leave no room to generate in a context of "
+                f"{self.max_model_len}",
+            )
+        request.sampling.validate(self.vocab_size, self.max_model_len - len(prompt))
+        page_size = self.config.page_size
+        pages = -(-(len(prompt) + request.sampling.max_tokens) // page_size)
+        if pages > self.cache.pool.usable_pages:
+            raise InvalidRequest(
+                "max_tokens",
+                f"prompt and max_tokens need {pages} pages; the pool holds "
+                f"{self.cache.pool.usable_pages}",
+            )
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                busy = self.step()
+            except Exception:  # a bug: fail loudly in the log, keep the thread alive
+                log.exception("engine step failed")
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self._drain_inbox()
+        for state in list(self._requests.values()):
+            self._abort(state, FINISH_ABORT)
+
+    def step(self) -> bool:
+        """Run one step; False when there was nothing to do."""
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if not plan:
+            if self.config.debug_checks and not self.scheduler.has_work():
+                check_sequence_cache(self.cache)
+            return self.scheduler.has_work()
+        chunks = [self._chunk(sample, take) for sample, take in plan]
+        try:
+            logits = self.runner.run(chunks)
+        except Exception as err:
+            log.exception("forward pass failed; failing the %d samples of the step", len(plan))
+            for sample, _ in plan:
+                self._abort(sample.request, FINISH_ERROR, f"forward pass failed: {err}")
+            return True
+        rows = iter(logits)
+        for (sample, take), chunk in zip(plan, chunks, strict=True):
+            sample.computed += take
+            if chunk.sample and sample.phase is Phase.RUNNING:
+                self._sampled(sample, next(rows))
+        return True
+
+    def _chunk(self, sample: SampleState, take: int) -> Chunk:
+        assert sample.seq is not None
+        start = sample.computed
+        tokens = sample.tokens[start : start + take]
+        pages = self.cache.table.row(sample.seq.slot)
+        return Chunk(tokens, start, pages, sample=start + take == len(sample.tokens))
+
+    def _sampled(self, sample: SampleState, logits: torch.Tensor) -> None:
+        assert sample.seq is not None
+        if not sample.prefilled:
+            self.cache.commit(sample.seq, sample.computed)
+            sample.prefilled = True
+        siblings = self._fork(sample) if not sample.request.forked else []
+        for each in (sample, *siblings):
+            self._accept(each, each.sampler(logits))
+
+    def _fork(self, parent: SampleState) -> list[SampleState]:
+        """At the end of sample 0's prompt, the other n - 1 samples start from its pages."""
+        request = parent.request
+        request.forked = True
+        born = []
+        for sibling in request.samples[1:]:
+            sibling.tokens = list(parent.tokens)
+            if len(self.scheduler.running) < self.config.max_running:
+                try:
+                    assert parent.seq is not None
+                    sibling.seq = self.cache.fork(parent.seq)
+                except (OutOfPages, OutOfSlots):
+                    sibling.seq = None
+            if sibling.seq is None:  # no room now: it prefills later, mostly from the cache
+                born.append(sibling)
+                continue
+            self.runner.copy_pages(self.cache.take_page_copies(sibling.seq))
+            sibling.computed, sibling.prefilled = parent.computed, True
+            sibling.phase = Phase.RUNNING
+            self.scheduler.running.append(sibling)
+            born.append(sibling)
+        return born
+
+    def _accept(self, sample: SampleState, token: int) -> None:
+        """Append a sampled token; stream it; finish the sample if it stops here."""
+        sampling = sample.request.request.sampling
+        sample.tokens.append(token)
+        sample.generated += 1
+        self._generated += 1
+        if sample.seq is not None:
+            self.cache.append(sample.seq, [token])
+        text, reason = "", None
+        if (token in self.eos_token_ids and not sampling.ignore_eos) or (
+            token in sampling.stop_token_ids
+        ):
+            reason = FINISH_STOP
+        else:
+            delta = sample.decoder.step(token) if sample.decoder is not None else ""
+            text, hit = sample.stop.feed(delta)
+            reason = FINISH_STOP if hit else None
+        if reason is None and (
+            sample.generated >= sampling.max_tokens or len(sample.tokens) >= self.max_model_len
+        ):
+            reason = FINISH_LENGTH
+        if reason is not None and not sample.stop.stopped:
+            tail = sample.decoder.flush() if sample.decoder is not None else ""
+            more, _ = sample.stop.feed(tail)
+            text += more + sample.stop.flush()
+        if sample.seq is None and reason is None:  # a sibling with no room yet: queue it
+            self.scheduler.enqueue(sample)
+        self._emit(sample, (token,), text, reason)
+        if reason is not None:
+            self._finish_sample(sample, reason)
+
+    def _emit(
+        self,
+        sample: SampleState,
+        token_ids: tuple[int, ...],
+        text: str,
+        reason: str | None,
+        error: str | None = None,
+    ) -> None:
+        request = sample.request
+        output = RequestOutput(
+            request_id=request.request_id,
+            index=sample.index,
+            token_ids=token_ids,
+            text=text,
+            prompt_tokens=len(request.prompt_ids),
+            cached_prompt_tokens=request.cached_prompt_tokens,
+            finished=reason is not None,
+            finish_reason=reason,
+            error=error,
+        )
+        try:
+            request.sink(output)
+        except Exception:  # a broken consumer must not take the engine down
+            log.exception("output sink of %s failed", request.request_id)
+
+    def _finish_sample(self, sample: SampleState, reason: str) -> None:
+        if sample.phase in (Phase.RUNNING, Phase.WAITING):
+            self.scheduler.remove(sample)
+        if sample.seq is not None:
+            if reason == FINISH_ERROR:
+                self.cache.abort(sample.seq)
+            else:
+                self.cache.finish(sample.seq, sample.computed)
+            sample.seq = None
+        sample.phase = Phase.FINISHED
+        request = sample.request
+        if request.finished:
+            self._requests.pop(request.request_id, None)
+            with self._lock:
+                self._active_ids.discard(request.request_id)
+            self._finished += 1
+            self._prompt_tokens += len(request.prompt_ids)
+            self._cached_tokens += request.cached_prompt_tokens
+
+    def _abort(self, request: RequestState, reason: str, error: str | None = None) -> None:
+        for sample in request.samples:
+            if sample.phase is not Phase.FINISHED:
+                self._emit(sample, (), "", reason, error)
+                self._finish_sample(sample, reason)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                assert isinstance(payload, RequestState)
+                self._add(payload)
+            else:
+                state = self._requests.get(str(payload))
+                if state is not None:
+                    self._abort(state, FINISH_ABORT)
+
+    def _add(self, state: RequestState) -> None:
+        sampling = state.request.sampling
+        for index in range(sampling.n):
+            sample = SampleState(
+                request=state,
+                index=index,
+                tokens=list(state.prompt_ids),
+                sampler=Sampler.create(sampling, index),
+                stop=StopChecker(sampling.stop),
+                decoder=self.tokenizer.incremental_decoder() if self.tokenizer else None,
+                phase=Phase.WAITING if index == 0 else Phase.UNBORN,
+            )
+            state.samples.append(sample)
+        state.forked = sampling.n == 1
+        self._requests[state.request_id] = state
+        self.scheduler.enqueue(state.samples[0])

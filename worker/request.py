@@ -1,0 +1,43 @@
+"""What goes into the engine and what comes out of it, one dataclass each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cache import DEFAULT_NAMESPACE, CacheNamespace
+from worker.sampling import SamplingParams
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """Exactly one of `prompt_token_ids`, `prompt` (text) or `messages` (chat) is set."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    namespace: CacheNamespace = DEFAULT_NAMESPACE
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One streamed message of one sample (`index` < n) of a request."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    """Tokens generated since the previous message."""
+    text: str
+    """Text generated since the previous message (stop strings and special tokens excluded)."""
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    """Prompt positions whose KV came from the prefix cache (at the sample's first admission)."""
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None

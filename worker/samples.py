@@ -1,0 +1,76 @@
+"""The engine's bookkeeping for one request and each of its n samples.
+
+A sample is what holds a cache sequence and generates tokens. Its positions:
+
+    tokens:   [ prompt ............ | generated ... ]
+    computed: KV written for tokens[:computed]; tokens[computed:] are computed next
+              (one token while decoding, a chunk of the prompt while prefilling)
+
+Samples 1..n-1 of a request are UNBORN until sample 0's prompt is complete; then they fork
+from it and share its prompt pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from cache import CachedSequence
+from worker.request import GenerateRequest, RequestOutput
+from worker.sampling import Sampler
+from worker.stop import StopChecker
+
+
+class TextDecoder(Protocol):
+    """Streams text for token ids: deltas whose concatenation (and flush) is the full text."""
+
+    def step(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class Phase(Enum):
+    UNBORN = "unborn"
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class SampleState:
+    request: RequestState
+    index: int
+    tokens: list[int]
+    sampler: Sampler
+    stop: StopChecker
+    decoder: TextDecoder | None
+    phase: Phase = Phase.WAITING
+    seq: CachedSequence | None = None
+    computed: int = 0
+    generated: int = 0
+    prefilled: bool = False
+    """Whether the tokens known at admission are all computed (and committed to the cache)."""
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.computed
+
+
+@dataclass(eq=False)
+class RequestState:
+    request: GenerateRequest
+    prompt_ids: list[int]
+    sink: Callable[[RequestOutput], None]
+    samples: list[SampleState] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
+    forked: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finished(self) -> bool:
+        return all(s.phase is Phase.FINISHED for s in self.samples)
