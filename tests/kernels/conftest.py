@@ -7,10 +7,12 @@ the process: this file sets TRITON_INTERPRET=1 when there is no CUDA device (or 
 caller set it), before anything here imports triton. kernels/ itself never imports triton on the
 CPU path, so collecting other test packages first does not spoil it.
 
-The interpreter stores bfloat16 as raw uint16 and its `tl.dot` multiplies those bit patterns
-(triton-lang/triton#11584: "we just don't support it yet"). `_interpreter_bf16_dot` converts
-bfloat16 dot operands to float32 first, which is what the GPU does: bf16 products are exact in
-float32 and accumulate in float32. Nothing else in the interpreter is patched.
+The interpreter does not support bfloat16 arithmetic (triton's debugging guide says so). It
+stores bf16 as raw uint16, so (1) its `tl.dot` multiplies those bit patterns (triton-lang/triton
+#11584: "we just don't support it yet"), and (2) its float32 -> bfloat16 cast truncates where the
+GPU rounds to nearest even. `_interpreter_bf16` makes both do what the GPU does: dot operands are
+converted to float32 first (bf16 products are exact in float32 and accumulate in float32), and
+the cast rounds to nearest even (NaN stays NaN). Nothing else in the interpreter is patched.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ TRITON_IMPORTED_EARLY = "triton" in sys.modules
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
 
-def _interpreter_bf16_dot() -> None:
+def _interpreter_bf16() -> None:
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -38,7 +40,8 @@ def _interpreter_bf16_dot() -> None:
     builder = interpreter.InterpreterBuilder
     if getattr(builder.create_dot, "radixmesh_bf16", False):
         return
-    original: Callable[..., Any] = builder.create_dot
+    original_dot: Callable[..., Any] = builder.create_dot
+    original_cast: Callable[..., Any] = builder.cast_impl
 
     def as_float32(handle: Any) -> Any:
         if handle.dtype.scalar != tl.bfloat16:
@@ -47,10 +50,19 @@ def _interpreter_bf16_dot() -> None:
         return interpreter.TensorHandle(data.view(np.float32), tl.float32)
 
     def create_dot(self: Any, a: Any, b: Any, d: Any, *args: Any) -> Any:
-        return original(self, as_float32(a), as_float32(b), d, *args)
+        return original_dot(self, as_float32(a), as_float32(b), d, *args)
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original_cast(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+        return interpreter.TensorHandle(rounded, tl.bfloat16)
 
     create_dot.radixmesh_bf16 = True  # type: ignore[attr-defined]
     builder.create_dot = create_dot  # type: ignore[method-assign]
+    builder.cast_impl = cast_impl  # type: ignore[method-assign]
 
 
 def _triton_is_interpreted() -> bool:
@@ -70,7 +82,7 @@ def triton_device() -> torch.device:
                 f"(imported early: {TRITON_IMPORTED_EARLY}); run with TRITON_INTERPRET=1 in the "
                 "environment, or set it in tests/conftest.py"
             )
-        _interpreter_bf16_dot()
+        _interpreter_bf16()
     return DEVICE
 
 

@@ -82,3 +82,14 @@ def test_num_splits_fill_the_device_but_stay_useful() -> None:
     assert choose_num_splits(batch=64, kv_heads=8, max_seq_len=8192, device=cpu) == 1
     assert choose_num_splits(batch=1, kv_heads=1, max_seq_len=300, device=cpu) == 2
     assert choose_num_splits(batch=1, kv_heads=1, max_seq_len=1 << 20, device=cpu) <= MAX_SPLITS
+
+
+def test_long_contexts_split_unevenly(triton_device: torch.device) -> None:
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    k_lens = [rng.randint(400, 1100) for _ in range(3)]
+    batch = make_batch(
+        seed, [1, 1, 1], k_lens, page_size=1, kv_heads=1, group=8, head_dim=64,
+        dtype=torch.bfloat16, device=triton_device,
+    )  # fmt: skip
+    assert_close(run_split(batch, 5), oracle(batch), seed, "decode", f"splits=5 k={k_lens}")

@@ -164,3 +164,17 @@ def test_every_diagonal_offset_around_block_edges(triton_device: torch.device, g
         dtype=torch.float32, device=triton_device,
     )  # fmt: skip
     assert_close(run_triton(batch), oracle(batch), seed, "append_prefill", "block edges")
+
+
+def test_long_prefixes_over_many_blocks(triton_device: torch.device) -> None:
+    """Prefixes of several hundred keys: many unmasked blocks before the diagonal, several tiles."""
+    seed = fresh_seed()
+    rng = random.Random(seed)
+    k_lens = [rng.randint(300, 700) for _ in range(3)]
+    q_lens = [rng.randint(1, 90), rng.randint(100, 200), 1]
+    batch = make_batch(
+        seed, q_lens, k_lens, page_size=16, kv_heads=1, group=4, head_dim=32,
+        dtype=torch.bfloat16, device=triton_device,
+    )  # fmt: skip
+    detail = f"q_lens={q_lens} k_lens={k_lens}"
+    assert_close(run_triton(batch), oracle(batch), seed, "append_prefill", detail)

@@ -61,12 +61,13 @@ def test_write_kv_matches_reference(
 
 
 def test_write_kv_from_fused_qkv_view(triton_device: torch.device) -> None:
-    """k and v as strided views into one [tokens, q + 2 kv heads, head_dim] projection."""
+    """k and v as strided views into one [tokens, q + 2 kv heads, head_dim] projection; int32
+    slots."""
     seed = fresh_seed()
     gen = generator(seed)
     fused = randn(gen, 20, 4 + 2 + 2, 32, dtype=torch.float32, device=triton_device)
     k, v = fused[:, 4:6], fused[:, 6:8]
-    slots = torch.randperm(4 * 16, generator=gen)[:20].to(triton_device)
+    slots = torch.randperm(4 * 16, generator=gen)[:20].to(triton_device, torch.int32)
     ours = [poisoned_cache(4, 16, 2, 32, torch.float32, triton_device) for _ in range(2)]
     theirs = [poisoned_cache(4, 16, 2, 32, torch.float32, triton_device) for _ in range(2)]
     write_kv(ours[0], ours[1], k, v, slots, backend="triton")
