@@ -126,6 +126,9 @@ class Engine:
         self._wake = threading.Event()
         self._finished = 0
         self._prompt_tokens = self._cached_tokens = self._generated = 0
+        self.observe_logits: Callable[[str, int, int, torch.Tensor], None] | None = None
+        """Called on the engine thread with (request id, sample index, position, logits) before
+        each token is drawn (tests and logprobs)."""
 
     # -- any thread ----------------------------------------------------------------------------
     def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> int:
@@ -293,6 +296,8 @@ class Engine:
             sample.prefilled = True
         siblings = self._fork(sample) if not sample.request.forked else []
         for each in (sample, *siblings):
+            if self.observe_logits is not None:
+                self.observe_logits(each.request.request_id, each.index, len(each.tokens), logits)
             self._accept(each, each.sampler(logits))
 
     def _fork(self, parent: SampleState) -> list[SampleState]:

@@ -65,6 +65,8 @@ class RequestState:
     sink: Callable[[RequestOutput], None]
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
+    """Prompt positions served from the cache when sample 0 was first admitted."""
+    admitted: bool = False
     forked: bool = False
 
     @property

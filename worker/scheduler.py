@@ -93,7 +93,8 @@ class Scheduler:
         self.copy_pages(self.cache.take_page_copies(seq))
         sample.seq, sample.computed, sample.prefilled = seq, seq.reused, False
         sample.phase = Phase.RUNNING
-        if sample.index == 0 and not sample.request.forked and sample.generated == 0:
+        if not sample.request.admitted:
+            sample.request.admitted = True
             sample.request.cached_prompt_tokens = seq.reused
         return True
 

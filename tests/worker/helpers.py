@@ -1,0 +1,138 @@
+"""Builders and oracles shared by the engine tests."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.config import ModelConfig, RopeScaling
+from worker.engine import Engine, EngineConfig
+from worker.model import CausalLM
+from worker.model_runner import Chunk, ModelRunner
+from worker.request import GenerateRequest, RequestOutput
+from worker.sampling import SamplingParams
+
+LLAMA = ModelConfig(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+QWEN3 = ModelConfig(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=16,
+    architecture="qwen3",
+    qk_norm=True,
+    tie_word_embeddings=True,
+    rope_scaling=RopeScaling("llama3", 4.0, 1.0, 4.0, 64),
+    max_position_embeddings=512,
+)
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
+    """Weights from a fixed seed, scaled so that logits are spread out (ties are rare)."""
+    model = CausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    return model.eval()
+
+
+def no_cache_greedy(
+    model: CausalLM, prompt: Sequence[int], steps: int
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens by recomputing the whole sequence from scratch at every step.
+
+    Also returns the logits at the prompt's last position. This path shares no KV, no pages and
+    no batching with the engine: only the model's weights.
+    """
+    tokens, first = list(prompt), None
+    for _ in range(steps):
+        runner = ModelRunner(model, num_pages=len(tokens) + 2, page_size=1)
+        logits = runner.run([Chunk(tokens, 0, list(range(1, len(tokens) + 1)), True)])[0]
+        first = logits if first is None else first
+        tokens.append(int(torch.argmax(logits)))
+    assert first is not None
+    return tokens[len(prompt) :], first
+
+
+@dataclass
+class Recorder:
+    """Collects every output of one engine, and the logits each token was drawn from."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    logits: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+    """(request id, sample index, position of the token drawn) -> logits."""
+
+    def observe(self, request_id: str, index: int, position: int, logits: torch.Tensor) -> None:
+        self.logits[(request_id, index, position)] = logits.clone()
+
+    def tokens(self, request_id: str, index: int = 0) -> list[int]:
+        return [
+            t
+            for o in self.outputs
+            if o.request_id == request_id and o.index == index
+            for t in o.token_ids
+        ]
+
+    def final(self, request_id: str, index: int = 0) -> RequestOutput:
+        (last,) = [
+            o
+            for o in self.outputs
+            if o.request_id == request_id and o.index == index and o.finished
+        ]
+        return last
+
+    def by_request(self) -> dict[str, list[RequestOutput]]:
+        grouped: dict[str, list[RequestOutput]] = defaultdict(list)
+        for output in self.outputs:
+            grouped[output.request_id].append(output)
+        return grouped
+
+
+def recorded_engine(
+    model: CausalLM, config: EngineConfig, tokenizer: object = None
+) -> tuple[Engine, Recorder]:
+    engine = Engine(model, tokenizer, config)  # type: ignore[arg-type]
+    recorder = Recorder()
+    engine.observe_logits = recorder.observe
+    return engine, recorder
+
+
+def greedy(
+    request_id: str, prompt: Sequence[int], max_tokens: int, **sampling: object
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id,
+        prompt_token_ids=tuple(prompt),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling),  # type: ignore[arg-type]
+    )
+
+
+def drain(engine: Engine, limit: int = 10_000) -> int:
+    """Step until idle; returns the steps taken."""
+    steps = 0
+    while engine.step():
+        steps += 1
+        assert steps < limit, "the engine did not go idle"
+    return steps
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
