@@ -1,0 +1,192 @@
+"""Bad requests get a clear error naming the field; the engine keeps serving; threads and aborts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cache.integrity import check_sequence_cache
+from tests.worker.helpers import LLAMA, Recorder, drain, greedy, random_model
+from worker.engine import Engine, EngineConfig
+from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest
+from worker.sampling import SamplingParams
+
+MODEL = random_model(LLAMA, seed=5)
+
+
+def make_engine(**overrides: object) -> Engine:
+    config: dict[str, object] = dict(
+        num_pages=128, page_size=4, max_running=4, max_model_len=64, max_waiting=4
+    )
+    config.update(overrides)
+    return Engine(MODEL, None, EngineConfig(**config))  # type: ignore[arg-type]
+
+
+def ids(*tokens: int) -> tuple[int, ...]:
+    return tuple(tokens)
+
+
+BAD = [
+    (GenerateRequest("x", prompt_token_ids=()), "prompt", "empty"),
+    (GenerateRequest("x", prompt_token_ids=tuple(range(1, 65))), "prompt", "64 tokens"),
+    (GenerateRequest("x", prompt_token_ids=ids(1, 2, 384)), "prompt_token_ids", "384"),
+    (GenerateRequest("x", prompt_token_ids=ids(1, -2)), "prompt_token_ids", "-2"),
+    (GenerateRequest("x", prompt="hello"), "prompt", "no tokenizer"),
+    (GenerateRequest("x", prompt_token_ids=ids(1), prompt="a"), "prompt", "exactly one"),
+    (
+        GenerateRequest("x", ids(1, 2), sampling=SamplingParams(temperature=-0.5)),
+        "temperature",
+        "-0.5",
+    ),
+    (
+        GenerateRequest("x", ids(1, 2), sampling=SamplingParams(temperature=float("nan"))),
+        "temperature",
+        "nan",
+    ),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(top_p=0.0)), "top_p", r"\(0, 1\]"),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(top_p=1.5)), "top_p", "1.5"),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(top_k=-1)), "top_k", "-1"),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(max_tokens=0)), "max_tokens", "got 0"),
+    (
+        GenerateRequest("x", ids(1, 2), sampling=SamplingParams(max_tokens=10**9)),
+        "max_tokens",
+        r"\[1, 62\]",
+    ),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(n=0)), "n", "got 0"),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(n=2, temperature=0)), "n", "greedy"),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(seed=-1)), "seed", "-1"),
+    (
+        GenerateRequest("x", ids(1, 2), sampling=SamplingParams(stop_token_ids=(999,))),
+        "stop_token_ids",
+        "999",
+    ),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(stop=("",))), "stop", "non-empty"),
+]
+
+
+@pytest.mark.parametrize(
+    ("request_", "field", "words"), BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)]
+)
+def test_bad_requests_name_the_field_and_the_engine_keeps_serving(
+    request_: GenerateRequest, field: str, words: str
+) -> None:
+    engine = make_engine()
+    recorder = Recorder()
+    engine.submit(greedy("before", [1, 2, 3], 4), recorder.outputs.append)
+    engine.step()
+    with pytest.raises(InvalidRequest, match=words) as err:
+        engine.submit(request_, recorder.outputs.append)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}:")
+    engine.submit(greedy("after", [1, 2, 3, 4], 4), recorder.outputs.append)
+    drain(engine)
+    assert recorder.final("before").finish_reason == FINISH_LENGTH
+    assert recorder.final("after").finish_reason == FINISH_LENGTH
+    check_sequence_cache(engine.cache)
+
+
+def test_a_request_that_could_never_fit_the_pool_is_refused() -> None:
+    engine = make_engine(num_pages=9, page_size=4)
+    with pytest.raises(InvalidRequest, match="need 9 pages; the pool holds 8"):
+        engine.submit(greedy("big", list(range(1, 31)), 6), lambda o: None)
+
+
+def test_duplicate_request_ids_and_overload_are_refused() -> None:
+    engine = make_engine(max_running=1, max_waiting=1)
+    engine.submit(greedy("a", [1, 2], 4), lambda o: None)
+    with pytest.raises(InvalidRequest, match="already running"):
+        engine.submit(greedy("a", [3, 4], 4), lambda o: None)
+    engine.submit(greedy("b", [1, 2], 4), lambda o: None)
+    with pytest.raises(EngineOverloaded, match="at most 2"):
+        engine.submit(greedy("c", [1, 2], 4), lambda o: None)
+    drain(engine)
+    engine.submit(greedy("a", [3, 4], 4), lambda o: None)  # finished ids can be reused
+    drain(engine)
+
+
+def test_stop_token_ids_end_the_sample_and_max_tokens_and_context_bound_it() -> None:
+    engine = make_engine(max_model_len=24)
+    recorder = Recorder()
+    engine.submit(greedy("free", [1, 2, 3], 12), recorder.outputs.append)
+    drain(engine)
+    free = recorder.tokens("free")
+    assert len(free) == 12 and recorder.final("free").finish_reason == FINISH_LENGTH
+    stopper = free[4]
+    engine.submit(greedy("stop", [1, 2, 3], 12, stop_token_ids=(stopper,)), recorder.outputs.append)
+    engine.submit(greedy("ctx", list(range(1, 21)), 4), recorder.outputs.append)
+    drain(engine)
+    stopped = recorder.tokens("stop")
+    assert stopped == free[: free.index(stopper) + 1]
+    assert recorder.final("stop").finish_reason == FINISH_STOP
+    assert len(recorder.tokens("ctx")) == 4 and recorder.final("ctx").finish_reason == FINISH_LENGTH
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_everything() -> None:
+    engine = make_engine(token_budget=8, max_prefill_chunk=8)
+    recorder = Recorder()
+    engine.submit(greedy("prefilling", list(range(1, 40)), 10), recorder.outputs.append)
+    engine.submit(greedy("decoding", [5, 6, 7], 30), recorder.outputs.append)
+    for _ in range(3):
+        engine.step()
+    engine.abort("prefilling")
+    engine.step()
+    for _ in range(5):
+        engine.step()
+    engine.abort("decoding")
+    engine.abort("never-existed")
+    drain(engine)
+    for request_id in ("prefilling", "decoding"):
+        assert recorder.final(request_id).finish_reason == FINISH_ABORT
+    assert 0 < len(recorder.tokens("decoding")) < 30
+    assert engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)
+
+
+def test_the_engine_thread_serves_concurrent_callers_and_aborts() -> None:
+    engine = make_engine(max_running=4, max_waiting=16, max_model_len=200)
+    engine.start()
+    try:
+        results: dict[int, list[int]] = {}
+
+        def client(i: int) -> None:
+            tokens = []
+            for output in engine.generate(greedy(f"t{i}", [1 + i, 2, 3, 4], 20)):
+                tokens.extend(output.token_ids)
+            results[i] = tokens
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        slow = engine.generate(greedy("slow", [9, 9, 9], 150))
+        first = next(slow)
+        engine.abort("slow")
+        rest = list(slow)
+        for thread in threads:
+            thread.join(timeout=30)
+        assert all(len(results[i]) == 20 for i in range(6))
+        assert first.token_ids and rest[-1].finish_reason == FINISH_ABORT
+        deadline = time.monotonic() + 5
+        while engine.stats().running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats().running == 0 and engine.cache.pool.num_private == 0
+    finally:
+        engine.stop()
+    with pytest.raises(EngineStopped):
+        engine.submit(greedy("late", [1, 2], 2), lambda o: None)
+
+
+def test_a_failing_output_sink_does_not_stop_the_engine() -> None:
+    engine = make_engine()
+    recorder = Recorder()
+
+    def broken(_: object) -> None:
+        raise RuntimeError("client went away")
+
+    engine.submit(greedy("broken", [1, 2, 3], 5), broken)
+    engine.submit(greedy("fine", [1, 2, 3], 5), recorder.outputs.append)
+    drain(engine)
+    assert recorder.final("fine").finish_reason == FINISH_LENGTH
+    assert engine.cache.pool.num_private == 0
