@@ -222,3 +222,18 @@ def test_value_checks_can_be_skipped_but_shape_checks_cannot() -> None:
     skip()  # a caller that turned the checks off gets whatever the backend makes of it
     with pytest.raises(KernelInputError):
         prefill_call(batch, q=batch.q.half(), check_values=False)()
+
+
+def test_the_cpu_path_imports_neither_triton_nor_flash_attn() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, kernels\n"
+        "from kernels import reference\n"
+        "c, x = torch.zeros(2, 4, 1, 16), torch.ones(1, 1, 16)\n"
+        "kernels.write_kv(c, c.clone(), x, x, torch.tensor([5]))\n"
+        "print(sorted(m for m in ('triton', 'flash_attn') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
