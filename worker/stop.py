@@ -13,7 +13,6 @@ from __future__ import annotations
 class StopChecker:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self.emitted = 0
         self.stopped = False
@@ -32,7 +31,17 @@ class StopChecker:
         if found != -1:
             self.stopped = True
             return self._emit(found), True
-        return self._emit(len(self.text) - self.hold), False
+        return self._emit(len(self.text) - self._held_back()), False
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        text, longest = self.text, 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
 
     def flush(self) -> str:
         """Everything not yet emitted (generation ended for another reason)."""
