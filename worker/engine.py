@@ -217,7 +217,10 @@ class Engine:
         for i, message in enumerate(request.messages):
             if not isinstance(message.get("content"), str) or not message.get("role"):
                 raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
-        text = self.tokenizer.apply_chat_template(list(request.messages))
+        try:
+            text = self.tokenizer.apply_chat_template(list(request.messages))
+        except ValueError as err:  # no template, or the template refused the conversation
+            raise InvalidRequest("messages", str(err)) from err
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _validate(self, request: GenerateRequest, prompt: list[int]) -> None:
@@ -345,7 +348,7 @@ class Engine:
         ):
             reason = FINISH_LENGTH
         if reason is not None and not sample.stop.stopped:
-            tail = sample.decoder.flush() if sample.decoder is not None else ""
+            tail = sample.decoder.finish() if sample.decoder is not None else ""
             more, _ = sample.stop.feed(tail)
             text += more + sample.stop.flush()
         if sample.seq is None and reason is None:  # a sibling with no room yet: queue it

@@ -24,11 +24,11 @@ from worker.stop import StopChecker
 
 
 class TextDecoder(Protocol):
-    """Streams text for token ids: deltas whose concatenation (and flush) is the full text."""
+    """Streams text for token ids: deltas whose concatenation (and finish) is the full text."""
 
     def step(self, token_id: int) -> str: ...
 
-    def flush(self) -> str: ...
+    def finish(self) -> str: ...
 
 
 class Phase(Enum):
