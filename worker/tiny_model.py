@@ -144,8 +144,9 @@ def tiny_tokenizer_config() -> dict[str, object]:
 
 
 def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded float32 weights: projections N(0, 0.02); the embedding N(0, 1/sqrt(hidden)) so a
-    (tied) head gives logits of unit scale; LM head N(0, 1/sqrt(hidden)); norms 1 + N(0, 0.1)."""
+    """Seeded float32 weights: projections N(0, 1/fan_in) so every layer changes the residual
+    stream (with a small std the model degenerates into repeating its input); the embedding and
+    LM head N(0, 1/sqrt(hidden)) so logits have unit scale; norms 1 + N(0, 0.1)."""
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, shape in expected_shapes(config).items():
@@ -154,7 +155,7 @@ def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tenso
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             std, mean = config.hidden_size**-0.5, 0.0
         else:
-            std, mean = 0.02, 0.0
+            std, mean = shape[-1] ** -0.5, 0.0
         state[name] = torch.randn(shape, generator=generator, dtype=torch.float32) * std + mean
     return state
 
