@@ -77,21 +77,25 @@ def slots_for_positions(
 
 
 def prefill_slot_mapping(
-    page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, page_size: int
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    page_size: int,
+    total_q: int | None = None,
 ) -> torch.Tensor:
     """The slot of every query token of an append prefill (positions seq_len_k - seq_len_q ...).
 
-    This is the slot_mapping that `write_kv` needs before `append_prefill_attention` runs.
+    This is the slot_mapping that `write_kv` needs before `append_prefill_attention` runs. Pass
+    `total_q` (= cu_seqlens_q[-1]) to avoid a device synchronisation.
     """
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
-    total = int(cu_seqlens_q[-1])
+    total = int(cu_seqlens_q[-1]) if total_q is None else total_q
     batch = q_lens.numel()
     seq_of_token = torch.repeat_interleave(
         torch.arange(batch, device=q_lens.device), q_lens, output_size=total
     )
-    local = (
-        torch.arange(total, device=q_lens.device) - cu_seqlens_q[:-1].to(torch.int64)[seq_of_token]
-    )
+    starts = cu_seqlens_q[:-1].to(torch.int64)
+    local = torch.arange(total, device=q_lens.device) - starts[seq_of_token]
     positions = local + (seq_lens_k.to(torch.int64) - q_lens)[seq_of_token]
     pages = page_table.to(torch.int64)[seq_of_token, positions // page_size]
     return pages * page_size + positions % page_size
