@@ -144,9 +144,9 @@ def tiny_tokenizer_config() -> dict[str, object]:
 
 
 def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded float32 weights: projections N(0, 1/fan_in) so every layer changes the residual
-    stream (with a small std the model degenerates into repeating its input); the embedding and
-    LM head N(0, 1/sqrt(hidden)) so logits have unit scale; norms 1 + N(0, 0.1)."""
+    """Seeded float32 normal weights, by standard deviation: projections 1/sqrt(fan_in) so every
+    layer changes the residual stream (with std 0.02 the model degenerates into repeating its
+    input); embedding and LM head 1/sqrt(hidden) so logits have unit scale; norms 1 +- 0.1."""
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name, shape in expected_shapes(config).items():
