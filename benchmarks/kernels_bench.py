@@ -215,19 +215,14 @@ def bench_decode(
 
 def table(rows: list[Row], peaks: dict[str, float]) -> str:
     head = f"peaks: matmul {peaks['matmul_tflops']:.0f} TFLOP/s, copy {peaks['copy_gbs']:.0f} GB/s"
-    columns = ("kernel", "backend", "page", "batch", "prefix", "suffix", "ms", "TFLOP/s", "GB/s")
-    columns += ("floor ms", "of floor", "of flash")
+    columns = ["kernel", "backend", "page", "batch", "prefix", "suffix", "ms", "TFLOP/s", "GB/s"]
+    columns += ["floor ms", "of floor", "of flash"]
     lines = [head, " ".join(f"{c:>9}" for c in columns)]
     for r in rows:
         of_flash = "-" if r.of_flash is None else f"{r.of_flash:.2f}"
-        cells = (r.kernel, r.backend, r.page_size, r.batch, r.prefix, r.suffix, f"{r.ms:.3f}")
-        cells += (
-            f"{r.tflops:.1f}",
-            f"{r.gbs:.0f}",
-            f"{r.floor_ms:.3f}",
-            f"{r.of_floor:.2f}",
-            of_flash,
-        )
+        cells = [r.kernel, r.backend, *map(str, (r.page_size, r.batch, r.prefix, r.suffix))]
+        cells += [f"{r.ms:.3f}", f"{r.tflops:.1f}", f"{r.gbs:.0f}", f"{r.floor_ms:.3f}"]
+        cells += [f"{r.of_floor:.2f}", of_flash]
         lines.append(" ".join(f"{c:>9}" for c in cells))
     return "\n".join(lines)
 

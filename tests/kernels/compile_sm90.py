@@ -30,7 +30,7 @@ def kernel_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, 
     block_m, warps, stages = prefill["BLOCK_M"], prefill["num_warps"], prefill["num_stages"]
     specs = []
     for page_size in (1, 16):
-        tile = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": block_m}
+        tile: dict[str, Any] = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": block_m}
         tile |= {"BLOCK_N": prefill["BLOCK_N"], "PAGE_SIZE": page_size, "PRECISION": "tf32"}
         ptrs = BF16_ATTENTION | {"Out": "bf16", "CuSeqlensQ": "i32", "SeqLensK": "i32"}
         specs.append(
@@ -54,7 +54,13 @@ def kernel_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, 
                 stages,
             )
         )
-        split = {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "NUM_SPLITS": 8}
+        split: dict[str, Any] = {
+            "GROUP": 4,
+            "HEAD_DIM": 128,
+            "BLOCK_D": 128,
+            "BLOCK_H": 16,
+            "NUM_SPLITS": 8,
+        }
         split |= {"BLOCK_N": triton_decode.BLOCK_N, "PAGE_SIZE": page_size, "PRECISION": "tf32"}
         ptrs_d = BF16_ATTENTION | {"PartialOut": "fp32", "PartialLse": "fp32", "SeqLens": "i32"}
         specs.append(

@@ -61,8 +61,8 @@ def _interpreter_bf16() -> None:
         return interpreter.TensorHandle(rounded, tl.bfloat16)
 
     create_dot.radixmesh_bf16 = True  # type: ignore[attr-defined]
-    builder.create_dot = create_dot  # type: ignore[method-assign]
-    builder.cast_impl = cast_impl  # type: ignore[method-assign]
+    builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
 
 
 def _triton_is_interpreted() -> bool:

@@ -50,3 +50,19 @@ def test_quick_run_prints_one_json_object(tmp_path: Path) -> None:
     kernels = {(row["kernel"], row["backend"]) for row in result["rows"]}
     assert {("prefill", "triton"), ("decode", "triton")} <= kernels
     assert json.loads(output.read_text()) == result
+
+
+def test_rows_relate_to_the_fastest_flash_and_print_as_a_table() -> None:
+    from benchmarks.kernels_bench import make_row, relate_to_flash, table
+
+    peaks = {"matmul_tflops": 800.0, "copy_gbs": 3000.0}
+    cost = (8e12, 1e9)  # 10 ms of FLOPs at the peak, 0.33 ms of bytes
+    rows = relate_to_flash([
+        make_row("prefill", "triton", 16, (1, 1024, 1024), 12.5, cost, peaks),
+        make_row("prefill", "flash-dense", 0, (1, 1024, 1024), 10.0, cost, peaks),
+    ])  # fmt: skip
+    assert rows[0].floor_ms == pytest.approx(10.0) and rows[0].of_floor == pytest.approx(0.8)
+    assert rows[0].of_flash == pytest.approx(0.8) and rows[1].of_flash == pytest.approx(1.0)
+    assert rows[0].tflops == pytest.approx(640.0)
+    text = table(rows, peaks)
+    assert "of flash" in text.splitlines()[1] and "flash-dense" in text
