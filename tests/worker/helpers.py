@@ -8,49 +8,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.config import ModelConfig, RopeScaling
+from worker.config import ModelConfig
 from worker.engine import Engine, EngineConfig
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling import SamplingParams
+from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, tiny_state_dict
 
-LLAMA = ModelConfig(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
-QWEN3 = ModelConfig(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=16,
-    architecture="qwen3",
-    qk_norm=True,
-    tie_word_embeddings=True,
-    rope_scaling=RopeScaling("llama3", 4.0, 1.0, 4.0, 64),
-    max_position_embeddings=512,
-)
+LLAMA = TINY_CONFIG
+QWEN3 = TINY_QWEN3_CONFIG
 
 
 def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
-    """Weights from a fixed seed, scaled so that logits are spread out (ties are rare)."""
+    """The built-in tiny model's seeded weights (worker/tiny_model.py) in a fresh model."""
     model = CausalLM(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    model.load_weights(tiny_state_dict(config, seed))
     return model.eval()
 
 

@@ -32,7 +32,7 @@ def ids(*tokens: int) -> tuple[int, ...]:
 BAD = [
     (GenerateRequest("x", prompt_token_ids=()), "prompt", "empty"),
     (GenerateRequest("x", prompt_token_ids=tuple(range(1, 65))), "prompt", "64 tokens"),
-    (GenerateRequest("x", prompt_token_ids=ids(1, 2, 384)), "prompt_token_ids", "384"),
+    (GenerateRequest("x", prompt_token_ids=ids(1, 2, 512)), "prompt_token_ids", "512"),
     (GenerateRequest("x", prompt_token_ids=ids(1, -2)), "prompt_token_ids", "-2"),
     (GenerateRequest("x", prompt="hello"), "prompt", "no tokenizer"),
     (GenerateRequest("x", prompt_token_ids=ids(1), prompt="a"), "prompt", "exactly one"),
