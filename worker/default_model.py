@@ -6,17 +6,20 @@ converts it to a Hugging Face checkpoint directory (float32 safetensors, tokeniz
 tokenizer_config.json with the chat template) under the cache directory, and returns the
 directory. The conversion is atomic (a temporary directory renamed into place) and remembered
 with a marker holding the source file's size and mtime, so a changed GGUF is converted again and
-an interrupted conversion leaves nothing that looks complete. Never downloads anything.
+an interrupted conversion leaves nothing that looks complete; a lock file makes processes that
+start together convert once between them. Never downloads anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from worker.checkpoint import CheckpointError
@@ -86,18 +89,34 @@ def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     if _is_current(target, identity):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        read_gguf(gguf_path).save(staging)
-        (staging / MARKER).write_text(json.dumps(identity, indent=2, sort_keys=True))
-        _replace(staging, target, identity)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with _exclusive(target.parent / f".{target.name}.lock"):
+        if _is_current(target, identity):  # another process converted it while we waited
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            read_gguf(gguf_path).save(staging)
+            (staging / MARKER).write_text(json.dumps(identity, indent=2, sort_keys=True))
+            _replace(staging, target, identity)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """One converter per target across processes (workers starting together on one host)."""
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _replace(staging: Path, target: Path, identity: dict[str, object]) -> None:
     """Move `staging` to `target`; a stale `target` is moved aside first and then deleted."""
+    if _is_current(target, identity):
+        return  # another process finished the same conversion meanwhile: keep theirs
     if target.exists():
         stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale.", dir=target.parent))
         with contextlib.suppress(FileNotFoundError):  # another process moved it first

@@ -3,10 +3,12 @@ once into a cache, converted again only when the file changes, never left half-w
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from worker.default_model import (
     default_gguf_path,
     default_model_dir,
 )
-from worker.gguf_checkpoint import GGUFError
+from worker.gguf_checkpoint import GGUFError, read_gguf
 from worker.tiny_model import TINY_CONFIG
 from worker.tokenizer import Tokenizer
 
@@ -74,7 +76,8 @@ def test_smollm2_is_converted_into_a_checkpoint_directory() -> None:
         "tokenizer_config.json",
         MARKER,
     }
-    assert not [p for p in path.parent.iterdir() if p != path]  # no staging left behind
+    leftovers = [p for p in path.parent.iterdir() if p != path and p.suffix != ".lock"]
+    assert not leftovers  # no staging directory left behind
     config, state = load_checkpoint(path)
     assert (config.num_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     assert {t.dtype for t in state.values()} == {torch.float32}
@@ -112,7 +115,7 @@ def test_changed_gguf_is_converted_again(tmp_path: Path) -> None:
     _, state = load_checkpoint(path)
     name = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(state[name], second[name]) and not torch.equal(state[name], first[name])
-    assert sorted(p.name for p in (cache / "models").iterdir()) == ["tiny"]
+    assert sorted(p.name for p in (cache / "models").iterdir()) == [".tiny.lock", "tiny"]
 
 
 def test_directory_without_marker_is_not_trusted(tmp_path: Path) -> None:
@@ -132,4 +135,29 @@ def test_failed_conversion_leaves_nothing_that_looks_complete(tmp_path: Path) ->
     source.write_bytes(source.read_bytes()[: source.stat().st_size // 2])  # cut off mid-tensor
     with pytest.raises(GGUFError):
         converted_dir(source, tmp_path / "cache")
-    assert list((tmp_path / "cache" / "models").iterdir()) == []
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [".broken.lock"]
+
+
+def test_a_conversion_finished_while_waiting_for_the_lock_is_kept(tmp_path: Path) -> None:
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, Q.F32)
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    result: list[Path] = []
+    with (models / ".tiny.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as another converting process would hold it
+        waiter = threading.Thread(
+            target=lambda: result.append(converted_dir(source, models.parent))
+        )
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive() and not result  # blocked on the lock
+        # The "other process" finishes its conversion, then releases the lock.
+        read_gguf(source).save(models / "tiny")
+        identity = default_model._source_identity(source)
+        (models / "tiny" / MARKER).write_text(json.dumps(identity))
+        stamps = _stamps(models / "tiny")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    waiter.join(timeout=60)
+    assert result == [models / "tiny"]
+    assert _stamps(models / "tiny") == stamps  # nothing converted twice
