@@ -37,7 +37,7 @@ from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest
 from worker.sampling import SamplingParams
-from worker.tiny_model import tiny_state_dict
+from worker.tiny_model import TINY_CONFIG, tiny_state_dict
 
 console = Console(stderr=True)
 BIG = ModelConfig(
@@ -203,8 +203,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
         loaded = load_model("default")
         model, path = loaded.model, loaded.path
     else:
-        model = CausalLM(BIG)
-        model.load_weights(tiny_state_dict(BIG, seed=0))
+        config = BIG if name == "big" else TINY_CONFIG
+        model = CausalLM(config)
+        model.load_weights(tiny_state_dict(config, seed=0))
         model.eval()
         path = None
     vocab = model.config.vocab_size
@@ -276,7 +277,7 @@ def report(result: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--models", nargs="+", choices=["smollm2", "big"], default=["smollm2", "big"]
+        "--models", nargs="+", choices=["smollm2", "big", "tiny"], default=["smollm2", "big"]
     )
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.9, 0.97])
