@@ -10,6 +10,7 @@ is read; anything else is a `GGUFError` that names what is missing, never a sile
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 from dataclasses import dataclass, field
@@ -191,7 +192,7 @@ def _tensor(reader_tensor: Any) -> torch.Tensor:
     except NotImplementedError as error:
         raise GGUFError(
             f"tensor {reader_tensor.name} is {reader_tensor.tensor_type.name}, which gguf "
-            f"{getattr(gguf, '__version__', '')} cannot dequantise"
+            f"{importlib.metadata.version('gguf')} cannot dequantise"
         ) from error
     shape = tuple(int(n) for n in reversed(reader_tensor.shape))  # GGUF lists dims fastest first
     array = array.astype(np.float32, copy=False).reshape(shape)
