@@ -121,10 +121,16 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The `config.json` dict that `from_hf` reads back (and transformers understands)."""
-        scaling = asdict(self.rope_scaling)
-        rope = None
-        if self.rope_scaling.kind != "default":
-            rope = {"rope_type": scaling.pop("kind"), **scaling}
+        rope: dict[str, Any] | None = None
+        kind = self.rope_scaling.kind
+        if kind != "default":
+            keys = {
+                "linear": ("factor",),
+                "dynamic": ("factor", "original_max_position_embeddings"),
+            }
+            scaling = asdict(self.rope_scaling)
+            wanted = keys.get(kind, tuple(k for k in scaling if k != "kind"))
+            rope = {"rope_type": kind, **{k: scaling[k] for k in wanted}}
         return {
             "architectures": [
                 {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(

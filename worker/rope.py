@@ -3,10 +3,11 @@
 `inv_frequencies` gives the per-pair frequencies for a `RopeScaling`; `RotaryEmbedding` keeps a
 cos/sin table over positions and applies the rotation in Hugging Face's half-split layout
 (pairs are (i, i + head_dim / 2)), computed in float32 exactly as Hugging Face does (the
-models were trained with those rotations). Dynamic NTK scaling uses vLLM's static form (the base is
-fixed once for max_positions x factor) rather than Hugging Face's, which changes the frequencies
-as a sequence grows: a position's rotation must not depend on how long the sequence became later,
-or cached KV would disagree with recomputed KV.
+models were trained with those rotations). Dynamic NTK scaling evaluates Hugging Face's formula
+once, at the configured max_position_embeddings, instead of growing the base with each sequence:
+a position's rotation must not depend on how long its sequence became later, or cached KV would
+disagree with recomputed KV. Within the original context (max_positions == original) nothing is
+scaled, exactly as Hugging Face does there.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import torch
 from worker.config import RopeScaling
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+def inv_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling, max_positions: int
+) -> torch.Tensor:
     """float32 [head_dim / 2] inverse frequencies after scaling."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    if scaling.kind == "dynamic":
-        factor = scaling.factor
-        theta = theta * (factor * factor - (factor - 1)) ** (head_dim / (head_dim - 2))
+    original = scaling.original_max_position_embeddings
+    if scaling.kind == "dynamic" and max_positions > original:
+        growth = scaling.factor * max_positions / original - (scaling.factor - 1)
+        theta = theta * growth ** (head_dim / (head_dim - 2))
     inv = 1.0 / (theta**exponents)
     if scaling.kind == "linear":
         return inv / scaling.factor
@@ -52,7 +56,7 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.inv = inv_frequencies(head_dim, theta, scaling)
+        self.inv = inv_frequencies(head_dim, theta, scaling, max_positions)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self._extend(max_positions)
