@@ -5,13 +5,20 @@ a backend (reference, triton, flash-attn). kernels/layout.py documents the paged
 nothing of ours; importing this package imports neither triton nor flash-attn.
 """
 
-from kernels.dispatch import append_prefill_attention, choose_backend, decode_attention, write_kv
+from kernels.dispatch import (
+    append_prefill_attention,
+    bind,
+    choose_backend,
+    decode_attention,
+    write_kv,
+)
 from kernels.errors import KernelInputError
 from kernels.layout import empty_kv_cache, prefill_slot_mapping, slots_for_positions
 
 __all__ = [
     "KernelInputError",
     "append_prefill_attention",
+    "bind",
     "choose_backend",
     "decode_attention",
     "empty_kv_cache",

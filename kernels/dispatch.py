@@ -3,12 +3,13 @@
 Every backend implements the three operations with the same signatures (kernels/reference.py is
 the contract). For each call the first backend that fits wins:
 
-    write_kv                  triton -> reference
-    append_prefill_attention  flash -> triton -> reference
-    decode_attention          flash -> triton -> reference
+    write_kv                  triton -> torch_sdpa -> reference
+    append_prefill_attention  flash -> triton -> torch_sdpa -> reference
+    decode_attention          flash -> triton -> torch_sdpa -> reference
 
-    reference  always fits; the CPU serving path (and the CUDA fallback, e.g. for float64)
-    triton     CUDA tensors, fp16 / bf16 / fp32, head_dim <= 256, triton importable
+    reference   always fits; the oracle (and a fallback)
+    torch_sdpa  CPU tensors: the CPU serving path (torch's fused SDPA, native GQA)
+    triton      CUDA tensors, fp16 / bf16 / fp32, head_dim <= 256, triton importable
     flash      CUDA, flash-attn importable, fp16 / bf16, page_size % 256 == 0, no image regions
                (kernels/flash.py says why for each)
 
@@ -68,6 +69,12 @@ def _reference_why_not(call: Call) -> str | None:
     return None
 
 
+def _torch_sdpa_why_not(call: Call) -> str | None:
+    if call.device.type != "cpu" and not call.forced:
+        return "torch_sdpa is the CPU path (on CUDA: triton, or backend='torch_sdpa')"
+    return None
+
+
 def _triton_why_not(call: Call) -> str | None:
     interpreting = call.forced and os.environ.get("TRITON_INTERPRET") == "1"
     if call.device.type != "cuda" and not interpreting:
@@ -96,6 +103,7 @@ def _flash_why_not(call: Call) -> str | None:
 def _implementation(backend: str, operation: str) -> Callable[..., Any]:
     module = {
         "reference": lambda: reference,
+        "torch_sdpa": lambda: _import("kernels.torch_sdpa"),
         "triton": lambda: _triton_module(operation),
         "flash": lambda: _import("kernels.flash"),
     }[backend]()
@@ -107,12 +115,13 @@ def _implementation(backend: str, operation: str) -> Callable[..., Any]:
 WHY_NOT: dict[str, Callable[[Call], str | None]] = {
     "flash": _flash_why_not,
     "triton": _triton_why_not,
+    "torch_sdpa": _torch_sdpa_why_not,
     "reference": _reference_why_not,
 }
 ORDER: dict[str, tuple[str, ...]] = {
-    "write_kv": ("triton", "reference"),
-    "append_prefill_attention": ("flash", "triton", "reference"),
-    "decode_attention": ("flash", "triton", "reference"),
+    "write_kv": ("triton", "torch_sdpa", "reference"),
+    "append_prefill_attention": ("flash", "triton", "torch_sdpa", "reference"),
+    "decode_attention": ("flash", "triton", "torch_sdpa", "reference"),
 }
 
 
@@ -143,6 +152,15 @@ def choose_backend(
         if backend is not None:
             raise KernelInputError("backend", f"{backend!r} cannot run this call: {why}")
     raise AssertionError("the reference backend always fits")
+
+
+def bind(
+    operation: str, k_cache: torch.Tensor, has_regions: bool = False, backend: str | None = None
+) -> Callable[..., Any]:
+    """The implementation `operation` would dispatch to, for a caller that makes the same call
+    shape many times in a row (once per layer): it validates through the public function on the
+    first call and calls the bound implementation for the rest, skipping the per-call checks."""
+    return _implementation(choose_backend(operation, k_cache, has_regions, backend), operation)
 
 
 def write_kv(

@@ -5,12 +5,18 @@
 Attention projects q/k/v (bias for Qwen2), applies per-head RMSNorm to q and k (Qwen3), rotates
 them by position, writes K/V into each layer's pages (`kernels.write_kv`), and attends over each
 sequence's whole paged K/V: `append_prefill_attention` for chunks, `decode_attention` when every
-chunk is one token. Logits are computed only for the rows in `batch.logits_indices`, in float32.
+chunk is one token. What is the same for every layer of a step is done once, in `Step`: the RoPE
+rows, and the kernel dispatch (layer 0 goes through the checked public functions, the others call
+the implementation they chose). Logits are computed only for `batch.logits_indices`, in float32.
 Parameter names are Hugging Face's, so `load_state_dict` takes an HF Llama/Qwen state dict.
 The model holds no KV and no request state; never call it from two threads at once.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,9 +24,54 @@ from torch import nn
 import kernels
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
-from worker.rope import RotaryEmbedding
+from worker.rope import RotaryEmbedding, rotate
 
 KvCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(slots=True)
+class Step:
+    """What every layer of one forward pass shares."""
+
+    batch: ForwardBatch
+    cos: torch.Tensor
+    sin: torch.Tensor
+    write: Callable[..., Any] | None = None
+    """The bound write_kv implementation, once layer 0 has gone through the checked dispatch."""
+    attend: Callable[..., Any] | None = None
+
+    def write_kv(self, cache: KvCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_cache, v_cache = cache
+        if self.write is None:
+            kernels.write_kv(k_cache, v_cache, k, v, self.batch.slot_mapping, check_values=False)
+            self.write = kernels.bind("write_kv", k_cache)
+        else:
+            self.write(k_cache, v_cache, k, v, self.batch.slot_mapping)
+
+    def attention(self, q: torch.Tensor, cache: KvCache) -> torch.Tensor:
+        k_cache, v_cache = cache
+        b = self.batch
+        if b.is_decode:
+            attend = self.attend or kernels.decode_attention
+            extra: dict[str, Any] = {} if self.attend else {"check_values": False}
+            out: torch.Tensor = attend(q, k_cache, v_cache, b.page_table, b.seq_lens_k, **extra)
+        else:
+            attend = self.attend or kernels.append_prefill_attention
+            extra = {} if self.attend else {"check_values": False}
+            out = attend(
+                q,
+                k_cache,
+                v_cache,
+                b.page_table,
+                b.cu_seqlens_q,
+                b.seq_lens_k,
+                max_seqlen_q=b.max_seqlen_q,
+                **extra,
+            )
+        if self.attend is None:
+            operation = "decode_attention" if b.is_decode else "append_prefill_attention"
+            self.attend = kernels.bind(operation, k_cache)
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +87,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -47,33 +98,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = [rotary]  # shared by all layers; a list keeps it out of the state dict
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KvCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, cache: KvCache) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](q, k, batch.positions)
-        k_cache, v_cache = cache
-        kernels.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, check_values=False)
-        if batch.is_decode:
-            out = kernels.decode_attention(
-                q, k_cache, v_cache, batch.page_table, batch.seq_lens_k, check_values=False
-            )
-        else:
-            out = kernels.append_prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                batch.page_table,
-                batch.cu_seqlens_q,
-                batch.seq_lens_k,
-                max_seqlen_q=batch.max_seqlen_q,
-                check_values=False,
-            )
+        q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
+        step.write_kv(cache, k, v)
+        out = step.attention(q, cache)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -89,15 +124,15 @@ class Mlp(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Mlp(config)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KvCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+    def forward(self, x: torch.Tensor, step: Step, cache: KvCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -113,9 +148,7 @@ class Decoder(nn.Module):
             config.max_position_embeddings,
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary) for _ in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -134,8 +167,9 @@ class CausalLM(nn.Module):
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
         x = self.model.embed_tokens(batch.input_ids)
+        step = Step(batch, *self.model.rotary.lookup(batch.positions))
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, batch, cache)
+            x = layer(x, step, cache)
         x = self.model.norm(x[batch.logits_indices])
         head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return (x @ head.t()).float()

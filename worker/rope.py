@@ -68,19 +68,23 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = angles.cos().to(device)
         self.sin = angles.sin().to(device)
 
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] of the tokens' positions: once per step, shared by every layer."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.cos.shape[0]:
+            self._extend(max(needed, 2 * self.cos.shape[0]))
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their tokens' positions [T]."""
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos.shape[0]:
-            self._extend(max(needed, 2 * self.cos.shape[0]))
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.lookup(positions)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, in float32, back in x's dtype."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     out = x.float() * cos + rotated.float() * sin

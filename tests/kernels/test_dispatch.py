@@ -31,10 +31,12 @@ def small_batch() -> PagedBatch:
 
 
 @pytest.mark.parametrize("operation", OPERATIONS)
-def test_cpu_tensors_run_on_the_reference(operation: str) -> None:
+def test_cpu_tensors_run_on_the_cpu_path(operation: str) -> None:
     batch = small_batch()
-    assert choose_backend(operation, batch.k_cache) == "reference"
-    assert choose_backend(operation, batch.k_cache.double()) == "reference"
+    expected = "torch_sdpa"
+    assert choose_backend(operation, batch.k_cache) == expected
+    assert choose_backend(operation, batch.k_cache.double()) == expected
+    assert choose_backend(operation, batch.k_cache, backend="reference") == "reference"
 
 
 def test_a_forced_backend_that_cannot_run_is_refused_by_name() -> None:

@@ -1,0 +1,79 @@
+"""The CPU serving path (torch SDPA) against the float64 reference on poisoned paged batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import (
+    append_prefill_attention,
+    choose_backend,
+    decode_attention,
+    empty_kv_cache,
+    write_kv,
+)
+from tests.kernels.helpers import assert_close, fresh_seed, make_batch, poisoned_like
+from tests.kernels.test_decode import decode_batch
+from tests.kernels.test_decode import oracle as decode_oracle
+from tests.kernels.test_prefill import image_regions, oracle, ragged_lengths
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", (1, 4, 8))
+@pytest.mark.parametrize("page_size", (1, 16, 64))
+def test_prefill_matches_reference(page_size: int, group: int, dtype: torch.dtype) -> None:
+    seed = fresh_seed()
+    q_lens, k_lens = ragged_lengths(seed)
+    batch = make_batch(
+        seed, q_lens, k_lens, page_size=page_size, kv_heads=2, group=group, head_dim=32,
+        dtype=dtype, device=CPU,
+    )  # fmt: skip
+    regions = torch.tensor(image_regions(seed, q_lens, k_lens), dtype=torch.int32)
+    for region_rows in (None, regions):
+        out = poisoned_like(batch.q)
+        append_prefill_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.page_table, batch.cu_seqlens_q,
+            batch.seq_lens_k, image_regions=region_rows, out=out, backend="torch_sdpa",
+        )  # fmt: skip
+        detail = f"page_size={page_size} group={group} regions={region_rows is not None}"
+        assert_close(out, oracle(batch, region_rows), seed, "prefill(torch_sdpa)", detail)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", (1, 4, 8))
+@pytest.mark.parametrize("page_size", (1, 16, 64))
+def test_decode_matches_reference(page_size: int, group: int, dtype: torch.dtype) -> None:
+    seed = fresh_seed()
+    batch = decode_batch(seed, page_size, group, dtype, CPU)
+    out = poisoned_like(batch.q)
+    decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens_k, out=out,
+        backend="torch_sdpa",
+    )  # fmt: skip
+    detail = f"page_size={page_size} group={group} k={batch.seq_lens_k.tolist()}"
+    assert_close(out, decode_oracle(batch), seed, "decode(torch_sdpa)", detail)
+
+
+def test_it_is_the_default_on_cpu_and_never_on_cuda_unless_forced() -> None:
+    k_cache, _ = empty_kv_cache(4, 16, 2, 32, torch.float32)
+    assert choose_backend("decode_attention", k_cache) == "torch_sdpa"
+    assert choose_backend("append_prefill_attention", k_cache) == "torch_sdpa"
+    assert choose_backend("write_kv", k_cache) == "torch_sdpa"
+    meta = empty_kv_cache(4, 16, 2, 32, torch.float32, device="meta")[0]
+    assert choose_backend("decode_attention", meta, backend="torch_sdpa") == "torch_sdpa"
+
+
+def test_write_kv_matches_reference_and_skips_padding() -> None:
+    generator = torch.Generator().manual_seed(fresh_seed())
+    shape = (6, 4, 2, 8)
+    ours = [torch.full(shape, float("nan")) for _ in range(2)]
+    theirs = [torch.full(shape, float("nan")) for _ in range(2)]
+    k, v = torch.randn(5, 2, 8, generator=generator), torch.randn(5, 2, 8, generator=generator)
+    slots = torch.tensor([9, -1, 22, 4, -1])
+    write_kv(*ours, k, v, slots, backend="torch_sdpa")
+    write_kv(*theirs, k, v, slots, backend="reference")
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert int(torch.isfinite(ours[0]).sum()) == 3 * 2 * 8
