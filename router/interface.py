@@ -1,0 +1,77 @@
+"""The contract between routing policies and whatever drives them (the simulator, the router actor).
+
+A policy sees requests as routing keys, and workers as an exact index of the blocks they hold
+plus the load routed to them. It returns one worker per request. The driver feeds it, in order:
+
+    add_worker / remove_worker          membership (a removed worker's index is dropped)
+    apply_event(worker, KvEvent)        stored / removed / cleared blocks, numbered per worker;
+                                        False means a gap: call load_snapshot before trusting it
+    load_snapshot(worker, KvSnapshot)   a worker's whole block set (after a gap, or on (re)join)
+    route(RouteRequest) -> RouteDecision
+    prefill_done(worker, request_id)    the request's prompt is computed (its load leaves the queue)
+    finished(worker, request_id)        the request is over (its KV occupancy is released)
+    report_load(worker, WorkerLoad)     the worker's own view, when it has one (optional)
+
+Block hashes are the cache package's `BlockHasher` hashes under the workers' `IdentityScheme`:
+the router never computes a second kind. Nothing here is thread-safe; one driver thread calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from cache import CacheNamespace, KvEvent, KvSnapshot
+
+WorkerId = str
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    request_id: str
+    namespace: CacheNamespace
+    block_hashes: tuple[int, ...]
+    """Chained hashes of the prompt's complete routing blocks (cache.BlockHasher)."""
+    num_tokens: int
+    """Prompt length in tokens (KV positions), complete blocks and the partial tail."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    worker: WorkerId
+    predicted_cached_tokens: int
+    """What the policy expects the worker to serve from its cache (compare with what it does)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's own report of its state (tokens and pages, never just request counts)."""
+
+    queued_prefill_tokens: int
+    running_sequences: int
+    free_pages: int
+    total_pages: int
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def add_worker(self, worker: WorkerId, capacity_tokens: int) -> None: ...
+
+    def remove_worker(self, worker: WorkerId) -> None: ...
+
+    def apply_event(self, worker: WorkerId, event: KvEvent) -> bool: ...
+
+    def load_snapshot(self, worker: WorkerId, snapshot: KvSnapshot) -> None: ...
+
+    def route(self, request: RouteRequest) -> RouteDecision: ...
+
+    def prefill_done(self, worker: WorkerId, request_id: str) -> None: ...
+
+    def finished(self, worker: WorkerId, request_id: str) -> None: ...
+
+    def report_load(self, worker: WorkerId, load: WorkerLoad) -> None: ...
+
+    def index_bytes(self) -> int:
+        """Memory held by the per-worker indexes (counted, for reports and bounds)."""
+        ...
