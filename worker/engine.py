@@ -13,12 +13,13 @@ the engine thread, one step at a time:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar, cast
 
 import torch
 
@@ -41,6 +42,7 @@ from worker.scheduler import Scheduler, SchedulerConfig
 from worker.stop import StopChecker
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TokenizerLike(Protocol):
@@ -150,6 +152,18 @@ class Engine:
         self._inbox.put(("add", RequestState(request, prompt, sink)))
         self._wake.set()
         return len(prompt)
+
+    def call(self, function: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `function` on the engine thread between steps (the cache is only safe there)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inbox.put(("call", (function, future)))
+        self._wake.set()
+        return future
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting but not yet computed (engine thread: use `call`)."""
+        pending = sum(s.pending for s in self.scheduler.waiting)
+        return pending + sum(s.pending for s in self.scheduler.running if not s.prefilled)
 
     def abort(self, request_id: str) -> None:
         """End a request at the next step boundary (its samples finish with reason `abort`)."""
@@ -416,6 +430,15 @@ class Engine:
             if kind == "add":
                 assert isinstance(payload, RequestState)
                 self._add(payload)
+            elif kind == "call":
+                function, future = cast(
+                    tuple[Callable[[], object], concurrent.futures.Future[object]], payload
+                )
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(function())
+                    except Exception as err:  # handed to the caller, who decides
+                        future.set_exception(err)
             else:
                 state = self._requests.get(str(payload))
                 if state is not None:

@@ -1,0 +1,100 @@
+from protos.radixmesh.v1 import serving_pb2 as _serving_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerGenerateRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: _serving_pb2.Namespace
+    sampling: _serving_pb2.SamplingParams
+    predicted_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class StreamKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("seq", "kind", "block_hashes")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("worker", "events")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, worker: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+
+class GetSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvSnapshot(_message.Message):
+    __slots__ = ("worker", "seq", "block_hashes")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("queued_prefill_tokens", "running_sequences", "free_pages", "total_pages")
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    queued_prefill_tokens: int
+    running_sequences: int
+    free_pages: int
+    total_pages: int
+    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_sequences: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker", "identity_version", "block_size", "model_revision", "page_size", "total_pages", "vocab_size", "max_model_len", "max_running")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    identity_version: int
+    block_size: int
+    model_revision: str
+    page_size: int
+    total_pages: int
+    vocab_size: int
+    max_model_len: int
+    max_running: int
+    def __init__(self, worker: _Optional[str] = ..., identity_version: _Optional[int] = ..., block_size: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...

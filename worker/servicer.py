@@ -1,0 +1,159 @@
+"""The worker's gRPC service: a thin async adapter between protos and the engine thread.
+
+Generate submits token ids to the engine and streams its outputs back; a client that goes away
+(cancel, deadline, disconnect) aborts the request at once, so its pages are freed. KV events are
+subscribed on the engine thread and streamed in batches; snapshots, load and stats are read on
+the engine thread too (the cache is only safe there). Errors map to gRPC statuses:
+InvalidRequest -> INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
+EngineStopped -> UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import grpc
+
+from cache import IDENTITY_SCHEME_VERSION, KvEvent
+from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
+from worker.engine import Engine
+from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.request import GenerateRequest, RequestOutput
+from worker.wire import namespace_from_proto, output_to_proto, sampling_from_proto
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: Engine, name: str) -> None:
+        self.engine = engine
+        self.name = name
+
+    async def _on_engine(self, function: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.engine.call(function))
+
+    async def Generate(
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(output: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+        try:
+            generate = GenerateRequest(
+                request.request_id,
+                prompt_token_ids=tuple(request.token_ids),
+                namespace=namespace_from_proto(request.namespace),
+                sampling=sampling_from_proto(request.sampling),
+            )
+            self.engine.submit(generate, sink)
+        except InvalidRequest as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except EngineOverloaded as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except EngineStopped as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        remaining = generate.sampling.n
+        try:
+            while remaining:
+                output = await outputs.get()
+                remaining -= output.finished
+                yield output_to_proto(output, self.name, request.predicted_cached_tokens)
+        finally:
+            if remaining:  # the client went away first: free the request's pages now
+                self.engine.abort(request.request_id)
+
+    async def StreamKvEvents(
+        self, request: worker_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[KvEvent] = asyncio.Queue()
+
+        def subscriber(event: KvEvent) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        unsubscribe = await self._on_engine(lambda: self.engine.cache.events.subscribe(subscriber))
+        try:
+            while True:
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                yield worker_pb2.KvEventBatch(
+                    worker=self.name,
+                    events=[
+                        worker_pb2.KvEvent(
+                            seq=e.seq, kind=e.kind.value, block_hashes=list(e.block_hashes)
+                        )
+                        for e in batch
+                    ],
+                )
+        finally:
+            self.engine.call(unsubscribe)
+
+    async def GetSnapshot(
+        self, request: worker_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvSnapshot:
+        snapshot = await self._on_engine(self.engine.cache.tree.snapshot)
+        return worker_pb2.KvSnapshot(
+            worker=self.name, seq=snapshot.seq, block_hashes=sorted(snapshot.block_hashes)
+        )
+
+    async def GetLoad(
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.Load:
+        queued = await self._on_engine(self.engine.queued_prefill_tokens)
+        stats = self.engine.stats()
+        return worker_pb2.Load(
+            queued_prefill_tokens=queued,
+            running_sequences=stats.running,
+            free_pages=stats.free_pages,
+            total_pages=self.engine.cache.pool.usable_pages,
+        )
+
+    async def GetStats(
+        self, request: serving_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.WorkerStats:
+        return worker_stats(self.engine, self.name)
+
+    async def Describe(
+        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        scheme = self.engine.cache.scheme
+        return worker_pb2.WorkerInfo(
+            worker=self.name,
+            identity_version=IDENTITY_SCHEME_VERSION,
+            block_size=scheme.block_size,
+            model_revision=scheme.model_revision,
+            page_size=self.engine.config.page_size,
+            total_pages=self.engine.cache.pool.usable_pages,
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            max_running=self.engine.config.max_running,
+        )
+
+
+def worker_stats(engine: Engine, name: str, address: str = "") -> serving_pb2.WorkerStats:
+    stats = engine.stats()
+    return serving_pb2.WorkerStats(
+        worker=name,
+        healthy=True,
+        requests_finished=stats.requests_finished,
+        prompt_tokens=stats.prompt_tokens,
+        cached_prompt_tokens=stats.cached_prompt_tokens,
+        generated_tokens=stats.generated_tokens,
+        running=stats.running,
+        waiting=stats.waiting,
+        free_pages=stats.free_pages,
+        cached_pages=stats.cached_pages,
+        private_pages=stats.private_pages,
+        evicted_pages=stats.evicted_pages,
+        preemptions=stats.preemptions,
+        total_pages=engine.cache.pool.usable_pages,
+        address=address,
+    )

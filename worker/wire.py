@@ -1,0 +1,77 @@
+"""Protocol buffers <-> the engine's dataclasses, one function each way; nothing else.
+
+Absent optional fields take the engine's defaults; every conversion error names the proto field.
+"""
+
+from __future__ import annotations
+
+from cache import CacheNamespace
+from protos.radixmesh.v1 import serving_pb2
+from worker.errors import InvalidRequest
+from worker.request import RequestOutput
+from worker.sampling import SamplingParams
+
+DEFAULTS = SamplingParams()
+_INT32 = 2**31 - 1
+
+
+def namespace_from_proto(message: serving_pb2.Namespace) -> CacheNamespace:
+    return CacheNamespace(adapter=message.adapter or None, tenant=message.tenant or None)
+
+
+def namespace_to_proto(namespace: CacheNamespace) -> serving_pb2.Namespace:
+    return serving_pb2.Namespace(adapter=namespace.adapter or "", tenant=namespace.tenant or "")
+
+
+def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
+    def get(name: str) -> object:
+        return getattr(message, name) if message.HasField(name) else getattr(DEFAULTS, name)
+
+    for name in ("stop_token_ids",):
+        for value in getattr(message, name):
+            if not 0 <= value <= _INT32:
+                raise InvalidRequest(f"sampling.{name}", f"{value} is not a token id")
+    return SamplingParams(
+        max_tokens=int(get("max_tokens")),  # type: ignore[call-overload]
+        temperature=float(get("temperature")),  # type: ignore[arg-type]
+        top_k=int(get("top_k")),  # type: ignore[call-overload]
+        top_p=float(get("top_p")),  # type: ignore[arg-type]
+        seed=int(message.seed) if message.HasField("seed") else None,
+        n=int(get("n")),  # type: ignore[call-overload]
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(int(t) for t in message.stop_token_ids),
+        ignore_eos=bool(message.ignore_eos),
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
+    message = serving_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        n=params.n,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    return message
+
+
+def output_to_proto(
+    output: RequestOutput, worker: str, predicted_cached_tokens: int = 0
+) -> serving_pb2.GenerateResponse:
+    return serving_pb2.GenerateResponse(
+        request_id=output.request_id,
+        index=output.index,
+        token_ids=list(output.token_ids),
+        text=output.text,
+        finished=output.finished,
+        finish_reason=output.finish_reason or "",
+        prompt_tokens=output.prompt_tokens,
+        cached_prompt_tokens=output.cached_prompt_tokens,
+        predicted_cached_tokens=predicted_cached_tokens,
+        worker=worker,
+    )
