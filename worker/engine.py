@@ -160,6 +160,11 @@ class Engine:
         self._wake.set()
         return future
 
+    @property
+    def active_requests(self) -> frozenset[str]:
+        """Ids of the requests the engine thread holds (engine thread: use `call`)."""
+        return frozenset(self._requests)
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting but not yet computed (engine thread: use `call`)."""
         pending = sum(s.pending for s in self.scheduler.waiting)

@@ -137,6 +137,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_running=self.engine.config.max_running,
         )
 
+    async def Abort(
+        self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.AbortResponse:
+        found = await self._on_engine(lambda: request.request_id in self.engine.active_requests)
+        self.engine.abort(request.request_id)
+        return serving_pb2.AbortResponse(found=found)
+
 
 def worker_stats(engine: Engine, name: str, address: str = "") -> serving_pb2.WorkerStats:
     stats = engine.stats()

@@ -65,6 +65,11 @@ class WorkerStub:
                 request_serializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/radixmesh.v1.Worker/Abort',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -110,6 +115,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """End a request: its stream finishes with finish_reason "abort".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +154,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.DescribeRequest.FromString,
                     response_serializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +323,33 @@ class Worker:
             '/radixmesh.v1.Worker/Describe',
             protos_dot_radixmesh_dot_v1_dot_worker__pb2.DescribeRequest.SerializeToString,
             protos_dot_radixmesh_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Worker/Abort',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
