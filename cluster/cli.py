@@ -1,25 +1,151 @@
-"""The `radixmesh` command line. Subcommands arrive with the serving and load-test layers."""
+"""The `radixmesh` command line: serve a cluster, and talk to one.
+
+radixmesh serve [--config FILE]          run the cluster until SIGTERM / Ctrl-C
+radixmesh generate "text" [...]          stream one completion to the terminal
+radixmesh chat [...]                     an interactive conversation (each turn hits the cache)
+radixmesh stats [...]                    per-worker counters and page usage
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from importlib.metadata import version
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+from rich.table import Table
+
+from cluster.client import DEFAULT_TARGET, Client, text_request
+
+console = Console(stderr=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="radixmesh",
-        description="A cache-aware LLM serving cluster on Ray.",
+        prog="radixmesh", description="A cache-aware LLM serving cluster on Ray."
     )
     parser.add_argument("--version", action="version", version=f"radixmesh {version('radixmesh')}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the cluster until SIGTERM / Ctrl-C")
+    serve.add_argument(
+        "--config", default=None, help="YAML file (default: SmolLM2 on 2 CPU workers)"
+    )
+    for name, text in (
+        ("generate", "stream one completion"),
+        ("chat", "an interactive conversation"),
+        ("stats", "per-worker counters"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--target", default=DEFAULT_TARGET, help="router host:port")
+        sub.add_argument("--token", default=None, help="bearer token (or $RADIXMESH_TOKEN)")
+        sub.add_argument("--tls-ca", type=Path, default=None, help="CA certificate of the server")
+        if name != "stats":
+            sub.add_argument("--max-tokens", type=int, default=128)
+            sub.add_argument("--temperature", type=float, default=0.0)
+            sub.add_argument("--seed", type=int, default=None)
+            sub.add_argument("--tenant", default="")
+            sub.add_argument("--system", default=None, help="a system message")
+    commands.choices["generate"].add_argument("text")
+    commands.choices["generate"].add_argument(
+        "--raw", action="store_true", help="complete the text as is (no chat template)"
+    )
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    parser.parse_args(argv)
-    parser.print_help()
+def _stream(client: Client, request: object) -> tuple[str, object]:
+    began, first, text, last = time.perf_counter(), None, [], None
+    for response in client.generate(request):  # type: ignore[arg-type]
+        if first is None:
+            first = time.perf_counter() - began
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+        text.append(response.text)
+        last = response
+    sys.stdout.write("\n")
+    if last is not None:
+        console.print(
+            f"[dim]{last.worker}: {last.prompt_tokens} prompt tokens, "
+            f"{last.cached_prompt_tokens} from cache; TTFT {1000 * (first or 0):.0f} ms; "
+            f"{last.finish_reason}[/]"
+        )
+    return "".join(text), last
+
+
+def generate(args: argparse.Namespace, client: Client) -> int:
+    common = dict(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, tenant=args.tenant
+    )
+    if args.raw:
+        request = text_request(args.text, **common)
+    else:
+        chat = ([("system", args.system)] if args.system else []) + [("user", args.text)]
+        request = text_request(chat=chat, **common)
+    _stream(client, request)
     return 0
+
+
+def chat(args: argparse.Namespace, client: Client) -> int:
+    history: list[tuple[str, str]] = [("system", args.system)] if args.system else []
+    console.print("[dim]Chat with the cluster; an empty line or Ctrl-D ends it.[/]")
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        history.append(("user", line))
+        request = text_request(
+            chat=history,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            tenant=args.tenant,
+        )
+        answer, _ = _stream(client, request)
+        history.append(("assistant", answer))
+
+
+def stats(args: argparse.Namespace, client: Client) -> int:
+    response = client.stats()
+    table = Table(title=f"radixmesh at {args.target}: policy {response.policy}")
+    columns = ["worker", "healthy", "requests", "prompt tok", "cached tok", "generated", "running",
+               "queued", "pages free", "cached", "private", "evicted", "preempted"]  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="right")
+    for w in response.workers:
+        table.add_row(
+            w.worker, "yes" if w.healthy else "NO", str(w.requests_finished), str(w.prompt_tokens),
+            str(w.cached_prompt_tokens), str(w.generated_tokens), str(w.running), str(w.waiting),
+            f"{w.free_pages}/{w.total_pages}", str(w.cached_pages), str(w.private_pages),
+            str(w.evicted_pages), str(w.preemptions),
+        )  # fmt: skip
+    Console().print(table)
+    print(
+        f"routed {response.requests_routed}, retried {response.requests_retried}, in flight "
+        f"{response.requests_in_flight}; cached tokens predicted {response.predicted_cached_tokens}"
+        f", served {response.actual_cached_tokens}; router index {response.index_bytes} bytes"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from cluster.serve import main as serve_main  # noqa: PLC0415 - client commands skip Ray and torch
+
+        return serve_main(args.config)
+    client = Client(args.target, args.token, args.tls_ca)
+    try:
+        return {"generate": generate, "chat": chat, "stats": stats}[args.command](args, client)
+    except grpc.RpcError as err:
+        console.print(f"[red]{err.code().name}[/]: {err.details()}")
+        return 1
+    finally:
+        client.close()
 
 
 if __name__ == "__main__":

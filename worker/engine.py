@@ -19,12 +19,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
 from cache import CacheConfig, OutOfPages, OutOfSlots, SequenceCache
 from cache.integrity import check_sequence_cache
+from worker import validation
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
@@ -46,12 +47,15 @@ T = TypeVar("T")
 
 
 class TokenizerLike(Protocol):
-    vocab_size: int
-    eos_token_ids: Sequence[int]
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
 
     def incremental_decoder(self) -> TextDecoder: ...
 
@@ -138,7 +142,7 @@ class Engine:
         `EngineOverloaded` or `EngineStopped` without queueing anything."""
         if self._stopping.is_set():
             raise EngineStopped("the engine is stopping")
-        prompt = self._prompt_ids(request)
+        prompt = validation.prompt_ids(request, self.tokenizer)
         self._validate(request, prompt)
         with self._lock:
             if request.request_id in self._active_ids:
@@ -216,47 +220,8 @@ class Engine:
         )
 
     # -- validation (caller's thread) ----------------------------------------------------------
-    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        given = [
-            name
-            for name in ("prompt_token_ids", "prompt", "messages")
-            if getattr(request, name) is not None
-        ]
-        if len(given) != 1:
-            raise InvalidRequest(
-                "prompt", f"give exactly one of token ids, text or messages; got {given}"
-            )
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if self.tokenizer is None:
-            raise InvalidRequest(given[0], "this worker has no tokenizer; send token ids")
-        if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt)
-        assert request.messages is not None
-        for i, message in enumerate(request.messages):
-            if not isinstance(message.get("content"), str) or not message.get("role"):
-                raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
-        try:
-            text = self.tokenizer.apply_chat_template(list(request.messages))
-        except ValueError as err:  # no template, or the template refused the conversation
-            raise InvalidRequest("messages", str(err)) from err
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def _validate(self, request: GenerateRequest, prompt: list[int]) -> None:
-        if not prompt:
-            raise InvalidRequest("prompt", "is empty")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(
-                "prompt_token_ids", f"token {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequest(
-                "prompt",
-                f"{len(prompt)} tokens leave no room to generate in a context of "
-                f"{self.max_model_len}",
-            )
-        request.sampling.validate(self.vocab_size, self.max_model_len - len(prompt))
+        validation.validate(request, prompt, self.vocab_size, self.max_model_len)
         page_size = self.config.page_size
         pages = -(-(len(prompt) + request.sampling.max_tokens) // page_size)
         if pages > self.cache.pool.usable_pages:

@@ -21,6 +21,8 @@ def test_console_script_prints_version() -> None:
 
 
 def test_console_script_rejects_unknown_flag() -> None:
-    out = subprocess.run([_script(), "--no-such-flag"], check=False, capture_output=True, text=True)
+    out = subprocess.run(
+        [_script(), "stats", "--no-such-flag"], check=False, capture_output=True, text=True
+    )
     assert out.returncode == 2
     assert "--no-such-flag" in out.stderr

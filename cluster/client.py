@@ -1,0 +1,82 @@
+"""A small synchronous client of radixmesh.v1.Serving (the CLI and the tests use it)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+@dataclass
+class Client:
+    target: str = DEFAULT_TARGET
+    token: str | None = None
+    tls_ca: Path | None = None
+    channel: grpc.Channel = field(init=False)
+    stub: serving_pb2_grpc.ServingStub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token = self.token or os.environ.get("RADIXMESH_TOKEN")
+        if self.tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(self.tls_ca.read_bytes())
+            self.channel = grpc.secure_channel(self.target, credentials)
+        else:
+            self.channel = grpc.insecure_channel(self.target)
+        self.stub = serving_pb2_grpc.ServingStub(self.channel)
+
+    @property
+    def metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def generate(
+        self, request: serving_pb2.GenerateRequest, timeout: float | None = None
+    ) -> Iterator[serving_pb2.GenerateResponse]:
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+
+    def stats(self, timeout: float = 10) -> serving_pb2.GetStatsResponse:
+        return self.stub.GetStats(
+            serving_pb2.GetStatsRequest(), timeout=timeout, metadata=self.metadata
+        )
+
+    def abort(self, request_id: str) -> bool:
+        response = self.stub.Abort(
+            serving_pb2.AbortRequest(request_id=request_id), metadata=self.metadata
+        )
+        return bool(response.found)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def text_request(
+    text: str | None = None,
+    chat: Sequence[tuple[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+    *,
+    request_id: str = "",
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    tenant: str = "",
+    n: int = 1,
+) -> serving_pb2.GenerateRequest:
+    sampling = serving_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
+    if seed is not None:
+        sampling.seed = seed
+    request = serving_pb2.GenerateRequest(
+        request_id=request_id, sampling=sampling, namespace=serving_pb2.Namespace(tenant=tenant)
+    )
+    if text is not None:
+        request.text = text
+    elif chat is not None:
+        request.chat.messages.extend(serving_pb2.ChatMessage(role=r, content=c) for r, c in chat)
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    return request

@@ -1,0 +1,35 @@
+"""Joining Ray: the cluster at RAY_ADDRESS (e.g. inside `ray job submit`), or an embedded one.
+
+The embedded cluster binds 127.0.0.1 only (cluster/__init__.py sets the environment Ray needs
+for that before any module of ours imports ray). Ray's token authentication is left as Ray
+sets it (on by default for local clusters since Ray 2.59); tests may turn it off with
+RAY_AUTH_MODE.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+
+def connect(num_cpus: int | None = None) -> bool:
+    """Connect to Ray; True when this call started an embedded cluster (the caller stops it)."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return False
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level=logging.WARNING,
+    )
+    return True
+
+
+def gpu_count() -> int:
+    return int(ray.cluster_resources().get("GPU", 0))

@@ -1,0 +1,90 @@
+"""A public Generate request made ready to route: token ids, namespace, sampling, all checked.
+
+The router tokenises (it must: routing keys are token-block hashes, the same the workers'
+KV events carry) and validates with the same functions the worker uses (worker/validation.py).
+On top of those: images are refused (no model here has a vision encoder), adapters are refused
+(none is loaded), request ids are bounded, and a caller whose token is bound to a tenant can only
+use that tenant: the tenant is the cache salt, never trusted to cross tenants.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+
+from cache import CacheNamespace
+from cluster.config import ANY_TENANT
+from protos.radixmesh.v1 import serving_pb2
+from worker import validation
+from worker.errors import InvalidRequest
+from worker.request import GenerateRequest
+from worker.sampling import SamplingParams
+from worker.wire import sampling_from_proto
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+class TenantRefused(PermissionError):
+    """The caller's token does not allow the tenant the request names."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    token_ids: tuple[int, ...]
+    namespace: CacheNamespace
+    sampling: SamplingParams
+
+
+def prepare(
+    message: serving_pb2.GenerateRequest,
+    tokenizer: validation.PromptTokenizer | None,
+    limits: ModelLimits,
+    allowed_tenant: str = ANY_TENANT,
+) -> PreparedRequest:
+    """Raises InvalidRequest (naming the field) or TenantRefused."""
+    request_id = message.request_id or uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(request_id):
+        raise InvalidRequest("request_id", "1-128 characters of [A-Za-z0-9._:-]")
+    if message.images:
+        raise InvalidRequest("images", "this model has no vision encoder; send text only")
+    if message.namespace.adapter:
+        raise InvalidRequest(
+            "namespace.adapter", f"unknown adapter {message.namespace.adapter!r} (none loaded)"
+        )
+    tenant = message.namespace.tenant
+    if allowed_tenant != ANY_TENANT:
+        if tenant and tenant != allowed_tenant:
+            raise TenantRefused(
+                f"namespace.tenant: this token may only use tenant {allowed_tenant!r}"
+            )
+        tenant = allowed_tenant
+    request = GenerateRequest(
+        request_id,
+        namespace=CacheNamespace(tenant=tenant or None),
+        sampling=sampling_from_proto(message.sampling),
+        **_prompt(message),  # type: ignore[arg-type]
+    )
+    ids = validation.prompt_ids(request, tokenizer)
+    validation.validate(request, ids, limits.vocab_size, limits.max_model_len)
+    return PreparedRequest(request_id, tuple(ids), request.namespace, request.sampling)
+
+
+def _prompt(message: serving_pb2.GenerateRequest) -> dict[str, object]:
+    which = message.WhichOneof("prompt")
+    if which == "text":
+        return {"prompt": message.text}
+    if which == "token_ids":
+        return {"prompt_token_ids": tuple(message.token_ids.ids)}
+    if which == "chat":
+        return {
+            "messages": tuple({"role": m.role, "content": m.content} for m in message.chat.messages)
+        }
+    raise InvalidRequest("prompt", "set one of text, token_ids or chat")

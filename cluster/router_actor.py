@@ -1,0 +1,120 @@
+"""The router as a Ray actor: the public gRPC server, its policy, and Ray-backed membership.
+
+A plain class; the cluster wraps it with `ray.remote` and restarts it when it dies, on the same
+port, so clients reconnect to the same endpoint. Workers are Ray actors it holds handles to:
+every `poll_s` it asks each for its address; a worker that answers from a new address (Ray
+restarted it) is attached again (its index starts from a snapshot), one that does not answer is
+detached until it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from cluster.auth import BearerTokenInterceptor
+from cluster.config import ClusterConfig, build
+from cluster.policies import build_policy
+from cluster.router_service import RouterService
+from cluster.worker_links import IdentityRefused, WorkerLinks
+from protos.radixmesh.v1 import serving_pb2_grpc
+from worker.event_loop import EventLoopThread
+from worker.grpc_server import GrpcServer, ServerLimits, TlsConfig, start_server
+from worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RouterActor:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        workers: dict[str, Any],
+        tokenizer_files: dict[str, str],
+        poll_s: float = 0.5,
+    ) -> None:
+        self.config = build(ClusterConfig, config, "")
+        self.workers = workers
+        self.poll_s = poll_s
+        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="radixmesh-tokenizer-")
+        tokenizer = None
+        if "tokenizer.json" in tokenizer_files:
+            for name, text in tokenizer_files.items():
+                (Path(self._tokenizer_dir.name) / name).write_text(text)
+            tokenizer = Tokenizer.from_dir(Path(self._tokenizer_dir.name))
+        self.links = WorkerLinks(build_policy(self.config))
+        self.service = RouterService(
+            self.links, tokenizer, self.config.router, self.config.security
+        )
+        self.loop = EventLoopThread("grpc-router")
+        self.server: GrpcServer = self.loop.run(self._start())
+        self.loop.run(self._sync_members(), timeout=120)
+        self._membership = asyncio.run_coroutine_threadsafe(self._keep_members(), self.loop.loop)
+
+    async def _start(self) -> GrpcServer:
+        router, security = self.config.router, self.config.security
+        tls = None
+        if security.tls_cert and security.tls_key:
+            client_ca = Path(security.tls_client_ca) if security.tls_client_ca else None
+            tls = TlsConfig(Path(security.tls_cert), Path(security.tls_key), client_ca)
+        register = [
+            (serving_pb2_grpc.add_ServingServicer_to_server, self.service, "radixmesh.v1.Serving")
+        ]
+        return await start_server(
+            register,
+            router.host,
+            router.port,
+            ServerLimits(router.max_message_bytes, router.max_concurrent_streams),
+            tls,
+            [BearerTokenInterceptor(security)],
+        )
+
+    async def _sync_members(self) -> None:
+        for name, handle in self.workers.items():
+            try:
+                address = await asyncio.wait_for(
+                    asyncio.wrap_future(handle.address.remote().future()), timeout=5
+                )
+            except Exception as err:  # the actor is dead or restarting: detach until it answers
+                if name in self.links.links:
+                    log.warning("worker %s is not answering (%s)", name, type(err).__name__)
+                    await self.links.detach(name)
+                continue
+            link = self.links.links.get(name)
+            if link is None or link.address != address:
+                try:
+                    await self.links.attach(name, address)
+                except (IdentityRefused, Exception) as err:
+                    log.warning("worker %s at %s not attached: %s", name, address, err)
+
+    async def _keep_members(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self._sync_members()
+
+    def endpoint(self) -> str:
+        return f"{self.config.router.host}:{self.server.port}"
+
+    def healthy_workers(self) -> list[str]:
+        return self.links.healthy
+
+    def drain(self, timeout: float) -> bool:
+        """Stop taking requests; wait up to `timeout` for the streams in flight; stop."""
+        self._membership.cancel()
+
+        async def drain() -> bool:
+            await self.server.set_serving(False)
+            deadline = asyncio.get_running_loop().time() + timeout
+            while self.service.in_flight and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            idle = not self.service.in_flight
+            await self.server.stop(grace=1.0)
+            await self.links.close()
+            return idle
+
+        idle = self.loop.run(drain())
+        self.loop.stop()
+        return idle

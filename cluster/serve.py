@@ -1,0 +1,115 @@
+"""`radixmesh serve`: place the workers and the router on Ray, print the endpoint, serve until
+SIGTERM / Ctrl-C, drain, exit 0.
+
+    RAY_ADDRESS set (e.g. `ray job submit -- radixmesh serve`)  -> that cluster
+    otherwise                                                   -> an embedded Ray on 127.0.0.1
+    workers: one per GPU (num_gpus=1 each), or `workers.count` CPU workers (default 2)
+    router:  the public gRPC endpoint (config `router.host:port`, default 127.0.0.1:50051)
+
+Both are restartable Ray actors: a dead worker is restarted and rejoins the router; a dead
+router is restarted on the same port.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from dataclasses import asdict
+from typing import Any
+
+import ray
+from rich.console import Console
+
+from cluster.config import ClusterConfig
+from cluster.ray_runtime import connect, gpu_count
+from cluster.router_actor import RouterActor
+from worker.actor import WorkerActor
+
+console = Console(stderr=True)
+
+
+def worker_names(count: int) -> list[str]:
+    return [f"worker-{i}" for i in range(count)]
+
+
+def place_workers(config: ClusterConfig) -> dict[str, Any]:
+    gpus = gpu_count()
+    device = config.model.device
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    count = config.workers.count or (gpus if device == "cuda" else 2)
+    metrics = config.metrics
+    handles = {}
+    for index, name in enumerate(worker_names(count)):
+        options: dict[str, Any] = {
+            "name": f"radixmesh-{name}",
+            "max_restarts": config.workers.max_restarts,
+            "num_cpus": config.workers.cpus_per_worker,
+            "num_gpus": 1 if device == "cuda" else 0,
+        }
+        port = None
+        if metrics.enabled:
+            port = metrics.worker_port + index if metrics.worker_port else 0
+        handles[name] = (
+            ray.remote(WorkerActor)
+            .options(**options)
+            .remote(
+                name,
+                config.model.source,
+                asdict(config.engine),
+                device,
+                config.model.dtype,
+                config.workers.host,
+                port,
+                max(1, int(config.workers.cpus_per_worker)),
+            )
+        )
+    return handles
+
+
+def place_router(config: ClusterConfig, workers: dict[str, Any]) -> Any:
+    first = next(iter(workers.values()))
+    tokenizer_files = ray.get(first.tokenizer_files.remote())
+    return (
+        ray.remote(RouterActor)
+        .options(name="radixmesh-router", max_restarts=config.router.max_restarts, num_cpus=0)
+        .remote(config.to_dict(), workers, tokenizer_files)
+    )
+
+
+def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
+    stop = stop or threading.Event()
+    started = connect()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with console.status("starting workers (loading the model)..."):
+            workers = place_workers(config)
+            for name, handle in workers.items():
+                info = ray.get(handle.describe.remote())
+                console.print(f"{name}: gRPC {info['address']}, pid {info['pid']}")
+        with console.status("starting the router..."):
+            router = place_router(config, workers)
+            endpoint = ray.get(router.endpoint.remote())
+        print(f"radixmesh serving on {endpoint}", flush=True)
+        while not stop.wait(0.5):
+            pass
+        console.print("draining...")
+        drained = ray.get(router.drain.remote(config.drain_timeout_s))
+        drained &= all(ray.get([w.drain.remote(config.drain_timeout_s) for w in workers.values()]))
+        for handle in [router, *workers.values()]:
+            ray.kill(handle, no_restart=True)
+        console.print("stopped" + ("" if drained else " (some requests were cut at the deadline)"))
+        return 0
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def main(config_path: str | None) -> int:
+    return serve(ClusterConfig.load(config_path))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -1,0 +1,151 @@
+"""The router's links to its workers: membership, identity checks and the KV-event feed.
+
+`attach(name, address)` connects, asks the worker to Describe itself, refuses it if its cache
+identity scheme differs from the cluster's (version, block size, model revision), adds it to the
+routing policy, and starts feeding its KV events into the policy: subscribe first, then load a
+snapshot (events it already reflects are skipped); a gap in the numbers triggers a new snapshot.
+A failing feed or call detaches the worker (dropped from the policy, index and all); whoever
+knows where the worker lives now (Ray, a test) attaches it again, and it starts from a snapshot.
+All on one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from cache import (
+    IDENTITY_SCHEME_VERSION,
+    BlockHasher,
+    IdentityScheme,
+    KvEvent,
+    KvEventKind,
+    KvSnapshot,
+)
+from cluster.requests import ModelLimits
+from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from router.interface import RoutingPolicy
+
+log = logging.getLogger(__name__)
+
+
+class IdentityRefused(ValueError):
+    """A worker computes block hashes differently from the cluster."""
+
+
+@dataclass
+class WorkerLink:
+    name: str
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    info: worker_pb2.WorkerInfo
+    feed: asyncio.Task[None] | None = None
+    events_applied: int = 0
+    snapshots_loaded: int = 0
+
+
+@dataclass
+class WorkerLinks:
+    policy: RoutingPolicy
+    on_change: Callable[[], None] = lambda: None
+    links: dict[str, WorkerLink] = field(default_factory=dict)
+    scheme: IdentityScheme | None = None
+    hasher: BlockHasher | None = None
+    limits: ModelLimits | None = None
+
+    @property
+    def healthy(self) -> list[str]:
+        return sorted(self.links)
+
+    async def attach(self, name: str, address: str) -> WorkerLink:
+        """Connect and start routing to a worker (replacing any previous link of that name)."""
+        await self.detach(name)
+        channel = grpc.aio.insecure_channel(address)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        try:
+            info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
+            self._check_identity(name, info)
+        except (grpc.aio.AioRpcError, IdentityRefused):
+            await channel.close()
+            raise
+        link = WorkerLink(name, address, channel, stub, info)
+        self.links[name] = link
+        self.policy.add_worker(name, info.total_pages * info.page_size)
+        ready = asyncio.get_running_loop().create_future()
+        link.feed = asyncio.create_task(self._feed(link, ready), name=f"kv-events-{name}")
+        await ready
+        self.on_change()
+        return link
+
+    def _check_identity(self, name: str, info: worker_pb2.WorkerInfo) -> None:
+        theirs = IdentityScheme(info.block_size, info.model_revision, info.identity_version)
+        if info.identity_version != IDENTITY_SCHEME_VERSION:
+            raise IdentityRefused(
+                f"worker {name} uses identity scheme {info.identity_version}, "
+                f"the router {IDENTITY_SCHEME_VERSION}"
+            )
+        if self.scheme is None:
+            self.scheme = theirs
+            self.hasher = BlockHasher(theirs)
+            self.limits = ModelLimits(info.vocab_size, info.max_model_len)
+        else:
+            try:
+                self.scheme.require_compatible(theirs)
+            except ValueError as err:
+                raise IdentityRefused(f"worker {name}: {err}") from err
+            assert self.limits is not None
+            self.limits = ModelLimits(
+                min(self.limits.vocab_size, info.vocab_size),
+                min(self.limits.max_model_len, info.max_model_len),
+            )
+
+    async def detach(self, name: str) -> None:
+        link = self.links.pop(name, None)
+        if link is None:
+            return
+        self.policy.remove_worker(name)
+        if link.feed is not None and link.feed is not asyncio.current_task():
+            link.feed.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await link.feed
+        await link.channel.close()
+        self.on_change()
+        log.warning("worker %s detached", name)
+
+    async def close(self) -> None:
+        for name in list(self.links):
+            await self.detach(name)
+
+    async def _feed(self, link: WorkerLink, ready: asyncio.Future[None]) -> None:
+        stream = link.stub.StreamKvEvents(worker_pb2.StreamKvEventsRequest())
+        try:
+            await self._load_snapshot(link)
+            ready.set_result(None)
+            async for batch in stream:
+                for event in batch.events:
+                    kv_event = KvEvent(
+                        link.name, event.seq, KvEventKind(event.kind), tuple(event.block_hashes)
+                    )
+                    if not self.policy.apply_event(link.name, kv_event):
+                        await self._load_snapshot(link)
+                    link.events_applied += 1
+        except grpc.aio.AioRpcError as err:
+            if not ready.done():
+                ready.set_exception(err)
+            log.warning("KV event feed of %s ended: %s", link.name, err.code())
+        finally:
+            stream.cancel()
+        if self.links.get(link.name) is link:
+            await self.detach(link.name)
+
+    async def _load_snapshot(self, link: WorkerLink) -> None:
+        message = await link.stub.GetSnapshot(worker_pb2.GetSnapshotRequest(), timeout=10)
+        snapshot = KvSnapshot(link.name, message.seq, frozenset(message.block_hashes))
+        self.policy.load_snapshot(link.name, snapshot)
+        link.snapshots_loaded += 1

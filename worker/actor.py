@@ -1,0 +1,104 @@
+"""One worker as a Ray actor: the model, its engine thread and its grpc.aio server.
+
+A plain class; the cluster wraps it with `ray.remote` (one GPU, or CPUs) and restarts it when
+it dies. It binds its gRPC server to `host` on a free port and its metrics to `metrics_port`,
+and tells whoever asks where they are. `drain` stops taking requests (health NOT_SERVING), lets
+the running ones finish (or aborts them at the deadline) and stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protos.radixmesh.v1 import worker_pb2_grpc
+from worker.engine import Engine, EngineConfig
+from worker.event_loop import EventLoopThread
+from worker.grpc_server import GrpcServer, start_server
+from worker.loader import load_model
+from worker.metrics import EngineCollector, serve_metrics
+from worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WorkerActor:
+    def __init__(
+        self,
+        name: str,
+        model_source: str,
+        engine: dict[str, Any],
+        device: str = "cpu",
+        dtype: str | None = None,
+        host: str = "127.0.0.1",
+        metrics_port: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.name = name
+        if dtype is None and device == "cuda":
+            dtype = "bfloat16"
+        loaded = load_model(model_source, DTYPES[dtype] if dtype else None, device)
+        self.checkpoint = loaded.path
+        config = EngineConfig(**{**engine, "model_revision": loaded.revision})
+        self.engine = Engine(loaded.model, loaded.tokenizer, config, source=name)
+        self.engine.start()
+        self.loop = EventLoopThread(f"grpc-{name}")
+        servicer = WorkerServicer(self.engine, name)
+        register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
+        self.server: GrpcServer = self.loop.run(start_server(register, host, 0))
+        self.host = host
+        self.metrics_port = None
+        if metrics_port is not None:
+            self.metrics_port = serve_metrics(
+                EngineCollector(self.engine, name), host, metrics_port
+            )
+        log.info("worker %s serving on %s (pid %d)", name, self.address(), os.getpid())
+
+    def address(self) -> str:
+        return f"{self.host}:{self.server.port}"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "address": self.address(),
+            "metrics_port": self.metrics_port,
+            "pid": os.getpid(),
+            "checkpoint": str(self.checkpoint),
+        }
+
+    def tokenizer_files(self) -> dict[str, str]:
+        """The checkpoint's tokenizer files, for a router that may not share this filesystem."""
+        files = {}
+        for name in TOKENIZER_FILES:
+            path = Path(self.checkpoint) / name
+            if path.is_file():
+                files[name] = path.read_text()
+        return files
+
+    def drain(self, timeout: float) -> bool:
+        """Stop taking requests, wait up to `timeout` for running ones, stop; True if all ended."""
+        self.loop.run(self.server.set_serving(False))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (
+            self.engine.stats().running or self.engine.stats().waiting
+        ):
+            time.sleep(0.05)
+        idle = not (self.engine.stats().running or self.engine.stats().waiting)
+        self.loop.run(self.server.stop(grace=1.0))
+        self.engine.stop()
+        self.loop.stop()
+        return idle

@@ -1,0 +1,70 @@
+"""Prometheus metrics of one worker, read from the engine's counters at scrape time.
+
+Nothing is counted twice: the engine keeps its counters, this collector only exposes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from worker.engine import Engine
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Engine, worker: str) -> None:
+        self.engine = engine
+        self.worker = worker
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.engine.stats()
+        labels = ["worker"]
+        counters = {
+            "radixmesh_worker_requests_finished": ("Requests finished", stats.requests_finished),
+            "radixmesh_worker_prompt_tokens": (
+                "Prompt tokens of finished requests",
+                stats.prompt_tokens,
+            ),
+            "radixmesh_worker_cached_prompt_tokens": (
+                "Prompt tokens served from the prefix cache",
+                stats.cached_prompt_tokens,
+            ),
+            "radixmesh_worker_generated_tokens": ("Tokens generated", stats.generated_tokens),
+            "radixmesh_worker_evicted_pages": (
+                "KV pages evicted from the cache",
+                stats.evicted_pages,
+            ),
+            "radixmesh_worker_preemptions": ("Sequences preempted for pages", stats.preemptions),
+        }
+        for name, (text, value) in counters.items():
+            family = CounterMetricFamily(name, text, labels=labels)
+            family.add_metric([self.worker], value)
+            yield family
+        gauges = {
+            "radixmesh_worker_running": ("Sequences running", stats.running),
+            "radixmesh_worker_waiting": ("Sequences waiting (queue depth)", stats.waiting),
+            "radixmesh_worker_pages_free": ("KV pages free", stats.free_pages),
+            "radixmesh_worker_pages_cached": (
+                "KV pages owned by the prefix cache",
+                stats.cached_pages,
+            ),
+            "radixmesh_worker_pages_private": (
+                "KV pages private to running sequences",
+                stats.private_pages,
+            ),
+        }
+        for name, (text, value) in gauges.items():
+            gauge = GaugeMetricFamily(name, text, labels=labels)
+            gauge.add_metric([self.worker], value)
+            yield gauge
+
+
+def serve_metrics(collector: Collector, host: str, port: int) -> int:
+    """Serve `collector` on http://host:port/metrics; returns the bound port (port 0: any free)."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)
