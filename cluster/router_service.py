@@ -138,7 +138,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 async for response in call:
                     if not started:
                         started = True
-                        self.links.policy.prefill_done(link.name, prepared.request_id)
+                        if self.links.links.get(link.name) is link:
+                            self.links.policy.prefill_done(link.name, prepared.request_id)
                         self.counters.actual_cached_tokens += response.cached_prompt_tokens
                     yield response
                 return
@@ -158,7 +159,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 self.counters.retried += 1
             finally:
                 call.cancel()  # a no-op when the stream ended; frees the worker's pages otherwise
-                self.links.policy.finished(link.name, prepared.request_id)
+                if self.links.links.get(link.name) is link:  # not detached (or replaced) since
+                    self.links.policy.finished(link.name, prepared.request_id)
 
     async def _abort(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str

@@ -1,0 +1,135 @@
+"""A whole cluster in this process: real engines, real gRPC servers on loopback, no Ray.
+
+Workers are engines (each on its own thread) behind the worker gRPC service; the router service
+sits behind its own server with the real interceptors and optional TLS. Everything the Ray
+actors do, minus process placement; tests that need processes and restarts use Ray itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from cluster.auth import BearerTokenInterceptor
+from cluster.config import ClusterConfig, EngineSection, RouterSection, SecuritySection
+from cluster.policies import build_policy
+from cluster.router_service import RouterService
+from cluster.worker_links import WorkerLinks
+from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2_grpc
+from worker.engine import Engine, EngineConfig
+from worker.event_loop import EventLoopThread
+from worker.grpc_server import GrpcServer, ServerLimits, TlsConfig, start_server
+from worker.loader import LoadedModel
+from worker.servicer import WorkerServicer
+
+ENGINE = EngineSection(num_pages=256, page_size=4, max_running=8, max_model_len=512, max_waiting=64)
+
+
+@dataclass
+class LocalCluster:
+    loaded: LoadedModel
+    config: ClusterConfig
+    loop: EventLoopThread
+    links: WorkerLinks
+    service: RouterService
+    router: GrpcServer
+    engines: dict[str, Engine] = field(default_factory=dict)
+    workers: dict[str, GrpcServer] = field(default_factory=dict)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.router.port}"
+
+    def stats(self) -> serving_pb2.GetStatsResponse:
+        metadata = []
+        if self.config.security.auth_tokens:
+            token = next(iter(self.config.security.auth_tokens))
+            metadata = [("authorization", f"Bearer {token}")]
+        credentials = None
+        if self.config.security.tls_cert:
+            credentials = grpc.ssl_channel_credentials(
+                Path(self.config.security.tls_cert).read_bytes()
+            )
+        with (
+            grpc.secure_channel(self.target, credentials)
+            if credentials
+            else grpc.insecure_channel(self.target)
+        ) as channel:
+            stub = serving_pb2_grpc.ServingStub(channel)
+            return stub.GetStats(serving_pb2.GetStatsRequest(), metadata=metadata, timeout=10)
+
+    def add_worker(self, name: str) -> None:
+        config = EngineConfig(
+            **{**vars(self.config.engine), "model_revision": self.loaded.revision}
+        )
+        engine = Engine(self.loaded.model, self.loaded.tokenizer, config, source=name)
+        engine.start()
+        servicer = WorkerServicer(engine, name)
+        register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
+        server = self.loop.run(start_server(register, "127.0.0.1", 0))
+        self.engines[name], self.workers[name] = engine, server
+        self.loop.run(self.links.attach(name, f"127.0.0.1:{server.port}"))
+
+    def kill_worker(self, name: str) -> None:
+        """Stop a worker's server with no grace: what the router sees when its process dies."""
+        self.loop.run(self.workers.pop(name).server.stop(0))
+        self.engines.pop(name).stop()
+
+    def wait_idle(self, timeout: float = 20) -> None:
+        """Until every engine has nothing running or waiting and no private page."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(
+                not (e.stats().running or e.stats().waiting or e.stats().private_pages)
+                for e in self.engines.values()
+            ):
+                return
+            time.sleep(0.02)
+        raise AssertionError(
+            f"engines not idle after {timeout} s: {[e.stats() for e in self.engines.values()]}"
+        )
+
+    def close(self) -> None:
+        self.loop.run(self.router.stop(0))
+        self.loop.run(self.links.close())
+        for name in list(self.workers):
+            self.kill_worker(name)
+        self.loop.stop()
+
+
+def start_cluster(
+    loaded: LoadedModel,
+    workers: int = 2,
+    router: RouterSection | None = None,
+    security: SecuritySection | None = None,
+    engine: EngineSection = ENGINE,
+) -> LocalCluster:
+    config = ClusterConfig(
+        engine=engine,
+        router=router or RouterSection(port=0, policy="cache_aware"),
+        security=security or SecuritySection(),
+    )
+    loop = EventLoopThread("local-cluster")
+    links = WorkerLinks(build_policy(config))
+    service = RouterService(links, loaded.tokenizer, config.router, config.security)
+    tls = None
+    if config.security.tls_cert and config.security.tls_key:
+        tls = TlsConfig(Path(config.security.tls_cert), Path(config.security.tls_key))
+    register = [(serving_pb2_grpc.add_ServingServicer_to_server, service, "radixmesh.v1.Serving")]
+    server = loop.run(
+        start_server(
+            register,
+            "127.0.0.1",
+            0,
+            ServerLimits(config.router.max_message_bytes, config.router.max_concurrent_streams),
+            tls,
+            [BearerTokenInterceptor(config.security)],
+        )
+    )
+    cluster = LocalCluster(loaded, config, loop, links, service, server)
+    for index in range(workers):
+        cluster.add_worker(f"worker-{index}")
+    return cluster
