@@ -1,0 +1,101 @@
+"""The public port: TLS, bearer tokens bound to tenants, and tenants never sharing a cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.client import Client, text_request
+from cluster.config import SecuritySection
+from tests.cluster.certs import make_certificates
+from tests.cluster.local_cluster import LocalCluster, start_cluster
+from worker.loader import LoadedModel, load_model
+from worker.tiny_model import build_tiny_checkpoint
+
+TOKENS = {"token-acme": "acme", "token-globex": "globex", "token-admin": "*"}
+PROMPT = "Every worker keeps a radix tree over its pages, and the router knows which. " * 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def secured(tiny: LoadedModel, certs: dict[str, Path]) -> Iterator[LocalCluster]:
+    security = SecuritySection(
+        tls_cert=str(certs["cert"]), tls_key=str(certs["key"]), auth_tokens=TOKENS
+    )
+    cluster = start_cluster(tiny, security=security)
+    yield cluster
+    cluster.close()
+
+
+def last(client: Client, tenant: str = "", text: str = PROMPT) -> object:
+    request = text_request(text, max_tokens=3, tenant=tenant)
+    return list(client.generate(request, timeout=30))[-1]
+
+
+def test_tls_with_a_valid_token_serves(secured: LocalCluster, certs: dict[str, Path]) -> None:
+    answer = last(Client(secured.target, "token-acme", certs["ca"]))
+    assert answer.finished  # type: ignore[attr-defined]
+
+
+def test_plaintext_is_refused_by_a_tls_server(secured: LocalCluster) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        last(Client(secured.target, "token-acme"))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("token", [None, "", "token-acme-but-wrong", "TOKEN-ACME"])
+def test_a_missing_or_wrong_token_is_unauthenticated(
+    secured: LocalCluster, certs: dict[str, Path], token: str | None
+) -> None:
+    client = Client(secured.target, token, certs["ca"])
+    client.token = token  # not even $RADIXMESH_TOKEN
+    for call in (lambda: last(client), client.stats):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "bearer token" in err.value.details()
+
+
+def test_health_checks_need_no_token(secured: LocalCluster, certs: dict[str, Path]) -> None:
+    credentials = grpc.ssl_channel_credentials(certs["ca"].read_bytes())
+    with grpc.secure_channel(secured.target, credentials) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_token_cannot_reach_another_tenant(secured: LocalCluster, certs: dict[str, Path]) -> None:
+    acme = Client(secured.target, "token-acme", certs["ca"])
+    with pytest.raises(grpc.RpcError) as err:
+        last(acme, tenant="globex")
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "acme" in err.value.details()
+    assert last(acme, tenant="acme").finished  # type: ignore[attr-defined]
+
+
+def test_two_tenants_never_share_cached_tokens(
+    secured: LocalCluster, certs: dict[str, Path]
+) -> None:
+    acme = Client(secured.target, "token-acme", certs["ca"])
+    globex = Client(secured.target, "token-globex", certs["ca"])
+    admin = Client(secured.target, "token-admin", certs["ca"])
+    first = last(acme)
+    assert first.cached_prompt_tokens == 0  # type: ignore[attr-defined]
+    assert last(acme).cached_prompt_tokens > 0  # type: ignore[attr-defined]  # same tenant hits
+    assert last(globex).cached_prompt_tokens == 0  # type: ignore[attr-defined]
+    assert last(admin, tenant="initech").cached_prompt_tokens == 0  # type: ignore[attr-defined]
+    assert last(admin, tenant="acme").cached_prompt_tokens > 0  # type: ignore[attr-defined]
