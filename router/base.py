@@ -1,0 +1,119 @@
+"""What every routing policy shares: membership, the exact block index, unconfirmed routes,
+load in tokens. A policy subclasses `BaseRouter` and writes one method, `choose`.
+
+`route` asks `choose` for a worker, then books the request's predicted prefill work on it and,
+for policies that track blocks, records the route as pending on that worker (router/pending.py).
+The clock is the constructor's `clock` callable (seconds): `time.monotonic` in the router actor,
+the simulated time in benchmarks/router_sim.py. Nothing here is thread-safe; one driver thread
+calls it. Must never import `worker` or torch: the router runs in its own light process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from cache import KvEvent, KvSnapshot
+from router.block_index import BlockIndex
+from router.config import RouterConfig
+from router.errors import NoWorkers
+from router.interface import RouteDecision, RouteRequest, WorkerId, WorkerLoad
+from router.load import LoadBook
+from router.members import Members
+from router.pending import PendingRoutes
+
+Clock = Callable[[], float]
+
+
+class BaseRouter:
+    name = "base"
+    tracks_blocks = True
+    """Whether KV events feed an exact block index (False: events are acknowledged, unused)."""
+
+    def __init__(self, config: RouterConfig | None = None, clock: Clock = time.monotonic) -> None:
+        """`clock`: seconds, monotonic (the simulator passes its simulated time)."""
+        self.config = config = config or RouterConfig()
+        self.prefill_rate = config.prefill_rate
+        self.block_tokens = config.block_tokens
+        self.clock = clock
+        self.members = Members()
+        self.index = BlockIndex()
+        self.pending = PendingRoutes(config.pending_ttl_s, config.pending_grace_s)
+        self.loads = LoadBook(config.prefill_rate)
+
+    # -- membership ----------------------------------------------------------------------------
+    def add_worker(self, worker: WorkerId, capacity_tokens: int) -> None:
+        bit = self.members.add(worker, capacity_tokens)
+        self.index.add(worker, bit)
+        self.loads.add(worker, capacity_tokens)
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        """Drop the worker, its index (O(its blocks)), its pending routes and its load."""
+        bit = self.members.remove(worker)
+        self.index.remove(worker)
+        self.pending.drop_worker(bit)
+        self.loads.remove(worker)
+
+    # -- what workers hold ---------------------------------------------------------------------
+    def apply_event(self, worker: WorkerId, event: KvEvent) -> bool:
+        """Apply the worker's next KV event; False after a gap: call `load_snapshot`."""
+        self.members.require(worker)
+        return self.index.apply(worker, event) if self.tracks_blocks else True
+
+    def load_snapshot(self, worker: WorkerId, snapshot: KvSnapshot) -> None:
+        self.members.require(worker)
+        if self.tracks_blocks:
+            self.index.load_snapshot(worker, snapshot)
+
+    # -- requests ------------------------------------------------------------------------------
+    def route(self, request: RouteRequest) -> RouteDecision:
+        if not self.members:
+            raise NoWorkers(request.request_id)
+        now = self.clock()
+        if self.tracks_blocks:
+            self.pending.expire(now)
+        decision = self.choose(request, now)
+        worker = decision.worker
+        cached = min(decision.predicted_cached_tokens, request.num_tokens)
+        self.loads.routed(
+            request.request_id, worker, request.num_tokens - cached, request.num_tokens, now
+        )
+        if self.tracks_blocks and request.block_hashes:
+            bit = self.members.bit[worker]
+            held = self.index.depth(bit, request.block_hashes)
+            self.pending.add(request.request_id, bit, request.block_hashes[held:], now)
+        return decision
+
+    def choose(self, request: RouteRequest, now: float) -> RouteDecision:
+        """The policy: pick a worker for `request` (there is at least one)."""
+        raise NotImplementedError
+
+    def prefill_done(self, worker: WorkerId, request_id: str) -> None:
+        """The request's prompt is computed: its work leaves the worker's queue."""
+        self.members.require(worker)
+        now = self.clock()
+        self.loads.prefill_done(request_id, now)
+        self.pending.settle(request_id, now)
+
+    def finished(self, worker: WorkerId, request_id: str) -> None:
+        """The request is over: its KV occupancy is released. Unknown ids are ignored."""
+        self.members.require(worker)
+        now = self.clock()
+        self.loads.finished(request_id, now)
+        self.pending.settle(request_id, now)
+
+    def report_load(self, worker: WorkerId, load: WorkerLoad) -> None:
+        self.members.require(worker)
+        self.loads.workers[worker].reported = load
+
+    # -- reports -------------------------------------------------------------------------------
+    def index_bytes(self) -> int:
+        """Bytes held by the block index and the pending routes (counted, not sampled)."""
+        if not self.tracks_blocks:
+            return 0
+        return self.index.nbytes() + self.pending.nbytes()
+
+    def predicted_tokens(self, blocks: int, request: RouteRequest) -> int:
+        """Tokens a worker holding `blocks` leading blocks serves from cache (never the last
+        prompt token: its logits are needed)."""
+        return max(0, min(blocks * self.block_tokens, request.num_tokens - 1))

@@ -1,0 +1,105 @@
+"""The exact block index: which routing blocks each worker holds, from its KV events.
+
+Per worker a `cache.BlockSetIndex` applies `stored` / `removed` / `cleared` events in sequence
+order and notices a gap; beside it, `holders` maps each block hash to the mask of workers that
+hold it, so one walk down a request's chained hashes finds every worker's match length at once.
+Removing a worker, or a `cleared` event, costs O(that worker's blocks), not O(the cluster).
+
+Must never guess: a block is in a worker's set only if that worker's events (or snapshot) said
+so. Stale-but-unconfirmed knowledge lives in `router/pending.py`, not here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cache import BlockSetIndex, KvEvent, KvEventKind, KvSnapshot
+from router.interface import WorkerId
+
+INT_BYTES = sys.getsizeof(1 << 63)
+"""A 64-bit block hash as a Python int object."""
+
+
+class BlockIndex:
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}
+        """Block hash -> mask of the workers whose events say they hold it."""
+        self._sets: dict[WorkerId, BlockSetIndex] = {}
+        self._bits: dict[WorkerId, int] = {}
+
+    def add(self, worker: WorkerId, bit: int) -> None:
+        self._sets[worker] = BlockSetIndex(worker)
+        self._bits[worker] = bit
+
+    def remove(self, worker: WorkerId) -> None:
+        """Drop the worker's blocks: O(its size)."""
+        self._forget(self._bits.pop(worker), self._sets.pop(worker).blocks)
+
+    def apply(self, worker: WorkerId, event: KvEvent) -> bool:
+        """Apply the worker's next event; False after a gap (until `load_snapshot`)."""
+        index = self._sets[worker]
+        before = index.seq
+        cleared = set(index.blocks) if event.kind is KvEventKind.CLEARED else None
+        ok = index.apply(event)
+        if index.seq == before:
+            return ok  # a gap (ignored), or a redelivery already reflected
+        mask = 1 << self._bits[worker]
+        if event.kind is KvEventKind.STORED:
+            holders = self.holders
+            get = holders.get
+            for block in event.block_hashes:
+                holders[block] = get(block, 0) | mask
+        elif event.kind is KvEventKind.REMOVED:
+            self._forget(self._bits[worker], event.block_hashes)
+        else:
+            assert cleared is not None
+            self._forget(self._bits[worker], cleared)
+        return True
+
+    def load_snapshot(self, worker: WorkerId, snapshot: KvSnapshot) -> None:
+        """Replace the worker's set by `snapshot` (after a gap, or on (re)join)."""
+        index = self._sets[worker]
+        old = index.blocks
+        index.load_snapshot(snapshot)
+        bit = self._bits[worker]
+        self._forget(bit, old - index.blocks)
+        mask = 1 << bit
+        holders = self.holders
+        for block in index.blocks - old:
+            holders[block] = holders.get(block, 0) | mask
+
+    def _forget(self, bit: int, blocks: object) -> None:
+        holders = self.holders
+        keep = ~(1 << bit)
+        for block in blocks:  # type: ignore[attr-defined]
+            mask = holders.get(block, 0) & keep
+            if mask:
+                holders[block] = mask
+            else:
+                holders.pop(block, None)
+
+    def in_sync(self, worker: WorkerId) -> bool:
+        return self._sets[worker].in_sync
+
+    def blocks(self, worker: WorkerId) -> int:
+        """How many blocks the worker holds, as its events say."""
+        return len(self._sets[worker].blocks)
+
+    def holds(self, worker: WorkerId, block: int) -> bool:
+        return block in self._sets[worker].blocks
+
+    def depth(self, bit: int, hashes: tuple[int, ...]) -> int:
+        """How many leading blocks of `hashes` the worker of `bit` holds."""
+        mask, get = 1 << bit, self.holders.get
+        for i, block in enumerate(hashes):
+            if not get(block, 0) & mask:
+                return i
+        return len(hashes)
+
+    def nbytes(self) -> int:
+        """Bytes held: every set's and the holders dict's tables, one int per distinct block,
+        and one mask per block once masks outgrow CPython's cached small ints (bit 8 up)."""
+        tables = sum(sys.getsizeof(index.blocks) for index in self._sets.values())
+        widest = max(self._bits.values(), default=0)
+        mask = 0 if widest < 8 else sys.getsizeof(1 << widest)
+        return tables + sys.getsizeof(self.holders) + (INT_BYTES + mask) * len(self.holders)

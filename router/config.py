@@ -1,0 +1,32 @@
+"""The router's configuration, shared by every policy: one frozen dataclass, validated once.
+
+A policy's own knobs (thresholds, weights) are keyword arguments of its constructor, with the
+published or measured defaults beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    prefill_rate: float = 8000.0
+    """A worker's prefill speed in tokens/s: turns queued tokens into seconds of waiting."""
+    block_tokens: int = 16
+    """Tokens per routing block: the workers' `IdentityScheme.block_size`."""
+    pending_ttl_s: float = 60.0
+    """The longest an unconfirmed route counts as cached on its worker."""
+    pending_grace_s: float = 1.0
+    """How long after its prefill a route still counts, while its `stored` event travels."""
+
+    def __post_init__(self) -> None:
+        if self.prefill_rate <= 0:
+            raise ValueError(f"prefill_rate must be > 0 tokens/s, got {self.prefill_rate}")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+        if self.pending_ttl_s <= 0 or self.pending_grace_s < 0:
+            raise ValueError(
+                f"need pending_ttl_s > 0 and pending_grace_s >= 0, "
+                f"got {self.pending_ttl_s}, {self.pending_grace_s}"
+            )

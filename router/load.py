@@ -1,0 +1,111 @@
+"""Load in tokens, counted at the moment of routing, from the router's own routes.
+
+Per worker: prefill tokens routed there and not yet computed (as predicted when routed), the KV
+of requests prefilled and not finished, requests in flight, and `free_at`, the time its queued
+prefill work should be done if it drains at `prefill_rate` tokens/s from the last moment the
+router knew exactly where the worker stood (a route to an idle worker, or a `prefill_done`).
+`free_at` does not change as time passes, so ordering workers by it never goes stale.
+
+A worker's own `WorkerLoad` report, when the driver has one, is kept beside the router's count
+and never replaces it: a report arrives after the fact, and a router that waits for it sends a
+whole burst to the worker that looked idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.interface import WorkerId, WorkerLoad
+
+
+@dataclass(slots=True)
+class WorkerState:
+    capacity_tokens: int
+    queued_tokens: int = 0
+    """Predicted prefill tokens routed here and not yet computed."""
+    queued_requests: int = 0
+    running: int = 0
+    """Requests routed here and not finished."""
+    kv_tokens: int = 0
+    """KV positions of requests prefilled here and not finished."""
+    free_at: float = 0.0
+    """When the queued prefill work should be done (seconds on the policy's clock)."""
+    routed_tokens: int = 0
+    """Prefill tokens ever routed here (a counter for reports)."""
+    reported: WorkerLoad | None = None
+
+
+@dataclass(slots=True)
+class _Route:
+    worker: WorkerId
+    prefill_tokens: int
+    kv_tokens: int
+    prefilled: bool = False
+
+
+class LoadBook:
+    def __init__(self, prefill_rate: float) -> None:
+        if prefill_rate <= 0:
+            raise ValueError(f"prefill_rate must be > 0 tokens/s, got {prefill_rate}")
+        self.prefill_rate = prefill_rate
+        self.workers: dict[WorkerId, WorkerState] = {}
+        self._routes: dict[str, _Route] = {}
+
+    def add(self, worker: WorkerId, capacity_tokens: int) -> None:
+        self.workers[worker] = WorkerState(capacity_tokens)
+
+    def remove(self, worker: WorkerId) -> None:
+        del self.workers[worker]
+        for request_id in [r for r, route in self._routes.items() if route.worker == worker]:
+            del self._routes[request_id]
+
+    def routed(
+        self, request_id: str, worker: WorkerId, prefill_tokens: int, kv_tokens: int, now: float
+    ) -> None:
+        state = self.workers[worker]
+        self._routes[request_id] = _Route(worker, prefill_tokens, kv_tokens)
+        start = now if state.queued_requests == 0 else max(state.free_at, now)
+        state.free_at = start + prefill_tokens / self.prefill_rate
+        state.queued_tokens += prefill_tokens
+        state.queued_requests += 1
+        state.running += 1
+        state.routed_tokens += prefill_tokens
+
+    def prefill_done(self, request_id: str, now: float) -> bool:
+        """False if the request is unknown or already prefilled."""
+        route = self._routes.get(request_id)
+        if route is None or route.prefilled:
+            return False
+        route.prefilled = True
+        state = self.workers[route.worker]
+        state.queued_tokens -= route.prefill_tokens
+        state.queued_requests -= 1
+        state.kv_tokens += route.kv_tokens
+        # FCFS: the next queued prefill starts now; what remains is exactly the queue
+        state.free_at = now + state.queued_tokens / self.prefill_rate
+        return True
+
+    def finished(self, request_id: str, now: float) -> bool:
+        """False if the request is unknown (finished already, or routed before a restart)."""
+        route = self._routes.get(request_id)
+        if route is None:
+            return False
+        del self._routes[request_id]
+        state = self.workers[route.worker]
+        state.running -= 1
+        if route.prefilled:
+            state.kv_tokens -= route.kv_tokens
+            return True
+        # aborted before its prefill was done: its predicted work leaves the queue
+        state.queued_tokens -= route.prefill_tokens
+        state.queued_requests -= 1
+        state.free_at = (
+            max(now, state.free_at - route.prefill_tokens / self.prefill_rate)
+            if state.queued_requests
+            else now
+        )
+        return True
+
+    def worker_of(self, request_id: str) -> WorkerId | None:
+        route = self._routes.get(request_id)
+        return None if route is None else route.worker
