@@ -1,11 +1,22 @@
 """Wiring: configuration, Ray bootstrap, the command line and the load-test harness.
 
-Importing this package sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 unless already set: Ray binds
-every network interface otherwise, even with node_ip_address=127.0.0.1, and it reads the
-variable when `ray` is imported (the processes Ray starts inherit it). A package's __init__ runs
-before any of its modules, so no import order inside cluster/ can undo it.
+Importing this package prepares the environment Ray reads when `ray` is imported (and that the
+processes Ray starts inherit). A package's __init__ runs before any of its modules, so no import
+order inside cluster/ can undo it:
+
+- RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 unless set: Ray binds every network interface otherwise,
+  even with node_ip_address=127.0.0.1.
+- RAY_AUTH_MODE=token when joining a cluster (RAY_ADDRESS set) whose token is at hand
+  (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) and no mode was chosen: a cluster
+  started with `ray start` uses token authentication, and a driver sends the token only in that
+  mode.
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+if os.environ.get("RAY_ADDRESS") and "RAY_AUTH_MODE" not in os.environ:
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"

@@ -7,10 +7,11 @@ import time
 from cluster.config import ClusterConfig
 from router.config import RouterConfig
 from router.interface import RoutingPolicy
-from router.round_robin import RoundRobin
+from router.policies import make_policy
 
 
 def build_policy(config: ClusterConfig) -> RoutingPolicy:
+    """`config.router.policy` over routing blocks of the workers' block size (one config, so
+    router and workers agree by construction); raises UnknownPolicy naming the known ones."""
     router_config = RouterConfig(block_tokens=config.engine.block_size)
-    policy: RoutingPolicy = RoundRobin(router_config, time.monotonic)
-    return policy
+    return make_policy(config.router.policy, router_config, time.monotonic)

@@ -13,6 +13,9 @@ import os
 
 import ray
 
+NAMESPACE = "radixmesh"
+"""Ray namespace of the cluster's named actors (radixmesh-router, radixmesh-worker-N)."""
+
 
 def connect(num_cpus: int | None = None) -> bool:
     """Connect to Ray; True when this call started an embedded cluster (the caller stops it)."""
@@ -20,11 +23,12 @@ def connect(num_cpus: int | None = None) -> bool:
         return False
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
         return False
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,
+        namespace=NAMESPACE,
         _node_ip_address="127.0.0.1",
         logging_level=logging.WARNING,
     )

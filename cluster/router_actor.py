@@ -18,11 +18,13 @@ from typing import Any
 from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, build
 from cluster.policies import build_policy
+from cluster.router_metrics import RouterCollector
 from cluster.router_service import RouterService
 from cluster.worker_links import IdentityRefused, WorkerLinks
 from protos.radixmesh.v1 import serving_pb2_grpc
 from worker.event_loop import EventLoopThread
 from worker.grpc_server import GrpcServer, ServerLimits, TlsConfig, start_server
+from worker.metrics import serve_metrics
 from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,11 @@ class RouterActor:
         )
         self.loop = EventLoopThread("grpc-router")
         self.server: GrpcServer = self.loop.run(self._start())
+        self.metrics_port = None
+        if self.config.metrics.enabled:
+            metrics = self.config.metrics
+            collector = RouterCollector(self.service)
+            self.metrics_port = serve_metrics(collector, metrics.host, metrics.router_port)
         self.loop.run(self._sync_members(), timeout=120)
         self._membership = asyncio.run_coroutine_threadsafe(self._keep_members(), self.loop.loop)
 
@@ -97,6 +104,9 @@ class RouterActor:
 
     def endpoint(self) -> str:
         return f"{self.config.router.host}:{self.server.port}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint(), "metrics_port": self.metrics_port}
 
     def healthy_workers(self) -> list[str]:
         return self.links.healthy

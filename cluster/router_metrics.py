@@ -1,0 +1,59 @@
+"""Prometheus metrics of the router, read from the service's counters at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cluster.router_service import RouterService
+
+
+class RouterCollector(Collector):
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        c = self.service.counters
+        counters = {
+            "radixmesh_router_routing_decisions": ("Routing decisions made", c.routed),
+            "radixmesh_router_retries": ("Requests retried on another worker", c.retried),
+            "radixmesh_router_predicted_cached_tokens": (
+                "Prompt tokens the policy expected workers to serve from cache",
+                c.predicted_cached_tokens,
+            ),
+            "radixmesh_router_cached_tokens": (
+                "Prompt tokens workers served from cache",
+                c.actual_cached_tokens,
+            ),
+            "radixmesh_router_decision_seconds": (
+                "Time spent choosing workers",
+                c.decision_seconds,
+            ),
+        }
+        for name, (text, value) in counters.items():
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], value)
+            yield family
+        requests = CounterMetricFamily(
+            "radixmesh_router_requests", "Generate calls by final status", labels=["status"]
+        )
+        for status, count in sorted(c.by_status.items()):
+            requests.add_metric([status], count)
+        yield requests
+        gauges = {
+            "radixmesh_router_in_flight": ("Generate calls in flight", len(self.service.in_flight)),
+            "radixmesh_router_healthy_workers": (
+                "Workers routed to",
+                len(self.service.links.links),
+            ),
+            "radixmesh_router_index_bytes": (
+                "Memory of the per-worker block indexes",
+                self.service.links.policy.index_bytes(),
+            ),
+        }
+        for name, (text, value) in gauges.items():
+            gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], value)
+            yield gauge
