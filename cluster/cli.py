@@ -112,10 +112,10 @@ def chat(args: argparse.Namespace, client: Client) -> int:
 def stats(args: argparse.Namespace, client: Client) -> int:
     response = client.stats()
     table = Table(title=f"radixmesh at {args.target}: policy {response.policy}")
-    columns = ["worker", "healthy", "requests", "prompt tok", "cached tok", "generated", "running",
-               "queued", "pages free", "cached", "private", "evicted", "preempted"]  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="right")
+    table.add_column("worker", no_wrap=True)
+    for column in ("ok", "reqs", "prompt", "cached", "gen", "run", "queue", "free pg",
+                   "cached pg", "priv pg", "evicted", "preempt"):  # fmt: skip
+        table.add_column(column, justify="right", no_wrap=True)
     for w in response.workers:
         table.add_row(
             w.worker, "yes" if w.healthy else "NO", str(w.requests_finished), str(w.prompt_tokens),
@@ -123,7 +123,7 @@ def stats(args: argparse.Namespace, client: Client) -> int:
             f"{w.free_pages}/{w.total_pages}", str(w.cached_pages), str(w.private_pages),
             str(w.evicted_pages), str(w.preemptions),
         )  # fmt: skip
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
     print(
         f"routed {response.requests_routed}, retried {response.requests_retried}, in flight "
         f"{response.requests_in_flight}; cached tokens predicted {response.predicted_cached_tokens}"

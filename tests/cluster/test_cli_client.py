@@ -1,0 +1,64 @@
+"""`radixmesh generate`, `chat` and `stats` as a user runs them: subprocesses against a server."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.local_cluster import LocalCluster, start_cluster
+from worker.loader import load_model
+from worker.tiny_model import build_tiny_checkpoint
+
+SCRIPT = shutil.which("radixmesh", path=str(Path(sys.executable).parent))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    running = start_cluster(load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))))
+    yield running
+    running.close()
+
+
+def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    assert SCRIPT is not None
+    return subprocess.run(
+        [SCRIPT, *args], input=stdin, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_generate_streams_the_answer_and_reports_the_cache(cluster: LocalCluster) -> None:
+    args = ["generate", "The router", "--target", cluster.target, "--max-tokens", "12"]
+    first, second = run(*args, "--raw"), run(*args, "--raw")
+    assert first.returncode == 0 and first.stdout.strip()
+    assert first.stdout == second.stdout  # greedy
+    assert "0 from cache" in first.stderr and "worker-" in first.stderr
+    chat = run(*args)  # through the chat template
+    assert chat.returncode == 0 and chat.stdout.strip()
+
+
+def test_chat_keeps_the_conversation_and_hits_the_cache(cluster: LocalCluster) -> None:
+    out = run("chat", "--target", cluster.target, "--max-tokens", "8", stdin="Hello\nAnd then?\n\n")
+    assert out.returncode == 0
+    reports = [line for line in out.stderr.splitlines() if "from cache" in line]
+    assert len(reports) == 2
+    assert "0 from cache" not in reports[1]  # the second turn resends the first
+
+
+def test_stats_prints_every_worker(cluster: LocalCluster) -> None:
+    run("generate", "warm", "--target", cluster.target, "--max-tokens", "2", "--raw")
+    out = run("stats", "--target", cluster.target)
+    assert out.returncode == 0
+    assert "worker-0" in out.stdout and "worker-1" in out.stdout and "routed" in out.stdout
+
+
+def test_errors_are_reported_with_their_status(cluster: LocalCluster) -> None:
+    out = run("generate", "x", "--target", cluster.target, "--temperature", "-1")
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT" in out.stderr and "temperature" in out.stderr
+    down = run("stats", "--target", "127.0.0.1:1")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
