@@ -17,6 +17,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
@@ -242,6 +243,11 @@ class Engine:
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
+            else:
+                # Hand the GIL to whoever streams this step's outputs (gRPC loop, client
+                # threads) before computing the next step: on a small model a step is mostly
+                # Python and would otherwise hold it (measured: +5 -> +3 ms TTFT through gRPC).
+                time.sleep(0)
         self._drain_inbox()
         for state in list(self._requests.values()):
             self._abort(state, FINISH_ABORT)
