@@ -26,3 +26,10 @@ def test_console_script_rejects_unknown_flag() -> None:
     )
     assert out.returncode == 2
     assert "--no-such-flag" in out.stderr
+
+
+def test_the_example_config_is_the_defaults() -> None:
+    from cluster.config import ClusterConfig
+
+    example = Path(__file__).resolve().parents[2] / "docs" / "radixmesh.example.yaml"
+    assert ClusterConfig.load(example) == ClusterConfig()
