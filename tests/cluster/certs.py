@@ -17,7 +17,8 @@ def _name(common: str) -> x509.Name:
 
 
 def make_certificates(directory: Path) -> dict[str, Path]:
-    """Write ca.pem, server.pem and server.key into `directory`; returns their paths."""
+    """Write ca.pem, server.pem/key and client.pem/key (signed by the CA) and rogue.pem/key
+    (self-signed) into `directory`; returns their paths."""
     now = datetime.datetime.now(datetime.UTC)
     later = now + datetime.timedelta(days=1)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -45,18 +46,40 @@ def make_certificates(directory: Path) -> dict[str, Path]:
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    paths = {
-        "ca": directory / "ca.pem",
-        "cert": directory / "server.pem",
-        "key": directory / "server.key",
-    }
+    paths = {"ca": directory / "ca.pem"}
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    paths["key"].write_bytes(
+    _write(directory, "server", server, key, paths)
+    for name, issuer_key in (("client", ca_key), ("rogue", None)):
+        leaf_key = ec.generate_private_key(ec.SECP256R1())
+        leaf = (
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(ca.subject if issuer_key else _name(name))
+            .public_key(leaf_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now)
+            .not_valid_after(later)
+            .sign(issuer_key or leaf_key, hashes.SHA256())
+        )
+        _write(directory, name, leaf, leaf_key, paths)
+    return paths
+
+
+def _write(
+    directory: Path,
+    name: str,
+    cert: x509.Certificate,
+    key: ec.EllipticCurvePrivateKey,
+    paths: dict[str, Path],
+) -> None:
+    prefix = "" if name == "server" else f"{name}_"
+    paths[f"{prefix}cert"] = directory / f"{name}.pem"
+    paths[f"{prefix}key"] = directory / f"{name}.key"
+    paths[f"{prefix}cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[f"{prefix}key"].write_bytes(
         key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
     )
-    return paths

@@ -117,7 +117,12 @@ def start_cluster(
     service = RouterService(links, loaded.tokenizer, config.router, config.security)
     tls = None
     if config.security.tls_cert and config.security.tls_key:
-        tls = TlsConfig(Path(config.security.tls_cert), Path(config.security.tls_key))
+        client_ca = config.security.tls_client_ca
+        tls = TlsConfig(
+            Path(config.security.tls_cert),
+            Path(config.security.tls_key),
+            Path(client_ca) if client_ca else None,
+        )
     register = [(serving_pb2_grpc.add_ServingServicer_to_server, service, "radixmesh.v1.Serving")]
     server = loop.run(
         start_server(

@@ -99,3 +99,47 @@ def test_two_tenants_never_share_cached_tokens(
     assert last(globex).cached_prompt_tokens == 0  # type: ignore[attr-defined]
     assert last(admin, tenant="initech").cached_prompt_tokens == 0  # type: ignore[attr-defined]
     assert last(admin, tenant="acme").cached_prompt_tokens > 0  # type: ignore[attr-defined]
+
+
+def test_mutual_tls_needs_a_client_certificate_from_the_ca(
+    tiny: LoadedModel, certs: dict[str, Path]
+) -> None:
+    security = SecuritySection(
+        tls_cert=str(certs["cert"]), tls_key=str(certs["key"]), tls_client_ca=str(certs["ca"])
+    )
+    cluster = start_cluster(tiny, security=security)
+    try:
+        root = certs["ca"].read_bytes()
+
+        def ask(cert: str | None) -> grpc.StatusCode:
+            credentials = grpc.ssl_channel_credentials(
+                root,
+                certs[f"{cert}_key"].read_bytes() if cert else None,
+                certs[f"{cert}_cert"].read_bytes() if cert else None,
+            )
+            with grpc.secure_channel(cluster.target, credentials) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    return grpc.StatusCode.OK
+                except grpc.RpcError as err:
+                    return err.code()
+
+        assert ask("client") == grpc.StatusCode.OK
+        assert ask(None) == grpc.StatusCode.UNAVAILABLE
+        assert ask("rogue") == grpc.StatusCode.UNAVAILABLE
+    finally:
+        cluster.close()
+
+
+def test_oversized_messages_are_refused(tiny: LoadedModel) -> None:
+    from cluster.config import RouterSection
+
+    cluster = start_cluster(tiny, router=RouterSection(port=0, max_message_bytes=2048))
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            last(Client(cluster.target), text="x" * 10_000)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert last(Client(cluster.target), text="small").finished  # type: ignore[attr-defined]
+    finally:
+        cluster.close()
