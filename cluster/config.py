@@ -56,6 +56,8 @@ class WorkersSection:
     """None: one per GPU, or 2 CPU workers on a machine without GPUs."""
     cpus_per_worker: float = 1.0
     host: str = "127.0.0.1"
+    """Where workers bind gRPC; 0.0.0.0 binds every interface and advertises the node's IP
+    (multi-node clusters: the router reaches workers on other nodes)."""
     max_restarts: int = -1
     """Ray restarts a dead worker this many times (-1: always)."""
 
@@ -69,6 +71,9 @@ class RouterSection:
     """Requests beyond this are refused at once with RESOURCE_EXHAUSTED (backpressure)."""
     max_retries: int = 2
     """Other workers tried when a worker fails before a request's first token."""
+    resource: str | None = None
+    """A custom Ray resource that pins the router to the nodes offering it (e.g. the Kubernetes
+    head pod, where the Service points); None: anywhere."""
     max_message_bytes: int = 4 << 20
     max_concurrent_streams: int = 64
     """Per client connection."""

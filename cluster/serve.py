@@ -71,9 +71,16 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
 def place_router(config: ClusterConfig, workers: dict[str, Any]) -> Any:
     first = next(iter(workers.values()))
     tokenizer_files = ray.get(first.tokenizer_files.remote())
+    options: dict[str, Any] = {
+        "name": "radixmesh-router",
+        "max_restarts": config.router.max_restarts,
+        "num_cpus": 0,
+    }
+    if config.router.resource:
+        options["resources"] = {config.router.resource: 0.01}
     return (
         ray.remote(RouterActor)
-        .options(name="radixmesh-router", max_restarts=config.router.max_restarts, num_cpus=0)
+        .options(**options)
         .remote(config.to_dict(), workers, tokenizer_files)
     )
 

@@ -36,6 +36,16 @@ SWITCH_INTERVAL_S = 0.0005
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def advertised_host(host: str) -> str:
+    """The address others reach a server bound to `host` at: a wildcard bind (0.0.0.0, ::) is
+    reached at this node's IP, as Ray knows it (in Kubernetes, the pod IP)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    import ray  # noqa: PLC0415 - only a wildcard bind inside a Ray actor needs it
+
+    return str(ray.util.get_node_ip_address())
+
+
 class WorkerActor:
     def __init__(
         self,
@@ -66,7 +76,7 @@ class WorkerActor:
         servicer = WorkerServicer(self.engine, name)
         register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
         self.server: GrpcServer = self.loop.run(start_server(register, host, 0))
-        self.host = host
+        self.host = advertised_host(host)
         self.metrics_port = None
         if metrics_port is not None:
             self.metrics_port = serve_metrics(
