@@ -18,6 +18,7 @@ from typing import Any
 from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, build
 from cluster.policies import build_policy
+from cluster.router_admin import AdminService
 from cluster.router_metrics import RouterCollector
 from cluster.router_service import RouterService
 from cluster.worker_links import IdentityRefused, WorkerLinks
@@ -67,8 +68,10 @@ class RouterActor:
         if security.tls_cert and security.tls_key:
             client_ca = Path(security.tls_client_ca) if security.tls_client_ca else None
             tls = TlsConfig(Path(security.tls_cert), Path(security.tls_key), client_ca)
+        admin = AdminService(self.links, self.config)
         register = [
-            (serving_pb2_grpc.add_ServingServicer_to_server, self.service, "radixmesh.v1.Serving")
+            (serving_pb2_grpc.add_ServingServicer_to_server, self.service, "radixmesh.v1.Serving"),
+            (serving_pb2_grpc.add_AdminServicer_to_server, admin, "radixmesh.v1.Admin"),
         ]
         return await start_server(
             register,

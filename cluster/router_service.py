@@ -196,7 +196,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 answer.address = link.address
                 workers.append(answer)
         c = self.counters
+        limits = self.links.limits
         return serving_pb2.GetStatsResponse(
+            vocab_size=limits.vocab_size if limits else 0,
+            max_model_len=limits.max_model_len if limits else 0,
             policy=self.links.policy.name,
             requests_routed=c.routed,
             requests_retried=c.retried,

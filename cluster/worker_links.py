@@ -118,6 +118,14 @@ class WorkerLinks:
         self.on_change()
         log.warning("worker %s detached", name)
 
+    async def replace_policy(self, policy: RoutingPolicy) -> None:
+        """Route with `policy` from now on; its index starts from each worker's snapshot."""
+        self.policy = policy
+        for link in list(self.links.values()):
+            policy.add_worker(link.name, link.info.total_pages * link.info.page_size)
+            await self._load_snapshot(link)
+        self.on_change()
+
     async def close(self) -> None:
         for name in list(self.links):
             await self.detach(name)

@@ -144,6 +144,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine.abort(request.request_id)
         return serving_pb2.AbortResponse(found=found)
 
+    async def ClearCache(
+        self, request: serving_pb2.ClearCachesRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.ClearCachesResponse:
+        def clear() -> int | None:
+            if self.engine.cache.live:
+                return None
+            return self.engine.cache.tree.clear()
+
+        freed = await self._on_engine(clear)
+        if freed is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "requests are running; clear when idle"
+            )
+        return serving_pb2.ClearCachesResponse(pages_freed=freed or 0)
+
 
 def worker_stats(engine: Engine, name: str, address: str = "") -> serving_pb2.WorkerStats:
     stats = engine.stats()

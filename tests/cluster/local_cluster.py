@@ -16,6 +16,7 @@ import grpc
 from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, EngineSection, RouterSection, SecuritySection
 from cluster.policies import build_policy
+from cluster.router_admin import AdminService
 from cluster.router_service import RouterService
 from cluster.worker_links import WorkerLinks
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2_grpc
@@ -123,7 +124,14 @@ def start_cluster(
             Path(config.security.tls_key),
             Path(client_ca) if client_ca else None,
         )
-    register = [(serving_pb2_grpc.add_ServingServicer_to_server, service, "radixmesh.v1.Serving")]
+    register = [
+        (serving_pb2_grpc.add_ServingServicer_to_server, service, "radixmesh.v1.Serving"),
+        (
+            serving_pb2_grpc.add_AdminServicer_to_server,
+            AdminService(links, config),
+            "radixmesh.v1.Admin",
+        ),
+    ]
     server = loop.run(
         start_server(
             register,

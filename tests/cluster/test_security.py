@@ -143,3 +143,24 @@ def test_oversized_messages_are_refused(tiny: LoadedModel) -> None:
         assert last(Client(cluster.target), text="small").finished  # type: ignore[attr-defined]
     finally:
         cluster.close()
+
+
+def test_admin_calls_need_an_all_tenant_token(
+    secured: LocalCluster, certs: dict[str, Path]
+) -> None:
+    from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
+
+    credentials = grpc.ssl_channel_credentials(certs["ca"].read_bytes())
+    with grpc.secure_channel(secured.target, credentials) as channel:
+        admin = serving_pb2_grpc.AdminStub(channel)
+        request = serving_pb2.SetPolicyRequest(policy="round_robin")
+        with pytest.raises(grpc.RpcError) as err:
+            admin.SetPolicy(request, metadata=[("authorization", "Bearer token-acme")], timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as err:
+            admin.SetPolicy(request, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        answer = admin.SetPolicy(
+            request, metadata=[("authorization", "Bearer token-admin")], timeout=5
+        )
+        assert answer.previous == "cache_aware"

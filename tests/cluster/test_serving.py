@@ -280,3 +280,26 @@ def test_tls_and_missing_paths_are_explained(tmp_path: Path) -> None:
     bad.write_text("security: {auth_tokens: {t: 1}}\n")
     with pytest.raises(ConfigError, match=r"security\.auth_tokens"):
         ClusterConfig.load(bad)
+
+
+def test_admin_switches_policy_and_clears_caches(cluster: LocalCluster) -> None:
+    from protos.radixmesh.v1 import serving_pb2_grpc
+
+    client = Client(cluster.target)
+    collect(client, text_request(SYSTEM * 3, max_tokens=2))
+    with grpc.insecure_channel(cluster.target) as channel:
+        admin = serving_pb2_grpc.AdminStub(channel)
+        answer = admin.SetPolicy(serving_pb2.SetPolicyRequest(policy="round_robin"), timeout=10)
+        assert answer.previous == "cache_aware"
+        assert client.stats().policy == "round_robin"
+        with pytest.raises(grpc.RpcError) as err:
+            admin.SetPolicy(serving_pb2.SetPolicyRequest(policy="fastest"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "fastest" in err.value.details()
+        cluster.wait_idle()
+        freed = admin.ClearCaches(serving_pb2.ClearCachesRequest(), timeout=10).pages_freed
+        assert freed > 0
+    assert all(w.cached_pages == 0 for w in client.stats().workers)
+    assert client.stats().vocab_size == 512 and client.stats().max_model_len == 512
+    cold = collect(client, text_request(SYSTEM * 3, max_tokens=2))[-1]
+    assert cold.cached_prompt_tokens == 0

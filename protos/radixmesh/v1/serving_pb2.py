@@ -24,37 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/radixmesh/v1/serving.proto\x12\x0cradixmesh.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.radixmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\tNamespace\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x8a\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_n\"\x84\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.radixmesh.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.radixmesh.v1.ChatMessagesH\x00\x12*\n\tnamespace\x18\x05 \x01(\x0b\x32\x17.radixmesh.v1.Namespace\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0e\n\x06images\x18\x07 \x03(\x0c\x42\x08\n\x06prompt\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\r\x12\x1f\n\x17predicted_cached_tokens\x18\t \x01(\r\x12\x0e\n\x06worker\x18\n \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xcd\x02\n\x0bWorkerStats\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x19\n\x11requests_finished\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x04\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x12\n\nfree_pages\x18\t \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\n \x01(\r\x12\x15\n\rprivate_pages\x18\x0b \x01(\r\x12\x15\n\revicted_pages\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x13\n\x0btotal_pages\x18\x0e \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x0f \x01(\t\"\xf1\x01\n\x10GetStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x17\n\x0frequests_routed\x18\x02 \x01(\x04\x12\x18\n\x10requests_retried\x18\x03 \x01(\x04\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x1f\n\x17predicted_cached_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14\x61\x63tual_cached_tokens\x18\x06 \x01(\x04\x12*\n\x07workers\x18\x07 \x03(\x0b\x32\x19.radixmesh.v1.WorkerStats\x12\x13\n\x0bindex_bytes\x18\x08 \x01(\x04\x32\xe3\x01\n\x07Serving\x12K\n\x08Generate\x12\x1d.radixmesh.v1.GenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12I\n\x08GetStats\x12\x1d.radixmesh.v1.GetStatsRequest\x1a\x1e.radixmesh.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/radixmesh/v1/serving.proto\x12\x0cradixmesh.v1\"\"\n\x10SetPolicyRequest\x12\x0e\n\x06policy\x18\x01 \x01(\t\"%\n\x11SetPolicyResponse\x12\x10\n\x08previous\x18\x01 \x01(\t\"\x14\n\x12\x43learCachesRequest\"*\n\x13\x43learCachesResponse\x12\x13\n\x0bpages_freed\x18\x01 \x01(\x04\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.radixmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\tNamespace\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x8a\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_n\"\x84\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.radixmesh.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.radixmesh.v1.ChatMessagesH\x00\x12*\n\tnamespace\x18\x05 \x01(\x0b\x32\x17.radixmesh.v1.Namespace\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x0e\n\x06images\x18\x07 \x03(\x0c\x42\x08\n\x06prompt\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x08 \x01(\r\x12\x1f\n\x17predicted_cached_tokens\x18\t \x01(\r\x12\x0e\n\x06worker\x18\n \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xcd\x02\n\x0bWorkerStats\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x19\n\x11requests_finished\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x04\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x12\n\nfree_pages\x18\t \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\n \x01(\r\x12\x15\n\rprivate_pages\x18\x0b \x01(\r\x12\x15\n\revicted_pages\x18\x0c \x01(\x04\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x13\n\x0btotal_pages\x18\x0e \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x0f \x01(\t\"\x9c\x02\n\x10GetStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x17\n\x0frequests_routed\x18\x02 \x01(\x04\x12\x18\n\x10requests_retried\x18\x03 \x01(\x04\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x1f\n\x17predicted_cached_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14\x61\x63tual_cached_tokens\x18\x06 \x01(\x04\x12*\n\x07workers\x18\x07 \x03(\x0b\x32\x19.radixmesh.v1.WorkerStats\x12\x13\n\x0bindex_bytes\x18\x08 \x01(\x04\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r2\xe3\x01\n\x07Serving\x12K\n\x08Generate\x12\x1d.radixmesh.v1.GenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12I\n\x08GetStats\x12\x1d.radixmesh.v1.GetStatsRequest\x1a\x1e.radixmesh.v1.GetStatsResponse2\xa9\x01\n\x05\x41\x64min\x12L\n\tSetPolicy\x12\x1e.radixmesh.v1.SetPolicyRequest\x1a\x1f.radixmesh.v1.SetPolicyResponse\x12R\n\x0b\x43learCaches\x12 .radixmesh.v1.ClearCachesRequest\x1a!.radixmesh.v1.ClearCachesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.radixmesh.v1.serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=51
-  _globals['_CHATMESSAGE']._serialized_end=95
-  _globals['_CHATMESSAGES']._serialized_start=97
-  _globals['_CHATMESSAGES']._serialized_end=156
-  _globals['_TOKENIDS']._serialized_start=158
-  _globals['_TOKENIDS']._serialized_end=181
-  _globals['_NAMESPACE']._serialized_start=183
-  _globals['_NAMESPACE']._serialized_end=227
-  _globals['_SAMPLINGPARAMS']._serialized_start=230
-  _globals['_SAMPLINGPARAMS']._serialized_end=496
-  _globals['_GENERATEREQUEST']._serialized_start=499
-  _globals['_GENERATEREQUEST']._serialized_end=759
-  _globals['_GENERATERESPONSE']._serialized_start=762
-  _globals['_GENERATERESPONSE']._serialized_end=991
-  _globals['_ABORTREQUEST']._serialized_start=993
-  _globals['_ABORTREQUEST']._serialized_end=1027
-  _globals['_ABORTRESPONSE']._serialized_start=1029
-  _globals['_ABORTRESPONSE']._serialized_end=1059
-  _globals['_GETSTATSREQUEST']._serialized_start=1061
-  _globals['_GETSTATSREQUEST']._serialized_end=1078
-  _globals['_WORKERSTATS']._serialized_start=1081
-  _globals['_WORKERSTATS']._serialized_end=1414
-  _globals['_GETSTATSRESPONSE']._serialized_start=1417
-  _globals['_GETSTATSRESPONSE']._serialized_end=1658
-  _globals['_SERVING']._serialized_start=1661
-  _globals['_SERVING']._serialized_end=1888
+  _globals['_SETPOLICYREQUEST']._serialized_start=51
+  _globals['_SETPOLICYREQUEST']._serialized_end=85
+  _globals['_SETPOLICYRESPONSE']._serialized_start=87
+  _globals['_SETPOLICYRESPONSE']._serialized_end=124
+  _globals['_CLEARCACHESREQUEST']._serialized_start=126
+  _globals['_CLEARCACHESREQUEST']._serialized_end=146
+  _globals['_CLEARCACHESRESPONSE']._serialized_start=148
+  _globals['_CLEARCACHESRESPONSE']._serialized_end=190
+  _globals['_CHATMESSAGE']._serialized_start=192
+  _globals['_CHATMESSAGE']._serialized_end=236
+  _globals['_CHATMESSAGES']._serialized_start=238
+  _globals['_CHATMESSAGES']._serialized_end=297
+  _globals['_TOKENIDS']._serialized_start=299
+  _globals['_TOKENIDS']._serialized_end=322
+  _globals['_NAMESPACE']._serialized_start=324
+  _globals['_NAMESPACE']._serialized_end=368
+  _globals['_SAMPLINGPARAMS']._serialized_start=371
+  _globals['_SAMPLINGPARAMS']._serialized_end=637
+  _globals['_GENERATEREQUEST']._serialized_start=640
+  _globals['_GENERATEREQUEST']._serialized_end=900
+  _globals['_GENERATERESPONSE']._serialized_start=903
+  _globals['_GENERATERESPONSE']._serialized_end=1132
+  _globals['_ABORTREQUEST']._serialized_start=1134
+  _globals['_ABORTREQUEST']._serialized_end=1168
+  _globals['_ABORTRESPONSE']._serialized_start=1170
+  _globals['_ABORTRESPONSE']._serialized_end=1200
+  _globals['_GETSTATSREQUEST']._serialized_start=1202
+  _globals['_GETSTATSREQUEST']._serialized_end=1219
+  _globals['_WORKERSTATS']._serialized_start=1222
+  _globals['_WORKERSTATS']._serialized_end=1555
+  _globals['_GETSTATSRESPONSE']._serialized_start=1558
+  _globals['_GETSTATSRESPONSE']._serialized_end=1842
+  _globals['_SERVING']._serialized_start=1845
+  _globals['_SERVING']._serialized_end=2072
+  _globals['_ADMIN']._serialized_start=2075
+  _globals['_ADMIN']._serialized_end=2244
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    def __init__(self, policy: _Optional[str] = ...) -> None: ...
+
+class SetPolicyResponse(_message.Message):
+    __slots__ = ("previous",)
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    previous: str
+    def __init__(self, previous: _Optional[str] = ...) -> None: ...
+
+class ClearCachesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClearCachesResponse(_message.Message):
+    __slots__ = ("pages_freed",)
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    pages_freed: int
+    def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -149,7 +171,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., healthy: _Optional[bool] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., preemptions: _Optional[int] = ..., total_pages: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes")
+    __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes", "vocab_size", "max_model_len")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RETRIED_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +180,8 @@ class GetStatsResponse(_message.Message):
     ACTUAL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     policy: str
     requests_routed: int
     requests_retried: int
@@ -166,4 +190,6 @@ class GetStatsResponse(_message.Message):
     actual_cached_tokens: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     index_bytes: int
-    def __init__(self, policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., requests_retried: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., index_bytes: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    max_model_len: int
+    def __init__(self, policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., requests_retried: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...

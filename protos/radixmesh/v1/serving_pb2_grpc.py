@@ -186,3 +186,123 @@ class Serving:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Operator calls on the router's port (with bearer tokens, a token bound to tenant "*").
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetPolicy = channel.unary_unary(
+                '/radixmesh.v1.Admin/SetPolicy',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.SetPolicyRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.SetPolicyResponse.FromString,
+                _registered_method=True)
+        self.ClearCaches = channel.unary_unary(
+                '/radixmesh.v1.Admin/ClearCaches',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Operator calls on the router's port (with bearer tokens, a token bound to tenant "*").
+    """
+
+    def SetPolicy(self, request, context):
+        """Route with another policy from now on (its index is rebuilt from worker snapshots).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClearCaches(self, request, context):
+        """Empty every worker's prefix cache (refused with FAILED_PRECONDITION while requests run).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicy,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.SetPolicyRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.SetPolicyResponse.SerializeToString,
+            ),
+            'ClearCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearCaches,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'radixmesh.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('radixmesh.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Operator calls on the router's port (with bearer tokens, a token bound to tenant "*").
+    """
+
+    @staticmethod
+    def SetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Admin/SetPolicy',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.SetPolicyRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.SetPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Admin/ClearCaches',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

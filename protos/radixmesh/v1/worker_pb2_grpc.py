@@ -70,6 +70,11 @@ class WorkerStub:
                 request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.ClearCache = channel.unary_unary(
+                '/radixmesh.v1.Worker/ClearCache',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -122,6 +127,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearCache(self, request, context):
+        """Empty the prefix cache (FAILED_PRECONDITION while requests run); announced as "cleared".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +171,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortResponse.SerializeToString,
+            ),
+            'ClearCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearCache,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +367,33 @@ class Worker:
             '/radixmesh.v1.Worker/Abort',
             protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
             protos_dot_radixmesh_dot_v1_dot_serving__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Worker/ClearCache',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.FromString,
             options,
             channel_credentials,
             insecure,

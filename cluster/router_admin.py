@@ -1,0 +1,62 @@
+"""radixmesh.v1.Admin: operator calls on the router's port (switch policy, clear caches).
+
+With bearer tokens configured, only a token bound to every tenant ("*") may call them. Used by
+`radixmesh loadtest --compare` to run one workload under two policies from cold caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from cluster.auth import allowed_tenant
+from cluster.config import ANY_TENANT, ClusterConfig
+from cluster.policies import build_policy
+from cluster.worker_links import WorkerLinks
+from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
+from router.errors import UnknownPolicy
+
+
+class AdminService(serving_pb2_grpc.AdminServicer):
+    def __init__(self, links: WorkerLinks, config: ClusterConfig) -> None:
+        self.links = links
+        self.config = config
+
+    async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
+        if allowed_tenant(context, self.config.security) != ANY_TENANT:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "admin calls need a token bound to tenant '*'"
+            )
+
+    async def SetPolicy(
+        self, request: serving_pb2.SetPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.SetPolicyResponse:
+        await self._require_admin(context)
+        previous = self.links.policy.name
+        config = self.config
+        router = type(config.router)(**{**vars(config.router), "policy": request.policy})
+        try:
+            policy = build_policy(type(config)(**{**vars(config), "router": router}))
+        except UnknownPolicy as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"policy: {err}")
+        await self.links.replace_policy(policy)
+        return serving_pb2.SetPolicyResponse(previous=previous)
+
+    async def ClearCaches(
+        self, request: serving_pb2.ClearCachesRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.ClearCachesResponse:
+        await self._require_admin(context)
+        links = list(self.links.links.values())
+        answers = await asyncio.gather(
+            *(link.stub.ClearCache(request, timeout=10) for link in links), return_exceptions=True
+        )
+        freed = 0
+        for link, answer in zip(links, answers, strict=True):
+            if isinstance(answer, grpc.aio.AioRpcError):
+                await context.abort(answer.code(), f"worker {link.name}: {answer.details()}")
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                freed += answer.pages_freed
+        return serving_pb2.ClearCachesResponse(pages_freed=freed)
