@@ -11,7 +11,7 @@ calls it. Must never import `worker` or torch: the router runs in its own light 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from cache import KvEvent, KvSnapshot
 from router.block_index import BlockIndex
@@ -21,6 +21,7 @@ from router.interface import RouteDecision, RouteRequest, WorkerId, WorkerLoad
 from router.load import LoadBook
 from router.members import Members
 from router.pending import PendingRoutes
+from router.prefix_match import prefix_groups
 
 Clock = Callable[[], float]
 
@@ -45,7 +46,7 @@ class BaseRouter:
     def add_worker(self, worker: WorkerId, capacity_tokens: int) -> None:
         bit = self.members.add(worker, capacity_tokens)
         self.index.add(worker, bit)
-        self.loads.add(worker, capacity_tokens)
+        self.loads.add(worker, bit, capacity_tokens, self.clock())
 
     def remove_worker(self, worker: WorkerId) -> None:
         """Drop the worker, its index (O(its blocks)), its pending routes and its load."""
@@ -84,6 +85,18 @@ class BaseRouter:
             self.pending.add(request.request_id, bit, request.block_hashes[held:], now)
         return decision
 
+    def route_burst(
+        self, requests: Sequence[RouteRequest]
+    ) -> list[tuple[RouteRequest, RouteDecision]]:
+        """Route requests that arrived together; returns them in the order to dispatch them.
+
+        By default that is the order given; a policy may reorder (`burst_order`)."""
+        ordered = self.burst_order(requests) if len(requests) > 1 else list(requests)
+        return [(request, self.route(request)) for request in ordered]
+
+    def burst_order(self, requests: Sequence[RouteRequest]) -> list[RouteRequest]:
+        return list(requests)
+
     def choose(self, request: RouteRequest, now: float) -> RouteDecision:
         """The policy: pick a worker for `request` (there is at least one)."""
         raise NotImplementedError
@@ -112,6 +125,12 @@ class BaseRouter:
         if not self.tracks_blocks:
             return 0
         return self.index.nbytes() + self.pending.nbytes()
+
+    def best_prefill_s(self, request: RouteRequest) -> float:
+        """Seconds of prefill `request` needs on its best-matching worker (ignoring queues)."""
+        groups = prefix_groups(request.block_hashes, self.index.holders, self.pending.holders)
+        deepest = groups[-1][1] if groups else 0
+        return (request.num_tokens - self.predicted_tokens(deepest, request)) / self.prefill_rate
 
     def predicted_tokens(self, blocks: int, request: RouteRequest) -> int:
         """Tokens a worker holding `blocks` leading blocks serves from cache (never the last

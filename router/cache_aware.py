@@ -1,12 +1,38 @@
-"""cache_aware (draft for measurement)."""
+"""cache_aware, the default policy: the worker where this request's time to first token, plus
+what the choice costs later requests, is least.
+
+For each worker W, with `cached(W)` read from the exact block index plus pending routes:
+
+    cost(W) = wait(W)                         queued prefill on W, in seconds (router/load.py)
+            + (n - cached(W)) / rate          this request's own prefill there
+            + beta * (best - cached(W)) / rate    the work it redoes that another worker holds
+            + reserved(W)                     the wait it imposes on later members of its burst
+                                              whose home is W (router/burst.py)
+
+The first two terms are the request's own TTFT (the greedy `least_ttft` stops there). The third
+is the cost to later requests of scattering a prefix: every token recomputed away from its
+holder is prefill every later request queues behind, and a copy that evicts something else; it
+makes a request wait for its holder up to (1 + beta) x the recompute it saves, never longer.
+The fourth exists only inside a burst, where the later requests are known.
+
+Guard: a worker whose queued prefill tokens exceed (1 + epsilon) x the mean + `slack_s` of
+prefill is not a candidate (bounded load: a hot prefix spills instead of building a queue).
+Ties, and prefixes nobody holds, go by rendezvous hash of the first block nobody holds, so
+equal new prefixes meet. Bursts are dispatched very long first, then shortest first.
+
+Candidates per match group are its members in `free_at` order, at most `scan` of them, so a
+decision costs O(matched blocks + groups x scan), not O(workers).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from router.base import BaseRouter, Clock
+from router.burst import TailEstimate, shortest_first
 from router.config import RouterConfig
-from router.interface import RouteDecision, RouteRequest
+from router.interface import RouteDecision, RouteRequest, WorkerId
 from router.prefix_match import prefix_groups
 from router.rendezvous import weight
 
@@ -20,69 +46,132 @@ class CacheAware(BaseRouter):
         clock: Clock = time.monotonic,
         work_weight: float = 1.0,
         epsilon: float = 1.0,
-        slack_s: float = 4.0,
-        ext_weight: float = 0.0,
-        ext_m: int = 2,
-        wait_scale: float = 0.0,
-        block_cost: float = 0.0,
-        tau: float = 0.4,
-        tail_s: float = 1e9,
+        slack_s: float = 8.0,
+        burst: bool = True,
+        tail_quantile: float = 0.97,
+        scan: int = 8,
     ) -> None:
-        self.block_cost = block_cost
-        self.tau = tau
-        self.tail_s = tail_s
+        """`work_weight`: beta above; `epsilon`, `slack_s`: the guard; `burst`: dispatch bursts
+        in the order of router/burst.py (False: as given); `tail_quantile`: where a burst's
+        very long requests start; `scan`: candidates looked at per match group."""
         super().__init__(config, clock)
+        if work_weight < 0 or epsilon < 0 or slack_s < 0 or scan < 1:
+            raise ValueError(
+                f"need work_weight, epsilon, slack_s >= 0 and scan >= 1, got {work_weight}, "
+                f"{epsilon}, {slack_s}, {scan}"
+            )
         self.work_weight = work_weight
         self.epsilon = epsilon
-        self.slack_s = slack_s
-        self.ext_weight = ext_weight
-        self.ext_m = ext_m
-        self.wait_scale = wait_scale
+        self.slack_tokens = slack_s * self.prefill_rate
+        self.burst = burst
+        self.tail = TailEstimate(tail_quantile)
+        self.scan = scan
+        self._reserved: dict[WorkerId, list[float]] = {}
 
+    # -- bursts --------------------------------------------------------------------------------
+    def route_burst(
+        self, requests: Sequence[RouteRequest]
+    ) -> list[tuple[RouteRequest, RouteDecision]]:
+        """Route requests that arrived together: very long first, then shortest first, each
+        charged for the wait it would impose on a later member whose only home it takes."""
+        if len(requests) < 2 or not self.burst:
+            return [(request, self.route(request)) for request in requests]
+        views = {r.request_id: self._view(r) for r in requests}
+        order = shortest_first(requests, lambda r: views[r.request_id][0], self.tail.value)
+        reserved: dict[WorkerId, list[float]] = {}
+        for _, home in views.values():
+            if home is not None:
+                reserved.setdefault(home[0], []).append(home[1])
+        self._reserved = reserved
+        routed = []
+        try:
+            for request in order:
+                home = views[request.request_id][1]
+                if home is not None:
+                    reserved[home[0]].remove(home[1])
+                routed.append((request, self.route(request)))
+        finally:
+            self._reserved = {}
+        return routed
+
+    def _view(self, request: RouteRequest) -> tuple[float, tuple[WorkerId, float] | None]:
+        """(prefill seconds on the best-matching worker, its home): the home is the one worker
+        holding the longest prefix, with the seconds it saves over the next best; None when no
+        single worker holds more than all others."""
+        groups = prefix_groups(request.block_hashes, self.index.holders, self.pending.holders)
+        rate, n = self.prefill_rate, request.num_tokens
+        best = self.predicted_tokens(groups[-1][1], request) if groups else 0
+        if len(groups) < 2 or groups[-1][0] & (groups[-1][0] - 1):
+            return (n - best) / rate, None
+        (worker,) = self.members.workers_in(groups[-1][0])
+        saving = (best - self.predicted_tokens(groups[-2][1], request)) / rate
+        return (n - best) / rate, (worker, saving)
+
+    # -- the policy ----------------------------------------------------------------------------
     def choose(self, request: RouteRequest, now: float) -> RouteDecision:
         hashes = request.block_hashes
         groups = prefix_groups(hashes, self.index.holders, self.pending.holders)
-        depth_of: dict[str, int] = {}
-        for mask, depth in groups:
-            for worker in self.members.workers_in(mask):
-                depth_of[worker] = depth
-        deepest = groups[-1][1] if groups else 0
-        key = hashes[min(deepest, len(hashes) - 1)] if hashes else 0
-        rate, n = self.prefill_rate, request.num_tokens
-        states, seeds = self.loads.workers, self.members.seed
-        order = self.members.order
-        waits = {w: max(0.0, states[w].free_at - now) for w in order}
-        mean_wait = sum(waits.values()) / len(order)
-        bound = (1 + self.epsilon) * mean_wait + self.slack_s
-        cached_of = {w: self.predicted_tokens(depth_of.get(w, 0), request) for w in order}
-        max_cached = max(cached_of.values())
-        S = sorted(waits.values())
-        m = min(self.ext_m, len(S) - 1)
-        before = sum(S[:m])
-        best = None
-        for worker in order:
-            b = waits[worker]
-            if b > bound:
-                continue
-            cached = cached_of[worker]
-            d = (n - cached) / rate
-            ext = 0.0
-            if self.ext_weight and m > 0:
-                T = list(S)
-                T.remove(b)
-                nb = b + d
-                after = sum(T[: m - 1]) + nb if nb <= T[m - 1] else sum(T[:m])
-                ext = after - before
-            if self.block_cost and b <= self.tau < b + d and d < self.tail_s:
-                ext_b = self.block_cost
-            else:
-                ext_b = 0.0
-            wait_cost = b
-            if self.wait_scale and d < self.tail_s:
-                wait_cost = b * self.wait_scale / (self.wait_scale + d)
-            cost = wait_cost + d + self.work_weight * (max_cached - cached) / rate + self.ext_weight * ext + ext_b
-            entry = (cost, -weight(key, seeds[worker]), worker, cached)
-            if best is None or entry < best:
-                best = entry
-        assert best is not None
-        return RouteDecision(best[2], best[3])
+        members, rate, n = self.members, self.prefill_rate, request.num_tokens
+        best_cached = self.predicted_tokens(groups[-1][1], request) if groups else 0
+        self.tail.add((n - best_cached) / rate)
+        candidates = [(mask, self.predicted_tokens(depth, request)) for mask, depth in groups]
+        rest = members.all_mask
+        for mask, _ in groups:
+            rest &= ~mask
+        if rest:
+            candidates.append((rest, 0))
+        loads, by_bit, reserved_of = self.loads, members.by_bit, self._reserved
+        states, bound, scan, extra = (
+            loads.workers,
+            self._bound(),
+            self.scan,
+            self.work_weight / rate,
+        )
+        low, tied = float("inf"), list[tuple[WorkerId, int]]()
+        for mask, cached in reversed(candidates):  # the deepest match first
+            own = (n - cached) / rate
+            penalty = own + extra * (best_cached - cached)
+            seen = 0
+            for free_at, bit in loads.by_free:  # least loaded first: the wait only grows
+                if not mask >> bit & 1:
+                    continue
+                worker = by_bit[bit]
+                assert worker is not None
+                if states[worker].queued_tokens > bound:
+                    continue
+                cost = penalty + (free_at - now if free_at > now else 0.0)
+                if cost > low + 1e-9 and not reserved_of:
+                    break  # every later member of this group costs at least as much
+                reserved = reserved_of.get(worker)
+                if reserved:
+                    cost += sum(min(own, saving) for saving in reserved)
+                if cost < low - 1e-9:
+                    low, tied = cost, [(worker, cached)]
+                elif cost <= low + 1e-9:
+                    tied.append((worker, cached))
+                seen += 1
+                if seen >= scan:
+                    break
+        return self._pick(tied, hashes, groups)
+
+    def _bound(self) -> float:
+        """The load guard: the most queued prefill tokens a candidate may have."""
+        if self.epsilon == float("inf"):
+            return self.epsilon
+        mean = self.loads.queued_tokens / len(self.loads.workers)
+        return (1 + self.epsilon) * mean + self.slack_tokens
+
+    def _pick(
+        self,
+        tied: list[tuple[WorkerId, int]],
+        hashes: tuple[int, ...],
+        groups: list[tuple[int, int]],
+    ) -> RouteDecision:
+        """Among equal costs, the rendezvous winner for the first block nobody holds."""
+        if len(tied) > 1:
+            deepest = groups[-1][1] if groups else 0
+            key = hashes[min(deepest, len(hashes) - 1)] if hashes else 0
+            seeds = self.members.seed
+            tied.sort(key=lambda pair: (weight(key, seeds[pair[0]]), pair[0]), reverse=True)
+        worker, cached = tied[0]
+        return RouteDecision(worker, cached)

@@ -8,6 +8,10 @@ plus the load routed to them. It returns one worker per request. The driver feed
                                         False means a gap: call load_snapshot before trusting it
     load_snapshot(worker, KvSnapshot)   a worker's whole block set (after a gap, or on (re)join)
     route(RouteRequest) -> RouteDecision
+    route_burst([RouteRequest]) -> [(RouteRequest, RouteDecision)]
+                                        requests that arrived together, in the order to dispatch
+                                        them (a policy may reorder; routing each with `route`
+                                        in arrival order is always a valid driver)
     prefill_done(worker, request_id)    the request's prompt is computed (its load leaves the queue)
     finished(worker, request_id)        the request is over (its KV occupancy is released)
     report_load(worker, WorkerLoad)     the worker's own view, when it has one (optional)
@@ -18,6 +22,7 @@ the router never computes a second kind. Nothing here is thread-safe; one driver
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +70,12 @@ class RoutingPolicy(Protocol):
     def load_snapshot(self, worker: WorkerId, snapshot: KvSnapshot) -> None: ...
 
     def route(self, request: RouteRequest) -> RouteDecision: ...
+
+    def route_burst(
+        self, requests: Sequence[RouteRequest]
+    ) -> list[tuple[RouteRequest, RouteDecision]]:
+        """Route requests that are waiting together; dispatch them in the returned order."""
+        ...
 
     def prefill_done(self, worker: WorkerId, request_id: str) -> None: ...
 

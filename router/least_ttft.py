@@ -1,38 +1,26 @@
 """Least own TTFT: the greedy baseline with the exact cache view.
 
-Each worker's cost is this request's own time to first token there: the worker's queued prefill
-work (seconds) plus this request's uncached tokens over the prefill rate, with cached tokens
-read from the exact block index and pending routes. It ignores what the choice costs later
-requests, which is where it loses (docs/router.md). A baseline for `cache_aware`.
+The cost of a worker is this request's own time to first token there: its queued prefill work
+plus the request's uncached tokens over the prefill rate, cached tokens read from the exact
+block index and pending routes. It ignores what the choice costs later requests (no work term,
+no load guard, bursts routed as they come), which is where it loses (docs/router.md). A baseline
+for `cache_aware`, which it is with those terms switched off.
 """
 
 from __future__ import annotations
 
-from router.base import BaseRouter
-from router.interface import RouteDecision, RouteRequest
-from router.prefix_match import prefix_groups
-from router.rendezvous import weight
+import time
+
+from router.base import Clock
+from router.cache_aware import CacheAware
+from router.config import RouterConfig
 
 
-class LeastTtft(BaseRouter):
+class LeastTtft(CacheAware):
     name = "least_ttft"
 
-    def choose(self, request: RouteRequest, now: float) -> RouteDecision:
-        hashes = request.block_hashes
-        groups = prefix_groups(hashes, self.index.holders, self.pending.holders)
-        depth_of: dict[str, int] = {}
-        for mask, depth in groups:
-            for worker in self.members.workers_in(mask):
-                depth_of[worker] = depth
-        deepest = groups[-1][1] if groups else 0
-        key = hashes[min(deepest, len(hashes) - 1)] if hashes else 0
-        rate, n, states, seeds = self.prefill_rate, request.num_tokens, self.loads.workers, self.members.seed
-        best = None
-        for worker in self.members.order:
-            cached = self.predicted_tokens(depth_of.get(worker, 0), request)
-            cost = max(0.0, states[worker].free_at - now) + (n - cached) / rate
-            entry = (cost, -weight(key, seeds[worker]), worker, cached)
-            if best is None or entry < best:
-                best = entry
-        assert best is not None
-        return RouteDecision(best[2], best[3])
+    def __init__(
+        self, config: RouterConfig | None = None, clock: Clock = time.monotonic, burst: bool = False
+    ) -> None:
+        """`burst=True` (an ablation only) dispatches bursts as cache_aware does."""
+        super().__init__(config, clock, work_weight=0.0, epsilon=float("inf"), burst=burst)

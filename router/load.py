@@ -4,7 +4,9 @@ Per worker: prefill tokens routed there and not yet computed (as predicted when 
 of requests prefilled and not finished, requests in flight, and `free_at`, the time its queued
 prefill work should be done if it drains at `prefill_rate` tokens/s from the last moment the
 router knew exactly where the worker stood (a route to an idle worker, or a `prefill_done`).
-`free_at` does not change as time passes, so ordering workers by it never goes stale.
+`free_at` does not change as time passes, so `by_free`, the workers ordered by it, never goes
+stale: its head is the worker that frees up first, idle workers (free_at <= now) longest idle
+first.
 
 A worker's own `WorkerLoad` report, when the driver has one, is kept beside the router's count
 and never replaces it: a report arrives after the fact, and a router that waits for it sends a
@@ -13,6 +15,7 @@ whole burst to the worker that looked idle.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from router.interface import WorkerId, WorkerLoad
@@ -20,6 +23,7 @@ from router.interface import WorkerId, WorkerLoad
 
 @dataclass(slots=True)
 class WorkerState:
+    bit: int
     capacity_tokens: int
     queued_tokens: int = 0
     """Predicted prefill tokens routed here and not yet computed."""
@@ -49,15 +53,26 @@ class LoadBook:
             raise ValueError(f"prefill_rate must be > 0 tokens/s, got {prefill_rate}")
         self.prefill_rate = prefill_rate
         self.workers: dict[WorkerId, WorkerState] = {}
+        self.by_free: list[tuple[float, int]] = []
+        """(free_at, bit) of every worker, ascending."""
+        self.queued_tokens = 0
+        """Sum of every worker's queued prefill tokens."""
         self._routes: dict[str, _Route] = {}
 
-    def add(self, worker: WorkerId, capacity_tokens: int) -> None:
-        self.workers[worker] = WorkerState(capacity_tokens)
+    def add(self, worker: WorkerId, bit: int, capacity_tokens: int, now: float) -> None:
+        self.workers[worker] = WorkerState(bit, capacity_tokens, free_at=now)
+        insort(self.by_free, (now, bit))
 
     def remove(self, worker: WorkerId) -> None:
-        del self.workers[worker]
+        state = self.workers.pop(worker)
+        self._unlist(state)
+        self.queued_tokens -= state.queued_tokens
         for request_id in [r for r, route in self._routes.items() if route.worker == worker]:
             del self._routes[request_id]
+
+    def wait_s(self, worker: WorkerId, now: float) -> float:
+        """Seconds a request routed to `worker` now would wait before its prefill starts."""
+        return max(0.0, self.workers[worker].free_at - now)
 
     def routed(
         self, request_id: str, worker: WorkerId, prefill_tokens: int, kv_tokens: int, now: float
@@ -65,11 +80,12 @@ class LoadBook:
         state = self.workers[worker]
         self._routes[request_id] = _Route(worker, prefill_tokens, kv_tokens)
         start = now if state.queued_requests == 0 else max(state.free_at, now)
-        state.free_at = start + prefill_tokens / self.prefill_rate
+        self._move(state, start + prefill_tokens / self.prefill_rate)
         state.queued_tokens += prefill_tokens
         state.queued_requests += 1
         state.running += 1
         state.routed_tokens += prefill_tokens
+        self.queued_tokens += prefill_tokens
 
     def prefill_done(self, request_id: str, now: float) -> bool:
         """False if the request is unknown or already prefilled."""
@@ -81,16 +97,16 @@ class LoadBook:
         state.queued_tokens -= route.prefill_tokens
         state.queued_requests -= 1
         state.kv_tokens += route.kv_tokens
+        self.queued_tokens -= route.prefill_tokens
         # FCFS: the next queued prefill starts now; what remains is exactly the queue
-        state.free_at = now + state.queued_tokens / self.prefill_rate
+        self._move(state, now + state.queued_tokens / self.prefill_rate)
         return True
 
     def finished(self, request_id: str, now: float) -> bool:
         """False if the request is unknown (finished already, or routed before a restart)."""
-        route = self._routes.get(request_id)
+        route = self._routes.pop(request_id, None)
         if route is None:
             return False
-        del self._routes[request_id]
         state = self.workers[route.worker]
         state.running -= 1
         if route.prefilled:
@@ -99,13 +115,22 @@ class LoadBook:
         # aborted before its prefill was done: its predicted work leaves the queue
         state.queued_tokens -= route.prefill_tokens
         state.queued_requests -= 1
-        state.free_at = (
-            max(now, state.free_at - route.prefill_tokens / self.prefill_rate)
-            if state.queued_requests
-            else now
-        )
+        self.queued_tokens -= route.prefill_tokens
+        left = state.free_at - route.prefill_tokens / self.prefill_rate
+        self._move(state, max(now, left) if state.queued_requests else now)
         return True
 
     def worker_of(self, request_id: str) -> WorkerId | None:
         route = self._routes.get(request_id)
         return None if route is None else route.worker
+
+    def _move(self, state: WorkerState, free_at: float) -> None:
+        self._unlist(state)
+        state.free_at = free_at
+        insort(self.by_free, (free_at, state.bit))
+
+    def _unlist(self, state: WorkerState) -> None:
+        entry = (state.free_at, state.bit)
+        i = bisect_left(self.by_free, entry)
+        assert self.by_free[i] == entry, "by_free lost track of a worker"
+        del self.by_free[i]

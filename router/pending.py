@@ -7,15 +7,17 @@ route records its blocks here as "expected on W", and the router counts them as 
 
 An entry lives until its request's prefill is done plus a short grace for the `stored` event to
 arrive (`settle`), and never longer than `ttl_s` after routing: a lost request cannot pin a
-prediction forever. Must never be read as the truth: the block index is the truth.
+prediction forever. Entries are not reference-counted: when one is dropped its blocks stop
+being pending on W even if a later route to W named them too. By then the earlier route's
+`stored` event has confirmed them (the blocks of a later route to the same worker that are not
+the earlier one's stay pending), so the index, the truth, holds them. Must never be read as the
+truth itself.
 """
 
 from __future__ import annotations
 
 import heapq
 import sys
-
-from router.block_index import INT_BYTES
 
 
 class PendingRoutes:
@@ -26,8 +28,6 @@ class PendingRoutes:
         self.grace_s = grace_s
         self.holders: dict[int, int] = {}
         """Block hash -> mask of workers expected to hold it."""
-        self._refs: dict[int, int] = {}
-        """(block | bit << 64) -> how many live routes expect that worker to hold that block."""
         self._routes: dict[str, tuple[int, tuple[int, ...], float]] = {}
         """Request id -> (worker bit, its expected blocks, deadline)."""
         self._deadlines: list[tuple[float, str]] = []
@@ -43,13 +43,10 @@ class PendingRoutes:
         deadline = now + self.ttl_s
         self._routes[request_id] = (bit, blocks, deadline)
         heapq.heappush(self._deadlines, (deadline, request_id))
-        holders, refs, mask, tag = self.holders, self._refs, 1 << bit, bit << 64
+        holders, mask = self.holders, 1 << bit
+        get = holders.get
         for block in blocks:
-            key = block | tag
-            count = refs.get(key, 0)
-            refs[key] = count + 1
-            if not count:
-                holders[block] = holders.get(block, 0) | mask
+            holders[block] = get(block, 0) | mask
 
     def settle(self, request_id: str, now: float) -> None:
         """The request's prefill is done: keep its entry only for the event's grace period."""
@@ -74,20 +71,13 @@ class PendingRoutes:
         route = self._routes.pop(request_id, None)
         if route is None:
             return
-        bit, blocks, _ = route
-        holders, refs, keep, tag = self.holders, self._refs, ~(1 << bit), bit << 64
-        for block in blocks:
-            key = block | tag
-            count = refs[key] - 1
-            if count:
-                refs[key] = count
-                continue
-            del refs[key]
-            mask = holders[block] & keep
+        holders, keep = self.holders, ~(1 << route[0])
+        for block in route[1]:
+            mask = holders.get(block, 0) & keep
             if mask:
                 holders[block] = mask
             else:
-                del holders[block]
+                holders.pop(block, None)
 
     def drop_worker(self, bit: int) -> None:
         """Forget every route to the worker of `bit` (it left the cluster)."""
@@ -95,13 +85,11 @@ class PendingRoutes:
             self.drop(request_id)
 
     def nbytes(self) -> int:
-        """Bytes held: the dicts' tables, the route tuples, one int per reference key."""
+        """Bytes held: the dicts' and heap's tables and the routes' block tuples."""
         routes = sum(sys.getsizeof(route[1]) for route in self._routes.values())
         return (
             sys.getsizeof(self.holders)
-            + sys.getsizeof(self._refs)
             + sys.getsizeof(self._routes)
             + sys.getsizeof(self._deadlines)
             + routes
-            + 2 * INT_BYTES * len(self._refs)
         )

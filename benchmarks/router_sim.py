@@ -1,0 +1,495 @@
+"""Trace-driven discrete-event simulation of routing policies over N workers with real caches.
+
+Each simulated worker owns a real `cache.SequenceCache` (page pool + radix tree) of the given
+capacity, and the reference service model, so that numbers compare across implementations:
+
+- a worker prefills one request at a time, first come first served, at `--prefill-rate`
+  tokens/s over the prompt tokens its cache does not hold when the prefill starts;
+- TTFT = time waiting for the worker + uncached tokens / rate;
+- the prompt enters the worker's cache when its prefill completes (KV events go to the router
+  then, `--event-delay-ms` later); decode is not modelled.
+
+References on the same stream: the pooled cache (one cache of N x capacity, each request served
+at its arrival) and the TTFT floor (uncached tokens of the pooled cache / rate, no queueing).
+
+Mooncake traces (`--trace`) are expanded with benchmarks.workloads: equal hash ids give equal
+512-token blocks. Every cache position stands for `--token-scale` tokens (16: a 512-token block
+is 32 positions), page size 1, routing blocks of one trace block (512 tokens); all reported
+token counts and times are in trace tokens. `--copies K` replays K copies of the trace at once,
+each in its own tenant namespace (arrival rate x K), for runs with many workers.
+
+Prints one JSON object per policy on stdout (also to --output), a summary table on stderr.
+Run: `python benchmarks/router_sim.py [--trace PATH | --workload NAME] [--policy NAME]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from benchmarks import workloads
+from benchmarks.workloads import MOONCAKE_BLOCK
+from cache import (
+    BlockHasher,
+    CacheConfig,
+    CachedSequence,
+    CacheNamespace,
+    IdentityScheme,
+    KvEvent,
+    SequenceCache,
+)
+from router.config import RouterConfig
+from router.interface import RouteDecision, RouteRequest, RoutingPolicy
+from router.policies import POLICIES, make_policy
+
+console = Console(stderr=True)
+WINDOW_S = 60.0
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One request as every policy sees it (positions: cache units of `token_scale` tokens)."""
+
+    rid: str
+    arrival_s: float
+    positions: tuple[int, ...]
+    namespace: CacheNamespace
+    route: RouteRequest
+
+
+@dataclass
+class Stream:
+    requests: list[SimRequest]
+    token_scale: int
+    block_positions: int
+    source: str
+
+
+@dataclass
+class SimWorker:
+    name: str
+    cache: SequenceCache
+    queue: deque[int] = field(default_factory=deque)
+    busy: tuple[int, CachedSequence] | None = None
+    work_tokens: int = 0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- the request stream ------------------------------------------------------------------------
+def load_stream(args: argparse.Namespace) -> Stream:
+    if args.workload:
+        return synthetic_stream(args)
+    scale = args.token_scale
+    if MOONCAKE_BLOCK % scale:
+        raise SystemExit(f"--token-scale {scale} must divide the trace's {MOONCAKE_BLOCK}-blocks")
+    block = MOONCAKE_BLOCK // scale
+    raw = workloads.mooncake(args.trace, block_tokens=block, limit=args.limit, seed=args.seed)
+    base = [(r.arrival_ms / 1000.0, r.prompt) for r in raw]
+    tenants = [None] if args.copies == 1 else [f"copy{k}" for k in range(args.copies)]
+    items = [(t, p, tenant) for tenant in tenants for t, p in base]
+    items.sort(key=lambda item: item[0])
+    return Stream(_requests(items, block, scale), scale, block, str(args.trace.name))
+
+
+def synthetic_stream(args: argparse.Namespace) -> Stream:
+    """A seeded synthetic workload with Poisson arrivals at `--load` of the cluster's
+    cold prefill capacity (1 position = 1 token, routing blocks of 16 tokens)."""
+    make = cast(Callable[..., list[workloads.Request]], workloads.SYNTHETIC[args.workload])
+    sizes = {"conversations": args.limit} if args.workload == "multi-turn" and args.limit else {}
+    if args.limit and args.workload != "multi-turn":
+        sizes = {"n": args.limit}
+    raw = make(args.seed, **sizes)
+    rng = random.Random(args.seed)
+    mean_len = sum(len(r.prompt) for r in raw) / max(1, len(raw))
+    rate = args.load * args.workers * args.prefill_rate / mean_len
+    t, items = 0.0, []
+    for r in raw:
+        t += rng.expovariate(rate)
+        items.append((t, r.prompt, r.tenant))
+    return Stream(_requests(items, 16, 1), 1, 16, args.workload)
+
+
+def _requests(
+    items: Iterable[tuple[float, list[int], str | None]], block: int, scale: int
+) -> list[SimRequest]:
+    hasher = BlockHasher(IdentityScheme(block, ""))
+    namespaces: dict[str | None, CacheNamespace] = {}
+    out = []
+    for i, (arrival, prompt, tenant) in enumerate(items):
+        ns = namespaces.setdefault(tenant, CacheNamespace(tenant=tenant))
+        positions = tuple(prompt)
+        hashes = tuple(hasher.hashes(positions, ns))
+        rid = str(i)
+        route = RouteRequest(rid, ns, hashes, len(positions) * scale)
+        out.append(SimRequest(rid, arrival, positions, ns, route))
+    return out
+
+
+# -- one policy over the stream ----------------------------------------------------------------
+class Simulation:
+    def __init__(self, stream: Stream, policy_name: str, args: argparse.Namespace) -> None:
+        self.stream = stream
+        self.args = args
+        self.scale = stream.token_scale
+        self.rate = args.prefill_rate
+        self.now = 0.0
+        config = RouterConfig(
+            prefill_rate=self.rate, block_tokens=stream.block_positions * self.scale
+        )
+        self.policy: RoutingPolicy = make_policy(policy_name, config, clock=lambda: self.now)
+        positions = args.capacity_tokens // self.scale
+        self.workers: dict[str, SimWorker] = {}
+        self.deliveries: deque[tuple[float, str, KvEvent]] = deque()
+        for w in range(args.workers):
+            name = f"w{w}" if not args.seed else f"w{w}.{args.seed}"  # the seed salts tie-breaks
+            cache = SequenceCache(
+                CacheConfig(positions + 1, 1, max_sequences=4, block_size=stream.block_positions),
+                source=name,
+            )
+            cache.events.subscribe(self._publisher(name))
+            self.workers[name] = SimWorker(name, cache)
+            self.policy.add_worker(name, args.capacity_tokens)
+        self.heap: list[tuple[float, int, str]] = []
+        self.route_ns: list[int] = []
+        self._time_each_route()
+        self.ttft: list[float] = []
+        self.reused = self.total = 0
+        self.predicted_error = 0
+        self.predicted: dict[str, int] = {}
+        self.windows: dict[int, dict[str, int]] = {}
+        self.peak_index_bytes = 0
+
+    def _time_each_route(self) -> None:
+        """Shadow the policy's `route` with a timed call (route_burst calls self.route)."""
+        inner, timings, clock = self.policy.route, self.route_ns, time.perf_counter_ns
+
+        def timed(request: RouteRequest) -> RouteDecision:
+            t0 = clock()
+            decision = inner(request)
+            timings.append(clock() - t0)
+            return decision
+
+        self.policy.route = timed  # type: ignore[method-assign]
+
+    def _publisher(self, name: str) -> Callable[[KvEvent], None]:
+        delay = self.args.event_delay_ms / 1000.0
+
+        def deliver(event: KvEvent) -> None:
+            self.deliveries.append((self.now + delay, name, event))
+
+        return deliver
+
+    def _deliver(self, until: float) -> None:
+        deliveries, policy = self.deliveries, self.policy
+        while deliveries and deliveries[0][0] <= until:
+            _, name, event = deliveries.popleft()
+            if not policy.apply_event(name, event):
+                policy.load_snapshot(name, self.workers[name].cache.tree.snapshot())
+
+    def run(self, progress: Progress | None = None, task: object = None) -> None:
+        requests, heap = self.stream.requests, self.heap
+        i, count, sampled = 0, len(requests), 0
+        while i < count:
+            arrival = requests[i].arrival_s
+            burst = i + 1
+            while burst < count and requests[burst].arrival_s == arrival:
+                burst += 1
+            while heap and heap[0][0] <= arrival:
+                self._advance(heapq.heappop(heap))
+            self.now = arrival
+            self._deliver(arrival)
+            self._arrive(range(i, burst))
+            i = burst
+            if progress is not None:
+                progress.update(task, completed=i)  # type: ignore[arg-type]
+            if i >= sampled:
+                sampled = i + 2000
+                self.peak_index_bytes = max(self.peak_index_bytes, self.policy.index_bytes())
+        while heap:
+            self._advance(heapq.heappop(heap))
+        self.peak_index_bytes = max(self.peak_index_bytes, self.policy.index_bytes())
+
+    def _advance(self, item: tuple[float, int, str]) -> None:
+        self.now = item[0]
+        self._deliver(self.now)
+        self._finish(self.workers[item[2]])
+
+    def _arrive(self, burst: range) -> None:
+        """Requests arriving at one instant go to the router together (`route_burst`)."""
+        requests, timings = self.stream.requests, self.route_ns
+        first = len(timings)
+        t0 = time.perf_counter_ns()
+        routed = self.policy.route_burst([requests[i].route for i in burst])
+        total = time.perf_counter_ns() - t0
+        share = (total - sum(timings[first:])) // len(burst)  # ordering, spread evenly
+        for k in range(first, len(timings)):
+            timings[k] += share
+        for request, decision in routed:
+            self.predicted[request.request_id] = decision.predicted_cached_tokens
+            worker = self.workers[decision.worker]
+            worker.queue.append(int(request.request_id))
+            if worker.busy is None:
+                self._start(worker)
+
+    def _start(self, worker: SimWorker) -> None:
+        i = worker.queue.popleft()
+        req = self.stream.requests[i]
+        seq = worker.cache.start(req.positions, req.namespace)
+        worker.cache.take_page_copies(seq)  # page size 1: never any
+        n = len(req.positions)
+        uncached = (n - seq.reused) * self.scale
+        duration = uncached / self.rate
+        self.ttft.append(self.now - req.arrival_s + duration)
+        self.reused += seq.reused
+        self.total += n
+        self.predicted_error += abs(self.predicted.pop(req.rid) - seq.reused * self.scale)
+        worker.work_tokens += uncached
+        window = self.windows.setdefault(int(self.now // WINDOW_S), {})
+        window[worker.name] = window.get(worker.name, 0) + uncached
+        worker.busy = (i, seq)
+        heapq.heappush(self.heap, (self.now + duration, i, worker.name))
+
+    def _finish(self, worker: SimWorker) -> None:
+        assert worker.busy is not None
+        i, seq = worker.busy
+        worker.busy = None
+        worker.cache.finish(seq, len(seq.keys))  # the prompt enters the cache
+        rid = self.stream.requests[i].rid
+        self.policy.prefill_done(worker.name, rid)
+        self.policy.finished(worker.name, rid)
+        if worker.queue:
+            self._start(worker)
+
+    def result(self, pooled: dict[str, float], wall_s: float) -> dict[str, object]:
+        work = [w.work_tokens for w in self.workers.values()]
+        mean = sum(work) / len(work)
+        window_ratios = []
+        for per_worker in self.windows.values():
+            total = sum(per_worker.values())
+            if total:
+                window_ratios.append(max(per_worker.values()) * len(work) / total)
+        routing_s = sum(self.route_ns) / 1e9
+        hit = self.reused / max(1, self.total)
+        stored_blocks = sum(len(w.cache.tree.block_set()) for w in self.workers.values())
+        return {
+            "policy": self.policy.name,
+            "source": self.stream.source,
+            "workers": len(self.workers),
+            "capacity_tokens": self.args.capacity_tokens,
+            "prefill_rate": self.rate,
+            "requests": len(self.ttft),
+            "hit_rate": hit,
+            "pooled_hit_rate": pooled["hit_rate"],
+            "fraction_of_pooled": hit / pooled["hit_rate"] if pooled["hit_rate"] else 0.0,
+            "imbalance": max(work) / mean if mean else 0.0,
+            "window_imbalance_max": max(window_ratios, default=0.0),
+            "ttft_mean_s": sum(self.ttft) / max(1, len(self.ttft)),
+            "ttft_p50_s": _percentile(self.ttft, 0.5),
+            "ttft_p90_s": _percentile(self.ttft, 0.9),
+            "ttft_p99_s": _percentile(self.ttft, 0.99),
+            "ttft_floor_p50_s": pooled["ttft_floor_p50_s"],
+            "ttft_floor_p99_s": pooled["ttft_floor_p99_s"],
+            "decisions_per_s": len(self.route_ns) / routing_s if routing_s else 0.0,
+            "decision_p50_us": _percentile(self.route_ns, 0.5) / 1000.0,  # type: ignore[arg-type]
+            "decision_p99_us": _percentile(self.route_ns, 0.99) / 1000.0,  # type: ignore[arg-type]
+            "index_bytes": self.peak_index_bytes,
+            "index_bytes_per_block": self.peak_index_bytes / max(1, stored_blocks),
+            "prediction_error_tokens_mean": self.predicted_error / max(1, len(self.ttft)),
+            "token_scale": self.scale,
+            "event_delay_ms": self.args.event_delay_ms,
+            "seed": self.args.seed,
+            "wall_s": wall_s,
+        }
+
+
+# -- the references ----------------------------------------------------------------------------
+def pooled_reference(stream: Stream, args: argparse.Namespace) -> dict[str, float]:
+    """One cache of N x capacity; every request served at its arrival, inserted when done."""
+    scale, rate = stream.token_scale, args.prefill_rate
+    positions = args.workers * args.capacity_tokens // scale
+    cache = SequenceCache(
+        CacheConfig(positions + 1, 1, max_sequences=65536, block_size=stream.block_positions)
+    )
+    running: list[tuple[float, int, CachedSequence]] = []
+    floor: list[float] = []
+    reused = total = 0
+    for i, req in enumerate(stream.requests):
+        while running and running[0][0] <= req.arrival_s:
+            _, _, done = heapq.heappop(running)
+            cache.finish(done, len(done.keys))
+        seq = cache.start(req.positions, req.namespace)
+        n = len(req.positions)
+        reused += seq.reused
+        total += n
+        duration = (n - seq.reused) * scale / rate
+        floor.append(duration)
+        heapq.heappush(running, (req.arrival_s + duration, i, seq))
+    return {
+        "hit_rate": reused / max(1, total),
+        "ttft_floor_p50_s": _percentile(floor, 0.5),
+        "ttft_floor_p99_s": _percentile(floor, 0.99),
+    }
+
+
+# -- the decision-rate measurement -------------------------------------------------------------
+def decision_rate(args: argparse.Namespace) -> dict[str, object]:
+    """Route `--decisions` requests of `--prompt-tokens` tokens over warm indexes; time only
+    `route`. Prompts share prefixes (conversations growing by a block), so matches are deep."""
+    rng = random.Random(args.seed)
+    block = args.block_tokens
+    hasher = BlockHasher(IdentityScheme(1, ""))
+    ns = CacheNamespace()
+    now = [0.0]
+    config = RouterConfig(prefill_rate=args.prefill_rate, block_tokens=block)
+    policy = make_policy(args.policy or "cache_aware", config, clock=lambda: now[0])
+    names = [f"w{w}" for w in range(args.workers)]
+    for name in names:
+        policy.add_worker(name, args.capacity_tokens)
+    blocks = args.prompt_tokens // block
+    convs = [hasher.hashes(list(range(c * 10**6, c * 10**6 + blocks)), ns) for c in range(512)]
+    seqs = dict.fromkeys(names, 0)
+    for c, chain in enumerate(convs):  # warm: each conversation held by one worker
+        name = names[c % len(names)]
+        seqs[name] += 1
+        policy.apply_event(name, _stored(name, seqs[name], chain[: blocks - 2]))
+    elapsed: list[int] = []
+    for i in range(args.decisions):
+        chain = convs[rng.randrange(len(convs))]
+        request = RouteRequest(str(i), ns, tuple(chain), blocks * block + rng.randrange(block))
+        now[0] = i * 0.001
+        t0 = time.perf_counter_ns()
+        decision = policy.route(request)
+        elapsed.append(time.perf_counter_ns() - t0)
+        policy.prefill_done(decision.worker, request.request_id)
+        policy.finished(decision.worker, request.request_id)
+    total_s = sum(elapsed) / 1e9
+    return {
+        "measurement": "decision_rate",
+        "policy": policy.name,
+        "workers": args.workers,
+        "prompt_tokens": args.prompt_tokens,
+        "block_tokens": block,
+        "decisions": args.decisions,
+        "decisions_per_s": args.decisions / total_s,
+        "decision_p50_us": _percentile(elapsed, 0.5) / 1000.0,  # type: ignore[arg-type]
+        "decision_p99_us": _percentile(elapsed, 0.99) / 1000.0,  # type: ignore[arg-type]
+        "index_bytes": policy.index_bytes(),
+    }
+
+
+def _stored(name: str, seq: int, chain: list[int]) -> KvEvent:
+    from cache import KvEventKind
+
+    return KvEvent(name, seq, KvEventKind.STORED, tuple(chain))
+
+
+# -- the command line --------------------------------------------------------------------------
+def summary(rows: list[dict[str, object]]) -> Table:
+    table = Table(title="router simulation (TTFT in s; hit rates of prompt tokens)")
+    columns = ("policy", "hit", "of pooled", "p50", "p90", "p99", "imbal", "win imbal", "dec/s")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["policy"]),
+            f"{r['hit_rate']:.3f}",
+            f"{r['fraction_of_pooled']:.2f}",
+            f"{r['ttft_p50_s']:.3f}",
+            f"{r['ttft_p90_s']:.2f}",
+            f"{r['ttft_p99_s']:.2f}",
+            f"{r['imbalance']:.2f}",
+            f"{r['window_imbalance_max']:.2f}",
+            f"{r['decisions_per_s']:.0f}",
+        )
+    if rows:
+        r = rows[0]
+        table.caption = (
+            f"pooled hit {r['pooled_hit_rate']:.3f}; floor p50 {r['ttft_floor_p50_s']:.3f} s, "
+            f"p99 {r['ttft_floor_p99_s']:.2f} s; {r['workers']} workers x "
+            f"{r['capacity_tokens']} tokens at {r['prefill_rate']:.0f} tokens/s"
+        )
+    return table
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", type=Path, default=workloads.MOONCAKE_TRACE)
+    source.add_argument("--workload", choices=sorted(workloads.SYNTHETIC), default=None)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--capacity-tokens", type=int, default=2_000_000)
+    parser.add_argument("--prefill-rate", type=float, default=8000.0, help="tokens/s")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default=None, help="default: all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="first N trace records")
+    parser.add_argument("--copies", type=int, default=1, help="trace copies (tenants) at once")
+    parser.add_argument("--token-scale", type=int, default=16, help="trace tokens per position")
+    parser.add_argument("--event-delay-ms", type=float, default=0.0)
+    parser.add_argument("--load", type=float, default=0.7, help="synthetic: offered load")
+    parser.add_argument("--decisions", type=int, default=0, help="measure decision rate only")
+    parser.add_argument("--prompt-tokens", type=int, default=10_000)
+    parser.add_argument("--block-tokens", type=int, default=512, help="decision-rate blocks")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--output", type=Path, default=None, help="also write JSON lines here")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, object]]:
+    if args.decisions:
+        row = decision_rate(args)
+        print(json.dumps(row), flush=True)
+        return [row]
+    if not args.workload and not args.trace.exists():
+        console.print(f"[yellow]no trace at {args.trace}; pass --trace or --workload[/]")
+        return []
+    stream = load_stream(args)
+    pooled = pooled_reference(stream, args)
+    rows = []
+    names = [args.policy] if args.policy else list(POLICIES)
+    with Progress(console=console, transient=True, disable=args.quiet) as progress:
+        for name in names:
+            task = progress.add_task(name, total=len(stream.requests))
+            began = time.perf_counter()
+            sim = Simulation(stream, name, args)
+            sim.run(progress, task)
+            row = sim.result(pooled, time.perf_counter() - began)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            progress.remove_task(task)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = run(args)
+    if args.output is not None:
+        args.output.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if rows and "hit_rate" in rows[0]:
+        console.print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

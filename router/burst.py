@@ -1,0 +1,71 @@
+"""The dispatch order of a burst: requests that reach the router at the same instant.
+
+Workers serve their queues first come, first served, so the order in which a burst is routed
+decides who waits behind whom. Routing it in arrival order lets a long prefill that happened to
+come first take the idle worker that a short request of the same burst then waits for. The
+router instead dispatches:
+
+    1. the very long requests first (predicted prefill >= tail_s): their TTFT is the tail, and
+       a wait in front of them would add to it;
+    2. then the rest, shortest predicted prefill first (SPT), so that short requests (the bulk
+       of the distribution) wait behind as little as possible.
+
+The prediction is the request's uncached tokens on its best-matching worker (exact index plus
+pending routes) over the prefill rate. Must never delay a request: the order only matters among
+requests that are all waiting to be routed now. A lone request is routed as it comes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from router.interface import RouteRequest
+
+
+def shortest_first(
+    requests: Sequence[RouteRequest],
+    predicted_prefill_s: Callable[[RouteRequest], float],
+    tail_s: float,
+) -> list[RouteRequest]:
+    """`requests` in dispatch order: predicted prefill >= `tail_s` first (longest first),
+    then the rest shortest first; ties keep arrival order."""
+    keyed = []
+    for position, request in enumerate(requests):
+        own = predicted_prefill_s(request)
+        keyed.append(((-own if own >= tail_s else own), position, request))
+    keyed.sort(key=lambda item: (item[0], item[1]))
+    return [request for _, _, request in keyed]
+
+
+class TailEstimate:
+    """A running quantile of recent predicted prefill times: where "very long" starts.
+
+    Keeps the last `window` samples and re-sorts them every `every` samples (amortised O(1)
+    per sample); `fallback_s` stands until `warmup` samples have been seen.
+    """
+
+    def __init__(
+        self,
+        quantile: float = 0.97,
+        fallback_s: float = 5.0,
+        window: int = 2048,
+        every: int = 128,
+        warmup: int = 64,
+    ) -> None:
+        if not 0.0 < quantile < 1.0:
+            raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
+        self.quantile = quantile
+        self.value = fallback_s
+        self._samples: deque[float] = deque(maxlen=window)
+        self._every = every
+        self._warmup = warmup
+        self._since = 0
+
+    def add(self, seconds: float) -> None:
+        self._samples.append(seconds)
+        self._since += 1
+        if self._since >= self._every and len(self._samples) >= self._warmup:
+            ordered = sorted(self._samples)
+            self.value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+            self._since = 0
