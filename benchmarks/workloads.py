@@ -3,28 +3,19 @@
 Each request is a prompt of token ids and the tokens a model will generate for it. Everything is
 derived from a seed, so two runs (and two implementations in one run) see the same stream.
 
-Mooncake trace expansion (../shared/traces/README.md): every hash id becomes one block of
-`block_tokens` token ids drawn from a PRNG seeded by the id, so equal ids give equal blocks and
-real prefix sharing; a prompt's last block is cut to its (scaled) input length. The trace's
-512-token blocks scale to `block_tokens` (32 by default, 1/16), lengths with them. The trace is
-read from ../shared/traces beside the checkout, or from $RADIXMESH_TRACE_DIR.
+The Mooncake trace is read and expanded by cluster/loadtest/trace.py (the load test replays it
+too); here it becomes token-id requests for the cache and router simulations.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.loadtest.trace import MOONCAKE_BLOCK, MOONCAKE_TRACE, BlockExpander, read_trace
+
 VOCAB = 49_152
-MOONCAKE_BLOCK = 512
-TRACE_PATH = Path(
-    os.environ.get("RADIXMESH_TRACE_DIR", Path(__file__).resolve().parents[2] / "shared" / "traces")
-)
-MOONCAKE_TRACE = TRACE_PATH / "mooncake_conversation_trace.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,49 +75,21 @@ def no_sharing(seed: int = 0, n: int = 1000) -> list[Request]:
     return [Request(_tokens(rng, rng.randint(256, 2048)), _tokens(rng, 32)) for _ in range(n)]
 
 
-def mooncake_records(path: Path = MOONCAKE_TRACE, limit: int | None = None) -> Iterator[dict]:
-    with path.open() as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
-                return
-            yield json.loads(line)
-
-
-class BlockExpander:
-    """Hash id -> `block_tokens` deterministic token ids (memoised)."""
-
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
-        self._blocks: dict[int, list[int]] = {}
-
-    def block(self, hash_id: int) -> list[int]:
-        block = self._blocks.get(hash_id)
-        if block is None:
-            block = self._blocks[hash_id] = _tokens(random.Random(hash_id), self.block_tokens)
-        return block
-
-    def prompt(self, hash_ids: list[int], length: int) -> list[int]:
-        tokens: list[int] = []
-        for hash_id in hash_ids:
-            tokens.extend(self.block(hash_id))
-        return tokens[:length]
-
-
 def mooncake(
     path: Path = MOONCAKE_TRACE, block_tokens: int = 32, limit: int | None = None, seed: int = 0
 ) -> list[Request]:
     """The Mooncake conversation trace, lengths scaled by block_tokens / 512."""
-    scale = block_tokens / MOONCAKE_BLOCK
-    expander = BlockExpander(block_tokens)
+    expander = BlockExpander(block_tokens, VOCAB)
     rng = random.Random(seed)
     requests = []
-    for record in mooncake_records(path, limit):
-        length = max(1, round(record["input_length"] * scale))
-        output = max(1, round(record["output_length"] * scale))
-        prompt = expander.prompt(record["hash_ids"], length)
-        requests.append(Request(prompt, _tokens(rng, output), arrival_ms=record["timestamp"]))
+    for record in read_trace(path, limit):
+        prompt = expander.prompt(record.hash_ids, expander.scaled(record.input_length))
+        output = _tokens(rng, expander.scaled(record.output_length))
+        requests.append(Request(prompt, output, arrival_ms=record.timestamp_ms))
     return requests
 
+
+__all__ = ["MOONCAKE_BLOCK", "MOONCAKE_TRACE", "BlockExpander", "Request", "mooncake"]
 
 SYNTHETIC = {
     "shared-prefix": shared_prefix,

@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from cluster.client import DEFAULT_TARGET, Client, text_request
+from cluster.loadtest.cli import add_arguments as add_loadtest_arguments
+from cluster.loadtest.cli import main as loadtest_main
 
 console = Console(stderr=True)
 
@@ -48,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--seed", type=int, default=None)
             sub.add_argument("--tenant", default="")
             sub.add_argument("--system", default=None, help="a system message")
+    loadtest_parser = commands.add_parser("loadtest", help="drive a cluster with a workload")
+    add_loadtest_arguments(loadtest_parser)
     commands.choices["generate"].add_argument("text")
     commands.choices["generate"].add_argument(
         "--raw", action="store_true", help="complete the text as is (no chat template)"
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.serve import main as serve_main  # noqa: PLC0415 - client commands skip Ray and torch
 
         return serve_main(args.config)
+    if args.command == "loadtest":
+        return loadtest_main(args)
     client = Client(args.target, args.token, args.tls_ca)
     try:
         return {"generate": generate, "chat": chat, "stats": stats}[args.command](args, client)

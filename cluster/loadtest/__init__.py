@@ -1,0 +1,1 @@
+"""`radixmesh loadtest`: drive a running cluster with synthetic and real traffic, and report."""
