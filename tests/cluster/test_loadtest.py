@@ -172,3 +172,13 @@ def test_trace_lengths_are_scaled_and_capped(tmp_path: Path) -> None:
         spec = s.request(0, None)
         assert spec.token_ids is not None and len(spec.token_ids) + spec.max_tokens < 30
     assert BlockExpander(32).scaled(MOONCAKE_BLOCK * 3) == 96
+
+
+def test_the_harness_outpaces_a_stub_server(capsys) -> None:  # type: ignore[no-untyped-def]
+    """The self-benchmark runs and reports consistent counts (its speed is a benchmark's job)."""
+    from benchmarks.loadtest_harness import main as harness
+
+    assert harness(["--requests", "40", "--tokens", "8", "--concurrency", "8"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["requests"] == {"sent": 40, "completed": 40, "errored": 0}
+    assert result["streamed_tokens"] == result["messages"] == 320
