@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chaos", default=None, help="TARGET@SECONDS: router@10, worker-0@10")
     parser.add_argument("--ray-address", default=None, help="the cluster's Ray (for --chaos)")
     parser.add_argument("--compare", nargs=2, metavar="POLICY", default=None)
+    parser.add_argument(
+        "--warmup", type=int, default=8, help="requests sent (and discarded) before measuring"
+    )
     parser.add_argument("--token", default=None, help="bearer token (admin calls need a '*' one)")
     parser.add_argument("--tls-ca", type=Path, default=None)
 
@@ -134,6 +138,20 @@ async def one_run(
     return RunResult(label, settings, summary, records), run.chaos_report
 
 
+async def warm_up(
+    args: argparse.Namespace, target: Target, options: workloads.WorkloadOptions
+) -> None:
+    """A few discarded requests (first forward passes are slow), then every cache emptied, so
+    the first measured run starts as warm, and as cold, as the ones after it."""
+    if args.warmup <= 0:
+        return
+    sessions = workloads.build("random", replace(options, requests=args.warmup, seed=args.seed + 1))
+    bounds = Bounds(args.warmup, args.max_seconds, args.request_timeout)
+    await Run(target, sessions, Arrivals("closed", 2), bounds, console).run()
+    if args.compare or args.sweep:
+        await admin(target)
+
+
 async def main_async(args: argparse.Namespace) -> int:
     target = Target(args.target, args.token, args.tls_ca)
     stats = await probe(target)
@@ -148,6 +166,7 @@ async def main_async(args: argparse.Namespace) -> int:
         raise Unreachable(f"the trace {args.trace} is absent (--trace PATH)")
     chaos = ChaosPlan.parse(args.chaos, args.ray_address) if args.chaos else None
     arrivals = Arrivals(args.arrival, args.concurrency, args.rate, args.seed)
+    await warm_up(args, target, options)
     runs: list[RunResult] = []
     chaos_report = None
     if args.compare:
