@@ -307,3 +307,12 @@ def test_chart_files_are_the_ones_in_the_configmap() -> None:
     data = find(render("values"), "ConfigMap", RELEASE)["data"]
     for name in ("render_config.py", "health_check.py"):
         assert data[name] == (CHART / "files" / name).read_text()
+
+
+def test_serve_shares_rays_sockets_with_the_ray_head() -> None:
+    """The driver in radixmesh-serve reaches the head's raylet and object store through the
+    sockets under /tmp/ray: one volume, under KubeRay's own name for it (ray-logs)."""
+    pod = head_pod(render("values-cpu-variants"))
+    for name in ("ray-head", "radixmesh-serve"):
+        mounts = {m["mountPath"]: m["name"] for m in container(pod, name)["volumeMounts"]}
+        assert mounts["/tmp/ray"] == "ray-logs", name
