@@ -12,13 +12,13 @@ import argparse
 import sys
 import time
 from importlib.metadata import version
-from pathlib import Path
 
 import grpc
 from rich.console import Console
 from rich.table import Table
 
 from cluster.client import DEFAULT_TARGET, Client, text_request
+from cluster.client_tls import TlsOptionsError, add_tls_arguments, tls_from_args
 from cluster.loadtest.cli import add_arguments as add_loadtest_arguments
 from cluster.loadtest.cli import main as loadtest_main
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--target", default=DEFAULT_TARGET, help="router host:port")
         sub.add_argument("--token", default=None, help="bearer token (or $RADIXMESH_TOKEN)")
-        sub.add_argument("--tls-ca", type=Path, default=None, help="CA certificate of the server")
+        add_tls_arguments(sub)
         if name != "stats":
             sub.add_argument("--max-tokens", type=int, default=128)
             sub.add_argument("--temperature", type=float, default=0.0)
@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(args.config)
     if args.command == "loadtest":
         return loadtest_main(args)
-    client = Client(args.target, args.token, args.tls_ca)
+    try:
+        client = Client(args.target, args.token, tls_from_args(args))
+    except TlsOptionsError as err:
+        console.print(f"[red]{err}[/]")
+        return 2
     try:
         return {"generate": generate, "chat": chat, "stats": stats}[args.command](args, client)
     except grpc.RpcError as err:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
+from cluster.client_tls import ClientTls
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -18,15 +18,16 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 class Client:
     target: str = DEFAULT_TARGET
     token: str | None = None
-    tls_ca: Path | None = None
+    tls: ClientTls | None = None
     channel: grpc.Channel = field(init=False)
     stub: serving_pb2_grpc.ServingStub = field(init=False)
 
     def __post_init__(self) -> None:
         self.token = self.token or os.environ.get("RADIXMESH_TOKEN")
-        if self.tls_ca is not None:
-            credentials = grpc.ssl_channel_credentials(self.tls_ca.read_bytes())
-            self.channel = grpc.secure_channel(self.target, credentials)
+        if self.tls is not None:
+            self.channel = grpc.secure_channel(
+                self.target, self.tls.credentials(), options=self.tls.options()
+            )
         else:
             self.channel = grpc.insecure_channel(self.target)
         self.stub = serving_pb2_grpc.ServingStub(self.channel)

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 from rich.console import Console
 
+from cluster.client_tls import add_tls_arguments, tls_from_args
 from cluster.loadtest import report, workloads
 from cluster.loadtest.chaos import ChaosPlan
 from cluster.loadtest.metrics import Slo, summarize
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup", type=int, default=8, help="requests sent (and discarded) before measuring"
     )
     parser.add_argument("--token", default=None, help="bearer token (admin calls need a '*' one)")
-    parser.add_argument("--tls-ca", type=Path, default=None)
+    add_tls_arguments(parser)
 
 
 def weights(text: str) -> list[tuple[str, float]]:
@@ -153,7 +154,7 @@ async def warm_up(
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    target = Target(args.target, args.token, args.tls_ca)
+    target = Target(args.target, args.token, tls_from_args(args))
     stats = await probe(target)
     options = workloads.WorkloadOptions(
         requests=args.num_requests, seed=args.seed, max_tokens=args.max_tokens,

@@ -16,12 +16,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cluster.client_tls import ClientTls
 from cluster.loadtest import chaos
 from cluster.loadtest.chaos import ChaosPlan
 from cluster.loadtest.records import RequestRecord
@@ -35,13 +35,13 @@ ARRIVALS = ("closed", "poisson", "trace")
 class Target:
     address: str
     token: str | None = None
-    tls_ca: Path | None = None
+    tls: ClientTls | None = None
 
     def channel(self) -> grpc.aio.Channel:
-        options = [("grpc.max_receive_message_length", 16 << 20)]
-        if self.tls_ca is not None:
-            credentials = grpc.ssl_channel_credentials(self.tls_ca.read_bytes())
-            return grpc.aio.secure_channel(self.address, credentials, options=options)
+        options: list[tuple[str, object]] = [("grpc.max_receive_message_length", 16 << 20)]
+        if self.tls is not None:
+            options += self.tls.options()
+            return grpc.aio.secure_channel(self.address, self.tls.credentials(), options=options)
         return grpc.aio.insecure_channel(self.address, options=options)
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.client import Client, text_request
+from cluster.client_tls import ClientTls
 from cluster.config import SecuritySection
 from tests.cluster.certs import make_certificates
 from tests.cluster.local_cluster import LocalCluster, start_cluster
@@ -46,7 +49,7 @@ def last(client: Client, tenant: str = "", text: str = PROMPT) -> object:
 
 
 def test_tls_with_a_valid_token_serves(secured: LocalCluster, certs: dict[str, Path]) -> None:
-    answer = last(Client(secured.target, "token-acme", certs["ca"]))
+    answer = last(Client(secured.target, "token-acme", ClientTls(certs["ca"])))
     assert answer.finished  # type: ignore[attr-defined]
 
 
@@ -60,7 +63,7 @@ def test_plaintext_is_refused_by_a_tls_server(secured: LocalCluster) -> None:
 def test_a_missing_or_wrong_token_is_unauthenticated(
     secured: LocalCluster, certs: dict[str, Path], token: str | None
 ) -> None:
-    client = Client(secured.target, token, certs["ca"])
+    client = Client(secured.target, token, ClientTls(certs["ca"]))
     client.token = token  # not even $RADIXMESH_TOKEN
     for call in (lambda: last(client), client.stats):
         with pytest.raises(grpc.RpcError) as err:
@@ -79,7 +82,7 @@ def test_health_checks_need_no_token(secured: LocalCluster, certs: dict[str, Pat
 
 
 def test_a_token_cannot_reach_another_tenant(secured: LocalCluster, certs: dict[str, Path]) -> None:
-    acme = Client(secured.target, "token-acme", certs["ca"])
+    acme = Client(secured.target, "token-acme", ClientTls(certs["ca"]))
     with pytest.raises(grpc.RpcError) as err:
         last(acme, tenant="globex")
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -90,9 +93,9 @@ def test_a_token_cannot_reach_another_tenant(secured: LocalCluster, certs: dict[
 def test_two_tenants_never_share_cached_tokens(
     secured: LocalCluster, certs: dict[str, Path]
 ) -> None:
-    acme = Client(secured.target, "token-acme", certs["ca"])
-    globex = Client(secured.target, "token-globex", certs["ca"])
-    admin = Client(secured.target, "token-admin", certs["ca"])
+    acme = Client(secured.target, "token-acme", ClientTls(certs["ca"]))
+    globex = Client(secured.target, "token-globex", ClientTls(certs["ca"]))
+    admin = Client(secured.target, "token-admin", ClientTls(certs["ca"]))
     first = last(acme)
     assert first.cached_prompt_tokens == 0  # type: ignore[attr-defined]
     assert last(acme).cached_prompt_tokens > 0  # type: ignore[attr-defined]  # same tenant hits
@@ -128,8 +131,26 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(
         assert ask("client") == grpc.StatusCode.OK
         assert ask(None) == grpc.StatusCode.UNAVAILABLE
         assert ask("rogue") == grpc.StatusCode.UNAVAILABLE
+
+        # The command line presents a client certificate, and verifies the server by a name
+        # other than the address it dials (as over a port-forward).
+        port = cluster.target.rsplit(":", 1)[1]
+        flags = ["--tls-ca", str(certs["ca"]), "--tls-cert", str(certs["client_cert"])]
+        flags += ["--tls-key", str(certs["client_key"]), "--target", f"127.0.0.1:{port}"]
+        named = cli("generate", "--max-tokens", "2", *flags, "--tls-server-name", "localhost", "hi")
+        assert named.returncode == 0, named.stderr
+        assert "prompt tokens" in named.stderr and named.stdout.strip()
+        wrong = cli("stats", *flags, "--tls-server-name", "elsewhere.example")
+        assert wrong.returncode == 1 and "UNAVAILABLE" in wrong.stdout + wrong.stderr
+        half = cli("stats", "--tls-ca", str(certs["ca"]), "--tls-cert", str(certs["client_cert"]))
+        assert half.returncode == 2 and "--tls-key" in half.stdout + half.stderr
     finally:
         cluster.close()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "cluster.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_oversized_messages_are_refused(tiny: LoadedModel) -> None:

@@ -297,7 +297,9 @@ def test_notes_tell_how_to_reach_generate_and_load_test() -> None:
     )  # fmt: skip
     notes = result.stdout.split("NOTES:", 1)[1]
     assert f"kubectl -n {NAMESPACE} port-forward svc/{RELEASE} 50051:50051" in notes
-    target = "--target localhost:50051 --tls-ca ca.crt --token $RADIXMESH_TOKEN"
+    tls = f"--tls-ca ca.crt --tls-server-name {RELEASE}.{NAMESPACE}.svc"
+    tls += " --tls-cert client.crt --tls-key client.key"
+    target = f"--target 127.0.0.1:50051 {tls} --token $RADIXMESH_TOKEN"
     assert f"radixmesh generate {target}" in notes
     assert f"radixmesh loadtest {target} --workload multi-turn --num-requests 200" in notes
     assert f"helm test {RELEASE}" in notes
