@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,6 +52,7 @@ from cache import (
     CacheNamespace,
     IdentityScheme,
     KvEvent,
+    OutOfPages,
     SequenceCache,
 )
 from router.config import RouterConfig
@@ -86,7 +87,7 @@ class SimWorker:
     name: str
     cache: SequenceCache
     queue: deque[int] = field(default_factory=deque)
-    busy: tuple[int, CachedSequence] | None = None
+    busy: tuple[int, CachedSequence | None] | None = None
     work_tokens: int = 0
 
 
@@ -178,6 +179,7 @@ class Simulation:
         self.reused = self.total = 0
         self.predicted_error = 0
         self.predicted: dict[str, int] = {}
+        self.uncacheable = 0
         self.windows: dict[int, dict[str, int]] = {}
         self.peak_index_bytes = 0
 
@@ -256,15 +258,21 @@ class Simulation:
     def _start(self, worker: SimWorker) -> None:
         i = worker.queue.popleft()
         req = self.stream.requests[i]
-        seq = worker.cache.start(req.positions, req.namespace)
-        worker.cache.take_page_copies(seq)  # page size 1: never any
         n = len(req.positions)
-        uncached = (n - seq.reused) * self.scale
+        try:
+            seq: CachedSequence | None = worker.cache.start(req.positions, req.namespace)
+        except OutOfPages:  # a prompt longer than the whole cache: served, never cached
+            seq = None
+            self.uncacheable += 1
+        reused = seq.reused if seq is not None else 0
+        if seq is not None:
+            worker.cache.take_page_copies(seq)  # page size 1: never any
+        uncached = (n - reused) * self.scale
         duration = uncached / self.rate
         self.ttft.append(self.now - req.arrival_s + duration)
-        self.reused += seq.reused
+        self.reused += reused
         self.total += n
-        self.predicted_error += abs(self.predicted.pop(req.rid) - seq.reused * self.scale)
+        self.predicted_error += abs(self.predicted.pop(req.rid) - reused * self.scale)
         worker.work_tokens += uncached
         window = self.windows.setdefault(int(self.now // WINDOW_S), {})
         window[worker.name] = window.get(worker.name, 0) + uncached
@@ -275,14 +283,15 @@ class Simulation:
         assert worker.busy is not None
         i, seq = worker.busy
         worker.busy = None
-        worker.cache.finish(seq, len(seq.keys))  # the prompt enters the cache
+        if seq is not None:
+            worker.cache.finish(seq, len(seq.keys))  # the prompt enters the cache
         rid = self.stream.requests[i].rid
         self.policy.prefill_done(worker.name, rid)
         self.policy.finished(worker.name, rid)
         if worker.queue:
             self._start(worker)
 
-    def result(self, pooled: dict[str, float], wall_s: float) -> dict[str, object]:
+    def result(self, pooled: dict[str, float], wall_s: float) -> dict[str, Any]:
         work = [w.work_tokens for w in self.workers.values()]
         mean = sum(work) / len(work)
         window_ratios = []
@@ -317,6 +326,8 @@ class Simulation:
             "index_bytes": self.peak_index_bytes,
             "index_bytes_per_block": self.peak_index_bytes / max(1, stored_blocks),
             "prediction_error_tokens_mean": self.predicted_error / max(1, len(self.ttft)),
+            "uncacheable_requests": self.uncacheable,
+            "pooled_finished_early": pooled["pooled_finished_early"],
             "token_scale": self.scale,
             "event_delay_ms": self.args.event_delay_ms,
             "seed": self.args.seed,
@@ -326,7 +337,10 @@ class Simulation:
 
 # -- the references ----------------------------------------------------------------------------
 def pooled_reference(stream: Stream, args: argparse.Namespace) -> dict[str, float]:
-    """One cache of N x capacity; every request served at its arrival, inserted when done."""
+    """One cache of N x capacity; every request served at its arrival, inserted when done.
+
+    Should the live sequences' pages ever fill the whole pool (tiny pools only), the one that
+    would finish first is finished early to make room, and counted."""
     scale, rate = stream.token_scale, args.prefill_rate
     positions = args.workers * args.capacity_tokens // scale
     cache = SequenceCache(
@@ -334,12 +348,21 @@ def pooled_reference(stream: Stream, args: argparse.Namespace) -> dict[str, floa
     )
     running: list[tuple[float, int, CachedSequence]] = []
     floor: list[float] = []
-    reused = total = 0
+    reused = total = forced = 0
     for i, req in enumerate(stream.requests):
         while running and running[0][0] <= req.arrival_s:
             _, _, done = heapq.heappop(running)
             cache.finish(done, len(done.keys))
-        seq = cache.start(req.positions, req.namespace)
+        while True:
+            try:
+                seq = cache.start(req.positions, req.namespace)
+                break
+            except OutOfPages:  # live sequences lock the whole pool: end the earliest now
+                if not running:
+                    raise
+                _, _, done = heapq.heappop(running)
+                cache.finish(done, len(done.keys))
+                forced += 1
         n = len(req.positions)
         reused += seq.reused
         total += n
@@ -350,11 +373,12 @@ def pooled_reference(stream: Stream, args: argparse.Namespace) -> dict[str, floa
         "hit_rate": reused / max(1, total),
         "ttft_floor_p50_s": _percentile(floor, 0.5),
         "ttft_floor_p99_s": _percentile(floor, 0.99),
+        "pooled_finished_early": forced,
     }
 
 
 # -- the decision-rate measurement -------------------------------------------------------------
-def decision_rate(args: argparse.Namespace) -> dict[str, object]:
+def decision_rate(args: argparse.Namespace) -> dict[str, Any]:
     """Route `--decisions` requests of `--prompt-tokens` tokens over warm indexes; time only
     `route`. Prompts share prefixes (conversations growing by a block), so matches are deep."""
     rng = random.Random(args.seed)
@@ -406,7 +430,7 @@ def _stored(name: str, seq: int, chain: list[int]) -> KvEvent:
 
 
 # -- the command line --------------------------------------------------------------------------
-def summary(rows: list[dict[str, object]]) -> Table:
+def summary(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="router simulation (TTFT in s; hit rates of prompt tokens)")
     columns = ("policy", "hit", "of pooled", "p50", "p90", "p99", "imbal", "win imbal", "dec/s")
     for column in columns:
@@ -456,7 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, object]]:
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.decisions:
         row = decision_rate(args)
         print(json.dumps(row), flush=True)

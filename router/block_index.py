@@ -89,12 +89,23 @@ class BlockIndex:
         return block in self._sets[worker].blocks
 
     def depth(self, bit: int, hashes: tuple[int, ...]) -> int:
-        """How many leading blocks of `hashes` the worker of `bit` holds."""
-        mask, get = 1 << bit, self.holders.get
-        for i, block in enumerate(hashes):
-            if not get(block, 0) & mask:
-                return i
-        return len(hashes)
+        """How many leading blocks of `hashes` the worker of `bit` holds (its set is
+        prefix-closed: gallop 1, 2, 4, ... then bisect, O(log depth) lookups)."""
+        mask, get, n = 1 << bit, self.holders.get, len(hashes)
+        if not n or not get(hashes[0], 0) & mask:
+            return 0
+        good, step = 0, 1  # hashes[good] is held
+        while good + step < n and get(hashes[good + step], 0) & mask:
+            good += step
+            step *= 2
+        bad = min(good + step, n)
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if get(hashes[mid], 0) & mask:
+                good = mid
+            else:
+                bad = mid
+        return good + 1
 
     def nbytes(self) -> int:
         """Bytes held: every set's and the holders dict's tables, one int per distinct block,

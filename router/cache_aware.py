@@ -27,6 +27,7 @@ decision costs O(matched blocks + groups x scan), not O(workers).
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections.abc import Sequence
 
 from router.base import BaseRouter, Clock
@@ -50,6 +51,7 @@ class CacheAware(BaseRouter):
         burst: bool = True,
         tail_quantile: float = 0.97,
         scan: int = 8,
+        tail_free: bool = True,
     ) -> None:
         """`work_weight`: beta above; `epsilon`, `slack_s`: the guard; `burst`: dispatch bursts
         in the order of router/burst.py (False: as given); `tail_quantile`: where a burst's
@@ -62,7 +64,8 @@ class CacheAware(BaseRouter):
             )
         self.work_weight = work_weight
         self.epsilon = epsilon
-        self.slack_tokens = slack_s * self.prefill_rate
+        self.slack_s = slack_s
+        self.tail_free = tail_free
         self.burst = burst
         self.tail = TailEstimate(tail_quantile)
         self.scan = scan
@@ -111,55 +114,68 @@ class CacheAware(BaseRouter):
     def choose(self, request: RouteRequest, now: float) -> RouteDecision:
         hashes = request.block_hashes
         groups = prefix_groups(hashes, self.index.holders, self.pending.holders)
-        members, rate, n = self.members, self.prefill_rate, request.num_tokens
+        rate, n = self.prefill_rate, request.num_tokens
         best_cached = self.predicted_tokens(groups[-1][1], request) if groups else 0
         self.tail.add((n - best_cached) / rate)
-        candidates = [(mask, self.predicted_tokens(depth, request)) for mask, depth in groups]
+        candidates = self._candidates(request, groups, now)
+        extra = self.work_weight / rate
+        if self.tail_free and min(wait + own for _, wait, own, _ in candidates) >= self.tail.value:
+            extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
+        reserved_of = self._reserved
+        low, tied = float("inf"), list[tuple[WorkerId, int]]()
+        for worker, wait, own, cached in candidates:
+            cost = wait + own + extra * (best_cached - cached)
+            reserved = reserved_of.get(worker)
+            if reserved:
+                cost += sum(min(own, saving) for saving in reserved)
+            if cost < low - 1e-9:
+                low, tied = cost, [(worker, cached)]
+            elif cost <= low + 1e-9:
+                tied.append((worker, cached))
+        return self._pick(tied, hashes, groups)
+
+    def _candidates(
+        self, request: RouteRequest, groups: list[tuple[int, int]], now: float
+    ) -> list[tuple[WorkerId, float, float, int]]:
+        """(worker, wait s, own prefill s, cached tokens) of up to `scan` least loaded members
+        of each match group (and of the workers matching nothing) under the load guard."""
+        members, loads, rate, n = self.members, self.loads, self.prefill_rate, request.num_tokens
+        matched = [(mask, self.predicted_tokens(depth, request)) for mask, depth in groups]
         rest = members.all_mask
         for mask, _ in groups:
             rest &= ~mask
         if rest:
-            candidates.append((rest, 0))
-        loads, by_bit, reserved_of = self.loads, members.by_bit, self._reserved
-        states, bound, scan, extra = (
-            loads.workers,
-            self._bound(),
-            self.scan,
-            self.work_weight / rate,
-        )
-        low, tied = float("inf"), list[tuple[WorkerId, int]]()
-        for mask, cached in reversed(candidates):  # the deepest match first
+            matched.append((rest, 0))
+        waiting, by_bit = self._total_wait(now), members.by_bit
+        out: list[tuple[WorkerId, float, float, int]] = []
+        for mask, cached in matched:
             own = (n - cached) / rate
-            penalty = own + extra * (best_cached - cached)
-            seen = 0
-            for free_at, bit in loads.by_free:  # least loaded first: the wait only grows
+            bound, seen = self._bound(waiting, own), 0
+            for free_at, bit in loads.by_free:  # least loaded first
                 if not mask >> bit & 1:
                     continue
+                wait = free_at - now if free_at > now else 0.0
+                if wait > bound:
+                    break  # so is every later member
                 worker = by_bit[bit]
                 assert worker is not None
-                if states[worker].queued_tokens > bound:
-                    continue
-                cost = penalty + (free_at - now if free_at > now else 0.0)
-                if cost > low + 1e-9 and not reserved_of:
-                    break  # every later member of this group costs at least as much
-                reserved = reserved_of.get(worker)
-                if reserved:
-                    cost += sum(min(own, saving) for saving in reserved)
-                if cost < low - 1e-9:
-                    low, tied = cost, [(worker, cached)]
-                elif cost <= low + 1e-9:
-                    tied.append((worker, cached))
+                out.append((worker, wait, own, cached))
                 seen += 1
-                if seen >= scan:
+                if seen >= self.scan:
                     break
-        return self._pick(tied, hashes, groups)
+        return out
 
-    def _bound(self) -> float:
-        """The load guard: the most queued prefill tokens a candidate may have."""
-        if self.epsilon == float("inf"):
-            return self.epsilon
-        mean = self.loads.queued_tokens / len(self.loads.workers)
-        return (1 + self.epsilon) * mean + self.slack_tokens
+    def _total_wait(self, now: float) -> float:
+        """Seconds of queued prefill on all workers together, drained to `now`."""
+        by_free = self.loads.by_free
+        return sum(free_at - now for free_at, _ in by_free[bisect_right(by_free, (now, -1)) :])
+
+    def _bound(self, waiting: float, own: float) -> float:
+        """The load guard: the longest wait a candidate may have, in seconds: (1 + epsilon) x
+        the mean wait once this prefill is queued, + slack. The least loaded worker always
+        passes (its wait is at most the mean)."""
+        mean = (waiting + own) / len(self.loads.workers)
+        return (1 + self.epsilon) * mean + self.slack_s
 
     def _pick(
         self,

@@ -1,0 +1,165 @@
+"""cache_aware's behaviour: it follows the exact index and its pending routes, trades waiting
+against recomputing, keeps load bounded under a hot prefix, and is deterministic."""
+
+from __future__ import annotations
+
+from router.cache_aware import CacheAware
+from router.interface import RouteDecision, RouteRequest
+from router.least_ttft import LeastTtft
+from tests.router.helpers import CONFIG, RATE, Clock, Worker, prompt, request
+
+
+def cluster(workers: int = 4, **knobs: object) -> tuple[CacheAware, Clock]:
+    clock = Clock()
+    policy = CacheAware(CONFIG, clock, **knobs)  # type: ignore[arg-type]
+    for w in range(workers):
+        policy.add_worker(f"w{w}", 100_000)
+    return policy, clock
+
+
+def test_burst_of_a_new_prefix_converges_before_any_event() -> None:
+    policy, clock = cluster(8)
+    shared = prompt(1, 400)
+    workers = set()
+    for i in range(8):
+        clock.now = i * 0.001  # all within the holder's first prefill (0.4 s)
+        decision = policy.route(request(str(i), prompt(100 + i, 420, shared)))
+        workers.add(decision.worker)
+        if i:
+            assert decision.predicted_cached_tokens == 400  # pending: the shared blocks
+    assert len(workers) == 1
+
+
+def test_burst_through_route_burst_converges_too() -> None:
+    policy, _ = cluster(8)
+    shared = prompt(2, 400)
+    routed = policy.route_burst([request(str(i), prompt(200 + i, 412, shared)) for i in range(6)])
+    assert len({d.worker for _, d in routed}) == 1
+
+
+def test_pending_routes_expire_after_the_grace_following_prefill_done() -> None:
+    policy, clock = cluster(2)
+    first = policy.route(request("a", prompt(3, 80)))
+    assert policy.pending.holders
+    clock.now = 0.5
+    policy.prefill_done(first.worker, "a")
+    clock.now = 0.5 + CONFIG.pending_grace_s + 0.01
+    policy.route(request("b", prompt(4, 8)))  # any route expires what is due
+    assert not policy.pending.holders.keys() & set(request("a", prompt(3, 80)).block_hashes)
+
+
+def test_pending_routes_never_outlive_their_ttl() -> None:
+    policy, clock = cluster(2)
+    policy.route(request("lost", prompt(5, 80)))
+    clock.now = CONFIG.pending_ttl_s + 1
+    policy.route(request("later", prompt(6, 8)))
+    assert len(policy.pending) == 1  # only "later"'s own entry
+
+
+def test_goes_to_the_idle_holder_and_predicts_its_hit() -> None:
+    policy, _ = cluster(3)
+    holder = Worker("w1")
+    history = prompt(7, 800)
+    holder.serve(history)
+    holder.deliver(policy)
+    assert policy.route(request("t", prompt(70, 840, history))) == RouteDecision("w1", 800)
+
+
+def test_waits_for_the_holder_up_to_one_plus_beta_times_the_saving() -> None:
+    for beta, expected in ((0.0, "w0"), (1.0, "w1")):
+        policy, _ = cluster(2, work_weight=beta, burst=False)
+        holder = Worker("w1")
+        history = prompt(9, 800)
+        holder.serve(history)
+        holder.deliver(policy)
+        # queue 1.2 s of cold work on w1 (via the load book, as if routed earlier)
+        policy.loads.routed("queued", "w1", 1200, 1200, 0.0)
+        # recompute elsewhere: 0.84 s; wait at w1: 1.2 + 0.04 s; beta charges 0.8 s extra
+        decision = policy.route(request("t", prompt(90, 840, history)))
+        assert decision.worker == expected, beta
+
+
+def test_ties_and_cold_prefixes_go_by_rendezvous_so_equal_prefixes_meet() -> None:
+    chosen = []
+    for _ in range(2):
+        policy, _ = cluster(6)
+        chosen.append([policy.route(request(str(i), prompt(i, 64))).worker for i in range(12)])
+        for i, worker in enumerate(chosen[-1]):
+            policy.finished(worker, str(i))
+    assert chosen[0] == chosen[1]
+    assert len(set(chosen[0])) > 1  # different prefixes spread out
+
+
+def flood(policy: CacheAware, clock: Clock, check: float | None = None) -> float:
+    """100 req/s of one 2000-token prefix + 25 new tokens (2.5 x one worker's prefill rate);
+    returns the longest wait seen. With `check` = epsilon, asserts the guard at every route."""
+    hot, longest = prompt(11, 2000), 0.0
+    for i in range(300):
+        clock.now = i * 0.01
+        r = request(str(i), prompt(1000 + i, 2025, hot))
+        waits = {w: policy.loads.wait_s(w, clock.now) for w in policy.members.order}
+        decision = policy.route(r)
+        longest = max(longest, waits[decision.worker])
+        if check is not None:
+            own = (r.num_tokens - decision.predicted_cached_tokens) / RATE
+            bound = (1 + check) * (sum(waits.values()) + own) / len(waits) + policy.slack_s
+            assert waits[decision.worker] <= bound + 1e-9
+    return longest
+
+
+def test_bounded_load_guard_holds_under_an_adversarial_hot_prefix() -> None:
+    """A flood of one hot prefix, and a policy that values cache hits 10x (beta = 10): without
+    the guard a holder's queue reaches ~4 s; with it every choice stays within
+    (1 + epsilon) x the mean wait + slack and the prefix spills to more holders."""
+    unguarded, clock = cluster(4, work_weight=10.0, epsilon=float("inf"), burst=False)
+    assert flood(unguarded, clock) > 3.0
+    guarded, clock = cluster(4, work_weight=10.0, epsilon=0.5, slack_s=0.5, burst=False)
+    assert flood(guarded, clock, check=0.5) < 2.5
+    holders = {w for w in guarded.members.order if guarded.loads.workers[w].routed_tokens}
+    assert len(holders) >= 3
+
+
+def test_determinism_same_calls_same_decisions() -> None:
+    def run() -> list[str]:
+        policy, clock = cluster(5)
+        out = []
+        for i in range(60):
+            clock.now = i * 0.05
+            d = policy.route(request(str(i), prompt(i % 7, 40 + 13 * (i % 5), prompt(i % 3, 24))))
+            out.append(d.worker)
+            if i % 3 == 0:
+                policy.prefill_done(d.worker, str(i))
+        return out
+
+    assert run() == run()
+
+
+def test_burst_dispatch_order_very_long_first_then_shortest_first() -> None:
+    policy, _ = cluster(4)
+    sizes = [900, 40, 20_000, 300, 8]
+    burst = [request(str(i), prompt(i, n)) for i, n in enumerate(sizes)]
+    order = [r.request_id for r, _ in policy.route_burst(burst)]
+    # fallback tail threshold 5 s = 5000 tokens here: the 20k request first, then by size
+    assert order == ["2", "4", "1", "3", "0"]
+
+
+def test_burst_keeps_a_later_members_home_free() -> None:
+    """A very long cold member would take any idle worker; it leaves the one worker holding a
+    later member's long history alone, so that member does not wait behind it."""
+    policy, _ = cluster(2, burst=True)
+    home = Worker("w0")
+    history = prompt(12, 2000)
+    home.serve(history)
+    home.deliver(policy)
+    cold = request("cold", prompt(13, 9000))
+    warm = request("warm", prompt(14, 2040, history))
+    routed = dict(policy.route_burst([warm, cold]))
+    assert routed[cold].worker == "w1" and routed[warm].worker == "w0"
+
+
+def test_least_ttft_is_cache_aware_without_the_later_costs() -> None:
+    greedy = LeastTtft(CONFIG, Clock())
+    assert greedy.work_weight == 0 and greedy.epsilon == float("inf") and not greedy.burst
+    greedy.add_worker("w0", 10)
+    blockless = RouteRequest("x", request("x", [1]).namespace, (), 1)
+    assert greedy.route(blockless) == RouteDecision("w0", 0)
