@@ -137,10 +137,11 @@ def _requests(
 ) -> list[SimRequest]:
     hasher = BlockHasher(IdentityScheme(block, ""))
     namespaces: dict[str | None, CacheNamespace] = {}
+    shared: dict[int, tuple[int, ...]] = {}  # copies of the trace share their prompts' tuples
     out = []
     for i, (arrival, prompt, tenant) in enumerate(items):
         ns = namespaces.setdefault(tenant, CacheNamespace(tenant=tenant))
-        positions = tuple(prompt)
+        positions = shared.setdefault(id(prompt), tuple(prompt))
         hashes = tuple(hasher.hashes(positions, ns))
         rid = str(i)
         route = RouteRequest(rid, ns, hashes, len(positions) * scale)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_right
 from collections.abc import Sequence
+from operator import itemgetter
 
 from router.base import BaseRouter, Clock
 from router.burst import TailEstimate, shortest_first
@@ -140,35 +141,65 @@ class CacheAware(BaseRouter):
         """(worker, wait s, own prefill s, cached tokens) of up to `scan` least loaded members
         of each match group (and of the workers matching nothing) under the load guard."""
         members, loads, rate, n = self.members, self.loads, self.prefill_rate, request.num_tokens
-        matched = [(mask, self.predicted_tokens(depth, request)) for mask, depth in groups]
+        block, last = self.block_tokens, max(0, request.num_tokens - 1)
+        matched = [(mask, min(depth * block, last)) for mask, depth in groups]
         rest = members.all_mask
         for mask, _ in groups:
             rest &= ~mask
         if rest:
             matched.append((rest, 0))
-        waiting, by_bit = self._total_wait(now), members.by_bit
+        # the guard cannot bind while no worker waits longer than the slack
+        guarded = loads.by_free[-1][0] - now > self.slack_s
+        waiting = self._total_wait(now) if guarded else 0.0
+        states, by_bit, scan = loads.workers, members.by_bit, self.scan
         out: list[tuple[WorkerId, float, float, int]] = []
         for mask, cached in matched:
             own = (n - cached) / rate
-            bound, seen = self._bound(waiting, own), 0
-            for free_at, bit in loads.by_free:  # least loaded first
-                if not mask >> bit & 1:
-                    continue
-                wait = free_at - now if free_at > now else 0.0
-                if wait > bound:
-                    break  # so is every later member
-                worker = by_bit[bit]
+            bound = self._bound(waiting, own) if guarded else float("inf")
+            if mask.bit_count() > scan:
+                out.extend(self._least_loaded(mask, own, cached, bound, now))
+                continue
+            left = mask
+            while left:  # a small group: look at each member
+                low = left & -left
+                left ^= low
+                worker = by_bit[low.bit_length() - 1]
                 assert worker is not None
-                out.append((worker, wait, own, cached))
-                seen += 1
-                if seen >= self.scan:
-                    break
+                free_at = states[worker].free_at
+                wait = free_at - now if free_at > now else 0.0
+                if wait <= bound:
+                    out.append((worker, wait, own, cached))
+        return out
+
+    def _least_loaded(
+        self, mask: int, own: float, cached: int, bound: float, now: float
+    ) -> list[tuple[WorkerId, float, float, int]]:
+        """Members of a large group in `free_at` order, under `bound`: the least loaded, those
+        tied with it, and any before the first one no burst member has reserved (at most
+        `scan`). Within a group only the wait and reservations differ, so no later member
+        can cost less."""
+        by_bit, reserved = self.members.by_bit, self._reserved
+        out: list[tuple[WorkerId, float, float, int]] = []
+        unreserved = False
+        for free_at, bit in self.loads.by_free:
+            if not mask >> bit & 1:
+                continue
+            wait = free_at - now if free_at > now else 0.0
+            if wait > bound or (unreserved and wait > out[0][1] + 1e-9):
+                break
+            worker = by_bit[bit]
+            assert worker is not None
+            out.append((worker, wait, own, cached))
+            unreserved = unreserved or worker not in reserved
+            if len(out) >= self.scan:
+                break
         return out
 
     def _total_wait(self, now: float) -> float:
         """Seconds of queued prefill on all workers together, drained to `now`."""
         by_free = self.loads.by_free
-        return sum(free_at - now for free_at, _ in by_free[bisect_right(by_free, (now, -1)) :])
+        busy = by_free[bisect_right(by_free, (now, -1)) :]
+        return sum(map(itemgetter(0), busy)) - now * len(busy)
 
     def _bound(self, waiting: float, own: float) -> float:
         """The load guard: the longest wait a candidate may have, in seconds: (1 + epsilon) x
