@@ -130,30 +130,53 @@ def plot_cdfs(runs: list[RunResult], path: Path) -> None:
     plt.close(figure)
 
 
-def plot_timeline(runs: list[RunResult], path: Path, bucket_s: float = 2.0) -> None:
+def timeline_bucket_s(span_s: float) -> float:
+    """About 30 buckets over the run, at a round width (0.1, 0.2, 0.5, 1, 2, 5, ... s)."""
+    target = max(span_s, 0.1) / 30
+    width = 0.1
+    while width < target:
+        for step in (2.0, 2.5, 2.0):  # 0.1 -> 0.2 -> 0.5 -> 1 -> 2 -> 5 -> 10
+            width *= step
+            if width >= target:
+                break
+    return round(width, 3)
+
+
+def plot_timeline(runs: list[RunResult], path: Path, bucket_s: float | None = None) -> None:
+    """Hit rate per bucket of request starts, and each worker's requests in flight over time
+    (sampled at bucket centres), so an imbalance between workers shows while it happens."""
     figure, (hits, load) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    span = max((r.end or r.start for run in runs for r in run.records), default=0.0)
+    width = bucket_s or timeline_bucket_s(span)
     for run in runs:
         ok = sorted((r for r in run.records if r.ok), key=lambda r: r.start)
         if not ok:
             continue
-        last = max(r.start for r in ok)
-        buckets = int(last // bucket_s) + 1
-        times = [bucket_s * (i + 0.5) for i in range(buckets)]
+        buckets = int(max(r.end or r.start for r in ok) // width) + 1
+        times = [width * (i + 0.5) for i in range(buckets)]
         prompt, cached = [0] * buckets, [0] * buckets
-        per_worker: dict[str, list[int]] = {}
+        in_flight: dict[str, list[int]] = {}
         for r in ok:
-            b = int(r.start // bucket_s)
+            b = int(r.start // width)
             prompt[b] += r.prompt_tokens
             cached[b] += r.cached_prompt_tokens
-            per_worker.setdefault(r.worker, [0] * buckets)[b] += 1
+            counts = in_flight.setdefault(r.worker, [0] * buckets)
+            end = r.end if r.end is not None else r.start
+            for i, t in enumerate(times):
+                if r.start <= t < end:
+                    counts[i] += 1
+        started = [i for i in range(buckets) if prompt[i]]
         hits.plot(
-            times, [c / p if p else 0 for c, p in zip(cached, prompt, strict=True)], label=run.label
+            [times[i] for i in started],
+            [cached[i] / prompt[i] for i in started],
+            label=run.label,
+            marker=".",
         )
-        for worker, counts in sorted(per_worker.items()):
-            load.plot(times, counts, label=f"{run.label}: {worker}")
+        for worker, counts in sorted(in_flight.items()):
+            load.step(times, counts, where="mid", label=f"{run.label}: {worker}")
     hits.set_ylabel("prefix hit rate")
-    hits.set_title(f"per {bucket_s:g} s, by request start")
-    load.set_ylabel("requests per worker")
+    hits.set_title(f"per {width:g} s: hit rate of the requests started, requests in flight")
+    load.set_ylabel("requests in flight per worker")
     load.set_xlabel("seconds into the run")
     for axis in (hits, load):
         axis.grid(alpha=0.3)
