@@ -150,8 +150,23 @@ def _requests(
 
 
 # -- one policy over the stream ----------------------------------------------------------------
+ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "least_ttft+burst_order": ("least_ttft", {"burst": True}),
+    "cache_aware-in_arrival_order": ("cache_aware", {"burst": False}),
+}
+"""Rows of `--ablations`: what the burst dispatch order alone is worth, with and without the
+rest of cache_aware's score."""
+
+
 class Simulation:
-    def __init__(self, stream: Stream, policy_name: str, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        policy_name: str,
+        args: argparse.Namespace,
+        knobs: dict[str, Any] | None = None,
+        label: str | None = None,
+    ) -> None:
         self.stream = stream
         self.args = args
         self.scale = stream.token_scale
@@ -160,7 +175,10 @@ class Simulation:
         config = RouterConfig(
             prefill_rate=self.rate, block_tokens=stream.block_positions * self.scale
         )
-        self.policy: RoutingPolicy = make_policy(policy_name, config, clock=lambda: self.now)
+        self.policy: RoutingPolicy = make_policy(
+            policy_name, config, lambda: self.now, **(knobs or {})
+        )
+        self.label = label or policy_name
         positions = args.capacity_tokens // self.scale
         self.workers: dict[str, SimWorker] = {}
         self.deliveries: deque[tuple[float, str, KvEvent]] = deque()
@@ -181,7 +199,8 @@ class Simulation:
         self.predicted_error = 0
         self.predicted: dict[str, int] = {}
         self.uncacheable = 0
-        self.windows: dict[int, dict[str, int]] = {}
+        self.windows: dict[int, list[Any]] = {}
+        """60 s window -> [prefills started, {worker: prefill tokens}]."""
         self.peak_index_bytes = 0
 
     def _time_each_route(self) -> None:
@@ -275,8 +294,9 @@ class Simulation:
         self.total += n
         self.predicted_error += abs(self.predicted.pop(req.rid) - reused * self.scale)
         worker.work_tokens += uncached
-        window = self.windows.setdefault(int(self.now // WINDOW_S), {})
-        window[worker.name] = window.get(worker.name, 0) + uncached
+        window = self.windows.setdefault(int(self.now // WINDOW_S), [0, {}])
+        window[0] += 1
+        window[1][worker.name] = window[1].get(worker.name, 0) + uncached
         worker.busy = (i, seq)
         heapq.heappush(self.heap, (self.now + duration, i, worker.name))
 
@@ -296,15 +316,15 @@ class Simulation:
         work = [w.work_tokens for w in self.workers.values()]
         mean = sum(work) / len(work)
         window_ratios = []
-        for per_worker in self.windows.values():
+        for count, per_worker in self.windows.values():
             total = sum(per_worker.values())
-            if total:
+            if total and count >= len(work):  # windows with at least one prefill per worker
                 window_ratios.append(max(per_worker.values()) * len(work) / total)
         routing_s = sum(self.route_ns) / 1e9
         hit = self.reused / max(1, self.total)
         stored_blocks = sum(len(w.cache.tree.block_set()) for w in self.workers.values())
         return {
-            "policy": self.policy.name,
+            "policy": self.label,
             "source": self.stream.source,
             "workers": len(self.workers),
             "capacity_tokens": self.args.capacity_tokens,
@@ -435,7 +455,7 @@ def summary(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="router simulation (TTFT in s; hit rates of prompt tokens)")
     columns = ("policy", "hit", "of pooled", "p50", "p90", "p99", "imbal", "win imbal", "dec/s")
     for column in columns:
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=True)
     for r in rows:
         table.add_row(
             str(r["policy"]),
@@ -472,6 +492,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--copies", type=int, default=1, help="trace copies (tenants) at once")
     parser.add_argument("--token-scale", type=int, default=16, help="trace tokens per position")
     parser.add_argument("--event-delay-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--ablations", action="store_true", help="also greedy with burst order, ours without"
+    )
     parser.add_argument("--load", type=float, default=0.7, help="synthetic: offered load")
     parser.add_argument("--decisions", type=int, default=0, help="measure decision rate only")
     parser.add_argument("--prompt-tokens", type=int, default=10_000)
@@ -492,12 +515,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     stream = load_stream(args)
     pooled = pooled_reference(stream, args)
     rows = []
-    names = [args.policy] if args.policy else list(POLICIES)
+    runs: list[tuple[str, str, dict[str, Any]]] = [
+        (name, name, {}) for name in ([args.policy] if args.policy else list(POLICIES))
+    ]
+    if args.ablations:
+        runs += [(label, name, knobs) for label, (name, knobs) in ABLATIONS.items()]
     with Progress(console=console, transient=True, disable=args.quiet) as progress:
-        for name in names:
-            task = progress.add_task(name, total=len(stream.requests))
+        for label, name, knobs in runs:
+            task = progress.add_task(label, total=len(stream.requests))
             began = time.perf_counter()
-            sim = Simulation(stream, name, args)
+            sim = Simulation(stream, name, args, knobs, label)
             sim.run(progress, task)
             row = sim.result(pooled, time.perf_counter() - began)
             rows.append(row)
@@ -512,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is not None:
         args.output.write_text("".join(json.dumps(row) + "\n" for row in rows))
     if rows and "hit_rate" in rows[0]:
+        if not console.is_terminal:
+            console.width = 120  # logs and pipes: room for every column
         console.print(summary(rows))
     return 0
 

@@ -9,7 +9,8 @@ sent it) still recorded at the deepest matched block, and matching refreshes tha
 
 Sizes are kept per worker in tokens; `evict(max_tokens)` drops each oversized worker's least
 recently used leaves (blocks none of whose children it holds) until it fits, as SGLang's
-periodic `evict_tenant_by_size` does. Used only by the `sglang` baseline policy.
+periodic `evict_tenant_by_size` does. Used only by the `sglang` baseline policy; it must
+never read KV events, or it would stop being the baseline it stands for.
 """
 
 from __future__ import annotations

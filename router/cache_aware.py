@@ -1,27 +1,32 @@
 """cache_aware, the default policy: the worker where this request's time to first token, plus
-what the choice costs later requests, is least.
+what the choice costs later requests, is least. It must never wait for a KV event to learn
+about its own routes (pending routes), nor count load only from completed responses.
 
-For each worker W, with `cached(W)` read from the exact block index plus pending routes:
+For each candidate worker W, with `cached(W)` read from the exact block index plus pending
+routes, and `best` the most any worker holds:
 
-    cost(W) = wait(W)                         queued prefill on W, in seconds (router/load.py)
-            + (n - cached(W)) / rate          this request's own prefill there
-            + beta * (best - cached(W)) / rate    the work it redoes that another worker holds
-            + reserved(W)                     the wait it imposes on later members of its burst
-                                              whose home is W (router/burst.py)
+    cost(W) = wait(W)                          W's queued prefill, drained to now (router/load.py)
+            + (n - cached(W)) / rate           this request's own prefill there
+            + beta * (best - cached(W)) / rate     prefill it redoes that another worker holds
+            + reserved(W)                      the wait it imposes on later members of its burst
+                                               whose only home is W
 
-The first two terms are the request's own TTFT (the greedy `least_ttft` stops there). The third
+The first two terms are the request's own TTFT; the greedy `least_ttft` stops there. The third
 is the cost to later requests of scattering a prefix: every token recomputed away from its
-holder is prefill every later request queues behind, and a copy that evicts something else; it
-makes a request wait for its holder up to (1 + beta) x the recompute it saves, never longer.
-The fourth exists only inside a burst, where the later requests are known.
+holder is prefill that later requests queue behind, and a second copy that evicts something
+else. It lets a request wait for its holder up to (1 + beta) x the recompute that saves, never
+longer; it is dropped (beta = 0) for a request whose best TTFT is already in the tail (at least
+the `tail_quantile` of recent prefills), whose own latency then matters most. The fourth term
+exists only inside a burst, where the later requests are known.
 
-Guard: a worker whose queued prefill tokens exceed (1 + epsilon) x the mean + `slack_s` of
-prefill is not a candidate (bounded load: a hot prefix spills instead of building a queue).
-Ties, and prefixes nobody holds, go by rendezvous hash of the first block nobody holds, so
-equal new prefixes meet. Bursts are dispatched very long first, then shortest first.
+Bounded load: a worker whose wait exceeds (1 + epsilon) x the mean wait (this prefill
+included) + `slack_s` is no candidate, so a hot prefix spills to another worker instead of
+building one queue; the least loaded worker always qualifies. Ties, and prefixes nobody holds,
+go by rendezvous hash of the first block nobody holds, so equal new prefixes meet. Bursts are
+dispatched very long first, then shortest first (router/burst.py).
 
-Candidates per match group are its members in `free_at` order, at most `scan` of them, so a
-decision costs O(matched blocks + groups x scan), not O(workers).
+Candidates: every member of a small match group, the least loaded few of a large one, so a
+decision costs O(log matched blocks + groups x scan), not O(workers).
 """
 
 from __future__ import annotations
@@ -55,8 +60,9 @@ class CacheAware(BaseRouter):
         tail_free: bool = True,
     ) -> None:
         """`work_weight`: beta above; `epsilon`, `slack_s`: the guard; `burst`: dispatch bursts
-        in the order of router/burst.py (False: as given); `tail_quantile`: where a burst's
-        very long requests start; `scan`: candidates looked at per match group."""
+        in the order of router/burst.py (False: as given); `tail_quantile`: where the tail
+        starts (very long burst members, no work term); `scan`: candidates looked at per large
+        match group; `tail_free`: drop the work term for requests in the tail."""
         super().__init__(config, clock)
         if work_weight < 0 or epsilon < 0 or slack_s < 0 or scan < 1:
             raise ValueError(
@@ -105,10 +111,11 @@ class CacheAware(BaseRouter):
         groups = prefix_groups(request.block_hashes, self.index.holders, self.pending.holders)
         rate, n = self.prefill_rate, request.num_tokens
         best = self.predicted_tokens(groups[-1][1], request) if groups else 0
-        if len(groups) < 2 or groups[-1][0] & (groups[-1][0] - 1):
+        if not groups or groups[-1][0] & (groups[-1][0] - 1):
             return (n - best) / rate, None
         (worker,) = self.members.workers_in(groups[-1][0])
-        saving = (best - self.predicted_tokens(groups[-2][1], request)) / rate
+        runner_up = self.predicted_tokens(groups[-2][1], request) if len(groups) > 1 else 0
+        saving = (best - runner_up) / rate
         return (n - best) / rate, (worker, saving)
 
     # -- the policy ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The router's configuration, shared by every policy: one frozen dataclass, validated once.
 
 A policy's own knobs (thresholds, weights) are keyword arguments of its constructor, with the
-published or measured defaults beside them.
+published or measured defaults beside them. Must never be mutated after it is built.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 The key is the chained hash of block `key_blocks` (it digests the namespace and every block
 before it), or of the last complete block of a shorter prompt, or of the namespace alone. Equal
 leading blocks always meet on one worker; a hot prefix therefore makes a hot spot. Blind to load.
+Must never use Python's `hash()` (salted per process): router/rendezvous.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Typed errors of the router package; each carries the names and numbers that explain it.
 
 Every error is raised before the policy's state is changed, so a driver that catches one finds
-the policy exactly as it was.
+the policy exactly as it was. No error here may be raised after a partial change.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Least load: the worker with the fewest prefill tokens routed to it and not yet computed.
 
-Ties (idle workers) go to the fewest requests in flight, then round robin. Blind to caches.
+Ties (idle workers) go to the fewest requests in flight, then round robin. Blind to caches;
+it must never wait for a worker's report to count a route (a burst would herd).
 """
 
 from __future__ import annotations

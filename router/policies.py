@@ -1,7 +1,8 @@
 """The registry of routing policies: name -> constructor. `cache_aware` is the default.
 
 Every constructor takes (config, clock) and its own keyword knobs; `make_policy` builds one by
-name and raises `UnknownPolicy` naming the known ones.
+name and raises `UnknownPolicy` naming the known ones. Must never build a policy from a
+name it does not list (no fallback to a default on a typo).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Round robin: each request to the next worker in join order. Blind to caches and load."""
+"""Round robin: each request to the next worker in join order. Blind to caches and load.
+
+A baseline; it must never skip a worker, busy or not.
+"""
 
 from __future__ import annotations
 
