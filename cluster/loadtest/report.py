@@ -62,7 +62,7 @@ def markdown(runs: list[RunResult], chaos: dict[str, Any] | None = None) -> str:
     head = (
         "| metric | "
         + " | ".join(r.label for r in runs)
-        + (" | ratio |" if len(runs) == 2 else " |")
+        + (f" | {runs[0].label} / {runs[1].label} |" if len(runs) == 2 else " |")
     )
     lines = [head, "|" + " --- |" * (len(runs) + 1 + (len(runs) == 2))]
     for name, kind, get in ROWS:
@@ -71,7 +71,7 @@ def markdown(runs: list[RunResult], chaos: dict[str, Any] | None = None) -> str:
         if len(runs) == 2:
             a, b = values
             ratio = (
-                b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
+                a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
             )
             row += f" {'-' if ratio is None else f'{ratio:.2f}x'} |"
         lines.append(row)
