@@ -17,6 +17,7 @@ requests that are all waiting to be routed now. A lone request is routed as it c
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -41,31 +42,33 @@ def shortest_first(
 class TailEstimate:
     """A running quantile of recent predicted prefill times: where "very long" starts.
 
-    Keeps the last `window` samples and re-sorts them every `every` samples (amortised O(1)
-    per sample); `fallback_s` stands until `warmup` samples have been seen.
+    Keeps the last `window` samples in arrival order and in sorted order (bisect in, bisect
+    out: O(log n) search and a short memmove per sample, no periodic re-sort); `fallback_s`
+    stands until `warmup` samples have been seen.
     """
 
     def __init__(
-        self,
-        quantile: float = 0.97,
-        fallback_s: float = 5.0,
-        window: int = 2048,
-        every: int = 128,
-        warmup: int = 64,
+        self, quantile: float = 0.97, fallback_s: float = 5.0, window: int = 2048, warmup: int = 64
     ) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
         self.quantile = quantile
-        self.value = fallback_s
-        self._samples: deque[float] = deque(maxlen=window)
-        self._every = every
+        self.fallback_s = fallback_s
+        self._window = window
         self._warmup = warmup
-        self._since = 0
+        self._arrivals: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    @property
+    def value(self) -> float:
+        ordered = self._sorted
+        if len(ordered) < self._warmup:
+            return self.fallback_s
+        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
 
     def add(self, seconds: float) -> None:
-        self._samples.append(seconds)
-        self._since += 1
-        if self._since >= self._every and len(self._samples) >= self._warmup:
-            ordered = sorted(self._samples)
-            self.value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-            self._since = 0
+        self._arrivals.append(seconds)
+        insort(self._sorted, seconds)
+        if len(self._arrivals) > self._window:
+            oldest = self._arrivals.popleft()
+            del self._sorted[bisect_left(self._sorted, oldest)]

@@ -75,8 +75,12 @@ class CacheAware(BaseRouter):
         self.tail_free = tail_free
         self.burst = burst
         self.tail = TailEstimate(tail_quantile)
+        """Where a burst's very long requests start: a quantile of predicted prefills."""
+        self.ttft_tail = TailEstimate(tail_quantile)
+        """Where the work term stops: the same quantile of requests' best TTFTs."""
         self.scan = scan
         self._reserved: dict[WorkerId, list[float]] = {}
+        self._best_ttft = 0.0
 
     # -- bursts --------------------------------------------------------------------------------
     def route_burst(
@@ -127,15 +131,17 @@ class CacheAware(BaseRouter):
         self.tail.add((n - best_cached) / rate)
         candidates = self._candidates(request, groups, now)
         extra = self.work_weight / rate
-        if self.tail_free and min(wait + own for _, wait, own, _ in candidates) >= self.tail.value:
-            extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
+        if self.tail_free:
+            if self._best_ttft >= self.ttft_tail.value:
+                extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
+            self.ttft_tail.add(self._best_ttft)
         reserved_of = self._reserved
         low, tied = float("inf"), list[tuple[WorkerId, int]]()
         for worker, wait, own, cached in candidates:
             cost = wait + own + extra * (best_cached - cached)
-            reserved = reserved_of.get(worker)
-            if reserved:
-                cost += sum(min(own, saving) for saving in reserved)
+            if reserved_of:
+                for saving in reserved_of.get(worker, ()):
+                    cost += own if own < saving else saving
             if cost < low - 1e-9:
                 low, tied = cost, [(worker, cached)]
             elif cost <= low + 1e-9:
@@ -146,7 +152,8 @@ class CacheAware(BaseRouter):
         self, request: RouteRequest, groups: list[tuple[int, int]], now: float
     ) -> list[tuple[WorkerId, float, float, int]]:
         """(worker, wait s, own prefill s, cached tokens) of up to `scan` least loaded members
-        of each match group (and of the workers matching nothing) under the load guard."""
+        of each match group (and of the workers matching nothing) under the load guard; sets
+        `_best_ttft`, the least wait + own prefill among them."""
         members, loads, rate, n = self.members, self.loads, self.prefill_rate, request.num_tokens
         block, last = self.block_tokens, max(0, request.num_tokens - 1)
         matched = [(mask, min(depth * block, last)) for mask, depth in groups]
@@ -160,11 +167,15 @@ class CacheAware(BaseRouter):
         waiting = self._total_wait(now) if guarded else 0.0
         states, by_bit, scan = loads.workers, members.by_bit, self.scan
         out: list[tuple[WorkerId, float, float, int]] = []
+        best_ttft = float("inf")
         for mask, cached in matched:
             own = (n - cached) / rate
             bound = self._bound(waiting, own) if guarded else float("inf")
             if mask.bit_count() > scan:
-                out.extend(self._least_loaded(mask, own, cached, bound, now))
+                members_of = self._least_loaded(mask, own, cached, bound, now)
+                if members_of:
+                    best_ttft = min(best_ttft, members_of[0][1] + own)
+                out.extend(members_of)
                 continue
             left = mask
             while left:  # a small group: look at each member
@@ -176,6 +187,8 @@ class CacheAware(BaseRouter):
                 wait = free_at - now if free_at > now else 0.0
                 if wait <= bound:
                     out.append((worker, wait, own, cached))
+                    best_ttft = min(best_ttft, wait + own)
+        self._best_ttft = best_ttft
         return out
 
     def _least_loaded(
