@@ -54,6 +54,7 @@ from cache import (
     CacheNamespace,
     IdentityScheme,
     KvEvent,
+    KvEventKind,
     OutOfPages,
     SequenceCache,
 )
@@ -402,11 +403,13 @@ def pooled_reference(stream: Stream, args: argparse.Namespace) -> dict[str, floa
 
 # -- the decision-rate measurement -------------------------------------------------------------
 def decision_rate(args: argparse.Namespace) -> dict[str, Any]:
-    """Route `--decisions` requests of `--prompt-tokens` tokens over warm indexes; time only
-    `route`. Prompts share prefixes (conversations growing by a block), so matches are deep."""
+    """Time `route` alone over `--decisions` requests of `--prompt-tokens` tokens: half
+    continue a conversation seen before (its prefix, a new last block), half start a new one.
+    After each route the chosen worker stores the request's blocks (a `stored` event) and
+    finishes it, so the indexes grow as they would in service."""
     rng = random.Random(args.seed)
-    block = args.block_tokens
-    hasher = BlockHasher(IdentityScheme(1, ""))
+    block, blocks = args.block_tokens, args.prompt_tokens // args.block_tokens
+    hasher = BlockHasher(IdentityScheme(1, ""))  # one key per routing block
     ns = CacheNamespace()
     now = [0.0]
     config = RouterConfig(prefill_rate=args.prefill_rate, block_tokens=block)
@@ -414,23 +417,28 @@ def decision_rate(args: argparse.Namespace) -> dict[str, Any]:
     names = [f"w{w}" for w in range(args.workers)]
     for name in names:
         policy.add_worker(name, args.capacity_tokens)
-    blocks = args.prompt_tokens // block
-    convs = [hasher.hashes(list(range(c * 10**6, c * 10**6 + blocks)), ns) for c in range(512)]
     seqs = dict.fromkeys(names, 0)
-    for c, chain in enumerate(convs):  # warm: each conversation held by one worker
-        name = names[c % len(names)]
-        seqs[name] += 1
-        policy.apply_event(name, _stored(name, seqs[name], chain[: blocks - 2]))
+    conversations: list[tuple[list[int], list[int]]] = []  # (keys, chain)
     elapsed: list[int] = []
     for i in range(args.decisions):
-        chain = convs[rng.randrange(len(convs))]
+        if conversations and rng.random() < 0.5:
+            keys, _ = conversations[rng.randrange(len(conversations))]
+            keys = [*keys[: blocks - 1], rng.randrange(1 << 40)]  # the same prefix, a new turn
+            chain = hasher.hashes(keys, ns)
+        else:
+            keys = [rng.randrange(1 << 40) for _ in range(blocks)]
+            chain = hasher.hashes(keys, ns)
+        conversations.append((keys, chain))
         request = RouteRequest(str(i), ns, tuple(chain), blocks * block + rng.randrange(block))
         now[0] = i * 0.001
         t0 = time.perf_counter_ns()
         decision = policy.route(request)
         elapsed.append(time.perf_counter_ns() - t0)
-        policy.prefill_done(decision.worker, request.request_id)
-        policy.finished(decision.worker, request.request_id)
+        worker = decision.worker
+        seqs[worker] += 1
+        policy.apply_event(worker, KvEvent(worker, seqs[worker], KvEventKind.STORED, tuple(chain)))
+        policy.prefill_done(worker, request.request_id)
+        policy.finished(worker, request.request_id)
     total_s = sum(elapsed) / 1e9
     return {
         "measurement": "decision_rate",
@@ -444,12 +452,6 @@ def decision_rate(args: argparse.Namespace) -> dict[str, Any]:
         "decision_p99_us": _percentile(elapsed, 0.99) / 1000.0,  # type: ignore[arg-type]
         "index_bytes": policy.index_bytes(),
     }
-
-
-def _stored(name: str, seq: int, chain: list[int]) -> KvEvent:
-    from cache import KvEventKind
-
-    return KvEvent(name, seq, KvEventKind.STORED, tuple(chain))
 
 
 @contextmanager

@@ -56,7 +56,7 @@ class CacheAware(BaseRouter):
         slack_s: float = 8.0,
         burst: bool = True,
         tail_quantile: float = 0.97,
-        scan: int = 8,
+        scan: int = 4,
         tail_free: bool = True,
     ) -> None:
         """`work_weight`: beta above; `epsilon`, `slack_s`: the guard; `burst`: dispatch bursts
@@ -235,10 +235,9 @@ class CacheAware(BaseRouter):
         groups: list[tuple[int, int]],
     ) -> RouteDecision:
         """Among equal costs, the rendezvous winner for the first block nobody holds."""
-        if len(tied) > 1:
-            deepest = groups[-1][1] if groups else 0
-            key = hashes[min(deepest, len(hashes) - 1)] if hashes else 0
-            seeds = self.members.seed
-            tied.sort(key=lambda pair: (weight(key, seeds[pair[0]]), pair[0]), reverse=True)
-        worker, cached = tied[0]
-        return RouteDecision(worker, cached)
+        if len(tied) == 1:
+            return RouteDecision(*tied[0])
+        deepest = groups[-1][1] if groups else 0
+        key = hashes[min(deepest, len(hashes) - 1)] if hashes else 0
+        seeds = self.members.seed
+        return RouteDecision(*max(tied, key=lambda pair: (weight(key, seeds[pair[0]]), pair[0])))
