@@ -17,8 +17,8 @@ requests that are all waiting to be routed now. A lone request is routed as it c
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, insort
-from collections import deque
 from collections.abc import Callable, Sequence
 
 from router.interface import RouteRequest
@@ -42,9 +42,11 @@ def shortest_first(
 class TailEstimate:
     """A running quantile of recent predicted prefill times: where "very long" starts.
 
-    Keeps the last `window` samples in arrival order and in sorted order (bisect in, bisect
-    out: O(log n) search and a short memmove per sample, no periodic re-sort); `fallback_s`
-    stands until `warmup` samples have been seen.
+    Keeps the last `window` samples in arrival order (a ring) and in sorted order (bisect in,
+    bisect out: O(log n) search and a short memmove per sample, no periodic re-sort), both as
+    contiguous arrays of doubles: the router calls `add` on every decision, between dictionary
+    walks that push everything else out of the CPU's caches, and a list of float objects would
+    cost a cache miss per comparison. `fallback_s` stands until `warmup` samples were seen.
     """
 
     def __init__(
@@ -52,12 +54,14 @@ class TailEstimate:
     ) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 sample, got {window}")
         self.quantile = quantile
         self.fallback_s = fallback_s
-        self._window = window
         self._warmup = warmup
-        self._arrivals: deque[float] = deque()
-        self._sorted: list[float] = []
+        self._ring = array("d", bytes(8 * window))
+        self._next = 0
+        self._sorted = array("d")
 
     @property
     def value(self) -> float:
@@ -67,8 +71,9 @@ class TailEstimate:
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
 
     def add(self, seconds: float) -> None:
-        self._arrivals.append(seconds)
-        insort(self._sorted, seconds)
-        if len(self._arrivals) > self._window:
-            oldest = self._arrivals.popleft()
-            del self._sorted[bisect_left(self._sorted, oldest)]
+        ordered, ring, at = self._sorted, self._ring, self._next
+        if len(ordered) == len(ring):
+            del ordered[bisect_left(ordered, ring[at])]
+        ring[at] = seconds
+        self._next = at + 1 if at + 1 < len(ring) else 0
+        insort(ordered, seconds)
