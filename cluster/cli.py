@@ -15,9 +15,11 @@ from importlib.metadata import version
 
 import grpc
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cluster.client import DEFAULT_TARGET, Client, text_request
+from cluster.client_auth import add_token_argument
 from cluster.client_tls import TlsOptionsError, add_tls_arguments, tls_from_args
 from cluster.loadtest.cli import add_arguments as add_loadtest_arguments
 from cluster.loadtest.cli import main as loadtest_main
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--target", default=DEFAULT_TARGET, help="router host:port")
-        sub.add_argument("--token", default=None, help="bearer token (or $RADIXMESH_TOKEN)")
+        add_token_argument(sub)
         add_tls_arguments(sub)
         if name != "stats":
             sub.add_argument("--max-tokens", type=int, default=128)
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = Client(args.target, args.token, tls_from_args(args))
     except TlsOptionsError as err:
-        console.print(f"[red]{err}[/]")
+        console.print(f"[red]{escape(str(err))}[/]", soft_wrap=True)
         return 2
     try:
         return {"generate": generate, "chat": chat, "stats": stats}[args.command](args, client)

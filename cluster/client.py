@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.client_auth import token_or_env
 from cluster.client_tls import ClientTls
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 
@@ -23,7 +23,7 @@ class Client:
     stub: serving_pb2_grpc.ServingStub = field(init=False)
 
     def __post_init__(self) -> None:
-        self.token = self.token or os.environ.get("RADIXMESH_TOKEN")
+        self.token = token_or_env(self.token)
         if self.tls is not None:
             self.channel = grpc.secure_channel(
                 self.target, self.tls.credentials(), options=self.tls.options()

@@ -12,7 +12,14 @@ import grpc
 
 
 class TlsOptionsError(ValueError):
-    """The client's TLS flags do not fit together."""
+    """The client's TLS flags do not fit together, or name a file that cannot be read."""
+
+
+def _read(flag: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise TlsOptionsError(f"{flag} {path}: cannot be read ({err.strerror or err})") from err
 
 
 @dataclass(frozen=True)
@@ -25,12 +32,13 @@ class ClientTls:
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise TlsOptionsError("--tls-cert and --tls-key go together (mutual TLS needs both)")
+        self.credentials()  # a missing or unreadable file fails here, before any call
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
-            self.ca.read_bytes(),
-            self.key.read_bytes() if self.key else None,
-            self.cert.read_bytes() if self.cert else None,
+            _read("--tls-ca", self.ca),
+            _read("--tls-key", self.key) if self.key else None,
+            _read("--tls-cert", self.cert) if self.cert else None,
         )
 
     def options(self) -> list[tuple[str, str]]:
