@@ -42,6 +42,7 @@ class RouterCollector(Collector):
         for status, count in sorted(c.by_status.items()):
             requests.add_metric([status], count)
         yield requests
+        rates = self.service.timing.model.rates()
         gauges = {
             "radixmesh_router_in_flight": ("Generate calls in flight", len(self.service.in_flight)),
             "radixmesh_router_healthy_workers": (
@@ -51,6 +52,14 @@ class RouterCollector(Collector):
             "radixmesh_router_index_bytes": (
                 "Memory of the per-worker block indexes",
                 self.service.links.policy.index_bytes(),
+            ),
+            "radixmesh_router_learned_prefill_tokens_per_second": (
+                "Prefill rate the router has learned from first-token times",
+                rates.prefill_rate,
+            ),
+            "radixmesh_router_learned_decode_seconds_per_running": (
+                "Seconds each running request adds to a new first token, learned from streams",
+                rates.decode_s,
             ),
         }
         for name, (text, value) in gauges.items():

@@ -26,8 +26,10 @@ import grpc
 from cluster.auth import allowed_tenant
 from cluster.config import RouterSection, SecuritySection
 from cluster.requests import PreparedRequest, TenantRefused, prepare
+from cluster.stream_timing import StreamTiming
 from cluster.worker_links import WorkerLinks
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
+from router.config import RouterConfig
 from router.interface import RouteRequest
 from worker.errors import InvalidRequest
 from worker.validation import PromptTokenizer
@@ -62,6 +64,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.counters = RouterCounters()
         self.in_flight: dict[str, str] = {}
         """request id -> the worker serving it."""
+        self.timing = StreamTiming(lambda: self.links.policy, RouterConfig().prefill_rate)
 
     # -- Generate ------------------------------------------------------------------------------
     async def Generate(
@@ -134,8 +137,12 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 timeout=context.time_remaining(),
             )
             started = False
+            dispatch = self.timing.dispatched(link.name, route.num_tokens)
             try:
                 async for response in call:
+                    self.timing.responded(
+                        dispatch, len(response.token_ids), response.cached_prompt_tokens
+                    )
                     if not started:
                         started = True
                         if self.links.links.get(link.name) is link:
@@ -158,6 +165,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                     )
                 self.counters.retried += 1
             finally:
+                self.timing.ended(dispatch)
                 call.cancel()  # a no-op when the stream ended; frees the worker's pages otherwise
                 if self.links.links.get(link.name) is link:  # not detached (or replaced) since
                     self.links.policy.finished(link.name, prepared.request_id)

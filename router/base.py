@@ -22,6 +22,7 @@ from router.load import LoadBook
 from router.members import Members
 from router.pending import PendingRoutes
 from router.prefix_match import prefix_groups
+from router.service_model import ServiceRates
 
 Clock = Callable[[], float]
 
@@ -41,6 +42,9 @@ class BaseRouter:
         self.index = BlockIndex()
         self.pending = PendingRoutes(config.pending_ttl_s, config.pending_grace_s)
         self.loads = LoadBook(config.prefill_rate)
+        self.decode_s = 0.0
+        """Seconds each running request adds to a new request's first token on its worker
+        (0 until `calibrate`: the reference service model has no decode)."""
 
     # -- membership ----------------------------------------------------------------------------
     def add_worker(self, worker: WorkerId, capacity_tokens: int) -> None:
@@ -114,6 +118,13 @@ class BaseRouter:
         now = self.clock()
         self.loads.finished(request_id, now)
         self.pending.settle(request_id, now)
+
+    def calibrate(self, rates: ServiceRates) -> None:
+        """Cost time with learned rates from now on (router/service_model.py): the prefill
+        rate behind every wait and prefill in seconds, and the decode cost per running request
+        where a policy counts it. Queued work keeps the seconds it was routed with."""
+        self.prefill_rate = self.loads.prefill_rate = rates.prefill_rate
+        self.decode_s = rates.decode_s
 
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.members.require(worker)

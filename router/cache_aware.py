@@ -10,6 +10,8 @@ routes, and `best` the most any worker holds:
             + beta * (best - cached(W)) / rate     prefill it redoes that another worker holds
             + reserved(W)                      the wait it imposes on later members of its burst
                                                whose only home is W
+            + decode_s x running(W)            the engine steps of W's running requests that the
+                                               new one waits through (0 unless `calibrate`d)
 
 The first two terms are the request's own TTFT; the greedy `least_ttft` stops there. The third
 is the cost to later requests of scattering a prefix: every token recomputed away from its
@@ -135,10 +137,12 @@ class CacheAware(BaseRouter):
             if self._best_ttft >= self.ttft_tail.value:
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
             self.ttft_tail.add(self._best_ttft)
-        reserved_of = self._reserved
+        reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
         low, tied = float("inf"), list[tuple[WorkerId, int]]()
         for worker, wait, own, cached in candidates:
             cost = wait + own + extra * (best_cached - cached)
+            if decode_s:
+                cost += decode_s * states[worker].running
             if reserved_of:
                 for saving in reserved_of.get(worker, ()):
                     cost += own if own < saving else saving

@@ -15,6 +15,7 @@ plus the load routed to them. It returns one worker per request. The driver feed
     prefill_done(worker, request_id)    the request's prompt is computed (its load leaves the queue)
     finished(worker, request_id)        the request is over (its KV occupancy is released)
     report_load(worker, WorkerLoad)     the worker's own view, when it has one (optional)
+    calibrate(ServiceRates)             prefill rate and decode cost learned from the streams
 
 Block hashes are the cache package's `BlockHasher` hashes under the workers' `IdentityScheme`:
 the router never computes a second kind. Nothing here is thread-safe; one driver thread calls it.
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cache import CacheNamespace, KvEvent, KvSnapshot
+from router.service_model import ServiceRates
 
 WorkerId = str
 
@@ -82,6 +84,10 @@ class RoutingPolicy(Protocol):
     def finished(self, worker: WorkerId, request_id: str) -> None: ...
 
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None: ...
+
+    def calibrate(self, rates: ServiceRates) -> None:
+        """Cost time with rates learned from the served streams (router/service_model.py)."""
+        ...
 
     def index_bytes(self) -> int:
         """Memory held by the per-worker indexes (counted, for reports and bounds)."""

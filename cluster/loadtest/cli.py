@@ -5,7 +5,8 @@
         --arrival trace --time-scale 0.05] [--sweep 1,4,16] [--compare cache_aware round_robin]
         [--tenants acme=1,globex=1] [--chaos worker-0@10 --ray-address HOST:PORT]
 
-The target is probed first: an unreachable one ends the command within seconds, saying so.
+The flags are checked first (cluster/loadtest/checks.py), then the target is probed: a bad
+flag, an unreachable target or refused credentials end the command within seconds, saying so.
 `--compare` switches the router's policy through the Admin service and empties every cache
 before each policy, so both start cold; `--sweep` runs each concurrency (closed) or rate
 (poisson) in turn.
@@ -20,23 +21,21 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 from rich.console import Console
+from rich.markup import escape
 
-from cluster.client_tls import add_tls_arguments, tls_from_args
-from cluster.loadtest import report, workloads
-from cluster.loadtest.chaos import ChaosPlan
+from cluster.client_auth import add_token_argument
+from cluster.client_tls import add_tls_arguments
+from cluster.loadtest import chaos, report, workloads
+from cluster.loadtest.checks import Checked, check
+from cluster.loadtest.control import ServerError, admin, probe
 from cluster.loadtest.metrics import Slo, summarize
 from cluster.loadtest.report import RunResult
 from cluster.loadtest.runner import ARRIVALS, Arrivals, Bounds, Run, Target
 from cluster.loadtest.trace import MOONCAKE_TRACE
-from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
+from cluster.loadtest.workloads import Session
 
 console = Console(stderr=True)
-
-
-class Unreachable(RuntimeError):
-    pass
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrival", choices=ARRIVALS, default="closed")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rate", type=float, default=4.0, help="sessions per second (poisson)")
-    parser.add_argument("--sweep", default=None, help="comma-separated concurrencies or rates")
+    parser.add_argument(
+        "--sweep", default=None, help="comma-separated concurrencies (closed) or rates (poisson)"
+    )
     parser.add_argument("--max-seconds", type=float, default=600.0)
     parser.add_argument("--request-timeout", type=float, default=120.0)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -60,71 +61,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiplies trace times")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    parser.add_argument("--chaos", default=None, help="TARGET@SECONDS: router@10, worker-0@10")
+    parser.add_argument(
+        "--chaos", default=None, help="TARGET@SECONDS, TARGET router or worker-<N>: worker-0@10"
+    )
     parser.add_argument("--ray-address", default=None, help="the cluster's Ray (for --chaos)")
     parser.add_argument("--compare", nargs=2, metavar="POLICY", default=None)
     parser.add_argument(
-        "--warmup", type=int, default=8, help="requests sent (and discarded) before measuring"
+        "--warmup", type=int, default=64, help="requests sent (and discarded) before measuring"
     )
-    parser.add_argument("--token", default=None, help="bearer token (admin calls need a '*' one)")
+    add_token_argument(
+        parser, "with tokens configured, --compare and --sweep need one bound to '*' (admin)"
+    )
     add_tls_arguments(parser)
-
-
-def weights(text: str) -> list[tuple[str, float]]:
-    if not text:
-        return [("", 1.0)]
-    pairs = []
-    for item in text.split(","):
-        name, _, weight = item.partition("=")
-        pairs.append((name.strip(), float(weight or 1)))
-    return pairs
-
-
-async def probe(target: Target) -> serving_pb2.GetStatsResponse:
-    async with target.channel() as channel:
-        stub = serving_pb2_grpc.ServingStub(channel)
-        try:
-            return await stub.GetStats(
-                serving_pb2.GetStatsRequest(), metadata=target.metadata, timeout=5
-            )
-        except grpc.aio.AioRpcError as err:
-            raise Unreachable(
-                f"cannot reach {target.address}: {err.code().name}: {err.details()}"
-            ) from err
-
-
-async def admin(target: Target, policy: str | None = None, clear: bool = True) -> None:
-    async with target.channel() as channel:
-        stub = serving_pb2_grpc.AdminStub(channel)
-        if policy is not None:
-            await stub.SetPolicy(
-                serving_pb2.SetPolicyRequest(policy=policy), metadata=target.metadata, timeout=30
-            )
-        for attempt in range(60):
-            if not clear:
-                return
-            try:
-                await stub.ClearCaches(
-                    serving_pb2.ClearCachesRequest(), metadata=target.metadata, timeout=30
-                )
-                return
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt == 59:
-                    raise
-                await asyncio.sleep(0.5)  # requests still finishing
 
 
 async def one_run(
     args: argparse.Namespace,
     target: Target,
-    options: workloads.WorkloadOptions,
+    sessions: list[Session],
     arrivals: Arrivals,
     label: str,
-    chaos: ChaosPlan | None,
+    plan: chaos.ChaosPlan | None,
 ) -> tuple[RunResult, dict[str, object] | None]:
-    sessions = workloads.build(args.workload, options)
     bounds = Bounds(args.num_requests, args.max_seconds, args.request_timeout)
-    run = Run(target, sessions, arrivals, bounds, console, chaos=chaos)
+    run = Run(target, sessions, arrivals, bounds, console, chaos=plan)
     records = await run.run()
     settings = {
         "workload": args.workload,
@@ -142,8 +102,9 @@ async def one_run(
 async def warm_up(
     args: argparse.Namespace, target: Target, options: workloads.WorkloadOptions
 ) -> None:
-    """A few discarded requests (first forward passes are slow), then every cache emptied, so
-    the first measured run starts as warm, and as cold, as the ones after it."""
+    """A few discarded requests (first forward passes are slow). With --compare or --sweep,
+    every cache is then emptied, so the first measured run starts as cold as the ones after it;
+    a single run keeps what the warmup cached (and needs no admin token)."""
     if args.warmup <= 0:
         return
     sessions = workloads.build("random", replace(options, requests=args.warmup, seed=args.seed + 1))
@@ -153,19 +114,32 @@ async def warm_up(
         await admin(target)
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    target = Target(args.target, args.token, tls_from_args(args))
+def chaos_exit(chaos_report: dict[str, object] | None) -> int:
+    """1 when the planned kill failed (the reports say why), else 0."""
+    if chaos_report is None:
+        return 0
+    if chaos_report["outcome"] == chaos.KILL_FAILED:
+        why = escape(str(chaos_report["error"]))
+        console.print(
+            f"[red]loadtest: the chaos kill failed (see the reports):[/] {why}", soft_wrap=True
+        )
+        return 1
+    if chaos_report["outcome"] == chaos.RUN_ENDED_FIRST:
+        console.print("[yellow]loadtest: no chaos kill: the requests ended before its time[/]")
+    return 0
+
+
+async def main_async(args: argparse.Namespace, checked: Checked) -> int:
+    target = Target(args.target, checked.token, checked.tls)
     stats = await probe(target)
     options = workloads.WorkloadOptions(
         requests=args.num_requests, seed=args.seed, max_tokens=args.max_tokens,
-        tenants=weights(args.tenants), adapters=weights(args.adapters), trace=args.trace,
+        tenants=checked.tenants, adapters=checked.adapters, trace=args.trace,
         trace_block_tokens=args.trace_block_tokens, trace_time_scale=args.time_scale,
         vocab_size=stats.vocab_size or 49_152, max_model_len=stats.max_model_len or 2048,
         turns=args.turns,
     )  # fmt: skip
-    if args.workload == "trace" and not args.trace.exists():
-        raise Unreachable(f"the trace {args.trace} is absent (--trace PATH)")
-    chaos = ChaosPlan.parse(args.chaos, args.ray_address) if args.chaos else None
+    sessions = workloads.build(args.workload, options)  # a malformed trace fails before warmup
     arrivals = Arrivals(args.arrival, args.concurrency, args.rate, args.seed)
     await warm_up(args, target, options)
     runs: list[RunResult] = []
@@ -173,34 +147,40 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.compare:
         for policy in args.compare:
             await admin(target, policy)
-            result, _ = await one_run(args, target, options, arrivals, policy, None)
+            result, _ = await one_run(args, target, sessions, arrivals, policy, None)
             runs.append(result)
-    elif args.sweep:
+    elif checked.sweep:
         axis = "concurrency" if args.arrival == "closed" else "rate"
-        for level in [float(x) for x in args.sweep.split(",")]:
+        for level in checked.sweep:
             await admin(target)
             level_arrivals = Arrivals(args.arrival, int(level), level, args.seed)
             result, _ = await one_run(
-                args, target, options, level_arrivals, f"{axis}={level:g}", None
+                args, target, sessions, level_arrivals, f"{axis}={level:g}", None
             )
             result.offered_load = level
             result.settings["sweep_axis"] = axis
             runs.append(result)
     else:
-        result, chaos_report = await one_run(args, target, options, arrivals, stats.policy, chaos)
+        result, chaos_report = await one_run(
+            args, target, sessions, arrivals, stats.policy, checked.chaos
+        )
         runs.append(result)
-    paths = report.write(args.output_dir, runs, chaos_report, sweep=bool(args.sweep))
+    paths = report.write(args.output_dir, runs, chaos_report, sweep=bool(checked.sweep))
     print(report.markdown(runs, chaos_report))
     console.print("reports: " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return chaos_exit(chaos_report)
 
 
 def main(args: argparse.Namespace) -> int:
+    """0 after the reports are written (1 if a --chaos kill failed); 2, with one line on stderr
+    naming what was wrong, for a bad flag, an unreachable target or a refused call."""
     began = time.monotonic()
     try:
-        return asyncio.run(main_async(args))
-    except (Unreachable, ValueError) as err:
-        console.print(f"[red]loadtest:[/] {err} (after {time.monotonic() - began:.1f} s)")
+        return asyncio.run(main_async(args, check(args)))
+    except (ServerError, ValueError) as err:
+        after = time.monotonic() - began
+        message = f"[red]loadtest:[/] {escape(str(err))} (after {after:.1f} s)"
+        console.print(message, soft_wrap=True)  # one line, whatever the terminal's width
         return 2
 
 

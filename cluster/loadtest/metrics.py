@@ -5,7 +5,8 @@ messages), time per output token, end-to-end latency. Throughput in requests and
 second; goodput: requests per second that met the SLO (TTFT and TPOT both under their bounds).
 Hit rate: prompt tokens the workers served from cache over all prompt tokens (their own
 per-request counts). Prediction error: the router's predicted cached tokens against the
-served ones. Shares per worker and per tenant; errors by status.
+served ones. Per worker: requests, share of the completed ones, output tokens, hit rate. Per
+tenant: requests, hit rate, TTFT p50. Errors by status.
 """
 
 from __future__ import annotations

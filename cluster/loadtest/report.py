@@ -1,7 +1,7 @@
 """A run's outputs: one JSON file, a markdown summary, and PNG plots.
 
 report.json   every run's settings, summary and per-request records (plus chaos, if any)
-summary.md    a table per run; runs side by side (with ratios to the first) for comparisons
+summary.md    a table, one column per run; with two runs, a last column A / B (first over second)
 cdf.png       TTFT and end-to-end latency CDFs, one line per run
 timeline.png  hit rate and each worker's requests over time
 sweep.png     throughput and p99 TTFT against offered load (sweeps)
@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from cluster.loadtest.chaos import KILL_FAILED, RUN_ENDED_FIRST
 from cluster.loadtest.records import RequestRecord
 
 ROWS = (
@@ -96,13 +97,28 @@ def markdown(runs: list[RunResult], chaos: dict[str, Any] | None = None) -> str:
 
 
 def chaos_markdown(chaos: dict[str, Any]) -> str:
+    """One paragraph: the kill and what followed, a failed kill, or the run ending first."""
+    target = chaos["target"]
+    if chaos["outcome"] == RUN_ENDED_FIRST:
+        return (
+            f"Chaos: no kill. The requests ended at {chaos['requests_ended_at_s']:.1f} s, before "
+            f"the kill of the {target} planned at {chaos['planned_at_s']:.1f} s."
+        )
+    if chaos["outcome"] == KILL_FAILED:
+        return (
+            f"Chaos: the kill of the {target} at {chaos['at_s']:.1f} s failed: {chaos['error']}. "
+            "The run went on without it."
+        )
     outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(chaos["in_flight_outcomes"].items()))
-    recovery = chaos.get("recovery_s")
+    recovery = chaos["recovery_s"]
+    whole = chaos["all_workers_healthy_after_s"]
     return (
-        f"Chaos: killed the {chaos['target']} at {chaos['at_s']:.1f} s. "
+        f"Chaos: killed the {target} at {chaos['at_s']:.1f} s. "
         f"In flight then: {chaos['in_flight']} ({outcomes or 'none'}). "
         f"First success after the kill: "
-        f"{'never' if recovery is None else f'{recovery:.2f} s later'}."
+        f"{'never' if recovery is None else f'{recovery:.2f} s later'}. "
+        f"Every worker healthy again: "
+        f"{'not before the watch ended' if whole is None else f'{whole:.2f} s after the kill'}."
     )
 
 

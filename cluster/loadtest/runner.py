@@ -5,13 +5,16 @@
     trace    sessions start at their (scaled) trace timestamps
 
 A run stops launching at `max_requests` requests or `max_seconds`, whichever comes first, and
-then waits for what is in flight (each request also has its own `request_timeout`). One channel
-is shared by every request; a live progress bar shows throughput and hit rate.
+then waits for what is in flight (each request also has its own `request_timeout`). A wait for
+the next Poisson or trace arrival ends at the `max_seconds` deadline, or as soon as the request
+budget is spent, so neither bound is overshot by an inter-arrival gap. One channel is shared by
+every request; a live progress bar shows throughput and hit rate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -107,12 +110,23 @@ class Run:
         self.sent = 0
         self.began = 0.0
         self.duration = 0.0
+        self._spent = asyncio.Event()
+        """Set once `max_requests` requests have been sent."""
 
     def now(self) -> float:
         return time.perf_counter() - self.began
 
     def _budget_left(self) -> bool:
         return self.sent < self.bounds.max_requests and self.now() < self.bounds.max_seconds
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep `seconds`, but not past the `max_seconds` deadline, nor once the request budget
+        is spent: a wait for the next arrival never makes the run overshoot its bounds."""
+        seconds = min(seconds, self.bounds.max_seconds - self.now())
+        if seconds <= 0 or self._spent.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._spent.wait(), seconds)
 
     async def run(self) -> list[RequestRecord]:
         total = min(self.bounds.max_requests, sum(s.length for s in self.sessions))
@@ -126,11 +140,15 @@ class Run:
             async with self.target.channel() as channel:
                 self.stub = serving_pb2_grpc.ServingStub(channel)
                 self.began = time.perf_counter()
+                event = chaos.ChaosEvent()
                 watcher = None
                 if self.chaos is not None:
                     watcher = asyncio.create_task(
-                        chaos.watch(self.chaos, self.stub, self.target.metadata, self.now)
-                    )
+                        chaos.watch(
+                            self.chaos, event, self.stub, self.target.metadata, self.now,
+                            self.bounds.max_seconds,
+                        )
+                    )  # fmt: skip
                 await {
                     "closed": self._closed,
                     "poisson": self._poisson,
@@ -138,9 +156,12 @@ class Run:
                 }[self.arrivals.kind]()
                 self.duration = self.now()
                 if watcher is not None and self.chaos is not None:
-                    killed_at, whole_again = await watcher
+                    if event.attempted_at is None:  # the requests are done: no kill now
+                        watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
                     self.chaos_report = chaos.account(
-                        self.records, killed_at, whole_again, self.chaos
+                        self.records, event, self.chaos, self.duration
                     )
         return self.records
 
@@ -156,19 +177,18 @@ class Run:
     async def _poisson(self) -> None:
         rng = random.Random(self.arrivals.seed)
         tasks = []
-        for session in self.sessions:
+        for i, session in enumerate(self.sessions):
+            if i:
+                await self._pause(rng.expovariate(self.arrivals.rate))
             if not self._budget_left():
                 break
             tasks.append(asyncio.create_task(self._session(session)))
-            await asyncio.sleep(rng.expovariate(self.arrivals.rate))
         await asyncio.gather(*tasks)
 
     async def _trace(self) -> None:
         tasks = []
         for session in sorted(self.sessions, key=lambda s: s.arrival_s or 0.0):
-            wait = (session.arrival_s or 0.0) - self.now()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            await self._pause((session.arrival_s or 0.0) - self.now())
             if not self._budget_left():
                 break
             tasks.append(asyncio.create_task(self._session(session)))
@@ -180,6 +200,8 @@ class Run:
             if not self._budget_left():
                 return
             self.sent += 1
+            if self.sent >= self.bounds.max_requests:
+                self._spent.set()
             record = await self._request(session, turn, session.request(turn, answer))
             if not record.ok:
                 return  # a conversation cannot go on without its answer

@@ -31,18 +31,36 @@ class TraceRecord:
     hash_ids: tuple[int, ...]
 
 
+class TraceError(ValueError):
+    """A trace line that is not a Mooncake record."""
+
+
+def parse_record(line: str) -> TraceRecord:
+    raw = json.loads(line)
+    hash_ids = raw["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
+        raise TypeError("hash_ids is not a list of integers")
+    timestamp, prompt, output = raw["timestamp"], raw["input_length"], raw["output_length"]
+    return TraceRecord(float(timestamp), int(prompt), int(output), tuple(hash_ids))
+
+
 def read_trace(path: Path = MOONCAKE_TRACE, limit: int | None = None) -> Iterator[TraceRecord]:
+    """The first `limit` records (blank lines skipped); a TraceError names the first line that
+    is not a record."""
+    count = 0
     with path.open() as f:
-        for i, line in enumerate(f):
-            if limit is not None and i >= limit:
+        for number, line in enumerate(f, start=1):
+            if limit is not None and count >= limit:
                 return
-            raw = json.loads(line)
-            yield TraceRecord(
-                float(raw["timestamp"]),
-                int(raw["input_length"]),
-                int(raw["output_length"]),
-                tuple(raw["hash_ids"]),
-            )
+            if not line.strip():
+                continue
+            try:
+                record = parse_record(line)
+            except (ValueError, KeyError, TypeError) as err:
+                problem = f"no {err} field" if isinstance(err, KeyError) else str(err)
+                raise TraceError(f"the trace {path}, line {number}: {problem}") from err
+            count += 1
+            yield record
 
 
 class BlockExpander:
@@ -73,5 +91,6 @@ class BlockExpander:
         return tokens[:length]
 
     def scaled(self, length: int) -> int:
-        """A trace length (in 512-token-block units) in this expansion's tokens (at least 1)."""
+        """A trace length (tokens, as the trace counts them: 512 to a block) in this expansion's
+        tokens, `block_tokens` to a block (at least 1)."""
         return max(1, round(length * self.block_tokens / MOONCAKE_BLOCK))

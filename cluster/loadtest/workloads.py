@@ -196,6 +196,8 @@ def _trace(o: WorkloadOptions) -> list[Session]:
                 turns=[RequestSpec(output, token_ids=prompt)],
             )
         )
+    if not sessions:
+        raise ValueError(f"the trace {o.trace} holds no records")
     return sessions
 
 

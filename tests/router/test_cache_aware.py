@@ -164,3 +164,25 @@ def test_least_ttft_is_cache_aware_without_the_later_costs() -> None:
     greedy.add_worker("w0", 10)
     blockless = RouteRequest("x", request("x", [1]).namespace, (), 1)
     assert greedy.route(blockless) == RouteDecision("w0", 0)
+
+
+def test_calibrated_decode_cost_moves_a_request_off_a_busy_holder() -> None:
+    """A holder with 7 running requests loses to an idle worker once they cost more than the
+    prefill it saves plus the work term (7 x 0.1 s > 2 x 0.2 s); uncalibrated, it keeps it."""
+    from router.service_model import ServiceRates
+
+    shared = prompt(7, 200)
+    for decode_s, expect_home in ((0.0, True), (0.04, True), (0.1, False)):
+        policy, clock = cluster(2)
+        home = policy.route(request("first", prompt(70, 220, shared))).worker
+        policy.prefill_done(home, "first")
+        for i in range(6):  # six more requests running (decoding) on the holder
+            rid = f"busy{i}"
+            routed = policy.route(request(rid, prompt(80 + i, 220, shared)))
+            assert routed.worker == home
+            policy.prefill_done(home, rid)
+        clock.now = 0.5  # every prefill done, its blocks still pending: only running differs
+        policy.calibrate(ServiceRates(RATE, decode_s))
+        decision = policy.route(request("next", prompt(90, 220, shared)))
+        assert (decision.worker == home) is expect_home
+        assert decision.predicted_cached_tokens == (200 if expect_home else 0)

@@ -1,0 +1,72 @@
+"""The learned service model: it recovers the speeds that produced its observations, stands on
+the configured rate until it has seen enough, and never learns a negative or absurd value."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.service_model import ServiceModel
+
+rates = st.floats(min_value=500.0, max_value=200_000.0)
+decodes = st.floats(min_value=1e-4, max_value=0.02)
+
+
+@given(
+    rate=rates,
+    decode_s=decodes,
+    samples=st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 12)), min_size=16, max_size=80),
+)
+def test_recovers_the_rates_behind_noiseless_observations(
+    rate: float, decode_s: float, samples: list[tuple[int, int]]
+) -> None:
+    model = ServiceModel(8000.0)
+    for _, running in samples:
+        model.observe_step(running + 1, decode_s * (running + 1))
+    assert model.decode_s == pytest.approx(decode_s, rel=1e-6)
+    for uncached, running in samples:
+        model.observe_first_token(uncached, running, decode_s * (running + 1) + uncached / rate)
+    expected = min(max(rate, 8000.0 / 100), 8000.0 * 100)
+    assert model.prefill_rate == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_configured_rate_stands_until_enough_was_seen() -> None:
+    model = ServiceModel(8000.0, min_samples=16)
+    for _ in range(15):
+        model.observe_step(2, 0.004)
+        model.observe_first_token(100, 0, 0.001)
+    assert (model.prefill_rate, model.decode_s) == (8000.0, 0.0)
+    model.observe_step(2, 0.004)
+    assert model.decode_s == pytest.approx(0.002)
+
+
+def test_recent_behaviour_wins() -> None:
+    model = ServiceModel(8000.0, half_life=16)
+    for _ in range(200):
+        model.observe_step(1, 0.010)
+    for _ in range(200):
+        model.observe_step(1, 0.002)
+    assert model.decode_s == pytest.approx(0.002, rel=0.01)
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(-5, 5000), st.integers(-2, 20), st.floats(-1.0, 10.0)),
+        max_size=60,
+    )
+)
+def test_never_negative_and_never_beyond_the_clamp(
+    observations: list[tuple[int, int, float]],
+) -> None:
+    model = ServiceModel(8000.0, min_samples=1, max_factor=10.0)
+    for tokens, running, seconds in observations:
+        model.observe_step(running, seconds)
+        model.observe_first_token(tokens, running, seconds)
+        assert model.decode_s >= 0.0
+        assert 800.0 <= model.prefill_rate <= 80_000.0
+
+
+def test_bad_settings_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="prefill_rate"):
+        ServiceModel(0.0)
