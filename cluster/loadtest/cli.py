@@ -102,14 +102,18 @@ async def one_run(
 async def warm_up(
     args: argparse.Namespace, target: Target, options: workloads.WorkloadOptions
 ) -> None:
-    """A few discarded requests (first forward passes are slow). With --compare or --sweep,
-    every cache is then emptied, so the first measured run starts as cold as the ones after it;
-    a single run keeps what the warmup cached (and needs no admin token)."""
+    """A few discarded requests, as many at once as the run will send (a CPU worker's first
+    batches of a new size are slow, and the router learns the workers' speeds from these). With
+    --compare or --sweep, every cache is then emptied, so the first measured run starts as cold
+    as the ones after it; a single run keeps what the warmup cached (and needs no admin
+    token)."""
     if args.warmup <= 0:
         return
-    sessions = workloads.build("random", replace(options, requests=args.warmup, seed=args.seed + 1))
+    kind = "random" if args.workload == "trace" else args.workload  # a trace has no other seed
+    sessions = workloads.build(kind, replace(options, requests=args.warmup, seed=args.seed + 1))
     bounds = Bounds(args.warmup, args.max_seconds, args.request_timeout)
-    await Run(target, sessions, Arrivals("closed", 2), bounds, console).run()
+    at_once = max(1, min(args.warmup, args.concurrency))
+    await Run(target, sessions, Arrivals("closed", at_once), bounds, console).run()
     if args.compare or args.sweep:
         await admin(target)
 
