@@ -18,13 +18,18 @@ So the router observes, per request it serves:
 
 and fits, with exponentially decaying weights (recent behaviour wins):
 
-    step(running)  = decode_s x running                          (a ratio estimate)
-    first token    = decode_s x (running + 1) + uncached / prefill_rate
+    step(running)  = decode_s x running                                     (a ratio)
+    first token    = overhead + decode_s x (running + 1) + uncached / prefill_rate
 
-Both are ratio estimates, not regressions: they need no spread of running counts and never go
-negative. Until `min_samples` of each have been seen the configured values stand, and the
-learned rate is clamped to within `max_factor` of the configured one. Must never be trusted
-for anything but routing costs; it is an estimate, not a measurement of record.
+The first-token fit is a least-squares line in the uncached tokens once they spread over at
+least `min_spread_tokens` (standard deviation): its slope is the marginal prefill cost, and
+`overhead` (the hops, the scheduling, the tokenizer: the same on every worker, so it never
+decides a route) is kept out of it. On a 2-layer CPU model the overhead is most of a first
+token, and a ratio would price each uncached token at 6x its real cost. With less spread, and
+whenever the slope is not positive, it falls back to the ratio (uncached tokens over the
+seconds left after decode). Until `min_samples` of each kind were seen the configured values
+stand, and the learned rate stays within `max_factor` of the configured one. Must never be
+trusted for anything but routing costs; it is an estimate, not a measurement of record.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class ServiceModel:
         half_life: int = 512,
         min_samples: int = 16,
         max_factor: float = 100.0,
+        min_spread_tokens: float = 32.0,
     ) -> None:
         if prefill_rate <= 0 or half_life < 1 or min_samples < 1 or max_factor < 1:
             raise ValueError(
@@ -56,13 +62,14 @@ class ServiceModel:
         self.configured_rate = prefill_rate
         self.max_factor = max_factor
         self.min_samples = min_samples
+        self.min_spread_tokens = min_spread_tokens
         self._decay = 0.5 ** (1.0 / half_life)
         self._step_seconds = 0.0
         self._step_running = 0.0
         self._steps = 0
-        self._prefill_tokens = 0.0
-        self._first_token_seconds = 0.0
-        self._first_token_steps = 0.0
+        # first tokens: decayed sums of 1, x (uncached), x^2, y (seconds), x y, r (steps waited
+        # through: running + 1) and x r, so the line can be fitted with any later decode_s
+        self._first = [0.0] * 7
         self._first_tokens = 0
 
     def observe_step(self, running: int, seconds: float) -> None:
@@ -79,10 +86,9 @@ class ServiceModel:
         flight (itself excluded) had its first token after `seconds`."""
         if uncached_tokens < 1 or running < 0 or not seconds >= 0:
             return
-        d = self._decay
-        self._prefill_tokens = self._prefill_tokens * d + uncached_tokens
-        self._first_token_seconds = self._first_token_seconds * d + seconds
-        self._first_token_steps = self._first_token_steps * d + running + 1
+        x, y, r, d = float(uncached_tokens), seconds, running + 1.0, self._decay
+        for i, value in enumerate((1.0, x, x * x, y, x * y, r, x * r)):
+            self._first[i] = self._first[i] * d + value
         self._first_tokens += 1
 
     @property
@@ -93,15 +99,27 @@ class ServiceModel:
 
     @property
     def prefill_rate(self) -> float:
-        """Uncached tokens over the first-token seconds left once the decode steps they
-        waited through are taken out (with today's `decode_s`, so early samples are not
-        skewed by a decode cost not yet learned)."""
+        """The learned rate, clamped; the configured one until enough was seen."""
         configured = self.configured_rate
-        prefill_s = self._first_token_seconds - self.decode_s * self._first_token_steps
-        if self._first_tokens < self.min_samples or prefill_s <= 0:
+        if self._first_tokens < self.min_samples:
             return configured
-        rate = self._prefill_tokens / prefill_s
+        rate = self._fitted_rate()
+        if rate is None:
+            return configured
         return min(max(rate, configured / self.max_factor), configured * self.max_factor)
+
+    def _fitted_rate(self) -> float | None:
+        n, sx, sxx, sy, sxy, sr, sxr = self._first
+        decode = self.decode_s
+        sy, sxy = sy - decode * sr, sxy - decode * sxr  # seconds left once decode is out
+        variance = sxx / n - (sx / n) ** 2
+        if variance >= self.min_spread_tokens**2:
+            slope = (sxy / n - (sx / n) * (sy / n)) / variance  # seconds per uncached token
+            if slope > 0:
+                return 1.0 / slope
+        if sy <= 0:
+            return None
+        return sx / sy
 
     def rates(self) -> ServiceRates:
         return ServiceRates(self.prefill_rate, self.decode_s)

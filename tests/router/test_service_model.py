@@ -70,3 +70,29 @@ def test_never_negative_and_never_beyond_the_clamp(
 def test_bad_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="prefill_rate"):
         ServiceModel(0.0)
+
+
+@given(
+    rate=rates,
+    decode_s=decodes,
+    overhead_s=st.floats(min_value=0.0, max_value=0.01),
+    samples=st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 12)), min_size=16),
+)
+def test_a_fixed_overhead_per_request_is_kept_out_of_the_rate(
+    rate: float, decode_s: float, overhead_s: float, samples: list[tuple[int, int]]
+) -> None:
+    """Hops and scheduling cost the same on every worker: with uncached lengths that spread,
+    the rate is the slope, not the ratio (which would charge the overhead to the tokens)."""
+    model = ServiceModel(8000.0, min_spread_tokens=32.0)
+    for _, running in samples:
+        model.observe_step(running + 1, decode_s * (running + 1))
+    for uncached, running in samples:
+        seconds = overhead_s + decode_s * (running + 1) + uncached / rate
+        model.observe_first_token(uncached, running, seconds)
+    xs = [uncached for uncached, _ in samples]
+    spread = (sum(x * x for x in xs) / len(xs) - (sum(xs) / len(xs)) ** 2) ** 0.5
+    if spread >= 40.0:  # clear of the threshold and of rounding in the decayed sums
+        expected = min(max(rate, 80.0), 800_000.0)
+        assert model.prefill_rate == pytest.approx(expected, rel=1e-3)
+    elif spread < 24.0 and overhead_s > 1e-4:
+        assert model.prefill_rate < rate  # the ratio: the overhead is charged to the tokens
