@@ -46,22 +46,33 @@ class TailEstimate:
     bisect out: O(log n) search and a short memmove per sample, no periodic re-sort), both as
     contiguous arrays of doubles: the router calls `add` on every decision, between dictionary
     walks that push everything else out of the CPU's caches, and a list of float objects would
-    cost a cache miss per comparison. `fallback_s` stands until `warmup` samples were seen.
+    cost a cache miss per comparison. `fallback_s` stands until `warmup` samples were kept.
+
+    With `stride` k > 1 it keeps only every k-th sample: the same horizon in k times fewer
+    samples (`window` counts samples kept), k times fewer sorted inserts, and a quantile from a
+    sample of the recent values instead of all of them.
     """
 
     def __init__(
-        self, quantile: float = 0.97, fallback_s: float = 5.0, window: int = 2048, warmup: int = 64
+        self,
+        quantile: float = 0.97,
+        fallback_s: float = 5.0,
+        window: int = 2048,
+        warmup: int = 64,
+        stride: int = 1,
     ) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
-        if window < 1:
-            raise ValueError(f"window must be >= 1 sample, got {window}")
+        if window < 1 or stride < 1:
+            raise ValueError(f"need window >= 1 sample and stride >= 1, got {window}, {stride}")
         self.quantile = quantile
         self.fallback_s = fallback_s
         self._warmup = warmup
         self._ring = array("d", bytes(8 * window))
         self._next = 0
         self._sorted = array("d")
+        self._stride = stride
+        self._skip = 0
 
     @property
     def value(self) -> float:
@@ -71,6 +82,10 @@ class TailEstimate:
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
 
     def add(self, seconds: float) -> None:
+        if self._skip:
+            self._skip -= 1
+            return
+        self._skip = self._stride - 1
         ordered, ring, at = self._sorted, self._ring, self._next
         if len(ordered) == len(ring):
             del ordered[bisect_left(ordered, ring[at])]

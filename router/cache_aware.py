@@ -45,6 +45,11 @@ from router.interface import RouteDecision, RouteRequest, WorkerId
 from router.prefix_match import prefix_groups
 from router.rendezvous import weight
 
+_TAIL_SAMPLING = {"window": 512, "warmup": 16, "stride": 4}
+"""The tails read every 4th decision of the last 2,048: the sorted inserts were a third of a
+decision's time, and the 97th percentile of 512 samples moves the simulator's TTFTs by less
+than tie-breaking does (docs/router.md)."""
+
 
 class CacheAware(BaseRouter):
     name = "cache_aware"
@@ -76,9 +81,9 @@ class CacheAware(BaseRouter):
         self.slack_s = slack_s
         self.tail_free = tail_free
         self.burst = burst
-        self.tail = TailEstimate(tail_quantile)
+        self.tail = TailEstimate(tail_quantile, **_TAIL_SAMPLING)
         """Where a burst's very long requests start: a quantile of predicted prefills."""
-        self.ttft_tail = TailEstimate(tail_quantile)
+        self.ttft_tail = TailEstimate(tail_quantile, **_TAIL_SAMPLING)
         """Where the work term stops: the same quantile of requests' best TTFTs."""
         self.scan = scan
         self._reserved: dict[WorkerId, list[float]] = {}
