@@ -47,8 +47,8 @@ from router.rendezvous import weight
 
 _TAIL_SAMPLING = {"window": 512, "warmup": 16, "stride": 4}
 """The tails read every 4th decision of the last 2,048: the sorted inserts were a third of a
-decision's time, and the 97th percentile of 512 samples moves the simulator's TTFTs by less
-than tie-breaking does (docs/router.md)."""
+decision's time, and on the conversation trace the 97th percentile of 512 samples moved the
+simulator's p50 TTFT by at most 0.004 s and its p99 by 0.06 s (docs/router.md)."""
 
 
 class CacheAware(BaseRouter):
