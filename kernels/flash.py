@@ -12,11 +12,12 @@ path as a requirement.
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from kernels.layout import softmax_scale_or_default
 
 
 def _optional_function(module: str, name: str) -> Callable[..., Any] | None:
@@ -48,10 +49,6 @@ def why_not(
     return next((why for failed, why in reasons if failed), None)
 
 
-def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-
-
 def append_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -80,7 +77,7 @@ def append_prefill_attention(
         cu_seqlens_k,
         max_seqlen_q,
         page_table.shape[1] * k_cache.shape[1],
-        softmax_scale=_scale(q, softmax_scale),
+        softmax_scale=softmax_scale_or_default(softmax_scale, q.shape[-1]),
         causal=True,
         block_table=page_table[:batch],
     )
@@ -107,7 +104,7 @@ def decode_attention(
         v_cache,
         cache_seqlens=seq_lens,
         block_table=page_table[: q.shape[0]],
-        softmax_scale=_scale(q, softmax_scale),
+        softmax_scale=softmax_scale_or_default(softmax_scale, q.shape[-1]),
         causal=False,
     ).squeeze(1)
     if out is None:
@@ -135,7 +132,7 @@ def dense_varlen_attention(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        softmax_scale=_scale(q, softmax_scale),
+        softmax_scale=softmax_scale_or_default(softmax_scale, q.shape[-1]),
         causal=True,
     )
     return result

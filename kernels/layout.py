@@ -25,6 +25,8 @@ This module never launches a kernel and never synchronises with a device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -44,6 +46,11 @@ def is_power_of_two(n: int) -> bool:
 def next_power_of_two(n: int) -> int:
     assert n >= 1, f"next_power_of_two needs n >= 1, got {n}"
     return 1 << (n - 1).bit_length()
+
+
+def softmax_scale_or_default(softmax_scale: float | None, head_dim: int) -> float:
+    """The attention scale every backend uses: `softmax_scale` when given, else head_dim ** -0.5."""
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
 def page_size_of(k_cache: torch.Tensor) -> int:

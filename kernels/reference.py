@@ -9,11 +9,9 @@ to get an exact oracle). Never reads a slot beyond a sequence's length, never wr
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from kernels.layout import cdiv
+from kernels.layout import cdiv, softmax_scale_or_default
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -103,7 +101,7 @@ def append_prefill_attention(
 ) -> torch.Tensor:
     """Each query chunk q[cu[i]:cu[i+1]] attends to its sequence's first seq_lens_k[i] KV slots."""
     del max_seqlen_q  # a launch-size hint for GPU backends
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     cu = cu_seqlens_q.tolist()
     lens_k = seq_lens_k.tolist()
@@ -131,7 +129,7 @@ def decode_attention(
     Batched: every sequence's pages are gathered up to the longest one and a length mask hides the
     rest (entries past a sequence's pages may be anything; they are clamped, then masked).
     """
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     batch, page_size = q.shape[0], k_cache.shape[1]
     longest = int(seq_lens.max())

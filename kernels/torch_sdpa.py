@@ -13,12 +13,10 @@ before the call (SDPA adds the mask to the scores, and NaN + -inf is NaN; 0 x Na
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from kernels.layout import cdiv
+from kernels.layout import cdiv, softmax_scale_or_default
 from kernels.reference import _regions_by_sequence, gather_kv, prefix_lm_mask
 
 __all__ = ["append_prefill_attention", "decode_attention", "write_kv"]
@@ -56,7 +54,7 @@ def append_prefill_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     del max_seqlen_q
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     cu = cu_seqlens_q.tolist()
     lens_k = seq_lens_k.tolist()
@@ -90,7 +88,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All sequences in one SDPA call over their pages gathered up to the longest one."""
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     batch, page_size = q.shape[0], k_cache.shape[1]
     lengths = seq_lens[:batch]

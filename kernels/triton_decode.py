@@ -16,13 +16,11 @@ the Python launchers below are fully typed.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import cdiv, next_power_of_two
+from kernels.layout import cdiv, next_power_of_two, softmax_scale_or_default
 
 LOG2_E = 1.4426950408889634
 BLOCK_N = 64
@@ -163,7 +161,7 @@ def decode_attention_split(
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = q_heads // kv_heads
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    scale = softmax_scale_or_default(softmax_scale, head_dim)
     block_d = max(16, next_power_of_two(head_dim))
     partial_out = torch.empty(
         (batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device

@@ -23,13 +23,11 @@ the Python launchers below are fully typed.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.layout import next_power_of_two
+from kernels.layout import next_power_of_two, softmax_scale_or_default
 from kernels.masks import query_horizons
 
 LOG2_E = 1.4426950408889634
@@ -215,7 +213,7 @@ def append_prefill_attention(
     batch = cu_seqlens_q.shape[0] - 1
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    scale = softmax_scale_or_default(softmax_scale, head_dim)
     config = tile_config(head_dim)
     block_m = config.pop("BLOCK_M")
     grid = (triton.cdiv(max_seqlen_q * group, block_m), batch, kv_heads)
