@@ -12,12 +12,32 @@ so. Stale-but-unconfirmed knowledge lives in `router/pending.py`, not here.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
 from cache import BlockSetIndex, KvEvent, KvEventKind, KvSnapshot
 from router.interface import WorkerId
 
 INT_BYTES = sys.getsizeof(1 << 63)
 """A 64-bit block hash as a Python int object."""
+
+
+def mark(holders: dict[int, int], bit: int, blocks: Iterable[int]) -> None:
+    """Set `bit` in the holder mask of every block of `blocks`."""
+    mask, get = 1 << bit, holders.get
+    for block in blocks:
+        holders[block] = get(block, 0) | mask
+
+
+def unmark(holders: dict[int, int], bit: int, blocks: Iterable[int]) -> None:
+    """Clear `bit` in the holder mask of every block of `blocks`; a block held by nobody left
+    leaves `holders`."""
+    keep = ~(1 << bit)
+    for block in blocks:
+        mask = holders.get(block, 0) & keep
+        if mask:
+            holders[block] = mask
+        else:
+            holders.pop(block, None)
 
 
 class BlockIndex:
@@ -33,7 +53,7 @@ class BlockIndex:
 
     def remove(self, worker: WorkerId) -> None:
         """Drop the worker's blocks: O(its size)."""
-        self._forget(self._bits.pop(worker), self._sets.pop(worker).blocks)
+        unmark(self.holders, self._bits.pop(worker), self._sets.pop(worker).blocks)
 
     def apply(self, worker: WorkerId, event: KvEvent) -> bool:
         """Apply the worker's next event; False after a gap (until `load_snapshot`)."""
@@ -43,17 +63,11 @@ class BlockIndex:
         ok = index.apply(event)
         if index.seq == before:
             return ok  # a gap (ignored), or a redelivery already reflected
-        mask = 1 << self._bits[worker]
+        bit = self._bits[worker]
         if event.kind is KvEventKind.STORED:
-            holders = self.holders
-            get = holders.get
-            for block in event.block_hashes:
-                holders[block] = get(block, 0) | mask
-        elif event.kind is KvEventKind.REMOVED:
-            self._forget(self._bits[worker], event.block_hashes)
+            mark(self.holders, bit, event.block_hashes)
         else:
-            assert cleared is not None
-            self._forget(self._bits[worker], cleared)
+            unmark(self.holders, bit, event.block_hashes if cleared is None else cleared)
         return True
 
     def load_snapshot(self, worker: WorkerId, snapshot: KvSnapshot) -> None:
@@ -62,21 +76,8 @@ class BlockIndex:
         old = index.blocks
         index.load_snapshot(snapshot)
         bit = self._bits[worker]
-        self._forget(bit, old - index.blocks)
-        mask = 1 << bit
-        holders = self.holders
-        for block in index.blocks - old:
-            holders[block] = holders.get(block, 0) | mask
-
-    def _forget(self, bit: int, blocks: object) -> None:
-        holders = self.holders
-        keep = ~(1 << bit)
-        for block in blocks:  # type: ignore[attr-defined]
-            mask = holders.get(block, 0) & keep
-            if mask:
-                holders[block] = mask
-            else:
-                holders.pop(block, None)
+        unmark(self.holders, bit, old - index.blocks)
+        mark(self.holders, bit, index.blocks - old)
 
     def in_sync(self, worker: WorkerId) -> bool:
         return self._sets[worker].in_sync
@@ -84,9 +85,6 @@ class BlockIndex:
     def blocks(self, worker: WorkerId) -> int:
         """How many blocks the worker holds, as its events say."""
         return len(self._sets[worker].blocks)
-
-    def holds(self, worker: WorkerId, block: int) -> bool:
-        return block in self._sets[worker].blocks
 
     def depth(self, bit: int, hashes: tuple[int, ...]) -> int:
         """How many leading blocks of `hashes` the worker of `bit` holds (its set is

@@ -19,6 +19,8 @@ from __future__ import annotations
 import heapq
 import sys
 
+from router.block_index import mark, unmark
+
 
 class PendingRoutes:
     def __init__(self, ttl_s: float = 60.0, grace_s: float = 1.0) -> None:
@@ -43,10 +45,7 @@ class PendingRoutes:
         deadline = now + self.ttl_s
         self._routes[request_id] = (bit, blocks, deadline)
         heapq.heappush(self._deadlines, (deadline, request_id))
-        holders, mask = self.holders, 1 << bit
-        get = holders.get
-        for block in blocks:
-            holders[block] = get(block, 0) | mask
+        mark(self.holders, bit, blocks)
 
     def settle(self, request_id: str, now: float) -> None:
         """The request's prefill is done: keep its entry only for the event's grace period."""
@@ -69,15 +68,8 @@ class PendingRoutes:
 
     def drop(self, request_id: str) -> None:
         route = self._routes.pop(request_id, None)
-        if route is None:
-            return
-        holders, keep = self.holders, ~(1 << route[0])
-        for block in route[1]:
-            mask = holders.get(block, 0) & keep
-            if mask:
-                holders[block] = mask
-            else:
-                holders.pop(block, None)
+        if route is not None:
+            unmark(self.holders, route[0], route[1])
 
     def drop_worker(self, bit: int) -> None:
         """Forget every route to the worker of `bit` (it left the cluster)."""
