@@ -21,7 +21,6 @@ from router.interface import RouteDecision, RouteRequest, WorkerId, WorkerLoad
 from router.load import LoadBook
 from router.members import Members
 from router.pending import PendingRoutes
-from router.prefix_match import prefix_groups
 from router.service_model import ServiceRates
 
 Clock = Callable[[], float]
@@ -48,7 +47,9 @@ class BaseRouter:
 
     # -- membership ----------------------------------------------------------------------------
     def add_worker(self, worker: WorkerId, capacity_tokens: int) -> None:
-        bit = self.members.add(worker, capacity_tokens)
+        if capacity_tokens < 0:
+            raise ValueError(f"capacity_tokens of {worker!r} must be >= 0, got {capacity_tokens}")
+        bit = self.members.add(worker)
         self.index.add(worker, bit)
         self.loads.add(worker, bit, capacity_tokens, self.clock())
 
@@ -92,14 +93,9 @@ class BaseRouter:
     def route_burst(
         self, requests: Sequence[RouteRequest]
     ) -> list[tuple[RouteRequest, RouteDecision]]:
-        """Route requests that arrived together; returns them in the order to dispatch them.
-
-        By default that is the order given; a policy may reorder (`burst_order`)."""
-        ordered = self.burst_order(requests) if len(requests) > 1 else list(requests)
-        return [(request, self.route(request)) for request in ordered]
-
-    def burst_order(self, requests: Sequence[RouteRequest]) -> list[RouteRequest]:
-        return list(requests)
+        """Route requests that arrived together; returns them in the order to dispatch them:
+        here the order given (a policy that reorders overrides this)."""
+        return [(request, self.route(request)) for request in requests]
 
     def choose(self, request: RouteRequest, now: float) -> RouteDecision:
         """The policy: pick a worker for `request` (there is at least one)."""
@@ -136,12 +132,6 @@ class BaseRouter:
         if not self.tracks_blocks:
             return 0
         return self.index.nbytes() + self.pending.nbytes()
-
-    def best_prefill_s(self, request: RouteRequest) -> float:
-        """Seconds of prefill `request` needs on its best-matching worker (ignoring queues)."""
-        groups = prefix_groups(request.block_hashes, self.index.holders, self.pending.holders)
-        deepest = groups[-1][1] if groups else 0
-        return (request.num_tokens - self.predicted_tokens(deepest, request)) / self.prefill_rate
 
     def predicted_tokens(self, blocks: int, request: RouteRequest) -> int:
         """Tokens a worker holding `blocks` leading blocks serves from cache (never the last

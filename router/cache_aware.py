@@ -87,7 +87,6 @@ class CacheAware(BaseRouter):
         """Where the work term stops: the same quantile of requests' best TTFTs."""
         self.scan = scan
         self._reserved: dict[WorkerId, list[float]] = {}
-        self._best_ttft = 0.0
 
     # -- bursts --------------------------------------------------------------------------------
     def route_burst(
@@ -96,7 +95,7 @@ class CacheAware(BaseRouter):
         """Route requests that arrived together: very long first, then shortest first, each
         charged for the wait it would impose on a later member whose only home it takes."""
         if len(requests) < 2 or not self.burst:
-            return [(request, self.route(request)) for request in requests]
+            return super().route_burst(requests)
         views = {r.request_id: self._view(r) for r in requests}
         order = shortest_first(requests, lambda r: views[r.request_id][0], self.tail.value)
         reserved: dict[WorkerId, list[float]] = {}
@@ -136,12 +135,12 @@ class CacheAware(BaseRouter):
         rate, n = self.prefill_rate, request.num_tokens
         best_cached = self.predicted_tokens(groups[-1][1], request) if groups else 0
         self.tail.add((n - best_cached) / rate)
-        candidates = self._candidates(request, groups, now)
+        candidates, best_ttft = self._candidates(request, groups, now)
         extra = self.work_weight / rate
         if self.tail_free:
-            if self._best_ttft >= self.ttft_tail.value:
+            if best_ttft >= self.ttft_tail.value:
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
-            self.ttft_tail.add(self._best_ttft)
+            self.ttft_tail.add(best_ttft)
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
         low, tied = float("inf"), list[tuple[WorkerId, int]]()
         for worker, wait, own, cached in candidates:
@@ -159,10 +158,10 @@ class CacheAware(BaseRouter):
 
     def _candidates(
         self, request: RouteRequest, groups: list[tuple[int, int]], now: float
-    ) -> list[tuple[WorkerId, float, float, int]]:
+    ) -> tuple[list[tuple[WorkerId, float, float, int]], float]:
         """(worker, wait s, own prefill s, cached tokens) of up to `scan` least loaded members
-        of each match group (and of the workers matching nothing) under the load guard; sets
-        `_best_ttft`, the least wait + own prefill among them."""
+        of each match group (and of the workers matching nothing) under the load guard, and
+        the least wait + own prefill among them (the request's best TTFT)."""
         members, loads, rate, n = self.members, self.loads, self.prefill_rate, request.num_tokens
         block, last = self.block_tokens, max(0, request.num_tokens - 1)
         matched = [(mask, min(depth * block, last)) for mask, depth in groups]
@@ -197,8 +196,7 @@ class CacheAware(BaseRouter):
                 if wait <= bound:
                     out.append((worker, wait, own, cached))
                     best_ttft = min(best_ttft, wait + own)
-        self._best_ttft = best_ttft
-        return out
+        return out, best_ttft
 
     def _least_loaded(
         self, mask: int, own: float, cached: int, bound: float, now: float

@@ -17,7 +17,6 @@ class Members:
     def __init__(self) -> None:
         self.bit: dict[WorkerId, int] = {}
         self.seed: dict[WorkerId, int] = {}
-        self.capacity: dict[WorkerId, int] = {}
         self.order: list[WorkerId] = []
         """Workers in the order they joined (round robin walks this)."""
         self.by_bit: list[WorkerId | None] = []
@@ -30,11 +29,9 @@ class Members:
     def __contains__(self, worker: object) -> bool:
         return worker in self.bit
 
-    def add(self, worker: WorkerId, capacity_tokens: int) -> int:
+    def add(self, worker: WorkerId) -> int:
         if worker in self.bit:
             raise DuplicateWorker(worker)
-        if capacity_tokens < 0:
-            raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
         if self._free_bits:
             bit = heapq.heappop(self._free_bits)
             self.by_bit[bit] = worker
@@ -43,14 +40,13 @@ class Members:
             self.by_bit.append(worker)
         self.bit[worker] = bit
         self.seed[worker] = worker_seed(worker)
-        self.capacity[worker] = capacity_tokens
         self.order.append(worker)
         self.all_mask |= 1 << bit
         return bit
 
     def remove(self, worker: WorkerId) -> int:
         bit = self.require(worker)
-        del self.bit[worker], self.seed[worker], self.capacity[worker]
+        del self.bit[worker], self.seed[worker]
         self.order.remove(worker)
         self.by_bit[bit] = None
         self.all_mask &= ~(1 << bit)
