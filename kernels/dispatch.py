@@ -91,6 +91,8 @@ def _triton_why_not(call: Call) -> str | None:
 def _flash_why_not(call: Call) -> str | None:
     if call.operation == "write_kv":
         return "flash-attn has no paged KV write"
+    if call.device.type != "cuda":  # before the import: the CPU path never loads flash-attn
+        return "flash-attn needs CUDA tensors"
     flash = _import("kernels.flash")
     if flash is None:
         return "kernels.flash failed to import"

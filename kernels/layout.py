@@ -84,19 +84,14 @@ def slots_for_positions(
 
 
 def prefill_slot_mapping(
-    page_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    page_size: int,
-    total_q: int | None = None,
+    page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, page_size: int
 ) -> torch.Tensor:
     """The slot of every query token of an append prefill (positions seq_len_k - seq_len_q ...).
 
-    This is the slot_mapping that `write_kv` needs before `append_prefill_attention` runs. Pass
-    `total_q` (= cu_seqlens_q[-1]) to avoid a device synchronisation.
+    This is the slot_mapping that `write_kv` needs before `append_prefill_attention` runs.
     """
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int64)
-    total = int(cu_seqlens_q[-1]) if total_q is None else total_q
+    total = int(cu_seqlens_q[-1])
     batch = q_lens.numel()
     seq_of_token = torch.repeat_interleave(
         torch.arange(batch, device=q_lens.device), q_lens, output_size=total

@@ -43,6 +43,19 @@ def gather_kv(
     return k, v
 
 
+def gather_kv_padded(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, longest: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's K and V up to `longest` positions, [batch, longest, kv_heads, head_dim]
+    (batch = page_table rows). Positions past a sequence's own length hold whatever their slots
+    (or, past its pages, page ids clamped into range) hold: the caller masks them."""
+    pages = page_table[:, : cdiv(longest, k_cache.shape[1])].to(torch.int64)
+    pages = pages.clamp(0, k_cache.shape[0] - 1)
+    k = k_cache[pages].flatten(1, 2)[:, :longest]
+    v = v_cache[pages].flatten(1, 2)[:, :longest]
+    return k, v
+
+
 def prefix_lm_mask(
     seq_len_q: int, seq_len_k: int, regions: list[tuple[int, int]], device: torch.device
 ) -> torch.Tensor:
@@ -131,12 +144,8 @@ def decode_attention(
     """
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
-    batch, page_size = q.shape[0], k_cache.shape[1]
     longest = int(seq_lens.max())
-    pages = page_table[:batch, : cdiv(longest, page_size)].to(torch.int64)
-    pages = pages.clamp(0, k_cache.shape[0] - 1)
-    k = k_cache[pages].flatten(1, 2)[:, :longest]  # [batch, longest, kv_heads, head_dim]
-    v = v_cache[pages].flatten(1, 2)[:, :longest]
+    k, v = gather_kv_padded(k_cache, v_cache, page_table[: q.shape[0]], longest)
     valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]
     dtype = _compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[2]

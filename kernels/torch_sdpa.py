@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from kernels.layout import cdiv, softmax_scale_or_default
-from kernels.reference import _regions_by_sequence, gather_kv, prefix_lm_mask
+from kernels.layout import softmax_scale_or_default
+from kernels.reference import _regions_by_sequence, gather_kv, gather_kv_padded, prefix_lm_mask
 
 __all__ = ["append_prefill_attention", "decode_attention", "write_kv"]
 
@@ -90,16 +90,12 @@ def decode_attention(
     """All sequences in one SDPA call over their pages gathered up to the longest one."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
-    batch, page_size = q.shape[0], k_cache.shape[1]
-    lengths = seq_lens[:batch]
-    longest = int(lengths.max())
-    pages = page_table[:batch, : cdiv(longest, page_size)].to(torch.int64)
-    pages = pages.clamp(0, k_cache.shape[0] - 1)
-    k = k_cache[pages].flatten(1, 2)[:, :longest].transpose(1, 2)  # [batch, kv_heads, L, D]
-    v = v_cache[pages].flatten(1, 2)[:, :longest].transpose(1, 2)
+    longest = int(seq_lens.max())
+    k, v = gather_kv_padded(k_cache, v_cache, page_table[: q.shape[0]], longest)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [batch, kv_heads, longest, head_dim]
     mask = None
-    if bool((lengths != longest).any()):
-        valid = torch.arange(longest, device=q.device)[None, :] < lengths[:, None]
+    if bool((seq_lens != longest).any()):
+        valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]
         k = k.masked_fill(~valid[:, None, :, None], 0.0)
         v = v.masked_fill(~valid[:, None, :, None], 0.0)
         mask = valid[:, None, None, :]

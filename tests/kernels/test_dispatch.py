@@ -234,8 +234,13 @@ def test_the_cpu_path_imports_neither_triton_nor_flash_attn() -> None:
         "import sys, torch, kernels\n"
         "from kernels import reference\n"
         "c, x = torch.zeros(2, 4, 1, 16), torch.ones(1, 1, 16)\n"
-        "kernels.write_kv(c, c.clone(), x, x, torch.tensor([5]))\n"
-        "print(sorted(m for m in ('triton', 'flash_attn') if m in sys.modules))\n"
+        "t, one = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)\n"
+        "kernels.write_kv(c, c.clone(), x, x, torch.tensor([4]))\n"
+        "kernels.decode_attention(x, c, c, t, one)\n"
+        "cu = torch.tensor([0, 1], dtype=torch.int32)\n"
+        "kernels.append_prefill_attention(x, c, c, t, cu, one)\n"
+        "loaded = ('triton', 'flash_attn', 'kernels.flash', 'kernels.triton_decode')\n"
+        "print(sorted(m for m in loaded if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout + done.stderr

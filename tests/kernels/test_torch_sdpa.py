@@ -62,6 +62,8 @@ def test_it_is_the_default_on_cpu_and_never_on_cuda_unless_forced() -> None:
     assert choose_backend("append_prefill_attention", k_cache) == "torch_sdpa"
     assert choose_backend("write_kv", k_cache) == "torch_sdpa"
     meta = empty_kv_cache(4, 16, 2, 32, torch.float32, device="meta")[0]
+    for operation in ("decode_attention", "append_prefill_attention", "write_kv"):
+        assert choose_backend(operation, meta) == "reference"  # not CPU, not CUDA: unforced
     assert choose_backend("decode_attention", meta, backend="torch_sdpa") == "torch_sdpa"
 
 
