@@ -19,24 +19,15 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, insort
-from collections.abc import Callable, Sequence
-
-from router.interface import RouteRequest
+from collections.abc import Sequence
 
 
-def shortest_first(
-    requests: Sequence[RouteRequest],
-    predicted_prefill_s: Callable[[RouteRequest], float],
-    tail_s: float,
-) -> list[RouteRequest]:
-    """`requests` in dispatch order: predicted prefill >= `tail_s` first (longest first),
-    then the rest shortest first; ties keep arrival order."""
-    keyed = []
-    for position, request in enumerate(requests):
-        own = predicted_prefill_s(request)
-        keyed.append(((-own if own >= tail_s else own), position, request))
-    keyed.sort(key=lambda item: (item[0], item[1]))
-    return [request for _, _, request in keyed]
+def shortest_first(predicted_prefill_s: Sequence[float], tail_s: float) -> list[int]:
+    """The positions of a burst's requests, given their predicted prefills, in dispatch order:
+    predicted prefill >= `tail_s` first (longest first), then the rest shortest first; ties
+    keep arrival order."""
+    keys = [-own if own >= tail_s else own for own in predicted_prefill_s]
+    return sorted(range(len(keys)), key=keys.__getitem__)
 
 
 class TailEstimate:

@@ -96,17 +96,17 @@ class CacheAware(BaseRouter):
         charged for the wait it would impose on a later member whose only home it takes."""
         if len(requests) < 2 or not self.burst:
             return super().route_burst(requests)
-        views = {r.request_id: self._view(r) for r in requests}
-        order = shortest_first(requests, lambda r: views[r.request_id][0], self.tail.value)
+        views = [self._view(r) for r in requests]  # by position: ids may repeat
+        order = shortest_first([own for own, _ in views], self.tail.value)
         reserved: dict[WorkerId, list[float]] = {}
-        for _, home in views.values():
+        for _, home in views:
             if home is not None:
                 reserved.setdefault(home[0], []).append(home[1])
         self._reserved = reserved
         routed = []
         try:
-            for request in order:
-                home = views[request.request_id][1]
+            for position in order:
+                request, home = requests[position], views[position][1]
                 if home is not None:
                     reserved[home[0]].remove(home[1])
                 routed.append((request, self.route(request)))

@@ -6,6 +6,7 @@ published or measured defaults beside them. Must never be mutated after it is bu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -21,11 +22,13 @@ class RouterConfig:
     """How long after its prefill a route still counts, while its `stored` event travels."""
 
     def __post_init__(self) -> None:
-        if self.prefill_rate <= 0:
-            raise ValueError(f"prefill_rate must be > 0 tokens/s, got {self.prefill_rate}")
+        if not 0.0 < self.prefill_rate < math.inf:  # NaN too: every cost would be NaN
+            raise ValueError(
+                f"prefill_rate must be > 0 tokens/s and finite, got {self.prefill_rate}"
+            )
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
-        if self.pending_ttl_s <= 0 or self.pending_grace_s < 0:
+        if not (self.pending_ttl_s > 0 and self.pending_grace_s >= 0):  # NaN: never expires
             raise ValueError(
                 f"need pending_ttl_s > 0 and pending_grace_s >= 0, "
                 f"got {self.pending_ttl_s}, {self.pending_grace_s}"

@@ -42,6 +42,12 @@ class RouteRequest:
     num_tokens: int
     """Prompt length in tokens (KV positions), complete blocks and the partial tail."""
 
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:  # it would book negative work on the worker
+            raise ValueError(
+                f"request {self.request_id!r}: num_tokens must be >= 0, got {self.num_tokens}"
+            )
+
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:

@@ -77,7 +77,11 @@ class LoadBook:
     def routed(
         self, request_id: str, worker: WorkerId, prefill_tokens: int, kv_tokens: int, now: float
     ) -> None:
+        """Book the request on `worker`. An id still in flight is routed anew: its earlier
+        booking ends first (as `finished` would), or its work would stay queued for good."""
         state = self.workers[worker]
+        if request_id in self._routes:
+            self.finished(request_id, now)
         self._routes[request_id] = _Route(worker, prefill_tokens, kv_tokens)
         start = now if state.queued_requests == 0 else max(state.free_at, now)
         self._move(state, start + prefill_tokens / self.prefill_rate)

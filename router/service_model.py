@@ -34,6 +34,7 @@ trusted for anything but routing costs; it is an estimate, not a measurement of 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -43,6 +44,15 @@ class ServiceRates:
     """Tokens per second of prefill on one worker."""
     decode_s: float
     """Seconds each running request adds to a new request's first token on its worker."""
+
+    def __post_init__(self) -> None:
+        # a policy divides by the rate and multiplies the decode cost into every score: a
+        # zero, negative or non-finite value would surface later as a crash or a NaN cost
+        if not 0.0 < self.prefill_rate < math.inf or not 0.0 <= self.decode_s < math.inf:
+            raise ValueError(
+                "need 0 < prefill_rate < inf tokens/s and 0 <= decode_s < inf s, got "
+                f"{self.prefill_rate}, {self.decode_s}"
+            )
 
 
 class ServiceModel:
@@ -54,10 +64,17 @@ class ServiceModel:
         max_factor: float = 100.0,
         min_spread_tokens: float = 32.0,
     ) -> None:
-        if prefill_rate <= 0 or half_life < 1 or min_samples < 1 or max_factor < 1:
+        if (
+            not 0.0 < prefill_rate < math.inf
+            or half_life < 1
+            or min_samples < 1
+            or not max_factor >= 1
+            or not min_spread_tokens >= 0
+        ):
             raise ValueError(
-                "need prefill_rate > 0, half_life >= 1, min_samples >= 1, max_factor >= 1; got "
-                f"{prefill_rate}, {half_life}, {min_samples}, {max_factor}"
+                "need 0 < prefill_rate < inf, half_life >= 1, min_samples >= 1, max_factor >= 1, "
+                "min_spread_tokens >= 0; got "
+                f"{prefill_rate}, {half_life}, {min_samples}, {max_factor}, {min_spread_tokens}"
             )
         self.configured_rate = prefill_rate
         self.max_factor = max_factor
@@ -74,8 +91,8 @@ class ServiceModel:
 
     def observe_step(self, running: int, seconds: float) -> None:
         """One decode step: `seconds` between two responses while `running` requests ran."""
-        if running < 1 or not seconds >= 0:
-            return
+        if running < 1 or not 0.0 <= seconds < math.inf:
+            return  # one non-finite value would stay in the decayed sums for good
         d = self._decay
         self._step_seconds = self._step_seconds * d + seconds
         self._step_running = self._step_running * d + running
@@ -84,7 +101,7 @@ class ServiceModel:
     def observe_first_token(self, uncached_tokens: int, running: int, seconds: float) -> None:
         """A request dispatched to a worker with no prefill queued and `running` requests in
         flight (itself excluded) had its first token after `seconds`."""
-        if uncached_tokens < 1 or running < 0 or not seconds >= 0:
+        if uncached_tokens < 1 or running < 0 or not 0.0 <= seconds < math.inf:
             return
         x, y, r, d = float(uncached_tokens), seconds, running + 1.0, self._decay
         for i, value in enumerate((1.0, x, x * x, y, x * y, r, x * r)):

@@ -186,3 +186,21 @@ def test_calibrated_decode_cost_moves_a_request_off_a_busy_holder() -> None:
         decision = policy.route(request("next", prompt(90, 220, shared)))
         assert (decision.worker == home) is expect_home
         assert decision.predicted_cached_tokens == (200 if expect_home else 0)
+
+
+def test_a_burst_that_repeats_an_id_routes_every_entry_and_leaks_no_load() -> None:
+    """Ids are the client's: a burst may repeat one. It must not fail half-routed (the burst's
+    reservations are kept by position), and the repeat replaces the earlier booking."""
+    policy, _ = cluster(2)
+    home = Worker("w0")
+    history = prompt(15, 200)
+    home.serve(history)
+    home.deliver(policy)
+    twice = request("d", prompt(16, 240, history))
+    routed = policy.route_burst([twice, twice, request("e", prompt(17, 30))])
+    assert [r.request_id for r, _ in routed].count("d") == 2
+    for r, d in routed:
+        policy.prefill_done(d.worker, r.request_id)
+        policy.finished(d.worker, r.request_id)
+    states = policy.loads.workers.values()
+    assert all(s.queued_tokens == s.running == s.kv_tokens == 0 for s in states)

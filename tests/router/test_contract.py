@@ -78,3 +78,15 @@ def test_events_and_snapshots_are_accepted(name: str) -> None:
     assert policy.apply_event("w0", KvEvent("w0", 1, KvEventKind.STORED, hashes))
     policy.load_snapshot("w0", KvSnapshot("w0", 1, frozenset(hashes)))
     assert policy.apply_event("w0", KvEvent("w0", 2, KvEventKind.REMOVED, hashes[1:]))
+
+
+def test_bad_config_and_requests_are_refused_by_name() -> None:
+    from router.config import RouterConfig
+    from router.interface import RouteRequest
+
+    with pytest.raises(ValueError, match="prefill_rate"):
+        RouterConfig(prefill_rate=float("nan"))  # every cost would be NaN: no worker ties
+    with pytest.raises(ValueError, match="pending_ttl_s"):
+        RouterConfig(pending_ttl_s=float("nan"))  # routes would never expire
+    with pytest.raises(ValueError, match=r"'r'.*num_tokens"):
+        RouteRequest("r", request("r", [1]).namespace, (), -5)

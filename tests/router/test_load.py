@@ -45,3 +45,15 @@ def test_removing_a_worker_forgets_its_routes_and_order() -> None:
     loads.remove("a")
     assert [bit for _, bit in loads.by_free] == [1] and loads.queued_tokens == 0
     assert loads.worker_of("r1") is None
+
+
+def test_routing_an_id_in_flight_again_ends_its_earlier_booking() -> None:
+    """A retried or reused request id: the earlier booking must not stay queued for good."""
+    loads = book()
+    loads.routed("r", "a", 500, 500, now=0.0)
+    loads.routed("r", "b", 300, 300, now=0.0)
+    assert (loads.workers["a"].queued_tokens, loads.workers["a"].running) == (0, 0)
+    assert loads.wait_s("a", 0.0) == 0.0 and loads.queued_tokens == 300
+    assert loads.prefill_done("r", now=0.3) and loads.finished("r", now=0.4)
+    assert all(s.queued_tokens == s.running == s.kv_tokens == 0 for s in loads.workers.values())
+    assert loads.queued_tokens == 0

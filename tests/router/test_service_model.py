@@ -96,3 +96,29 @@ def test_a_fixed_overhead_per_request_is_kept_out_of_the_rate(
         assert model.prefill_rate == pytest.approx(expected, rel=1e-3)
     elif spread < 24.0 and overhead_s > 1e-4:
         assert model.prefill_rate < rate  # the ratio: the overhead is charged to the tokens
+
+
+def test_non_finite_observations_are_ignored() -> None:
+    """One infinite duration would stay in the decayed sums for good, and an infinite decode
+    cost makes every score inf or NaN (inf x 0 running) once calibrated."""
+    model = ServiceModel(8000.0, min_samples=1)
+    for seconds in (float("inf"), float("nan"), -1.0):
+        model.observe_step(2, seconds)
+        model.observe_first_token(100, 0, seconds)
+    assert (model.prefill_rate, model.decode_s) == (8000.0, 0.0)
+    model.observe_step(2, 0.004)
+    assert model.decode_s == pytest.approx(0.002)
+
+
+@pytest.mark.parametrize(
+    ("prefill_rate", "decode_s"),
+    [(0.0, 0.0), (-1.0, 0.0), (float("nan"), 0.0), (float("inf"), 0.0), (8000.0, -0.1),
+     (8000.0, float("inf")), (8000.0, float("nan"))],
+)  # fmt: skip
+def test_rates_that_would_break_a_score_are_refused_before_calibrate(
+    prefill_rate: float, decode_s: float
+) -> None:
+    from router.service_model import ServiceRates
+
+    with pytest.raises(ValueError, match="prefill_rate"):
+        ServiceRates(prefill_rate, decode_s)
