@@ -106,7 +106,7 @@ def load_stream(args: argparse.Namespace) -> Stream:
     if args.workload:
         return synthetic_stream(args)
     scale = args.token_scale
-    if MOONCAKE_BLOCK % scale:
+    if scale < 1 or MOONCAKE_BLOCK % scale:
         raise SystemExit(f"--token-scale {scale} must divide the trace's {MOONCAKE_BLOCK}-blocks")
     block = MOONCAKE_BLOCK // scale
     raw = workloads.mooncake(args.trace, block_tokens=block, limit=args.limit, seed=args.seed)
@@ -407,6 +407,11 @@ def decision_rate(args: argparse.Namespace) -> dict[str, Any]:
     continue a conversation seen before (its prefix, a new last block), half start a new one.
     After each route the chosen worker stores the request's blocks (a `stored` event) and
     finishes it, so the indexes grow as they would in service."""
+    if not 1 <= args.block_tokens <= args.prompt_tokens:
+        raise SystemExit(
+            f"need 1 <= --block-tokens <= --prompt-tokens, got {args.block_tokens}, "
+            f"{args.prompt_tokens}"
+        )
     rng = random.Random(args.seed)
     block, blocks = args.block_tokens, args.prompt_tokens // args.block_tokens
     hasher = BlockHasher(IdentityScheme(1, ""))  # one key per routing block
@@ -418,17 +423,16 @@ def decision_rate(args: argparse.Namespace) -> dict[str, Any]:
     for name in names:
         policy.add_worker(name, args.capacity_tokens)
     seqs = dict.fromkeys(names, 0)
-    conversations: list[tuple[list[int], list[int]]] = []  # (keys, chain)
+    conversations: list[list[int]] = []  # each request's block keys
     elapsed: list[int] = []
     for i in range(args.decisions):
         if conversations and rng.random() < 0.5:
-            keys, _ = conversations[rng.randrange(len(conversations))]
+            keys = conversations[rng.randrange(len(conversations))]
             keys = [*keys[: blocks - 1], rng.randrange(1 << 40)]  # the same prefix, a new turn
-            chain = hasher.hashes(keys, ns)
         else:
             keys = [rng.randrange(1 << 40) for _ in range(blocks)]
-            chain = hasher.hashes(keys, ns)
-        conversations.append((keys, chain))
+        chain = hasher.hashes(keys, ns)
+        conversations.append(keys)
         request = RouteRequest(str(i), ns, tuple(chain), blocks * block + rng.randrange(block))
         now[0] = i * 0.001
         t0 = time.perf_counter_ns()
