@@ -10,8 +10,14 @@ from router.interface import RoutingPolicy
 from router.policies import make_policy
 
 
+def router_config(config: ClusterConfig) -> RouterConfig:
+    """What every policy of this cluster is built with: routing blocks of the workers' block size
+    (one config, so router and workers agree by construction) and the default prefill rate,
+    which the router's stream timing also starts from (cluster/stream_timing.py)."""
+    return RouterConfig(block_tokens=config.engine.block_size)
+
+
 def build_policy(config: ClusterConfig) -> RoutingPolicy:
-    """`config.router.policy` over routing blocks of the workers' block size (one config, so
-    router and workers agree by construction); raises UnknownPolicy naming the known ones."""
-    router_config = RouterConfig(block_tokens=config.engine.block_size)
-    return make_policy(config.router.policy, router_config, time.monotonic)
+    """`config.router.policy` over `router_config(config)`; raises UnknownPolicy naming the
+    known ones."""
+    return make_policy(config.router.policy, router_config(config), time.monotonic)

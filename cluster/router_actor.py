@@ -31,6 +31,34 @@ from worker.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
+async def start_router_server(
+    config: ClusterConfig, links: WorkerLinks, service: RouterService
+) -> GrpcServer:
+    """The public port at `config.router.host:port`: Serving and Admin behind the bearer-token
+    interceptor, with TLS when `config.security` names a certificate."""
+    router, security = config.router, config.security
+    tls = None
+    if security.tls_cert and security.tls_key:
+        client_ca = Path(security.tls_client_ca) if security.tls_client_ca else None
+        tls = TlsConfig(Path(security.tls_cert), Path(security.tls_key), client_ca)
+    register = [
+        (serving_pb2_grpc.add_ServingServicer_to_server, service, "radixmesh.v1.Serving"),
+        (
+            serving_pb2_grpc.add_AdminServicer_to_server,
+            AdminService(links, config),
+            "radixmesh.v1.Admin",
+        ),
+    ]
+    return await start_server(
+        register,
+        router.host,
+        router.port,
+        ServerLimits(router.max_message_bytes, router.max_concurrent_streams),
+        tls,
+        [BearerTokenInterceptor(security)],
+    )
+
+
 class RouterActor:
     def __init__(
         self,
@@ -49,11 +77,11 @@ class RouterActor:
                 (Path(self._tokenizer_dir.name) / name).write_text(text)
             tokenizer = Tokenizer.from_dir(Path(self._tokenizer_dir.name))
         self.links = WorkerLinks(build_policy(self.config))
-        self.service = RouterService(
-            self.links, tokenizer, self.config.router, self.config.security
-        )
+        self.service = RouterService(self.links, tokenizer, self.config)
         self.loop = EventLoopThread("grpc-router")
-        self.server: GrpcServer = self.loop.run(self._start())
+        self.server: GrpcServer = self.loop.run(
+            start_router_server(self.config, self.links, self.service)
+        )
         self.metrics_port = None
         if self.config.metrics.enabled:
             metrics = self.config.metrics
@@ -61,26 +89,6 @@ class RouterActor:
             self.metrics_port = serve_metrics(collector, metrics.host, metrics.router_port)
         self.loop.run(self._sync_members(), timeout=120)
         self._membership = asyncio.run_coroutine_threadsafe(self._keep_members(), self.loop.loop)
-
-    async def _start(self) -> GrpcServer:
-        router, security = self.config.router, self.config.security
-        tls = None
-        if security.tls_cert and security.tls_key:
-            client_ca = Path(security.tls_client_ca) if security.tls_client_ca else None
-            tls = TlsConfig(Path(security.tls_cert), Path(security.tls_key), client_ca)
-        admin = AdminService(self.links, self.config)
-        register = [
-            (serving_pb2_grpc.add_ServingServicer_to_server, self.service, "radixmesh.v1.Serving"),
-            (serving_pb2_grpc.add_AdminServicer_to_server, admin, "radixmesh.v1.Admin"),
-        ]
-        return await start_server(
-            register,
-            router.host,
-            router.port,
-            ServerLimits(router.max_message_bytes, router.max_concurrent_streams),
-            tls,
-            [BearerTokenInterceptor(security)],
-        )
 
     async def _sync_members(self) -> None:
         for name, handle in self.workers.items():

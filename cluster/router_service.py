@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.auth import allowed_tenant
-from cluster.config import RouterSection, SecuritySection
+from cluster.config import ClusterConfig
+from cluster.policies import router_config
 from cluster.requests import PreparedRequest, TenantRefused, prepare
 from cluster.stream_timing import StreamTiming
 from cluster.worker_links import WorkerLinks
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
-from router.config import RouterConfig
 from router.interface import RouteRequest
 from worker.errors import InvalidRequest
 from worker.validation import PromptTokenizer
@@ -54,17 +54,17 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self,
         links: WorkerLinks,
         tokenizer: PromptTokenizer | None,
-        config: RouterSection,
-        security: SecuritySection,
+        config: ClusterConfig,
     ) -> None:
         self.links = links
         self.tokenizer = tokenizer
-        self.config = config
-        self.security = security
+        self.config = config.router
+        self.security = config.security
         self.counters = RouterCounters()
         self.in_flight: dict[str, str] = {}
         """request id -> the worker serving it."""
-        self.timing = StreamTiming(lambda: self.links.policy, RouterConfig().prefill_rate)
+        # the rate the policies are built with (cluster/policies.py) stands until one is learned
+        self.timing = StreamTiming(lambda: self.links.policy, router_config(config).prefill_rate)
 
     # -- Generate ------------------------------------------------------------------------------
     async def Generate(
@@ -141,7 +141,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             try:
                 async for response in call:
                     self.timing.responded(
-                        dispatch, len(response.token_ids), response.cached_prompt_tokens
+                        dispatch,
+                        response.index,
+                        len(response.token_ids),
+                        response.cached_prompt_tokens,
                     )
                     if not started:
                         started = True

@@ -3,10 +3,12 @@
 Every Generate call the router serves passes through here three ways: `dispatched` when the
 policy has picked a worker, `responded` for each message the worker streams back, `ended` when
 the call is over. From those it feeds router/service_model.py the first-token times of requests
-that found no prefill queued on their worker, and the gaps between messages (one engine step
-per token) together with the requests running on that worker, and every `every` observations
-hands the learned rates to the policy (`calibrate`). Must never block or fail a request: it only
-reads clocks and counters.
+that found no prefill queued on their worker, and the gaps between messages of sample 0 (one
+engine step per token; with n > 1 the samples' messages interleave, so a gap between two of
+different samples is no step) together with the requests running on that worker. Every `every`
+observations, and at the first observation under a policy it has not taught yet (an admin call
+switched it), it hands the learned rates to the policy (`calibrate`). Must never block or fail a
+request: it only reads clocks and counters.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class Dispatch:
     running_before: int
     prompt_tokens: int
     last: float | None = None
-    """When its previous message arrived (None before the first)."""
+    """When its previous message of sample 0 arrived (None before the first)."""
 
 
 class StreamTiming:
@@ -55,6 +57,8 @@ class StreamTiming:
         self.model = ServiceModel(prefill_rate)
         self._every = every
         self._seen = 0
+        self._taught: RoutingPolicy | None = None
+        """The policy last calibrated."""
         self._workers: dict[str, _WorkerCounts] = {}
         self._clock = clock
 
@@ -67,7 +71,12 @@ class StreamTiming:
         counts.prefilling += 1
         return dispatch
 
-    def responded(self, dispatch: Dispatch, tokens: int, cached_prompt_tokens: int) -> None:
+    def responded(
+        self, dispatch: Dispatch, index: int, tokens: int, cached_prompt_tokens: int
+    ) -> None:
+        """A message of sample `index` carrying `tokens` new tokens."""
+        if index:  # sample 0 starts first; the others' messages fall between its steps
+            return
         now = self._clock()
         counts = self._workers[dispatch.worker]
         if dispatch.last is None:
@@ -92,5 +101,7 @@ class StreamTiming:
 
     def _observed(self) -> None:
         self._seen += 1
-        if self._seen % self._every == 0:
-            self._policy_of().calibrate(self.model.rates())
+        policy = self._policy_of()
+        if self._seen % self._every == 0 or policy is not self._taught:
+            policy.calibrate(self.model.rates())
+            self._taught = policy

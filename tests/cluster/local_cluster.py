@@ -13,16 +13,15 @@ from pathlib import Path
 
 import grpc
 
-from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, EngineSection, RouterSection, SecuritySection
 from cluster.policies import build_policy
-from cluster.router_admin import AdminService
+from cluster.router_actor import start_router_server
 from cluster.router_service import RouterService
 from cluster.worker_links import WorkerLinks
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2_grpc
 from worker.engine import Engine, EngineConfig
 from worker.event_loop import EventLoopThread
-from worker.grpc_server import GrpcServer, ServerLimits, TlsConfig, start_server
+from worker.grpc_server import GrpcServer, start_server
 from worker.loader import LoadedModel
 from worker.servicer import WorkerServicer
 
@@ -115,33 +114,8 @@ def start_cluster(
     )
     loop = EventLoopThread("local-cluster")
     links = WorkerLinks(build_policy(config))
-    service = RouterService(links, loaded.tokenizer, config.router, config.security)
-    tls = None
-    if config.security.tls_cert and config.security.tls_key:
-        client_ca = config.security.tls_client_ca
-        tls = TlsConfig(
-            Path(config.security.tls_cert),
-            Path(config.security.tls_key),
-            Path(client_ca) if client_ca else None,
-        )
-    register = [
-        (serving_pb2_grpc.add_ServingServicer_to_server, service, "radixmesh.v1.Serving"),
-        (
-            serving_pb2_grpc.add_AdminServicer_to_server,
-            AdminService(links, config),
-            "radixmesh.v1.Admin",
-        ),
-    ]
-    server = loop.run(
-        start_server(
-            register,
-            "127.0.0.1",
-            0,
-            ServerLimits(config.router.max_message_bytes, config.router.max_concurrent_streams),
-            tls,
-            [BearerTokenInterceptor(config.security)],
-        )
-    )
+    service = RouterService(links, loaded.tokenizer, config)
+    server = loop.run(start_router_server(config, links, service))
     cluster = LocalCluster(loaded, config, loop, links, service, server)
     for index in range(workers):
         cluster.add_worker(f"worker-{index}")
