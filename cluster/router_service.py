@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.auth import allowed_tenant
-from cluster.config import ClusterConfig
+from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.policies import router_config
 from cluster.requests import PreparedRequest, TenantRefused, prepare
 from cluster.stream_timing import StreamTiming
@@ -37,6 +37,14 @@ from worker.wire import namespace_to_proto, sampling_to_proto
 
 log = logging.getLogger(__name__)
 WORKER_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+@dataclass
+class InFlight:
+    tenant: str | None
+    """The request's cache tenant: only a token for it (or for "*") may abort the request."""
+    worker: str = ""
+    """The worker serving it ("" until routed)."""
 
 
 @dataclass
@@ -61,8 +69,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.config = config.router
         self.security = config.security
         self.counters = RouterCounters()
-        self.in_flight: dict[str, str] = {}
-        """request id -> the worker serving it."""
+        self.in_flight: dict[str, InFlight] = {}
+        """request id -> its tenant and the worker serving it."""
         # the rate the policies are built with (cluster/policies.py) stands until one is learned
         self.timing = StreamTiming(lambda: self.links.policy, router_config(config).prefill_rate)
 
@@ -70,23 +78,23 @@ class RouterService(serving_pb2_grpc.ServingServicer):
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
-        prepared = await self._prepare(request, context)
-        if len(self.in_flight) >= self.config.max_in_flight:
+        if len(self.in_flight) >= self.config.max_in_flight:  # refused before any tokenising
             await self._abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self.in_flight)} requests in flight, the limit is "
                 f"{self.config.max_in_flight}; retry later",
             )
+        prepared = await self._prepare(request, context)
         if prepared.request_id in self.in_flight:
             await self._abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_id: {prepared.request_id!r} is already running",
             )
-        self.in_flight[prepared.request_id] = ""
+        entry = self.in_flight[prepared.request_id] = InFlight(prepared.namespace.tenant)
         try:
-            async for response in self._serve(prepared, context):
+            async for response in self._serve(prepared, entry, context):
                 yield response
             self._count("OK")
         finally:
@@ -109,7 +117,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         raise AssertionError("unreachable: context.abort raises")
 
     async def _serve(
-        self, prepared: PreparedRequest, context: grpc.aio.ServicerContext
+        self, prepared: PreparedRequest, entry: InFlight, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         assert self.links.hasher is not None
         hashes = tuple(self.links.hasher.hashes(prepared.token_ids, prepared.namespace))
@@ -125,7 +133,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             self.counters.routed += 1
             self.counters.predicted_cached_tokens += decision.predicted_cached_tokens
             link = self.links.links[decision.worker]
-            self.in_flight[prepared.request_id] = link.name
+            entry.worker = link.name
             call = link.stub.Generate(
                 worker_pb2.WorkerGenerateRequest(
                     request_id=prepared.request_id,
@@ -186,8 +194,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
     async def Abort(
         self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.AbortResponse:
-        worker = self.in_flight.get(request.request_id)
-        link = self.links.links.get(worker or "")
+        entry = self.in_flight.get(request.request_id)
+        tenant = allowed_tenant(context, self.security)
+        if entry is None or tenant not in (ANY_TENANT, entry.tenant):  # not another tenant's
+            return serving_pb2.AbortResponse(found=False)
+        link = self.links.links.get(entry.worker)
         if link is None:
             return serving_pb2.AbortResponse(found=False)
         return await link.stub.Abort(serving_pb2.AbortRequest(request_id=request.request_id))

@@ -185,3 +185,16 @@ def test_admin_calls_need_an_all_tenant_token(
             request, metadata=[("authorization", "Bearer token-admin")], timeout=5
         )
         assert answer.previous == "cache_aware"
+
+
+def test_a_token_cannot_abort_another_tenants_request(
+    secured: LocalCluster, certs: dict[str, Path]
+) -> None:
+    acme = Client(secured.target, "token-acme", ClientTls(certs["ca"]))
+    globex = Client(secured.target, "token-globex", ClientTls(certs["ca"]))
+    stream = acme.generate(text_request(PROMPT, max_tokens=400, request_id="acme-1"))
+    next(stream)
+    assert globex.abort("acme-1") is False  # as if it did not exist
+    assert acme.abort("acme-1") is True
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].finish_reason == "abort"
