@@ -7,19 +7,24 @@
     security: TLS files, bearer tokens (each bound to a tenant, or "*" for any)
     metrics:  Prometheus ports of the router and of each worker (port + index)
 
-Unknown keys and wrongly typed values are refused with an error that names them: a typo must
-not silently fall back to a default.
+Unknown keys, wrongly typed values, numbers out of their range and names that are not one of
+the choices (a policy, a device, a dtype) are refused with an error that names the key, when the
+file is loaded: a typo must not silently fall back to a default, nor surface from inside a Ray
+actor after the workers have loaded the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import types
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+from router.policies import POLICIES
 
 T = TypeVar("T")
 ANY_TENANT = "*"
@@ -29,55 +34,70 @@ class ConfigError(ValueError):
     """A configuration file that cannot be used as written; the message names the key."""
 
 
+def _at_least(default: Any, least: float, most: float | None = None) -> Any:
+    """A numeric field that `build` refuses below `least` (or above `most`); None passes."""
+    return field(default=default, metadata={"least": least, "most": most})
+
+
+def _port(default: int) -> Any:
+    return _at_least(default, 0, 65535)
+
+
+def _one_of(default: Any, choices: Collection[object]) -> Any:
+    """A field that `build` refuses unless it is one of `choices`."""
+    return field(default=default, metadata={"choices": choices})
+
+
 @dataclass(frozen=True)
 class ModelSection:
     source: str = "default"
-    device: str = "auto"
+    device: str = _one_of("auto", ("auto", "cpu", "cuda"))
     """"auto" (CUDA when the node has GPUs, else CPU), "cpu" or "cuda"."""
-    dtype: str | None = None
+    dtype: str | None = _one_of(None, ("float32", "bfloat16", "float16", None))
     """float32, bfloat16, float16; default: bfloat16 on CUDA, the checkpoint's own on CPU."""
 
 
 @dataclass(frozen=True)
 class EngineSection:
-    num_pages: int = 4096
-    page_size: int = 16
-    max_running: int = 32
-    token_budget: int = 512
-    max_prefill_chunk: int = 512
-    max_model_len: int | None = 2048
-    max_waiting: int = 256
-    block_size: int = 16
+    num_pages: int = _at_least(4096, 1)
+    page_size: int = _at_least(16, 1)
+    max_running: int = _at_least(32, 1)
+    token_budget: int = _at_least(512, 1)
+    max_prefill_chunk: int = _at_least(512, 1)
+    max_model_len: int | None = _at_least(2048, 1)
+    max_waiting: int = _at_least(256, 0)
+    block_size: int = _at_least(16, 1)
 
 
 @dataclass(frozen=True)
 class WorkersSection:
-    count: int | None = None
+    count: int | None = _at_least(None, 1)
     """None: one per GPU, or 2 CPU workers on a machine without GPUs."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = _at_least(1.0, 0)
     host: str = "127.0.0.1"
     """Where workers bind gRPC; 0.0.0.0 binds every interface and advertises the node's IP
     (multi-node clusters: the router reaches workers on other nodes)."""
-    max_restarts: int = -1
+    max_restarts: int = _at_least(-1, -1)
     """Ray restarts a dead worker this many times (-1: always)."""
 
 
 @dataclass(frozen=True)
 class RouterSection:
     host: str = "127.0.0.1"
-    port: int = 50051
-    policy: str = "cache_aware"
-    max_in_flight: int = 256
+    port: int = _port(50051)
+    """0: any free port."""
+    policy: str = _one_of("cache_aware", POLICIES)
+    max_in_flight: int = _at_least(256, 1)
     """Requests beyond this are refused at once with RESOURCE_EXHAUSTED (backpressure)."""
-    max_retries: int = 2
+    max_retries: int = _at_least(2, 0)
     """Other workers tried when a worker fails before a request's first token."""
     resource: str | None = None
     """A custom Ray resource that pins the router to the nodes offering it (e.g. the Kubernetes
     head pod, where the Service points); None: anywhere."""
-    max_message_bytes: int = 4 << 20
-    max_concurrent_streams: int = 64
+    max_message_bytes: int = _at_least(4 << 20, 1)
+    max_concurrent_streams: int = _at_least(64, 1)
     """Per client connection."""
-    max_restarts: int = -1
+    max_restarts: int = _at_least(-1, -1)
 
 
 @dataclass(frozen=True)
@@ -93,8 +113,8 @@ class SecuritySection:
 class MetricsSection:
     enabled: bool = True
     host: str = "127.0.0.1"
-    router_port: int = 9400
-    worker_port: int = 9401
+    router_port: int = _port(9400)
+    worker_port: int = _port(9401)
     """Worker i serves its metrics on worker_port + i (0 for both: any free port)."""
 
 
@@ -106,7 +126,7 @@ class ClusterConfig:
     router: RouterSection = field(default_factory=RouterSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = _at_least(30.0, 0)
 
     @property
     def endpoint(self) -> str:
@@ -130,16 +150,31 @@ class ClusterConfig:
 
 
 def build(kind: type[T], raw: dict[str, Any], where: str) -> T:
-    """Build dataclass `kind` from `raw`, refusing unknown keys and wrongly typed values."""
+    """Build dataclass `kind` from `raw`, refusing unknown keys, wrongly typed values and values
+    outside their field's range or choices."""
     hints = get_type_hints(kind)
-    names = {f.name for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - names)
+    fields = {f.name: f for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(names)}")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(fields)}")
     values = {}
     for name, value in raw.items():
-        values[name] = _convert(hints[name], value, f"{where}.{name}" if where else name)
+        key = f"{where}.{name}" if where else name
+        values[name] = _convert(hints[name], value, key)
+        _check_range(fields[name].metadata, values[name], key)
     return kind(**values)
+
+
+def _check_range(metadata: Any, value: Any, where: str) -> None:
+    choices = metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{where}: {value!r} is not one of {sorted(map(str, choices))}")
+    least, most = metadata.get("least"), metadata.get("most")
+    if value is None or (least is None and most is None):
+        return
+    if value < least or (most is not None and value > most):
+        bounds = f"from {least} to {most}" if most is not None else f"at least {least}"
+        raise ConfigError(f"{where}: must be {bounds}, got {value!r}")
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:

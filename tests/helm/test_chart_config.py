@@ -99,6 +99,34 @@ def test_values_schema_covers_radixmesh_config() -> None:
         assert known == wanted, f"values.schema.json config.{field.name}: {known} != {wanted}"
 
 
+def test_values_schema_is_as_strict_as_radixmesh() -> None:
+    """A value the chart's schema lets through is one radixmesh's loader accepts: every range
+    and choice of cluster/config.py is in values.schema.json, or narrower there."""
+    schema = yaml.safe_load((CHART / "values.schema.json").read_text())["properties"]["config"]
+    sections = [(schema, ClusterConfig)]
+    sections += [
+        (schema["properties"][f.name], f.default_factory)  # type: ignore[misc]
+        for f in fields(ClusterConfig)
+        if callable(f.default_factory) and f.name in schema["properties"]  # type: ignore[misc]
+    ]
+    checked = 0
+    for section, kind in sections:
+        for f in fields(kind):
+            least, most, choices = (f.metadata.get(k) for k in ("least", "most", "choices"))
+            if least is None and choices is None:
+                continue
+            rule, where = section["properties"][f.name], f"config.{f.name}"
+            if least is not None:
+                floor = rule.get("minimum", rule.get("exclusiveMinimum"))
+                assert floor is not None and floor >= least, (where, rule, least)
+            if most is not None:
+                assert rule.get("maximum", most + 1) <= most, (where, rule, most)
+            if choices is not None and "enum" in rule:
+                assert set(rule["enum"]) <= set(choices), (where, rule["enum"], choices)
+            checked += 1
+    assert checked >= 20
+
+
 def test_schema_policy_pattern_accepts_every_policy() -> None:
     from router.policies import POLICIES
 
