@@ -104,9 +104,8 @@ async def warm_up(
 ) -> None:
     """A few discarded requests, as many at once as the run will send (a CPU worker's first
     batches of a new size are slow, and the router learns the workers' speeds from these). With
-    --compare or --sweep, every cache is then emptied, so the first measured run starts as cold
-    as the ones after it; a single run keeps what the warmup cached (and needs no admin
-    token)."""
+    --compare or --sweep, every run empties the caches before it starts (`main_async`), the
+    first included; a single run keeps what the warmup cached (and needs no admin token)."""
     if args.warmup <= 0:
         return
     kind = "random" if args.workload == "trace" else args.workload  # a trace has no other seed
@@ -114,8 +113,6 @@ async def warm_up(
     bounds = Bounds(args.warmup, args.max_seconds, args.request_timeout)
     at_once = max(1, min(args.warmup, args.concurrency))
     await Run(target, sessions, Arrivals("closed", at_once), bounds, console).run()
-    if args.compare or args.sweep:
-        await admin(target)
 
 
 def chaos_exit(chaos_report: dict[str, object] | None) -> int:

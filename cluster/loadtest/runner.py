@@ -62,6 +62,14 @@ class Arrivals:
 
 
 @dataclass
+class _Totals:
+    requests: int = 0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
 class Bounds:
     max_requests: int
     max_seconds: float = 300.0
@@ -107,6 +115,8 @@ class Run:
         self.chaos = chaos
         self.chaos_report: dict[str, object] | None = None
         self.records: list[RequestRecord] = []
+        self._done = _Totals()
+        """Of the completed records, for the progress bar (kept as they come, not re-summed)."""
         self.sent = 0
         self.began = 0.0
         self.duration = 0.0
@@ -243,11 +253,14 @@ class Run:
         return record
 
     def _progress_update(self) -> None:
-        done = [r for r in self.records if r.ok]
+        done, record = self._done, self.records[-1]
+        if record.ok:
+            done.requests += 1
+            done.output_tokens += record.output_tokens
+            done.prompt_tokens += record.prompt_tokens
+            done.cached_prompt_tokens += record.cached_prompt_tokens
         elapsed = max(self.now(), 1e-9)
-        tokens = sum(r.output_tokens for r in done)
-        prompt = sum(r.prompt_tokens for r in done) or 1
-        hit = sum(r.cached_prompt_tokens for r in done) / prompt
-        errors = len(self.records) - len(done)
-        live = f"{tokens / elapsed:7.1f} tok/s  hit {hit:6.1%}  errors {errors}"
+        hit = done.cached_prompt_tokens / (done.prompt_tokens or 1)
+        errors = len(self.records) - done.requests
+        live = f"{done.output_tokens / elapsed:7.1f} tok/s  hit {hit:6.1%}  errors {errors}"
         self._progress.update(self._task, completed=len(self.records), live=live)
