@@ -7,6 +7,7 @@ With bearer tokens configured, only a token bound to every tenant ("*") may call
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 
@@ -34,10 +35,9 @@ class AdminService(serving_pb2_grpc.AdminServicer):
     ) -> serving_pb2.SetPolicyResponse:
         await self._require_admin(context)
         previous = self.links.policy.name
-        config = self.config
-        router = type(config.router)(**{**vars(config.router), "policy": request.policy})
+        router = replace(self.config.router, policy=request.policy)
         try:
-            policy = build_policy(type(config)(**{**vars(config), "router": router}))
+            policy = build_policy(replace(self.config, router=router))
         except UnknownPolicy as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"policy: {err}")
         await self.links.replace_policy(policy)
