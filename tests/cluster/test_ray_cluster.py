@@ -177,6 +177,7 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         for thread in threads:
             thread.join(timeout=180)
         assert not any(t.is_alive() for t in threads), "a request hung"
+        assert set(outcomes) == set(range(6)), outcomes  # no thread died of something else
         assert set(outcomes.values()) <= {"length", grpc.StatusCode.UNAVAILABLE}, outcomes
 
         def rejoined() -> bool:

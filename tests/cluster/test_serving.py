@@ -235,6 +235,7 @@ def test_overload_is_refused_quickly_and_the_rest_complete(tiny: LoadedModel) ->
     try:
         client = Client(cluster.target)
         codes: list[object] = []
+        refusal_seconds: list[float] = []
         lock = threading.Lock()
 
         def run(i: int) -> None:
@@ -244,7 +245,8 @@ def test_overload_is_refused_quickly_and_the_rest_complete(tiny: LoadedModel) ->
                 outcome: object = "ok"
             except grpc.RpcError as err:
                 outcome = err.code()
-                assert time.monotonic() - began < 2, "refusal must be quick"
+                with lock:  # asserted below: an assert in a thread would not fail the test
+                    refusal_seconds.append(time.monotonic() - began)
             with lock:
                 codes.append(outcome)
 
@@ -253,6 +255,8 @@ def test_overload_is_refused_quickly_and_the_rest_complete(tiny: LoadedModel) ->
             thread.start()
         for thread in threads:
             thread.join(timeout=60)
+        assert len(codes) == 10, codes
+        assert refusal_seconds and max(refusal_seconds) < 2, "refusal must be quick"
         assert codes.count("ok") >= 3
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
         assert set(codes) <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}
