@@ -20,8 +20,9 @@ from typing import Any
 
 import ray
 from rich.console import Console
+from rich.markup import escape
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 from cluster.ray_runtime import connect, gpu_count
 from cluster.router_actor import RouterActor
 from worker.actor import WorkerActor
@@ -39,6 +40,11 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
     if device == "auto":
         device = "cuda" if gpus else "cpu"
     count = config.workers.count or (gpus if device == "cuda" else 2)
+    if count < 1:  # not an error for Ray: serve would place no worker and never route
+        raise ConfigError(
+            "model.device is cuda but the Ray cluster has no GPU: set model.device to cpu, or "
+            "workers.count to the GPUs an autoscaler will add"
+        )
     metrics = config.metrics
     handles = {}
     for index, name in enumerate(worker_names(count)):
@@ -115,7 +121,12 @@ def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
 
 
 def main(config_path: str | None) -> int:
-    return serve(ClusterConfig.load(config_path))
+    """0 after a drain; 2, with one line naming the key, for a config it cannot serve."""
+    try:
+        return serve(ClusterConfig.load(config_path))
+    except ConfigError as err:
+        console.print(f"[red]radixmesh serve:[/] {escape(str(err))}", soft_wrap=True)
+        return 2
 
 
 if __name__ == "__main__":

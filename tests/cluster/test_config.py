@@ -1,12 +1,15 @@
-"""The config file is refused at load, naming the key, for values the cluster cannot run with."""
+"""The config file is refused at load, naming the key, for values the cluster cannot run with;
+`radixmesh serve` says so in one line."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import ClusterConfig, ConfigError, ModelSection
 
 
 @pytest.mark.parametrize(
@@ -51,3 +54,27 @@ def test_the_edges_of_each_range_load(tmp_path: Path) -> None:
         0, 0, "round_robin",
     )  # fmt: skip
     assert config.engine.max_model_len is None and config.workers.count is None
+
+
+def test_serve_refuses_a_bad_config_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "radixmesh.yaml"
+    path.write_text("router: {max_retries: -1}\n")
+    script = Path(sys.executable).parent / "radixmesh"
+    out = subprocess.run(
+        [script, "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "router.max_retries: must be at least 0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cuda_workers_without_a_gpu_or_a_count_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cluster import serve
+
+    monkeypatch.setattr(serve, "gpu_count", lambda: 0)
+    config = ClusterConfig(model=ModelSection(device="cuda"))
+    with pytest.raises(ConfigError, match=r"model\.device is cuda but the Ray cluster has no GPU"):
+        serve.place_workers(config)
