@@ -17,6 +17,7 @@ from pathlib import Path
 from cluster.client_auth import token_or_env
 from cluster.client_tls import ClientTls, tls_from_args
 from cluster.loadtest.chaos import ChaosPlan
+from cluster.loadtest.trace import MOONCAKE_BLOCK
 
 
 class UsageError(ValueError):
@@ -52,6 +53,11 @@ def check_numbers(args: argparse.Namespace) -> None:
     for dest, least in WHOLE_AT_LEAST.items():
         if getattr(args, dest) < least:
             raise UsageError(f"{_flag(dest)} must be at least {least}, got {getattr(args, dest)}")
+    if args.trace_block_tokens > MOONCAKE_BLOCK:  # a block is drawn whole before it is cut
+        raise UsageError(
+            f"--trace-block-tokens must be at most {MOONCAKE_BLOCK} (a trace block's tokens), "
+            f"got {args.trace_block_tokens}"
+        )
     for dest in POSITIVE + NOT_NEGATIVE:
         value = getattr(args, dest)
         if not math.isfinite(value) or value < 0 or (value == 0 and dest in POSITIVE):

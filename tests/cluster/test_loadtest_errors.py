@@ -128,6 +128,7 @@ def refused(
         (["--arrival", "poisson", "--rate", "0"], "--rate must be a finite number above 0"),
         (["--num-requests", "0"], "--num-requests must be at least 1"),
         (["--max-tokens", "-3"], "--max-tokens must be at least 1"),
+        (["--trace-block-tokens", "100000000"], "--trace-block-tokens must be at most 512"),
         (["--tenants", "acme=lots"], "--tenants: the weight of 'acme' is 'lots'"),
         (["--adapters", "=0"], "--adapters: every weight is 0"),
         (["--workload", "trace", "--trace", "/no/such/trace.jsonl"], "is absent (--trace PATH)"),
