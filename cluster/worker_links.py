@@ -4,9 +4,10 @@
 identity scheme differs from the cluster's (version, block size, model revision), adds it to the
 routing policy, and starts feeding its KV events into the policy: subscribe first, then load a
 snapshot (events it already reflects are skipped); a gap in the numbers triggers a new snapshot.
-A failing feed or call detaches the worker (dropped from the policy, index and all); whoever
-knows where the worker lives now (Ray, a test) attaches it again, and it starts from a snapshot.
-All on one asyncio loop.
+A failing feed or call, or an event the router cannot read (an unknown kind), detaches the
+worker (dropped from the policy, index and all: never routed on an index it stopped updating);
+whoever knows where the worker lives now (Ray, a test) attaches it again, and it starts from a
+snapshot. All on one asyncio loop.
 """
 
 from __future__ import annotations
@@ -143,10 +144,11 @@ class WorkerLinks:
                     if not self.policy.apply_event(link.name, kv_event):
                         await self._load_snapshot(link)
                     link.events_applied += 1
-        except grpc.aio.AioRpcError as err:
+        except Exception as err:  # a failed call, or an event this router cannot read
             if not ready.done():
                 ready.set_exception(err)
-            log.warning("KV event feed of %s ended: %s", link.name, err.code())
+            why = err.code() if isinstance(err, grpc.aio.AioRpcError) else repr(err)
+            log.warning("KV event feed of %s ended: %s", link.name, why)
         finally:
             stream.cancel()
         if self.links.get(link.name) is link:

@@ -1,0 +1,60 @@
+"""The router's KV-event feed against a worker that sends what the router cannot read."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cache import IDENTITY_SCHEME_VERSION
+from cluster.config import ClusterConfig
+from cluster.policies import build_policy
+from cluster.worker_links import WorkerLinks
+from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from worker.event_loop import EventLoopThread
+from worker.grpc_server import start_server
+
+
+class OddWorker(worker_pb2_grpc.WorkerServicer):
+    """Describes itself correctly, then streams an event of a kind no router knows."""
+
+    async def Describe(
+        self, request: worker_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(
+            worker="odd", identity_version=IDENTITY_SCHEME_VERSION, block_size=16,
+            page_size=16, total_pages=64, vocab_size=512, max_model_len=512, max_running=4,
+        )  # fmt: skip
+
+    async def GetSnapshot(
+        self, request: worker_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvSnapshot:
+        return worker_pb2.KvSnapshot(seq=0)
+
+    async def StreamKvEvents(
+        self, request: worker_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KvEventBatch]:
+        await asyncio.sleep(0.2)  # after the snapshot: the link is attached by then
+        event = worker_pb2.KvEvent(seq=1, kind="compacted", block_hashes=[7])
+        yield worker_pb2.KvEventBatch(worker="odd", events=[event])
+        await asyncio.sleep(60)
+
+
+def test_an_unreadable_event_detaches_the_worker() -> None:
+    loop = EventLoopThread("worker-links-test")
+    try:
+        register = [(worker_pb2_grpc.add_WorkerServicer_to_server, OddWorker(), "odd")]
+        server = loop.run(start_server(register, "127.0.0.1", 0))
+        links = WorkerLinks(build_policy(ClusterConfig()))
+        loop.run(links.attach("odd", f"127.0.0.1:{server.port}"))
+        assert links.healthy == ["odd"]
+        deadline = time.monotonic() + 10
+        while links.healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert links.healthy == [], "still routed on an index its feed stopped updating"
+        loop.run(links.close())
+        loop.run(server.stop(0))
+    finally:
+        loop.stop()
