@@ -37,7 +37,7 @@ from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest
 from worker.sampling import SamplingParams
-from worker.tiny_model import TINY_CONFIG, tiny_state_dict
+from worker.tiny_model import TINY_CONFIG, tiny_model
 
 console = Console(stderr=True)
 BIG = ModelConfig(
@@ -204,9 +204,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
         model, path = loaded.model, loaded.path
     else:
         config = BIG if name == "big" else TINY_CONFIG
-        model = CausalLM(config)
-        model.load_weights(tiny_state_dict(config, seed=0))
-        model.eval()
+        model = tiny_model(config, seed=0)
         path = None
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist()

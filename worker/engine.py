@@ -26,6 +26,7 @@ import torch
 
 from cache import CacheConfig, OutOfPages, OutOfSlots, SequenceCache
 from cache.integrity import check_sequence_cache
+from kernels.layout import cdiv
 from worker import validation
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.model import CausalLM
@@ -223,8 +224,7 @@ class Engine:
     # -- validation (caller's thread) ----------------------------------------------------------
     def _validate(self, request: GenerateRequest, prompt: list[int]) -> None:
         validation.validate(request, prompt, self.vocab_size, self.max_model_len)
-        page_size = self.config.page_size
-        pages = -(-(len(prompt) + request.sampling.max_tokens) // page_size)
+        pages = cdiv(len(prompt) + request.sampling.max_tokens, self.config.page_size)
         if pages > self.cache.pool.usable_pages:
             raise InvalidRequest(
                 "max_tokens",
@@ -271,8 +271,14 @@ class Engine:
         rows = iter(logits)
         for (sample, take), chunk in zip(plan, chunks, strict=True):
             sample.computed += take
-            if chunk.sample and sample.phase is Phase.RUNNING:
-                self._sampled(sample, next(rows))
+            row = next(rows) if chunk.sample else None
+            if row is None or sample.phase is not Phase.RUNNING:
+                continue
+            try:
+                self._sampled(sample, row)
+            except Exception as err:  # this request's outputs cannot be made: end it alone
+                log.exception("sampling or decoding for %s failed", sample.request.request_id)
+                self._abort(sample.request, FINISH_ERROR, f"{type(err).__name__}: {err}")
         return True
 
     def _chunk(self, sample: SampleState, take: int) -> Chunk:

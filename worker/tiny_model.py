@@ -19,6 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from worker.checkpoint import expected_shapes, save_checkpoint
 from worker.config import ModelConfig, RopeScaling
+from worker.model import CausalLM
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """Ids 0, 1, 2, as in SmolLM2's vocabulary."""
@@ -158,6 +159,13 @@ def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tenso
             std, mean = shape[-1] ** -0.5, 0.0
         state[name] = torch.randn(shape, generator=generator, dtype=torch.float32) * std + mean
     return state
+
+
+def tiny_model(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> CausalLM:
+    """A model of `config` holding `tiny_state_dict(config, seed)`, in eval mode (no files)."""
+    model = CausalLM(config)
+    model.load_weights(tiny_state_dict(config, seed))
+    return model.eval()
 
 
 def build_tiny_checkpoint(path: Path, config: ModelConfig = TINY_CONFIG, seed: int = 0) -> Path:

@@ -8,23 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.config import ModelConfig
 from worker.engine import Engine, EngineConfig
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling import SamplingParams
-from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, tiny_state_dict
+from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG
 
 LLAMA = TINY_CONFIG
 QWEN3 = TINY_QWEN3_CONFIG
-
-
-def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
-    """The built-in tiny model's seeded weights (worker/tiny_model.py) in a fresh model."""
-    model = CausalLM(config)
-    model.load_weights(tiny_state_dict(config, seed))
-    return model.eval()
 
 
 def no_cache_greedy(

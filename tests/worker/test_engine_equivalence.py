@@ -21,7 +21,6 @@ from tests.worker.helpers import (
     drain,
     greedy,
     no_cache_greedy,
-    random_model,
     recorded_engine,
     relative_error,
 )
@@ -30,6 +29,7 @@ from worker.engine import Engine, EngineConfig
 from worker.model import CausalLM
 from worker.request import GenerateRequest
 from worker.sampling import SamplingParams
+from worker.tiny_model import tiny_model
 
 STEPS = 10
 _RNG = random.Random(7)
@@ -41,7 +41,7 @@ ORACLE: dict[str, tuple[list[int], torch.Tensor]] = {}
 def model_for(config: ModelConfig) -> CausalLM:
     key = config.architecture
     if key not in MODELS:
-        MODELS[key] = random_model(config, seed=11)
+        MODELS[key] = tiny_model(config, seed=11)
     return MODELS[key]
 
 

@@ -8,13 +8,14 @@ import time
 import pytest
 
 from cache.integrity import check_sequence_cache
-from tests.worker.helpers import LLAMA, Recorder, drain, greedy, random_model
+from tests.worker.helpers import LLAMA, Recorder, drain, greedy
 from worker.engine import Engine, EngineConfig
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest
 from worker.sampling import SamplingParams
+from worker.tiny_model import tiny_model
 
-MODEL = random_model(LLAMA, seed=5)
+MODEL = tiny_model(LLAMA, seed=5)
 
 
 def make_engine(**overrides: object) -> Engine:
@@ -190,3 +191,69 @@ def test_a_failing_output_sink_does_not_stop_the_engine() -> None:
     drain(engine)
     assert recorder.final("fine").finish_reason == FINISH_LENGTH
     assert engine.cache.pool.num_private == 0
+
+
+class _FailingFirstDecoder:
+    """A tokenizer whose first incremental decoder fails on its third token (as one whose
+    vocabulary is smaller than the model's fails on an id it does not know)."""
+
+    vocab_size = LLAMA.vocab_size
+    eos_token_ids = LLAMA.eos_token_ids
+
+    def __init__(self) -> None:
+        self.decoders = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1 + ord(c) % 100 for c in text]
+
+    def apply_chat_template(self, messages: list[dict[str, object]]) -> str:
+        return " ".join(str(m["content"]) for m in messages)
+
+    def incremental_decoder(self) -> _FailingFirstDecoder.Decoder:
+        self.decoders += 1
+        return self.Decoder(fail_at=3 if self.decoders == 1 else None)
+
+    class Decoder:
+        def __init__(self, fail_at: int | None) -> None:
+            self.fail_at, self.seen = fail_at, 0
+
+        def step(self, token_id: int) -> str:
+            self.seen += 1
+            if self.seen == self.fail_at:
+                raise ValueError(f"token id {token_id} is outside the vocabulary")
+            return "x"
+
+        def finish(self) -> str:
+            return ""
+
+
+def test_a_request_whose_tokens_cannot_be_decoded_ends_with_an_error_alone() -> None:
+    engine = Engine(MODEL, _FailingFirstDecoder(), EngineConfig(num_pages=64, page_size=4))
+    recorder = Recorder()
+    engine.submit(greedy("bad", [1, 2, 3], 10), recorder.outputs.append)
+    engine.submit(greedy("good", [4, 5, 6], 10), recorder.outputs.append)
+    drain(engine)
+    bad = recorder.final("bad")
+    assert bad.finish_reason == "error"
+    assert bad.error is not None and "outside the vocabulary" in bad.error
+    assert len(recorder.tokens("bad")) == 2, "the tokens before the failure were streamed"
+    assert recorder.final("good").finish_reason == FINISH_LENGTH
+    assert len(recorder.tokens("good")) == 10
+    assert engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)
+
+
+def test_eos_ends_a_sample_unless_ignored() -> None:
+    engine = make_engine()
+    recorder = Recorder()
+    engine.submit(greedy("free", [1, 2, 3], 12, ignore_eos=True), recorder.outputs.append)
+    drain(engine)
+    free = recorder.tokens("free")
+    engine.eos_token_ids = frozenset({free[3]})  # as if the model's EOS were that token
+    engine.submit(greedy("eos", [1, 2, 3], 12), recorder.outputs.append)
+    engine.submit(greedy("ignored", [1, 2, 3], 12, ignore_eos=True), recorder.outputs.append)
+    drain(engine)
+    assert recorder.tokens("eos") == free[: free.index(free[3]) + 1]
+    assert recorder.final("eos").finish_reason == FINISH_STOP
+    assert recorder.tokens("ignored") == free
+    assert recorder.final("ignored").finish_reason == FINISH_LENGTH

@@ -5,15 +5,16 @@ from __future__ import annotations
 import random
 
 from cache.integrity import check_sequence_cache
-from tests.worker.helpers import LLAMA, Recorder, drain, random_model
+from tests.worker.helpers import LLAMA, Recorder, drain
 from worker.engine import Engine, EngineConfig
 from worker.request import FINISH_ABORT, GenerateRequest
 from worker.sampling import SamplingParams
+from worker.tiny_model import tiny_model
 
 
 def test_a_thousand_random_requests_leak_no_page() -> None:
     rng = random.Random(2026)
-    model = random_model(LLAMA, seed=3)
+    model = tiny_model(LLAMA, seed=3)
     config = EngineConfig(
         num_pages=70,
         page_size=4,

@@ -11,12 +11,12 @@ import torch
 
 from worker.checkpoint import load_checkpoint
 from worker.config import ModelConfig
-from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.tiny_model import (
     TINY_CONFIG,
     TINY_QWEN3_CONFIG,
     build_tiny_checkpoint,
+    tiny_model,
     tiny_state_dict,
     tiny_tokenizer_json,
 )
@@ -115,8 +115,7 @@ def test_configs_survive_config_json() -> None:
 
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_QWEN3_CONFIG], ids=["llama", "qwen3"])
 def test_the_tiny_model_does_not_just_repeat_its_input(config: ModelConfig) -> None:
-    model = CausalLM(config)
-    model.load_weights(tiny_state_dict(config))
+    model = tiny_model(config)
     runner = ModelRunner(model, num_pages=64, page_size=1)
     tokens = [5, 17, 99, 300]
     for _ in range(24):
