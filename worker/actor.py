@@ -109,11 +109,9 @@ class WorkerActor:
         """Stop taking requests, wait up to `timeout` for running ones, stop; True if all ended."""
         self.loop.run(self.server.set_serving(False))
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (
-            self.engine.stats().running or self.engine.stats().waiting
-        ):
+        while (busy := self.engine.scheduler.has_work()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        idle = not (self.engine.stats().running or self.engine.stats().waiting)
+        idle = not busy
         self.loop.run(self.server.stop(grace=1.0))
         self.engine.stop()
         self.loop.stop()

@@ -49,28 +49,20 @@ class Step:
             self.write(k_cache, v_cache, k, v, self.batch.slot_mapping)
 
     def attention(self, q: torch.Tensor, cache: KvCache) -> torch.Tensor:
-        k_cache, v_cache = cache
         b = self.batch
+        args: tuple[torch.Tensor, ...]
+        kwargs: dict[str, int] = {}
         if b.is_decode:
-            attend = self.attend or kernels.decode_attention
-            extra: dict[str, Any] = {} if self.attend else {"check_values": False}
-            out: torch.Tensor = attend(q, k_cache, v_cache, b.page_table, b.seq_lens_k, **extra)
+            operation, args = "decode_attention", (b.page_table, b.seq_lens_k)
         else:
-            attend = self.attend or kernels.append_prefill_attention
-            extra = {} if self.attend else {"check_values": False}
-            out = attend(
-                q,
-                k_cache,
-                v_cache,
-                b.page_table,
-                b.cu_seqlens_q,
-                b.seq_lens_k,
-                max_seqlen_q=b.max_seqlen_q,
-                **extra,
-            )
-        if self.attend is None:
-            operation = "decode_attention" if b.is_decode else "append_prefill_attention"
-            self.attend = kernels.bind(operation, k_cache)
+            operation = "append_prefill_attention"
+            args = (b.page_table, b.cu_seqlens_q, b.seq_lens_k)
+            kwargs = {"max_seqlen_q": b.max_seqlen_q}
+        if self.attend is not None:
+            out: torch.Tensor = self.attend(q, *cache, *args, **kwargs)
+            return out
+        out = getattr(kernels, operation)(q, *cache, *args, check_values=False, **kwargs)
+        self.attend = kernels.bind(operation, cache[0])
         return out
 
 

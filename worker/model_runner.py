@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import PageCopy
+from kernels.layout import cdiv
 from worker.batch import ForwardBatch
 from worker.model import CausalLM
 
@@ -51,7 +52,7 @@ class ModelRunner:
         cu = [0]
         lens_k: list[int] = []
         sample_rows: list[int] = []
-        width = max(-(-(c.start + len(c.token_ids)) // ps) for c in chunks)
+        width = max(cdiv(c.start + len(c.token_ids), ps) for c in chunks)
         table = torch.zeros((len(chunks), width), dtype=torch.int32)
         for i, chunk in enumerate(chunks):
             end = chunk.start + len(chunk.token_ids)
@@ -60,7 +61,7 @@ class ModelRunner:
             positions.extend(span)
             row = chunk.pages
             slots.extend(row[p // ps] * ps + p % ps for p in span)
-            used = -(-end // ps)
+            used = cdiv(end, ps)
             table[i, :used] = torch.tensor(row[:used], dtype=torch.int32)
             cu.append(cu[-1] + len(chunk.token_ids))
             lens_k.append(end)

@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _queue_fed_from_threads() -> tuple[asyncio.Queue[T], Callable[[T], None]]:
+    """A queue on the running loop, and the function other threads (the engine's) put into it."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[T] = asyncio.Queue()
+
+    def put(item: T) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    return queue, put
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: Engine, name: str) -> None:
         self.engine = engine
@@ -39,12 +50,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(output: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, output)
-
+        outputs: asyncio.Queue[RequestOutput]
+        outputs, sink = _queue_fed_from_threads()
         try:
             generate = GenerateRequest(
                 request.request_id,
@@ -72,12 +79,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def StreamKvEvents(
         self, request: worker_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.KvEventBatch]:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[KvEvent] = asyncio.Queue()
-
-        def subscriber(event: KvEvent) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
+        events: asyncio.Queue[KvEvent]
+        events, subscriber = _queue_fed_from_threads()
         unsubscribe = await self._on_engine(lambda: self.engine.cache.events.subscribe(subscriber))
         try:
             while True:

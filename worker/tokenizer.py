@@ -242,8 +242,8 @@ class IncrementalDecoder:
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
-    def _emit(self) -> str:
-        new_text = self._decode(self._ids[self._prefix :])
+    def _emit(self, new_text: str) -> str:
+        """Emit the window's text past what was emitted; the window then starts at `read`."""
         delta = new_text[len(self._prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix : self._read])
@@ -259,10 +259,10 @@ class IncrementalDecoder:
         new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
-        return self._emit()
+        return self._emit(new_text)
 
     def finish(self) -> str:
         """Whatever is still held back; afterwards `text == decode(ids)`."""
         if self._read == len(self._ids):
             return ""
-        return self._emit()
+        return self._emit(self._decode(self._ids[self._prefix :]))
