@@ -109,6 +109,18 @@ def _require(meta: dict[str, Any], key: str) -> Any:
     return meta[key]
 
 
+def _special_id(meta: dict[str, Any], key: str) -> int | None:
+    """`tokenizer.ggml.<key>_token_id`, checked against the vocabulary; None when absent."""
+    name = f"tokenizer.ggml.{key}_token_id"
+    if name not in meta:
+        return None
+    vocab_size = len(_require(meta, "tokenizer.ggml.tokens"))
+    token_id = int(meta[name])
+    if not 0 <= token_id < vocab_size:
+        raise GGUFError(f"{name} {token_id} is outside the vocabulary [0, {vocab_size})")
+    return token_id
+
+
 def _rope_scaling(meta: dict[str, Any], arch: str, max_positions: int) -> RopeScaling:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
@@ -137,7 +149,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     heads = int(_require(meta, f"{arch}.attention.head_count"))
     head_dim = meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count"))
     max_positions = int(meta.get(f"{arch}.context_length", 2048))
-    stop_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    stop_ids = [_special_id(meta, k) for k in ("eos", "eot", "eom")]
     return ModelConfig(
         vocab_size=len(_require(meta, "tokenizer.ggml.tokens")),
         hidden_size=hidden,
@@ -153,8 +165,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=any(name.endswith("attn_q.bias") for name in tensor_names),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in stop_ids if i is not None)),
+        bos_token_id=_special_id(meta, "bos"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in stop_ids if i is not None)),
         dtype="float32",
     )
 
@@ -274,9 +286,9 @@ def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostP
     """Adds BOS / EOS around each sequence when the file asks for it; byte offsets otherwise."""
     ends = []
     for key, where in (("bos", "start"), ("eos", "end")):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        token_id = _special_id(meta, key)
         if meta.get(f"tokenizer.ggml.add_{key}_token") and token_id is not None:
-            ends.append((where, tokens[token_id], int(token_id)))
+            ends.append((where, tokens[token_id], token_id))
     if not ends:
         return processors.ByteLevel(trim_offsets=False)
     start = [f"{t}:0" for where, t, _ in ends if where == "start"]
@@ -299,7 +311,7 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
         "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
     }
     for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        token_id = _special_id(meta, key)
         config[f"{name}_token"] = tokens[token_id] if token_id is not None else None
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]

@@ -29,6 +29,7 @@ from worker.gguf_checkpoint import (
     config_from_metadata,
     hf_name,
     read_gguf,
+    tokenizer_config,
     unpermute_rotary_rows,
 )
 from worker.tiny_model import TINY_CONFIG, tiny_tokenizer_json
@@ -162,6 +163,8 @@ def test_metadata_to_config() -> None:
         ({"llama.block_count": None}, set(), "lacks 'llama.block_count'"),
         ({"llama.rope.scaling.type": "yarn"}, set(), "rope scaling 'yarn'"),
         ({}, {"rope_freqs.weight"}, "rope_freqs.weight"),
+        ({"tokenizer.ggml.eos_token_id": 4}, set(), r"eos_token_id 4 is outside the vocab"),
+        ({"tokenizer.ggml.bos_token_id": -1}, set(), r"bos_token_id -1 is outside the vocab"),
     ],
 )
 def test_unsupported_metadata_is_named(
@@ -181,6 +184,11 @@ def test_tokenizer_from_metadata_and_its_refusals() -> None:
         build_tokenizer(_meta(**{"tokenizer.ggml.pre": "mystery"}))
     with pytest.raises(GGUFError, match="3 token types for 4 tokens"):
         build_tokenizer(_meta(**{"tokenizer.ggml.token_type": [1, 1, 1]}))
+    bad_bos = {"tokenizer.ggml.bos_token_id": 9, "tokenizer.ggml.add_bos_token": True}
+    with pytest.raises(GGUFError, match=r"bos_token_id 9 is outside the vocabulary \[0, 4\)"):
+        build_tokenizer(_meta(**bad_bos))
+    with pytest.raises(GGUFError, match=r"padding_token_id 7 is outside the vocabulary \[0, 4\)"):
+        tokenizer_config(_meta(**{"tokenizer.ggml.padding_token_id": 7}))
 
 
 def test_tensor_names() -> None:
