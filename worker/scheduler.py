@@ -29,6 +29,11 @@ class SchedulerConfig:
     """The longest piece of one sample's prompt in one step."""
     max_running: int = 64
 
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_prefill_chunk", "max_running"):
+            if getattr(self, name) < 1:  # 0 would schedule nothing, forever
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
 
 class Scheduler:
     def __init__(

@@ -257,3 +257,9 @@ def test_eos_ends_a_sample_unless_ignored() -> None:
     assert recorder.final("eos").finish_reason == FINISH_STOP
     assert recorder.tokens("ignored") == free
     assert recorder.final("ignored").finish_reason == FINISH_LENGTH
+
+
+@pytest.mark.parametrize("field", ["token_budget", "max_prefill_chunk"])
+def test_a_budget_of_zero_is_refused_at_construction(field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
+        make_engine(**{field: 0})
