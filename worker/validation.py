@@ -39,7 +39,11 @@ def prompt_ids(request: GenerateRequest, tokenizer: PromptTokenizer | None) -> l
         return tokenizer.encode(request.prompt)
     assert request.messages is not None
     for i, message in enumerate(request.messages):
-        if not isinstance(message.get("content"), str) or not message.get("role"):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("content"), str)
+            or not message.get("role")
+        ):
             raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
     try:
         text = tokenizer.apply_chat_template(list(request.messages))

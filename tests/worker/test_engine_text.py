@@ -66,6 +66,9 @@ def test_chat_messages_are_rendered_with_the_template(tiny: LoadedModel) -> None
     assert recorder.outputs[0].prompt_tokens == expected
     with pytest.raises(InvalidRequest, match=r"messages\[0\]"):
         engine_for(tiny).submit(GenerateRequest("bad", messages=({"role": "user"},)), print)
+    not_a_message = ("hello",)
+    with pytest.raises(InvalidRequest, match=r"messages\[0\]"):
+        engine_for(tiny).submit(GenerateRequest("bad", messages=not_a_message), print)  # type: ignore[arg-type]
 
 
 def test_eos_ends_the_sample_unless_ignored(tiny: LoadedModel) -> None:
