@@ -36,6 +36,7 @@ from cluster.config import (
     ClusterConfig,
     EngineSection,
     MetricsSection,
+    ModelSection,
     RouterSection,
     WorkersSection,
 )
@@ -109,13 +110,11 @@ def through_ray(model_source: str, texts: list[str], tokens: int) -> dict[str, f
     from cluster.serve import place_router, place_workers
 
     config = ClusterConfig(
+        model=ModelSection(source=model_source, device="cpu"),
         engine=ENGINE,
         workers=WorkersSection(count=1),
         router=RouterSection(port=0),
         metrics=MetricsSection(enabled=False),
-    )
-    config = ClusterConfig(
-        **{**config.__dict__, "model": type(config.model)(source=model_source, device="cpu")}
     )
     started = connect()
     try:
