@@ -118,7 +118,8 @@ class BaseRouter:
     def calibrate(self, rates: ServiceRates) -> None:
         """Cost time with learned rates from now on (router/service_model.py): the prefill
         rate behind every wait and prefill in seconds, and the decode cost per running request
-        where a policy counts it. Queued work keeps the seconds it was routed with."""
+        where a policy counts it. Queued work keeps the seconds it was routed with until the
+        worker's next `prefill_done` re-prices what is left of its queue."""
         self.prefill_rate = self.loads.prefill_rate = rates.prefill_rate
         self.decode_s = rates.decode_s
 

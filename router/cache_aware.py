@@ -28,7 +28,9 @@ go by rendezvous hash of the first block nobody holds, so equal new prefixes mee
 dispatched very long first, then shortest first (router/burst.py).
 
 Candidates: every member of a small match group, the least loaded few of a large one, so a
-decision costs O(log matched blocks + groups x scan), not O(workers).
+decision costs O(log matched blocks + groups x scan), not O(workers). Once `calibrate`d with a
+decode cost, a large group's members are looked at while their wait alone is under the best
+cost seen, which can be all of its idle members.
 """
 
 from __future__ import annotations
@@ -204,21 +206,27 @@ class CacheAware(BaseRouter):
         """Members of a large group in `free_at` order, under `bound`: the least loaded, those
         tied with it, and any before the first one no burst member has reserved (at most
         `scan`). Within a group only the wait and reservations differ, so no later member
-        can cost less."""
+        can cost less; once `calibrate`d the running requests differ too (the longest idle
+        workers are often those with the most requests decoding), so the scan goes on, past
+        `scan`, while a member's wait, the floor of its cost, is under the least cost of an
+        unreserved member seen."""
         by_bit, reserved = self.members.by_bit, self._reserved
+        decode_s, states = self.decode_s, self.loads.workers
         out: list[tuple[WorkerId, float, float, int]] = []
-        unreserved = False
+        floor = float("inf")  # the least cost of an unreserved member so far
         for free_at, bit in self.loads.by_free:
             if not mask >> bit & 1:
                 continue
             wait = free_at - now if free_at > now else 0.0
-            if wait > bound or (unreserved and wait > out[0][1] + 1e-9):
+            if wait > bound or wait > floor + 1e-9:
                 break
             worker = by_bit[bit]
             assert worker is not None
             out.append((worker, wait, own, cached))
-            unreserved = unreserved or worker not in reserved
-            if len(out) >= self.scan:
+            if worker not in reserved:
+                cost = wait + decode_s * states[worker].running if decode_s else out[0][1]
+                floor = min(floor, cost)
+            if len(out) >= self.scan and not decode_s:
                 break
         return out
 

@@ -204,3 +204,23 @@ def test_a_burst_that_repeats_an_id_routes_every_entry_and_leaks_no_load() -> No
         policy.finished(d.worker, r.request_id)
     states = policy.loads.workers.values()
     assert all(s.queued_tokens == s.running == s.kv_tokens == 0 for s in states)
+
+
+def test_calibrated_decode_cost_looks_past_the_longest_idle_workers() -> None:
+    """Six idle workers, one group of cold candidates (more than `scan`): the four idle longest
+    each run five decoding requests, the two idle since later run none. Uncalibrated they all
+    tie; once each running request costs 50 ms, the new request goes to one of the two."""
+    from router.service_model import ServiceRates
+
+    for decode_s, expected in ((0.0, {"w0", "w1", "w2", "w3"}), (0.05, {"w4", "w5"})):
+        policy, clock = cluster(6)
+        for w in range(6):
+            rids = [f"w{w}.{j}" for j in range(5 if w < 4 else 1)]
+            for rid in rids:
+                policy.loads.routed(rid, f"w{w}", 10, 10, 0.0 if w < 4 else 1.0)
+                policy.loads.prefill_done(rid, 0.01 if w < 4 else 1.01)
+            if w >= 4:
+                policy.loads.finished(rids[0], 1.02)
+        clock.now = 2.0
+        policy.calibrate(ServiceRates(RATE, decode_s))
+        assert policy.route(request("r", prompt(1, 40))).worker in expected, decode_s
