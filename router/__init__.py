@@ -1,4 +1,5 @@
 """Cache-aware routing of requests to workers.
 
-May import `cache` (hashing, index structures) and `protos`; never `worker`.
+May import `cache` (hashing, index structures) and nothing else of ours: never `worker`,
+`cluster` or `protos`.
 """

@@ -54,8 +54,11 @@ class TailEstimate:
     ) -> None:
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
-        if window < 1 or stride < 1:
-            raise ValueError(f"need window >= 1 sample and stride >= 1, got {window}, {stride}")
+        if not 1 <= warmup <= window or stride < 1:  # warmup 0: `value` of no samples
+            raise ValueError(
+                f"need 1 <= warmup <= window samples and stride >= 1, got warmup {warmup}, "
+                f"window {window}, stride {stride}"
+            )
         self.quantile = quantile
         self.fallback_s = fallback_s
         self._warmup = warmup

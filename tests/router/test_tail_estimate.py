@@ -42,3 +42,7 @@ def test_bad_settings_are_refused_by_name() -> None:
         TailEstimate(1.0)
     with pytest.raises(ValueError, match="stride"):
         TailEstimate(0.5, stride=0)
+    with pytest.raises(ValueError, match="warmup 0"):
+        TailEstimate(0.5, warmup=0)  # `value` would index an empty array
+    with pytest.raises(ValueError, match="warmup 65, window 64"):
+        TailEstimate(0.5, window=64, warmup=65)  # the fallback would stand for good
