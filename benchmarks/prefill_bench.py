@@ -36,7 +36,7 @@ from worker.loader import load_model
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import TINY_CONFIG, tiny_model
 
 console = Console(stderr=True)

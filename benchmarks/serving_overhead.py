@@ -45,7 +45,7 @@ from worker.actor import SWITCH_INTERVAL_S
 from worker.engine import Engine, EngineConfig
 from worker.loader import load_model
 from worker.request import GenerateRequest, RequestOutput
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import build_tiny_checkpoint
 
 console = Console(stderr=True)

@@ -25,6 +25,8 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from router.policies import POLICIES
+from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from worker.validation import DEFAULT_MAX_PROMPT_CHARS
 
 T = TypeVar("T")
 ANY_TENANT = "*"
@@ -67,6 +69,13 @@ class EngineSection:
     max_model_len: int | None = _at_least(2048, 1)
     max_waiting: int = _at_least(256, 0)
     block_size: int = _at_least(16, 1)
+    max_stop_strings: int = _at_least(MAX_STOP_STRINGS, 0)
+    """Stop strings one request may give (OpenAI allows 4); more are refused by name."""
+    max_stop_chars: int = _at_least(MAX_STOP_CHARS, 1)
+    """Characters of each stop string."""
+    max_prompt_chars: int = _at_least(DEFAULT_MAX_PROMPT_CHARS, 1)
+    """Characters of a text prompt (or of a chat's messages together), refused before any
+    tokenising: the router and the workers check the same numbers."""
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,23 @@
 """A public Generate request made ready to route: token ids, namespace, sampling, all checked.
 
 The router tokenises (it must: routing keys are token-block hashes, the same the workers'
-KV events carry) and validates with the same functions the worker uses (worker/validation.py).
-On top of those: images are refused (no model here has a vision encoder), adapters are refused
-(none is loaded), request ids are bounded, and a caller whose token is bound to a tenant can only
-use that tenant: the tenant is the cache salt, never trusted to cross tenants.
+KV events carry) and validates with the same functions and limits the worker uses
+(worker/validation.py). On top of those: images are refused (no model here has a vision
+encoder), adapters are refused (none is loaded), request ids are bounded, and a caller whose
+token is bound to a tenant can only use that tenant: the tenant is the cache salt, never trusted
+to cross tenants. A sampled request without a seed gets one here, at random: the router then
+knows every draw's seed, so a stream moved to another worker mid-way continues exactly.
+
+`prepare` tokenises: the router calls it off its event loop (it may take a second on a large
+prompt, and the tokenizer releases the GIL meanwhile).
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cache import CacheNamespace
 from cluster.config import ANY_TENANT
@@ -19,7 +25,8 @@ from protos.radixmesh.v1 import serving_pb2
 from worker import validation
 from worker.errors import InvalidRequest
 from worker.request import GenerateRequest
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
+from worker.validation import RequestLimits
 from worker.wire import sampling_from_proto
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -31,6 +38,8 @@ class TenantRefused(PermissionError):
 
 @dataclass(frozen=True)
 class ModelLimits:
+    """What the workers told the router of their model (the smallest of each, over workers)."""
+
     vocab_size: int
     max_model_len: int
 
@@ -46,7 +55,7 @@ class PreparedRequest:
 def prepare(
     message: serving_pb2.GenerateRequest,
     tokenizer: validation.PromptTokenizer | None,
-    limits: ModelLimits,
+    limits: RequestLimits,
     allowed_tenant: str = ANY_TENANT,
 ) -> PreparedRequest:
     """Raises InvalidRequest (naming the field) or TenantRefused."""
@@ -72,9 +81,12 @@ def prepare(
         sampling=sampling_from_proto(message.sampling),
         **_prompt(message),  # type: ignore[arg-type]
     )
-    ids = validation.prompt_ids(request, tokenizer)
-    validation.validate(request, ids, limits.vocab_size, limits.max_model_len)
-    return PreparedRequest(request_id, tuple(ids), request.namespace, request.sampling)
+    ids = validation.prompt_ids(request, tokenizer, limits)
+    validation.validate(request, ids, limits)
+    sampling = request.sampling
+    if sampling.seed is None and not sampling.greedy:
+        sampling = replace(sampling, seed=secrets.randbits(63))
+    return PreparedRequest(request_id, tuple(ids), request.namespace, sampling)
 
 
 def _prompt(message: serving_pb2.GenerateRequest) -> dict[str, object]:

@@ -1,7 +1,11 @@
 """The router as a Ray actor: the public gRPC server, its policy, and Ray-backed membership.
 
 A plain class; the cluster wraps it with `ray.remote` and restarts it when it dies, on the same
-port, so clients reconnect to the same endpoint. Workers are Ray actors it holds handles to:
+port, so clients reconnect to the same endpoint. Its constructor takes only what Ray keeps in
+the actor's creation task (the configuration and the workers' handles, a few KB): everything
+else a restart needs, the tokenizer included, comes from the workers themselves over gRPC, so
+a restart never depends on an object Ray may have released. Workers are Ray actors it holds
+handles to:
 every `poll_s` it asks each for its address; a worker that answers from a new address (Ray
 restarted it) is attached again (its index starts from a snapshot), one that does not answer is
 detached until it does.
@@ -11,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,6 @@ from protos.radixmesh.v1 import serving_pb2_grpc
 from worker.event_loop import EventLoopThread
 from worker.grpc_server import GrpcServer, ServerLimits, TlsConfig, start_server
 from worker.metrics import serve_metrics
-from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +66,13 @@ class RouterActor:
         self,
         config: dict[str, Any],
         workers: dict[str, Any],
-        tokenizer_files: dict[str, str],
         poll_s: float = 0.5,
     ) -> None:
         self.config = build(ClusterConfig, config, "")
         self.workers = workers
         self.poll_s = poll_s
-        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="radixmesh-tokenizer-")
-        tokenizer = None
-        if "tokenizer.json" in tokenizer_files:
-            for name, text in tokenizer_files.items():
-                (Path(self._tokenizer_dir.name) / name).write_text(text)
-            tokenizer = Tokenizer.from_dir(Path(self._tokenizer_dir.name))
         self.links = WorkerLinks(build_policy(self.config))
-        self.service = RouterService(self.links, tokenizer, self.config)
+        self.service = RouterService(self.links, self.config)
         self.loop = EventLoopThread("grpc-router")
         self.server: GrpcServer = self.loop.run(
             start_router_server(self.config, self.links, self.service)

@@ -1,16 +1,21 @@
 """radixmesh.v1.Serving: the public API, served by the router.
 
-Generate: check and tokenise the request (cluster/requests.py), refuse it at once when too many
-are in flight (RESOURCE_EXHAUSTED: backpressure, not an out-of-memory crash), hash its prompt into
-routing blocks, let the policy pick a worker, and forward the worker's stream. The client's
-deadline and cancellation pass through: a client that goes away cancels the worker call, and the
-worker frees the request's pages. A worker that fails before the first token is detached and the
-request is retried on another; after the first token the request ends with UNAVAILABLE (its
-tokens cannot be taken back).
+Generate: refuse at once when too many requests are in flight (RESOURCE_EXHAUSTED: backpressure,
+not an out-of-memory crash); check and tokenise the request (cluster/requests.py) on a thread,
+so that a large prompt never stalls the event loop every other stream runs on; hash its prompt
+into routing blocks, let the policy pick a worker, and forward the worker's stream. The client's
+deadline and cancellation pass through: a client that goes away cancels the worker call, and
+the worker frees the request's pages.
+
+A worker that fails (its process died, its node went away) is detached and what is left of the
+request goes to another: the request itself if the client has nothing yet, else each unfinished
+sample resumed from the tokens the client already has (cluster/stream_progress.py), so the
+client's stream goes on with the next token, exactly as if nothing had happened. At most
+`router.max_retries` other workers are tried; then the client gets one UNAVAILABLE.
 
 Status codes: INVALID_ARGUMENT (the message names the field), PERMISSION_DENIED (tenant not
 allowed for the token), UNAUTHENTICATED (see auth.py), RESOURCE_EXHAUSTED, UNAVAILABLE (no
-healthy worker, or the worker failed mid-stream), DEADLINE_EXCEEDED, CANCELLED.
+healthy worker, or every worker tried failed), DEADLINE_EXCEEDED, CANCELLED.
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ from cluster.auth import allowed_tenant
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.policies import router_config
 from cluster.requests import PreparedRequest, TenantRefused, prepare
+from cluster.stream_merge import merge_streams
+from cluster.stream_progress import StreamProgress
 from cluster.stream_timing import StreamTiming
-from cluster.worker_links import WorkerLinks
+from cluster.worker_links import WorkerLink, WorkerLinks
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
 from worker.errors import InvalidRequest
-from worker.validation import PromptTokenizer
-from worker.wire import namespace_to_proto, sampling_to_proto
+from worker.sampling_params import StopLimits
+from worker.validation import RequestLimits
 
 log = logging.getLogger(__name__)
 WORKER_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
@@ -45,12 +52,17 @@ class InFlight:
     """The request's cache tenant: only a token for it (or for "*") may abort the request."""
     worker: str = ""
     """The worker serving it ("" until routed)."""
+    worker_ids: list[str] = field(default_factory=list)
+    """The ids it runs under there (one per resumed sample once migrated with n > 1)."""
 
 
 @dataclass
 class RouterCounters:
     routed: int = 0
     retried: int = 0
+    """Requests sent to another worker after theirs failed before the first token."""
+    migrated: int = 0
+    """Requests resumed on another worker after theirs failed mid-stream."""
     predicted_cached_tokens: int = 0
     actual_cached_tokens: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
@@ -58,15 +70,10 @@ class RouterCounters:
 
 
 class RouterService(serving_pb2_grpc.ServingServicer):
-    def __init__(
-        self,
-        links: WorkerLinks,
-        tokenizer: PromptTokenizer | None,
-        config: ClusterConfig,
-    ) -> None:
+    def __init__(self, links: WorkerLinks, config: ClusterConfig) -> None:
         self.links = links
-        self.tokenizer = tokenizer
         self.config = config.router
+        self.engine = config.engine
         self.security = config.security
         self.counters = RouterCounters()
         self.in_flight: dict[str, InFlight] = {}
@@ -100,16 +107,31 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         finally:
             self.in_flight.pop(prepared.request_id, None)
 
+    def request_limits(self) -> RequestLimits | None:
+        """What a request may be: the workers' model, the operator's limits (None: no worker)."""
+        model = self.links.limits
+        if model is None:
+            return None
+        engine = self.engine
+        return RequestLimits(
+            model.vocab_size,
+            model.max_model_len,
+            StopLimits(engine.max_stop_strings, engine.max_stop_chars),
+            engine.max_prompt_chars,
+        )
+
     async def _prepare(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> PreparedRequest:
-        limits = self.links.limits
+        limits = self.request_limits()
         if limits is None or not self.links.links:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy worker")
         assert limits is not None
         try:
             tenant = allowed_tenant(context, self.security)
-            return prepare(request, self.tokenizer, limits, tenant)
+            if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenise
+                return prepare(request, self.links.tokenizer, limits, tenant)
+            return await asyncio.to_thread(prepare, request, self.links.tokenizer, limits, tenant)
         except InvalidRequest as err:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except TenantRefused as err:
@@ -124,6 +146,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         route = RouteRequest(
             prepared.request_id, prepared.namespace, hashes, len(prepared.token_ids)
         )
+        progress = StreamProgress(prepared)
         for attempt in range(self.config.max_retries + 1):
             if not self.links.links:
                 await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy worker")
@@ -133,53 +156,83 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             self.counters.routed += 1
             self.counters.predicted_cached_tokens += decision.predicted_cached_tokens
             link = self.links.links[decision.worker]
-            entry.worker = link.name
-            call = link.stub.Generate(
-                worker_pb2.WorkerGenerateRequest(
-                    request_id=prepared.request_id,
-                    token_ids=list(prepared.token_ids),
-                    namespace=namespace_to_proto(prepared.namespace),
-                    sampling=sampling_to_proto(prepared.sampling),
-                    predicted_cached_tokens=decision.predicted_cached_tokens,
-                ),
-                timeout=context.time_remaining(),
-            )
-            started = False
-            dispatch = self.timing.dispatched(link.name, route.num_tokens)
+            requests = progress.worker_requests(decision.predicted_cached_tokens)
+            entry.worker, entry.worker_ids = link.name, [r.request_id for r in requests]
+            calls = [link.stub.Generate(r, timeout=context.time_remaining()) for r in requests]
             try:
-                async for response in call:
-                    self.timing.responded(
-                        dispatch,
-                        response.index,
-                        len(response.token_ids),
-                        response.cached_prompt_tokens,
-                    )
-                    if not started:
-                        started = True
-                        if self.links.links.get(link.name) is link:
-                            self.links.policy.prefill_done(link.name, prepared.request_id)
-                        self.counters.actual_cached_tokens += response.cached_prompt_tokens
+                async for response in self._forward(link, calls, requests, progress):
                     yield response
                 return
             except grpc.aio.AioRpcError as err:
-                if err.code() not in WORKER_FAILURES:
-                    await self._abort(context, err.code(), err.details() or str(err.code()))
-                log.warning("worker %s failed on %s: %s", link.name, prepared.request_id, err)
-                await self.links.detach(link.name)
-                if started or attempt == self.config.max_retries:
-                    await self._abort(
-                        context,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"worker {link.name} failed "
-                        f"{'mid-stream' if started else 'before the first token'}: "
-                        f"{err.details()}",
-                    )
-                self.counters.retried += 1
+                await self._worker_failed(link, err, progress, attempt, context)
             finally:
-                self.timing.ended(dispatch)
-                call.cancel()  # a no-op when the stream ended; frees the worker's pages otherwise
+                for call in calls:  # a no-op on a stream that ended; frees the worker's pages
+                    call.cancel()
                 if self.links.links.get(link.name) is link:  # not detached (or replaced) since
                     self.links.policy.finished(link.name, prepared.request_id)
+
+    async def _forward(
+        self,
+        link: WorkerLink,
+        calls: list[grpc.aio.UnaryStreamCall],
+        requests: list[worker_pb2.WorkerGenerateRequest],
+        progress: StreamProgress,
+    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        """Relay one worker's stream(s) to the client, keeping `progress` of what it has."""
+        public_id = progress.prepared.request_id
+        dispatches = [self.timing.dispatched(link.name, len(r.token_ids)) for r in requests]
+        answered = False
+        try:
+            async for which, response in merge_streams(calls):
+                self.timing.responded(
+                    dispatches[which],
+                    response.index,
+                    len(response.token_ids),
+                    response.cached_prompt_tokens,
+                )
+                if not answered:
+                    answered = True
+                    if self.links.links.get(link.name) is link:
+                        self.links.policy.prefill_done(link.name, public_id)
+                    if not progress.started:
+                        self.counters.actual_cached_tokens += response.cached_prompt_tokens
+                progress.record(response)
+                if response.request_id != public_id:  # a sample resumed under its own id
+                    response.request_id = public_id
+                yield response
+        finally:
+            for dispatch in dispatches:
+                self.timing.ended(dispatch)
+
+    async def _worker_failed(
+        self,
+        link: WorkerLink,
+        err: grpc.aio.AioRpcError,
+        progress: StreamProgress,
+        attempt: int,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Detach a failed worker and count the next attempt, or end the call: the worker
+        refused the request for a reason of its own, or no attempt is left."""
+        attached = self.links.links.get(link.name) is link
+        if err.code() not in WORKER_FAILURES and attached:  # detached: its channel was closed
+            await self._abort(context, err.code(), err.details() or str(err.code()))
+        request_id = progress.prepared.request_id
+        log.warning("worker %s failed on %s: %s", link.name, request_id, err.code())
+        if attached:
+            await self.links.detach(link.name)
+        when = "mid-stream" if progress.started else "before the first token"
+        if attempt == self.config.max_retries:
+            await self._abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"worker {link.name} failed {when} ({err.details()}) and "
+                f"{self.config.max_retries} other worker(s) were tried (router.max_retries)",
+            )
+        if progress.started:
+            self.counters.migrated += 1
+        else:
+            self.counters.retried += 1
 
     async def _abort(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
@@ -201,7 +254,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         link = self.links.links.get(entry.worker)
         if link is None:
             return serving_pb2.AbortResponse(found=False)
-        return await link.stub.Abort(serving_pb2.AbortRequest(request_id=request.request_id))
+        answers = [
+            await link.stub.Abort(serving_pb2.AbortRequest(request_id=worker_id))
+            for worker_id in entry.worker_ids
+        ]
+        return serving_pb2.AbortResponse(found=any(a.found for a in answers))
 
     async def GetStats(
         self, request: serving_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -225,6 +282,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             policy=self.links.policy.name,
             requests_routed=c.routed,
             requests_retried=c.retried,
+            requests_migrated=c.migrated,
             requests_in_flight=len(self.in_flight),
             predicted_cached_tokens=c.predicted_cached_tokens,
             actual_cached_tokens=c.actual_cached_tokens,

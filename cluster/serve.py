@@ -75,8 +75,6 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
 
 
 def place_router(config: ClusterConfig, workers: dict[str, Any]) -> Any:
-    first = next(iter(workers.values()))
-    tokenizer_files = ray.get(first.tokenizer_files.remote())
     options: dict[str, Any] = {
         "name": "radixmesh-router",
         "max_restarts": config.router.max_restarts,
@@ -84,11 +82,7 @@ def place_router(config: ClusterConfig, workers: dict[str, Any]) -> Any:
     }
     if config.router.resource:
         options["resources"] = {config.router.resource: 0.01}
-    return (
-        ray.remote(RouterActor)
-        .options(**options)
-        .remote(config.to_dict(), workers, tokenizer_files)
-    )
+    return ray.remote(RouterActor).options(**options).remote(config.to_dict(), workers)
 
 
 def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:

@@ -1,8 +1,10 @@
 """The router's links to its workers: membership, identity checks and the KV-event feed.
 
 `attach(name, address)` connects, asks the worker to Describe itself, refuses it if its cache
-identity scheme differs from the cluster's (version, block size, model revision), adds it to the
-routing policy, and starts feeding its KV events into the policy: subscribe first, then load a
+identity scheme differs from the cluster's (version, block size, model revision), takes the
+tokenizer from it if the router has none yet (so a router started or restarted anywhere needs
+no copy of the checkpoint and nothing from Ray's object store), adds it to the routing policy,
+and starts feeding its KV events into the policy: subscribe first, then load a
 snapshot (events it already reflects are skipped); a gap in the numbers triggers a new snapshot.
 A failing feed or call, or an event the router cannot read (an unknown kind), detaches the
 worker (dropped from the policy, index and all: never routed on an index it stopped updating);
@@ -31,12 +33,23 @@ from cache import (
 from cluster.requests import ModelLimits
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from router.interface import RoutingPolicy
+from worker.grpc_server import INTERNAL_MESSAGE_BYTES
+from worker.tokenizer import Tokenizer, TokenizerError
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", INTERNAL_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", INTERNAL_MESSAGE_BYTES),
+)
 
 log = logging.getLogger(__name__)
 
 
 class IdentityRefused(ValueError):
     """A worker computes block hashes differently from the cluster."""
+
+
+class TokenizerUnavailable(ValueError):
+    """A worker's tokenizer files could not be read into a tokenizer."""
 
 
 @dataclass
@@ -59,6 +72,8 @@ class WorkerLinks:
     scheme: IdentityScheme | None = None
     hasher: BlockHasher | None = None
     limits: ModelLimits | None = None
+    tokenizer: Tokenizer | None = None
+    """The workers' tokenizer, from the first worker attached (None: the model has none)."""
 
     @property
     def healthy(self) -> list[str]:
@@ -67,12 +82,14 @@ class WorkerLinks:
     async def attach(self, name: str, address: str) -> WorkerLink:
         """Connect and start routing to a worker (replacing any previous link of that name)."""
         await self.detach(name)
-        channel = grpc.aio.insecure_channel(address)
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
             self._check_identity(name, info)
-        except (grpc.aio.AioRpcError, IdentityRefused):
+            if self.tokenizer is None:
+                self.tokenizer = await self._fetch_tokenizer(name, stub)
+        except (grpc.aio.AioRpcError, IdentityRefused, TokenizerUnavailable):
             await channel.close()
             raise
         link = WorkerLink(name, address, channel, stub, info)
@@ -105,6 +122,16 @@ class WorkerLinks:
                 min(self.limits.vocab_size, info.vocab_size),
                 min(self.limits.max_model_len, info.max_model_len),
             )
+
+    @staticmethod
+    async def _fetch_tokenizer(name: str, stub: worker_pb2_grpc.WorkerStub) -> Tokenizer | None:
+        answer = await stub.GetTokenizer(worker_pb2.GetTokenizerRequest(), timeout=30)
+        if not answer.files:
+            return None
+        try:  # parsing a large tokenizer.json takes a while: not on the event loop
+            return await asyncio.to_thread(Tokenizer.from_files, dict(answer.files))
+        except TokenizerError as err:
+            raise TokenizerUnavailable(f"worker {name}'s tokenizer: {err}") from err
 
     async def detach(self, name: str) -> None:
         link = self.links.pop(name, None)

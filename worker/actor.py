@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,18 +19,12 @@ import torch
 from protos.radixmesh.v1 import worker_pb2_grpc
 from worker.engine import Engine, EngineConfig
 from worker.event_loop import EventLoopThread
-from worker.grpc_server import GrpcServer, start_server
+from worker.grpc_server import INTERNAL_MESSAGE_BYTES, GrpcServer, ServerLimits, start_server
 from worker.loader import load_model
 from worker.metrics import EngineCollector, serve_metrics
 from worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "config.json",
-    "generation_config.json",
-)
 SWITCH_INTERVAL_S = 0.0005
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,9 +66,10 @@ class WorkerActor:
         self.engine = Engine(loaded.model, loaded.tokenizer, config, source=name)
         self.engine.start()
         self.loop = EventLoopThread(f"grpc-{name}")
-        servicer = WorkerServicer(self.engine, name)
+        servicer = WorkerServicer(self.engine, name, loaded.path)
         register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
-        self.server: GrpcServer = self.loop.run(start_server(register, host, 0))
+        limits = ServerLimits(max_message_bytes=INTERNAL_MESSAGE_BYTES)
+        self.server: GrpcServer = self.loop.run(start_server(register, host, 0, limits))
         self.host = advertised_host(host)
         self.metrics_port = None
         if metrics_port is not None:
@@ -95,15 +89,6 @@ class WorkerActor:
             "pid": os.getpid(),
             "checkpoint": str(self.checkpoint),
         }
-
-    def tokenizer_files(self) -> dict[str, str]:
-        """The checkpoint's tokenizer files, for a router that may not share this filesystem."""
-        files = {}
-        for name in TOKENIZER_FILES:
-            path = Path(self.checkpoint) / name
-            if path.is_file():
-                files[name] = path.read_text()
-        return files
 
     def drain(self, timeout: float) -> bool:
         """Stop taking requests, wait up to `timeout` for running ones, stop; True if all ended."""

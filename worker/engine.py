@@ -41,8 +41,10 @@ from worker.request import (
 )
 from worker.samples import Phase, RequestState, SampleState, TextDecoder
 from worker.sampling import Sampler
+from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, StopLimits
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.stop import StopChecker
+from worker.validation import DEFAULT_MAX_PROMPT_CHARS, RequestLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,6 +78,9 @@ class EngineConfig:
     model_revision: str = ""
     debug_checks: bool = False
     """Run the cache's full integrity check whenever the engine goes idle."""
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +112,12 @@ class Engine:
         positions = model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or positions, positions)
         self.vocab_size = model.config.vocab_size
+        self.limits = RequestLimits(
+            self.vocab_size,
+            self.max_model_len,
+            StopLimits(config.max_stop_strings, config.max_stop_chars),
+            config.max_prompt_chars,
+        )
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         self.eos_token_ids = frozenset(eos)
         self.cache = SequenceCache(
@@ -144,7 +155,7 @@ class Engine:
         `EngineOverloaded` or `EngineStopped` without queueing anything."""
         if self._stopping.is_set():
             raise EngineStopped("the engine is stopping")
-        prompt = validation.prompt_ids(request, self.tokenizer)
+        prompt = validation.prompt_ids(request, self.tokenizer, self.limits)
         self._validate(request, prompt)
         with self._lock:
             if request.request_id in self._active_ids:
@@ -223,8 +234,9 @@ class Engine:
 
     # -- validation (caller's thread) ----------------------------------------------------------
     def _validate(self, request: GenerateRequest, prompt: list[int]) -> None:
-        validation.validate(request, prompt, self.vocab_size, self.max_model_len)
-        pages = cdiv(len(prompt) + request.sampling.max_tokens, self.config.page_size)
+        validation.validate(request, prompt, self.limits)
+        positions = len(prompt) - request.generated_before + request.sampling.max_tokens
+        pages = cdiv(positions, self.config.page_size)
         if pages > self.cache.pool.usable_pages:
             raise InvalidRequest(
                 "max_tokens",
@@ -297,7 +309,7 @@ class Engine:
         for each in (sample, *siblings):
             if self.observe_logits is not None:
                 self.observe_logits(each.request.request_id, each.index, len(each.tokens), logits)
-            self._accept(each, each.sampler(logits))
+            self._accept(each, each.sampler(logits, len(each.tokens)))
 
     def _fork(self, parent: SampleState) -> list[SampleState]:
         """At the end of sample 0's prompt, the other n - 1 samples start from its pages."""
@@ -332,7 +344,7 @@ class Engine:
             self.cache.append(sample.seq, [token])
         text, reason = "", None
         if (token in self.eos_token_ids and not sampling.ignore_eos) or (
-            token in sampling.stop_token_ids
+            token in sample.request.stop_token_ids
         ):
             reason = FINISH_STOP
         else:
@@ -367,8 +379,8 @@ class Engine:
             index=sample.index,
             token_ids=token_ids,
             text=text,
-            prompt_tokens=len(request.prompt_ids),
-            cached_prompt_tokens=request.cached_prompt_tokens,
+            prompt_tokens=request.prompt_tokens,
+            cached_prompt_tokens=min(request.cached_prompt_tokens, request.prompt_tokens),
             finished=reason is not None,
             finish_reason=reason,
             error=error,
@@ -394,8 +406,8 @@ class Engine:
             with self._lock:
                 self._active_ids.discard(request.request_id)
             self._finished += 1
-            self._prompt_tokens += len(request.prompt_ids)
-            self._cached_tokens += request.cached_prompt_tokens
+            self._prompt_tokens += request.prompt_tokens
+            self._cached_tokens += min(request.cached_prompt_tokens, request.prompt_tokens)
 
     def _abort(self, request: RequestState, reason: str, error: str | None = None) -> None:
         for sample in request.samples:
@@ -427,18 +439,34 @@ class Engine:
                     self._abort(state, FINISH_ABORT)
 
     def _add(self, state: RequestState) -> None:
-        sampling = state.request.sampling
-        for index in range(sampling.n):
+        request = state.request
+        first = request.resume.sample_index if request.resume is not None else 0
+        for index in range(first, first + request.sampling.n):
             sample = SampleState(
                 request=state,
                 index=index,
                 tokens=list(state.prompt_ids),
-                sampler=Sampler.create(sampling, index),
-                stop=StopChecker(sampling.stop),
+                sampler=Sampler.create(request.sampling, index),
+                stop=StopChecker(state.stops),
                 decoder=self.tokenizer.incremental_decoder() if self.tokenizer else None,
-                phase=Phase.WAITING if index == 0 else Phase.UNBORN,
+                phase=Phase.WAITING if index == first else Phase.UNBORN,
             )
             state.samples.append(sample)
-        state.forked = sampling.n == 1
+        state.forked = request.sampling.n == 1
         self._requests[state.request_id] = state
         self.scheduler.enqueue(state.samples[0])
+        if request.resume is not None:
+            first_sample = state.samples[0]
+            self._replay(first_sample, state.prompt_ids[state.prompt_tokens :])
+            if first_sample.stop.stopped:  # it had already ended: nothing more to send
+                self._abort(state, FINISH_STOP)
+
+    @staticmethod
+    def _replay(sample: SampleState, generated: Sequence[int]) -> None:
+        """Bring a resumed sample to where its stream was cut: the decoder and the stop strings
+        fed the same tokens one by one, as the first worker fed them, so they hold back and
+        emit exactly what they would have (their text already reached the client)."""
+        sample.generated = len(generated)
+        for token in generated:
+            if sample.decoder is not None:
+                sample.stop.feed(sample.decoder.step(token))

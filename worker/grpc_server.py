@@ -17,6 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 MiB = 1 << 20
+INTERNAL_MESSAGE_BYTES = 64 * MiB
+"""The message cap between the router and its workers, both ways: a worker's tokenizer goes to
+the router in one message (SmolLM2's tokenizer.json alone is 3.5 MB)."""
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@ Nothing is counted twice: the engine keeps its counters, this collector only exp
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from worker.engine import Engine
+if TYPE_CHECKING:  # the router process serves its metrics with this module and has no torch
+    from worker.engine import Engine
 
 
 class EngineCollector(Collector):

@@ -5,12 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cache import DEFAULT_NAMESPACE, CacheNamespace
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A sample continued here after the worker streaming it died (cluster/router_service.py).
+
+        prompt_token_ids:  [ original prompt ........ | generated (the client has them) ]
+                                                        ^^^^^^^^^ `generated` tokens
+
+    Generation goes on from the next token as sample `sample_index` would have: its seed and
+    output index are that sample's, `max_tokens` counts the tokens already generated, and the
+    stop strings see the text already streamed.
+    """
+
+    sample_index: int
+    generated: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +39,12 @@ class GenerateRequest:
     messages: tuple[dict[str, str], ...] | None = None
     namespace: CacheNamespace = DEFAULT_NAMESPACE
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    resume: Resume | None = None
+    """Set (with token ids and n = 1) when this continues a sample begun elsewhere."""
+
+    @property
+    def generated_before(self) -> int:
+        return self.resume.generated if self.resume is not None else 0
 
 
 @dataclass(frozen=True, slots=True)

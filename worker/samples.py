@@ -20,7 +20,7 @@ from typing import Protocol
 from cache import CachedSequence
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling import Sampler
-from worker.stop import StopChecker
+from worker.stop import StopChecker, StopStrings, compile_stops
 
 
 class TextDecoder(Protocol):
@@ -68,6 +68,18 @@ class RequestState:
     """Prompt positions served from the cache when sample 0 was first admitted."""
     admitted: bool = False
     forked: bool = False
+    stops: StopStrings = field(init=False)
+    """The request's stop strings, compiled (in the submitting thread: never on the engine's)."""
+    stop_token_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stops = compile_stops(self.request.sampling.stop)
+        self.stop_token_ids = frozenset(self.request.sampling.stop_token_ids)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt as the client sent it (a resumed sample's ids end with generated ones)."""
+        return len(self.prompt_ids) - self.request.generated_before
 
     @property
     def request_id(self) -> str:

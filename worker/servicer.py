@@ -1,7 +1,9 @@
 """The worker's gRPC service: a thin async adapter between protos and the engine thread.
 
 Generate submits token ids to the engine and streams its outputs back; a client that goes away
-(cancel, deadline, disconnect) aborts the request at once, so its pages are freed. KV events are
+(cancel, deadline, disconnect) aborts the request at once, so its pages are freed. A request may
+resume a sample another worker began (`resume`: its ids end with the tokens already streamed).
+GetTokenizer hands the checkpoint's tokenizer files to a router that has none. KV events are
 subscribed on the engine thread and streamed in batches; snapshots, load and stats are read on
 the engine thread too (the cache is only safe there). Errors map to gRPC statuses:
 InvalidRequest -> INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -22,7 +25,13 @@ from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from worker.engine import Engine
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.request import GenerateRequest, RequestOutput
-from worker.wire import namespace_from_proto, output_to_proto, sampling_from_proto
+from worker.tokenizer import tokenizer_files
+from worker.wire import (
+    namespace_from_proto,
+    output_to_proto,
+    resume_from_proto,
+    sampling_from_proto,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,9 +49,11 @@ def _queue_fed_from_threads() -> tuple[asyncio.Queue[T], Callable[[T], None]]:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, name: str) -> None:
+    def __init__(self, engine: Engine, name: str, checkpoint: Path | None = None) -> None:
+        """`checkpoint`: the model's directory, whose tokenizer files GetTokenizer sends."""
         self.engine = engine
         self.name = name
+        self.checkpoint = checkpoint
 
     async def _on_engine(self, function: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(function))
@@ -58,6 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prompt_token_ids=tuple(request.token_ids),
                 namespace=namespace_from_proto(request.namespace),
                 sampling=sampling_from_proto(request.sampling),
+                resume=resume_from_proto(request),
             )
             self.engine.submit(generate, sink)
         except InvalidRequest as err:
@@ -146,6 +158,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         found = await self._on_engine(lambda: request.request_id in self.engine.active_requests)
         self.engine.abort(request.request_id)
         return serving_pb2.AbortResponse(found=found)
+
+    async def GetTokenizer(
+        self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TokenizerFiles:
+        if self.checkpoint is None or self.engine.tokenizer is None:
+            return worker_pb2.TokenizerFiles()
+        files = await asyncio.to_thread(tokenizer_files, self.checkpoint)
+        return worker_pb2.TokenizerFiles(files=files)
 
     async def ClearCache(
         self, request: serving_pb2.ClearCachesRequest, context: grpc.aio.ServicerContext

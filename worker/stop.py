@@ -4,52 +4,106 @@
                                     ^^^^^^^^^ held back: it may be the start of "\\n\\nUser:"
 
 What `feed` returns, concatenated (plus `flush` at the end), is the generated text cut just
-before the first stop string (which is not included), as OpenAI's and vLLM's APIs do.
+before the first stop string to complete (the longest, where several end on the same
+character), which is not included, as OpenAI's and vLLM's APIs do.
+
+The strings are compiled once into an Aho-Corasick automaton (`StopStrings`, cached per set of
+strings) whose state is the longest tail of the text that begins some stop string: each
+character costs one transition whatever the number of strings, the state's depth is exactly
+what to hold back, and a state that ends a string is a stop.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from functools import lru_cache
 
-class StopChecker:
+
+class StopStrings:
+    """The automaton of one set of stop strings. Immutable once built; shared by requests."""
+
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
-        self.text = ""
-        self.emitted = 0
+        self.children: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        self.ends = [0]
+        """Length of the longest stop string ending at this state (0: none)."""
+        for stop in stops:
+            state = 0
+            for char in stop:
+                nxt = self.children[state].get(char)
+                if nxt is None:
+                    nxt = len(self.children)
+                    self.children[state][char] = nxt
+                    self.children.append({})
+                    self.depth.append(self.depth[state] + 1)
+                    self.ends.append(0)
+                state = nxt
+            self.ends[state] = len(stop)
+        self.fail = [0] * len(self.children)
+        self._link()
+
+    def _link(self) -> None:
+        """Failure links, breadth first: a state's link is the longest proper suffix of its
+        string that is also a state; `ends` inherits along them (a shorter stop inside)."""
+        queue = deque(self.children[0].values())
+        while queue:
+            state = queue.popleft()
+            self.ends[state] = self.ends[state] or self.ends[self.fail[state]]
+            for char, child in self.children[state].items():
+                link = self.fail[state]
+                while link and char not in self.children[link]:
+                    link = self.fail[link]
+                found = self.children[link].get(char, 0)
+                self.fail[child] = found if found != child else 0
+                queue.append(child)
+
+    def step(self, state: int, char: str) -> int:
+        while True:
+            nxt = self.children[state].get(char)
+            if nxt is not None:
+                return nxt
+            if state == 0:
+                return 0
+            state = self.fail[state]
+
+
+@lru_cache(maxsize=256)
+def compile_stops(stops: tuple[str, ...]) -> StopStrings:
+    """The automaton of `stops`, built once per distinct set (requests mostly repeat theirs)."""
+    return StopStrings(stops)
+
+
+class StopChecker:
+    """One sample's position in its request's stop strings."""
+
+    def __init__(self, stops: StopStrings | tuple[str, ...]) -> None:
+        self.strings = stops if isinstance(stops, StopStrings) else compile_stops(stops)
+        self.state = 0
+        self.pending = ""
+        """Text not emitted yet: exactly the tail the state stands for."""
         self.stopped = False
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add decoded text; returns (text now safe to emit, whether a stop string ended it)."""
         if self.stopped:
             return "", True
-        before = len(self.text)
-        self.text += delta
-        found = -1
-        for stop in self.stops:
-            at = self.text.find(stop, max(0, before - len(stop) + 1))
-            if at != -1 and (found == -1 or at < found):
-                found = at
-        if found != -1:
-            self.stopped = True
-            return self._emit(found), True
-        return self._emit(len(self.text) - self._held_back()), False
-
-    def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        text, longest = self.text, 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        if not self.strings.stops:
+            return delta, False
+        text = self.pending + delta
+        offset = len(self.pending)
+        strings, state = self.strings, self.state
+        for i, char in enumerate(delta):
+            state = strings.step(state, char)
+            if strings.ends[state]:
+                self.stopped, self.pending = True, ""
+                return text[: offset + i + 1 - strings.ends[state]], True
+        self.state = state
+        keep = len(text) - strings.depth[state]
+        self.pending = text[keep:]
+        return text[:keep], False
 
     def flush(self) -> str:
         """Everything not yet emitted (generation ended for another reason)."""
-        return "" if self.stopped else self._emit(len(self.text))
-
-    def _emit(self, upto: int) -> str:
-        if upto <= self.emitted:
-            return ""
-        out = self.text[self.emitted : upto]
-        self.emitted = upto
-        return out
+        out, self.pending = self.pending, ""
+        return "" if self.stopped else out

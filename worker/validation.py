@@ -1,17 +1,23 @@
-"""What makes a request servable, checked the same way wherever it is checked.
+"""What makes a request servable, checked the same way wherever it is checked. Imports no torch.
 
 The router checks a request before routing it (so a bad one costs no worker a thing) and the
-worker checks it again on arrival; both call these functions, so they cannot disagree. Every
-refusal is an `InvalidRequest` naming the field.
+worker checks it again on arrival; both call these functions with the same `RequestLimits`, so
+they cannot disagree. Every refusal is an `InvalidRequest` naming the field. Text is measured
+against `max_prompt_chars` before it is tokenised: a prompt too long to serve costs no
+tokeniser time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker.errors import InvalidRequest
 from worker.request import GenerateRequest
+from worker.sampling_params import MAX_N, StopLimits
+
+DEFAULT_MAX_PROMPT_CHARS = 1 << 20
 
 
 class PromptTokenizer(Protocol):
@@ -20,7 +26,20 @@ class PromptTokenizer(Protocol):
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
 
 
-def prompt_ids(request: GenerateRequest, tokenizer: PromptTokenizer | None) -> list[int]:
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the model and the operator allow one request."""
+
+    vocab_size: int
+    max_model_len: int
+    stop: StopLimits = field(default_factory=StopLimits)
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    """Characters of a text prompt, or of all a chat's message contents together."""
+
+
+def prompt_ids(
+    request: GenerateRequest, tokenizer: PromptTokenizer | None, limits: RequestLimits
+) -> list[int]:
     """The prompt's token ids, from ids as given, text (encoded) or chat (template, encoded)."""
     given = [
         name
@@ -36,8 +55,12 @@ def prompt_ids(request: GenerateRequest, tokenizer: PromptTokenizer | None) -> l
     if tokenizer is None:
         raise InvalidRequest(given[0], "this model has no tokenizer; send token ids")
     if request.prompt is not None:
+        _check_chars("prompt", len(request.prompt), limits)
         return tokenizer.encode(request.prompt)
     assert request.messages is not None
+    if not request.messages:
+        raise InvalidRequest("messages", "is empty; send at least one message")
+    chars = 0
     for i, message in enumerate(request.messages):
         if (
             not isinstance(message, dict)
@@ -45,6 +68,8 @@ def prompt_ids(request: GenerateRequest, tokenizer: PromptTokenizer | None) -> l
             or not message.get("role")
         ):
             raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
+        chars += len(message["content"])
+    _check_chars("messages", chars, limits)
     try:
         text = tokenizer.apply_chat_template(list(request.messages))
     except ValueError as err:  # no template, or the template refused the conversation
@@ -52,20 +77,51 @@ def prompt_ids(request: GenerateRequest, tokenizer: PromptTokenizer | None) -> l
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def validate(
-    request: GenerateRequest, prompt: Sequence[int], vocab_size: int, max_model_len: int
-) -> None:
-    """The prompt and the sampling parameters fit the model."""
+def _check_chars(name: str, chars: int, limits: RequestLimits) -> None:
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest(
+            name,
+            f"{chars} characters; the limit is {limits.max_prompt_chars} (max_prompt_chars)",
+        )
+
+
+def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLimits) -> None:
+    """The prompt and the sampling parameters fit the model. For a resumed sample the prompt
+    ends with tokens already generated: they count against max_tokens, not the prompt."""
     if not prompt:
         raise InvalidRequest("prompt", "is empty")
+    vocab_size = limits.vocab_size
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(
             "prompt_token_ids", f"token {bad} is outside the vocabulary [0, {vocab_size})"
         )
-    if len(prompt) >= max_model_len:
+    generated = _check_resume(request, len(prompt))
+    original = len(prompt) - generated
+    if original >= limits.max_model_len:
         raise InvalidRequest(
             "prompt",
-            f"{len(prompt)} tokens leave no room to generate in a context of {max_model_len}",
+            f"{original} tokens leave no room to generate in a context of {limits.max_model_len}",
         )
-    request.sampling.validate(vocab_size, max_model_len - len(prompt))
+    request.sampling.validate(vocab_size, limits.max_model_len - original, limits.stop)
+
+
+def _check_resume(request: GenerateRequest, prompt_len: int) -> int:
+    """How many of the prompt's tokens were generated before (0 unless resumed)."""
+    resume = request.resume
+    if resume is None:
+        return 0
+    if request.sampling.n != 1:
+        raise InvalidRequest("sampling.n", "a resumed sample is resumed alone: n must be 1")
+    if not 0 <= resume.sample_index < MAX_N:
+        raise InvalidRequest("resume.sample_index", f"must be in [0, {MAX_N})")
+    if not 0 <= resume.generated < prompt_len:
+        raise InvalidRequest(
+            "resume.generated", f"{resume.generated} of a {prompt_len}-token sequence"
+        )
+    if resume.generated >= request.sampling.max_tokens:
+        raise InvalidRequest(
+            "resume.generated",
+            f"{resume.generated} tokens already reach max_tokens {request.sampling.max_tokens}",
+        )
+    return resume.generated

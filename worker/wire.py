@@ -6,10 +6,10 @@ Absent optional fields take the engine's defaults; every conversion error names 
 from __future__ import annotations
 
 from cache import CacheNamespace
-from protos.radixmesh.v1 import serving_pb2
+from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.errors import InvalidRequest
-from worker.request import RequestOutput
-from worker.sampling import SamplingParams
+from worker.request import RequestOutput, Resume
+from worker.sampling_params import SamplingParams
 
 DEFAULTS = SamplingParams()
 _INT32 = 2**31 - 1
@@ -42,6 +42,16 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(int(t) for t in message.stop_token_ids),
         ignore_eos=bool(message.ignore_eos),
     )
+
+
+def resume_from_proto(message: worker_pb2.WorkerGenerateRequest) -> Resume | None:
+    if not message.HasField("resume"):
+        return None
+    return Resume(message.resume.sample_index, message.resume.generated)
+
+
+def resume_to_proto(resume: Resume) -> worker_pb2.Resume:
+    return worker_pb2.Resume(sample_index=resume.sample_index, generated=resume.generated)
 
 
 def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:

@@ -21,7 +21,7 @@ from cluster.worker_links import WorkerLinks
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2_grpc
 from worker.engine import Engine, EngineConfig
 from worker.event_loop import EventLoopThread
-from worker.grpc_server import GrpcServer, start_server
+from worker.grpc_server import INTERNAL_MESSAGE_BYTES, GrpcServer, ServerLimits, start_server
 from worker.loader import LoadedModel
 from worker.servicer import WorkerServicer
 
@@ -67,9 +67,10 @@ class LocalCluster:
         )
         engine = Engine(self.loaded.model, self.loaded.tokenizer, config, source=name)
         engine.start()
-        servicer = WorkerServicer(engine, name)
+        servicer = WorkerServicer(engine, name, self.loaded.path)
         register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
-        server = self.loop.run(start_server(register, "127.0.0.1", 0))
+        limits = ServerLimits(max_message_bytes=INTERNAL_MESSAGE_BYTES)
+        server = self.loop.run(start_server(register, "127.0.0.1", 0, limits))
         self.engines[name], self.workers[name] = engine, server
         self.loop.run(self.links.attach(name, f"127.0.0.1:{server.port}"))
 
@@ -114,7 +115,7 @@ def start_cluster(
     )
     loop = EventLoopThread("local-cluster")
     links = WorkerLinks(build_policy(config))
-    service = RouterService(links, loaded.tokenizer, config)
+    service = RouterService(links, config)
     server = loop.run(start_router_server(config, links, service))
     cluster = LocalCluster(loaded, config, loop, links, service, server)
     for index in range(workers):

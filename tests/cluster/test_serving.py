@@ -24,7 +24,7 @@ from tests.cluster.local_cluster import LocalCluster, start_cluster
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel, load_model
 from worker.request import GenerateRequest
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import build_tiny_checkpoint
 
 SYSTEM = "The cache remembers what the model has already read. "

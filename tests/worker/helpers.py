@@ -12,7 +12,7 @@ from worker.engine import Engine, EngineConfig
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest, RequestOutput
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG
 
 LLAMA = TINY_CONFIG

@@ -28,7 +28,7 @@ from worker.config import ModelConfig
 from worker.engine import Engine, EngineConfig
 from worker.model import CausalLM
 from worker.request import GenerateRequest
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import tiny_model
 
 STEPS = 10

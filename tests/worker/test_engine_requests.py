@@ -11,8 +11,8 @@ from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA, Recorder, drain, greedy
 from worker.engine import Engine, EngineConfig
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
-from worker.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest
-from worker.sampling import SamplingParams
+from worker.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest, Resume
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import tiny_model
 
 MODEL = tiny_model(LLAMA, seed=5)
@@ -64,7 +64,31 @@ BAD = [
         "stop_token_ids",
         "999",
     ),
-    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(stop=("",))), "stop", "non-empty"),
+    (GenerateRequest("x", ids(1, 2), sampling=SamplingParams(stop=("",))), "stop[0]", "non-empty"),
+    (
+        GenerateRequest("x", ids(1, 2), sampling=SamplingParams(stop=("a",) * 17)),
+        "stop",
+        "17 stop strings; at most 16",
+    ),
+    (
+        GenerateRequest("x", ids(1, 2), sampling=SamplingParams(stop=("ok", "x" * 257))),
+        "stop[1]",
+        "257 characters; a stop string has at most 256",
+    ),
+    (
+        GenerateRequest("x", ids(1, 2, 3), sampling=SamplingParams(n=2), resume=Resume(0, 1)),
+        "sampling.n",
+        "resumed alone",
+    ),
+    (GenerateRequest("x", ids(1, 2, 3), resume=Resume(0, 3)), "resume.generated", "3 of a 3"),
+    (
+        GenerateRequest(
+            "x", ids(1, 2, 3), sampling=SamplingParams(max_tokens=2), resume=Resume(0, 2)
+        ),
+        "resume.generated",
+        "reach max_tokens 2",
+    ),
+    (GenerateRequest("x", ids(1, 2, 3), resume=Resume(16, 1)), "resume.sample_index", "16"),
 ]
 
 

@@ -8,7 +8,7 @@ from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA, Recorder, drain
 from worker.engine import Engine, EngineConfig
 from worker.request import FINISH_ABORT, GenerateRequest
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import tiny_model
 
 

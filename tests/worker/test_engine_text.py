@@ -9,7 +9,7 @@ from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
 from worker.loader import LoadedModel, load_model
 from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import build_tiny_checkpoint
 
 

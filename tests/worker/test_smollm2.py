@@ -18,7 +18,7 @@ from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel, load_model
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import FINISH_STOP, GenerateRequest
-from worker.sampling import SamplingParams
+from worker.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,26 +10,60 @@ from worker.sampling import Sampler, SamplingParams, sample_seed
 from worker.stop import StopChecker
 
 
-@given(
-    pieces=st.lists(st.text(alphabet="ab\nU:s", max_size=4), max_size=30),
-    stops=st.lists(st.text(alphabet="ab\nU:s", min_size=1, max_size=5), max_size=3),
-)
-def test_streamed_text_is_the_text_cut_before_the_first_stop(
-    pieces: list[str], stops: list[str]
-) -> None:
-    checker = StopChecker(tuple(stops))
+def first_stop_cut(text: str, stops: list[str]) -> int | None:
+    """Where the text is cut: before the first stop string to complete, the longest of those
+    completing on that character (None: no stop string occurs)."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            return end - max(map(len, ending))
+    return None
+
+
+def stream(pieces: list[str], stops: tuple[str, ...]) -> tuple[str, bool]:
+    checker = StopChecker(stops)
     emitted, stopped = "", False
     for piece in pieces:
         out, stopped = checker.feed(piece)
         emitted += out
         if stopped:
-            break
-    if not stopped:
-        emitted += checker.flush()
+            return emitted, True
+    return emitted + checker.flush(), False
+
+
+@given(
+    pieces=st.lists(st.text(alphabet="ab\nU:s", max_size=4), max_size=30),
+    stops=st.lists(st.text(alphabet="ab\nU:s", min_size=1, max_size=5), max_size=4),
+)
+def test_streamed_text_is_the_text_cut_before_the_first_stop(
+    pieces: list[str], stops: list[str]
+) -> None:
+    emitted, stopped = stream(pieces, tuple(stops))
     full = "".join(pieces)
-    cuts = [full.find(s) for s in stops if s in full]
-    assert emitted == (full[: min(cuts)] if cuts else full)
-    assert stopped == bool(cuts)
+    cut = first_stop_cut(full, stops)
+    assert emitted == (full if cut is None else full[:cut])
+    assert stopped == (cut is not None)
+
+
+@given(
+    text=st.text(alphabet="ab\nU:s", max_size=40),
+    stops=st.lists(st.text(alphabet="ab\nU:s", min_size=1, max_size=5), max_size=4),
+    data=st.data(),
+)
+def test_how_the_text_is_cut_into_tokens_does_not_change_the_output(
+    text: str, stops: list[str], data: st.DataObject
+) -> None:
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert stream(pieces, tuple(stops)) == stream([text], tuple(stops))
+
+
+def test_among_thousands_of_stop_strings_the_one_that_occurs_stops_the_text() -> None:
+    stops = tuple(f"<stop{i}>" for i in range(4000))
+    text = "the quick brown fox <stop12 is not one, but <stop3999> is; <stop7> comes too late"
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    assert stream(pieces, stops) == ("the quick brown fox <stop12 is not one, but ", True)
+    assert first_stop_cut(text, list(stops)) == text.index("<stop3999>")
 
 
 def test_text_that_may_start_a_stop_string_is_held_back() -> None:
@@ -44,7 +78,7 @@ def test_text_that_may_start_a_stop_string_is_held_back() -> None:
 
 def _draws(params: SamplingParams, logits: torch.Tensor, count: int) -> set[int]:
     sampler = Sampler.create(params, 0)
-    return {sampler(logits) for _ in range(count)}
+    return {sampler(logits, position) for position in range(count)}
 
 
 def test_top_k_and_top_p_keep_only_the_head_of_the_distribution() -> None:

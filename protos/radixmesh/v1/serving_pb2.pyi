@@ -171,7 +171,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., healthy: _Optional[bool] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., preemptions: _Optional[int] = ..., total_pages: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes", "vocab_size", "max_model_len")
+    __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes", "vocab_size", "max_model_len", "requests_migrated")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RETRIED_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class GetStatsResponse(_message.Message):
     INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
     policy: str
     requests_routed: int
     requests_retried: int
@@ -192,4 +193,5 @@ class GetStatsResponse(_message.Message):
     index_bytes: int
     vocab_size: int
     max_model_len: int
-    def __init__(self, policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., requests_retried: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    requests_migrated: int
+    def __init__(self, policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., requests_retried: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., requests_migrated: _Optional[int] = ...) -> None: ...

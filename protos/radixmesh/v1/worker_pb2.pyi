@@ -8,18 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens")
+    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: _serving_pb2.Namespace
     sampling: _serving_pb2.SamplingParams
     predicted_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("sample_index", "generated")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    generated: int
+    def __init__(self, sample_index: _Optional[int] = ..., generated: _Optional[int] = ...) -> None: ...
 
 class StreamKvEventsRequest(_message.Message):
     __slots__ = ()
@@ -98,3 +108,20 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     max_running: int
     def __init__(self, worker: _Optional[str] = ..., identity_version: _Optional[int] = ..., block_size: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("files",)
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, str]
+    def __init__(self, files: _Optional[_Mapping[str, str]] = ...) -> None: ...

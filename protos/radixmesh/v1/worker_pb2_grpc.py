@@ -75,6 +75,11 @@ class WorkerStub:
                 request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.SerializeToString,
                 response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/radixmesh.v1.Worker/GetTokenizer',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -134,6 +139,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The checkpoint's tokenizer files (empty when the model has none): a router, started or
+        restarted anywhere, tokenises with the workers' own tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +189,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ClearCache,
                     request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.FromString,
                     response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.TokenizerFiles.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +412,33 @@ class Worker:
             '/radixmesh.v1.Worker/ClearCache',
             protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.SerializeToString,
             protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Worker/GetTokenizer',
+            protos_dot_radixmesh_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_worker__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,

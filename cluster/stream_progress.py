@@ -1,0 +1,91 @@
+"""What the router remembers of a stream it forwards, so that another worker can continue it.
+
+Request migration: when the worker streaming a request dies, the router sends what is left of
+the request to another worker, and the client sees one uninterrupted stream.
+
+    before any token:  the request as the client sent it (a plain retry)
+    after some tokens: one call per unfinished sample i, n = 1, resuming it:
+        token_ids = prompt + the tokens of sample i the client already has
+        resume    = (sample_index i, generated = how many those are)
+
+The new worker replays those tokens through its decoder and stop strings, counts them against
+max_tokens, and draws the next one with the randomness of sample i at that position
+(worker/sampling.py), so greedy and seeded streams continue exactly as the uninterrupted ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.requests import PreparedRequest
+from protos.radixmesh.v1 import serving_pb2, worker_pb2
+from worker.request import Resume
+from worker.wire import namespace_to_proto, resume_to_proto, sampling_to_proto
+
+
+@dataclass
+class SampleProgress:
+    token_ids: list[int] = field(default_factory=list)
+    """Tokens the client has received."""
+    finished: bool = False
+
+
+@dataclass
+class StreamProgress:
+    prepared: PreparedRequest
+    samples: list[SampleProgress] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = [SampleProgress() for _ in range(self.prepared.sampling.n)]
+
+    @property
+    def started(self) -> bool:
+        """Whether the client has received anything: a failure now is a migration."""
+        return any(s.token_ids or s.finished for s in self.samples)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def record(self, response: serving_pb2.GenerateResponse) -> None:
+        """A message on its way to the client."""
+        sample = self.samples[response.index]
+        sample.token_ids.extend(response.token_ids)
+        sample.finished = sample.finished or response.finished
+
+    def worker_requests(
+        self, predicted_cached_tokens: int
+    ) -> list[worker_pb2.WorkerGenerateRequest]:
+        """The calls that serve what is left: the whole request, or one per unfinished sample."""
+        p = self.prepared
+        namespace = namespace_to_proto(p.namespace)
+        if not self.started:
+            return [
+                worker_pb2.WorkerGenerateRequest(
+                    request_id=p.request_id,
+                    token_ids=p.token_ids,
+                    namespace=namespace,
+                    sampling=sampling_to_proto(p.sampling),
+                    predicted_cached_tokens=predicted_cached_tokens,
+                )
+            ]
+        alone = sampling_to_proto(p.sampling)
+        alone.n = 1
+        return [
+            worker_pb2.WorkerGenerateRequest(
+                request_id=self.worker_request_id(index),
+                token_ids=[*p.token_ids, *sample.token_ids],
+                namespace=namespace,
+                sampling=alone,
+                predicted_cached_tokens=predicted_cached_tokens,
+                resume=resume_to_proto(Resume(index, len(sample.token_ids))),
+            )
+            for index, sample in enumerate(self.samples)
+            if not sample.finished
+        ]
+
+    def worker_request_id(self, index: int) -> str:
+        """The id sample `index` runs under on a worker once resumed alone (n > 1 needs one
+        per sample; a public id never contains '#')."""
+        n = len(self.samples)
+        return self.prepared.request_id if n == 1 else f"{self.prepared.request_id}#{index}"

@@ -1,0 +1,136 @@
+"""A sample resumed from the tokens its client already has finishes exactly as if never cut.
+
+What the router does when a worker dies mid-stream (cluster/stream_progress.py), here on one
+engine: run a request whole, then for cuts along its stream submit the prompt plus the first k
+generated tokens with `Resume(sample, k)`. What the client would see, the first k messages of
+the whole run followed by the resumed stream, must equal the whole run: tokens, text (stop
+strings held back across the cut included), finish reason, and the draws of seeded sampling.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cache.integrity import check_sequence_cache
+from tests.worker.helpers import Recorder, drain
+from worker.engine import Engine, EngineConfig
+from worker.loader import LoadedModel, load_model
+from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestOutput, Resume
+from worker.sampling_params import SamplingParams
+from worker.tiny_model import build_tiny_checkpoint
+
+PROMPT = "The router moves a stream to another worker"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+def engine_for(loaded: LoadedModel) -> Engine:
+    config = EngineConfig(num_pages=256, page_size=4, model_revision=loaded.revision)
+    return Engine(loaded.model, loaded.tokenizer, config)
+
+
+def run(engine: Engine, request: GenerateRequest) -> list[RequestOutput]:
+    recorder = Recorder()
+    engine.submit(request, recorder.outputs.append)
+    drain(engine)
+    check_sequence_cache(engine.cache)
+    return recorder.outputs
+
+
+def of_sample(outputs: list[RequestOutput], index: int) -> list[RequestOutput]:
+    return [o for o in outputs if o.index == index]
+
+
+def seen(outputs: list[RequestOutput]) -> tuple[list[int], str, str | None]:
+    """What a client has from these messages: tokens, text, finish reason."""
+    tokens = [t for o in outputs for t in o.token_ids]
+    return tokens, "".join(o.text for o in outputs), outputs[-1].finish_reason
+
+
+def resumed(
+    loaded: LoadedModel,
+    whole: list[RequestOutput],
+    cut: int,
+    sampling: SamplingParams,
+    index: int = 0,
+) -> list[RequestOutput]:
+    """The client's view when sample `index` of `whole` is cut after `cut` messages and
+    resumed on a fresh engine (nothing cached: a worker that never saw the request)."""
+    assert loaded.tokenizer is not None
+    prompt = loaded.tokenizer.encode(PROMPT)
+    before = of_sample(whole, index)[:cut]
+    tokens = [t for o in before for t in o.token_ids]
+    request = GenerateRequest(
+        "resumed",
+        prompt_token_ids=(*prompt, *tokens),
+        sampling=sampling,
+        resume=Resume(index, len(tokens)),
+    )
+    after = run(engine_for(loaded), request)
+    assert {o.index for o in after} == {index}
+    assert all(o.prompt_tokens == len(prompt) for o in after)
+    return before + after
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_resumed_sample_continues_exactly(tiny: LoadedModel, temperature: float) -> None:
+    sampling = SamplingParams(max_tokens=24, temperature=temperature, seed=11, ignore_eos=True)
+    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    expected = seen(whole)
+    assert len(expected[0]) == 24 and expected[2] == FINISH_LENGTH
+    for cut in (1, 2, 7, 16, 23):
+        assert seen(resumed(tiny, whole, cut, sampling)) == expected, f"cut after {cut}"
+
+
+def test_a_resumed_sample_of_several_draws_as_that_sample(tiny: LoadedModel) -> None:
+    sampling = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    streams = [seen(of_sample(whole, i)) for i in range(3)]
+    assert len({tuple(tokens) for tokens, _, _ in streams}) == 3, "samples should differ"
+    alone = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=1, ignore_eos=True)
+    for index in (1, 2):
+        for cut in (0, 9):
+            got = seen(resumed(tiny, whole, cut, alone, index))
+            assert got == streams[index], f"sample {index} cut after {cut}"
+
+
+def test_a_stop_string_across_the_cut_is_still_found(tiny: LoadedModel) -> None:
+    """Cut while the first characters of the stop string are held back: the resumed worker
+    holds them too and stops where the whole run stopped, never sending them."""
+    assert tiny.tokenizer is not None
+    free = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    text = seen(run(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free)))[1]
+    stop = text[len(text) // 2 : len(text) // 2 + 6]
+    assert len(stop.strip()) > 2, f"pick a visible stop string from {text!r}"
+    sampling = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, stop=(stop,))
+    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    expected = seen(whole)
+    assert expected[1] == text[: text.index(stop)] and expected[2] == FINISH_STOP
+    held = [k for k, o in enumerate(whole, 1) if o.token_ids and not o.text and not o.finished]
+    assert held, "some message should have held text back"
+    for cut in {*held, len(whole) - 1}:
+        assert seen(resumed(tiny, whole, cut, sampling)) == expected, f"cut after {cut}"
+
+
+def test_a_resumed_sample_whose_stop_string_is_complete_ends_at_once(tiny: LoadedModel) -> None:
+    """The router resumes only unfinished samples; a worker given a finished one sends nothing
+    more than the end, instead of generating past its stop string."""
+    assert tiny.tokenizer is not None
+    free = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    free_run = run(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free))
+    tokens, text, _ = seen(free_run)
+    stop = text[-4:]
+    assert stop.strip(), f"pick a visible stop string from {text!r}"
+    stopping = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,))
+    prompt = tiny.tokenizer.encode(PROMPT)
+    request = GenerateRequest(
+        "done",
+        prompt_token_ids=(*prompt, *tokens),
+        sampling=stopping,
+        resume=Resume(0, len(tokens)),
+    )
+    (only,) = run(engine_for(tiny), request)
+    assert (only.token_ids, only.text, only.finish_reason) == ((), "", FINISH_STOP)

@@ -1,0 +1,84 @@
+"""What a request asks of the sampler, and the checks on it. Imports no torch.
+
+The router validates requests with these before routing them and the worker validates again on
+arrival (worker/validation.py), so the router process stays free of torch; the worker's sampler
+(worker/sampling.py) is built from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.errors import InvalidRequest
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StopLimits:
+    """Bounds on a request's stop strings: what one request may make every token check
+    (the check itself costs the same for any number of strings: worker/stop.py)."""
+
+    max_strings: int = MAX_STOP_STRINGS
+    max_chars: int = MAX_STOP_CHARS
+    """Characters of each string."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    """0 disables (all tokens)."""
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    """Strings that end generation; they are not included in the output text."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(
+        self, vocab_size: int, max_new_tokens: int, stop_limits: StopLimits = StopLimits()
+    ) -> None:
+        """Raise `InvalidRequest` naming the first field out of range."""
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= max_new_tokens:
+            raise InvalidRequest(
+                "max_tokens", f"must be in [1, {max_new_tokens}], got {self.max_tokens}"
+            )
+        if not self.temperature >= 0:  # also refuses NaN
+            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequest("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidRequest("seed", f"must be a non-negative int, got {self.seed}")
+        if self.n > 1 and self.temperature == 0:
+            raise InvalidRequest("n", "n > 1 needs temperature > 0 (greedy samples are identical)")
+        for token in self.stop_token_ids:
+            if not 0 <= token < vocab_size:
+                raise InvalidRequest("stop_token_ids", f"{token} is outside [0, {vocab_size})")
+        self._validate_stop(stop_limits)
+
+    def _validate_stop(self, limits: StopLimits) -> None:
+        if len(self.stop) > limits.max_strings:
+            raise InvalidRequest(
+                "stop", f"{len(self.stop)} stop strings; at most {limits.max_strings} are allowed"
+            )
+        for i, stop in enumerate(self.stop):
+            if not stop:
+                raise InvalidRequest(f"stop[{i}]", "stop strings must be non-empty")
+            if len(stop) > limits.max_chars:
+                raise InvalidRequest(
+                    f"stop[{i}]",
+                    f"{len(stop)} characters; a stop string has at most {limits.max_chars}",
+                )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
