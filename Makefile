@@ -12,10 +12,14 @@ PYTEST_ARGS ?=
 .PHONY: serve test lint typecheck unit bench-cache protos clean
 
 # Serve the default cluster (SmolLM2-135M-Instruct on 2 CPU workers, 127.0.0.1:50051) until
-# Ctrl-C; CONFIG=path/to/radixmesh.yaml serves another configuration.
+# Ctrl-C; CONFIG=path/to/radixmesh.yaml serves another configuration. The embedded Ray cluster's
+# token is a file in the venv made on first use (Ray alone would write ~/.ray/auth_token); the
+# README's Ray-job recipe uses the same file.
 CONFIG ?=
+RAY_TOKEN := $(abspath $(VENV))/ray-auth-token
 serve: $(STAMP)
-	$(VENV)/bin/radixmesh serve $(if $(CONFIG),--config $(CONFIG))
+	$(VENV)/bin/radixmesh ray-token "$(RAY_TOKEN)" >/dev/null
+	RAY_AUTH_TOKEN_PATH="$(RAY_TOKEN)" $(VENV)/bin/radixmesh serve $(if $(CONFIG),--config $(CONFIG))
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,8 +46,11 @@ $(HELM): helm/install_helm.py | $(STAMP)
 	$(PY) helm/install_helm.py $(VENV)/bin
 	touch $(HELM)
 
+# pytest runs with HOME set to a new empty directory, removed afterwards (pytest's exit status
+# stands): no test may pass on credentials or caches an earlier run left in the real home
+# (~/.ray/auth_token, ~/.cache/radixmesh). Tests make their own (cluster/ray_token.py).
 unit: $(STAMP) $(HELM)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	home=$$(mktemp -d) && trap 'rm -rf "$$home"' EXIT && HOME=$$home $(PY) -m pytest $(PYTEST_ARGS)
 
 # The generated gRPC modules are committed; regenerate them after editing a .proto.
 protos: $(STAMP)

@@ -15,8 +15,10 @@ order inside cluster/ can undo it:
 import os
 from pathlib import Path
 
+from cluster.ray_token import MODE_ENV, PATH_ENV, TOKEN_ENV, default_token_path
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-if os.environ.get("RAY_ADDRESS") and "RAY_AUTH_MODE" not in os.environ:
-    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
-    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
-        os.environ["RAY_AUTH_MODE"] = "token"
+if os.environ.get("RAY_ADDRESS") and MODE_ENV not in os.environ:
+    token_file = Path(os.environ.get(PATH_ENV, default_token_path()))
+    if os.environ.get(TOKEN_ENV) or token_file.is_file():
+        os.environ[MODE_ENV] = "token"

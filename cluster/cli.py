@@ -4,6 +4,7 @@ radixmesh serve [--config FILE]          run the cluster until SIGTERM / Ctrl-C
 radixmesh generate "text" [...]          stream one completion to the terminal
 radixmesh chat [...]                     an interactive conversation (each turn hits the cache)
 radixmesh stats [...]                    per-worker counters and page usage
+radixmesh ray-token FILE                 a Ray token file for `ray start` and its clients
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import sys
 import time
 from importlib.metadata import version
+from pathlib import Path
 
 import grpc
 from rich.console import Console
@@ -23,6 +25,7 @@ from cluster.client_auth import add_token_argument
 from cluster.client_tls import TlsOptionsError, add_tls_arguments, tls_from_args
 from cluster.loadtest.cli import add_arguments as add_loadtest_arguments
 from cluster.loadtest.cli import main as loadtest_main
+from cluster.ray_token import create_token_file
 
 console = Console(stderr=True)
 
@@ -52,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--seed", type=int, default=None)
             sub.add_argument("--tenant", default="")
             sub.add_argument("--system", default=None, help="a system message")
+    token = commands.add_parser(
+        "ray-token", help="create a Ray token file (owner-only, random) unless one is there"
+    )
+    token.add_argument("file", help="e.g. the RAY_AUTH_TOKEN_PATH given to `ray start`")
     loadtest_parser = commands.add_parser("loadtest", help="drive a cluster with a workload")
     add_loadtest_arguments(loadtest_parser)
     commands.choices["generate"].add_argument("text")
@@ -146,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(args.config)
     if args.command == "loadtest":
         return loadtest_main(args)
+    if args.command == "ray-token":
+        print(create_token_file(Path(args.file)))  # the path; never the token
+        return 0
     try:
         client = Client(args.target, args.token, tls_from_args(args))
     except TlsOptionsError as err:

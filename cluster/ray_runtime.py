@@ -1,9 +1,9 @@
 """Joining Ray: the cluster at RAY_ADDRESS (e.g. inside `ray job submit`), or an embedded one.
 
 The embedded cluster binds 127.0.0.1 only (cluster/__init__.py sets the environment Ray needs
-for that before any module of ours imports ray). Ray's token authentication is left as Ray
-sets it (on by default for local clusters since Ray 2.59); tests may turn it off with
-RAY_AUTH_MODE.
+for that before any module of ours imports ray). Ray turns token authentication on for it; its
+token is the one the user configured or, when none is, a fresh one of this process
+(cluster/ray_token.py), never one Ray would write to ~/.ray/auth_token.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import logging
 import os
 
 import ray
+
+from cluster.ray_token import embedded_cluster_token
 
 NAMESPACE = "radixmesh"
 """Ray namespace of the cluster's named actors (radixmesh-router, radixmesh-worker-N)."""
@@ -25,6 +27,7 @@ def connect(num_cpus: int | None = None) -> bool:
     if address:
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
         return False
+    embedded_cluster_token()
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,

@@ -3,10 +3,14 @@
 `radixmesh serve` runs as its own process against the cluster (RAY_ADDRESS), and again through
 `ray job submit`. The test process joins the same cluster to find the named actors and kill
 them: a killed worker restarts and rejoins the router; a killed router restarts on its port.
+
+The cluster's Ray token is a file made here, handed to every process through RAY_AUTH_TOKEN_PATH
+(nothing is read from, or written to, ~/.ray); a process with another token is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -24,6 +28,7 @@ import yaml
 
 from cluster.client import Client, text_request
 from cluster.ray_runtime import NAMESPACE
+from cluster.ray_token import MODE_ENV, PATH_ENV, TOKEN_ENV, create_token_file, token_environment
 from worker.tiny_model import build_tiny_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -38,48 +43,87 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def environment(**extra: str) -> dict[str, str]:
-    """Loopback only, token authentication on (as `ray start` sets it), our venv first."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+def environment(token: str | Path, **extra: str) -> dict[str, str]:
+    """Loopback only, token authentication on with the cluster's token file, our venv first."""
+    env = {k: v for k, v in os.environ.items() if k not in (MODE_ENV, PATH_ENV, TOKEN_ENV)}
+    env.update(token_environment(Path(token)), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
     env.pop("RAY_ADDRESS", None)
     env.update(extra)
     return env
 
 
-def ray_call(head: dict[str, str], code: str) -> str:
-    """Run `code` in a fresh process joined to the cluster (ray reads its auth mode at import);
-    `actor(name)` is the named actor; whatever the code prints comes back."""
+def ray_process(
+    head: dict[str, str], code: str, token: str | Path
+) -> subprocess.CompletedProcess[str]:
+    """`code` run in a fresh process that joins the cluster with `token` (ray reads its auth mode
+    at import); `actor(name)` is the named actor."""
     prelude = (
         "import ray\n"
         f"ray.init(address={head['address']!r}, namespace={NAMESPACE!r}, logging_level='ERROR')\n"
         "actor = lambda name: ray.get_actor(name)\n"
     )
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", prelude + code],
-        env=environment(), capture_output=True, text=True, timeout=120, check=True,
+        env=environment(token), capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
+
+
+def ray_call(head: dict[str, str], code: str) -> str:
+    """Run `code` joined to the cluster with its token; whatever the code prints comes back."""
+    out = ray_process(head, code, head["token"])
+    assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip()
 
 
+def session_processes(session: int) -> list[int]:
+    """The processes of the session `session` leads: a `ray start --block` and all it started."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry.name)) == session:
+                    pids.append(int(entry.name))
+    return pids
+
+
 @pytest.fixture(scope="module")
-def head() -> Iterator[dict[str, str]]:
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A `ray start --head` cluster on 127.0.0.1 with a token file made here. `--block`, in a
+    session of its own, so that the teardown stops this cluster only: `ray stop` would stop every
+    Ray cluster of this user on the machine."""
+    base = tmp_path_factory.mktemp("ray-head")
     gcs, dashboard = free_port(), free_port()
-    env = environment()
-    subprocess.run(
-        [
-            BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=6",
-            "--disable-usage-stats",
-        ],
-        env=env, check=True, timeout=180, capture_output=True,
-    )  # fmt: skip
+    token = create_token_file(base / "token")
+    log = base / "ray-start.log"
+    with log.open("w") as out:
+        start = subprocess.Popen(
+            [
+                BIN / "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                "--num-cpus=6", "--disable-usage-stats",
+            ],
+            env=environment(token), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
     try:
-        yield {"address": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dashboard}"}
+        deadline = time.monotonic() + 180
+        while "block forever" not in log.read_text():  # printed once the cluster is up
+            assert start.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield {
+            "address": f"127.0.0.1:{gcs}",
+            "dashboard": f"http://127.0.0.1:{dashboard}",
+            "token": str(token),
+        }
     finally:
-        subprocess.run(
-            [BIN / "ray", "stop", "--force"], env=env, timeout=120, capture_output=True, check=False
-        )
+        start.terminate()  # `ray start --block` stops its processes on SIGTERM
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            start.wait(timeout=60)
+        for pid in session_processes(start.pid):  # whatever outlived it, by id
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        start.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +172,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
 
 
 def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_file: Path) -> None:
-    env = environment(RAY_ADDRESS=head["address"])
+    env = environment(head["token"], RAY_ADDRESS=head["address"])
     serve = subprocess.Popen(
         [BIN / "radixmesh", "serve", "--config", str(config_file)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -208,7 +252,7 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
 
 
 def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file: Path) -> None:
-    env = environment()
+    env = environment(head["token"])
     job = f"radixmesh-test-{os.getpid()}"
     submit = [
         BIN / "ray", "job", "submit", "--address", head["dashboard"], "--submission-id", job,
@@ -231,3 +275,30 @@ def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file:
         env=env, timeout=60, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert "stopped" in status.stdout.lower() or "succeeded" in status.stdout.lower(), status.stdout
+
+
+def test_the_cluster_refuses_a_process_without_its_token(
+    head: dict[str, str], tmp_path: Path
+) -> None:
+    """Token authentication is on for the cluster itself, not only asked for by our clients."""
+    other = create_token_file(tmp_path / "other-token")
+    assert other.read_text() != Path(head["token"]).read_text()
+    jobs = [str(BIN / "ray"), "job", "list", "--address", head["dashboard"]]
+    refused = subprocess.run(
+        jobs, env=environment(other), capture_output=True, text=True, timeout=120, check=False
+    )
+    assert refused.returncode != 0 and "token is invalid" in refused.stdout + refused.stderr
+    allowed = subprocess.run(
+        jobs,
+        env=environment(head["token"]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+
+    driver = ray_process(head, "print('joined')", other)
+    assert driver.returncode != 0 and "joined" not in driver.stdout
+    assert "Unauthenticated" in driver.stderr, driver.stderr[-3000:]
+    assert ray_call(head, "print('joined')") == "joined"
