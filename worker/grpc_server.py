@@ -3,6 +3,8 @@
 Standard health checking (`grpc.health.v1.Health`, the overall service "" and each named
 service), server reflection, message-size and concurrent-stream limits, optional TLS (with an
 optional client CA for mutual TLS), and any interceptors (the router's bearer-token check).
+Requests that do not decode get INVALID_ARGUMENT (worker/wire_errors.py), after those
+interceptors have let the caller in.
 Binds the given host only; port 0 picks a free port, returned by `start`.
 """
 
@@ -15,6 +17,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from worker.wire_errors import WireErrorInterceptor
 
 MiB = 1 << 20
 INTERNAL_MESSAGE_BYTES = 64 * MiB
@@ -81,7 +85,9 @@ async def start_server(
         ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    # grpc runs interceptors first to last, each around the next: the wire check goes last, so
+    # a caller the others refuse (no bearer token) is refused whatever bytes it sent
+    server = grpc.aio.server(options=options, interceptors=[*interceptors, WireErrorInterceptor()])
     names = []
     for add, servicer, name in register:
         add(servicer, server)
