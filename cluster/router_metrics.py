@@ -18,7 +18,14 @@ class RouterCollector(Collector):
         c = self.service.counters
         counters = {
             "radixmesh_router_routing_decisions": ("Routing decisions made", c.routed),
-            "radixmesh_router_retries": ("Requests retried on another worker", c.retried),
+            "radixmesh_router_retries": (
+                "Requests sent to another worker after theirs failed before the first token",
+                c.retried,
+            ),
+            "radixmesh_router_migrations": (
+                "Requests resumed on another worker after theirs failed mid-stream",
+                c.migrated,
+            ),
             "radixmesh_router_predicted_cached_tokens": (
                 "Prompt tokens the policy expected workers to serve from cache",
                 c.predicted_cached_tokens,

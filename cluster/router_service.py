@@ -35,7 +35,7 @@ from cluster.requests import PreparedRequest, TenantRefused, prepare
 from cluster.stream_merge import merge_streams
 from cluster.stream_progress import StreamProgress
 from cluster.stream_timing import StreamTiming
-from cluster.worker_links import WorkerLink, WorkerLinks
+from cluster.worker_links import ChannelClosed, WorkerLink, WorkerLinks, responses
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
 from worker.errors import InvalidRequest
@@ -147,9 +147,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             prepared.request_id, prepared.namespace, hashes, len(prepared.token_ids)
         )
         progress = StreamProgress(prepared)
+        failure = ""
         for attempt in range(self.config.max_retries + 1):
             if not self.links.links:
-                await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy worker")
+                left = f"{failure}; no healthy worker is left" if failure else "no healthy worker"
+                await self._abort(context, grpc.StatusCode.UNAVAILABLE, left)
             began = time.perf_counter()
             decision = self.links.policy.route(route)
             self.counters.decision_seconds += time.perf_counter() - began
@@ -163,8 +165,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 async for response in self._forward(link, calls, requests, progress):
                     yield response
                 return
-            except grpc.aio.AioRpcError as err:
-                await self._worker_failed(link, err, progress, attempt, context)
+            except (grpc.aio.AioRpcError, ChannelClosed) as err:
+                failure = await self._worker_failed(link, err, progress, attempt, context)
             finally:
                 for call in calls:  # a no-op on a stream that ended; frees the worker's pages
                     call.cancel()
@@ -183,7 +185,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         dispatches = [self.timing.dispatched(link.name, len(r.token_ids)) for r in requests]
         answered = False
         try:
-            async for which, response in merge_streams(calls):
+            async for which, response in merge_streams([responses(call) for call in calls]):
                 self.timing.responded(
                     dispatches[which],
                     response.index,
@@ -207,32 +209,38 @@ class RouterService(serving_pb2_grpc.ServingServicer):
     async def _worker_failed(
         self,
         link: WorkerLink,
-        err: grpc.aio.AioRpcError,
+        err: grpc.aio.AioRpcError | ChannelClosed,
         progress: StreamProgress,
         attempt: int,
         context: grpc.aio.ServicerContext,
-    ) -> None:
-        """Detach a failed worker and count the next attempt, or end the call: the worker
-        refused the request for a reason of its own, or no attempt is left."""
+    ) -> str:
+        """Detach a failed worker and count the next attempt (returns what failed), or end the
+        call: the worker refused the request for a reason of its own, or no attempt is left."""
         attached = self.links.links.get(link.name) is link
-        if err.code() not in WORKER_FAILURES and attached:  # detached: its channel was closed
-            await self._abort(context, err.code(), err.details() or str(err.code()))
+        if isinstance(err, grpc.aio.AioRpcError):
+            code, details = err.code(), err.details() or str(err.code())
+            if code not in WORKER_FAILURES and attached:  # detached: its channel was closed
+                await self._abort(context, code, details)
+        else:
+            details = str(err)
         request_id = progress.prepared.request_id
-        log.warning("worker %s failed on %s: %s", link.name, request_id, err.code())
+        log.warning("worker %s failed on %s: %s", link.name, request_id, details)
         if attached:
             await self.links.detach(link.name)
         when = "mid-stream" if progress.started else "before the first token"
+        failure = f"worker {link.name} failed {when} ({details})"
         if attempt == self.config.max_retries:
             await self._abort(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
-                f"worker {link.name} failed {when} ({err.details()}) and "
-                f"{self.config.max_retries} other worker(s) were tried (router.max_retries)",
+                f"{failure} and {self.config.max_retries} other worker(s) were tried "
+                "(router.max_retries)",
             )
         if progress.started:
             self.counters.migrated += 1
         else:
             self.counters.retried += 1
+        return failure
 
     async def _abort(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
@@ -42,6 +43,7 @@ CHANNEL_OPTIONS = (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class IdentityRefused(ValueError):
@@ -50,6 +52,26 @@ class IdentityRefused(ValueError):
 
 class TokenizerUnavailable(ValueError):
     """A worker's tokenizer files could not be read into a tokenizer."""
+
+
+class ChannelClosed(Exception):
+    """A call was cut because its worker's channel was closed here (the worker was detached,
+    by another call's failure or its KV feed): a failure of that worker, like UNAVAILABLE."""
+
+
+async def responses(call: AsyncIterable[T]) -> AsyncIterator[T]:
+    """A server stream's messages. grpc.aio raises CancelledError from a call cancelled on this
+    side, as closing its channel does: unless the task reading it is the one being cancelled
+    (its own client went away), that is `ChannelClosed`, never an escaped cancellation, which
+    would end the reader's own RPC without a status and leave its client waiting."""
+    try:
+        async for message in call:
+            yield message
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise ChannelClosed("the worker's channel was closed during the call") from None
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 End to end with concurrency and shared prefixes, equivalence with the in-process engine, every
 bad input of DESIGN section 9 (right status, the field named, server healthy, no page leaked),
-cancellation, deadlines, a worker dying mid-load, overload, and Abort from another connection.
+cancellation, deadlines, a worker dying mid-load (its streams migrate: test_migration.py),
+overload, and Abort from another connection.
 """
 
 from __future__ import annotations
@@ -181,7 +182,9 @@ def test_abort_from_another_connection_ends_the_stream(cluster: LocalCluster) ->
     assert_no_leak(cluster)
 
 
-def test_a_worker_dying_mid_load_loses_no_request_silently(tiny: LoadedModel) -> None:
+def test_a_worker_dying_mid_load_loses_no_request(tiny: LoadedModel) -> None:
+    """Every stream completes: those on the dead worker move to the others (test_migration.py
+    checks they continue exactly)."""
     cluster = start_cluster(tiny, workers=3)
     try:
         client = Client(cluster.target)
@@ -204,7 +207,7 @@ def test_a_worker_dying_mid_load_loses_no_request_silently(tiny: LoadedModel) ->
             thread.join(timeout=90)
         assert not any(thread.is_alive() for thread in threads), "a request hung"
         assert set(results) == set(range(9))
-        assert set(results.values()) <= {"length", grpc.StatusCode.UNAVAILABLE}
+        assert set(results.values()) == {"length"}, results
         assert victim not in cluster.links.links
         after = collect(client, text_request("served by the others", max_tokens=5))[-1]
         assert after.finished and after.worker != victim

@@ -1,4 +1,5 @@
-"""The router's KV-event feed against a worker that sends what the router cannot read."""
+"""The router's links against a worker that sends what the router cannot read: an event of an
+unknown kind, a tokenizer that does not parse."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 
 from cache import IDENTITY_SCHEME_VERSION
 from cluster.config import ClusterConfig
 from cluster.policies import build_policy
-from cluster.worker_links import WorkerLinks
+from cluster.worker_links import TokenizerUnavailable, WorkerLinks
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from worker.event_loop import EventLoopThread
 from worker.grpc_server import start_server
@@ -32,6 +34,11 @@ class OddWorker(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KvSnapshot:
         return worker_pb2.KvSnapshot(seq=0)
+
+    async def GetTokenizer(
+        self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TokenizerFiles:
+        return worker_pb2.TokenizerFiles()  # a model without a tokenizer: token ids only
 
     async def StreamKvEvents(
         self, request: worker_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext
@@ -55,6 +62,29 @@ def test_an_unreadable_event_detaches_the_worker() -> None:
             time.sleep(0.05)
         assert links.healthy == [], "still routed on an index its feed stopped updating"
         loop.run(links.close())
+        loop.run(server.stop(0))
+    finally:
+        loop.stop()
+
+
+class BrokenTokenizerWorker(OddWorker):
+    async def GetTokenizer(
+        self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TokenizerFiles:
+        return worker_pb2.TokenizerFiles(files={"tokenizer.json": "{not json"})
+
+
+def test_a_worker_whose_tokenizer_does_not_parse_is_refused_by_name() -> None:
+    loop = EventLoopThread("worker-links-test")
+    try:
+        register = [
+            (worker_pb2_grpc.add_WorkerServicer_to_server, BrokenTokenizerWorker(), "broken")
+        ]
+        server = loop.run(start_server(register, "127.0.0.1", 0))
+        links = WorkerLinks(build_policy(ClusterConfig()))
+        with pytest.raises(TokenizerUnavailable, match="worker broken's tokenizer"):
+            loop.run(links.attach("broken", f"127.0.0.1:{server.port}"))
+        assert links.healthy == [] and links.tokenizer is None
         loop.run(server.stop(0))
     finally:
         loop.stop()
