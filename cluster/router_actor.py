@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ class RouterActor:
         return f"{self.config.router.host}:{self.server.port}"
 
     def describe(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint(), "metrics_port": self.metrics_port}
+        return {"endpoint": self.endpoint(), "metrics_port": self.metrics_port, "pid": os.getpid()}
 
     def healthy_workers(self) -> list[str]:
         return self.links.healthy

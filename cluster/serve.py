@@ -7,7 +7,9 @@ SIGTERM / Ctrl-C, drain, exit 0.
     router:  the public gRPC endpoint (config `router.host:port`, default 127.0.0.1:50051)
 
 Both are restartable Ray actors: a dead worker is restarted and rejoins the router; a dead
-router is restarted on the same port.
+router is restarted on the same port. A router Ray cannot bring back (restarts used up, a
+constructor that fails) ends serving: one line says so, the workers are drained, exit 1. The
+same when a stop signal finds the router dead: the workers are still drained.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from dataclasses import asdict
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 from rich.markup import escape
 
 from cluster.config import ClusterConfig, ConfigError
 from cluster.ray_runtime import connect, gpu_count
 from cluster.router_actor import RouterActor
+from cluster.router_watch import RouterWatch, first_line
 from worker.actor import WorkerActor
 
 console = Console(stderr=True)
@@ -86,6 +90,7 @@ def place_router(config: ClusterConfig, workers: dict[str, Any]) -> Any:
 
 
 def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
+    """0 after a drain on SIGTERM / Ctrl-C (or `stop`); 1 when the router died for good."""
     stop = stop or threading.Event()
     started = connect()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
@@ -100,22 +105,46 @@ def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
             router = place_router(config, workers)
             endpoint = ray.get(router.endpoint.remote())
         print(f"radixmesh serving on {endpoint}", flush=True)
-        while not stop.wait(0.5):
-            pass
-        console.print("draining...")
-        drained = ray.get(router.drain.remote(config.drain_timeout_s))
-        drained &= all(ray.get([w.drain.remote(config.drain_timeout_s) for w in workers.values()]))
-        for handle in [router, *workers.values()]:
-            ray.kill(handle, no_restart=True)
-        console.print("stopped" + ("" if drained else " (some requests were cut at the deadline)"))
-        return 0
+        watch = RouterWatch(router)
+        dead = None
+        while dead is None and not stop.wait(0.5):
+            dead = watch.dead()
+        return shut_down(config, router, workers, dead)
     finally:
         if started:
             ray.shutdown()
 
 
+def shut_down(config: ClusterConfig, router: Any, workers: dict[str, Any], dead: str | None) -> int:
+    """Drain the router (unless it is dead) and every worker that answers, then kill them all;
+    one line on how it ended. 0, or 1 when the router was dead."""
+    timeout = config.drain_timeout_s
+    if dead is not None:
+        console.print(f"[red]radixmesh serve:[/] the router died for good ({escape(dead)})")
+    console.print("draining...")
+    drained = True
+    if dead is None:
+        try:  # a restarting router answers once it is back; a dead one fails at once
+            drained = ray.get(router.drain.remote(timeout), timeout=timeout + 120)
+        except (RayActorError, GetTimeoutError) as err:
+            dead = first_line(err)
+    for handle in workers.values():
+        try:
+            drained &= ray.get(handle.drain.remote(timeout), timeout=timeout + 120)
+        except (RayActorError, GetTimeoutError):  # a dead worker has nothing to drain
+            drained = False
+    for handle in [router, *workers.values()]:
+        ray.kill(handle, no_restart=True)
+    if dead is not None:
+        console.print(f"stopped: the workers were drained, the router was dead ({escape(dead)})")
+        return 1
+    console.print("stopped" + ("" if drained else " (some requests were cut at the deadline)"))
+    return 0
+
+
 def main(config_path: str | None) -> int:
-    """0 after a drain; 2, with one line naming the key, for a config it cannot serve."""
+    """0 after a drain; 1 when the router died for good; 2, with one line naming the key, for a
+    config it cannot serve."""
     try:
         return serve(ClusterConfig.load(config_path))
     except ConfigError as err:

@@ -3,8 +3,11 @@
 The kill goes through Ray (the actors are named `radixmesh-<worker>` / `radixmesh-router` in
 namespace `radixmesh`) from a short subprocess with Ray's environment (so this process needs no
 Ray). Ray restarts the actor; the report (report.json and summary.md) says what happened to the
-requests in flight at the kill, when the first request sent after it succeeded, and when every
-worker was healthy again.
+requests in flight at the kill, when the first request sent after it succeeded, when every
+worker was healthy again, how many requests the clients saw fail (and how many of those had
+streamed tokens first: truncated streams), and whether the cluster recovered: every worker
+healthy again and, if requests were sent after the kill, one of them served. A run whose cluster
+did not recover exits non-zero (cluster/loadtest/cli.py).
 
 A kill is never made once the run's requests are done: the report then says the run ended
 first. A kill that fails (no such actor, Ray unreachable) is recorded with its reason, and the
@@ -157,6 +160,9 @@ def account(
         "in_flight_outcomes": None,
         "recovery_s": None,
         "all_workers_healthy_after_s": None,
+        "errors": sum(1 for r in records if not r.ok),
+        "truncated": sum(1 for r in records if not r.ok and r.output_tokens > 0),
+        "recovered": None,
     }
     killed_at = event.attempted_at
     if killed_at is None:
@@ -168,11 +174,13 @@ def account(
     for r in in_flight:
         key = "completed" if r.ok else r.status
         outcomes[key] = outcomes.get(key, 0) + 1
-    after = sorted((r for r in records if r.start > killed_at and r.ok), key=lambda r: r.end or 0)
+    sent_after = [r for r in records if r.start > killed_at]
+    after = sorted((r for r in sent_after if r.ok), key=lambda r: r.end or 0)
     return {
         **report,
         "in_flight": len(in_flight),
         "in_flight_outcomes": outcomes,
         "recovery_s": (after[0].end - killed_at) if after and after[0].end else None,
         "all_workers_healthy_after_s": event.whole_again_s,
+        "recovered": event.whole_again_s is not None and (bool(after) or not sent_after),
     }

@@ -116,13 +116,21 @@ async def warm_up(
 
 
 def chaos_exit(chaos_report: dict[str, object] | None) -> int:
-    """1 when the planned kill failed (the reports say why), else 0."""
+    """1 when the planned kill failed or the cluster did not recover from it (the reports say
+    why), else 0."""
     if chaos_report is None:
         return 0
     if chaos_report["outcome"] == chaos.KILL_FAILED:
         why = escape(str(chaos_report["error"]))
         console.print(
             f"[red]loadtest: the chaos kill failed (see the reports):[/] {why}", soft_wrap=True
+        )
+        return 1
+    if chaos_report["outcome"] == chaos.KILLED and not chaos_report["recovered"]:
+        console.print(
+            f"[red]loadtest: the cluster did not recover from the kill of the "
+            f"{chaos_report['target']} (see the reports)[/]",
+            soft_wrap=True,
         )
         return 1
     if chaos_report["outcome"] == chaos.RUN_ENDED_FIRST:
@@ -173,7 +181,8 @@ async def main_async(args: argparse.Namespace, checked: Checked) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """0 after the reports are written (1 if a --chaos kill failed); 2, with one line on stderr
+    """0 after the reports are written (1 if a --chaos kill failed or the cluster did not recover
+    from it); 2, with one line on stderr
     naming what was wrong, for a bad flag, an unreachable target or a refused call."""
     began = time.monotonic()
     try:

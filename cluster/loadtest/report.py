@@ -118,7 +118,10 @@ def chaos_markdown(chaos: dict[str, Any]) -> str:
         f"First success after the kill: "
         f"{'never' if recovery is None else f'{recovery:.2f} s later'}. "
         f"Every worker healthy again: "
-        f"{'not before the watch ended' if whole is None else f'{whole:.2f} s after the kill'}."
+        f"{'not before the watch ended' if whole is None else f'{whole:.2f} s after the kill'}. "
+        f"Requests the clients saw fail: {chaos['errors']}, of which truncated streams: "
+        f"{chaos['truncated']}. "
+        f"{'Recovered.' if chaos['recovered'] else 'The cluster did NOT recover.'}"
     )
 
 

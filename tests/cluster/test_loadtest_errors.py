@@ -21,7 +21,7 @@ from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, SecuritySection
 from cluster.loadtest import control
 from cluster.loadtest.chaos import KILL_FAILED, KILLED, RUN_ENDED_FIRST, ChaosPlan, failure
-from cluster.loadtest.cli import add_arguments, main
+from cluster.loadtest.cli import add_arguments, chaos_exit, main
 from cluster.loadtest.report import chaos_markdown
 from cluster.loadtest.runner import Arrivals, Bounds, Run, Target
 from cluster.loadtest.stub_server import StubServing
@@ -310,6 +310,9 @@ def test_the_recovery_watch_ends_at_max_seconds(stub: str) -> None:
     assert report["all_workers_healthy_after_s"] is None  # the stub never reports a worker
     assert 1.5 < took < 8  # the watch stopped at --max-seconds, not 300 s after the kill
     assert "healthy again: not before the watch ended" in chaos_markdown(report)
+    assert report["recovered"] is False and "did NOT recover" in chaos_markdown(report)
+    assert chaos_exit(report) == 1  # `loadtest --chaos` fails when the cluster did not recover
+    assert chaos_exit({**report, "all_workers_healthy_after_s": 1.0, "recovered": True}) == 0
 
 
 def test_waits_for_the_next_arrival_stop_at_the_bounds(stub: str) -> None:
