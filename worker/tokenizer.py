@@ -200,9 +200,11 @@ class Tokenizer:
         """Token ids of `text`. Encode a rendered chat prompt with `add_special_tokens=False`:
         the template already wrote whatever BOS the model wants.
 
-        Through `encode_batch`, which releases the GIL while it works (`encode` holds it: a 1 MB
-        text stalled every other thread 0.5 s); the two cost the same on any length."""
-        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        Through `encode_batch_fast`: it releases the GIL while it works (`encode` holds it: a
+        1 MB text stalled every other thread 0.5 s), and it computes no character offsets, which
+        halves the time and makes the result cheap to free (freeing it holds the GIL: 26 ms
+        with offsets, 4.5 ms without, for 207k tokens). The ids are the same."""
+        (encoding,) = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
         return list(encoding.ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -3,8 +3,9 @@
 The router checks a request before routing it (so a bad one costs no worker a thing) and the
 worker checks it again on arrival; both call these functions with the same `RequestLimits`, so
 they cannot disagree. Every refusal is an `InvalidRequest` naming the field. Text is measured
-against `max_prompt_chars` before it is tokenised: a prompt too long to serve costs no
-tokeniser time.
+against `max_prompt_chars` before it is tokenised, and a text longer than
+`HEAD_CHARS_PER_TOKEN` characters per token of context is tokenised in full only if its head
+fits: a prompt too long to serve costs at most a context's worth of tokeniser time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from worker.request import GenerateRequest
 from worker.sampling_params import MAX_N, StopLimits
 
 DEFAULT_MAX_PROMPT_CHARS = 1 << 20
+HEAD_CHARS_PER_TOKEN = 16
+"""Prose runs 3-5 characters a token: a text this long per token of context is tried by its head
+first. (Only the cost depends on it: a text whose head fits is always tokenised whole.)"""
+HEAD_SLACK_TOKENS = 16
+"""Cutting a text may split its last word into more tokens than it has whole."""
 
 
 class PromptTokenizer(Protocol):
@@ -56,7 +62,7 @@ def prompt_ids(
         raise InvalidRequest(given[0], "this model has no tokenizer; send token ids")
     if request.prompt is not None:
         _check_chars("prompt", len(request.prompt), limits)
-        return tokenizer.encode(request.prompt)
+        return _encode("prompt", request.prompt, tokenizer, limits)
     assert request.messages is not None
     if not request.messages:
         raise InvalidRequest("messages", "is empty; send at least one message")
@@ -74,7 +80,27 @@ def prompt_ids(
         text = tokenizer.apply_chat_template(list(request.messages))
     except ValueError as err:  # no template, or the template refused the conversation
         raise InvalidRequest("messages", str(err)) from err
-    return tokenizer.encode(text, add_special_tokens=False)
+    return _encode("messages", text, tokenizer, limits, add_special_tokens=False)
+
+
+def _encode(
+    name: str,
+    text: str,
+    tokenizer: PromptTokenizer,
+    limits: RequestLimits,
+    add_special_tokens: bool = True,
+) -> list[int]:
+    """The text's ids; refused by its head alone when that already overflows the context."""
+    head = HEAD_CHARS_PER_TOKEN * limits.max_model_len
+    if len(text) > head:
+        tokens = len(tokenizer.encode(text[:head], add_special_tokens=add_special_tokens))
+        if tokens > limits.max_model_len + HEAD_SLACK_TOKENS:
+            raise InvalidRequest(
+                name,
+                f"{len(text)} characters overflow a context of {limits.max_model_len} tokens "
+                f"(the first {head} alone are {tokens} tokens)",
+            )
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _check_chars(name: str, chars: int, limits: RequestLimits) -> None:
@@ -90,18 +116,18 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
     ends with tokens already generated: they count against max_tokens, not the prompt."""
     if not prompt:
         raise InvalidRequest("prompt", "is empty")
+    generated = _check_resume(request, len(prompt))
+    original = len(prompt) - generated
+    if original >= limits.max_model_len:  # before the scan below: a huge prompt costs no loop
+        raise InvalidRequest(
+            "prompt",
+            f"{original} tokens leave no room to generate in a context of {limits.max_model_len}",
+        )
     vocab_size = limits.vocab_size
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(
             "prompt_token_ids", f"token {bad} is outside the vocabulary [0, {vocab_size})"
-        )
-    generated = _check_resume(request, len(prompt))
-    original = len(prompt) - generated
-    if original >= limits.max_model_len:
-        raise InvalidRequest(
-            "prompt",
-            f"{original} tokens leave no room to generate in a context of {limits.max_model_len}",
         )
     request.sampling.validate(vocab_size, limits.max_model_len - original, limits.stop)
 
