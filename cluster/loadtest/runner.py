@@ -8,7 +8,10 @@ A run stops launching at `max_requests` requests or `max_seconds`, whichever com
 then waits for what is in flight (each request also has its own `request_timeout`). A wait for
 the next Poisson or trace arrival ends at the `max_seconds` deadline, or as soon as the request
 budget is spent, so neither bound is overshot by an inter-arrival gap. One channel is shared by
-every request; a live progress bar shows throughput and hit rate.
+every request; a live progress bar shows throughput and hit rate. Requests wait for the channel
+to be ready (gRPC's wait_for_ready, up to `request_timeout`), as a production client does: one
+sent while the router restarts is served once it is back, not refused by a closed port (the
+command's first call, the probe, still fails fast on a target that is not there).
 """
 
 from __future__ import annotations
@@ -227,6 +230,7 @@ class Run:
             to_proto(spec, session, request_id),
             metadata=self.target.metadata,
             timeout=self.bounds.request_timeout,
+            wait_for_ready=True,  # as a client should: a router restarting is waited for
         )
         try:
             async for message in call:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -331,3 +333,30 @@ def test_a_timed_out_kill_reads_as_one() -> None:
     assert failure(subprocess.TimeoutExpired("python", 120)) == (
         "the kill did not finish within 120 s"
     )
+
+
+def test_requests_sent_while_the_server_is_down_wait_for_it(loop: EventLoopThread) -> None:
+    """What a router restart looks like to the harness: the port refuses connections for a few
+    seconds. Requests wait for the channel (wait_for_ready) and are served once it is back,
+    as a production client's would be, instead of failing in a burst against a closed port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    timer = threading.Timer(1.5, lambda: servers.append(serve_on(loop, port)))
+    servers: list[GrpcServer] = []
+    timer.start()
+    try:
+        runner, took = run(
+            f"127.0.0.1:{port}", timed_sessions(4, 0.0), Arrivals("closed", 4), Bounds(4, 30)
+        )
+    finally:
+        timer.join()
+        for server in servers:
+            loop.run(server.stop(0))
+    assert len(runner.records) == 4 and all(r.ok for r in runner.records), runner.records
+    assert all(r.start < 1.0 for r in runner.records)  # sent while nothing listened
+    assert took >= 1.5
+
+
+def serve_on(loop: EventLoopThread, port: int) -> GrpcServer:
+    return loop.run(start_server([(SERVING[0], StubServing(), SERVING[1])], "127.0.0.1", port))
