@@ -93,6 +93,8 @@ class ChaosEvent:
     """Seconds into the run when the kill was made; None while (or if) it never was."""
     error: str | None = None
     """Why the kill failed; None if it succeeded (or was never made)."""
+    done_at: float | None = None
+    """Seconds into the run when the kill call returned (the actor died between the two)."""
     whole_again_s: float | None = None
     """From the kill until every worker was healthy again; None if not seen."""
 
@@ -137,6 +139,7 @@ async def watch(
     except (subprocess.SubprocessError, OSError) as err:
         event.error = failure(err)
         return
+    event.done_at = now()
     until = min(deadline_s, killed_at + RECOVERY_LIMIT_S)
     while now() < until:
         await asyncio.sleep(min(0.5, max(0.0, until - now())))
@@ -154,6 +157,7 @@ def account(
         "planned_at_s": plan.at_s,
         "outcome": KILLED,
         "at_s": event.attempted_at,
+        "kill_returned_at_s": event.done_at,
         "error": event.error,
         "requests_ended_at_s": ended_at,
         "in_flight": None,
@@ -169,12 +173,15 @@ def account(
         return {**report, "outcome": RUN_ENDED_FIRST}
     if event.error is not None:
         return {**report, "outcome": KILL_FAILED}
-    in_flight = [r for r in records if r.start <= killed_at and (r.end or 0) >= killed_at]
+    # the actor died somewhere between the kill call and its return (its subprocess first joins
+    # Ray, most of a second): a request sent in between was in flight through the dying actor
+    died_by = event.done_at if event.done_at is not None else killed_at
+    in_flight = [r for r in records if r.start <= died_by and (r.end or 0) >= killed_at]
     outcomes: dict[str, int] = {}
     for r in in_flight:
         key = "completed" if r.ok else r.status
         outcomes[key] = outcomes.get(key, 0) + 1
-    sent_after = [r for r in records if r.start > killed_at]
+    sent_after = [r for r in records if r.start > died_by]
     after = sorted((r for r in sent_after if r.ok), key=lambda r: r.end or 0)
     return {
         **report,

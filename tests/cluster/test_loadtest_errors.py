@@ -22,8 +22,17 @@ import pytest
 from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, SecuritySection
 from cluster.loadtest import control
-from cluster.loadtest.chaos import KILL_FAILED, KILLED, RUN_ENDED_FIRST, ChaosPlan, failure
+from cluster.loadtest.chaos import (
+    KILL_FAILED,
+    KILLED,
+    RUN_ENDED_FIRST,
+    ChaosEvent,
+    ChaosPlan,
+    account,
+    failure,
+)
 from cluster.loadtest.cli import add_arguments, chaos_exit, main
+from cluster.loadtest.records import RequestRecord
 from cluster.loadtest.report import chaos_markdown
 from cluster.loadtest.runner import Arrivals, Bounds, Run, Target
 from cluster.loadtest.stub_server import StubServing
@@ -360,3 +369,19 @@ def test_requests_sent_while_the_server_is_down_wait_for_it(loop: EventLoopThrea
 
 def serve_on(loop: EventLoopThread, port: int) -> GrpcServer:
     return loop.run(start_server([(SERVING[0], StubServing(), SERVING[1])], "127.0.0.1", port))
+
+
+def test_a_request_sent_while_the_kill_ran_counts_as_in_flight() -> None:
+    """The actor dies somewhere between the kill call (at_s) and its return: a request sent in
+    between went through the dying actor, and is not one 'sent after the kill'."""
+    records = [
+        RequestRecord(0, 0, "before", "", "", start=9.0, end=12.0, status="UNAVAILABLE"),
+        RequestRecord(1, 0, "during", "", "", start=10.5, end=10.6, status="UNAVAILABLE"),
+        RequestRecord(2, 0, "after", "", "", start=11.5, end=13.0),
+    ]
+    event = ChaosEvent(attempted_at=10.0, done_at=11.0, whole_again_s=2.0)
+    report = account(records, event, ChaosPlan("router", 10.0, "127.0.0.1:1"), 13.0)
+    assert report["in_flight"] == 2 and report["in_flight_outcomes"] == {"UNAVAILABLE": 2}
+    assert report["kill_returned_at_s"] == 11.0
+    assert report["recovery_s"] == 3.0 and report["recovered"] is True
+    assert report["errors"] == 2 and report["truncated"] == 0
