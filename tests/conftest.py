@@ -1,8 +1,10 @@
-"""Suite-wide settings: `gpu` tests skip without CUDA; hypothesis profiles for CI and local."""
+"""Suite-wide settings: `gpu` tests skip without CUDA; hypothesis profiles for CI and local; the
+tiny random model that engine and cluster tests serve."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # Before anything imports torch: OpenMP threads that spin while waiting make every small torch op
 # on a 2-core machine many times slower (a 0.05 s test took 6.4 s).
@@ -33,3 +35,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The built-in tiny checkpoint, written to disk and loaded like any model (a LoadedModel;
+    engines only read it, so the whole session shares one). Imported here, not at the top: the
+    cache tests load neither torch nor the worker."""
+    from worker.loader import load_model
+    from worker.tiny_model import build_tiny_checkpoint
+
+    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))

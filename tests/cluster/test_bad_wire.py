@@ -22,8 +22,7 @@ from cluster.client import Client, text_request
 from cluster.config import EngineSection, SecuritySection
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import ENGINE, LocalCluster, start_cluster
-from worker.loader import LoadedModel, load_model
-from worker.tiny_model import build_tiny_checkpoint
+from worker.loader import LoadedModel
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS
 from worker.wire_errors import Undecodable, plain_reason, tolerant
 
@@ -61,11 +60,6 @@ UNDECODABLE_GENERATE = {
 
 def raw(x: bytes) -> bytes:
     return x
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")

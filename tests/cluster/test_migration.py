@@ -15,21 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-import pytest
 
 from cluster.client import Client, text_request
 from cluster.config import RouterSection
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import LocalCluster, start_cluster
-from worker.loader import LoadedModel, load_model
-from worker.tiny_model import build_tiny_checkpoint
+from worker.loader import LoadedModel
 
 SYSTEM = "A worker may die at any moment; the router moves its streams elsewhere. "
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 def request(

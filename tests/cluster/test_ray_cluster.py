@@ -207,15 +207,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
 
 
 def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_file: Path) -> None:
-    env = environment(head["token"], RAY_ADDRESS=head["address"])
-    serve = subprocess.Popen(
-        [BIN / "radixmesh", "serve", "--config", str(config_file)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    target = endpoint(config_file)
-    try:
-        line = serve.stdout.readline()  # type: ignore[union-attr]
-        assert line.strip() == f"radixmesh serving on {target}", line
+    with serving(head, config_file) as (serve, target):
         client = Client(target)
         first = list(client.generate(text_request(PROMPT + "one", max_tokens=4)))[-1]
         second = list(client.generate(text_request(PROMPT + "two", max_tokens=4)))[-1]
@@ -274,13 +266,8 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
             "workers did not return to the restarted router",
         )
         assert list(client.generate(text_request(PROMPT, max_tokens=3)))[-1].finished
-    finally:
         serve.send_signal(signal.SIGTERM)
-        try:
-            code = serve.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            raise
+        code = serve.wait(timeout=120)
         stderr = serve.stderr.read()  # type: ignore[union-attr]
     assert code == 0, stderr[-3000:]
     assert "draining" in stderr and "stopped" in stderr

@@ -16,16 +16,10 @@ from cluster.client_tls import ClientTls
 from cluster.config import SecuritySection
 from tests.cluster.certs import make_certificates
 from tests.cluster.local_cluster import LocalCluster, start_cluster
-from worker.loader import LoadedModel, load_model
-from worker.tiny_model import build_tiny_checkpoint
+from worker.loader import LoadedModel
 
 TOKENS = {"token-acme": "acme", "token-globex": "globex", "token-admin": "*"}
 PROMPT = "Every worker keeps a radix tree over its pages, and the router knows which. " * 2
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")

@@ -23,17 +23,11 @@ from cluster.config import RouterSection
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import LocalCluster, start_cluster
 from worker.engine import Engine, EngineConfig
-from worker.loader import LoadedModel, load_model
+from worker.loader import LoadedModel
 from worker.request import GenerateRequest
 from worker.sampling_params import SamplingParams
-from worker.tiny_model import build_tiny_checkpoint
 
 SYSTEM = "The cache remembers what the model has already read. "
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture

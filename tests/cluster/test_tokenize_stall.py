@@ -17,20 +17,13 @@ import time
 from typing import Any
 
 import grpc
-import pytest
 
 from cluster.client import Client, text_request
 from tests.cluster.local_cluster import start_cluster
-from worker.loader import LoadedModel, load_model
-from worker.tiny_model import build_tiny_checkpoint
+from worker.loader import LoadedModel
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "router"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 def ttft(client: Client, text: str) -> float:

@@ -14,17 +14,11 @@ import pytest
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import Recorder, drain
 from worker.engine import Engine, EngineConfig
-from worker.loader import LoadedModel, load_model
+from worker.loader import LoadedModel
 from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestOutput, Resume
 from worker.sampling_params import SamplingParams
-from worker.tiny_model import build_tiny_checkpoint
 
 PROMPT = "The router moves a stream to another worker"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 def engine_for(loaded: LoadedModel) -> Engine:

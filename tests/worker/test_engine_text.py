@@ -7,15 +7,9 @@ import pytest
 from tests.worker.helpers import Recorder, drain
 from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
-from worker.loader import LoadedModel, load_model
+from worker.loader import LoadedModel
 from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest
 from worker.sampling_params import SamplingParams
-from worker.tiny_model import build_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
 def engine_for(loaded: LoadedModel) -> Engine:
