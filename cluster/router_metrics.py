@@ -19,11 +19,11 @@ class RouterCollector(Collector):
         counters = {
             "radixmesh_router_routing_decisions": ("Routing decisions made", c.routed),
             "radixmesh_router_retries": (
-                "Requests sent to another worker after theirs failed before the first token",
+                "Times a request went to another worker, its own failing before the first token",
                 c.retried,
             ),
             "radixmesh_router_migrations": (
-                "Requests resumed on another worker after theirs failed mid-stream",
+                "Times a request was resumed on another worker after its own failed mid-stream",
                 c.migrated,
             ),
             "radixmesh_router_predicted_cached_tokens": (

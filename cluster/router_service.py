@@ -60,9 +60,9 @@ class InFlight:
 class RouterCounters:
     routed: int = 0
     retried: int = 0
-    """Requests sent to another worker after theirs failed before the first token."""
+    """Times a request went to another worker after its worker failed before the first token."""
     migrated: int = 0
-    """Requests resumed on another worker after theirs failed mid-stream."""
+    """Times a request was resumed on another worker after its worker failed mid-stream."""
     predicted_cached_tokens: int = 0
     actual_cached_tokens: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
@@ -78,6 +78,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.counters = RouterCounters()
         self.in_flight: dict[str, InFlight] = {}
         """request id -> its tenant and the worker serving it."""
+        self.preparing = 0
+        """Requests being checked and tokenised: they count against max_in_flight already."""
         # the rate the policies are built with (cluster/policies.py) stands until one is learned
         self.timing = StreamTiming(lambda: self.links.policy, router_config(config).prefill_rate)
 
@@ -85,14 +87,19 @@ class RouterService(serving_pb2_grpc.ServingServicer):
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
-        if len(self.in_flight) >= self.config.max_in_flight:  # refused before any tokenising
+        taken = len(self.in_flight) + self.preparing
+        if taken >= self.config.max_in_flight:  # refused before any tokenising
             await self._abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(self.in_flight)} requests in flight, the limit is "
-                f"{self.config.max_in_flight}; retry later",
+                f"{taken} requests in flight, the limit is {self.config.max_in_flight}; "
+                "retry later",
             )
-        prepared = await self._prepare(request, context)
+        self.preparing += 1  # held across the tokeniser's thread, where other calls get in
+        try:
+            prepared = await self._prepare(request, context)
+        finally:
+            self.preparing -= 1
         if prepared.request_id in self.in_flight:
             await self._abort(
                 context,
@@ -152,6 +159,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             if not self.links.links:
                 left = f"{failure}; no healthy worker is left" if failure else "no healthy worker"
                 await self._abort(context, grpc.StatusCode.UNAVAILABLE, left)
+            if attempt and progress.started:
+                self.counters.migrated += 1
+            elif attempt:
+                self.counters.retried += 1
             began = time.perf_counter()
             decision = self.links.policy.route(route)
             self.counters.decision_seconds += time.perf_counter() - began
@@ -236,10 +247,6 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 f"{failure} and {self.config.max_retries} other worker(s) were tried "
                 "(router.max_retries)",
             )
-        if progress.started:
-            self.counters.migrated += 1
-        else:
-            self.counters.retried += 1
         return failure
 
     async def _abort(

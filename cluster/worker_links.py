@@ -15,7 +15,6 @@ snapshot. All on one asyncio loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -108,12 +107,15 @@ class WorkerLinks:
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
-            self._check_identity(name, info)
+            scheme, limits = self._checked(name, info)
             if self.tokenizer is None:
                 self.tokenizer = await self._fetch_tokenizer(name, stub)
         except (grpc.aio.AioRpcError, IdentityRefused, TokenizerUnavailable):
             await channel.close()
             raise
+        if self.scheme is None:  # the first worker sets the cluster's scheme
+            self.scheme, self.hasher = scheme, BlockHasher(scheme)
+        self.limits = limits
         link = WorkerLink(name, address, channel, stub, info)
         self.links[name] = link
         self.policy.add_worker(name, info.total_pages * info.page_size)
@@ -123,27 +125,29 @@ class WorkerLinks:
         self.on_change()
         return link
 
-    def _check_identity(self, name: str, info: worker_pb2.WorkerInfo) -> None:
+    def _checked(
+        self, name: str, info: worker_pb2.WorkerInfo
+    ) -> tuple[IdentityScheme, ModelLimits]:
+        """The worker's identity scheme, and the cluster's limits with it counted in; raises
+        IdentityRefused if it hashes blocks differently. Changes nothing: a worker refused after
+        this (its tokenizer unreadable, say) leaves no trace."""
         theirs = IdentityScheme(info.block_size, info.model_revision, info.identity_version)
         if info.identity_version != IDENTITY_SCHEME_VERSION:
             raise IdentityRefused(
                 f"worker {name} uses identity scheme {info.identity_version}, "
                 f"the router {IDENTITY_SCHEME_VERSION}"
             )
-        if self.scheme is None:
-            self.scheme = theirs
-            self.hasher = BlockHasher(theirs)
-            self.limits = ModelLimits(info.vocab_size, info.max_model_len)
-        else:
+        if self.scheme is not None:
             try:
                 self.scheme.require_compatible(theirs)
             except ValueError as err:
                 raise IdentityRefused(f"worker {name}: {err}") from err
-            assert self.limits is not None
-            self.limits = ModelLimits(
-                min(self.limits.vocab_size, info.vocab_size),
-                min(self.limits.max_model_len, info.max_model_len),
-            )
+        if self.limits is None:
+            return theirs, ModelLimits(info.vocab_size, info.max_model_len)
+        return theirs, ModelLimits(
+            min(self.limits.vocab_size, info.vocab_size),
+            min(self.limits.max_model_len, info.max_model_len),
+        )
 
     @staticmethod
     async def _fetch_tokenizer(name: str, stub: worker_pb2_grpc.WorkerStub) -> Tokenizer | None:
@@ -160,11 +164,12 @@ class WorkerLinks:
         if link is None:
             return
         self.policy.remove_worker(name)
-        if link.feed is not None and link.feed is not asyncio.current_task():
-            link.feed.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await link.feed
-        await link.channel.close()
+        try:
+            if link.feed is not None and link.feed is not asyncio.current_task():
+                link.feed.cancel()
+                await asyncio.wait([link.feed])  # its end, not its error; our own cancel passes
+        finally:
+            await link.channel.close()
         self.on_change()
         log.warning("worker %s detached", name)
 
@@ -200,6 +205,10 @@ class WorkerLinks:
             log.warning("KV event feed of %s ended: %s", link.name, why)
         finally:
             stream.cancel()
+            if not ready.done():  # detached while attaching: `attach` must not wait forever
+                ready.set_exception(
+                    ChannelClosed(f"worker {link.name} was detached while attaching")
+                )
         if self.links.get(link.name) is link:
             await self.detach(link.name)
 

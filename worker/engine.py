@@ -152,7 +152,8 @@ class Engine:
     # -- any thread ----------------------------------------------------------------------------
     def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> int:
         """Validate and queue a request; returns its prompt length. Raises `InvalidRequest`,
-        `EngineOverloaded` or `EngineStopped` without queueing anything."""
+        `EngineOverloaded` (never for a resumed sample) or `EngineStopped` without queueing
+        anything."""
         if self._stopping.is_set():
             raise EngineStopped("the engine is stopping")
         prompt = validation.prompt_ids(request, self.tokenizer, self.limits)
@@ -160,7 +161,12 @@ class Engine:
         with self._lock:
             if request.request_id in self._active_ids:
                 raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
-            if len(self._active_ids) >= self.config.max_waiting + self.config.max_running:
+            # a resumed sample was admitted by the cluster already (its worker died): refusing
+            # it for load would end a stream its client has half received
+            if (
+                request.resume is None
+                and len(self._active_ids) >= self.config.max_waiting + self.config.max_running
+            ):
                 raise EngineOverloaded(
                     f"{len(self._active_ids)} requests in flight; the engine takes at most "
                     f"{self.config.max_waiting + self.config.max_running}"

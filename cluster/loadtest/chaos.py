@@ -133,6 +133,7 @@ async def watch(
     this while `event.attempted_at` is None, once its requests are done."""
     await asyncio.sleep(max(0.0, plan.at_s - now()))
     before = await healthy_count(stub, metadata)
+    whole = before if before > 0 else 1  # not known (the probe failed): one worker back will do
     killed_at = event.attempted_at = now()
     try:
         await asyncio.to_thread(plan.kill)
@@ -143,7 +144,7 @@ async def watch(
     until = min(deadline_s, killed_at + RECOVERY_LIMIT_S)
     while now() < until:
         await asyncio.sleep(min(0.5, max(0.0, until - now())))
-        if await healthy_count(stub, metadata) >= before > 0:
+        if await healthy_count(stub, metadata) >= whole:
             event.whole_again_s = now() - killed_at
             return
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -259,6 +260,65 @@ def test_overload_is_refused_quickly_and_the_rest_complete(tiny: LoadedModel) ->
         assert set(codes) <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}
         cluster.wait_idle()
     finally:
+        cluster.close()
+
+
+class GatedTokenizer:
+    """The router's real tokenizer, held at a gate: the test decides when encoding may end, and
+    sees how many requests are inside it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.gate = threading.Event()
+        self.inside = 0
+        self.lock = threading.Lock()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self.lock:
+            self.inside += 1
+        self.gate.wait(timeout=30)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return str(self.tokenizer.apply_chat_template(messages))
+
+
+def test_requests_being_tokenised_count_against_the_in_flight_limit(tiny: LoadedModel) -> None:
+    """Tokenising happens on a thread, while other calls come in: those must already count."""
+    cluster = start_cluster(tiny, router=RouterSection(port=0, max_in_flight=3))
+    gated = GatedTokenizer(cluster.links.tokenizer)
+    cluster.links.tokenizer = gated  # type: ignore[assignment]
+    try:
+        client = Client(cluster.target)
+        codes: list[object] = []
+
+        def run(i: int) -> None:
+            try:
+                collect(client, text_request(f"{i} " + SYSTEM, max_tokens=4), 60)
+                codes.append("ok")
+            except grpc.RpcError as err:
+                codes.append(err.code())
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 20
+        while gated.inside < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gated.inside == 3
+        late = [threading.Thread(target=run, args=(i,)) for i in range(3, 6)]
+        for thread in late:
+            thread.start()
+        for thread in late:
+            thread.join(timeout=20)
+        assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3 and gated.inside == 3
+        gated.gate.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert codes[3:] == ["ok"] * 3
+        cluster.wait_idle()
+    finally:
+        gated.gate.set()
         cluster.close()
 
 

@@ -13,7 +13,7 @@ import pytest
 from cache import IDENTITY_SCHEME_VERSION
 from cluster.config import ClusterConfig
 from cluster.policies import build_policy
-from cluster.worker_links import TokenizerUnavailable, WorkerLinks
+from cluster.worker_links import ChannelClosed, TokenizerUnavailable, WorkerLinks
 from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
 from worker.event_loop import EventLoopThread
 from worker.grpc_server import start_server
@@ -85,6 +85,41 @@ def test_a_worker_whose_tokenizer_does_not_parse_is_refused_by_name() -> None:
         with pytest.raises(TokenizerUnavailable, match="worker broken's tokenizer"):
             loop.run(links.attach("broken", f"127.0.0.1:{server.port}"))
         assert links.healthy == [] and links.tokenizer is None
+        assert links.limits is None and links.scheme is None  # a refused worker leaves no trace
+        loop.run(server.stop(0))
+    finally:
+        loop.stop()
+
+
+class SlowSnapshotWorker(OddWorker):
+    async def GetSnapshot(
+        self, request: worker_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvSnapshot:
+        await asyncio.sleep(5)
+        return worker_pb2.KvSnapshot(seq=0)
+
+
+def test_a_worker_detached_while_it_attaches_ends_the_attach() -> None:
+    """A request fails on a worker whose snapshot is still loading and detaches it: the attach
+    must end (with ChannelClosed), or the router's membership loop waits on it for good."""
+    loop = EventLoopThread("worker-links-test")
+    try:
+        register = [(worker_pb2_grpc.add_WorkerServicer_to_server, SlowSnapshotWorker(), "slow")]
+        server = loop.run(start_server(register, "127.0.0.1", 0))
+        links = WorkerLinks(build_policy(ClusterConfig()))
+
+        async def attach_then_detach() -> float:
+            attaching = asyncio.create_task(links.attach("slow", f"127.0.0.1:{server.port}"))
+            await asyncio.sleep(0.5)
+            assert links.healthy == ["slow"] and not attaching.done()
+            began = time.monotonic()
+            await links.detach("slow")
+            with pytest.raises(ChannelClosed, match="detached while attaching"):
+                await asyncio.wait_for(attaching, timeout=3)
+            return time.monotonic() - began
+
+        assert loop.run(attach_then_detach(), timeout=10) < 3
+        assert links.healthy == []
         loop.run(server.stop(0))
     finally:
         loop.stop()

@@ -127,9 +127,17 @@ def test_duplicate_request_ids_and_overload_are_refused() -> None:
     engine.submit(greedy("b", [1, 2], 4), lambda o: None)
     with pytest.raises(EngineOverloaded, match="at most 2"):
         engine.submit(greedy("c", [1, 2], 4), lambda o: None)
+    # a sample resumed from a dead worker is taken even now: the cluster admitted it already
+    recorder = Recorder()
+    resumed = GenerateRequest(
+        "d", ids(1, 2, 7), sampling=SamplingParams(max_tokens=4, temperature=0), resume=Resume(0, 1)
+    )
+    engine.submit(resumed, recorder.outputs.append)
     drain(engine)
+    assert len(recorder.tokens("d")) == 3 and recorder.final("d").finish_reason == FINISH_LENGTH
     engine.submit(greedy("a", [3, 4], 4), lambda o: None)  # finished ids can be reused
     drain(engine)
+    check_sequence_cache(engine.cache)
 
 
 def test_stop_token_ids_end_the_sample_and_max_tokens_and_context_bound_it() -> None:
