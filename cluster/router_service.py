@@ -39,7 +39,6 @@ from cluster.worker_links import ChannelClosed, WorkerLink, WorkerLinks, respons
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
 from worker.errors import InvalidRequest
-from worker.sampling_params import StopLimits
 from worker.validation import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -119,13 +118,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         model = self.links.limits
         if model is None:
             return None
-        engine = self.engine
-        return RequestLimits(
-            model.vocab_size,
-            model.max_model_len,
-            StopLimits(engine.max_stop_strings, engine.max_stop_chars),
-            engine.max_prompt_chars,
-        )
+        return RequestLimits.of(model.vocab_size, model.max_model_len, self.engine)
 
     async def _prepare(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -225,7 +218,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         attempt: int,
         context: grpc.aio.ServicerContext,
     ) -> str:
-        """Detach a failed worker and count the next attempt (returns what failed), or end the
+        """Detach a failed worker and say what failed (the caller tries another), or end the
         call: the worker refused the request for a reason of its own, or no attempt is left."""
         attached = self.links.links.get(link.name) is link
         if isinstance(err, grpc.aio.AioRpcError):

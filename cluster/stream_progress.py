@@ -43,10 +43,6 @@ class StreamProgress:
         """Whether the client has received anything: a failure now is a migration."""
         return any(s.token_ids or s.finished for s in self.samples)
 
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
-
     def record(self, response: serving_pb2.GenerateResponse) -> None:
         """A message on its way to the client."""
         sample = self.samples[response.index]

@@ -107,7 +107,7 @@ class WorkerLinks:
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
-            scheme, limits = self._checked(name, info)
+            scheme = self._checked(name, info)
             if self.tokenizer is None:
                 self.tokenizer = await self._fetch_tokenizer(name, stub)
         except (grpc.aio.AioRpcError, IdentityRefused, TokenizerUnavailable):
@@ -115,7 +115,7 @@ class WorkerLinks:
             raise
         if self.scheme is None:  # the first worker sets the cluster's scheme
             self.scheme, self.hasher = scheme, BlockHasher(scheme)
-        self.limits = limits
+        self.limits = self._limits_with(info)  # after the await: another attach may have run
         link = WorkerLink(name, address, channel, stub, info)
         self.links[name] = link
         self.policy.add_worker(name, info.total_pages * info.page_size)
@@ -125,12 +125,10 @@ class WorkerLinks:
         self.on_change()
         return link
 
-    def _checked(
-        self, name: str, info: worker_pb2.WorkerInfo
-    ) -> tuple[IdentityScheme, ModelLimits]:
-        """The worker's identity scheme, and the cluster's limits with it counted in; raises
-        IdentityRefused if it hashes blocks differently. Changes nothing: a worker refused after
-        this (its tokenizer unreadable, say) leaves no trace."""
+    def _checked(self, name: str, info: worker_pb2.WorkerInfo) -> IdentityScheme:
+        """The worker's identity scheme; raises IdentityRefused if it hashes blocks differently
+        from the cluster. Changes nothing: a worker refused after this (its tokenizer unreadable,
+        say) leaves no trace."""
         theirs = IdentityScheme(info.block_size, info.model_revision, info.identity_version)
         if info.identity_version != IDENTITY_SCHEME_VERSION:
             raise IdentityRefused(
@@ -142,9 +140,13 @@ class WorkerLinks:
                 self.scheme.require_compatible(theirs)
             except ValueError as err:
                 raise IdentityRefused(f"worker {name}: {err}") from err
+        return theirs
+
+    def _limits_with(self, info: worker_pb2.WorkerInfo) -> ModelLimits:
+        """The cluster's limits with this worker counted in: the smallest of each."""
         if self.limits is None:
-            return theirs, ModelLimits(info.vocab_size, info.max_model_len)
-        return theirs, ModelLimits(
+            return ModelLimits(info.vocab_size, info.max_model_len)
+        return ModelLimits(
             min(self.limits.vocab_size, info.vocab_size),
             min(self.limits.max_model_len, info.max_model_len),
         )

@@ -41,7 +41,7 @@ from worker.request import (
 )
 from worker.samples import Phase, RequestState, SampleState, TextDecoder
 from worker.sampling import Sampler
-from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, StopLimits
+from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.stop import StopChecker
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS, RequestLimits
@@ -112,12 +112,7 @@ class Engine:
         positions = model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or positions, positions)
         self.vocab_size = model.config.vocab_size
-        self.limits = RequestLimits(
-            self.vocab_size,
-            self.max_model_len,
-            StopLimits(config.max_stop_strings, config.max_stop_chars),
-            config.max_prompt_chars,
-        )
+        self.limits = RequestLimits.of(self.vocab_size, self.max_model_len, config)
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         self.eos_token_ids = frozenset(eos)
         self.cache = SequenceCache(
@@ -386,7 +381,7 @@ class Engine:
             token_ids=token_ids,
             text=text,
             prompt_tokens=request.prompt_tokens,
-            cached_prompt_tokens=min(request.cached_prompt_tokens, request.prompt_tokens),
+            cached_prompt_tokens=request.cached_prompt_tokens,
             finished=reason is not None,
             finish_reason=reason,
             error=error,
@@ -413,7 +408,7 @@ class Engine:
                 self._active_ids.discard(request.request_id)
             self._finished += 1
             self._prompt_tokens += request.prompt_tokens
-            self._cached_tokens += min(request.cached_prompt_tokens, request.prompt_tokens)
+            self._cached_tokens += request.cached_prompt_tokens
 
     def _abort(self, request: RequestState, reason: str, error: str | None = None) -> None:
         for sample in request.samples:
@@ -473,6 +468,7 @@ class Engine:
         fed the same tokens one by one, as the first worker fed them, so they hold back and
         emit exactly what they would have (their text already reached the client)."""
         sample.generated = len(generated)
+        if sample.decoder is None:  # no text, so no stop strings to bring along
+            return
         for token in generated:
-            if sample.decoder is not None:
-                sample.stop.feed(sample.decoder.step(token))
+            sample.stop.feed(sample.decoder.step(token))

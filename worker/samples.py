@@ -65,7 +65,8 @@ class RequestState:
     sink: Callable[[RequestOutput], None]
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
-    """Prompt positions served from the cache when sample 0 was first admitted."""
+    """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as
+    the client sent it: `prompt_tokens` at most)."""
     admitted: bool = False
     forked: bool = False
     stops: StopStrings = field(init=False)

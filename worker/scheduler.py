@@ -100,7 +100,8 @@ class Scheduler:
         sample.phase = Phase.RUNNING
         if not sample.request.admitted:
             sample.request.admitted = True
-            sample.request.cached_prompt_tokens = seq.reused
+            # a resumed sample's ids end with generated tokens: its cache hit counts the prompt
+            sample.request.cached_prompt_tokens = min(seq.reused, sample.request.prompt_tokens)
         return True
 
     def _make_room(self, sample: SampleState, positions: int) -> bool:

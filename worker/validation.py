@@ -26,6 +26,20 @@ HEAD_SLACK_TOKENS = 16
 """Cutting a text may split its last word into more tokens than it has whole."""
 
 
+class LimitSettings(Protocol):
+    """The operator's request limits, as the engine's config and the cluster's engine section
+    both spell them."""
+
+    @property
+    def max_stop_strings(self) -> int: ...
+
+    @property
+    def max_stop_chars(self) -> int: ...
+
+    @property
+    def max_prompt_chars(self) -> int: ...
+
+
 class PromptTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -41,6 +55,12 @@ class RequestLimits:
     stop: StopLimits = field(default_factory=StopLimits)
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
     """Characters of a text prompt, or of all a chat's message contents together."""
+
+    @classmethod
+    def of(cls, vocab_size: int, max_model_len: int, settings: LimitSettings) -> RequestLimits:
+        """The model's limits with the operator's: what the router and every worker check."""
+        stop = StopLimits(settings.max_stop_strings, settings.max_stop_chars)
+        return cls(vocab_size, max_model_len, stop, settings.max_prompt_chars)
 
 
 def prompt_ids(

@@ -128,3 +128,21 @@ def test_a_resumed_sample_whose_stop_string_is_complete_ends_at_once(tiny: Loade
     )
     (only,) = run(engine_for(tiny), request)
     assert (only.token_ids, only.text, only.finish_reason) == ((), "", FINISH_STOP)
+
+
+def test_a_resumed_sample_reports_cache_hits_of_its_prompt_only(tiny: LoadedModel) -> None:
+    """On the worker that already holds the whole stream, far more than the prompt hits the
+    cache; what a client is told it saved is still counted in its own prompt's tokens."""
+    assert tiny.tokenizer is not None
+    prompt = tiny.tokenizer.encode(PROMPT)
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = engine_for(tiny)
+    whole = run(engine, GenerateRequest("whole", prompt_token_ids=tuple(prompt), sampling=sampling))
+    tokens = seen(whole)[0][:16]
+    request = GenerateRequest(
+        "again", (*prompt, *tokens), sampling=sampling, resume=Resume(0, len(tokens))
+    )
+    after = run(engine, request)
+    assert all(o.prompt_tokens == len(prompt) for o in after)
+    assert {o.cached_prompt_tokens for o in after} == {len(prompt)}  # all of it, no more
+    assert engine.stats().cached_prompt_tokens <= 2 * len(prompt)
