@@ -362,9 +362,9 @@ class Engine:
             text += more + sample.stop.flush()
         if sample.seq is None and reason is None:  # a sibling with no room yet: queue it
             self.scheduler.enqueue(sample)
-        self._emit(sample, (token,), text, reason)
-        if reason is not None:
+        if reason is not None:  # released before the client hears it ended (see _emit)
             self._finish_sample(sample, reason)
+        self._emit(sample, (token,), text, reason)
 
     def _emit(
         self,
@@ -374,6 +374,8 @@ class Engine:
         reason: str | None,
         error: str | None = None,
     ) -> None:
+        """Stream one output. A sample's last one goes out after the sample is finished: its
+        pages are back in the pool and its request id free by the time a client sees the end."""
         request = sample.request
         output = RequestOutput(
             request_id=request.request_id,
@@ -413,8 +415,8 @@ class Engine:
     def _abort(self, request: RequestState, reason: str, error: str | None = None) -> None:
         for sample in request.samples:
             if sample.phase is not Phase.FINISHED:
-                self._emit(sample, (), "", reason, error)
                 self._finish_sample(sample, reason)
+                self._emit(sample, (), "", reason, error)
 
     def _drain_inbox(self) -> None:
         while True:

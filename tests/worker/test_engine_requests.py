@@ -11,7 +11,14 @@ from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA, Recorder, drain, greedy
 from worker.engine import Engine, EngineConfig
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
-from worker.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest, Resume
+from worker.request import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerateRequest,
+    RequestOutput,
+    Resume,
+)
 from worker.sampling_params import SamplingParams
 from worker.tiny_model import tiny_model
 
@@ -295,3 +302,25 @@ def test_eos_ends_a_sample_unless_ignored() -> None:
 def test_a_budget_of_zero_is_refused_at_construction(field: str) -> None:
     with pytest.raises(ValueError, match=f"{field} must be >= 1, got 0"):
         make_engine(**{field: 0})
+
+
+def test_when_a_client_hears_the_end_the_pages_and_the_id_are_already_free() -> None:
+    """The sink runs on the engine thread, as the last output is handed out: at that moment the
+    request holds no private page and its id may be used again (a client that checks the pool,
+    or resubmits, right after its stream ends must not find them taken)."""
+    engine = make_engine()
+    seen: list[tuple[str, int, bool]] = []
+
+    def sink(output: RequestOutput) -> None:
+        if output.finished:
+            held = output.request_id in engine.active_requests
+            seen.append((output.finish_reason or "", engine.cache.pool.num_private, held))
+
+    engine.submit(greedy("ends", [1, 2, 3, 4, 5], 6), sink)
+    drain(engine)
+    engine.submit(greedy("aborted", [1, 2, 3, 4, 5], 40), sink)
+    engine.step()
+    engine.step()
+    engine.abort("aborted")
+    drain(engine)
+    assert seen == [(FINISH_LENGTH, 0, False), (FINISH_ABORT, 0, False)]
