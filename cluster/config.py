@@ -30,6 +30,7 @@ from worker.validation import DEFAULT_MAX_PROMPT_CHARS
 
 T = TypeVar("T")
 ANY_TENANT = "*"
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,18 @@ class ModelSection:
     """"auto" (CUDA when the node has GPUs, else CPU), "cpu" or "cuda"."""
     dtype: str | None = _one_of(None, ("float32", "bfloat16", "float16", None))
     """float32, bfloat16, float16; default: bfloat16 on CUDA, the checkpoint's own on CPU."""
+    served_name: str | None = None
+    """The model's name in the OpenAI and Anthropic APIs (the `model` a request names, the id in
+    /v1/models); default: SmolLM2-135M-Instruct for the default model, else the source's file
+    or directory name without its extension."""
+
+    @property
+    def name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        if self.source == "default":
+            return DEFAULT_SERVED_NAME
+        return Path(self.source.rstrip("/")).stem or self.source
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,10 @@ class WorkersSection:
 class RouterSection:
     host: str = "127.0.0.1"
     port: int = _port(50051)
-    """0: any free port."""
+    """gRPC (radixmesh.v1.Serving); 0: any free port."""
+    http_port: int | None = _port(8000)
+    """The OpenAI- and Anthropic-compatible HTTP API on the same host, with the same tokens,
+    TLS and limits; 0: any free port; null: off."""
     policy: str = _one_of("cache_aware", POLICIES)
     max_in_flight: int = _at_least(256, 1)
     """Requests beyond this are refused at once with RESOURCE_EXHAUSTED (backpressure)."""
@@ -104,6 +120,7 @@ class RouterSection:
     """A custom Ray resource that pins the router to the nodes offering it (e.g. the Kubernetes
     head pod, where the Service points); None: anywhere."""
     max_message_bytes: int = _at_least(4 << 20, 1)
+    """Of a gRPC message, and of an HTTP request body (larger: 413)."""
     max_concurrent_streams: int = _at_least(64, 1)
     """Per client connection."""
     max_restarts: int = _at_least(-1, -1)

@@ -48,6 +48,16 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of one generated token, and the most likely tokens at its position
+    (the request's `logprobs` of them, most likely first), from the raw distribution."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log-probability) pairs."""
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """One streamed message of one sample (`index` < n) of a request."""
 
@@ -63,3 +73,5 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token of `token_ids` when the request asked for logprobs, else empty."""

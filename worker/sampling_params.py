@@ -14,6 +14,11 @@ from worker.errors import InvalidRequest
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20
+"""Top log-probabilities per token a request may ask for (OpenAI's top_logprobs bound)."""
+MAX_PENALTY = 2.0
+"""Presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range);
+repetition penalty in (0, MAX_PENALTY]."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,22 @@ class SamplingParams:
     """Strings that end generation; they are not included in the output text."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated."""
+    repetition_penalty: float = 1.0
+    """Divides the positive logits (multiplies the negative ones) of every token in the prompt
+    or generated; 1 is none."""
+    logprobs: int | None = None
+    """Log-probabilities of each generated token and of this many most likely tokens at its
+    position, from the raw distribution; None: none."""
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     def validate(
         self, vocab_size: int, max_new_tokens: int, stop_limits: StopLimits = StopLimits()
@@ -60,10 +81,28 @@ class SamplingParams:
             raise InvalidRequest("seed", f"must be a non-negative int, got {self.seed}")
         if self.n > 1 and self.temperature == 0:
             raise InvalidRequest("n", "n > 1 needs temperature > 0 (greedy samples are identical)")
+        self._validate_penalties()
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         for token in self.stop_token_ids:
             if not 0 <= token < vocab_size:
                 raise InvalidRequest("stop_token_ids", f"{token} is outside [0, {vocab_size})")
         self._validate_stop(stop_limits)
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # also refuses NaN
+                raise InvalidRequest(
+                    name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
+                )
+        if not 0 < self.repetition_penalty <= MAX_PENALTY:
+            raise InvalidRequest(
+                "repetition_penalty",
+                f"must be in (0, {MAX_PENALTY:g}] (1 is none), got {self.repetition_penalty}",
+            )
 
     def _validate_stop(self, limits: StopLimits) -> None:
         if len(self.stop) > limits.max_strings:

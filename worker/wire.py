@@ -8,7 +8,7 @@ from __future__ import annotations
 from cache import CacheNamespace
 from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.errors import InvalidRequest
-from worker.request import RequestOutput, Resume
+from worker.request import RequestOutput, Resume, TokenLogprob
 from worker.sampling_params import SamplingParams
 
 DEFAULTS = SamplingParams()
@@ -41,6 +41,10 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(message.stop),
         stop_token_ids=tuple(int(t) for t in message.stop_token_ids),
         ignore_eos=bool(message.ignore_eos),
+        presence_penalty=float(get("presence_penalty")),  # type: ignore[arg-type]
+        frequency_penalty=float(get("frequency_penalty")),  # type: ignore[arg-type]
+        repetition_penalty=float(get("repetition_penalty")),  # type: ignore[arg-type]
+        logprobs=int(message.logprobs) if message.HasField("logprobs") else None,
     )
 
 
@@ -64,9 +68,14 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
     return message
 
 
@@ -84,4 +93,13 @@ def output_to_proto(
         cached_prompt_tokens=output.cached_prompt_tokens,
         predicted_cached_tokens=predicted_cached_tokens,
         worker=worker,
+        logprobs=[logprob_to_proto(each) for each in output.logprobs],
+    )
+
+
+def logprob_to_proto(logprob: TokenLogprob) -> serving_pb2.TokenLogprob:
+    return serving_pb2.TokenLogprob(
+        logprob=logprob.logprob,
+        top_ids=[token for token, _ in logprob.top],
+        top_logprobs=[value for _, value in logprob.top],
     )
