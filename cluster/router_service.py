@@ -32,13 +32,14 @@ from cluster.auth import allowed_tenant
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.policies import router_config
 from cluster.requests import PreparedRequest, TenantRefused, prepare
+from cluster.serving_call import Caller, ServingError
 from cluster.stream_merge import merge_streams
 from cluster.stream_progress import StreamProgress
 from cluster.stream_timing import StreamTiming
 from cluster.worker_links import ChannelClosed, WorkerLink, WorkerLinks, responses
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
-from worker.errors import InvalidRequest
+from worker.errors import InvalidRequest, PromptTooLarge
 from worker.validation import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -86,28 +87,39 @@ class RouterService(serving_pb2_grpc.ServingServicer):
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        caller = Caller.within(allowed_tenant(context, self.security), context.time_remaining())
+        try:
+            async for response in self.generate(request, caller):
+                yield response
+        except ServingError as err:
+            await context.abort(err.code, err.message)
+
+    async def generate(
+        self, request: serving_pb2.GenerateRequest, caller: Caller
+    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        """Serve one request, whatever face it came through: the stream of the worker's
+        messages, or ServingError. Closing the stream early cancels the worker's call (the
+        worker frees the request's pages)."""
         taken = len(self.in_flight) + self.preparing
         if taken >= self.config.max_in_flight:  # refused before any tokenising
-            await self._abort(
-                context,
+            raise self._error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{taken} requests in flight, the limit is {self.config.max_in_flight}; "
                 "retry later",
             )
         self.preparing += 1  # held across the tokeniser's thread, where other calls get in
         try:
-            prepared = await self._prepare(request, context)
+            prepared = await self._prepare(request, caller)
         finally:
             self.preparing -= 1
         if prepared.request_id in self.in_flight:
-            await self._abort(
-                context,
+            raise self._error(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_id: {prepared.request_id!r} is already running",
             )
         entry = self.in_flight[prepared.request_id] = InFlight(prepared.namespace.tenant)
         try:
-            async for response in self._serve(prepared, entry, context):
+            async for response in self._serve(prepared, entry, caller):
                 yield response
             self._count("OK")
         finally:
@@ -121,25 +133,24 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         return RequestLimits.of(model.vocab_size, model.max_model_len, self.engine)
 
     async def _prepare(
-        self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: serving_pb2.GenerateRequest, caller: Caller
     ) -> PreparedRequest:
         limits = self.request_limits()
         if limits is None or not self.links.links:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "no healthy worker")
-        assert limits is not None
+            raise self._error(grpc.StatusCode.UNAVAILABLE, "no healthy worker")
+        tenant, tokenizer = caller.tenant, self.links.tokenizer
         try:
-            tenant = allowed_tenant(context, self.security)
             if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenise
-                return prepare(request, self.links.tokenizer, limits, tenant)
-            return await asyncio.to_thread(prepare, request, self.links.tokenizer, limits, tenant)
+                return prepare(request, tokenizer, limits, tenant)
+            return await asyncio.to_thread(prepare, request, tokenizer, limits, tenant)
         except InvalidRequest as err:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            raise self._error(code, str(err), isinstance(err, PromptTooLarge)) from err
         except TenantRefused as err:
-            await self._abort(context, grpc.StatusCode.PERMISSION_DENIED, str(err))
-        raise AssertionError("unreachable: context.abort raises")
+            raise self._error(grpc.StatusCode.PERMISSION_DENIED, str(err)) from err
 
     async def _serve(
-        self, prepared: PreparedRequest, entry: InFlight, context: grpc.aio.ServicerContext
+        self, prepared: PreparedRequest, entry: InFlight, caller: Caller
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         assert self.links.hasher is not None
         hashes = tuple(self.links.hasher.hashes(prepared.token_ids, prepared.namespace))
@@ -151,7 +162,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         for attempt in range(self.config.max_retries + 1):
             if not self.links.links:
                 left = f"{failure}; no healthy worker is left" if failure else "no healthy worker"
-                await self._abort(context, grpc.StatusCode.UNAVAILABLE, left)
+                raise self._error(grpc.StatusCode.UNAVAILABLE, left)
             if attempt and progress.started:
                 self.counters.migrated += 1
             elif attempt:
@@ -164,13 +175,13 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             link = self.links.links[decision.worker]
             requests = progress.worker_requests(decision.predicted_cached_tokens)
             entry.worker, entry.worker_ids = link.name, [r.request_id for r in requests]
-            calls = [link.stub.Generate(r, timeout=context.time_remaining()) for r in requests]
+            calls = [link.stub.Generate(r, timeout=caller.time_remaining()) for r in requests]
             try:
                 async for response in self._forward(link, calls, requests, progress):
                     yield response
                 return
             except (grpc.aio.AioRpcError, ChannelClosed) as err:
-                failure = await self._worker_failed(link, err, progress, attempt, context)
+                failure = await self._worker_failed(link, err, progress, attempt)
             finally:
                 for call in calls:  # a no-op on a stream that ended; frees the worker's pages
                     call.cancel()
@@ -216,7 +227,6 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         err: grpc.aio.AioRpcError | ChannelClosed,
         progress: StreamProgress,
         attempt: int,
-        context: grpc.aio.ServicerContext,
     ) -> str:
         """Detach a failed worker and say what failed (the caller tries another), or end the
         call: the worker refused the request for a reason of its own, or no attempt is left."""
@@ -224,7 +234,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         if isinstance(err, grpc.aio.AioRpcError):
             code, details = err.code(), err.details() or str(err.code())
             if code not in WORKER_FAILURES and attached:  # detached: its channel was closed
-                await self._abort(context, code, details)
+                raise self._error(code, details)
         else:
             details = str(err)
         request_id = progress.prepared.request_id
@@ -234,19 +244,17 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         when = "mid-stream" if progress.started else "before the first token"
         failure = f"worker {link.name} failed {when} ({details})"
         if attempt == self.config.max_retries:
-            await self._abort(
-                context,
+            raise self._error(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{failure} and {self.config.max_retries} other worker(s) were tried "
                 "(router.max_retries)",
             )
         return failure
 
-    async def _abort(
-        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str
-    ) -> None:
+    def _error(self, code: grpc.StatusCode, details: str, too_large: bool = False) -> ServingError:
+        """The error to raise, counted under its status."""
         self._count(code.name)
-        await context.abort(code, details)
+        return ServingError(code, details, too_large)
 
     def _count(self, status: str) -> None:
         self.counters.by_status[status] = self.counters.by_status.get(status, 0) + 1

@@ -11,6 +11,11 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field}: {problem}")
 
 
+class PromptTooLarge(InvalidRequest):
+    """A prompt over the operator's size limit (`max_prompt_chars`): refused before any work
+    (HTTP 413 on the router's HTTP API; INVALID_ARGUMENT on gRPC, as any bad field)."""
+
+
 class EngineOverloaded(RuntimeError):
     """Too many requests are waiting; try again later (backpressure, not a failure)."""
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from worker.errors import InvalidRequest
+from worker.errors import InvalidRequest, PromptTooLarge
 from worker.request import GenerateRequest
 from worker.sampling_params import MAX_N, StopLimits
 
@@ -125,7 +125,7 @@ def _encode(
 
 def _check_chars(name: str, chars: int, limits: RequestLimits) -> None:
     if chars > limits.max_prompt_chars:
-        raise InvalidRequest(
+        raise PromptTooLarge(
             name,
             f"{chars} characters; the limit is {limits.max_prompt_chars} (max_prompt_chars)",
         )

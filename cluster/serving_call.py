@@ -1,0 +1,42 @@
+"""What the router's serving core needs of a call, whatever face it came through (gRPC or HTTP):
+who is calling (the tenant their token allows), until when, and how a refusal is said.
+
+The core (cluster/router_service.py `RouterService.generate`) raises `ServingError` with a gRPC
+status code, the vocabulary both faces share: the gRPC face aborts the call with it, the HTTP
+face answers the matching HTTP status (cluster/http/errors.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.config import ANY_TENANT
+
+
+class ServingError(Exception):
+    """A call the router ends with `code`; the message names what was wrong."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.too_large = too_large
+        """The request was refused for its size (HTTP 413; gRPC says INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: str = ANY_TENANT
+    """The tenant the caller's token allows ("*": any, also when no token is configured)."""
+    deadline: float | None = None
+    """time.monotonic() by which the caller wants its answer; None: no deadline."""
+
+    @classmethod
+    def within(cls, tenant: str, timeout: float | None) -> Caller:
+        return cls(tenant, None if timeout is None else time.monotonic() + timeout)
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
