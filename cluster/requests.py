@@ -57,8 +57,11 @@ def prepare(
     tokenizer: validation.PromptTokenizer | None,
     limits: RequestLimits,
     allowed_tenant: str = ANY_TENANT,
+    fill_context: bool = False,
 ) -> PreparedRequest:
-    """Raises InvalidRequest (naming the field) or TenantRefused."""
+    """Raises InvalidRequest (naming the field) or TenantRefused. With `fill_context`, a request
+    that gives no max_tokens may generate up to the end of the context (OpenAI's default) instead
+    of the proto's default of 16."""
     request_id = message.request_id or uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(request_id):
         raise InvalidRequest("request_id", "1-128 characters of [A-Za-z0-9._:-]")
@@ -82,6 +85,9 @@ def prepare(
         **_prompt(message),  # type: ignore[arg-type]
     )
     ids = validation.prompt_ids(request, tokenizer, limits)
+    if fill_context and not message.sampling.HasField("max_tokens"):
+        room = max(1, limits.max_model_len - len(ids))
+        request = replace(request, sampling=replace(request.sampling, max_tokens=room))
     validation.validate(request, ids, limits)
     sampling = request.sampling
     if sampling.seed is None and not sampling.greedy:

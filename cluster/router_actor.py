@@ -1,4 +1,5 @@
-"""The router as a Ray actor: the public gRPC server, its policy, and Ray-backed membership.
+"""The router as a Ray actor: the public gRPC server and HTTP API, its policy, and Ray-backed
+membership.
 
 A plain class; the cluster wraps it with `ray.remote` and restarts it when it dies, on the same
 port, so clients reconnect to the same endpoint. Its constructor takes only what Ray keeps in
@@ -21,6 +22,7 @@ from typing import Any
 
 from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, build
+from cluster.http.server import HttpServer, start_http_server
 from cluster.policies import build_policy
 from cluster.router_admin import AdminService
 from cluster.router_metrics import RouterCollector
@@ -78,6 +80,9 @@ class RouterActor:
         self.server: GrpcServer = self.loop.run(
             start_router_server(self.config, self.links, self.service)
         )
+        self.http: HttpServer | None = self.loop.run(
+            start_http_server(self.service, self.config, self.config.drain_timeout_s)
+        )
         self.metrics_port = None
         if self.config.metrics.enabled:
             metrics = self.config.metrics
@@ -112,8 +117,19 @@ class RouterActor:
     def endpoint(self) -> str:
         return f"{self.config.router.host}:{self.server.port}"
 
+    def http_url(self) -> str | None:
+        """The HTTP API's base URL (None: off)."""
+        if self.http is None:
+            return None
+        return f"{self.http.scheme}://{self.config.router.host}:{self.http.port}"
+
     def describe(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint(), "metrics_port": self.metrics_port, "pid": os.getpid()}
+        return {
+            "endpoint": self.endpoint(),
+            "http_url": self.http_url(),
+            "metrics_port": self.metrics_port,
+            "pid": os.getpid(),
+        }
 
     def healthy_workers(self) -> list[str]:
         return self.links.healthy
@@ -124,10 +140,14 @@ class RouterActor:
 
         async def drain() -> bool:
             await self.server.set_serving(False)
+            if self.http is not None:
+                self.http.api.draining = True
             deadline = asyncio.get_running_loop().time() + timeout
             while self.service.in_flight and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
             idle = not self.service.in_flight
+            if self.http is not None:
+                await self.http.stop(grace=1.0)
             await self.server.stop(grace=1.0)
             await self.links.close()
             return idle

@@ -67,6 +67,8 @@ class RouterCounters:
     actual_cached_tokens: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
     decision_seconds: float = 0.0
+    http_responses: dict[tuple[str, int], int] = field(default_factory=dict)
+    """HTTP answers by route and status (cluster/http/app.py)."""
 
 
 class RouterService(serving_pb2_grpc.ServingServicer):
@@ -95,11 +97,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             await context.abort(err.code, err.message)
 
     async def generate(
-        self, request: serving_pb2.GenerateRequest, caller: Caller
+        self, request: serving_pb2.GenerateRequest, caller: Caller, fill_context: bool = False
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         """Serve one request, whatever face it came through: the stream of the worker's
         messages, or ServingError. Closing the stream early cancels the worker's call (the
-        worker frees the request's pages)."""
+        worker frees the request's pages). `fill_context`: see cluster/requests.py `prepare`."""
         taken = len(self.in_flight) + self.preparing
         if taken >= self.config.max_in_flight:  # refused before any tokenising
             raise self._error(
@@ -109,7 +111,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         self.preparing += 1  # held across the tokeniser's thread, where other calls get in
         try:
-            prepared = await self._prepare(request, caller)
+            prepared = await self._prepare(request, caller, fill_context)
         finally:
             self.preparing -= 1
         if prepared.request_id in self.in_flight:
@@ -133,7 +135,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         return RequestLimits.of(model.vocab_size, model.max_model_len, self.engine)
 
     async def _prepare(
-        self, request: serving_pb2.GenerateRequest, caller: Caller
+        self, request: serving_pb2.GenerateRequest, caller: Caller, fill_context: bool
     ) -> PreparedRequest:
         limits = self.request_limits()
         if limits is None or not self.links.links:
@@ -141,8 +143,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         tenant, tokenizer = caller.tenant, self.links.tokenizer
         try:
             if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenise
-                return prepare(request, tokenizer, limits, tenant)
-            return await asyncio.to_thread(prepare, request, tokenizer, limits, tenant)
+                return prepare(request, tokenizer, limits, tenant, fill_context)
+            return await asyncio.to_thread(
+                prepare, request, tokenizer, limits, tenant, fill_context
+            )
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
             raise self._error(code, str(err), isinstance(err, PromptTooLarge)) from err

@@ -4,7 +4,8 @@ SIGTERM / Ctrl-C, drain, exit 0.
     RAY_ADDRESS set (e.g. `ray job submit -- radixmesh serve`)  -> that cluster
     otherwise                                                   -> an embedded Ray on 127.0.0.1
     workers: one per GPU (num_gpus=1 each), or `workers.count` CPU workers (default 2)
-    router:  the public gRPC endpoint (config `router.host:port`, default 127.0.0.1:50051)
+    router:  the public gRPC endpoint (config `router.host:port`, default 127.0.0.1:50051) and
+             the HTTP API (`router.http_port`, default 8000)
 
 Both are restartable Ray actors: a dead worker is restarted and rejoins the router; a dead
 router is restarted on the same port. A router Ray cannot bring back (restarts used up, a
@@ -104,7 +105,10 @@ def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
         with console.status("starting the router..."):
             router = place_router(config, workers)
             endpoint = ray.get(router.endpoint.remote())
+            http_url = ray.get(router.http_url.remote())
         print(f"radixmesh serving on {endpoint}", flush=True)
+        if http_url is not None:
+            print(f"OpenAI and Anthropic APIs on {http_url}/v1", flush=True)
         watch = RouterWatch(router)
         dead = None
         while dead is None and not stop.wait(0.5):

@@ -8,12 +8,19 @@ actors do, minus process placement; tests that need processes and restarts use R
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
 
-from cluster.config import ClusterConfig, EngineSection, RouterSection, SecuritySection
+from cluster.config import (
+    ClusterConfig,
+    EngineSection,
+    ModelSection,
+    RouterSection,
+    SecuritySection,
+)
+from cluster.http.server import HttpServer, start_http_server
 from cluster.policies import build_policy
 from cluster.router_actor import start_router_server
 from cluster.router_service import RouterService
@@ -25,6 +32,7 @@ from worker.grpc_server import INTERNAL_MESSAGE_BYTES, GrpcServer, ServerLimits,
 from worker.loader import LoadedModel
 from worker.servicer import WorkerServicer
 
+SERVED_NAME = "tiny"
 ENGINE = EngineSection(num_pages=256, page_size=4, max_running=8, max_model_len=512, max_waiting=64)
 
 
@@ -38,10 +46,17 @@ class LocalCluster:
     router: GrpcServer
     engines: dict[str, Engine] = field(default_factory=dict)
     workers: dict[str, GrpcServer] = field(default_factory=dict)
+    http: HttpServer | None = None
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.router.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's root (start_cluster(http=True))."""
+        assert self.http is not None, "started without http=True"
+        return f"{self.http.scheme}://127.0.0.1:{self.http.port}"
 
     def stats(self) -> serving_pb2.GetStatsResponse:
         metadata = []
@@ -94,6 +109,8 @@ class LocalCluster:
         )
 
     def close(self) -> None:
+        if self.http is not None:
+            self.loop.run(self.http.stop(0))
         self.loop.run(self.router.stop(0))
         self.loop.run(self.links.close())
         for name in list(self.workers):
@@ -107,10 +124,14 @@ def start_cluster(
     router: RouterSection | None = None,
     security: SecuritySection | None = None,
     engine: EngineSection = ENGINE,
+    http: bool = False,
 ) -> LocalCluster:
+    """`http`: the HTTP API too, on a free port (else none: its default port is 8000)."""
+    router = replace(router or RouterSection(port=0), http_port=0 if http else None)
     config = ClusterConfig(
+        model=ModelSection(served_name=SERVED_NAME),
         engine=engine,
-        router=router or RouterSection(port=0, policy="cache_aware"),
+        router=router,
         security=security or SecuritySection(),
     )
     loop = EventLoopThread("local-cluster")
@@ -118,6 +139,7 @@ def start_cluster(
     service = RouterService(links, config)
     server = loop.run(start_router_server(config, links, service))
     cluster = LocalCluster(loaded, config, loop, links, service, server)
+    cluster.http = loop.run(start_http_server(service, config))
     for index in range(workers):
         cluster.add_worker(f"worker-{index}")
     return cluster

@@ -267,6 +267,7 @@ def config(tmp: Path) -> Path:
         "router": {
             "host": "127.0.0.1",
             "port": ROUTER_PORT,
+            "http_port": 0,
             "policy": "round_robin",
             "resource": HEAD_RESOURCE,
         },

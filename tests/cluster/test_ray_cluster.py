@@ -132,7 +132,7 @@ def write_config(base: Path, source: str, **router: object) -> Path:
         "model": {"source": source, "device": "cpu"},
         "engine": {"num_pages": 256, "page_size": 4, "max_model_len": 512},
         "workers": {"count": 2},
-        "router": {"port": free_port(), "policy": "cache_aware", **router},
+        "router": {"port": free_port(), "http_port": 0, "policy": "cache_aware", **router},
         "metrics": {"router_port": free_port(), "worker_port": free_port()},
         "drain_timeout_s": 10,
     }

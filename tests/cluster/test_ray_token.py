@@ -163,7 +163,7 @@ def test_serve_on_an_embedded_cluster_writes_no_token_to_home(tmp_path: Path) ->
         "model": {"source": str(build_tiny_checkpoint(tmp_path / "tiny")), "device": "cpu"},
         "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 128},
         "workers": {"count": 1},
-        "router": {"port": free_port()},
+        "router": {"port": free_port(), "http_port": 0},
         "metrics": {"enabled": False},
         "drain_timeout_s": 5,
     }

@@ -1,0 +1,189 @@
+"""POST /v1/messages (Anthropic's Messages API, text content, streamed or not) and
+/v1/messages/count_tokens, over the same serving core as everything else.
+
+finish reasons: "stop" -> stop_reason "end_turn" (the model's end, or a stop sequence: the
+workers do not say which), "length" -> "max_tokens". Usage counts prompt tokens read from the
+prefix cache as `cache_read_input_tokens` and the rest as `input_tokens`, as Anthropic does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster.http.anthropic_schema import (
+    REFUSED,
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+    MessageUsage,
+    TextBlock,
+    TokenCount,
+)
+from cluster.http.errors import HttpError
+from cluster.http.openai_params import text_content
+from cluster.http.openai_responses import Counts, GenerationFailed, collect
+from cluster.http.sse import EventStream
+from cluster.serving_call import ServingError
+from protos.radixmesh.v1 import serving_pb2
+
+if TYPE_CHECKING:
+    from cluster.http.app import HttpApi
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+def add_routes(app: FastAPI, api: HttpApi) -> None:
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        caller = api.caller(request)
+        api.check_model(body.model)
+        rid = api.request_id(request)
+        message = generate_request(body, rid, caller.tenant)
+        stream = api.start(message, caller)
+        if body.stream:
+            first = await api.first(request, stream)
+            return EventStream(events(f"msg_{rid}", api.model, first, stream))
+        samples, counts = await api.finish(request, collect(stream))
+        sample = samples[0]
+        reply = Message(
+            id=f"msg_{rid}",
+            model=api.model,
+            content=[TextBlock(text="".join(sample.text))],
+            stop_reason=STOP_REASONS.get(sample.finish_reason or "", sample.finish_reason),
+            usage=usage(counts),
+        )
+        return JSONResponse(reply.model_dump())
+
+    async def count_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
+        api.caller(request)
+        api.check_model(body.model)
+        for name in ("tools", "tool_choice", "thinking"):
+            if getattr(body, name) is not None:
+                raise HttpError.invalid(name, REFUSED[name][0])
+        tokenizer, limits = api._tokenizer()
+        chat = [{"role": m.role, "content": m.content} for m in chat_messages(body)]
+        try:
+            text = tokenizer.apply_chat_template(chat)
+        except ValueError as err:
+            raise HttpError.invalid("messages", str(err)) from err
+        if len(text) > limits.max_prompt_chars:
+            raise HttpError(413, f"messages: {len(text)} characters (max_prompt_chars)")
+        ids = await asyncio.to_thread(tokenizer.encode, text, False)
+        return TokenCount(input_tokens=len(ids))
+
+    app.add_api_route("/v1/messages", messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
+
+
+def generate_request(
+    body: MessagesRequest, request_id: str, tenant: str
+) -> serving_pb2.GenerateRequest:
+    for name, (why, accepted) in REFUSED.items():
+        value = getattr(body, name)
+        if value is not None and value not in accepted:
+            raise HttpError.invalid(name, f"{why} (radixmesh refuses it rather than ignore it)")
+    sampling = serving_pb2.SamplingParams(stop=body.stop_sequences or [])
+    if not 1 <= body.max_tokens <= 2**31 - 1:
+        raise HttpError.invalid("max_tokens", f"must be at least 1, got {body.max_tokens}")
+    sampling.max_tokens = body.max_tokens
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(body, name)
+        if value is not None:
+            if name == "top_k" and not 0 <= value <= 2**31 - 1:
+                raise HttpError.invalid("top_k", f"must be >= 0, got {value}")
+            setattr(sampling, name, value)
+    message = serving_pb2.GenerateRequest(
+        request_id=request_id,
+        chat=serving_pb2.ChatMessages(messages=chat_messages(body)),
+        sampling=sampling,
+    )
+    message.namespace.tenant = tenant
+    return message
+
+
+def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[serving_pb2.ChatMessage]:
+    out = []
+    if body.system is not None:
+        out.append(serving_pb2.ChatMessage(role="system", content=_text(body.system, "system")))
+    for i, each in enumerate(body.messages):
+        content = _text(each.content, f"messages[{i}].content")
+        out.append(serving_pb2.ChatMessage(role=each.role, content=content))
+    return out
+
+
+def _text(content: str | list[dict[str, Any]], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind != "text" or set(block) - {"type", "text", "cache_control", "citations"}:
+            raise HttpError.invalid(
+                f"{where}[{j}]", f"only text blocks are served, got type {kind!r}"
+            )
+    return text_content([{"type": "text", "text": b.get("text")} for b in content], where)
+
+
+def usage(counts: Counts) -> MessageUsage:
+    cached = counts.cached_tokens
+    return MessageUsage(
+        input_tokens=counts.prompt_tokens - cached,
+        output_tokens=counts.completion_tokens,
+        cache_read_input_tokens=cached,
+    )
+
+
+async def events(
+    message_id: str,
+    model: str,
+    first: serving_pb2.GenerateResponse,
+    rest: AsyncIterator[serving_pb2.GenerateResponse],
+) -> AsyncIterator[bytes]:
+    """message_start, a text block's start, deltas and stop, message_delta (stop reason, output
+    tokens), message_stop; a failure mid-way is an `error` event."""
+    counts = Counts()
+    counts.record(first)
+    counts.completion_tokens = 0
+    start = Message(
+        id=message_id, model=model, content=[], stop_reason=None, usage=usage(counts)
+    ).model_dump()
+    yield _event("message_start", {"type": "message_start", "message": start})
+    text = {"type": "text", "text": ""}
+    yield _event(
+        "content_block_start", {"type": "content_block_start", "index": 0, "content_block": text}
+    )
+    try:
+        response: serving_pb2.GenerateResponse | None = first
+        finish = None
+        while response is not None:
+            if response.finished and response.finish_reason == "error":
+                raise GenerationFailed(f"the generation failed on {response.worker}")
+            counts.record(response)
+            if response.text:
+                delta = {"type": "text_delta", "text": response.text}
+                yield _event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": 0, "delta": delta},
+                )
+            if response.finished:
+                finish = response.finish_reason
+            response = await anext(rest, None)
+    except (ServingError, GenerationFailed) as err:
+        failure = HttpError.of(err) if isinstance(err, ServingError) else HttpError(500, str(err))
+        yield _event("error", failure.anthropic_body())
+        return
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    stop = {"stop_reason": STOP_REASONS.get(finish or "", finish), "stop_sequence": None}
+    output = {"output_tokens": counts.completion_tokens}
+    yield _event("message_delta", {"type": "message_delta", "delta": stop, "usage": output})
+    yield _event("message_stop", {"type": "message_stop"})
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()

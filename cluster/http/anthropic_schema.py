@@ -1,0 +1,90 @@
+"""The Anthropic Messages API's requests and responses (text content), as pydantic models.
+
+As for OpenAI's (openai_schema.py): undeclared parameters are refused by name, declared ones
+radixmesh does not implement are refused unless they ask for nothing (`REFUSED`). A text block's
+`cache_control` is accepted: radixmesh caches every prompt prefix whether asked or not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from cluster.http.openai_schema import Strict
+
+
+class MessageParam(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class Metadata(Strict):
+    user_id: str | None = None
+
+
+class MessagesRequest(Strict):
+    model: str
+    max_tokens: int
+    messages: list[MessageParam]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None
+    service_tier: Any = None
+    container: Any = None
+    mcp_servers: Any = None
+
+
+REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
+    "tools": ("tool use is not supported", ([],)),
+    "tool_choice": ("tool use is not supported", ({"type": "none"},)),
+    "thinking": ("this model does not think", ({"type": "disabled"},)),
+    "service_tier": ("there is one tier", ("auto", "standard_only")),
+    "container": ("code execution is not supported", ()),
+    "mcp_servers": ("MCP servers are not supported", ([],)),
+}
+
+
+class CountTokensRequest(Strict):
+    model: str
+    messages: list[MessageParam]
+    system: str | list[dict[str, Any]] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    """Prompt tokens not read from the cache (Anthropic counts cache reads apart)."""
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int
+    """Prompt tokens served from the prefix cache."""
+
+
+class Message(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[TextBlock]
+    stop_reason: str | None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int

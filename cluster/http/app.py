@@ -1,0 +1,359 @@
+"""The HTTP API as a FastAPI app over the router's serving core.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
+    POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
+    POST /tokenize              POST /detokenize                          (vLLM's)
+    GET  /health                (no token: probes carry none)
+
+Every call but /health needs a known bearer token when `security.auth_tokens` is set
+(`Authorization: Bearer <token>`, or Anthropic's `x-api-key: <token>`), and uses the tenant the
+token allows; `X-Radixmesh-Tenant` names a tenant for tokens bound to "*" (or with no tokens).
+`X-Request-Id` sets the request id (as for vLLM), which gRPC's Abort takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cluster.auth import known_token
+from cluster.config import ANY_TENANT, ClusterConfig
+from cluster.http import anthropic_routes, openai_params
+from cluster.http.body_limit import BodyLimit
+from cluster.http.errors import HttpError
+from cluster.http.openai_responses import (
+    DONE,
+    GenerationFailed,
+    Reply,
+    chat_chunks,
+    chat_completion,
+    collect,
+    completion,
+    completion_chunks,
+)
+from cluster.http.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from cluster.http.sse import ClientGone, EventStream, until_disconnected
+from cluster.http.token_texts import TokenTexts
+from cluster.router_service import RouterService
+from cluster.serving_call import Caller, ServingError
+from protos.radixmesh.v1 import serving_pb2
+from worker.tokenizer import Tokenizer, TokenizerError
+
+T = TypeVar("T")
+TENANT_HEADER = "x-radixmesh-tenant"
+CLIENT_GONE = 499
+"""What the log says of a request whose client left (nginx's code; nobody receives it)."""
+
+
+class HttpApi:
+    """The handlers, over one RouterService."""
+
+    def __init__(self, service: RouterService, config: ClusterConfig) -> None:
+        self.service = service
+        self.config = config
+        self.model = config.model.name
+        self.started = int(time.time())
+        self.draining = False
+        """Set when the router drains: /health says 503 and new generations are refused."""
+        self._texts: tuple[Tokenizer | None, TokenTexts] | None = None
+
+    # -- who calls, and about what ---------------------------------------------------------------
+    def caller(self, request: Request) -> Caller:
+        """The caller's tenant (401 without a known token, when tokens are configured)."""
+        tokens = self.config.security.auth_tokens
+        named = request.headers.get(TENANT_HEADER)
+        if not tokens:
+            return Caller(ANY_TENANT) if not named else Caller(named)
+        given = _bearer(request.headers.get("authorization")) or request.headers.get("x-api-key")
+        token = known_token(given, self.config.security)
+        if token is None:
+            raise HttpError(
+                401,
+                "a valid token is required (header 'Authorization: Bearer <token>' or "
+                "'x-api-key: <token>')",
+            )
+        allowed = tokens[token]
+        if allowed == ANY_TENANT and named:
+            return Caller(named)
+        if named and named != allowed:
+            raise HttpError(403, f"{TENANT_HEADER}: this token may only use tenant {allowed!r}")
+        return Caller(allowed)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise HttpError(
+                404, f"model {model!r} does not exist; this cluster serves {[self.model]}", "model"
+            )
+
+    def request_id(self, request: Request) -> str:
+        return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+    def token_texts(self) -> TokenTexts:
+        tokenizer = self.service.links.tokenizer
+        if self._texts is None or self._texts[0] is not tokenizer:  # a router restart's new one
+            self._texts = (tokenizer, TokenTexts(tokenizer))
+        return self._texts[1]
+
+    def start(
+        self, message: serving_pb2.GenerateRequest, caller: Caller
+    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        if self.draining:
+            raise HttpError(503, "the router is draining; retry on another")
+        return self.service.generate(message, caller, fill_context=True)
+
+    # -- OpenAI ------------------------------------------------------------------------------------
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        caller = self.caller(request)
+        self.check_model(body.model)
+        _check_stream_options(body.stream, body.stream_options)
+        rid = self.request_id(request)
+        message = openai_params.chat_request(body, rid, caller.tenant)
+        reply = Reply(f"chatcmpl-{rid}", self.model, self.token_texts())
+        stream = self.start(message, caller)
+        if body.stream:
+            first = await self.first(request, stream)
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(
+                _guarded(chat_chunks(reply, _prepend(first, stream), include, body.logprobs))
+            )
+        samples, counts = await self.finish(request, collect(stream))
+        return _json(chat_completion(reply, samples, counts, body.logprobs).model_dump())
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        caller = self.caller(request)
+        self.check_model(body.model)
+        _check_stream_options(body.stream, body.stream_options)
+        rid = self.request_id(request)
+        message = openai_params.completion_request(body, rid, caller.tenant)
+        reply = Reply(f"cmpl-{rid}", self.model, self.token_texts())
+        stream = self.start(message, caller)
+        logprobs = body.logprobs is not None
+        if body.stream:
+            first = await self.first(request, stream)
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(
+                _guarded(completion_chunks(reply, _prepend(first, stream), include, logprobs))
+            )
+        samples, counts = await self.finish(request, collect(stream))
+        return _json(completion(reply, samples, counts, logprobs).model_dump())
+
+    async def first(
+        self, request: Request, stream: AsyncIterator[serving_pb2.GenerateResponse]
+    ) -> serving_pb2.GenerateResponse:
+        """The stream's first message, before the response starts: a refusal is still an HTTP
+        status, not an event in a 200 stream."""
+        return await self.finish(request, anext(stream))
+
+    async def finish(self, request: Request, work: Awaitable[T]) -> T:
+        try:
+            return await until_disconnected(request, work)
+        except ServingError as err:
+            raise HttpError.of(err) from err
+        except GenerationFailed as err:
+            raise HttpError(500, str(err)) from err
+
+    async def models(self, request: Request) -> ModelList:
+        self.caller(request)
+        limits = self.service.links.limits
+        card = ModelCard(
+            id=self.model,
+            created=self.started,
+            root=self.config.model.source,
+            max_model_len=limits.max_model_len if limits else None,
+        )
+        return ModelList(data=[card])
+
+    # -- vLLM's tokenizer endpoints ----------------------------------------------------------------
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        self.caller(request)
+        self.check_model(body.model)
+        tokenizer, limits = self._tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise HttpError.invalid("prompt", "give exactly one of prompt and messages")
+        if body.prompt is not None:
+            text, special = body.prompt, body.add_special_tokens
+        else:
+            messages = [
+                {"role": m.role, "content": m.content}
+                for m in openai_params.chat_messages(body.messages or [])
+            ]
+            try:
+                text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            except ValueError as err:
+                raise HttpError.invalid("messages", str(err)) from err
+            special = False
+        if len(text) > limits.max_prompt_chars:
+            raise HttpError(
+                413,
+                f"prompt: {len(text)} characters; the limit is {limits.max_prompt_chars} "
+                "(max_prompt_chars)",
+                "prompt",
+            )
+        ids = await asyncio.to_thread(tokenizer.encode, text, special)
+        return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids)
+
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        self.caller(request)
+        self.check_model(body.model)
+        tokenizer, _ = self._tokenizer()
+        try:
+            return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        except TokenizerError as err:
+            raise HttpError.invalid("tokens", str(err)) from err
+
+    def _tokenizer(self) -> tuple[Tokenizer, Any]:
+        limits = self.service.request_limits()
+        tokenizer = self.service.links.tokenizer
+        if limits is None:
+            raise HttpError(503, "no healthy worker")
+        if tokenizer is None:
+            raise HttpError.invalid("prompt", "this model has no tokenizer")
+        return tokenizer, limits
+
+    async def health(self) -> Response:
+        workers = len(self.service.links.links)
+        if self.draining or not workers:
+            status = "draining" if self.draining else "no healthy worker"
+            return JSONResponse({"status": status, "workers": workers}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": workers})
+
+
+def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, HttpApi]:
+    """The ASGI app (the FastAPI routes behind the body limit and the status counter) and its
+    handlers (`HttpApi.draining` is the router's to set)."""
+    api = HttpApi(service, config)
+    app = FastAPI(title="radixmesh", version="1", docs_url=None, redoc_url=None)
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    anthropic_routes.add_routes(app, api)
+
+    async def http_error(request: Request, err: Exception) -> Response:
+        assert isinstance(err, HttpError)
+        return JSONResponse(error_body(request.url.path, err), err.status, err.headers())
+
+    async def invalid(request: Request, err: Exception) -> Response:
+        assert isinstance(err, RequestValidationError)
+        return await http_error(request, validation_error(err))
+
+    async def client_gone(request: Request, err: Exception) -> Response:
+        return Response(status_code=CLIENT_GONE)
+
+    app.add_exception_handler(HttpError, http_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(ClientGone, client_gone)
+    counted = StatusCounter(app, service.counters.http_responses)
+    return BodyLimit(counted, config.router.max_message_bytes, error_body), api
+
+
+def error_body(path: str, err: HttpError) -> dict[str, Any]:
+    return err.anthropic_body() if path.startswith("/v1/messages") else err.openai_body()
+
+
+def validation_error(err: RequestValidationError) -> HttpError:
+    """Pydantic's first complaint, as one line naming the parameter."""
+    first = err.errors()[0]
+    where = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in first["loc"][1:])
+    where = where.replace(".[", "[") or "body"
+    if first["type"] == "extra_forbidden":
+        return HttpError.invalid(where, "unknown parameter (radixmesh refuses what it does not do)")
+    if first["type"] == "json_invalid":
+        return HttpError.invalid("body", f"is not valid JSON ({first['msg']})")
+    return HttpError.invalid(where, f"{first['msg']} (got {first.get('input')!r:.80})")
+
+
+class StatusCounter:
+    """Counts every answer by path and status (radixmesh_router_http_responses_total)."""
+
+    def __init__(self, app: ASGIApp, counts: dict[tuple[str, int], int]) -> None:
+        self.app = app
+        self.counts = counts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                key = (_route(scope["path"]), int(message["status"]))
+                self.counts[key] = self.counts.get(key, 0) + 1
+            await send(message)
+
+        await self.app(scope, receive, counting)
+
+
+_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/messages",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+)
+
+
+def _route(path: str) -> str:
+    """The path as a metric label: one of the routes, never what a client made up."""
+    return path if path in _ROUTES else "other"
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _check_stream_options(stream: bool, options: object) -> None:
+    if options is not None and not stream:
+        raise HttpError.invalid("stream_options", "is only allowed with stream: true")
+
+
+def _json(content: Any) -> Response:
+    return JSONResponse(content)
+
+
+async def _prepend(
+    first: serving_pb2.GenerateResponse, rest: AsyncIterator[serving_pb2.GenerateResponse]
+) -> AsyncIterator[serving_pb2.GenerateResponse]:
+    try:
+        yield first
+        async for response in rest:
+            yield response
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A failure after the stream began: an error event (the SDKs raise it), then [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except (ServingError, GenerationFailed) as err:
+        failure = HttpError.of(err) if isinstance(err, ServingError) else HttpError(500, str(err))
+        yield b"data: " + JSONResponse(failure.openai_body()).body + b"\n\n"
+        yield DONE
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,77 @@
+"""Refusals on the HTTP API: a status and a message naming what was wrong, written as each API's
+clients expect their errors (OpenAI's error object; Anthropic's) and counted by status.
+
+The serving core speaks gRPC status codes (cluster/serving_call.py); `HTTP_STATUS` is the one
+table from those to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from cluster.serving_call import ServingError
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+RETRY_AFTER_S = 1
+"""What a 429 or 503 tells the client to wait (Retry-After), in seconds."""
+
+_OPENAI_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+_ANTHROPIC_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+class HttpError(Exception):
+    """A request answered with `status` and `message` (naming the field, `param`, if any)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @classmethod
+    def of(cls, err: ServingError) -> HttpError:
+        status = 413 if err.too_large else HTTP_STATUS.get(err.code, 500)
+        param = err.message.partition(":")[0] if status in (400, 413) else None
+        return cls(status, err.message, param if param and " " not in param else None)
+
+    @classmethod
+    def invalid(cls, param: str, problem: str) -> HttpError:
+        return cls(400, f"{param}: {problem}", param)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
+
+    def openai_body(self) -> dict[str, Any]:
+        kind = _OPENAI_TYPE.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPE.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}

@@ -1,0 +1,169 @@
+"""OpenAI requests -> the router's GenerateRequest: every parameter mapped or refused by name.
+
+Ranges are checked once, by the serving core with the workers' own functions
+(worker/sampling_params.py); this module maps names and shapes, and refuses what has no
+meaning here: parameters radixmesh does not implement (`REFUSED`), content that is not text,
+roles a text model's chat template does not take.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.http.errors import HttpError
+from cluster.http.openai_schema import (
+    REFUSED,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationParams,
+)
+from protos.radixmesh.v1 import serving_pb2
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""OpenAI's roles -> the chat template's ("developer" is OpenAI's newer name for "system")."""
+MAX_TOP_LOGPROBS = 20
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (0, 2**63 - 1)
+
+
+def refuse_unsupported(request: GenerationParams) -> None:
+    """400 naming the first parameter radixmesh does not implement, unless it asks for nothing."""
+    for name in type(request).model_fields.keys() & REFUSED.keys():
+        value = getattr(request, name)
+        why, accepted = REFUSED[name]
+        if value is not None and value not in accepted:
+            raise HttpError.invalid(name, f"{why} (radixmesh refuses it rather than ignore it)")
+
+
+def chat_request(
+    request: ChatCompletionRequest, request_id: str, tenant: str
+) -> serving_pb2.GenerateRequest:
+    refuse_unsupported(request)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise HttpError.invalid("top_logprobs", "needs logprobs: true")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise HttpError.invalid(
+            "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}"
+        )
+    both = request.max_tokens is not None and request.max_completion_tokens is not None
+    if both and request.max_tokens != request.max_completion_tokens:
+        raise HttpError.invalid(
+            "max_completion_tokens", "differs from max_tokens; give one of them"
+        )
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    message = serving_pb2.GenerateRequest(
+        request_id=request_id,
+        chat=serving_pb2.ChatMessages(messages=chat_messages(request.messages)),
+        sampling=sampling(request, max_tokens, logprobs),
+    )
+    message.namespace.tenant = tenant
+    return message
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[serving_pb2.ChatMessage]:
+    out = []
+    for i, each in enumerate(messages):
+        where = f"messages[{i}]"
+        role = ROLES.get(each.role)
+        if role is None:
+            raise HttpError.invalid(
+                f"{where}.role", f"{each.role!r} is not one of {sorted(ROLES)} (no tool calling)"
+            )
+        for name in ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
+            if getattr(each, name) not in (None, []):
+                raise HttpError.invalid(f"{where}.{name}", "is not supported")
+        out.append(serving_pb2.ChatMessage(role=role, content=text_content(each.content, where)))
+    return out
+
+
+def text_content(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    """A message's text: a string, or text parts joined by newlines (as vLLM joins them)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            raise HttpError.invalid(
+                f"{where}.content[{j}]",
+                f"only text parts ({{'type': 'text', 'text': ...}}) are served, got type {kind!r}",
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def completion_request(
+    request: CompletionRequest, request_id: str, tenant: str
+) -> serving_pb2.GenerateRequest:
+    refuse_unsupported(request)
+    if request.best_of is not None and request.best_of != (request.n or 1):
+        raise HttpError.invalid("best_of", "best_of other than n is not supported")
+    message = serving_pb2.GenerateRequest(
+        request_id=request_id, sampling=sampling(request, request.max_tokens, request.logprobs)
+    )
+    prompt = _one_prompt(request.prompt)
+    if isinstance(prompt, str):
+        message.text = prompt
+    else:
+        _check_range("prompt", prompt, _INT64)
+        message.token_ids.ids.extend(prompt)
+    message.namespace.tenant = tenant
+    return message
+
+
+def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """The prompt: a text or token ids, alone or as the only member of a list."""
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt or isinstance(prompt[0], int):
+        return [p for p in prompt if isinstance(p, int)]
+    if len(prompt) != 1:
+        raise HttpError.invalid(
+            "prompt", f"{len(prompt)} prompts in one request; send one prompt per request"
+        )
+    return prompt[0]
+
+
+def sampling(
+    request: GenerationParams, max_tokens: int | None, logprobs: int | None
+) -> serving_pb2.SamplingParams:
+    """The sampling fields the request sets (absent ones take the workers' defaults)."""
+    top_k = request.top_k
+    if top_k == -1:  # vLLM's spelling of "no top-k"
+        top_k = 0
+    ints = {"max_tokens": max_tokens, "top_k": top_k, "n": request.n, "logprobs": logprobs}
+    floats = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+    }
+    message = serving_pb2.SamplingParams(ignore_eos=request.ignore_eos)
+    for name, value in ints.items():
+        if value is not None:
+            _check_range(name, [value], _INT32)
+            setattr(message, name, value)
+    for name, float_value in floats.items():
+        if float_value is not None:
+            setattr(message, name, float_value)
+    if request.seed is not None:
+        _check_range("seed", [request.seed], _INT64)
+        message.seed = request.seed
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    message.stop.extend(stop)
+    if request.stop_token_ids:
+        _check_range("stop_token_ids", request.stop_token_ids, _INT64)
+        message.stop_token_ids.extend(request.stop_token_ids)
+    return message
+
+
+def _check_range(name: str, values: list[int], bounds: tuple[int, int]) -> None:
+    low, high = bounds
+    bad = next((v for v in values if not low <= v <= high), None)
+    if bad is not None:
+        raise HttpError.invalid(name, f"{bad} is out of range")

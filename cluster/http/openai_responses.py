@@ -1,0 +1,258 @@
+"""The router's stream of GenerateResponse messages -> OpenAI's response objects: a whole chat or
+text completion, or the chunks of its server-sent-event stream.
+
+Usage counts the prompt once (every sample shares it), the completion tokens of every sample,
+and, in `prompt_tokens_details.cached_tokens`, the prompt tokens the worker served from its
+prefix cache: where a client sees its cache hits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from cluster.http.openai_schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from cluster.http.token_texts import TokenTexts
+from protos.radixmesh.v1 import serving_pb2
+
+FINISH_ERROR = "error"
+DONE = b"data: [DONE]\n\n"
+
+
+class GenerationFailed(RuntimeError):
+    """A worker ended a sample with an error (its message says which)."""
+
+
+@dataclass
+class Reply:
+    """What every response of one request shares."""
+
+    id: str
+    model: str
+    texts: TokenTexts
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Counts:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def record(self, response: serving_pb2.GenerateResponse) -> None:
+        self.prompt_tokens = response.prompt_tokens
+        self.cached_tokens = response.cached_prompt_tokens
+        self.completion_tokens += len(response.token_ids)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+
+@dataclass
+class Sample:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[serving_pb2.TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def _failed(response: serving_pb2.GenerateResponse) -> bool:
+    return response.finished and response.finish_reason == FINISH_ERROR
+
+
+async def collect(
+    stream: AsyncIterator[serving_pb2.GenerateResponse],
+) -> tuple[dict[int, Sample], Counts]:
+    samples: dict[int, Sample] = {}
+    counts = Counts()
+    async for response in stream:
+        if _failed(response):
+            raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
+        counts.record(response)
+        sample = samples.setdefault(response.index, Sample())
+        sample.text.append(response.text)
+        sample.token_ids.extend(response.token_ids)
+        sample.logprobs.extend(response.logprobs)
+        if response.finished:
+            sample.finish_reason = response.finish_reason
+    return samples, counts
+
+
+# -- chat ------------------------------------------------------------------------------------
+def chat_logprobs(
+    texts: TokenTexts, token_ids: list[int], logprobs: list[serving_pb2.TokenLogprob]
+) -> ChoiceLogprobs:
+    def entry(token: int, logprob: float) -> TopLogprob:
+        text = texts.text(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = []
+    for token, each in zip(token_ids, logprobs, strict=True):
+        top = [entry(t, lp) for t, lp in zip(each.top_ids, each.top_logprobs, strict=True)]
+        chosen = entry(token, each.logprob)
+        content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+def chat_completion(
+    reply: Reply, samples: dict[int, Sample], counts: Counts, logprobs: bool
+) -> ChatCompletion:
+    choices = [
+        ChatChoice(
+            index=index,
+            message=AssistantMessage(content="".join(s.text)),
+            logprobs=chat_logprobs(reply.texts, s.token_ids, s.logprobs) if logprobs else None,
+            finish_reason=s.finish_reason,
+        )
+        for index, s in sorted(samples.items())
+    ]
+    return ChatCompletion(
+        id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=counts.usage()
+    )
+
+
+async def chat_chunks(
+    reply: Reply,
+    stream: AsyncIterator[serving_pb2.GenerateResponse],
+    include_usage: bool,
+    logprobs: bool,
+) -> AsyncIterator[bytes]:
+    """The stream's events: a first chunk per choice with the role, then its text as it comes
+    (the last with finish_reason), a usage chunk if asked, then [DONE]."""
+    counts = Counts()
+    started: set[int] = set()
+
+    def chunk(choice: ChunkChoice) -> bytes:
+        message = ChatCompletionChunk(
+            id=reply.id, created=reply.created, model=reply.model, choices=[choice]
+        )
+        return _event(message.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+    async for response in stream:
+        if _failed(response):
+            raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
+        counts.record(response)
+        index = response.index
+        if index not in started:
+            started.add(index)
+            yield chunk(ChunkChoice(index=index, delta=Delta(role="assistant", content="")))
+        if not (response.text or response.finished or (logprobs and response.token_ids)):
+            continue  # text held back (a possible stop string): nothing to say yet
+        choice = ChunkChoice(
+            index=index,
+            delta=Delta(content=response.text),
+            logprobs=chat_logprobs(reply.texts, list(response.token_ids), list(response.logprobs))
+            if logprobs
+            else None,
+            finish_reason=response.finish_reason if response.finished else None,
+        )
+        yield chunk(choice)
+    if include_usage:
+        final = ChatCompletionChunk(
+            id=reply.id, created=reply.created, model=reply.model, choices=[], usage=counts.usage()
+        )
+        yield _event(final.model_dump_json())
+    yield DONE
+
+
+# -- text completions ------------------------------------------------------------------------
+def completion_logprobs(
+    texts: TokenTexts, token_ids: list[int], logprobs: list[serving_pb2.TokenLogprob], offset: int
+) -> CompletionLogprobs:
+    tokens, offsets = [], []
+    for token in token_ids:
+        offsets.append(offset)
+        tokens.append(texts.text(token))
+        offset += len(tokens[-1])
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[each.logprob for each in logprobs],
+        top_logprobs=[
+            {texts.text(t): lp for t, lp in zip(each.top_ids, each.top_logprobs, strict=True)}
+            for each in logprobs
+        ],
+        text_offset=offsets,
+    )
+
+
+def completion(
+    reply: Reply, samples: dict[int, Sample], counts: Counts, logprobs: bool
+) -> Completion:
+    choices = [
+        CompletionChoice(
+            index=index,
+            text="".join(s.text),
+            logprobs=completion_logprobs(reply.texts, s.token_ids, s.logprobs, 0)
+            if logprobs
+            else None,
+            finish_reason=s.finish_reason,
+        )
+        for index, s in sorted(samples.items())
+    ]
+    return Completion(
+        id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=counts.usage()
+    )
+
+
+async def completion_chunks(
+    reply: Reply,
+    stream: AsyncIterator[serving_pb2.GenerateResponse],
+    include_usage: bool,
+    logprobs: bool,
+) -> AsyncIterator[bytes]:
+    counts = Counts()
+    offsets: dict[int, int] = {}
+    async for response in stream:
+        if _failed(response):
+            raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
+        counts.record(response)
+        if not (response.text or response.finished or (logprobs and response.token_ids)):
+            continue
+        index = response.index
+        offset = offsets.get(index, 0)
+        choice = CompletionChoice(
+            index=index,
+            text=response.text,
+            logprobs=completion_logprobs(
+                reply.texts, list(response.token_ids), list(response.logprobs), offset
+            )
+            if logprobs
+            else None,
+            finish_reason=response.finish_reason if response.finished else None,
+        )
+        offsets[index] = offset + len(response.text)
+        message = Completion(
+            id=reply.id, created=reply.created, model=reply.model, choices=[choice]
+        )
+        yield _event(message.model_dump_json(exclude=None if include_usage else {"usage"}))
+    if include_usage:
+        final = Completion(
+            id=reply.id, created=reply.created, model=reply.model, choices=[], usage=counts.usage()
+        )
+        yield _event(final.model_dump_json())
+    yield DONE
+
+
+def _event(data: str) -> bytes:
+    return b"data: " + data.encode() + b"\n\n"

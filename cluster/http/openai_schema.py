@@ -1,0 +1,255 @@
+"""The OpenAI API's requests and responses, as pydantic models (the fields radixmesh serves).
+
+Requests are strict: a parameter that is not declared here is refused by name (400), and a
+declared one that radixmesh does not implement (tools, response formats, ...) is refused unless
+it has its no-op value (`REFUSED`, checked in cluster/http/openai_params.py). vLLM's extensions
+that radixmesh implements (top_k, repetition_penalty, ignore_eos, stop_token_ids) are accepted.
+Responses follow OpenAI's schema field for field, so its SDK parses them as it parses OpenAI's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+
+
+class GenerationParams(Strict):
+    """What chat and text completions share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    logit_bias: Any = None
+    service_tier: Any = None
+    metadata: Any = None
+    store: Any = None
+
+
+class ChatCompletionRequest(GenerationParams):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: str | None = None
+
+
+class CompletionRequest(GenerationParams):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+
+REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
+    # parameter: (why it is refused, the values that ask for nothing and are accepted)
+    "tools": ("tool calling is not supported", ([],)),
+    "tool_choice": ("tool calling is not supported", ("none",)),
+    "functions": ("function calling is not supported", ([],)),
+    "function_call": ("function calling is not supported", ("none",)),
+    "parallel_tool_calls": ("tool calling is not supported", ()),
+    "response_format": ("only text responses are served", ({"type": "text"},)),
+    "audio": ("only text is served", ()),
+    "modalities": ("only text is served", (["text"],)),
+    "prediction": ("predicted outputs are not supported", ()),
+    "reasoning_effort": ("this model does not reason", ()),
+    "web_search_options": ("web search is not supported", ()),
+    "verbosity": ("not supported", ()),
+    "prompt_cache_key": (
+        "not needed: every prompt prefix is cached and routed to its cache automatically",
+        (),
+    ),
+    "logit_bias": ("not supported", ({},)),
+    "service_tier": ("there is one tier", ("auto", "default")),
+    "metadata": ("stored completions are not supported", ({},)),
+    "store": ("stored completions are not supported", (False,)),
+    "echo": ("echoing the prompt is not supported", (False,)),
+    "suffix": ("insertion (suffix) is not supported", ("",)),
+}
+"""Parameters of the OpenAI API that radixmesh does not implement."""
+
+
+# -- responses -------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens served from the prefix cache."""
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _present(self) -> dict[str, Any]:  # a delta carries only what changed
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "radixmesh"
+    root: str
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- vLLM's tokenizer endpoints ----------------------------------------------------------------
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
