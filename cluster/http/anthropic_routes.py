@@ -43,7 +43,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         caller = api.caller(request)
         api.check_model(body.model)
         rid = api.request_id(request)
-        message = generate_request(body, rid, caller.tenant)
+        message = generate_request(body, rid, api.tenant(request))
         stream = api.start(message, caller)
         if body.stream:
             first = await api.first(request, stream)

@@ -76,11 +76,11 @@ class HttpApi:
 
     # -- who calls, and about what ---------------------------------------------------------------
     def caller(self, request: Request) -> Caller:
-        """The caller's tenant (401 without a known token, when tokens are configured)."""
+        """The tenant the caller's token allows (401 without a known token, when tokens are
+        configured); "*" when no token is configured."""
         tokens = self.config.security.auth_tokens
-        named = request.headers.get(TENANT_HEADER)
         if not tokens:
-            return Caller(ANY_TENANT) if not named else Caller(named)
+            return Caller(ANY_TENANT)
         given = _bearer(request.headers.get("authorization")) or request.headers.get("x-api-key")
         token = known_token(given, self.config.security)
         if token is None:
@@ -89,12 +89,13 @@ class HttpApi:
                 "a valid token is required (header 'Authorization: Bearer <token>' or "
                 "'x-api-key: <token>')",
             )
-        allowed = tokens[token]
-        if allowed == ANY_TENANT and named:
-            return Caller(named)
-        if named and named != allowed:
-            raise HttpError(403, f"{TENANT_HEADER}: this token may only use tenant {allowed!r}")
-        return Caller(allowed)
+        return Caller(tokens[token])
+
+    @staticmethod
+    def tenant(request: Request) -> str:
+        """The tenant the request names (X-Radixmesh-Tenant; "" for the token's own, or none):
+        the serving core refuses one the token does not allow (403), as for gRPC."""
+        return request.headers.get(TENANT_HEADER, "")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
@@ -124,7 +125,7 @@ class HttpApi:
         self.check_model(body.model)
         _check_stream_options(body.stream, body.stream_options)
         rid = self.request_id(request)
-        message = openai_params.chat_request(body, rid, caller.tenant)
+        message = openai_params.chat_request(body, rid, self.tenant(request))
         reply = Reply(f"chatcmpl-{rid}", self.model, self.token_texts())
         stream = self.start(message, caller)
         if body.stream:
@@ -141,7 +142,7 @@ class HttpApi:
         self.check_model(body.model)
         _check_stream_options(body.stream, body.stream_options)
         rid = self.request_id(request)
-        message = openai_params.completion_request(body, rid, caller.tenant)
+        message = openai_params.completion_request(body, rid, self.tenant(request))
         reply = Reply(f"cmpl-{rid}", self.model, self.token_texts())
         stream = self.start(message, caller)
         logprobs = body.logprobs is not None

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 import yaml
 
@@ -132,7 +133,12 @@ def write_config(base: Path, source: str, **router: object) -> Path:
         "model": {"source": source, "device": "cpu"},
         "engine": {"num_pages": 256, "page_size": 4, "max_model_len": 512},
         "workers": {"count": 2},
-        "router": {"port": free_port(), "http_port": 0, "policy": "cache_aware", **router},
+        "router": {
+            "port": free_port(),
+            "http_port": free_port(),
+            "policy": "cache_aware",
+            **router,
+        },
         "metrics": {"router_port": free_port(), "worker_port": free_port()},
         "drain_timeout_s": 10,
     }
@@ -164,6 +170,8 @@ def serving(head: dict[str, str], config: Path) -> Iterator[tuple[subprocess.Pop
     try:
         line = serve.stdout.readline()  # type: ignore[union-attr]
         assert line.strip() == f"radixmesh serving on {target}", line
+        line = serve.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip() == f"OpenAI and Anthropic APIs on {http_url(config)}/v1", line
         yield serve, target
     finally:
         if serve.poll() is None:
@@ -176,6 +184,18 @@ def serving(head: dict[str, str], config: Path) -> Iterator[tuple[subprocess.Pop
 
 def router_pid(head: dict[str, str]) -> int:
     return int(ray_call(head, "print(ray.get(actor('radixmesh-router').describe.remote())['pid'])"))
+
+
+def http_url(config_file: Path) -> str:
+    return f"http://127.0.0.1:{yaml.safe_load(config_file.read_text())['router']['http_port']}"
+
+
+def http_answer(config_file: Path) -> openai.types.Completion:
+    """A completion through the router actor's HTTP API, with the official SDK."""
+    url = http_url(config_file)
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
 
 
 def endpoint(config_file: Path) -> str:
@@ -212,6 +232,9 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         first = list(client.generate(text_request(PROMPT + "one", max_tokens=4)))[-1]
         second = list(client.generate(text_request(PROMPT + "two", max_tokens=4)))[-1]
         assert second.worker == first.worker and second.cached_prompt_tokens > 0
+        over_http = http_answer(config_file)
+        assert over_http.usage is not None and over_http.usage.completion_tokens == 3
+        assert over_http.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
         stats = client.stats()
         assert {w.worker for w in stats.workers if w.healthy} == {"worker-0", "worker-1"}
 
@@ -266,6 +289,7 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
             "workers did not return to the restarted router",
         )
         assert list(client.generate(text_request(PROMPT, max_tokens=3)))[-1].finished
+        assert http_answer(config_file).choices[0].finish_reason == "length"  # the same port
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=120)
         stderr = serve.stderr.read()  # type: ignore[union-attr]
