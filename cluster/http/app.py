@@ -46,6 +46,7 @@ from cluster.http.openai_schema import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -130,9 +131,9 @@ class HttpApi:
         stream = self.start(message, caller)
         if body.stream:
             first = await self.first(request, stream)
-            include = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options or StreamOptions()
             return EventStream(
-                _guarded(chat_chunks(reply, _prepend(first, stream), include, body.logprobs))
+                _guarded(chat_chunks(reply, _prepend(first, stream), options, body.logprobs))
             )
         samples, counts = await self.finish(request, collect(stream))
         return _json(chat_completion(reply, samples, counts, body.logprobs).model_dump())
@@ -148,9 +149,9 @@ class HttpApi:
         logprobs = body.logprobs is not None
         if body.stream:
             first = await self.first(request, stream)
-            include = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options or StreamOptions()
             return EventStream(
-                _guarded(completion_chunks(reply, _prepend(first, stream), include, logprobs))
+                _guarded(completion_chunks(reply, _prepend(first, stream), options, logprobs))
             )
         samples, counts = await self.finish(request, collect(stream))
         return _json(completion(reply, samples, counts, logprobs).model_dump())

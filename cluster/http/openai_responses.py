@@ -24,6 +24,7 @@ from cluster.http.openai_schema import (
     CompletionLogprobs,
     Delta,
     PromptTokensDetails,
+    StreamOptions,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -135,19 +136,24 @@ def chat_completion(
 async def chat_chunks(
     reply: Reply,
     stream: AsyncIterator[serving_pb2.GenerateResponse],
-    include_usage: bool,
+    options: StreamOptions,
     logprobs: bool,
 ) -> AsyncIterator[bytes]:
     """The stream's events: a first chunk per choice with the role, then its text as it comes
     (the last with finish_reason), a usage chunk if asked, then [DONE]."""
     counts = Counts()
     started: set[int] = set()
+    include_usage, continuous = options.include_usage, options.continuous_usage_stats
 
     def chunk(choice: ChunkChoice) -> bytes:
         message = ChatCompletionChunk(
-            id=reply.id, created=reply.created, model=reply.model, choices=[choice]
+            id=reply.id,
+            created=reply.created,
+            model=reply.model,
+            choices=[choice],
+            usage=counts.usage() if continuous else None,
         )
-        return _event(message.model_dump_json(exclude=None if include_usage else {"usage"}))
+        return _event(message.model_dump_json(exclude=_without_usage(include_usage, continuous)))
 
     async for response in stream:
         if _failed(response):
@@ -218,11 +224,12 @@ def completion(
 async def completion_chunks(
     reply: Reply,
     stream: AsyncIterator[serving_pb2.GenerateResponse],
-    include_usage: bool,
+    options: StreamOptions,
     logprobs: bool,
 ) -> AsyncIterator[bytes]:
     counts = Counts()
     offsets: dict[int, int] = {}
+    include_usage, continuous = options.include_usage, options.continuous_usage_stats
     async for response in stream:
         if _failed(response):
             raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
@@ -243,15 +250,24 @@ async def completion_chunks(
         )
         offsets[index] = offset + len(response.text)
         message = Completion(
-            id=reply.id, created=reply.created, model=reply.model, choices=[choice]
+            id=reply.id,
+            created=reply.created,
+            model=reply.model,
+            choices=[choice],
+            usage=counts.usage() if continuous else None,
         )
-        yield _event(message.model_dump_json(exclude=None if include_usage else {"usage"}))
+        yield _event(message.model_dump_json(exclude=_without_usage(include_usage, continuous)))
     if include_usage:
         final = Completion(
             id=reply.id, created=reply.created, model=reply.model, choices=[], usage=counts.usage()
         )
         yield _event(final.model_dump_json())
     yield DONE
+
+
+def _without_usage(include_usage: bool, continuous: bool) -> set[str] | None:
+    """A chunk has `usage` (null until the last) when the client asked for usage."""
+    return None if include_usage or continuous else {"usage"}
 
 
 def _event(data: str) -> bytes:

@@ -326,3 +326,20 @@ def test_logprobs_of_chat_and_completions(client: openai.OpenAI, cluster: LocalC
     assert got.text_offset == sorted(got.text_offset) and got.text_offset[0] == 0
     assert "".join(got.tokens) == text.choices[0].text
     assert_no_leak(cluster)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(cluster: LocalCluster) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
+        events = [line for line in response.iter_lines() if line and line != "data: [DONE]"]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1]["choices"] == []
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
