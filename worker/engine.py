@@ -29,8 +29,10 @@ from cache.integrity import check_sequence_cache
 from kernels.layout import cdiv
 from worker import validation
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.logprobs import token_logprob
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
+from worker.penalties import Penalties
 from worker.request import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -38,6 +40,7 @@ from worker.request import (
     FINISH_STOP,
     GenerateRequest,
     RequestOutput,
+    TokenLogprob,
 )
 from worker.samples import Phase, RequestState, SampleState, TextDecoder
 from worker.sampling import Sampler
@@ -307,10 +310,14 @@ class Engine:
             self.cache.commit(sample.seq, sample.computed)
             sample.prefilled = True
         siblings = self._fork(sample) if not sample.request.forked else []
+        top_logprobs = sample.request.request.sampling.logprobs
         for each in (sample, *siblings):
+            position = len(each.tokens)
             if self.observe_logits is not None:
-                self.observe_logits(each.request.request_id, each.index, len(each.tokens), logits)
-            self._accept(each, each.sampler(logits, len(each.tokens)))
+                self.observe_logits(each.request.request_id, each.index, position, logits)
+            token = each.sampler(logits, position)
+            logprobs = () if top_logprobs is None else (token_logprob(logits, token, top_logprobs),)
+            self._accept(each, token, logprobs)
 
     def _fork(self, parent: SampleState) -> list[SampleState]:
         """At the end of sample 0's prompt, the other n - 1 samples start from its pages."""
@@ -335,8 +342,9 @@ class Engine:
             born.append(sibling)
         return born
 
-    def _accept(self, sample: SampleState, token: int) -> None:
-        """Append a sampled token; stream it; finish the sample if it stops here."""
+    def _accept(self, sample: SampleState, token: int, logprobs: tuple[TokenLogprob, ...]) -> None:
+        """Append a sampled token; stream it (with its logprobs, if asked); finish the sample
+        if it stops here."""
         sampling = sample.request.request.sampling
         sample.tokens.append(token)
         sample.generated += 1
@@ -364,7 +372,7 @@ class Engine:
             self.scheduler.enqueue(sample)
         if reason is not None:  # released before the client hears it ended (see _emit)
             self._finish_sample(sample, reason)
-        self._emit(sample, (token,), text, reason)
+        self._emit(sample, (token,), text, reason, logprobs=logprobs)
 
     def _emit(
         self,
@@ -373,6 +381,7 @@ class Engine:
         text: str,
         reason: str | None,
         error: str | None = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         """Stream one output. A sample's last one goes out after the sample is finished: its
         pages are back in the pool and its request id free by the time a client sees the end."""
@@ -387,6 +396,7 @@ class Engine:
             finished=reason is not None,
             finish_reason=reason,
             error=error,
+            logprobs=logprobs,
         )
         try:
             request.sink(output)
@@ -449,7 +459,7 @@ class Engine:
                 request=state,
                 index=index,
                 tokens=list(state.prompt_ids),
-                sampler=Sampler.create(request.sampling, index),
+                sampler=Sampler.create(request.sampling, index, self._penalties(state)),
                 stop=StopChecker(state.stops),
                 decoder=self.tokenizer.incremental_decoder() if self.tokenizer else None,
                 phase=Phase.WAITING if index == first else Phase.UNBORN,
@@ -464,12 +474,19 @@ class Engine:
             if first_sample.stop.stopped:  # it had already ended: nothing more to send
                 self._abort(state, FINISH_STOP)
 
+    def _penalties(self, state: RequestState) -> Penalties | None:
+        """A new sample's penalty state (None if its request penalizes nothing)."""
+        sampling = state.request.sampling
+        return Penalties.create(sampling, state.prompt_ids, self.vocab_size, self.runner.device)
+
     @staticmethod
     def _replay(sample: SampleState, generated: Sequence[int]) -> None:
-        """Bring a resumed sample to where its stream was cut: the decoder and the stop strings
-        fed the same tokens one by one, as the first worker fed them, so they hold back and
-        emit exactly what they would have (their text already reached the client)."""
+        """Bring a resumed sample to where its stream was cut: its penalties count the tokens
+        it generated; the decoder and the stop strings are fed them one by one, as the first
+        worker fed them, so they hold back and emit exactly what they would have (their text
+        already reached the client)."""
         sample.generated = len(generated)
+        sample.sampler.replay(generated)
         if sample.decoder is None:  # no text, so no stop strings to bring along
             return
         for token in generated:

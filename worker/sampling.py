@@ -7,15 +7,22 @@ Nothing carries over from one draw to the next, so a seeded sample produces the 
 whatever else shares its batch, run after run, and on any worker that continues it from its
 position: a stream the router moves to another worker mid-way (cluster/router_service.py) draws
 exactly what the uninterrupted one would have. temperature 0 is greedy.
+
+Penalties (worker/penalties.py) change the logits before any of that, greedy included. They
+depend on the prompt and the tokens generated so far, which the sampler counts as it draws them;
+the randomness is still seeded by the same three, so a resumed sample that `replay`s its
+generated tokens draws exactly what the uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from worker.penalties import Penalties
 from worker.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -44,15 +51,31 @@ class Sampler:
 
     params: SamplingParams
     seed: int
+    penalties: Penalties | None = None
+    """None: the request penalizes nothing."""
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     @classmethod
-    def create(cls, params: SamplingParams, index: int) -> Sampler:
-        return cls(params, sample_seed(params.seed, index))
+    def create(
+        cls, params: SamplingParams, index: int, penalties: Penalties | None = None
+    ) -> Sampler:
+        return cls(params, sample_seed(params.seed, index), penalties)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """The token at `position` (its index in the sequence), from a float32 logits row
-        [vocab] (on any device; sampled on the CPU)."""
+        [vocab] (on any device; penalized there, sampled on the CPU). Counts it as generated."""
+        if self.penalties is None:
+            return self._draw(logits, position)
+        token = self._draw(self.penalties.apply(logits), position)
+        self.penalties.record(token)
+        return token
+
+    def replay(self, generated: Sequence[int]) -> None:
+        """Count the tokens generated before this sampler existed (a resumed sample's)."""
+        if self.penalties is not None and generated:
+            self.penalties.replay(generated)
+
+    def _draw(self, logits: torch.Tensor, position: int) -> int:
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits))

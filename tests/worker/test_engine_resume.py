@@ -4,10 +4,13 @@ What the router does when a worker dies mid-stream (cluster/stream_progress.py),
 engine: run a request whole, then for cuts along its stream submit the prompt plus the first k
 generated tokens with `Resume(sample, k)`. What the client would see, the first k messages of
 the whole run followed by the resumed stream, must equal the whole run: tokens, text (stop
-strings held back across the cut included), finish reason, and the draws of seeded sampling.
+strings held back across the cut included), finish reason, and the draws of seeded sampling
+(penalized by the tokens generated before the cut too), with the same logprobs.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +22,7 @@ from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestO
 from worker.sampling_params import SamplingParams
 
 PROMPT = "The router moves a stream to another worker"
+PENALTIES = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
 
 
 def engine_for(loaded: LoadedModel) -> Engine:
@@ -69,6 +73,17 @@ def resumed(
     return before + after
 
 
+def assert_same_logprobs(got: list[RequestOutput], expected: list[RequestOutput]) -> None:
+    """Equal up to the float noise of computing a position in a prefill rather than a decode."""
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert len(a.logprobs) == len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            values = [x.logprob, *(v for _, v in x.top)]
+            assert values == pytest.approx([y.logprob, *(v for _, v in y.top)], abs=1e-4)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_resumed_sample_continues_exactly(tiny: LoadedModel, temperature: float) -> None:
     sampling = SamplingParams(max_tokens=24, temperature=temperature, seed=11, ignore_eos=True)
@@ -79,12 +94,34 @@ def test_a_resumed_sample_continues_exactly(tiny: LoadedModel, temperature: floa
         assert seen(resumed(tiny, whole, cut, sampling)) == expected, f"cut after {cut}"
 
 
-def test_a_resumed_sample_of_several_draws_as_that_sample(tiny: LoadedModel) -> None:
-    sampling = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=3, ignore_eos=True)
+def test_a_penalized_sample_resumes_with_its_counts_and_its_logprobs(tiny: LoadedModel) -> None:
+    """The resumed worker counts the generated tokens of its prompt for presence and frequency
+    (and the whole prompt for repetition), so the draws after the cut are penalized alike."""
+    sampling = SamplingParams(
+        max_tokens=24, temperature=1.0, seed=11, ignore_eos=True, logprobs=3, **PENALTIES
+    )
+    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    plain = replace(sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+    unpenalized = run(engine_for(tiny), GenerateRequest("plain", prompt=PROMPT, sampling=plain))
+    assert seen(whole)[0] != seen(unpenalized)[0], "the penalties should change the draws"
+    for cut in (1, 7, 16, 23):
+        got = resumed(tiny, whole, cut, sampling)
+        assert seen(got) == seen(whole), f"cut after {cut}"
+        assert_same_logprobs(got, whole)
+
+
+@pytest.mark.parametrize("penalties", [{}, PENALTIES], ids=["plain", "penalized"])
+def test_a_resumed_sample_of_several_draws_as_that_sample(
+    tiny: LoadedModel, penalties: dict[str, float]
+) -> None:
+    """Each of n samples draws as that sample alone would: penalized by its own tokens only."""
+    sampling = SamplingParams(
+        max_tokens=20, temperature=1.0, seed=5, n=3, ignore_eos=True, **penalties
+    )
     whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
     streams = [seen(of_sample(whole, i)) for i in range(3)]
     assert len({tuple(tokens) for tokens, _, _ in streams}) == 3, "samples should differ"
-    alone = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=1, ignore_eos=True)
+    alone = replace(sampling, n=1)
     for index in (1, 2):
         for cut in (0, 9):
             got = seen(resumed(tiny, whole, cut, alone, index))

@@ -1,0 +1,24 @@
+"""The log-probability of a drawn token and the most likely tokens at its position.
+
+Computed from the raw logits row (float32, before penalties and temperature: vLLM's default
+"raw_logprobs", and what OpenAI's API reports), on the row's device; only the chosen token's
+value and the `top` best pairs cross to the CPU, in one transfer (as float64, which holds both
+the float32 values and the ids exactly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.request import TokenLogprob
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under a logits row [vocab], and the `top` most likely
+    (token id, log-probability) pairs, most likely first."""
+    logprobs = torch.log_softmax(logits.detach().float(), dim=-1)
+    best = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+    parts = (logprobs[token].reshape(1), best.values, best.indices)
+    chosen, *numbers = torch.cat([part.double() for part in parts]).tolist()
+    values, ids = numbers[: len(numbers) // 2], numbers[len(numbers) // 2 :]
+    return TokenLogprob(chosen, tuple((int(i), v) for i, v in zip(ids, values, strict=True)))
