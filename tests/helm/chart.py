@@ -31,14 +31,21 @@ SCHEMAS = Path(__file__).resolve().parent / "schemas"
 RELEASE = "radixmesh"
 NAMESPACE = "serving"
 
-# name -> helm arguments after the chart. The example files, and the branches they leave out.
+# name -> helm arguments after the chart. The example files, and the branches they leave out:
+# TLS without client certificates (the kubelet's HTTPS readiness probe) and a served name; the
+# HTTP API off, with every other optional part on.
 SCENARIOS: dict[str, list[str]] = {
     "values": [],
     "values-cpu": ["-f", "values-cpu.yaml"],
     "values-gpu": ["-f", "values-gpu.yaml"],
     "values-multinode-tls": ["-f", "values-multinode-tls.yaml"],
+    "values-tls": [
+        "--set", "tls.enabled=true,tls.existingSecret=rm-tls,service.httpPort=8443",
+        "--set", "config.model.served_name=smollm2-demo",
+    ],
     "values-cpu-variants": [
         "-f", "values-cpu.yaml",
+        "--set", "config.router.http_port=null",
         "--set", "ray.autoscaling.enabled=true,ray.auth.enabled=false",
         "--set", "auth.enabled=true,auth.tokens.s3cret-acme=acme",
         "--set", "tls.enabled=true,tls.existingSecret=rm-tls,tls.clientAuth=true",

@@ -37,6 +37,7 @@ EXPECTED = {
     "values": SMALL,
     "values-cpu": SMALL,
     "values-gpu": SMALL,
+    "values-tls": SMALL,
     "values-multinode-tls": [
         *COMMON,
         ("NetworkPolicy", "radixmesh"),
@@ -129,15 +130,75 @@ def test_router_runs_in_the_head_pod_where_the_service_points() -> None:
     assert service["ports"][0]["targetPort"] == "grpc"
 
 
+@pytest.mark.parametrize(
+    ("scenario", "port", "protocol"),
+    [
+        ("values", 8000, "http"),
+        ("values-tls", 8443, "https"),
+        ("values-multinode-tls", 443, "https"),
+    ],
+)
+def test_service_serves_http_next_to_grpc(scenario: str, port: int, protocol: str) -> None:
+    manifests = render(scenario)
+    service = {p["name"]: p for p in find(manifests, "Service", RELEASE)["spec"]["ports"]}
+    assert list(service) == ["grpc", "http"]
+    assert service["http"] == {
+        "name": "http", "port": port, "targetPort": "http", "protocol": "TCP",
+        "appProtocol": protocol,
+    }  # fmt: skip
+    # targetPort http is the router's port, on the container Ray runs the router actor in
+    ports = {
+        p["name"]: p["containerPort"] for p in container(head_pod(manifests), "ray-head")["ports"]
+    }
+    assert ports["http"] == config(manifests)["router"]["http_port"] == 8000
+
+
+def test_http_port_null_turns_the_http_api_off() -> None:
+    manifests = render("values-cpu-variants")
+    assert config(manifests)["router"]["http_port"] is None  # written: radixmesh's default is 8000
+    service = find(manifests, "Service", RELEASE)["spec"]["ports"]
+    assert [p["name"] for p in service] == ["grpc"]
+    ports = [p["name"] for p in container(head_pod(manifests), "ray-head")["ports"]]
+    assert "http" not in ports and "grpc" in ports
+
+
 @pytest.mark.parametrize("scenario", ["values", "values-gpu"])
-def test_native_grpc_probes_ask_the_standard_health_service(scenario: str) -> None:
+def test_native_probes_grpc_for_the_router_http_health_for_readiness(scenario: str) -> None:
+    """Startup and liveness ask whether the router is up (gRPC's "", SERVING from start to
+    drain, whatever the workers do); readiness asks GET /health, 503 while no worker is
+    attached. The port is a number: a probe resolves names among its own container's ports."""
     serve = container(head_pod(render(scenario)), "radixmesh-serve")
-    port = config(render(scenario))["router"]["port"]
-    assert serve["startupProbe"]["grpc"] == {"port": port, "service": ""}
-    assert serve["livenessProbe"]["grpc"] == {"port": port, "service": ""}
-    assert serve["readinessProbe"]["grpc"] == {"port": port, "service": "radixmesh.v1.Serving"}
+    router = config(render(scenario))["router"]
+    assert serve["startupProbe"]["grpc"] == {"port": router["port"], "service": ""}
+    assert serve["livenessProbe"]["grpc"] == {"port": router["port"], "service": ""}
+    assert serve["readinessProbe"]["httpGet"] == {
+        "path": "/health", "port": router["http_port"], "scheme": "HTTP",
+    }  # fmt: skip
+    assert router["http_port"] == 8000
     command = serve["args"][0].rstrip().splitlines()[-1].strip()
     assert command == "exec radixmesh serve --config /etc/radixmesh/config.yaml"
+
+
+def test_readiness_speaks_https_under_tls() -> None:
+    manifests = render("values-tls")
+    serve = container(head_pod(manifests), "radixmesh-serve")
+    assert serve["readinessProbe"]["httpGet"] == {
+        "path": "/health",
+        "port": 8000,
+        "scheme": "HTTPS",
+    }
+    # The kubelet's gRPC probe speaks no TLS: startup and liveness stay health_check.py.
+    for probe in ("startupProbe", "livenessProbe"):
+        command = serve[probe]["exec"]["command"]
+        assert command[command.index("--service") + 1] == ""
+    assert config(manifests)["security"]["tls_cert"] == "/etc/radixmesh/tls/tls.crt"
+
+
+def test_without_http_readiness_stays_on_grpc() -> None:
+    serve = container(head_pod(render("values-cpu-variants")), "radixmesh-serve")
+    command = serve["readinessProbe"]["exec"]["command"]
+    assert command[command.index("--service") + 1] == "radixmesh.v1.Serving"
+    assert "--http" not in command
 
 
 def test_tls_probes_run_health_check_with_mounted_files() -> None:
@@ -149,6 +210,12 @@ def test_tls_probes_run_health_check_with_mounted_files() -> None:
         assert command[:2] == ["python", "/etc/radixmesh/chart/health_check.py"]
         files = [command[i + 1] for i, a in enumerate(command) if a.startswith("--tls-")]
         assert files and all(any(f.startswith(m + "/") for m in mounted) for f in files), files
+        assert "--tls-cert" in command  # mutual TLS: the probe presents a client certificate
+    # The kubelet's HTTPS probe has no client certificate: readiness asks /health through
+    # health_check.py, on the HTTP port.
+    readiness = serve["readinessProbe"]["exec"]["command"]
+    assert readiness[readiness.index("--http") + 1] == "/health"
+    assert readiness[readiness.index("--port") + 1] == "8000"
     # The router (in the ray-head container, where Ray runs its actor) reads the TLS files.
     tls = config(render("values-multinode-tls"))["security"]
     ray_head = {m["mountPath"] for m in container(pod, "ray-head")["volumeMounts"]}
@@ -184,6 +251,7 @@ def test_gpu_workers_ask_for_their_gpus_and_the_model_volume() -> None:
     cfg = config(manifests)
     assert cfg["model"] | {"dtype": None} == {
         "device": "cuda", "source": "/models/Qwen2.5-7B-Instruct", "dtype": None,
+        "served_name": "Qwen2.5-7B-Instruct",
     }  # fmt: skip
     assert cfg["workers"]["count"] == 8
     # The head pod sees no GPU and gets the CUDA image like the workers.
@@ -221,17 +289,23 @@ def test_secrets_are_mounted_never_inlined() -> None:
     assert yaml.safe_load(base64.b64decode(tokens)) == {"s3cret-acme": "acme"}
 
 
-def test_network_policy_opens_grpc_and_metrics_only() -> None:
+def test_network_policy_opens_grpc_http_and_metrics_only() -> None:
     policy = find(render("values-multinode-tls"), "NetworkPolicy", RELEASE)["spec"]
     assert policy["podSelector"] == {"matchLabels": {"ray.io/cluster": RELEASE}}
-    internal, grpc_rule, metrics_rule = policy["ingress"]
+    internal, public_rule, metrics_rule = policy["ingress"]
     assert "ports" not in internal
     assert internal["from"] == [{"podSelector": {"matchLabels": {"ray.io/cluster": RELEASE}}}]
-    assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
-    assert grpc_rule["from"][0]["namespaceSelector"]["matchLabels"] == {
+    # the HTTP API is open to whoever may reach gRPC, and only to them
+    assert public_rule["ports"] == [
+        {"port": 50051, "protocol": "TCP"}, {"port": 8000, "protocol": "TCP"},
+    ]  # fmt: skip
+    assert public_rule["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "clients"
     }
     assert {"port": 9401, "endPort": 9416, "protocol": "TCP"} in metrics_rule["ports"]
+    assert all(p["port"] != 8000 for p in metrics_rule["ports"] + internal.get("ports", []))
+    off = find(render("values-cpu-variants"), "NetworkPolicy", RELEASE)["spec"]["ingress"]
+    assert off[1]["ports"] == [{"port": 50051, "protocol": "TCP"}]
 
 
 def test_metrics_services_and_servicemonitor_cover_router_and_every_worker() -> None:
@@ -272,6 +346,13 @@ def test_drain_outlives_serve_and_fits_the_grace_period() -> None:
     ("sets", "message"),
     [
         (["config.router.prot=1"], "additional properties 'prot' not allowed"),
+        (["config.router.http_prot=8000"], "additional properties 'http_prot' not allowed"),
+        (["config.model.served_nam=smol"], "additional properties 'served_nam' not allowed"),
+        (["service.http_port=8000"], "additional properties 'http_port' not allowed"),
+        (["config.router.http_port=0"], "/config/router/http_port': minimum"),
+        (["config.router.http_port=9400"], "http_port 9400 collides with config.metrics.router"),
+        (["config.router.http_port=50051"], "http_port 50051 collides with config.router.port"),
+        (["config.router.http_port=8080"], "http_port 8080 collides with Ray's metrics"),
         (["config.router.host=127.0.0.1"], "additional properties 'host' not allowed"),
         (["worker.gpus=-1"], "minimum"),
         (["worker.minReplicas=3"], "need minReplicas (3) <= replicas (2)"),
@@ -303,6 +384,33 @@ def test_notes_tell_how_to_reach_generate_and_load_test() -> None:
     assert f"radixmesh generate {target}" in notes
     assert f"radixmesh loadtest {target} --workload multi-turn --num-requests 200" in notes
     assert f"helm test {RELEASE}" in notes
+    # the HTTP API: forwarded next to gRPC, curl under the certificate's name, with the token
+    assert f"port-forward svc/{RELEASE} 50051:50051 8000:443" in notes
+    name = f"{RELEASE}.{NAMESPACE}.svc"
+    curl = f"curl --cacert ca.crt --connect-to {name}:8000:127.0.0.1:8000"
+    curl += f" --cert client.crt --key client.key https://{name}:8000/v1/chat/completions"
+    assert f'{curl} -H "Authorization: Bearer $RADIXMESH_TOKEN"' in notes
+    assert '"model": "qwen2.5-14b-instruct-q8_0"' in notes
+
+
+def notes(*args: str) -> str:
+    result = run_helm("install", RELEASE, ".", "--dry-run=client", "--namespace", NAMESPACE, *args)
+    return result.stdout.split("NOTES:", 1)[1]
+
+
+def test_notes_show_curl_and_the_model_id() -> None:
+    plain = notes()
+    assert f"kubectl -n {NAMESPACE} port-forward svc/{RELEASE} 50051:50051 8000:8000" in plain
+    assert "curl http://127.0.0.1:8000/v1/chat/completions \\\n" in plain
+    assert '-d \'{"model": "SmolLM2-135M-Instruct", "messages": [' in plain
+    assert "Authorization" not in plain  # no tokens, no header
+    tokens = notes("--set", "auth.enabled=true,auth.tokens.s3cret=acme")
+    header = '-H "Authorization: Bearer $RADIXMESH_TOKEN"'
+    assert f"curl http://127.0.0.1:8000/v1/chat/completions {header}" in tokens
+    assert "s3cret" not in tokens
+    off = notes("--set", "config.router.http_port=null")
+    assert "curl" not in off and "8000" not in off
+    assert f"port-forward svc/{RELEASE} 50051:50051\n" in off
 
 
 def test_chart_files_are_the_ones_in_the_configmap() -> None:

@@ -1,6 +1,6 @@
 """What the chart hands radixmesh: the config file (loaded with radixmesh's own loader), the
 render_config.py step that merges the bearer tokens, and the health_check.py probe, run against a
-real radixmesh gRPC server (plaintext, TLS, mutual TLS)."""
+real radixmesh gRPC server and a real radixmesh HTTP API (plaintext, TLS, mutual TLS)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,21 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, RouterSection, SecuritySection
+from cluster.http.server import HttpServer, start_http_server
+from cluster.policies import build_policy
+from cluster.router_service import RouterService
+from cluster.worker_links import WorkerLinks
 from tests.cluster.certs import make_certificates
 from tests.helm import chart
-from tests.helm.chart import CHART, RELEASE, SCENARIOS, find, render
+from tests.helm.chart import CHART, NAMESPACE, RELEASE, SCENARIOS, find, render, run_helm
 from worker.event_loop import EventLoopThread
 from worker.grpc_server import GrpcServer, TlsConfig, start_server
 
@@ -60,6 +64,7 @@ def test_configmap_values_per_example(tmp_path: Path) -> None:
     assert (cpu.router.port, cpu.router.policy, cpu.workers.cpus_per_worker) == (
         50051, "cache_aware", 2.0,
     )  # fmt: skip
+    assert (cpu.router.http_port, cpu.model.name) == (8000, "SmolLM2-135M-Instruct")
     assert (cpu.security.tls_cert, cpu.security.tls_key) == (None, None)
 
     gpu = load_configmap("values-gpu", tmp_path)
@@ -77,9 +82,29 @@ def test_configmap_values_per_example(tmp_path: Path) -> None:
     assert multi.security.tls_key == "/etc/radixmesh/tls/tls.key"
     assert multi.security.tls_client_ca == "/etc/radixmesh/tls/ca.crt"
 
+    tls = load_configmap("values-tls", tmp_path)
+    assert (tls.router.http_port, tls.model.served_name) == (8000, "smollm2-demo")
+    assert tls.security.tls_cert == "/etc/radixmesh/tls/tls.crt"
+    assert tls.security.tls_client_ca is None
+
     variants = load_configmap("values-cpu-variants", tmp_path)
+    assert variants.router.http_port is None  # config.router.http_port=null: off, not 8000
     assert variants.model.source == "/models/smollm2.gguf"
     assert variants.security.tls_client_ca == "/etc/radixmesh/client-ca/ca.crt"
+
+
+@needs_helm
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_notes_name_the_model_radixmesh_serves(scenario: str, tmp_path: Path) -> None:
+    """The model id NOTES.txt tells clients to send is the one radixmesh answers to
+    (ModelSection.name), whether set (served_name) or derived from the source."""
+    served = load_configmap(scenario, tmp_path).model.name
+    result = run_helm(
+        "install", RELEASE, ".", "--dry-run=client", "--namespace", NAMESPACE,
+        *SCENARIOS[scenario], "--set", "config.router.http_port=8000",
+    )  # fmt: skip
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert re.findall(r'"model": "([^"]*)"', notes) == [served], served
 
 
 def test_values_schema_covers_radixmesh_config() -> None:
@@ -230,6 +255,71 @@ def test_health_check_tls_and_mutual_tls(serve, certificates: dict[str, Path]) -
     assert no_cert.returncode == 1
     rogue = ["--tls-cert", c["rogue_cert"], "--tls-key", c["rogue_key"], "--timeout", "1"]
     assert run_script(HEALTH_CHECK, "--port", mutual, *tls, *rogue).returncode == 1
+
+
+# ---- health_check.py --http against the router's real HTTP API --------------------------------
+
+
+@pytest.fixture
+def serve_http() -> Iterator[Callable[[SecuritySection], tuple[int, WorkerLinks]]]:
+    """Start radixmesh's HTTP API on a free port with `security`; returns its port and the
+    worker links whose count /health reports (none attached: 503)."""
+    loop = EventLoopThread("health-check-http-test")
+    servers: list[HttpServer] = []
+
+    def start(security: SecuritySection) -> tuple[int, WorkerLinks]:
+        config = ClusterConfig(
+            router=RouterSection(host="127.0.0.1", port=0, http_port=0), security=security
+        )
+        links = WorkerLinks(build_policy(config))
+        server = loop.run(start_http_server(RouterService(links, config), config))
+        assert server is not None
+        servers.append(server)
+        return server.port, links
+
+    yield start
+    for server in servers:
+        loop.run(server.stop(0))
+    loop.stop()
+
+
+def test_health_check_http_follows_the_workers(serve_http) -> None:  # type: ignore[no-untyped-def]
+    port, links = serve_http(SecuritySection())
+    probe = ["--port", port, "--http", "/health", "--timeout", "2"]
+    none = run_script(HEALTH_CHECK, *probe)
+    assert none.returncode == 1 and "503" in none.stderr and "no healthy worker" in none.stderr
+    links.links["worker-0"] = object()  # type: ignore[assignment]  # attached: all /health counts
+    ready = run_script(HEALTH_CHECK, *probe)
+    assert ready.returncode == 0, ready.stderr
+    assert f"http://127.0.0.1:{port}/health: 200" in ready.stdout
+    missing = run_script(HEALTH_CHECK, "--port", port, "--http", "/nothing")
+    assert missing.returncode == 1 and "404" in missing.stderr
+
+
+def test_health_check_http_tls_and_mutual_tls(serve_http, certificates: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    c = certificates
+    tls = ["--tls-ca", c["ca"], "--server-name", "localhost", "--timeout", "2"]
+    port, links = serve_http(SecuritySection(tls_cert=str(c["cert"]), tls_key=str(c["key"])))
+    links.links["worker-0"] = object()  # type: ignore[assignment]
+    assert run_script(HEALTH_CHECK, "--port", port, "--http", "/health", *tls).returncode == 0
+    plain = run_script(HEALTH_CHECK, "--port", port, "--http", "/health", "--timeout", "2")
+    assert plain.returncode == 1  # HTTPS only
+    wrong_name = [*tls[:3], "radixmesh.elsewhere.svc", *tls[4:]]
+    assert (
+        run_script(HEALTH_CHECK, "--port", port, "--http", "/health", *wrong_name).returncode == 1
+    )
+
+    mutual, links = serve_http(
+        SecuritySection(tls_cert=str(c["cert"]), tls_key=str(c["key"]), tls_client_ca=str(c["ca"]))
+    )
+    links.links["worker-0"] = object()  # type: ignore[assignment]
+    probe = ["--port", mutual, "--http", "/health", *tls]
+    client = ["--tls-cert", c["client_cert"], "--tls-key", c["client_key"]]
+    assert run_script(HEALTH_CHECK, *probe, *client).returncode == 0
+    # what the kubelet's own HTTPS probe would do: no client certificate, refused
+    assert run_script(HEALTH_CHECK, *probe).returncode == 1
+    rogue = ["--tls-cert", c["rogue_cert"], "--tls-key", c["rogue_key"]]
+    assert run_script(HEALTH_CHECK, *probe, *rogue).returncode == 1
 
 
 def test_scripts_run_without_radixmesh_on_the_path(tmp_path: Path) -> None:

@@ -67,6 +67,33 @@ ray.io/node-type: worker
 {{- end -}}
 {{- end -}}
 
+{{/*
+The model id clients send to the HTTP API: config.model.served_name, else radixmesh's default
+(cluster/config.py ModelSection.name): SmolLM2-135M-Instruct for "default", else the source's
+last path element less its last extension, as Python's Path.stem takes it.
+*/}}
+{{- define "radixmesh.servedName" -}}
+{{- $source := include "radixmesh.modelSource" . -}}
+{{- if .Values.config.model.served_name -}}
+{{- .Values.config.model.served_name -}}
+{{- else if eq $source "default" -}}
+SmolLM2-135M-Instruct
+{{- else -}}
+{{- $base := base (regexReplaceAll "/+$" $source "") -}}
+{{- $ext := ext $base -}}
+{{- if and (ne $ext $base) (ne $ext ".") -}}
+{{- trimSuffix $ext $base | default $source -}}
+{{- else -}}
+{{- $base | default $source -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The router's HTTP port (config.router.http_port); empty when the HTTP API is off. */}}
+{{- define "radixmesh.httpPort" -}}
+{{- with .Values.config.router.http_port }}{{ int . }}{{ end -}}
+{{- end -}}
+
 {{- define "radixmesh.tlsServerName" -}}
 {{- .Values.tls.serverName | default (printf "%s.%s.svc" (include "radixmesh.fullname" .) .Release.Namespace) -}}
 {{- end -}}
@@ -103,6 +130,11 @@ are merged in at start by the render-config init container (they live in a Secre
 {{- $router := $cfg.router | default dict -}}
 {{- $_ := set $router "host" "0.0.0.0" -}}
 {{- $_ := set $router "resource" .Values.ray.routerResource -}}
+{{- /* Written even when null: helm drops a null key, and radixmesh's default (8000) would
+       turn the HTTP API back on. */ -}}
+{{- if not (hasKey $router "http_port") -}}
+{{- $_ := set $router "http_port" nil -}}
+{{- end -}}
 {{- $_ := set $cfg "router" $router -}}
 {{- $metrics := $cfg.metrics | default dict -}}
 {{- $_ := set $metrics "host" "0.0.0.0" -}}
@@ -135,12 +167,20 @@ are merged in at start by the render-config init container (they live in a Secre
 {{- end }}
 {{- end -}}
 
-{{/* Arguments of health_check.py for the gRPC health service `service` (exec probes, TLS). */}}
+{{/*
+Arguments of health_check.py (exec probes, TLS): the gRPC health service `service` on `port`
+(default: config.router.port), or with `http` the HTTP API's GET of that path.
+*/}}
 {{- define "radixmesh.healthCheckArgs" -}}
 - --port
 - {{ .port | default .root.Values.config.router.port | int | quote }}
+{{- if .http }}
+- --http
+- {{ .http | quote }}
+{{- else }}
 - --service
 - {{ .service | quote }}
+{{- end }}
 {{- if .root.Values.tls.enabled }}
 - --tls-ca
 - /etc/radixmesh/tls/ca.crt
@@ -173,6 +213,34 @@ grpc:
   service: {{ .service | quote }}
 {{- end }}
 {{ toYaml .timing }}
+{{- end -}}
+
+{{/*
+The readiness probe: does the router have a worker to serve with? With the HTTP API on, its
+GET /health (200 while a worker is attached, 503 with none or while draining): the kubelet's
+httpGet (HTTPS under TLS; it does not verify the certificate), or, under mutual TLS (the kubelet
+has no client certificate to present), health_check.py --http. With the HTTP API off, the gRPC
+health of radixmesh.v1.Serving. The port is a number: a probe resolves a port name only among
+its own container's ports, and the router's are on ray-head.
+*/}}
+{{- define "radixmesh.readinessProbe" -}}
+{{- $http := include "radixmesh.httpPort" .root -}}
+{{- if and $http .root.Values.tls.clientAuth -}}
+exec:
+  command:
+    - python
+    - /etc/radixmesh/chart/health_check.py
+{{ include "radixmesh.healthCheckArgs" (dict "root" .root "port" $http "http" "/health") | indent 4 }}
+{{ toYaml .timing }}
+{{- else if $http -}}
+httpGet:
+  path: /health
+  port: {{ int $http }}
+  scheme: {{ ternary "HTTPS" "HTTP" .root.Values.tls.enabled }}
+{{ toYaml .timing }}
+{{- else -}}
+{{ include "radixmesh.probe" (dict "root" .root "service" "radixmesh.v1.Serving" "timing" .timing) }}
+{{- end }}
 {{- end -}}
 
 {{/* Fail on values that render valid YAML but a cluster that cannot work. */}}
@@ -209,6 +277,15 @@ grpc:
 {{- $need := mulf (float64 .Values.config.workers.cpus_per_worker) (float64 $perPod) -}}
 {{- if lt (ceil (float64 $cpu)) $need -}}
 {{- fail (printf "worker.resources.limits.cpu %s is fewer CPUs than the %d worker(s) of a pod need (%v each, config.workers.cpus_per_worker)" $cpu $perPod .Values.config.workers.cpus_per_worker) -}}
+{{- end -}}
+{{- end -}}
+{{- with include "radixmesh.httpPort" . -}}
+{{- $taken := dict (toString (int $.Values.config.router.port)) "config.router.port" "6379" "Ray's GCS" "8265" "Ray's dashboard" "10001" "Ray's client server" "8080" "Ray's metrics" -}}
+{{- if $.Values.config.metrics.enabled -}}
+{{- $_ := set $taken (toString (int $.Values.config.metrics.router_port)) "config.metrics.router_port" -}}
+{{- end -}}
+{{- with get $taken . -}}
+{{- fail (printf "config.router.http_port %s collides with %s on the head pod" (include "radixmesh.httpPort" $) .) -}}
 {{- end -}}
 {{- end -}}
 {{- $m := .Values.config.metrics -}}
