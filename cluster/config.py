@@ -60,8 +60,8 @@ class ModelSection:
     """float32, bfloat16, float16; default: bfloat16 on CUDA, the checkpoint's own on CPU."""
     served_name: str | None = None
     """The model's name in the OpenAI and Anthropic APIs (the `model` a request names, the id in
-    /v1/models); default: SmolLM2-135M-Instruct for the default model, else the source's file
-    or directory name without its extension."""
+    /v1/models); default: SmolLM2-135M-Instruct for the default model, else the source's
+    directory name, or its file name without `.gguf`."""
 
     @property
     def name(self) -> str:
@@ -69,7 +69,8 @@ class ModelSection:
             return self.served_name
         if self.source == "default":
             return DEFAULT_SERVED_NAME
-        return Path(self.source.rstrip("/")).stem or self.source
+        name = Path(self.source.rstrip("/")).name or self.source
+        return name.removesuffix(".gguf")  # a checkpoint directory keeps its dots (Qwen2.5-7B)
 
 
 @dataclass(frozen=True)

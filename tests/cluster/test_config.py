@@ -78,3 +78,16 @@ def test_cuda_workers_without_a_gpu_or_a_count_are_refused(
     config = ClusterConfig(model=ModelSection(device="cuda"))
     with pytest.raises(ConfigError, match=r"model\.device is cuda but the Ray cluster has no GPU"):
         serve.place_workers(config)
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        (ModelSection(), "SmolLM2-135M-Instruct"),
+        (ModelSection(source="/models/Qwen2.5-7B-Instruct/"), "Qwen2.5-7B-Instruct"),
+        (ModelSection(source="/models/smol-q8.gguf"), "smol-q8"),
+        (ModelSection(source="/models/x.gguf", served_name="chat"), "chat"),
+    ],
+)
+def test_the_served_model_name(model: ModelSection, name: str) -> None:
+    assert model.name == name

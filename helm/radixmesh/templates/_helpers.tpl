@@ -70,7 +70,7 @@ ray.io/node-type: worker
 {{/*
 The model id clients send to the HTTP API: config.model.served_name, else radixmesh's default
 (cluster/config.py ModelSection.name): SmolLM2-135M-Instruct for "default", else the source's
-last path element less its last extension, as Python's Path.stem takes it.
+last path element, less a ".gguf" suffix.
 */}}
 {{- define "radixmesh.servedName" -}}
 {{- $source := include "radixmesh.modelSource" . -}}
@@ -80,12 +80,7 @@ last path element less its last extension, as Python's Path.stem takes it.
 SmolLM2-135M-Instruct
 {{- else -}}
 {{- $base := base (regexReplaceAll "/+$" $source "") -}}
-{{- $ext := ext $base -}}
-{{- if and (ne $ext $base) (ne $ext ".") -}}
-{{- trimSuffix $ext $base | default $source -}}
-{{- else -}}
-{{- $base | default $source -}}
-{{- end -}}
+{{- trimSuffix ".gguf" $base | default $source -}}
 {{- end -}}
 {{- end -}}
 
