@@ -397,6 +397,7 @@ class Engine:
             finish_reason=reason,
             error=error,
             logprobs=logprobs,
+            stop_string=sample.stop.matched if reason is not None else None,
         )
         try:
             request.sink(output)

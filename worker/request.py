@@ -75,3 +75,5 @@ class RequestOutput:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token of `token_ids` when the request asked for logprobs, else empty."""
+    stop_string: str | None = None
+    """On a sample's last output: the stop string that ended it (None: another reason)."""

@@ -95,6 +95,8 @@ class StopChecker:
         self.pending = ""
         """Text not emitted yet: exactly the tail the state stands for."""
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the text, once one did."""
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add decoded text; returns (text now safe to emit, whether a stop string ended it)."""
@@ -108,8 +110,10 @@ class StopChecker:
         for i, char in enumerate(delta):
             state = strings.step(state, char)
             if strings.ends[state]:
+                end = offset + i + 1
                 self.stopped, self.pending = True, ""
-                return text[: offset + i + 1 - strings.ends[state]], True
+                self.matched = text[end - strings.ends[state] : end]
+                return text[: end - strings.ends[state]], True
         self.state = state
         keep = len(text) - strings.depth[state]
         self.pending = text[keep:]

@@ -94,6 +94,7 @@ def output_to_proto(
         predicted_cached_tokens=predicted_cached_tokens,
         worker=worker,
         logprobs=[logprob_to_proto(each) for each in output.logprobs],
+        stop_string=output.stop_string or "",
     )
 
 

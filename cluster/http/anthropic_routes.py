@@ -1,8 +1,8 @@
 """POST /v1/messages (Anthropic's Messages API, text content, streamed or not) and
 /v1/messages/count_tokens, over the same serving core as everything else.
 
-finish reasons: "stop" -> stop_reason "end_turn" (the model's end, or a stop sequence: the
-workers do not say which), "length" -> "max_tokens". Usage counts prompt tokens read from the
+finish reasons: a stop sequence -> stop_reason "stop_sequence" (and which, in stop_sequence),
+any other stop -> "end_turn", "length" -> "max_tokens". Usage counts prompt tokens read from the
 prefix cache as `cache_read_input_tokens` and the rest as `input_tokens`, as Anthropic does.
 """
 
@@ -54,7 +54,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             id=f"msg_{rid}",
             model=api.model,
             content=[TextBlock(text="".join(sample.text))],
-            stop_reason=STOP_REASONS.get(sample.finish_reason or "", sample.finish_reason),
+            stop_reason=stop_reason(sample.finish_reason, sample.stop_string),
+            stop_sequence=sample.stop_string,
             usage=usage(counts),
         )
         return JSONResponse(reply.model_dump())
@@ -128,6 +129,12 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
     return text_content([{"type": "text", "text": b.get("text")} for b in content], where)
 
 
+def stop_reason(finish: str | None, stop_string: str | None) -> str | None:
+    if stop_string:
+        return "stop_sequence"
+    return STOP_REASONS.get(finish or "", finish)
+
+
 def usage(counts: Counts) -> MessageUsage:
     cached = counts.cached_tokens
     return MessageUsage(
@@ -158,7 +165,7 @@ async def events(
     )
     try:
         response: serving_pb2.GenerateResponse | None = first
-        finish = None
+        finish, stop_string = None, None
         while response is not None:
             if response.finished and response.finish_reason == "error":
                 raise GenerationFailed(f"the generation failed on {response.worker}")
@@ -170,7 +177,7 @@ async def events(
                     {"type": "content_block_delta", "index": 0, "delta": delta},
                 )
             if response.finished:
-                finish = response.finish_reason
+                finish, stop_string = response.finish_reason, response.stop_string or None
             response = await anext(rest, None)
     except (ServingError, GenerationFailed) as err:
         failure = HttpError.of(err) if isinstance(err, ServingError) else HttpError(500, str(err))
@@ -179,7 +186,7 @@ async def events(
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
     yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-    stop = {"stop_reason": STOP_REASONS.get(finish or "", finish), "stop_sequence": None}
+    stop = {"stop_reason": stop_reason(finish, stop_string), "stop_sequence": stop_string}
     output = {"output_tokens": counts.completion_tokens}
     yield _event("message_delta", {"type": "message_delta", "delta": stop, "usage": output})
     yield _event("message_stop", {"type": "message_stop"})

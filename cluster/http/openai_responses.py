@@ -76,6 +76,7 @@ class Sample:
     logprobs: list[serving_pb2.TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_string: str | None = None
 
 
 def _failed(response: serving_pb2.GenerateResponse) -> bool:
@@ -97,6 +98,7 @@ async def collect(
         sample.logprobs.extend(response.logprobs)
         if response.finished:
             sample.finish_reason = response.finish_reason
+            sample.stop_string = response.stop_string or None
     return samples, counts
 
 

@@ -58,6 +58,26 @@ def test_how_the_text_is_cut_into_tokens_does_not_change_the_output(
     assert stream(pieces, tuple(stops)) == stream([text], tuple(stops))
 
 
+@given(
+    pieces=st.lists(st.text(alphabet="ab\nU:s", max_size=4), max_size=30),
+    stops=st.lists(st.text(alphabet="ab\nU:s", min_size=1, max_size=5), max_size=4),
+)
+def test_the_stop_string_that_ended_the_text_is_named(pieces: list[str], stops: list[str]) -> None:
+    checker = StopChecker(tuple(stops))
+    for piece in pieces:
+        if checker.feed(piece)[1]:
+            break
+    full = "".join(pieces)
+    cut = first_stop_cut(full, stops)
+    if cut is None:
+        assert checker.matched is None
+        return
+    assert checker.matched is not None
+    end = cut + len(checker.matched)
+    assert full[cut:end] == checker.matched
+    assert checker.matched == max((s for s in stops if full[:end].endswith(s)), key=len)
+
+
 def test_among_thousands_of_stop_strings_the_one_that_occurs_stops_the_text() -> None:
     stops = tuple(f"<stop{i}>" for i in range(4000))
     text = "the quick brown fox <stop12 is not one, but <stop3999> is; <stop7> comes too late"
