@@ -22,8 +22,9 @@ if __package__ in (None, ""):
 
 from rich.console import Console
 
+from cluster.loadtest.grpc_api import Target
 from cluster.loadtest.metrics import summarize
-from cluster.loadtest.runner import Arrivals, Bounds, Run, Target
+from cluster.loadtest.runner import Arrivals, Bounds, Run
 from cluster.loadtest.workloads import WorkloadOptions, build
 
 console = Console(stderr=True)

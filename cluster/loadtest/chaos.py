@@ -23,7 +23,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,29 +110,19 @@ def failure(err: BaseException) -> str:
     return str(err)
 
 
-async def healthy_count(stub: Any, metadata: list[tuple[str, str]]) -> int:
-    from protos.radixmesh.v1 import serving_pb2  # noqa: PLC0415
-
-    try:
-        stats = await stub.GetStats(serving_pb2.GetStatsRequest(), metadata=metadata, timeout=2)
-    except Exception:  # the router itself may be the one restarting
-        return -1
-    return sum(1 for w in stats.workers if w.healthy)
-
-
 async def watch(
     plan: ChaosPlan,
     event: ChaosEvent,
-    stub: Any,
-    metadata: list[tuple[str, str]],
+    healthy_workers: Callable[[], Awaitable[int]],
     now: Callable[[], float],
     deadline_s: float,
 ) -> None:
-    """Wait until `plan.at_s`, kill, then poll until the cluster has its workers back, no later
-    than `deadline_s` into the run (and `RECOVERY_LIMIT_S` after the kill). The run cancels
-    this while `event.attempted_at` is None, once its requests are done."""
+    """Wait until `plan.at_s`, kill, then poll `healthy_workers` (the run's API: GetStats, or
+    GET /health; -1 when the router does not answer) until the cluster has its workers back, no
+    later than `deadline_s` into the run (and `RECOVERY_LIMIT_S` after the kill). The run
+    cancels this while `event.attempted_at` is None, once its requests are done."""
     await asyncio.sleep(max(0.0, plan.at_s - now()))
-    before = await healthy_count(stub, metadata)
+    before = await healthy_workers()
     whole = before if before > 0 else 1  # not known (the probe failed): one worker back will do
     killed_at = event.attempted_at = now()
     try:
@@ -144,7 +134,7 @@ async def watch(
     until = min(deadline_s, killed_at + RECOVERY_LIMIT_S)
     while now() < until:
         await asyncio.sleep(min(0.5, max(0.0, until - now())))
-        if await healthy_count(stub, metadata) >= whole:
+        if await healthy_workers() >= whole:
             event.whole_again_s = now() - killed_at
             return
 

@@ -2,8 +2,9 @@
 
 Every bad value or combination raises a `UsageError` that names the flag, so the command ends
 (exit 2) before a probe, a warmup or a run: numbers out of range, `--sweep`, `--tenants`,
-`--adapters` and `--chaos` that do not parse, flags that do not go together, an absent trace,
-an output directory that cannot be written, TLS files that cannot be read.
+`--adapters` and `--chaos` that do not parse, flags that do not go together, a `--target` that
+is not the `--api`'s kind of address, an absent trace, an output directory that cannot be
+written, TLS files that cannot be read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from cluster.client_auth import token_or_env
 from cluster.client_tls import ClientTls, tls_from_args
 from cluster.loadtest.chaos import ChaosPlan
+from cluster.loadtest.openai_api import base_url, ssl_context
 from cluster.loadtest.trace import MOONCAKE_BLOCK
 
 
@@ -30,12 +32,17 @@ WHOLE_AT_LEAST = {
 }  # fmt: skip
 POSITIVE = ("rate", "max_seconds", "request_timeout", "slo_ttft_ms", "slo_tpot_ms")
 NOT_NEGATIVE = ("time_scale",)
+DEFAULT_TARGETS = {"grpc": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000"}
 
 
 @dataclass(frozen=True)
 class Checked:
     """What the flags say, parsed."""
 
+    target: str
+    """The router's gRPC host:port (`--api grpc`) or its HTTP API's base URL (`--api openai`)."""
+    grpc_target: str | None
+    """With `--api openai`: the router's gRPC host:port for the Admin calls, if given."""
     tls: ClientTls | None
     token: str | None
     tenants: list[tuple[str, float]]
@@ -77,6 +84,45 @@ def check_combinations(args: argparse.Namespace) -> None:
         )
     if args.chaos and (args.compare or args.sweep is not None):
         raise UsageError("--chaos works on a single run: it does not go with --compare or --sweep")
+
+
+def check_api(
+    args: argparse.Namespace, adapters: list[tuple[str, float]]
+) -> tuple[str, str | None]:
+    """The target (and, over HTTP, the gRPC target) the `--api` needs; UsageError for flags
+    that belong to the other API, or that it cannot serve."""
+    target = args.target or DEFAULT_TARGETS[args.api]
+    if args.api == "grpc":
+        if "://" in target:
+            raise UsageError(
+                f"--target {target} is a URL: gRPC takes HOST:PORT (for the HTTP API, add "
+                "--api openai)"
+            )
+        for flag, value in (("--grpc-target", args.grpc_target), ("--model", args.model)):
+            if value is not None:
+                raise UsageError(f"{flag} is for --api openai (over gRPC, --target is the router)")
+        return target, None
+    try:
+        url = base_url(target)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    if args.grpc_target is not None and "://" in args.grpc_target:
+        raise UsageError(f"--grpc-target {args.grpc_target} is a URL: it takes HOST:PORT")
+    if (args.compare or args.sweep is not None) and args.grpc_target is None:
+        raise UsageError(
+            "--compare and --sweep switch the policy and empty the caches through the router's "
+            "Admin service, which is gRPC only: with --api openai, also give the router's gRPC "
+            "address (--grpc-target HOST:PORT)"
+        )
+    named = [name for name, weight in adapters if name and weight > 0]
+    if named:
+        raise UsageError(
+            f"--adapters {named[0]!r}: the OpenAI API cannot name an adapter (its model is the "
+            "served model); use --api grpc"
+        )
+    if args.tls_ca is not None and url.startswith("http://"):
+        raise UsageError(f"--tls-ca is for an https:// target, not {url}")
+    return url, args.grpc_target
 
 
 def weights(flag: str, text: str) -> list[tuple[str, float]]:
@@ -145,11 +191,18 @@ def check(args: argparse.Namespace) -> Checked:
             f"--chaos at {chaos.at_s:g} s is not before --max-seconds {args.max_seconds:g}: "
             "the run stops launching requests then"
         )
+    adapters = weights("--adapters", args.adapters)
+    target, grpc_target = check_api(args, adapters)
+    tls = tls_from_args(args)
+    if args.api == "openai":
+        ssl_context(tls)  # a CA or client certificate that is not PEM fails here
     return Checked(
-        tls=tls_from_args(args),
+        target=target,
+        grpc_target=grpc_target,
+        tls=tls,
         token=token_or_env(args.token),
         tenants=weights("--tenants", args.tenants),
-        adapters=weights("--adapters", args.adapters),
+        adapters=adapters,
         sweep=sweep_levels(args.sweep, args.arrival) if args.sweep is not None else [],
         chaos=chaos,
     )

@@ -4,12 +4,16 @@
         --output-dir out/ [--arrival closed --concurrency 8 | --arrival poisson --rate 4 |
         --arrival trace --time-scale 0.05] [--sweep 1,4,16] [--compare cache_aware round_robin]
         [--tenants acme=1,globex=1] [--chaos worker-0@10 --ray-address HOST:PORT]
+    radixmesh loadtest --api openai --target http://127.0.0.1:8000 [--model ID]
+        [--grpc-target 127.0.0.1:50051 (for --compare, --sweep)] ...
 
 The flags are checked first (cluster/loadtest/checks.py), then the target is probed: a bad
 flag, an unreachable target or refused credentials end the command within seconds, saying so.
-`--compare` switches the router's policy through the Admin service and empties every cache
-before each policy, so both start cold; `--sweep` runs each concurrency (closed) or rate
-(poisson) in turn.
+`--api` picks the API every request goes through: gRPC's Serving.Generate, or the OpenAI API's
+streamed completions (cluster/loadtest/openai_api.py); the reports say which. `--compare`
+switches the router's policy through the Admin service (gRPC, whichever API the requests use)
+and empties every cache before each policy, so both start cold; `--sweep` runs each
+concurrency (closed) or rate (poisson) in turn.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import argparse
 import asyncio
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -26,12 +30,13 @@ from rich.markup import escape
 
 from cluster.client_auth import add_token_argument
 from cluster.client_tls import add_tls_arguments
-from cluster.loadtest import chaos, report, workloads
+from cluster.loadtest import chaos, openai_api, report, workloads
 from cluster.loadtest.checks import Checked, check
 from cluster.loadtest.control import ServerError, admin, probe
+from cluster.loadtest.grpc_api import Target
 from cluster.loadtest.metrics import Slo, summarize
 from cluster.loadtest.report import RunResult
-from cluster.loadtest.runner import ARRIVALS, Arrivals, Bounds, Run, Target
+from cluster.loadtest.runner import ARRIVALS, Arrivals, Bounds, Endpoint, Run
 from cluster.loadtest.trace import MOONCAKE_TRACE
 from cluster.loadtest.workloads import Session
 
@@ -39,7 +44,24 @@ console = Console(stderr=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:50051", help="router host:port")
+    parser.add_argument("--api", choices=("grpc", "openai"), default="grpc")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the router's host:port (grpc; default 127.0.0.1:50051), or its HTTP API's base "
+        "URL (openai; default http://127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--grpc-target",
+        default=None,
+        help="with --api openai: the router's gRPC host:port, for the Admin calls of --compare "
+        "and --sweep",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="with --api openai: the model id (default: the first GET /v1/models lists)",
+    )
     parser.add_argument("--workload", choices=workloads.WORKLOADS, default="shared-prefix")
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--output-dir", type=Path, default=Path("loadtest-results"))
@@ -75,9 +97,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tls_arguments(parser)
 
 
+@dataclass(frozen=True)
+class Probed:
+    """What the command learnt of the cluster before its runs."""
+
+    endpoint: Endpoint
+    """Where the requests go."""
+    admin: Target | None
+    """The gRPC port for the Admin calls (None: --api openai without --grpc-target)."""
+    policy: str | None
+    vocab_size: int
+    max_model_len: int
+
+
+async def probe_target(args: argparse.Namespace, checked: Checked) -> Probed:
+    """The probe of the API the requests use (gRPC's GetStats; GET /health and /v1/models), and
+    GetStats over --grpc-target too (the policy and the vocabulary only gRPC reports)."""
+    grpc_target = checked.target if args.api == "grpc" else checked.grpc_target
+    admin_target = Target(grpc_target, checked.token, checked.tls) if grpc_target else None
+    stats = await probe(admin_target) if admin_target is not None else None
+    if args.api == "grpc":
+        assert admin_target is not None and stats is not None
+        return Probed(
+            admin_target, admin_target, stats.policy, stats.vocab_size, stats.max_model_len
+        )
+    http = openai_api.HttpTarget(checked.target, checked.token, checked.tls)
+    served = await openai_api.probe(http, args.model)
+    return Probed(
+        replace(http, model=served.model),
+        admin_target,
+        stats.policy if stats is not None else None,
+        stats.vocab_size if stats is not None else 0,
+        served.max_model_len or (stats.max_model_len if stats is not None else 0),
+    )
+
+
+def run_settings(target: Endpoint) -> dict[str, object]:
+    """The API and where it was reached, in every run's settings (the reports show them)."""
+    settings: dict[str, object] = {"api": target.api}
+    if isinstance(target, openai_api.HttpTarget):
+        settings |= {"target": target.url, "model": target.model}
+    elif isinstance(target, Target):
+        settings["target"] = target.address
+    return settings
+
+
 async def one_run(
     args: argparse.Namespace,
-    target: Target,
+    target: Endpoint,
     sessions: list[Session],
     arrivals: Arrivals,
     label: str,
@@ -87,6 +154,7 @@ async def one_run(
     run = Run(target, sessions, arrivals, bounds, console, chaos=plan)
     records = await run.run()
     settings = {
+        **run_settings(target),
         "workload": args.workload,
         "arrival": arrivals.kind,
         "concurrency": arrivals.concurrency,
@@ -100,7 +168,7 @@ async def one_run(
 
 
 async def warm_up(
-    args: argparse.Namespace, target: Target, options: workloads.WorkloadOptions
+    args: argparse.Namespace, target: Endpoint, options: workloads.WorkloadOptions
 ) -> None:
     """A few discarded requests, as many at once as the run will send (a CPU worker's first
     batches of a new size are slow, and the router learns the workers' speeds from these). With
@@ -139,13 +207,13 @@ def chaos_exit(chaos_report: dict[str, object] | None) -> int:
 
 
 async def main_async(args: argparse.Namespace, checked: Checked) -> int:
-    target = Target(args.target, checked.token, checked.tls)
-    stats = await probe(target)
+    probed = await probe_target(args, checked)
+    target = probed.endpoint
     options = workloads.WorkloadOptions(
         requests=args.num_requests, seed=args.seed, max_tokens=args.max_tokens,
         tenants=checked.tenants, adapters=checked.adapters, trace=args.trace,
         trace_block_tokens=args.trace_block_tokens, trace_time_scale=args.time_scale,
-        vocab_size=stats.vocab_size or 49_152, max_model_len=stats.max_model_len or 2048,
+        vocab_size=probed.vocab_size or 49_152, max_model_len=probed.max_model_len or 2048,
         turns=args.turns,
     )  # fmt: skip
     sessions = workloads.build(args.workload, options)  # a malformed trace fails before warmup
@@ -154,14 +222,16 @@ async def main_async(args: argparse.Namespace, checked: Checked) -> int:
     runs: list[RunResult] = []
     chaos_report = None
     if args.compare:
+        assert probed.admin is not None  # checks.py: --compare over HTTP needs --grpc-target
         for policy in args.compare:
-            await admin(target, policy)
+            await admin(probed.admin, policy)
             result, _ = await one_run(args, target, sessions, arrivals, policy, None)
             runs.append(result)
     elif checked.sweep:
+        assert probed.admin is not None
         axis = "concurrency" if args.arrival == "closed" else "rate"
         for level in checked.sweep:
-            await admin(target)
+            await admin(probed.admin)
             level_arrivals = Arrivals(args.arrival, int(level), level, args.seed)
             result, _ = await one_run(
                 args, target, sessions, level_arrivals, f"{axis}={level:g}", None
@@ -170,9 +240,8 @@ async def main_async(args: argparse.Namespace, checked: Checked) -> int:
             result.settings["sweep_axis"] = axis
             runs.append(result)
     else:
-        result, chaos_report = await one_run(
-            args, target, sessions, arrivals, stats.policy, checked.chaos
-        )
+        label = probed.policy or target.api  # the policy is GetStats' to tell
+        result, chaos_report = await one_run(args, target, sessions, arrivals, label, checked.chaos)
         runs.append(result)
     paths = report.write(args.output_dir, runs, chaos_report, sweep=bool(checked.sweep))
     print(report.markdown(runs, chaos_report))

@@ -12,7 +12,7 @@ import asyncio
 import grpc
 
 from cluster.client_auth import TOKEN_ENV
-from cluster.loadtest.runner import Target
+from cluster.loadtest.grpc_api import Target
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 
 PROBE_TIMEOUT_S = 5.0

@@ -5,8 +5,10 @@ messages), time per output token, end-to-end latency. Throughput in requests and
 second; goodput: requests per second that met the SLO (TTFT and TPOT both under their bounds).
 Hit rate: prompt tokens the workers served from cache over all prompt tokens (their own
 per-request counts). Prediction error: the router's predicted cached tokens against the
-served ones. Per worker: requests, share of the completed ones, output tokens, hit rate. Per
-tenant: requests, hit rate, TTFT p50. Errors by status.
+served ones (None when no record carries a prediction: the OpenAI API reports none). Per
+worker: requests, share of the completed ones, output tokens, hit rate (only records that name
+their worker: the OpenAI API names none). Per tenant: requests, hit rate, TTFT p50. Errors by
+status.
 """
 
 from __future__ import annotations
@@ -46,6 +48,25 @@ def _hit(records: list[RequestRecord]) -> float:
     return sum(r.cached_prompt_tokens for r in records) / prompt if prompt else 0.0
 
 
+def _prediction(ok: list[RequestRecord]) -> dict[str, float | int | None]:
+    """The router's predicted cached tokens against the served ones; None throughout when the
+    records carry no prediction (the OpenAI API reports none)."""
+    carried = [r for r in ok if r.predicted_cached_tokens is not None]
+    if ok and not carried:
+        return {"mean_abs_error_tokens": None, "predicted_tokens": None, "served_tokens": None}
+    predicted = [r for r in carried if r.prompt_tokens]
+    return {
+        "mean_abs_error_tokens": (
+            sum(abs((r.predicted_cached_tokens or 0) - r.cached_prompt_tokens) for r in predicted)
+            / len(predicted)
+            if predicted
+            else 0.0
+        ),
+        "predicted_tokens": sum(r.predicted_cached_tokens or 0 for r in carried),
+        "served_tokens": sum(r.cached_prompt_tokens for r in carried),
+    }
+
+
 def summarize(records: list[RequestRecord], duration: float, slo: Slo = Slo()) -> dict[str, object]:
     ok = [r for r in records if r.ok]
     duration = max(duration, 1e-9)
@@ -61,10 +82,10 @@ def summarize(records: list[RequestRecord], duration: float, slo: Slo = Slo()) -
     by_worker: dict[str, list[RequestRecord]] = defaultdict(list)
     by_tenant: dict[str, list[RequestRecord]] = defaultdict(list)
     for r in ok:
-        by_worker[r.worker].append(r)
+        if r.worker:
+            by_worker[r.worker].append(r)
         by_tenant[r.tenant or "-"].append(r)
     output = sum(r.output_tokens for r in ok)
-    predicted = [r for r in ok if r.prompt_tokens]
     return {
         "requests": {"sent": len(records), "completed": len(ok), "errored": len(records) - len(ok)},
         "errors": dict(errors),
@@ -84,16 +105,7 @@ def summarize(records: list[RequestRecord], duration: float, slo: Slo = Slo()) -
             "fraction": len(good) / len(ok) if ok else 0.0,
         },
         "hit_rate": _hit(ok),
-        "prediction": {
-            "mean_abs_error_tokens": (
-                sum(abs(r.predicted_cached_tokens - r.cached_prompt_tokens) for r in predicted)
-                / len(predicted)
-                if predicted
-                else 0.0
-            ),
-            "predicted_tokens": sum(r.predicted_cached_tokens for r in ok),
-            "served_tokens": sum(r.cached_prompt_tokens for r in ok),
-        },
+        "prediction": _prediction(ok),
         "workers": {
             name: {
                 "requests": len(rs),

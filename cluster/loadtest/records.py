@@ -22,10 +22,13 @@ class RequestRecord:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
-    predicted_cached_tokens: int = 0
+    predicted_cached_tokens: int | None = 0
+    """The router's prediction; None where the API does not report it (OpenAI's)."""
     worker: str = ""
+    """The worker that served it; "" where the API does not say (OpenAI's)."""
     status: str = "OK"
-    """"OK", or the gRPC status name of a failure."""
+    """"OK", or what failed: the gRPC status name, or over HTTP `HTTP_<status>`, `STREAM_ERROR`,
+    `TIMEOUT`, `DISCONNECTED` (cluster/loadtest/openai_api.py)."""
     finish_reason: str = ""
     answer: str = ""
 

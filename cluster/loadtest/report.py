@@ -1,7 +1,9 @@
 """A run's outputs: one JSON file, a markdown summary, and PNG plots.
 
-report.json   every run's settings, summary and per-request records (plus chaos, if any)
-summary.md    a table, one column per run; with two runs, a last column A / B (first over second)
+report.json   every run's settings (the API and target included), summary and per-request
+              records (plus chaos, if any)
+summary.md    the API the requests went through, then a table, one column per run; with two
+              runs, a last column A / B (first over second)
 cdf.png       TTFT and end-to-end latency CDFs, one line per run
 timeline.png  hit rate and each worker's requests over time
 sweep.png     throughput and p99 TTFT against offered load (sweeps)
@@ -59,6 +61,16 @@ def _cell(value: object, kind: str = "rate") -> str:
     return f"{float(value):.2f}"  # type: ignore[arg-type]
 
 
+def api_line(runs: list[RunResult]) -> str:
+    """`API: openai, http://127.0.0.1:8000, model tiny`: what the requests went through (every
+    run of a command uses the same); "" for settings that do not say."""
+    settings = runs[0].settings if runs else {}
+    if "api" not in settings:
+        return ""
+    line = f"API: {settings['api']}, {settings.get('target', '?')}"
+    return line + (f", model {settings['model']}" if settings.get("model") else "")
+
+
 def markdown(runs: list[RunResult], chaos: dict[str, Any] | None = None) -> str:
     head = (
         "| metric | "
@@ -82,6 +94,9 @@ def markdown(runs: list[RunResult], chaos: dict[str, Any] | None = None) -> str:
         cells = " | ".join(_cell(share, "percent") for share in shares)
         lines.append(f"| share of {worker} | {cells} |" + (" |" if len(runs) == 2 else ""))
     text = "\n".join(lines)
+    api = api_line(runs)
+    if api:
+        text = f"{api}\n\n{text}"
     for run in runs:
         if run.summary["errors"]:
             text += f"\n\nErrors of {run.label}: {run.summary['errors']}"
@@ -143,7 +158,8 @@ def plot_cdfs(runs: list[RunResult], path: Path) -> None:
         axis.set_ylabel("fraction of requests")
         axis.set_title(title)
         axis.grid(alpha=0.3)
-        axis.legend()
+        if axis.get_legend_handles_labels()[0]:  # no line when every request failed
+            axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -199,7 +215,8 @@ def plot_timeline(runs: list[RunResult], path: Path, bucket_s: float | None = No
     load.set_xlabel("seconds into the run")
     for axis in (hits, load):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize="small")
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -1,4 +1,5 @@
-"""Running sessions against a cluster: asyncio gRPC clients, three arrival processes, bounds.
+"""Running sessions against a cluster: three arrival processes, bounds, a progress bar, over
+either API (cluster/loadtest/grpc_api.py, cluster/loadtest/openai_api.py).
 
     closed   `concurrency` users, each running sessions back to back
     poisson  sessions start at Poisson times of `rate` per second
@@ -7,11 +8,9 @@
 A run stops launching at `max_requests` requests or `max_seconds`, whichever comes first, and
 then waits for what is in flight (each request also has its own `request_timeout`). A wait for
 the next Poisson or trace arrival ends at the `max_seconds` deadline, or as soon as the request
-budget is spent, so neither bound is overshot by an inter-arrival gap. One channel is shared by
-every request; a live progress bar shows throughput and hit rate. Requests wait for the channel
-to be ready (gRPC's wait_for_ready, up to `request_timeout`), as a production client does: one
-sent while the router restarts is served once it is back, not refused by a closed port (the
-command's first call, the probe, still fails fast on a target that is not there).
+budget is spent, so neither bound is overshot by an inter-arrival gap. One connection (a gRPC
+channel, or an HTTP client's pool) serves every request; a live progress bar shows throughput
+and hit rate.
 """
 
 from __future__ import annotations
@@ -21,38 +20,49 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
-import grpc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster.client_tls import ClientTls
 from cluster.loadtest import chaos
 from cluster.loadtest.chaos import ChaosPlan
 from cluster.loadtest.records import RequestRecord
 from cluster.loadtest.workloads import RequestSpec, Session
-from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 
 ARRIVALS = ("closed", "poisson", "trace")
 
 
-@dataclass(frozen=True)
-class Target:
-    address: str
-    token: str | None = None
-    tls: ClientTls | None = None
+class Connection(Protocol):
+    """One API's client, open for a run."""
 
-    def channel(self) -> grpc.aio.Channel:
-        options: list[tuple[str, object]] = [("grpc.max_receive_message_length", 16 << 20)]
-        if self.tls is not None:
-            options += self.tls.options()
-            return grpc.aio.secure_channel(self.address, self.tls.credentials(), options=options)
-        return grpc.aio.insecure_channel(self.address, options=options)
+    async def generate(
+        self,
+        spec: RequestSpec,
+        session: Session,
+        record: RequestRecord,
+        now: Callable[[], float],
+        timeout: float,
+    ) -> None:
+        """Send `spec` and fill `record` as its stream comes (`now()` stamps the first token
+        and each message; counts, worker, finish reason, answer), within `timeout` seconds; a
+        failure sets `record.status` and raises nothing."""
+        ...
+
+    async def healthy_workers(self) -> int:
+        """The workers the router counts (for --chaos), -1 when it does not answer."""
+        ...
+
+
+class Endpoint(Protocol):
+    """Where a run sends its requests: `grpc_api.Target` or `openai_api.HttpTarget`."""
 
     @property
-    def metadata(self) -> list[tuple[str, str]]:
-        return [("authorization", f"Bearer {self.token}")] if self.token else []
+    def api(self) -> str: ...
+
+    def connect(self) -> AbstractAsyncContextManager[Connection]: ...
 
 
 @dataclass(frozen=True)
@@ -79,29 +89,10 @@ class Bounds:
     request_timeout: float = 120.0
 
 
-def to_proto(spec: RequestSpec, session: Session, request_id: str) -> serving_pb2.GenerateRequest:
-    request = serving_pb2.GenerateRequest(
-        request_id=request_id,
-        namespace=serving_pb2.Namespace(tenant=session.tenant, adapter=session.adapter),
-        sampling=serving_pb2.SamplingParams(
-            max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True
-        ),
-    )
-    if spec.text is not None:
-        request.text = spec.text
-    elif spec.chat is not None:
-        request.chat.messages.extend(
-            serving_pb2.ChatMessage(role=r, content=c) for r, c in spec.chat
-        )
-    else:
-        request.token_ids.ids.extend(spec.token_ids or ())
-    return request
-
-
 class Run:
     def __init__(
         self,
-        target: Target,
+        target: Endpoint,
         sessions: list[Session],
         arrivals: Arrivals,
         bounds: Bounds,
@@ -118,6 +109,8 @@ class Run:
         self.chaos = chaos
         self.chaos_report: dict[str, object] | None = None
         self.records: list[RequestRecord] = []
+        self.connection: Connection
+        """The endpoint's client, while `run` runs."""
         self._done = _Totals()
         """Of the completed records, for the progress bar (kept as they come, not re-summed)."""
         self.sent = 0
@@ -150,15 +143,15 @@ class Run:
         ) as progress:  # fmt: skip
             self._task = progress.add_task("requests", total=total, live="")
             self._progress = progress
-            async with self.target.channel() as channel:
-                self.stub = serving_pb2_grpc.ServingStub(channel)
+            async with self.target.connect() as connection:
+                self.connection = connection
                 self.began = time.perf_counter()
                 event = chaos.ChaosEvent()
                 watcher = None
                 if self.chaos is not None:
                     watcher = asyncio.create_task(
                         chaos.watch(
-                            self.chaos, event, self.stub, self.target.metadata, self.now,
+                            self.chaos, event, connection.healthy_workers, self.now,
                             self.bounds.max_seconds,
                         )
                     )  # fmt: skip
@@ -225,31 +218,8 @@ class Run:
         record = RequestRecord(
             session.session_id, turn, request_id, session.tenant, session.adapter, self.now()
         )
-        parts = []
-        call = self.stub.Generate(
-            to_proto(spec, session, request_id),
-            metadata=self.target.metadata,
-            timeout=self.bounds.request_timeout,
-            wait_for_ready=True,  # as a client should: a router restarting is waited for
-        )
-        try:
-            async for message in call:
-                stamp = self.now()
-                if record.first_token is None:
-                    record.first_token = stamp
-                    record.prompt_tokens = message.prompt_tokens
-                    record.cached_prompt_tokens = message.cached_prompt_tokens
-                    record.predicted_cached_tokens = message.predicted_cached_tokens
-                    record.worker = message.worker
-                record.token_times.append(stamp)
-                record.output_tokens += len(message.token_ids)
-                parts.append(message.text)
-                if message.finished:
-                    record.finish_reason = message.finish_reason
-        except grpc.aio.AioRpcError as err:
-            record.status = err.code().name
+        await self.connection.generate(spec, session, record, self.now, self.bounds.request_timeout)
         record.end = self.now()
-        record.answer = "".join(parts)
         self.records.append(record)
         self._progress_update()
         if self.on_record is not None:

@@ -32,9 +32,10 @@ from cluster.loadtest.chaos import (
     failure,
 )
 from cluster.loadtest.cli import add_arguments, chaos_exit, main
+from cluster.loadtest.grpc_api import Target
 from cluster.loadtest.records import RequestRecord
 from cluster.loadtest.report import chaos_markdown
-from cluster.loadtest.runner import Arrivals, Bounds, Run, Target
+from cluster.loadtest.runner import Arrivals, Bounds, Run
 from cluster.loadtest.stub_server import StubServing
 from cluster.loadtest.workloads import Session, WorkloadOptions, build
 from cluster.policies import build_policy
