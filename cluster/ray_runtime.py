@@ -29,6 +29,10 @@ def connect(num_cpus: int | None = None) -> bool:
         return False
     embedded_cluster_token()
     ray.init(
+        # "local": always a new cluster. Without it Ray first tries the address in
+        # <tmp>/ray/ray_current_cluster, and a cluster killed without `ray stop` leaves that file
+        # behind: serve then waited forever on a GCS that was gone.
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         namespace=NAMESPACE,

@@ -156,7 +156,8 @@ def free_port() -> int:
 @pytest.mark.timeout(600)
 def test_serve_on_an_embedded_cluster_writes_no_token_to_home(tmp_path: Path) -> None:
     """Without a configured token, `radixmesh serve` gives its embedded cluster a private one
-    (Ray would write ~/.ray/auth_token) and removes it on exit."""
+    (Ray would write ~/.ray/auth_token) and removes it on exit; a dead cluster's address left in
+    Ray's temporary directory does not stop it from starting its own."""
     home = tmp_path / "home"
     home.mkdir()
     config = {
@@ -174,6 +175,9 @@ def test_serve_on_an_embedded_cluster_writes_no_token_to_home(tmp_path: Path) ->
     # A short private TMPDIR (Ray keeps its unix sockets there) holds Ray's files and our token.
     tmpdir = Path(tempfile.mkdtemp(prefix="rm-", dir="/tmp"))
     env.update(HOME=str(home), TMPDIR=str(tmpdir))
+    # What a Ray head killed without `ray stop` leaves: the address of a cluster that is gone.
+    (tmpdir / "ray").mkdir()
+    (tmpdir / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
     try:
         serve = subprocess.Popen(
             [BIN / "radixmesh", "serve", "--config", str(config_file)],
