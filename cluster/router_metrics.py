@@ -49,6 +49,14 @@ class RouterCollector(Collector):
         for status, count in sorted(c.by_status.items()):
             requests.add_metric([status], count)
         yield requests
+        http = CounterMetricFamily(
+            "radixmesh_router_http_responses",
+            "HTTP API answers by route and status",
+            labels=["route", "status"],
+        )
+        for (route, code), count in sorted(c.http_responses.items()):
+            http.add_metric([route, str(code)], count)
+        yield http
         rates = self.service.timing.model.rates()
         gauges = {
             "radixmesh_router_in_flight": ("Generate calls in flight", len(self.service.in_flight)),

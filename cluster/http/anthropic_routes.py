@@ -26,7 +26,6 @@ from cluster.http.anthropic_schema import (
     TokenCount,
 )
 from cluster.http.errors import HttpError
-from cluster.http.openai_params import text_content
 from cluster.http.openai_responses import Counts, GenerationFailed, collect
 from cluster.http.sse import EventStream
 from cluster.serving_call import ServingError
@@ -126,7 +125,9 @@ def _text(content: str | list[dict[str, Any]], where: str) -> str:
             raise HttpError.invalid(
                 f"{where}[{j}]", f"only text blocks are served, got type {kind!r}"
             )
-    return text_content([{"type": "text", "text": b.get("text")} for b in content], where)
+        if not isinstance(block.get("text"), str):
+            raise HttpError.invalid(f"{where}[{j}].text", "must be a string")
+    return "\n".join(block["text"] for block in content)  # as OpenAI's text parts are joined
 
 
 def stop_reason(finish: str | None, stop_string: str | None) -> str | None:

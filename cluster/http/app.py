@@ -238,7 +238,7 @@ class HttpApi:
 
 
 def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, HttpApi]:
-    """The ASGI app (the FastAPI routes behind the body limit and the status counter) and its
+    """The ASGI app (the FastAPI routes behind the status counter and the body limit) and its
     handlers (`HttpApi.draining` is the router's to set)."""
     api = HttpApi(service, config)
     app = FastAPI(title="radixmesh", version="1", docs_url=None, redoc_url=None)
@@ -256,6 +256,10 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
 
     async def invalid(request: Request, err: Exception) -> Response:
         assert isinstance(err, RequestValidationError)
+        try:  # a caller without a known token learns nothing of the body's schema: 401 first
+            api.caller(request)
+        except HttpError as refused:
+            return await http_error(request, refused)
         return await http_error(request, validation_error(err))
 
     async def client_gone(request: Request, err: Exception) -> Response:
@@ -264,8 +268,8 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_exception_handler(HttpError, http_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(ClientGone, client_gone)
-    counted = StatusCounter(app, service.counters.http_responses)
-    return BodyLimit(counted, config.router.max_message_bytes, error_body), api
+    limited = BodyLimit(app, config.router.max_message_bytes, error_body)
+    return StatusCounter(limited, service.counters.http_responses), api  # 413s counted too
 
 
 def error_body(path: str, err: HttpError) -> dict[str, Any]:
@@ -310,6 +314,7 @@ _ROUTES = (
     "/v1/completions",
     "/v1/models",
     "/v1/messages",
+    "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
     "/health",

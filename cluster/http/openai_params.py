@@ -51,7 +51,9 @@ def chat_request(
         raise HttpError.invalid(
             "max_completion_tokens", "differs from max_tokens; give one of them"
         )
-    max_tokens = request.max_completion_tokens or request.max_tokens
+    max_tokens = request.max_completion_tokens  # 0 is refused by name, not taken for unset
+    if max_tokens is None:
+        max_tokens = request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     message = serving_pb2.GenerateRequest(
         request_id=request_id,

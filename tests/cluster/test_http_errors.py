@@ -1,0 +1,342 @@
+"""Every refusal of the HTTP API, over real HTTP on loopback: the status, OpenAI's error object
+(Anthropic's on /v1/messages) and a message naming the field; after each, the server still
+serves and no page is left behind.
+
+The bad inputs of the gRPC test (tests/cluster/test_serving.py `BAD`) in their HTTP form, the
+parameters radixmesh refuses rather than ignore, 401 / 403 / 404 / 413, and the counter of
+answers by route and status. 429 and 503: test_http_overload.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import httpx2 as httpx
+import openai
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from cluster.config import RouterSection, SecuritySection
+from cluster.router_metrics import RouterCollector
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
+from worker.loader import LoadedModel
+
+MODEL = SERVED_NAME
+TOKENS = {"token-any": "*", "token-acme": "acme"}
+AUTH = {"Authorization": "Bearer token-any"}
+MAX_BODY = 1 << 16
+MAX_PROMPT_CHARS = 8000
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    cluster = start_cluster(
+        tiny,
+        http=True,
+        router=RouterSection(port=0, max_message_bytes=MAX_BODY),
+        security=SecuritySection(auth_tokens=TOKENS),
+        engine=replace(ENGINE, max_prompt_chars=MAX_PROMPT_CHARS),
+    )
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    url = f"{cluster.http_url}/v1"
+    with openai.OpenAI(base_url=url, api_key="token-any", max_retries=0) as c:
+        yield c
+
+
+def assert_still_serving(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    answer = client.completions.create(model=MODEL, prompt="still serving?", max_tokens=3)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    cluster.wait_idle()  # nothing running or waiting, no private page on any engine
+    assert not cluster.service.in_flight
+
+
+def assert_openai_error(response: httpx.Response, status: int, words: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(response.json()) == {"error"}
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"], error
+    return dict(error)
+
+
+class Bad(NamedTuple):
+    body: dict[str, Any]
+    """Over a 4-token greedy text completion (`messages`: a chat completion)."""
+    status: int
+    words: str
+    param: str | None
+    headers: dict[str, str] | None = None
+
+
+NOT_IN_THE_SDK = {"stop_token_ids", "guided_json"}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}
+BAD = {
+    "empty prompt": Bad({"prompt": ""}, 400, "prompt: is empty", "prompt"),
+    "empty ids": Bad({"prompt": []}, 400, "prompt", "prompt"),
+    "no room": Bad({"prompt": "word " * 600}, 400, "leave no room", "prompt"),
+    "chat no room": Bad(
+        {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "leave no room", "prompt"
+    ),
+    "id past vocab": Bad({"prompt": [1, 2, 10**6]}, 400, "token 1000000", "prompt_token_ids"),
+    "negative id": Bad({"prompt": [1, -5]}, 400, "prompt: -5", "prompt"),
+    "adapter": Bad({"model": f"{MODEL}:sql-lora"}, 404, "does not exist", "model"),
+    "temperature": Bad({"temperature": -1}, 400, "temperature: must be >= 0", "temperature"),
+    "top_p 0": Bad({"top_p": 0}, 400, "top_p", "top_p"),
+    "top_p 1.5": Bad({"top_p": 1.5}, 400, "top_p", "top_p"),
+    "max_tokens 0": Bad({"max_tokens": 0}, 400, "max_tokens: must be in", "max_tokens"),
+    "max_tokens 1e9": Bad({"max_tokens": 10**9}, 400, "max_tokens: must be in", "max_tokens"),
+    "max_completion_tokens 0": Bad(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": None,
+            "max_completion_tokens": 0,
+        },
+        400,
+        "max_tokens: must be in",
+        "max_tokens",
+    ),
+    "n 0": Bad({"n": 0}, 400, "n: must be in", "n"),
+    "stop_token_ids": Bad({"stop_token_ids": [-3]}, 400, "stop_token_ids", "stop_token_ids"),
+    "image part": Bad(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE]}]},
+        400,
+        "messages[0].content[1]: only text parts",
+        "messages[0].content[1]",
+    ),
+    "no messages": Bad({"messages": []}, 400, "messages: is empty", "messages"),
+    "tool role": Bad(
+        {"messages": [{"role": "tool", "content": "x"}]}, 400, "'tool'", "messages[0].role"
+    ),
+    "request id": Bad({}, 400, "request_id", "request_id", {"X-Request-Id": "no spaces allowed"}),
+    "string max_tokens": Bad({"max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
+    # parameters radixmesh does not implement: refused by name, not ignored
+    "tools": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        400,
+        "tools: tool calling",
+        "tools",
+    ),
+    "json_object": Bad(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "response_format",
+        "response_format",
+    ),
+    "logit_bias": Bad({"logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias"),
+    "echo": Bad({"echo": True}, 400, "echo", "echo"),
+    "two prompts": Bad({"prompt": ["a", "b"]}, 400, "2 prompts", "prompt"),
+    "top_logprobs alone": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs: needs logprobs",
+        "top_logprobs",
+    ),
+    "stream_options alone": Bad(
+        {"stream_options": {"include_usage": True}}, 400, "stream_options", "stream_options"
+    ),
+    "unknown parameter": Bad({"guided_json": {}}, 400, "guided_json: unknown", "guided_json"),
+}
+
+
+@pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
+def test_bad_input_is_refused_naming_the_field(
+    client: openai.OpenAI, cluster: LocalCluster, case: Bad
+) -> None:
+    """Sent with the SDK as an application would (what it has no argument for in extra_body)."""
+    chat = "messages" in case.body
+    base = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    base |= {} if chat else {"prompt": "the quick brown fox"}
+    body = {k: v for k, v in (base | case.body).items() if v is not None}
+    extra = {k: body.pop(k) for k in NOT_IN_THE_SDK & body.keys()}
+    create = client.chat.completions.create if chat else client.completions.create
+    with pytest.raises(openai.APIStatusError) as err:
+        create(**body, extra_body=extra, extra_headers=case.headers)  # type: ignore[operator]
+    assert err.value.status_code == case.status
+    error = assert_openai_error(err.value.response, case.status, case.words)
+    assert error["param"] == case.param
+    kind = "not_found_error" if case.status == 404 else "invalid_request_error"
+    assert error["type"] == kind and error["code"] is None
+    assert_still_serving(client, cluster)
+
+
+def test_the_no_op_values_of_refused_parameters_are_accepted(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        tool_choice="none",
+        logit_bias={},
+        extra_body={"tools": [], "store": False, "modalities": ["text"]},
+    )
+    assert chat.choices[0].message.role == "assistant"
+    text = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=2, logit_bias={}, echo=False, extra_body={"suffix": ""}
+    )
+    assert text.choices[0].finish_reason in ("stop", "length")
+    cluster.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"model": "tiny", "prompt": ', b"[1, 2]", b"", b"\xff\xfe"],
+    ids=["cut", "array", "empty", "not utf-8"],
+)
+def test_a_body_that_is_not_a_json_object_is_400(cluster: LocalCluster, body: bytes) -> None:
+    headers = AUTH | {"Content-Type": "application/json"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(f"{cluster.http_url}{path}", content=body, headers=headers)
+        assert_openai_error(response, 400, "")
+    messages = httpx.post(f"{cluster.http_url}/v1/messages", content=body, headers=headers)
+    assert messages.status_code == 400 and messages.json()["type"] == "error"
+
+
+UNAUTHORIZED = [None, "Bearer wrong", "Bearer", "Basic token-any", "token-any", "Bearer token-an"]
+
+
+@pytest.mark.parametrize("header", UNAUTHORIZED)
+def test_a_missing_or_wrong_bearer_token_is_401(cluster: LocalCluster, header: str | None) -> None:
+    headers = {"Authorization": header} if header is not None else {}
+    url = cluster.http_url
+    calls = [
+        httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"}, headers=headers),
+        httpx.post(f"{url}/v1/completions", json={"prompt": 1}, headers=headers),  # 401 first
+        httpx.get(f"{url}/v1/models", headers=headers),
+        httpx.post(f"{url}/tokenize", json={"prompt": "x"}, headers=headers),
+    ]
+    for response in calls:
+        error = assert_openai_error(response, 401, "a valid token is required")
+        assert error["type"] == "authentication_error"
+    assert httpx.get(f"{url}/health").status_code == 200  # probes carry no token
+
+
+def test_a_tenant_other_than_the_tokens_is_403(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    url = f"{cluster.http_url}/v1"
+    with openai.OpenAI(base_url=url, api_key="token-acme", max_retries=0) as acme:
+        with pytest.raises(openai.PermissionDeniedError) as err:
+            acme.completions.create(
+                model=MODEL,
+                prompt="hi",
+                max_tokens=2,
+                extra_headers={"X-Radixmesh-Tenant": "globex"},
+            )
+        assert "'acme'" in err.value.message and err.value.type == "permission_error"
+        own = acme.completions.create(
+            model=MODEL, prompt="hi", max_tokens=2, extra_headers={"X-Radixmesh-Tenant": "acme"}
+        )
+        assert own.choices
+    anyone = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=2, extra_headers={"X-Radixmesh-Tenant": "globex"}
+    )
+    assert anyone.choices
+    assert_still_serving(client, cluster)
+
+
+def test_unknown_model_is_404_on_every_route(cluster: LocalCluster) -> None:
+    url = cluster.http_url
+    for path, body in [
+        ("/v1/completions", {"model": "gpt-4o", "prompt": "x"}),
+        ("/v1/chat/completions", {"model": "gpt-4o", "messages": []}),
+        ("/tokenize", {"model": "gpt-4o", "prompt": "x"}),
+    ]:
+        response = httpx.post(f"{url}{path}", json=body, headers=AUTH)
+        assert assert_openai_error(response, 404, "'gpt-4o'")["param"] == "model"
+    unknown_path = httpx.get(f"{url}/v1/embeddings", headers=AUTH)
+    assert unknown_path.status_code == 404
+
+
+def oversized_body() -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "x" * MAX_BODY, "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+def test_a_body_over_max_message_bytes_is_413(
+    client: openai.OpenAI, cluster: LocalCluster, path: str
+) -> None:
+    url = f"{cluster.http_url}{path}"
+    declared = httpx.post(url, json=oversized_body(), headers=AUTH)
+    content = httpx.Request("POST", url, json=oversized_body()).content
+    pieces = (content[i : i + 4096] for i in range(0, len(content), 4096))
+    chunked = httpx.post(url, content=pieces, headers=AUTH | {"Content-Type": "application/json"})
+    for response in (declared, chunked):
+        assert response.status_code == 413, response.text
+        if path == "/v1/messages":
+            assert response.json()["error"]["type"] == "request_too_large"
+            assert "router.max_message_bytes" in response.json()["error"]["message"]
+        else:
+            assert_openai_error(response, 413, "router.max_message_bytes")
+    assert "content-length" not in chunked.request.headers
+    assert_still_serving(client, cluster)
+
+
+def test_a_prompt_over_max_prompt_chars_is_413(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    long = "word " * (MAX_PROMPT_CHARS // 5 + 1)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=MODEL, prompt=long, max_tokens=2)
+    error = assert_openai_error(err.value.response, 413, "max_prompt_chars")
+    assert error["param"] == "prompt"
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=2
+        )
+    assert assert_openai_error(err.value.response, 413, "max_prompt_chars")["param"] == "messages"
+    url = cluster.http_url
+    tokenize = httpx.post(f"{url}/tokenize", json={"prompt": long}, headers=AUTH)
+    assert_openai_error(tokenize, 413, "max_prompt_chars")
+    counted = {"model": MODEL, "messages": [{"role": "user", "content": long}]}
+    for path, body in [
+        ("/v1/messages", counted | {"max_tokens": 2}),
+        ("/v1/messages/count_tokens", counted),
+    ]:
+        response = httpx.post(f"{url}{path}", json=body, headers=AUTH)
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["type"] == "request_too_large"
+    assert_still_serving(client, cluster)
+
+
+def test_answers_are_counted_by_route_and_status(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    counts = cluster.service.counters.http_responses
+    before = dict(counts)
+    url = cluster.http_url
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []}, headers=AUTH)
+    httpx.get(f"{url}/v1/models")
+    httpx.get(f"{url}/no/such/path", headers=AUTH)
+    httpx.post(f"{url}/v1/completions", json=oversized_body(), headers=AUTH)
+    count_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    httpx.post(f"{url}/v1/messages/count_tokens", json=count_body, headers=AUTH)
+    httpx.get(f"{url}/health")
+    added = {k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)}
+    assert added == {
+        ("/v1/completions", 200): 1,
+        ("/v1/chat/completions", 400): 1,
+        ("/v1/models", 401): 1,
+        ("other", 404): 1,
+        ("/v1/completions", 413): 1,
+        ("/v1/messages/count_tokens", 200): 1,
+        ("/health", 200): 1,
+    }
+    registry = CollectorRegistry()
+    registry.register(RouterCollector(cluster.service))
+    scraped = generate_latest(registry).decode()
+    for (route, status), count in counts.items():
+        line = f'radixmesh_router_http_responses_total{{route="{route}",status="{status}"}}'
+        assert f"{line} {float(count)}" in scraped, scraped
