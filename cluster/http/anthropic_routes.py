@@ -89,7 +89,7 @@ def generate_request(
             raise HttpError.invalid(name, f"{why} (radixmesh refuses it rather than ignore it)")
     sampling = serving_pb2.SamplingParams(stop=body.stop_sequences or [])
     if not 1 <= body.max_tokens <= 2**31 - 1:
-        raise HttpError.invalid("max_tokens", f"must be at least 1, got {body.max_tokens}")
+        raise HttpError.invalid("max_tokens", f"must be in [1, 2**31 - 1], got {body.max_tokens}")
     sampling.max_tokens = body.max_tokens
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(body, name)

@@ -1,8 +1,9 @@
 """The Anthropic Messages API's requests and responses (text content), as pydantic models.
 
 As for OpenAI's (openai_schema.py): undeclared parameters are refused by name, declared ones
-radixmesh does not implement are refused unless they ask for nothing (`REFUSED`). A text block's
-`cache_control` is accepted: radixmesh caches every prompt prefix whether asked or not.
+radixmesh does not implement are refused unless they ask for nothing (`REFUSED`). `cache_control`
+(on the request or a text block) is accepted: radixmesh caches every prompt prefix whether asked
+or not.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class MessagesRequest(Strict):
     top_k: int | None = None
     stream: bool = False
     metadata: Metadata | None = None
+    cache_control: dict[str, Any] | None = None
     tools: Any = None
     tool_choice: Any = None
     thinking: Any = None

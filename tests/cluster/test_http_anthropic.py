@@ -280,3 +280,29 @@ def test_count_tokens_equals_the_prompt_of_a_real_call(
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="other", messages=MESSAGES)
     cluster.wait_idle()
+
+
+def test_a_stop_sequence_is_named_as_what_stopped_the_message(
+    client: anthropic.Anthropic, cluster: LocalCluster
+) -> None:
+    whole = client.messages.create(model=MODEL, max_tokens=24, messages=MESSAGES, extra_body=GREEDY)
+    text = whole.content[0].text  # type: ignore[union-attr]
+    assert len(text) > 6, text
+    stop = text[3:6]
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 24,
+        "messages": MESSAGES,
+        "stop_sequences": [stop, "never-appears"],
+        "cache_control": {"type": "ephemeral"},
+        "extra_body": GREEDY,
+    }
+    cut = client.messages.create(**ask)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
+    with client.messages.stream(**ask) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == cut.content[0].text  # type: ignore[union-attr]
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    assert_serving(client, cluster)
