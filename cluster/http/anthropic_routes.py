@@ -26,7 +26,7 @@ from cluster.http.anthropic_schema import (
     TokenCount,
 )
 from cluster.http.errors import HttpError
-from cluster.http.openai_responses import Counts, GenerationFailed, collect
+from cluster.http.openai_responses import Counts, GenerationFailed, collect, served_by
 from cluster.http.sse import EventStream
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
@@ -46,7 +46,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         stream = api.start(message, caller)
         if body.stream:
             first = await api.first(request, stream)
-            return EventStream(events(f"msg_{rid}", api.model, first, stream))
+            return EventStream(events(f"msg_{rid}", api.model, first, stream), served_by(first))
         samples, counts = await api.finish(request, collect(stream))
         sample = samples[0]
         reply = Message(
@@ -57,7 +57,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             stop_sequence=sample.stop_string,
             usage=usage(counts),
         )
-        return JSONResponse(reply.model_dump())
+        return JSONResponse(reply.model_dump(), headers=counts.served_by())
 
     async def count_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
         api.caller(request)

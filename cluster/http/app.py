@@ -8,7 +8,9 @@
 Every call but /health needs a known bearer token when `security.auth_tokens` is set
 (`Authorization: Bearer <token>`, or Anthropic's `x-api-key: <token>`), and uses the tenant the
 token allows; `X-Radixmesh-Tenant` names a tenant for tokens bound to "*" (or with no tokens).
-`X-Request-Id` sets the request id (as for vLLM), which gRPC's Abort takes.
+`X-Request-Id` sets the request id (as for vLLM), which gRPC's Abort takes. A generation's
+response names the worker that served it (`X-Radixmesh-Worker`) and the prompt tokens the router
+expected it to find cached (`X-Radixmesh-Predicted-Cached-Tokens`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from cluster.http.openai_responses import (
     collect,
     completion,
     completion_chunks,
+    served_by,
 )
 from cluster.http.openai_schema import (
     ChatCompletionRequest,
@@ -133,10 +136,12 @@ class HttpApi:
             first = await self.first(request, stream)
             options = body.stream_options or StreamOptions()
             return EventStream(
-                _guarded(chat_chunks(reply, _prepend(first, stream), options, body.logprobs))
+                _guarded(chat_chunks(reply, _prepend(first, stream), options, body.logprobs)),
+                served_by(first),
             )
         samples, counts = await self.finish(request, collect(stream))
-        return _json(chat_completion(reply, samples, counts, body.logprobs).model_dump())
+        answer = chat_completion(reply, samples, counts, body.logprobs).model_dump()
+        return JSONResponse(answer, headers=counts.served_by())
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         caller = self.caller(request)
@@ -151,10 +156,12 @@ class HttpApi:
             first = await self.first(request, stream)
             options = body.stream_options or StreamOptions()
             return EventStream(
-                _guarded(completion_chunks(reply, _prepend(first, stream), options, logprobs))
+                _guarded(completion_chunks(reply, _prepend(first, stream), options, logprobs)),
+                served_by(first),
             )
         samples, counts = await self.finish(request, collect(stream))
-        return _json(completion(reply, samples, counts, logprobs).model_dump())
+        answer = completion(reply, samples, counts, logprobs).model_dump()
+        return JSONResponse(answer, headers=counts.served_by())
 
     async def first(
         self, request: Request, stream: AsyncIterator[serving_pb2.GenerateResponse]
@@ -336,10 +343,6 @@ def _bearer(header: str | None) -> str | None:
 def _check_stream_options(stream: bool, options: object) -> None:
     if options is not None and not stream:
         raise HttpError.invalid("stream_options", "is only allowed with stream: true")
-
-
-def _json(content: Any) -> Response:
-    return JSONResponse(content)
 
 
 async def _prepend(

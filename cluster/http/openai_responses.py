@@ -33,6 +33,8 @@ from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
 
 FINISH_ERROR = "error"
+WORKER_HEADER = "x-radixmesh-worker"
+PREDICTED_HEADER = "x-radixmesh-predicted-cached-tokens"
 DONE = b"data: [DONE]\n\n"
 
 
@@ -50,13 +52,25 @@ class Reply:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def served_by(response: serving_pb2.GenerateResponse) -> dict[str, str]:
+    """Response headers: the worker a generation went to, and the prompt tokens the router
+    expected it to have cached (radixmesh's own; the load test reads them)."""
+    return {WORKER_HEADER: response.worker, PREDICTED_HEADER: str(response.predicted_cached_tokens)}
+
+
 @dataclass
 class Counts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    first: serving_pb2.GenerateResponse | None = None
+
+    def served_by(self) -> dict[str, str]:
+        return served_by(self.first) if self.first is not None else {}
 
     def record(self, response: serving_pb2.GenerateResponse) -> None:
+        if self.first is None:
+            self.first = response
         self.prompt_tokens = response.prompt_tokens
         self.cached_tokens = response.cached_prompt_tokens
         self.completion_tokens += len(response.token_ids)

@@ -28,8 +28,9 @@ class ClientGone(Exception):
 class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+        super().__init__(events, headers=headers)
         self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

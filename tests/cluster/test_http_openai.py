@@ -343,3 +343,17 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(cluster: Loc
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1]["choices"] == []
     assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
+
+
+def test_responses_name_the_worker_and_the_routers_prediction(cluster: LocalCluster) -> None:
+    body = {"model": MODEL, "prompt": PROMPT + " again", "max_tokens": 2}
+    first = httpx.post(f"{cluster.http_url}/v1/completions", json=body)
+    worker = first.headers["x-radixmesh-worker"]
+    assert worker in cluster.engines
+    with httpx.stream(
+        "POST", f"{cluster.http_url}/v1/completions", json={**body, "stream": True}
+    ) as second:
+        assert second.headers["x-radixmesh-worker"] == worker  # the cache-aware route
+        predicted = int(second.headers["x-radixmesh-predicted-cached-tokens"])
+        last = [line for line in second.iter_lines() if line.startswith("data: {")][-1]
+    assert predicted > 0 and json.loads(last.removeprefix("data: "))["choices"]
