@@ -1,6 +1,7 @@
 """`radixmesh loadtest --api openai`: the same workloads through the router's OpenAI API, against
 real local clusters (tiny model, two workers, the HTTP API on loopback; one plain, one with TLS
-and bearer tokens), and the client's reading of streams that fail (httpx2's mock transport)."""
+and bearer tokens), and the client's reading of streams that fail, from a real HTTP server on
+loopback answering with canned bytes (tests/cluster/http_stub.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx2
@@ -21,6 +22,7 @@ from cluster.loadtest.records import RequestRecord
 from cluster.loadtest.workloads import RequestSpec, Session
 from cluster.policies import build_policy
 from tests.cluster.certs import make_certificates
+from tests.cluster.http_stub import HttpStub, Reply
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
 from worker.loader import LoadedModel
 
@@ -251,7 +253,7 @@ def test_base_urls_drop_the_v1_that_serve_prints() -> None:
     assert body["messages"] == [{"role": "user", "content": "hi"}]
 
 
-# -- streams that go wrong, from a mock transport --------------------------------------------------
+# -- streams that go wrong, from a real server's canned bytes --------------------------------------
 def event(data: object) -> bytes:
     return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
 
@@ -267,17 +269,20 @@ USAGE = event(
 DONE = b"data: [DONE]\n\n"
 
 
-def send(handler: Callable[[httpx2.Request], httpx2.Response]) -> RequestRecord:
-    """One text request through a client whose transport is `handler`."""
+def send(
+    stub: HttpStub, on_attempt: Callable[[httpx2.Request], Awaitable[None]] | None = None
+) -> RequestRecord:
+    """One text request to `stub` over loopback, through the client the load test builds;
+    `on_attempt` runs before each try to connect (httpx2's request hook)."""
     record = RequestRecord(0, 0, "lt-0-0-1", "", "", 0.0)
     clock = iter(range(100))
 
     async def go() -> None:
-        async with httpx2.AsyncClient(
-            transport=httpx2.MockTransport(handler), base_url="http://mock"
-        ) as client:
-            connection = HttpConnection(client, HttpTarget("http://mock", model="m"))
-            await connection.generate(
+        target = HttpTarget(stub.url, model="m")
+        async with stub, target.client(timeout=None) as client:
+            if on_attempt is not None:
+                client.event_hooks = {"request": [on_attempt]}
+            await HttpConnection(client, target).generate(
                 RequestSpec(3, text="hi"), Session(0), record, lambda: float(next(clock)), 5.0
             )
 
@@ -285,46 +290,56 @@ def send(handler: Callable[[httpx2.Request], httpx2.Response]) -> RequestRecord:
     return record
 
 
-def streaming(*events: bytes, status: int = 200) -> Callable[[httpx2.Request], httpx2.Response]:
-    return lambda request: httpx2.Response(status, content=b"".join(events))
-
-
 def test_a_whole_stream_fills_the_record() -> None:
-    record = send(streaming(chunk("a"), chunk(""), chunk("bc", "length"), USAGE, DONE))
+    stub = HttpStub(Reply(chunks=(chunk("a"), chunk(""), chunk("bc", "length"), USAGE, DONE)))
+    record = send(stub)
     assert record.ok and record.answer == "abc" and record.finish_reason == "length"
     assert record.first_token == 0.0 and record.token_times == [0.0, 2.0]  # "" is no token time
     assert (record.output_tokens, record.prompt_tokens, record.cached_prompt_tokens) == (3, 9, 4)
+    (seen,) = stub.seen
+    assert (seen.method, seen.target) == ("POST", "/v1/completions")
+    assert json.loads(seen.body)["prompt"] == "hi"
 
 
 @pytest.mark.parametrize(
-    ("events", "status", "expected"),
+    ("reply", "expected"),
     [
-        (
-            (event({"error": {"message": "failed", "type": "server_error"}}), DONE),
-            200,
+        pytest.param(
+            Reply(chunks=(event({"error": {"message": "failed", "type": "server_error"}}), DONE)),
             "STREAM_ERROR",
+            id="error-event",
         ),
-        ((chunk("a"),), 200, "DISCONNECTED"),  # no [DONE]: the stream was cut
-        ((event(b"{not json"),), 200, "PROTOCOL_ERROR"),
-        ((b'{"error": {"message": "busy"}}',), 429, "HTTP_429"),
+        pytest.param(Reply(chunks=(chunk("a"),)), "DISCONNECTED", id="body-ends-without-done"),
+        pytest.param(
+            Reply(chunks=(chunk("a"), chunk("b")[:20]), cut=True),
+            "DISCONNECTED",
+            id="connection-closed-mid-body",
+        ),
+        pytest.param(Reply(chunks=(event(b"{not json"), DONE)), "PROTOCOL_ERROR", id="not-json"),
+        pytest.param(
+            Reply(429, (b'{"error": {"message": "busy"}}',), "application/json"),
+            "HTTP_429",
+            id="429",
+        ),
     ],
 )
-def test_a_failed_stream_is_recorded_by_what_failed(
-    events: tuple[bytes, ...], status: int, expected: str
-) -> None:
-    record = send(streaming(*events, status=status))
+def test_a_failed_stream_is_recorded_by_what_failed(reply: Reply, expected: str) -> None:
+    record = send(HttpStub(reply))
     assert record.status == expected
 
 
 def test_a_refused_connection_is_tried_again_until_it_is_served() -> None:
-    """As gRPC's wait_for_ready: a router restarting refuses connections for a while."""
-    refusals = []
+    """As gRPC's wait_for_ready: a router restarting refuses connections for a while. The stub's
+    port is bound but not listening, so the kernel refuses the first two tries; it listens from
+    the third on."""
+    stub = HttpStub(Reply(chunks=(chunk("a", "length"), USAGE, DONE)), listening=False)
+    attempts = []
 
-    def handler(request: httpx2.Request) -> httpx2.Response:
-        if len(refusals) < 2:
-            refusals.append(request)
-            raise httpx2.ConnectError("connection refused", request=request)
-        assert request.headers["x-request-id"] == "lt-0-0-1"
-        return httpx2.Response(200, content=chunk("a", "length") + USAGE + DONE)
+    async def attempt(request: httpx2.Request) -> None:
+        attempts.append(request)
+        if len(attempts) == 3:
+            await stub.listen()
 
-    assert send(handler).ok and len(refusals) == 2
+    assert send(stub, attempt).ok and len(attempts) == 3
+    (seen,) = stub.seen  # the two refused tries never reached it
+    assert seen.headers["x-request-id"] == "lt-0-0-1"
