@@ -30,6 +30,8 @@ from worker.validation import RequestLimits
 from worker.wire import sampling_from_proto
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+MAX_TENANT_CHARS = 256
+"""A tenant names a cache namespace that every cached node of it keeps."""
 
 
 class TenantRefused(PermissionError):
@@ -72,6 +74,8 @@ def prepare(
             "namespace.adapter", f"unknown adapter {message.namespace.adapter!r} (none loaded)"
         )
     tenant = message.namespace.tenant
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequest("namespace.tenant", f"at most {MAX_TENANT_CHARS} characters")
     if allowed_tenant != ANY_TENANT:
         if tenant and tenant != allowed_tenant:
             raise TenantRefused(

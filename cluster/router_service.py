@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -98,7 +98,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
 
     async def generate(
         self, request: serving_pb2.GenerateRequest, caller: Caller, fill_context: bool = False
-    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         """Serve one request, whatever face it came through: the stream of the worker's
         messages, or ServingError. Closing the stream early cancels the worker's call (the
         worker frees the request's pages). `fill_context`: see cluster/requests.py `prepare`."""

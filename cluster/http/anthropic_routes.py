@@ -26,7 +26,13 @@ from cluster.http.anthropic_schema import (
     TokenCount,
 )
 from cluster.http.errors import HttpError
-from cluster.http.openai_responses import Counts, GenerationFailed, collect, served_by
+from cluster.http.openai_responses import (
+    Counts,
+    GenerationFailed,
+    Responses,
+    collect,
+    served_by,
+)
 from cluster.http.sse import EventStream
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
@@ -68,7 +74,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         tokenizer, limits = api._tokenizer()
         chat = [{"role": m.role, "content": m.content} for m in chat_messages(body)]
         try:
-            text = tokenizer.apply_chat_template(chat)
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, chat)
         except ValueError as err:
             raise HttpError.invalid("messages", str(err)) from err
         if len(text) > limits.max_prompt_chars:
@@ -91,6 +97,8 @@ def generate_request(
     if not 1 <= body.max_tokens <= 2**31 - 1:
         raise HttpError.invalid("max_tokens", f"must be in [1, 2**31 - 1], got {body.max_tokens}")
     sampling.max_tokens = body.max_tokens
+    if body.temperature is not None and not 0 <= body.temperature <= 1:
+        raise HttpError.invalid("temperature", f"must be in [0, 1], got {body.temperature}")
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(body, name)
         if value is not None:
@@ -149,7 +157,7 @@ async def events(
     message_id: str,
     model: str,
     first: serving_pb2.GenerateResponse,
-    rest: AsyncIterator[serving_pb2.GenerateResponse],
+    rest: Responses,
 ) -> AsyncIterator[bytes]:
     """message_start, a text block's start, deltas and stop, message_delta (stop reason, output
     tokens), message_stop; a failure mid-way is an `error` event."""
@@ -185,7 +193,7 @@ async def events(
         yield _event("error", failure.anthropic_body())
         return
     finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+        await rest.aclose()
     yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
     stop = {"stop_reason": stop_reason(finish, stop_string), "stop_sequence": stop_string}
     output = {"output_tokens": counts.completion_tokens}

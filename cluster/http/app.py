@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.auth import known_token
@@ -33,8 +34,10 @@ from cluster.http.body_limit import BodyLimit
 from cluster.http.errors import HttpError
 from cluster.http.openai_responses import (
     DONE,
+    Counts,
     GenerationFailed,
     Reply,
+    Responses,
     chat_chunks,
     chat_completion,
     collect,
@@ -117,11 +120,13 @@ class HttpApi:
         return self._texts[1]
 
     def start(
-        self, message: serving_pb2.GenerateRequest, caller: Caller
-    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        self, message: serving_pb2.GenerateRequest, caller: Caller, fill_context: bool = False
+    ) -> Responses:
+        """The request's stream. `fill_context`: without max_tokens, generate up to the end of
+        the context (chat, as OpenAI's chat API does) instead of 16 (legacy completions)."""
         if self.draining:
             raise HttpError(503, "the router is draining; retry on another")
-        return self.service.generate(message, caller, fill_context=True)
+        return self.service.generate(message, caller, fill_context)
 
     # -- OpenAI ------------------------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -131,17 +136,19 @@ class HttpApi:
         rid = self.request_id(request)
         message = openai_params.chat_request(body, rid, self.tenant(request))
         reply = Reply(f"chatcmpl-{rid}", self.model, self.token_texts())
-        stream = self.start(message, caller)
+        stream = self.start(message, caller, fill_context=True)
+        logprobs = bool(body.logprobs)
         if body.stream:
             first = await self.first(request, stream)
             options = body.stream_options or StreamOptions()
             return EventStream(
-                _guarded(chat_chunks(reply, _prepend(first, stream), options, body.logprobs)),
+                _guarded(chat_chunks(reply, _prepend(first, stream), options, logprobs)),
                 served_by(first),
             )
         samples, counts = await self.finish(request, collect(stream))
-        answer = chat_completion(reply, samples, counts, body.logprobs).model_dump()
-        return JSONResponse(answer, headers=counts.served_by())
+        return await _answer(
+            lambda: chat_completion(reply, samples, counts, logprobs), counts, logprobs
+        )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         caller = self.caller(request)
@@ -160,12 +167,9 @@ class HttpApi:
                 served_by(first),
             )
         samples, counts = await self.finish(request, collect(stream))
-        answer = completion(reply, samples, counts, logprobs).model_dump()
-        return JSONResponse(answer, headers=counts.served_by())
+        return await _answer(lambda: completion(reply, samples, counts, logprobs), counts, logprobs)
 
-    async def first(
-        self, request: Request, stream: AsyncIterator[serving_pb2.GenerateResponse]
-    ) -> serving_pb2.GenerateResponse:
+    async def first(self, request: Request, stream: Responses) -> serving_pb2.GenerateResponse:
         """The stream's first message, before the response starts: a refusal is still an HTTP
         status, not an event in a 200 stream."""
         return await self.finish(request, anext(stream))
@@ -197,17 +201,20 @@ class HttpApi:
         if (body.prompt is None) == (body.messages is None):
             raise HttpError.invalid("prompt", "give exactly one of prompt and messages")
         if body.prompt is not None:
-            text, special = body.prompt, body.add_special_tokens
+            text = body.prompt
+            special = True if body.add_special_tokens is None else body.add_special_tokens
         else:
             messages = [
                 {"role": m.role, "content": m.content}
                 for m in openai_params.chat_messages(body.messages or [])
             ]
             try:
-                text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+                text = await asyncio.to_thread(
+                    tokenizer.apply_chat_template, messages, body.add_generation_prompt
+                )
             except ValueError as err:
                 raise HttpError.invalid("messages", str(err)) from err
-            special = False
+            special = bool(body.add_special_tokens)  # the template wrote them (vLLM's default)
         if len(text) > limits.max_prompt_chars:
             raise HttpError(
                 413,
@@ -223,7 +230,8 @@ class HttpApi:
         self.check_model(body.model)
         tokenizer, _ = self._tokenizer()
         try:
-            return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+            text = await asyncio.to_thread(tokenizer.decode, body.tokens)
+            return DetokenizeResponse(prompt=text)
         except TokenizerError as err:
             raise HttpError.invalid("tokens", str(err)) from err
 
@@ -248,7 +256,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     """The ASGI app (the FastAPI routes behind the status counter and the body limit) and its
     handlers (`HttpApi.draining` is the router's to set)."""
     api = HttpApi(service, config)
-    app = FastAPI(title="radixmesh", version="1", docs_url=None, redoc_url=None)
+    app = FastAPI(title="radixmesh", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -277,6 +285,17 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_exception_handler(ClientGone, client_gone)
     limited = BodyLimit(app, config.router.max_message_bytes, error_body)
     return StatusCounter(limited, service.counters.http_responses), api  # 413s counted too
+
+
+async def _answer(build: Callable[[], BaseModel], counts: Counts, large: bool) -> Response:
+    """A whole response as JSON. One with logprobs can be megabytes (20 alternatives for each of
+    thousands of tokens): it is built and encoded on a thread, off the loop every stream shares."""
+
+    def encode() -> bytes:
+        return build().model_dump_json().encode()
+
+    body = await asyncio.to_thread(encode) if large else encode()
+    return Response(body, media_type="application/json", headers=counts.served_by())
 
 
 def error_body(path: str, err: HttpError) -> dict[str, Any]:
@@ -340,20 +359,18 @@ def _bearer(header: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-def _check_stream_options(stream: bool, options: object) -> None:
+def _check_stream_options(stream: bool | None, options: object) -> None:
     if options is not None and not stream:
         raise HttpError.invalid("stream_options", "is only allowed with stream: true")
 
 
-async def _prepend(
-    first: serving_pb2.GenerateResponse, rest: AsyncIterator[serving_pb2.GenerateResponse]
-) -> AsyncIterator[serving_pb2.GenerateResponse]:
+async def _prepend(first: serving_pb2.GenerateResponse, rest: Responses) -> Responses:
     try:
         yield first
         async for response in rest:
             yield response
     finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+        await rest.aclose()
 
 
 async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -1,5 +1,6 @@
 """Request bodies over the limit (`router.max_message_bytes`, as gRPC's messages) are refused with
-413 before the app parses a byte of them."""
+413 before the app parses a byte of them, and headers over `MAX_HEADER_BYTES` in all with 431
+(httptools reads headers of any size)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.http.errors import HttpError
+
+MAX_HEADER_BYTES = 32 << 10
+"""Of all a request's header names and values together (nginx's default allows 32 KiB)."""
 
 
 class BodyLimit:
@@ -22,6 +26,13 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
+        if header_bytes > MAX_HEADER_BYTES:
+            error = HttpError(
+                431, f"the request's headers are {header_bytes} bytes; at most {MAX_HEADER_BYTES}"
+            )
+            await self._send(scope, send, error)
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
@@ -49,9 +60,12 @@ class BodyLimit:
             f"the request body is {size} bytes or more; the limit is {self.max_bytes} "
             "(router.max_message_bytes)",
         )
+        await self._send(scope, send, error)
+
+    async def _send(self, scope: Scope, send: Send, error: HttpError) -> None:
         content = json.dumps(self.body(scope["path"], error)).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 
 

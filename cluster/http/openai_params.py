@@ -25,6 +25,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MAX_TOP_LOGPROBS = 20
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (0, 2**63 - 1)
+_SEED = (-(2**63), 2**63 - 1)
 
 
 def refuse_unsupported(request: GenerationParams) -> None:
@@ -153,9 +154,9 @@ def sampling(
     for name, float_value in floats.items():
         if float_value is not None:
             setattr(message, name, float_value)
-    if request.seed is not None:
-        _check_range("seed", [request.seed], _INT64)
-        message.seed = request.seed
+    if request.seed is not None:  # OpenAI takes any 64-bit seed; the sampler's are non-negative
+        _check_range("seed", [request.seed], _SEED)
+        message.seed = request.seed & _INT64[1]
     stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
     message.stop.extend(stop)
     if request.stop_token_ids:

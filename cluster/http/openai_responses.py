@@ -8,8 +8,9 @@ prefix cache: where a client sees its cache hits.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from cluster.http.openai_schema import (
@@ -32,6 +33,8 @@ from cluster.http.openai_schema import (
 from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
 
+Responses = AsyncGenerator[serving_pb2.GenerateResponse, None]
+"""A request's stream of messages from the serving core (`RouterService.generate`)."""
 FINISH_ERROR = "error"
 WORKER_HEADER = "x-radixmesh-worker"
 PREDICTED_HEADER = "x-radixmesh-predicted-cached-tokens"
@@ -69,10 +72,10 @@ class Counts:
         return served_by(self.first) if self.first is not None else {}
 
     def record(self, response: serving_pb2.GenerateResponse) -> None:
-        if self.first is None:
+        if self.first is None:  # the hit the request had when first admitted, not a resumption's
             self.first = response
-        self.prompt_tokens = response.prompt_tokens
-        self.cached_tokens = response.cached_prompt_tokens
+            self.prompt_tokens = response.prompt_tokens
+            self.cached_tokens = response.cached_prompt_tokens
         self.completion_tokens += len(response.token_ids)
 
     def usage(self) -> Usage:
@@ -91,6 +94,8 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_string: str | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    """(tokens, characters of text) of each message, for completion logprobs' text offsets."""
 
 
 def _failed(response: serving_pb2.GenerateResponse) -> bool:
@@ -98,21 +103,23 @@ def _failed(response: serving_pb2.GenerateResponse) -> bool:
 
 
 async def collect(
-    stream: AsyncIterator[serving_pb2.GenerateResponse],
+    stream: Responses,
 ) -> tuple[dict[int, Sample], Counts]:
     samples: dict[int, Sample] = {}
     counts = Counts()
-    async for response in stream:
-        if _failed(response):
-            raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
-        counts.record(response)
-        sample = samples.setdefault(response.index, Sample())
-        sample.text.append(response.text)
-        sample.token_ids.extend(response.token_ids)
-        sample.logprobs.extend(response.logprobs)
-        if response.finished:
-            sample.finish_reason = response.finish_reason
-            sample.stop_string = response.stop_string or None
+    async with contextlib.aclosing(stream):  # ends the request now, also when this raises
+        async for response in stream:
+            if _failed(response):
+                raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
+            counts.record(response)
+            sample = samples.setdefault(response.index, Sample())
+            sample.text.append(response.text)
+            sample.token_ids.extend(response.token_ids)
+            sample.logprobs.extend(response.logprobs)
+            sample.spans.append((len(response.token_ids), len(response.text)))
+            if response.finished:
+                sample.finish_reason = response.finish_reason
+                sample.stop_string = response.stop_string or None
     return samples, counts
 
 
@@ -151,7 +158,33 @@ def chat_completion(
 
 async def chat_chunks(
     reply: Reply,
-    stream: AsyncIterator[serving_pb2.GenerateResponse],
+    stream: Responses,
+    options: StreamOptions,
+    logprobs: bool,
+) -> AsyncIterator[bytes]:
+    """The stream's events: a first chunk per choice with the role, then its text as it comes
+    (the last with finish_reason), a usage chunk if asked, then [DONE]. The request's stream is
+    closed when this is, however it ends (its worker call cancelled, its pages freed)."""
+    async with contextlib.aclosing(stream):
+        async for event in _chat_chunks(reply, stream, options, logprobs):
+            yield event
+
+
+async def completion_chunks(
+    reply: Reply,
+    stream: Responses,
+    options: StreamOptions,
+    logprobs: bool,
+) -> AsyncIterator[bytes]:
+    """As chat_chunks, for text completions."""
+    async with contextlib.aclosing(stream):
+        async for event in _completion_chunks(reply, stream, options, logprobs):
+            yield event
+
+
+async def _chat_chunks(
+    reply: Reply,
+    stream: Responses,
     options: StreamOptions,
     logprobs: bool,
 ) -> AsyncIterator[bytes]:
@@ -199,16 +232,25 @@ async def chat_chunks(
 
 
 # -- text completions ------------------------------------------------------------------------
-def completion_logprobs(
-    texts: TokenTexts, token_ids: list[int], logprobs: list[serving_pb2.TokenLogprob], offset: int
-) -> CompletionLogprobs:
-    tokens, offsets = [], []
+def token_offsets(texts: TokenTexts, token_ids: list[int], start: int, emitted: int) -> list[int]:
+    """Where each token of one message starts in the completion's text: from `start` (the text
+    before the message), advanced by each token's own text, never past the `emitted` characters
+    the message added (a token whose text is held back, or a special token, adds none)."""
+    offsets, at = [], start
     for token in token_ids:
-        offsets.append(offset)
-        tokens.append(texts.text(token))
-        offset += len(tokens[-1])
+        offsets.append(min(at, start + emitted))
+        at += len(texts.text(token))
+    return offsets
+
+
+def completion_logprobs(
+    texts: TokenTexts,
+    token_ids: list[int],
+    logprobs: list[serving_pb2.TokenLogprob],
+    offsets: list[int],
+) -> CompletionLogprobs:
     return CompletionLogprobs(
-        tokens=tokens,
+        tokens=[texts.text(token) for token in token_ids],
         token_logprobs=[each.logprob for each in logprobs],
         top_logprobs=[
             {texts.text(t): lp for t, lp in zip(each.top_ids, each.top_logprobs, strict=True)}
@@ -221,11 +263,20 @@ def completion_logprobs(
 def completion(
     reply: Reply, samples: dict[int, Sample], counts: Counts, logprobs: bool
 ) -> Completion:
+    def offsets(sample: Sample) -> list[int]:
+        out: list[int] = []
+        start = 0
+        for tokens, chars in sample.spans:
+            ids = sample.token_ids[len(out) : len(out) + tokens]
+            out += token_offsets(reply.texts, ids, start, chars)
+            start += chars
+        return out
+
     choices = [
         CompletionChoice(
             index=index,
             text="".join(s.text),
-            logprobs=completion_logprobs(reply.texts, s.token_ids, s.logprobs, 0)
+            logprobs=completion_logprobs(reply.texts, s.token_ids, s.logprobs, offsets(s))
             if logprobs
             else None,
             finish_reason=s.finish_reason,
@@ -237,9 +288,9 @@ def completion(
     )
 
 
-async def completion_chunks(
+async def _completion_chunks(
     reply: Reply,
-    stream: AsyncIterator[serving_pb2.GenerateResponse],
+    stream: Responses,
     options: StreamOptions,
     logprobs: bool,
 ) -> AsyncIterator[bytes]:
@@ -254,11 +305,15 @@ async def completion_chunks(
             continue
         index = response.index
         offset = offsets.get(index, 0)
+        ids = list(response.token_ids)
         choice = CompletionChoice(
             index=index,
             text=response.text,
             logprobs=completion_logprobs(
-                reply.texts, list(response.token_ids), list(response.logprobs), offset
+                reply.texts,
+                ids,
+                list(response.logprobs),
+                token_offsets(reply.texts, ids, offset, len(response.text)),
             )
             if logprobs
             else None,

@@ -47,7 +47,7 @@ class GenerationParams(Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -63,7 +63,7 @@ class GenerationParams(Strict):
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
@@ -238,7 +238,8 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    """Default: True for a prompt, False for messages (the chat template writes them)."""
     add_generation_prompt: bool = True
 
 
