@@ -10,8 +10,9 @@ token-id prompts, with `stream_options.include_usage`.
     record    TTFT: the first chunk carrying text or a finish reason; an inter-token gap: the
               time between two such chunks. The server sends no chunk for a token whose text is
               not complete yet (half of a multi-byte character), so a gap may span tokens.
-              Output, prompt and cached tokens come from the final usage chunk. The API names
-              neither the worker nor the router's prediction: the record leaves them unknown.
+              Output, prompt and cached tokens come from the final usage chunk; the worker and
+              the router's predicted cached tokens from the response's X-Radixmesh-Worker and
+              X-Radixmesh-Predicted-Cached-Tokens headers (unknown from a server without them).
     failures  HTTP_<status> (refused before the stream began), STREAM_ERROR (an error event
               in a 200 stream: the generation failed mid-way), TIMEOUT (past the request's
               timeout), DISCONNECTED (the connection broke, or the stream ended without
@@ -207,7 +208,7 @@ class HttpConnection:
         now: Callable[[], float],
         timeout: float,
     ) -> None:
-        record.predicted_cached_tokens = None  # the API does not report the router's prediction
+        record.predicted_cached_tokens = None  # unless the response says (radixmesh's headers)
         path, body = request_body(spec, self.target.model)
         headers = {"x-request-id": record.request_id}
         if session.tenant:
@@ -223,6 +224,7 @@ class HttpConnection:
                     if response.status_code != 200:
                         record.status = f"HTTP_{response.status_code}"
                         return
+                    _served_by(response.headers, record)
                     async for line in response.aiter_lines():
                         if line.startswith("data:") and not events.feed(line[5:].strip(), now()):
                             break
@@ -338,3 +340,10 @@ def _choose(url: str, models: httpx2.Response, model: str | None) -> Served:
     chosen = model if model is not None else next(iter(cards))
     length = cards[chosen].get("max_model_len")
     return Served(chosen, length if isinstance(length, int) else 0)
+
+
+def _served_by(headers: httpx2.Headers, record: RequestRecord) -> None:
+    """The worker and the router's prediction, from radixmesh's response headers."""
+    record.worker = headers.get("x-radixmesh-worker", "")
+    predicted = headers.get("x-radixmesh-predicted-cached-tokens", "")
+    record.predicted_cached_tokens = int(predicted) if predicted.isdigit() else None
