@@ -8,7 +8,7 @@ prefix cache as `cache_read_input_tokens` and the rest as `input_tokens`, as Ant
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -25,12 +25,13 @@ from cluster.http.anthropic_schema import (
     TextBlock,
     TokenCount,
 )
-from cluster.http.errors import HttpError
+from cluster.http.errors import GenerationFailed, HttpError
 from cluster.http.openai_responses import (
     Counts,
-    GenerationFailed,
     Responses,
     collect,
+    prepend,
+    read,
     served_by,
 )
 from cluster.http.sse import EventStream
@@ -51,7 +52,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         message = generate_request(body, rid, api.tenant(request))
         stream = api.start(message, caller)
         if body.stream:
-            first = await api.first(request, stream)
+            first = await api.finish(request, anext(stream))  # a refusal: a status, not an event
             return EventStream(events(f"msg_{rid}", api.model, first, stream), served_by(first))
         samples, counts = await api.finish(request, collect(stream))
         sample = samples[0]
@@ -71,16 +72,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         for name in ("tools", "tool_choice", "thinking"):
             if getattr(body, name) is not None:
                 raise HttpError.invalid(name, REFUSED[name][0])
-        tokenizer, limits = api._tokenizer()
-        chat = [{"role": m.role, "content": m.content} for m in chat_messages(body)]
-        try:
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, chat)
-        except ValueError as err:
-            raise HttpError.invalid("messages", str(err)) from err
-        if len(text) > limits.max_prompt_chars:
-            raise HttpError(413, f"messages: {len(text)} characters (max_prompt_chars)")
-        ids = await asyncio.to_thread(tokenizer.encode, text, False)
-        return TokenCount(input_tokens=len(ids))
+        text = await api.render(chat_messages(body))
+        return TokenCount(input_tokens=len(await api.encode(text, False, "messages")))
 
     app.add_api_route("/v1/messages", messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
@@ -161,39 +154,33 @@ async def events(
 ) -> AsyncIterator[bytes]:
     """message_start, a text block's start, deltas and stop, message_delta (stop reason, output
     tokens), message_stop; a failure mid-way is an `error` event."""
-    counts = Counts()
-    counts.record(first)
-    counts.completion_tokens = 0
+    cached = first.cached_prompt_tokens
+    opening = MessageUsage(
+        input_tokens=first.prompt_tokens - cached, output_tokens=0, cache_read_input_tokens=cached
+    )
     start = Message(
-        id=message_id, model=model, content=[], stop_reason=None, usage=usage(counts)
+        id=message_id, model=model, content=[], stop_reason=None, usage=opening
     ).model_dump()
     yield _event("message_start", {"type": "message_start", "message": start})
-    text = {"type": "text", "text": ""}
-    yield _event(
-        "content_block_start", {"type": "content_block_start", "index": 0, "content_block": text}
-    )
+    text: dict[str, Any] = {"type": "text", "text": ""}
+    block = {"type": "content_block_start", "index": 0, "content_block": text}
+    yield _event("content_block_start", block)
+    counts = Counts()
+    finish, stop_string = None, None
     try:
-        response: serving_pb2.GenerateResponse | None = first
-        finish, stop_string = None, None
-        while response is not None:
-            if response.finished and response.finish_reason == "error":
-                raise GenerationFailed(f"the generation failed on {response.worker}")
-            counts.record(response)
-            if response.text:
-                delta = {"type": "text_delta", "text": response.text}
-                yield _event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": delta},
-                )
-            if response.finished:
-                finish, stop_string = response.finish_reason, response.stop_string or None
-            response = await anext(rest, None)
+        async with contextlib.aclosing(read(prepend(first, rest), counts)) as responses:
+            async for response in responses:
+                if response.text:
+                    delta = {"type": "text_delta", "text": response.text}
+                    yield _event(
+                        "content_block_delta",
+                        {"type": "content_block_delta", "index": 0, "delta": delta},
+                    )
+                if response.finished:
+                    finish, stop_string = response.finish_reason, response.stop_string or None
     except (ServingError, GenerationFailed) as err:
-        failure = HttpError.of(err) if isinstance(err, ServingError) else HttpError(500, str(err))
-        yield _event("error", failure.anthropic_body())
+        yield _event("error", HttpError.of(err).anthropic_body())
         return
-    finally:
-        await rest.aclose()
     yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
     stop = {"stop_reason": stop_reason(finish, stop_string), "stop_sequence": stop_string}
     output = {"output_tokens": counts.completion_tokens}

@@ -31,18 +31,19 @@ from cluster.auth import known_token
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.http import anthropic_routes, openai_params
 from cluster.http.body_limit import BodyLimit
-from cluster.http.errors import HttpError
+from cluster.http.errors import GenerationFailed, HttpError
 from cluster.http.openai_responses import (
     DONE,
     Counts,
-    GenerationFailed,
     Reply,
     Responses,
+    Sample,
     chat_chunks,
     chat_completion,
     collect,
     completion,
     completion_chunks,
+    prepend,
     served_by,
 )
 from cluster.http.openai_schema import (
@@ -50,6 +51,7 @@ from cluster.http.openai_schema import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    GenerationParams,
     ModelCard,
     ModelList,
     StreamOptions,
@@ -62,6 +64,7 @@ from cluster.router_service import RouterService
 from cluster.serving_call import Caller, ServingError
 from protos.radixmesh.v1 import serving_pb2
 from worker.tokenizer import Tokenizer, TokenizerError
+from worker.validation import RequestLimits
 
 T = TypeVar("T")
 TENANT_HEADER = "x-radixmesh-tenant"
@@ -132,55 +135,64 @@ class HttpApi:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         caller = self.caller(request)
         self.check_model(body.model)
-        _check_stream_options(body.stream, body.stream_options)
         rid = self.request_id(request)
         message = openai_params.chat_request(body, rid, self.tenant(request))
         reply = Reply(f"chatcmpl-{rid}", self.model, self.token_texts())
-        stream = self.start(message, caller, fill_context=True)
         logprobs = bool(body.logprobs)
-        if body.stream:
-            first = await self.first(request, stream)
-            options = body.stream_options or StreamOptions()
-            return EventStream(
-                _guarded(chat_chunks(reply, _prepend(first, stream), options, logprobs)),
-                served_by(first),
-            )
-        samples, counts = await self.finish(request, collect(stream))
-        return await _answer(
-            lambda: chat_completion(reply, samples, counts, logprobs), counts, logprobs
+        options = body.stream_options or StreamOptions()
+        stream = self.start(message, caller, fill_context=True)
+        return await self.respond(
+            request,
+            stream,
+            body,
+            lambda stream: chat_chunks(reply, stream, options, logprobs),
+            lambda samples, counts: chat_completion(reply, samples, counts, logprobs),
+            logprobs,
         )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         caller = self.caller(request)
         self.check_model(body.model)
-        _check_stream_options(body.stream, body.stream_options)
         rid = self.request_id(request)
         message = openai_params.completion_request(body, rid, self.tenant(request))
         reply = Reply(f"cmpl-{rid}", self.model, self.token_texts())
-        stream = self.start(message, caller)
         logprobs = body.logprobs is not None
-        if body.stream:
-            first = await self.first(request, stream)
-            options = body.stream_options or StreamOptions()
-            return EventStream(
-                _guarded(completion_chunks(reply, _prepend(first, stream), options, logprobs)),
-                served_by(first),
-            )
-        samples, counts = await self.finish(request, collect(stream))
-        return await _answer(lambda: completion(reply, samples, counts, logprobs), counts, logprobs)
+        stream = self.start(message, caller)
+        options = body.stream_options or StreamOptions()
+        return await self.respond(
+            request,
+            stream,
+            body,
+            lambda stream: completion_chunks(reply, stream, options, logprobs),
+            lambda samples, counts: completion(reply, samples, counts, logprobs),
+            logprobs,
+        )
 
-    async def first(self, request: Request, stream: Responses) -> serving_pb2.GenerateResponse:
-        """The stream's first message, before the response starts: a refusal is still an HTTP
-        status, not an event in a 200 stream."""
-        return await self.finish(request, anext(stream))
+    async def respond(
+        self,
+        request: Request,
+        stream: Responses,
+        body: GenerationParams,
+        events: Callable[[Responses], AsyncIterator[bytes]],
+        whole: Callable[[dict[int, Sample], Counts], BaseModel],
+        large: bool,
+    ) -> Response:
+        """A generation's answer: its event stream, started once the first token is there (a
+        refusal is still an HTTP status, not an event in a 200 stream), or the whole response."""
+        if body.stream_options is not None and not body.stream:
+            await stream.aclose()
+            raise HttpError.invalid("stream_options", "is only allowed with stream: true")
+        if body.stream:
+            first = await self.finish(request, anext(stream))
+            return EventStream(_guarded(events(prepend(first, stream))), served_by(first))
+        samples, counts = await self.finish(request, collect(stream))
+        return await _answer(lambda: whole(samples, counts), counts, large)
 
     async def finish(self, request: Request, work: Awaitable[T]) -> T:
         try:
             return await until_disconnected(request, work)
-        except ServingError as err:
+        except (ServingError, GenerationFailed) as err:
             raise HttpError.of(err) from err
-        except GenerationFailed as err:
-            raise HttpError(500, str(err)) from err
 
     async def models(self, request: Request) -> ModelList:
         self.caller(request)
@@ -197,45 +209,31 @@ class HttpApi:
     async def tokenize(self, body: TokenizeRequest, request: Request) -> TokenizeResponse:
         self.caller(request)
         self.check_model(body.model)
-        tokenizer, limits = self._tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise HttpError.invalid("prompt", "give exactly one of prompt and messages")
         if body.prompt is not None:
-            text = body.prompt
+            text, name = body.prompt, "prompt"
             special = True if body.add_special_tokens is None else body.add_special_tokens
         else:
-            messages = [
-                {"role": m.role, "content": m.content}
-                for m in openai_params.chat_messages(body.messages or [])
-            ]
-            try:
-                text = await asyncio.to_thread(
-                    tokenizer.apply_chat_template, messages, body.add_generation_prompt
-                )
-            except ValueError as err:
-                raise HttpError.invalid("messages", str(err)) from err
+            chat = openai_params.chat_messages(body.messages or [])
+            text, name = await self.render(chat, body.add_generation_prompt), "messages"
             special = bool(body.add_special_tokens)  # the template wrote them (vLLM's default)
-        if len(text) > limits.max_prompt_chars:
-            raise HttpError(
-                413,
-                f"prompt: {len(text)} characters; the limit is {limits.max_prompt_chars} "
-                "(max_prompt_chars)",
-                "prompt",
-            )
-        ids = await asyncio.to_thread(tokenizer.encode, text, special)
-        return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids)
+        ids = await self.encode(text, special, name)
+        limits = self.service.request_limits()
+        max_model_len = limits.max_model_len if limits else 0
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
 
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         self.caller(request)
         self.check_model(body.model)
-        tokenizer, _ = self._tokenizer()
+        tokenizer, _ = self.tokenizer()
         try:
             text = await asyncio.to_thread(tokenizer.decode, body.tokens)
             return DetokenizeResponse(prompt=text)
         except TokenizerError as err:
             raise HttpError.invalid("tokens", str(err)) from err
 
-    def _tokenizer(self) -> tuple[Tokenizer, Any]:
+    def tokenizer(self) -> tuple[Tokenizer, RequestLimits]:
         limits = self.service.request_limits()
         tokenizer = self.service.links.tokenizer
         if limits is None:
@@ -243,6 +241,31 @@ class HttpApi:
         if tokenizer is None:
             raise HttpError.invalid("prompt", "this model has no tokenizer")
         return tokenizer, limits
+
+    async def render(
+        self, messages: list[serving_pb2.ChatMessage], add_generation_prompt: bool = True
+    ) -> str:
+        """A conversation through the chat template, on a thread (400 if the template refuses)."""
+        tokenizer, _ = self.tokenizer()
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return await asyncio.to_thread(
+                tokenizer.apply_chat_template, chat, add_generation_prompt
+            )
+        except ValueError as err:
+            raise HttpError.invalid("messages", str(err)) from err
+
+    async def encode(self, text: str, special: bool, name: str) -> list[int]:
+        """Token ids of `text`, on a thread; over engine.max_prompt_chars: 413 naming `name`."""
+        tokenizer, limits = self.tokenizer()
+        if len(text) > limits.max_prompt_chars:
+            raise HttpError(
+                413,
+                f"{name}: {len(text)} characters; the limit is {limits.max_prompt_chars} "
+                "(max_prompt_chars)",
+                name,
+            )
+        return await asyncio.to_thread(tokenizer.encode, text, special)
 
     async def health(self) -> Response:
         workers = len(self.service.links.links)
@@ -359,27 +382,13 @@ def _bearer(header: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-def _check_stream_options(stream: bool | None, options: object) -> None:
-    if options is not None and not stream:
-        raise HttpError.invalid("stream_options", "is only allowed with stream: true")
-
-
-async def _prepend(first: serving_pb2.GenerateResponse, rest: Responses) -> Responses:
-    try:
-        yield first
-        async for response in rest:
-            yield response
-    finally:
-        await rest.aclose()
-
-
 async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """A failure after the stream began: an error event (the SDKs raise it), then [DONE]."""
     try:
         async for event in events:
             yield event
     except (ServingError, GenerationFailed) as err:
-        failure = HttpError.of(err) if isinstance(err, ServingError) else HttpError(500, str(err))
+        failure = HttpError.of(err)
         yield b"data: " + JSONResponse(failure.openai_body()).body + b"\n\n"
         yield DONE
     finally:

@@ -46,6 +46,11 @@ _ANTHROPIC_TYPE = {
 }
 
 
+class GenerationFailed(RuntimeError):
+    """A worker ended a sample with an error (its message says which): 500, or an error event
+    in a stream already begun."""
+
+
 class HttpError(Exception):
     """A request answered with `status` and `message` (naming the field, `param`, if any)."""
 
@@ -56,7 +61,10 @@ class HttpError(Exception):
         self.param = param
 
     @classmethod
-    def of(cls, err: ServingError) -> HttpError:
+    def of(cls, err: ServingError | GenerationFailed) -> HttpError:
+        """The answer to a refusal of the serving core, or to a failed generation."""
+        if isinstance(err, GenerationFailed):
+            return cls(500, str(err))
         status = 413 if err.too_large else HTTP_STATUS.get(err.code, 500)
         param = err.message.partition(":")[0] if status in (400, 413) else None
         return cls(status, err.message, param if param and " " not in param else None)

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
+from cluster.http.errors import GenerationFailed
 from cluster.http.openai_schema import (
     AssistantMessage,
     ChatChoice,
@@ -39,10 +40,6 @@ FINISH_ERROR = "error"
 WORKER_HEADER = "x-radixmesh-worker"
 PREDICTED_HEADER = "x-radixmesh-predicted-cached-tokens"
 DONE = b"data: [DONE]\n\n"
-
-
-class GenerationFailed(RuntimeError):
-    """A worker ended a sample with an error (its message says which)."""
 
 
 @dataclass
@@ -98,20 +95,39 @@ class Sample:
     """(tokens, characters of text) of each message, for completion logprobs' text offsets."""
 
 
-def _failed(response: serving_pb2.GenerateResponse) -> bool:
-    return response.finished and response.finish_reason == FINISH_ERROR
-
-
-async def collect(
-    stream: Responses,
-) -> tuple[dict[int, Sample], Counts]:
-    samples: dict[int, Sample] = {}
-    counts = Counts()
-    async with contextlib.aclosing(stream):  # ends the request now, also when this raises
+async def read(stream: Responses, counts: Counts) -> Responses:
+    """The request's messages, each counted; a sample that failed raises GenerationFailed.
+    Consume it under `contextlib.aclosing`: closing it closes the request's stream (the worker
+    call cancelled, its pages freed) however the consumer ends, not when the GC gets to it."""
+    async with contextlib.aclosing(stream):
         async for response in stream:
-            if _failed(response):
+            if response.finished and response.finish_reason == FINISH_ERROR:
                 raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
             counts.record(response)
+            yield response
+
+
+async def prepend(first: serving_pb2.GenerateResponse, rest: Responses) -> Responses:
+    """The stream again, with the first message that was taken from it in front."""
+    try:
+        yield first
+        async for response in rest:
+            yield response
+    finally:
+        await rest.aclose()
+
+
+def worth_a_chunk(response: serving_pb2.GenerateResponse, logprobs: bool) -> bool:
+    """False for a message whose text is held back (a possible stop string, half a character)
+    and that carries nothing else a client asked for."""
+    return bool(response.text or response.finished or (logprobs and response.token_ids))
+
+
+async def collect(stream: Responses) -> tuple[dict[int, Sample], Counts]:
+    samples: dict[int, Sample] = {}
+    counts = Counts()
+    async with contextlib.aclosing(read(stream, counts)) as responses:
+        async for response in responses:
             sample = samples.setdefault(response.index, Sample())
             sample.text.append(response.text)
             sample.token_ids.extend(response.token_ids)
@@ -163,33 +179,8 @@ async def chat_chunks(
     logprobs: bool,
 ) -> AsyncIterator[bytes]:
     """The stream's events: a first chunk per choice with the role, then its text as it comes
-    (the last with finish_reason), a usage chunk if asked, then [DONE]. The request's stream is
-    closed when this is, however it ends (its worker call cancelled, its pages freed)."""
-    async with contextlib.aclosing(stream):
-        async for event in _chat_chunks(reply, stream, options, logprobs):
-            yield event
-
-
-async def completion_chunks(
-    reply: Reply,
-    stream: Responses,
-    options: StreamOptions,
-    logprobs: bool,
-) -> AsyncIterator[bytes]:
-    """As chat_chunks, for text completions."""
-    async with contextlib.aclosing(stream):
-        async for event in _completion_chunks(reply, stream, options, logprobs):
-            yield event
-
-
-async def _chat_chunks(
-    reply: Reply,
-    stream: Responses,
-    options: StreamOptions,
-    logprobs: bool,
-) -> AsyncIterator[bytes]:
-    """The stream's events: a first chunk per choice with the role, then its text as it comes
-    (the last with finish_reason), a usage chunk if asked, then [DONE]."""
+    (the last with finish_reason), a usage chunk if asked, then [DONE]. Closing it closes the
+    request's stream."""
     counts = Counts()
     started: set[int] = set()
     include_usage, continuous = options.include_usage, options.continuous_usage_stats
@@ -204,25 +195,22 @@ async def _chat_chunks(
         )
         return _event(message.model_dump_json(exclude=_without_usage(include_usage, continuous)))
 
-    async for response in stream:
-        if _failed(response):
-            raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
-        counts.record(response)
-        index = response.index
-        if index not in started:
-            started.add(index)
-            yield chunk(ChunkChoice(index=index, delta=Delta(role="assistant", content="")))
-        if not (response.text or response.finished or (logprobs and response.token_ids)):
-            continue  # text held back (a possible stop string): nothing to say yet
-        choice = ChunkChoice(
-            index=index,
-            delta=Delta(content=response.text),
-            logprobs=chat_logprobs(reply.texts, list(response.token_ids), list(response.logprobs))
-            if logprobs
-            else None,
-            finish_reason=response.finish_reason if response.finished else None,
-        )
-        yield chunk(choice)
+    async with contextlib.aclosing(read(stream, counts)) as responses:
+        async for response in responses:
+            index = response.index
+            if index not in started:
+                started.add(index)
+                yield chunk(ChunkChoice(index=index, delta=Delta(role="assistant", content="")))
+            if not worth_a_chunk(response, logprobs):
+                continue
+            ids, values = list(response.token_ids), list(response.logprobs)
+            choice = ChunkChoice(
+                index=index,
+                delta=Delta(content=response.text),
+                logprobs=chat_logprobs(reply.texts, ids, values) if logprobs else None,
+                finish_reason=response.finish_reason if response.finished else None,
+            )
+            yield chunk(choice)
     if include_usage:
         final = ChatCompletionChunk(
             id=reply.id, created=reply.created, model=reply.model, choices=[], usage=counts.usage()
@@ -288,52 +276,62 @@ def completion(
     )
 
 
-async def _completion_chunks(
+async def completion_chunks(
     reply: Reply,
     stream: Responses,
     options: StreamOptions,
     logprobs: bool,
 ) -> AsyncIterator[bytes]:
+    """As chat_chunks, for text completions (no role chunk)."""
     counts = Counts()
     offsets: dict[int, int] = {}
-    include_usage, continuous = options.include_usage, options.continuous_usage_stats
-    async for response in stream:
-        if _failed(response):
-            raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
-        counts.record(response)
-        if not (response.text or response.finished or (logprobs and response.token_ids)):
-            continue
-        index = response.index
-        offset = offsets.get(index, 0)
-        ids = list(response.token_ids)
-        choice = CompletionChoice(
-            index=index,
-            text=response.text,
-            logprobs=completion_logprobs(
-                reply.texts,
-                ids,
-                list(response.logprobs),
-                token_offsets(reply.texts, ids, offset, len(response.text)),
-            )
-            if logprobs
-            else None,
-            finish_reason=response.finish_reason if response.finished else None,
-        )
-        offsets[index] = offset + len(response.text)
-        message = Completion(
-            id=reply.id,
-            created=reply.created,
-            model=reply.model,
-            choices=[choice],
-            usage=counts.usage() if continuous else None,
-        )
-        yield _event(message.model_dump_json(exclude=_without_usage(include_usage, continuous)))
-    if include_usage:
+    async with contextlib.aclosing(read(stream, counts)) as responses:
+        async for response in responses:
+            if worth_a_chunk(response, logprobs):
+                yield _completion_chunk(reply, response, logprobs, offsets, counts, options)
+    if options.include_usage:
         final = Completion(
             id=reply.id, created=reply.created, model=reply.model, choices=[], usage=counts.usage()
         )
         yield _event(final.model_dump_json())
     yield DONE
+
+
+def _completion_chunk(
+    reply: Reply,
+    response: serving_pb2.GenerateResponse,
+    logprobs: bool,
+    offsets: dict[int, int],
+    counts: Counts,
+    options: StreamOptions,
+) -> bytes:
+    index, ids, text = response.index, list(response.token_ids), response.text
+    offset = offsets.get(index, 0)
+    offsets[index] = offset + len(text)
+    choice = CompletionChoice(
+        index=index,
+        text=text,
+        logprobs=completion_logprobs(
+            reply.texts,
+            ids,
+            list(response.logprobs),
+            token_offsets(reply.texts, ids, offset, len(text)),
+        )
+        if logprobs
+        else None,
+        finish_reason=response.finish_reason if response.finished else None,
+    )
+    continuous = options.continuous_usage_stats
+    message = Completion(
+        id=reply.id,
+        created=reply.created,
+        model=reply.model,
+        choices=[choice],
+        usage=counts.usage() if continuous else None,
+    )
+    return _event(
+        message.model_dump_json(exclude=_without_usage(options.include_usage, continuous))
+    )
 
 
 def _without_usage(include_usage: bool, continuous: bool) -> set[str] | None:
