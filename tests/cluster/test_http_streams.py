@@ -70,9 +70,11 @@ def test_a_client_that_leaves_before_its_first_token_frees_its_place(
         next(lines)  # the slot is taken
         waiting = {"model": MODEL, "prompt": "another prompt", "max_tokens": 5, "stream": stream}
         sock = raw_post(one_slot.http.port, "/v1/completions", waiting)  # type: ignore[union-attr]
-        wait_until(lambda: len(one_slot.service.in_flight) == 2, "the second request arrived")
         engine = next(iter(one_slot.engines.values()))
-        assert engine.stats().waiting == 1  # no first token yet
+        wait_until(  # it reached the worker's queue: no first token yet
+            lambda: len(one_slot.service.in_flight) == 2 and engine.stats().waiting == 1,
+            "the second request waits on the worker",
+        )
         sock.close()
         took = wait_until(lambda: len(one_slot.service.in_flight) == 1, "it left", timeout=1.0)
         assert took < 1.0 and engine.stats().waiting == 0
