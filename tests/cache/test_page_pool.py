@@ -80,7 +80,9 @@ def test_bad_pool_configuration_is_refused(num_pages: int, page_size: int) -> No
 
 def test_check_finds_a_corrupted_pool() -> None:
     pool = PagePool(8, 1)
-    pool._free.append(pool._free[0])  # a page on the free list twice
+    pool.allocate(1)
+    pool._free[pool._num_free] = pool._free[0]  # a page on the free stack twice
+    pool._num_free += 1
     with pytest.raises(AssertionError, match="free list"):
         pool.check()
     assert CACHED != PRIVATE
