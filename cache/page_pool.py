@@ -35,7 +35,7 @@ STATE_NAMES: Final = {RESERVED: "reserved", FREE: "free", PRIVATE: "private", CA
 NULL_PAGE: Final = 0
 MAX_PAGES: Final = 2**31 - 1
 """Page ids are C ints (int32) on the free stack and in the batches numpy checks."""
-SMALL_MOVE: Final = 16
+SMALL_MOVE: Final = 48
 """Moves of fewer pages than this run in plain Python: numpy costs a few microseconds a call."""
 
 PageArray = npt.NDArray[np.intc]
@@ -95,9 +95,9 @@ class PagePool:
             self._move_few(pages, FREE, PRIVATE)
         else:
             states = self._states
-            if not (states[taken] == FREE).all():
+            if states.take(taken).tobytes().count(FREE) != count:
                 raise self._bad_move(pages, FREE, PRIVATE)
-            states[taken] = PRIVATE
+            states.put(taken, PRIVATE)
         self._num_free = top - count
         self.num_private += count
         return pages
@@ -140,18 +140,22 @@ class PagePool:
         return pages
 
     def _move_many(self, batch: PageArray, src: int, dst: int, pages: Sequence[int]) -> None:
-        """`_move` over an int32 array; `pages` is what the caller passed, to name a bad page."""
-        if src != dst:
-            ordered = np.sort(batch)
-            low, high = ordered[0], ordered[-1]
-            repeated = bool((ordered[1:] == ordered[:-1]).any())
-        else:
-            low, high, repeated = batch.min(), batch.max(), False
+        """`_move` over an int32 array; `pages` is what the caller passed, to name a bad page.
+
+        (`take`, `put` and `bytes.count` are used over `[]` and `.all()`: a third of the cost.)
+        """
+        ordered = batch.copy()
+        ordered.sort()
         states = self._states
-        if repeated or low <= 0 or high >= self.num_pages or not (states[batch] == src).all():
+        if (
+            ordered[0] <= 0
+            or ordered[-1] >= self.num_pages
+            or (src != dst and b"\x01" in (ordered[1:] == ordered[:-1]).tobytes())
+            or states.take(batch).tobytes().count(src) != len(batch)
+        ):
             raise self._bad_move(pages, src, dst)
         if src != dst:
-            states[batch] = dst
+            states.put(batch, dst)
 
     def _bad_move(self, pages: Iterable[int], src: int, dst: int) -> InvalidPageState:
         pages = list(pages)

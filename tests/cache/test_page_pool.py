@@ -87,7 +87,7 @@ def test_freed_pages_are_reused_most_recent_first(path: str) -> None:
     pool.check()
 
 
-def test_a_large_batch_names_the_bad_page_and_changes_nothing() -> None:
+def test_a_large_batch_names_the_bad_page_and_changes_nothing(path: str) -> None:
     """A move of many pages is checked by numpy at once; the error names the first bad page."""
     pool = PagePool(1000, 1)
     pages = pool.allocate(300)
@@ -130,8 +130,7 @@ def test_allocate_refuses_a_page_on_the_free_stack_that_is_not_free(path: str) -
 
 def test_bookkeeping_is_five_bytes_a_page() -> None:
     """SGLang's free list at page size 1 is an int64 tensor, 8 bytes a page. Ours holds 5: a state
-    byte and an int32 stack entry. A move's temporaries (the batch as int32, its sorted copy, the
-    state bytes read) last only for the call."""
+    byte and an int32 stack entry. A move's temporaries last only for the call."""
     num_pages = 200_000
     tracemalloc.start()
     try:
@@ -150,7 +149,9 @@ def test_bookkeeping_is_five_bytes_a_page() -> None:
     assert pool._free.dtype == np.intc and pool._free.nbytes == 4 * (num_pages - 1)
     assert held <= 5 * num_pages + 4096 and peak <= 8 * num_pages, (held, peak)
     assert after - before <= 4096, "a move left memory behind"
-    assert move_peak - before <= 12 * num_pages, move_peak - before
+    # Per page moved: the batch and its sorted copy (int32), the indices numpy's take widens to
+    # intp, a few bytes of flags. Transient, and proportional to the move, not to the pool.
+    assert move_peak - before <= 20 * num_pages, move_peak - before
     pool.check()
 
 
