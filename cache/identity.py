@@ -28,6 +28,8 @@ _DIGEST = 8
 _PERSON = b"radixmesh-kv"
 _TEXT_BLOCK = b"T"
 _MIXED_BLOCK = b"M"
+_BLOCK_DIGEST = blake2b(digest_size=_DIGEST, person=_PERSON)
+"""Empty block digest; each block hashes into a `copy()` (cheaper than a new keyed object)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +60,21 @@ def _field(value: str | int | None) -> bytes:
     return b"i" + len(raw).to_bytes(1, "little") + raw
 
 
-def _encode_block(keys: Sequence[CacheKey]) -> bytes:
+def _pack_text(keys: Sequence[CacheKey]) -> bytes | None:
+    """`keys` as little-endian uint64 bytes, or None if any key is not a plain int."""
     try:
         packed = array("Q", keys)  # type: ignore[type-var]  # TypeError on tuple keys
     except TypeError:
-        packed = None
+        return None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _encode_block(keys: Sequence[CacheKey]) -> bytes:
+    packed = _pack_text(keys)
     if packed is not None:
-        if sys.byteorder == "big":
-            packed.byteswap()
-        return _TEXT_BLOCK + packed.tobytes()
+        return _TEXT_BLOCK + packed
     parts = [_MIXED_BLOCK]
     for key in keys:
         if isinstance(key, int):
@@ -116,17 +124,38 @@ class BlockHasher:
         namespace: CacheNamespace,
         upto: int | None = None,
     ) -> list[int]:
-        """Append to `hashes` the hashes of the complete blocks of `keys[:upto]` it lacks."""
+        """Append to `hashes` the hashes of the complete blocks of `keys[:upto]` it lacks.
+
+        Text keys are packed once for the whole span (one C call), then each block is one
+        blake2b over `parent digest | b"T" | its packed bytes`; the digests are turned into ints
+        together at the end.
+        """
         size = self.block_size
+        first = len(hashes)
         end = (len(keys) if upto is None else min(upto, len(keys))) // size
-        if len(hashes) >= end:
+        if first >= end:
             return hashes
         parent = hashes[-1].to_bytes(_DIGEST, "little") if hashes else self._seed(namespace)
-        for b in range(len(hashes), end):
-            digest = blake2b(parent, digest_size=_DIGEST, person=_PERSON)
-            digest.update(_encode_block(keys[b * size : (b + 1) * size]))
-            parent = digest.digest()
-            hashes.append(int.from_bytes(parent, "little"))
+        new_block = _BLOCK_DIGEST.copy
+        digests = bytearray()
+        packed = _pack_text(keys[first * size : end * size])
+        if packed is not None:
+            step = size * 8
+            for off in range(0, len(packed), step):
+                digest = new_block()
+                digest.update(parent + _TEXT_BLOCK + packed[off : off + step])
+                parent = digest.digest()
+                digests += parent
+        else:  # image, coordinate or size keys somewhere in the span: encode block by block
+            for b in range(first, end):
+                digest = new_block()
+                digest.update(parent + _encode_block(keys[b * size : (b + 1) * size]))
+                parent = digest.digest()
+                digests += parent
+        values = array("Q", digests)
+        if sys.byteorder == "big":
+            values.byteswap()
+        hashes.extend(values.tolist())
         return hashes
 
     def hashes(self, keys: Sequence[CacheKey], namespace: CacheNamespace) -> list[int]:

@@ -8,13 +8,22 @@ Every page is in exactly one state, and every transition checks the state it lea
 PRIVATE pages belong to one sequence; CACHED pages to one radix-tree node. Page 0 is RESERVED
 (the null page that padded page-table entries point at) and never changes state. The pool knows
 nothing of trees or sequences; it makes double frees and leaks impossible to miss.
+
+Bookkeeping is in typed arrays, five bytes a page: a state byte per page (a bytearray, with a
+numpy view of the same bytes) and the free stack (int32). A move of many pages is checked and
+applied by numpy over the whole batch; a move of a few pages stays in plain Python, where
+numpy's fixed cost per call would dominate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
 from operator import itemgetter
 from typing import Final
+
+import numpy as np
+import numpy.typing as npt
 
 from cache.errors import InvalidPageState, OutOfPages
 
@@ -24,20 +33,31 @@ PRIVATE: Final = 2
 CACHED: Final = 3
 STATE_NAMES: Final = {RESERVED: "reserved", FREE: "free", PRIVATE: "private", CACHED: "cached"}
 NULL_PAGE: Final = 0
+MAX_PAGES: Final = 2**31 - 1
+"""Page ids are C ints (int32) on the free stack and in the batches numpy checks."""
+SMALL_MOVE: Final = 48
+"""Moves of fewer pages than this run in plain Python: numpy costs a few microseconds a call."""
+
+PageArray = npt.NDArray[np.intc]
 
 
 class PagePool:
     def __init__(self, num_pages: int, page_size: int) -> None:
-        if num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        if not 2 <= num_pages <= MAX_PAGES:
+            raise ValueError(
+                f"num_pages must be in [2, {MAX_PAGES}] (page 0 is reserved), got {num_pages}"
+            )
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         self._state = bytearray([FREE]) * num_pages
         self._state[NULL_PAGE] = RESERVED
-        # A stack: the most recently freed page is reused first (it is likely still in L2).
-        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._states = np.frombuffer(self._state, dtype=np.uint8)  # the same bytes, writable
+        # A stack, top at _free[_num_free - 1]: the most recently freed page is reused first (it
+        # is likely still in L2). Initially pages 1, 2, 3, ... come out in that order.
+        self._free: PageArray = np.arange(num_pages - 1, 0, -1, dtype=np.intc)
+        self._num_free = num_pages - 1
         self.num_private = 0
         self.num_cached = 0
 
@@ -48,7 +68,12 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-page bookkeeping (state bytes and free stack): 5 a page."""
+        return len(self._state) + self._free.nbytes
 
     def state(self, page: int) -> int:
         return self._state[page]
@@ -57,22 +82,43 @@ class PagePool:
         """Take `count` free pages, now PRIVATE. `evictable` only informs the error message."""
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
-        if count > len(self._free):
-            raise OutOfPages(count, len(self._free), evictable)
+        top = self._num_free
+        if count > top:
+            raise OutOfPages(count, top, evictable)
         if count == 0:
             return []
-        pages = self._free[-count:]
-        del self._free[-count:]
-        pages.reverse()
-        state = self._state
-        for page in pages:
-            state[page] = PRIVATE
+        taken = self._free[top - count : top][::-1]
+        pages = taken.tolist()
+        # Stack entries are distinct pages in range (only checked moves push them): verifying
+        # that each is FREE is the whole check.
+        if count < SMALL_MOVE:
+            self._move_few(pages, FREE, PRIVATE)
+        else:
+            states = self._states
+            if states.take(taken).tobytes().count(FREE) != count:
+                raise self._bad_move(pages, FREE, PRIVATE)
+            states.put(taken, PRIVATE)
+        self._num_free = top - count
         self.num_private += count
         return pages
 
-    def _move(self, pages: Iterable[int], src: int, dst: int) -> list[int]:
-        """Move every page from `src` to `dst`, or none of them (a repeated page is an error)."""
-        pages = list(pages)
+    def _move(self, pages: Iterable[int], src: int, dst: int) -> Sequence[int] | PageArray:
+        """Move every page from `src` to `dst`, or none of them (a repeated page is an error).
+
+        Returns the pages moved, as a list or as an int32 array, in the order given.
+        """
+        if not isinstance(pages, list | tuple):
+            pages = list(pages)
+        if len(pages) < SMALL_MOVE:
+            return self._move_few(pages, src, dst)
+        try:  # C ints, at C speed: a float, a str or a huge int raises here
+            batch = np.frombuffer(array("i", pages), dtype=np.intc)
+        except (TypeError, OverflowError):
+            raise self._bad_move(pages, src, dst) from None
+        self._move_many(batch, src, dst, pages)
+        return batch
+
+    def _move_few(self, pages: Sequence[int], src: int, dst: int) -> Sequence[int]:
         if not pages:
             return pages
         state = self._state
@@ -93,10 +139,29 @@ class PagePool:
             state[page] = dst
         return pages
 
-    def _bad_move(self, pages: list[int], src: int, dst: int) -> InvalidPageState:
+    def _move_many(self, batch: PageArray, src: int, dst: int, pages: Sequence[int]) -> None:
+        """`_move` over an int32 array; `pages` is what the caller passed, to name a bad page.
+
+        `take`, `put` and `bytes.count` cost about half what fancy indexing and `.all()` do.
+        """
+        ordered = batch.copy()
+        ordered.sort()
+        states = self._states
+        if (
+            ordered[0] <= 0
+            or ordered[-1] >= self.num_pages
+            or (src != dst and b"\x01" in (ordered[1:] == ordered[:-1]).tobytes())
+            or states.take(batch).tobytes().count(src) != len(batch)
+        ):
+            raise self._bad_move(pages, src, dst)
+        if src != dst:
+            states.put(batch, dst)
+
+    def _bad_move(self, pages: Iterable[int], src: int, dst: int) -> InvalidPageState:
+        pages = list(pages)
         seen: set[int] = set()
         for page in pages:
-            if type(page) is not int or not 0 <= page < self.num_pages:
+            if not isinstance(page, int | np.integer) or not 0 <= page < self.num_pages:
                 found = "not a page of this pool"
             elif page in seen and src != dst:
                 found = "listed twice"
@@ -111,10 +176,15 @@ class PagePool:
             )
         raise AssertionError("_bad_move found no bad page")  # pragma: no cover
 
+    def _push_free(self, moved: Sequence[int] | PageArray) -> None:
+        top, count = self._num_free, len(moved)
+        self._free[top : top + count] = moved[::-1]
+        self._num_free = top + count
+
     def free_private(self, pages: Iterable[int]) -> None:
         """Return a sequence's private pages to the pool."""
         moved = self._move(pages, PRIVATE, FREE)
-        self._free.extend(reversed(moved))
+        self._push_free(moved)
         self.num_private -= len(moved)
 
     def claim(self, pages: Iterable[int]) -> None:
@@ -126,7 +196,7 @@ class PagePool:
     def uncache(self, pages: Iterable[int]) -> None:
         """Cache-owned pages (an evicted node's) return to the pool."""
         moved = self._move(pages, CACHED, FREE)
-        self._free.extend(reversed(moved))
+        self._push_free(moved)
         self.num_cached -= len(moved)
 
     def require(self, pages: Iterable[int], state: int) -> None:
@@ -135,15 +205,17 @@ class PagePool:
 
     def check(self) -> None:
         """Assert the pool's own invariants (counts agree with states; the free list is exact)."""
-        counts = {s: 0 for s in STATE_NAMES}
-        for s in self._state:
-            counts[s] += 1
+        counts = np.bincount(self._states, minlength=len(STATE_NAMES)).tolist()
+        assert len(counts) == len(STATE_NAMES), f"a page in an unknown state: {counts}"
         assert counts[RESERVED] == 1 and self._state[NULL_PAGE] == RESERVED, "page 0 not reserved"
-        assert counts[FREE] == len(self._free) == len(set(self._free)), (
-            f"free list has {len(self._free)} entries ({len(set(self._free))} distinct), "
+        free = self._free[: self._num_free]
+        distinct = len(np.unique(free))
+        assert counts[FREE] == len(free) == distinct, (
+            f"free list has {len(free)} entries ({distinct} distinct), "
             f"{counts[FREE]} pages are free"
         )
-        assert all(self._state[p] == FREE for p in self._free), "a non-free page is on the list"
+        on_list = self._states[free]
+        assert (free > 0).all() and (on_list == FREE).all(), "a non-free page is on the list"
         assert counts[PRIVATE] == self.num_private, (counts[PRIVATE], self.num_private)
         assert counts[CACHED] == self.num_cached, (counts[CACHED], self.num_cached)
         assert self.num_free + self.num_private + self.num_cached == self.usable_pages

@@ -140,3 +140,43 @@ def test_the_whole_id_range_hashes() -> None:
     assert hashes([top] * 4) != hashes([0] * 4)
     mixed = to_cache_keys([top, 0, ImageToken(1, 2)])
     assert len(hashes(mixed)) == 1
+
+
+def test_chains_of_several_blocks_are_frozen() -> None:
+    """Golden chains from before packing whole spans (edd4c83): text-only and mixed spans."""
+    scheme, ns = IdentityScheme(4, "golden"), CacheNamespace(tenant="t")
+    assert hashes(list(range(1, 13)), ns, scheme) == [GOLDEN, *GOLDEN_TEXT_CHAIN]
+    mixed = to_cache_keys([1, 2, 3, 4, ImageToken(7, 3), 9, (1 << 64) - 1, 0, 5])
+    assert hashes(mixed, ns, scheme) == [GOLDEN, GOLDEN_MIXED_BLOCK]
+
+
+GOLDEN_TEXT_CHAIN = [806146984030419297, 17054172298006274966]
+GOLDEN_MIXED_BLOCK = 15211465112183626292
+
+
+def test_a_typed_key_later_in_the_span_leaves_earlier_text_blocks_unchanged() -> None:
+    """A span with a tuple key takes the block-by-block path; its text blocks hash as on the
+    packed path, and each block depends on every key before it."""
+    text = hashes(KEYS[:16])
+    with_image = to_cache_keys([*KEYS[:16], ImageToken(1 << 100, 4)])
+    assert hashes(with_image)[:4] == text
+    assert len(hashes(with_image)) == 5
+
+
+@pytest.mark.parametrize("split", [0, 1, 2, 3, 4])
+def test_extending_from_any_prefix_of_the_chain_gives_the_same_chain(split: int) -> None:
+    keys = [*range(200, 232), *to_cache_keys([ImageToken(3, 8)])]  # 8 text, 2 image blocks
+    full = hashes(keys)
+    hasher = BlockHasher(SCHEME)
+    assert hasher.extend(full[:split], keys, DEFAULT_NAMESPACE) == full
+    assert hasher.extend(full[:split], keys, DEFAULT_NAMESPACE, upto=24) == full[:6]
+
+
+def test_salting_and_chaining_hold_on_long_spans() -> None:
+    keys = list(range(4096))
+    base = hashes(keys)
+    assert len(base) == len(set(base)) == 1024
+    assert set(base).isdisjoint(hashes(keys, CacheNamespace(tenant="acme")))
+    assert set(base).isdisjoint(hashes(keys, CacheNamespace(adapter="acme")))
+    changed = [7, *keys[1:]]  # the first key differs: every block after it differs too
+    assert all(a != b for a, b in zip(base, hashes(changed), strict=True))

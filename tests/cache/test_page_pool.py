@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import tracemalloc
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
+import cache.page_pool
 from cache import InvalidPageState, OutOfPages, PagePool
 from cache.page_pool import CACHED, FREE, PRIVATE, RESERVED
+
+
+@pytest.fixture(params=["python", "numpy"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run a test with every move on the per-page Python path, then on the numpy batch path."""
+    monkeypatch.setattr(cache.page_pool, "SMALL_MOVE", 10**9 if request.param == "python" else 1)
+    yield request.param
 
 
 def test_page_zero_is_reserved_and_never_handed_out() -> None:
@@ -46,7 +56,7 @@ def test_lifecycle_free_private_cached_free() -> None:
     ],
 )
 def test_a_bad_transition_raises_and_changes_nothing(
-    move: Callable[[PagePool, list[int]], None], words: str
+    move: Callable[[PagePool, list[int]], None], words: str, path: str
 ) -> None:
     pool = PagePool(8, 1)
     pages = pool.allocate(4)
@@ -65,11 +75,84 @@ def test_a_bad_transition_raises_and_changes_nothing(
     pool.check()
 
 
-def test_freed_pages_are_reused_most_recent_first() -> None:
+def test_freed_pages_are_reused_most_recent_first(path: str) -> None:
     pool = PagePool(16, 1)
     a = pool.allocate(4)
     pool.free_private(a)
     assert pool.allocate(4) == a
+    assert pool.allocate(3) == [5, 6, 7]
+    pool.free_private(a[:2])
+    pool.free_private((a[3], a[2]))
+    assert pool.allocate(4) == [a[3], a[2], a[0], a[1]]
+    pool.check()
+
+
+def test_a_large_batch_names_the_bad_page_and_changes_nothing(path: str) -> None:
+    """A move of many pages is checked by numpy at once; the error names the first bad page."""
+    pool = PagePool(1000, 1)
+    pages = pool.allocate(300)
+    assert pages == list(range(1, 301))
+    pool.claim(pages[100:200])
+    cases = [
+        ([*pages[:50], pages[150], *pages[50:99]], "page 151 is cached, expected private"),
+        ([*pages[:60], pages[7]], "page 8 is listed twice"),
+        ([*pages[:60], 1000], "page 1000 is not a page of this pool"),
+        ([*pages[:60], -5], "page -5 is not a page of this pool"),
+        ([*pages[:60], 2.0], "page 2.0 is not a page of this pool"),
+        ([*pages[:60], "3"], "page '3' is not a page of this pool"),
+        ([*pages[:60], 2**40], f"page {2**40} is not a page of this pool"),
+        ([0, *pages[:60]], "page 0 is reserved"),
+        ([*pages[:60], 400], "page 400 is free"),
+    ]
+    before = [pool.state(p) for p in range(1000)], pool.num_free, pool.num_private
+    for bad, words in cases:
+        with pytest.raises(InvalidPageState, match=words):
+            pool.free_private(bad)
+        with pytest.raises(InvalidPageState, match=words.split(" is ")[0]):
+            pool.claim(tuple(bad))
+        assert ([pool.state(p) for p in range(1000)], pool.num_free, pool.num_private) == before
+    with pytest.raises(InvalidPageState, match="page 251 is private, expected cached"):
+        pool.uncache([*pages[100:199], pages[250]])
+    pool.require(pages[100:200] * 2, CACHED)  # a read-only check: repeats are fine
+    pool.uncache(iter(pages[100:200]))
+    pool.free_private(pages[:100] + pages[200:])
+    assert pool.num_free == 999 and pool.num_private == pool.num_cached == 0
+    pool.check()
+
+
+def test_allocate_refuses_a_page_on_the_free_stack_that_is_not_free(path: str) -> None:
+    pool = PagePool(64, 1)
+    pool._state[3] = CACHED  # corrupt: page 3 is still on the free stack
+    with pytest.raises(InvalidPageState, match="page 3 is cached, expected free"):
+        pool.allocate(40)
+    assert pool.num_free == 63 and pool.num_private == 0
+
+
+def test_bookkeeping_is_five_bytes_a_page() -> None:
+    """SGLang's free list at page size 1 is an int64 tensor, 8 bytes a page. Ours holds 5: a state
+    byte and an int32 stack entry. A move's temporaries last only for the call."""
+    num_pages = 200_000
+    tracemalloc.start()
+    try:
+        pool = PagePool(num_pages, 1)
+        held, peak = tracemalloc.get_traced_memory()
+        pages = pool.allocate(num_pages - 1)  # the caller's list of Python ints, not the pool's
+        node_pages = tuple(pages)  # as a tree node holds them
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        pool.claim(pages)
+        pool.uncache(node_pages)
+        after, move_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert pool.nbytes == 5 * num_pages - 4  # page 0 is never on the free stack
+    assert pool._free.dtype == np.intc and pool._free.nbytes == 4 * (num_pages - 1)
+    assert held <= 5 * num_pages + 4096 and peak <= 8 * num_pages, (held, peak)
+    assert after - before <= 4096, "a move left memory behind"
+    # Per page moved: the batch and its sorted copy (int32), the indices numpy's take widens to
+    # intp, a few bytes of flags. Transient, and proportional to the move, not to the pool.
+    assert move_peak - before <= 20 * num_pages, move_peak - before
+    pool.check()
 
 
 @pytest.mark.parametrize(("num_pages", "page_size"), [(1, 1), (8, 3), (8, 0)])
@@ -80,7 +163,9 @@ def test_bad_pool_configuration_is_refused(num_pages: int, page_size: int) -> No
 
 def test_check_finds_a_corrupted_pool() -> None:
     pool = PagePool(8, 1)
-    pool._free.append(pool._free[0])  # a page on the free list twice
+    pool.allocate(1)
+    pool._free[pool._num_free] = pool._free[0]  # a page on the free stack twice
+    pool._num_free += 1
     with pytest.raises(AssertionError, match="free list"):
         pool.check()
     assert CACHED != PRIVATE

@@ -10,7 +10,14 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from cache import IDENTITY_SCHEME_VERSION
+from cache import (
+    IDENTITY_SCHEME_VERSION,
+    BlockHasher,
+    CacheConfig,
+    CacheNamespace,
+    KvEvent,
+    SequenceCache,
+)
 from cluster.config import ClusterConfig
 from cluster.policies import build_policy
 from cluster.worker_links import ChannelClosed, TokenizerUnavailable, WorkerLinks
@@ -123,3 +130,24 @@ def test_a_worker_detached_while_it_attaches_ends_the_attach() -> None:
         loop.run(server.stop(0))
     finally:
         loop.stop()
+
+
+def test_the_routers_hashes_are_the_blocks_the_worker_stores() -> None:
+    """One implementation: the hasher the router builds from a worker's `WorkerInfo` computes,
+    for the same tokens, exactly the block hashes the worker's cache keeps and publishes."""
+    cache = SequenceCache(CacheConfig(64, 2, block_size=4, model_revision="rev@1"))
+    stored: list[int] = []
+
+    def keep(event: KvEvent) -> None:
+        stored.extend(event.block_hashes)
+
+    cache.events.subscribe(keep)
+    ns, tokens = CacheNamespace(adapter="lora-a", tenant="acme"), list(range(300, 318))
+    seq = cache.start(tokens, ns)
+    cache.commit(seq, len(tokens))
+    info = worker_pb2.WorkerInfo(
+        worker="w0", identity_version=IDENTITY_SCHEME_VERSION, block_size=4, model_revision="rev@1"
+    )
+    router = BlockHasher(WorkerLinks(build_policy(ClusterConfig()))._checked("w0", info))
+    assert router.hashes(tokens, ns) == stored == seq.block_hashes
+    assert len(stored) == 4  # 18 tokens: four whole blocks of 4
