@@ -45,9 +45,7 @@ def fingerprint(*argv: str) -> dict[str, Any]:
 
     def recorded(request: RouteRequest) -> RouteDecision:
         decision = inner(request)
-        decisions.append(
-            (request.request_id, decision.worker, decision.predicted_cached_tokens)
-        )
+        decisions.append((request.request_id, decision.worker, decision.predicted_cached_tokens))
         return decision
 
     sim.policy.route = recorded  # type: ignore[method-assign]
