@@ -144,7 +144,8 @@ class CacheAware(BaseRouter):
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
             self.ttft_tail.add(best_ttft)
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
-        low, tied = float("inf"), list[tuple[WorkerId, int]]()
+        low = float("inf")
+        tied: list[tuple[WorkerId, int]] = []  # not list[...](): a generic alias per call
         for worker, wait, own, cached in candidates:
             cost = wait + own + extra * (best_cached - cached)
             if decode_s:
