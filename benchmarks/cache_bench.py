@@ -12,6 +12,9 @@ Per workload, the same seeded request stream goes through:
 Prints one JSON object per workload on stdout (and to --output), then a summary table on stderr.
 Capacity is in tokens; by default it is a fraction of the workload's distinct tokens, which
 forces eviction. Run: `python benchmarks/cache_bench.py [--workloads ...] [--capacity N]`.
+
+`--against sglang` instead runs SGLang's own RadixCache (fetched from its wheel at run time) and
+radixmesh's in one serving loop over 16 cells: benchmarks/against_sglang.py.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from benchmarks import workloads
+from benchmarks import against_sglang, workloads
 from benchmarks.simple_trie import SimpleTrie
 from benchmarks.workloads import Request
 from cache import CacheConfig, CachedSequence, CacheNamespace, OutOfPages, OutOfSlots, SequenceCache
@@ -299,11 +302,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true", help="skip the deep memory sizing")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--output", type=Path, default=None, help="also write JSON lines here")
+    against = parser.add_argument_group(
+        "--against sglang", "SGLang's own RadixCache in the same loop (see against_sglang.py)"
+    )
+    against.add_argument("--against", choices=["sglang"], default=None)
+    against.add_argument("--rounds", type=int, default=3, help="alternating rounds a cell")
+    against.add_argument(
+        "--scale", type=float, default=1.0, help="run this fraction of each request stream"
+    )
+    against.add_argument(
+        "--sglang-wheel-dir", type=Path, default=None, help="reuse a downloaded wheel from here"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.against == "sglang":
+        names = [n for n in against_sglang.WORKLOADS if n in args.workloads]
+        return against_sglang.run(
+            names or list(against_sglang.WORKLOADS),
+            args.rounds,
+            not args.no_memory,
+            args.output,
+            args.sglang_wheel_dir,
+            scale=args.scale,
+        )
     rows = []
     for name, requests in load_workloads(args):
         row = bench_workload(name, requests, args)

@@ -42,6 +42,20 @@ def shared_prefix(
     ]
 
 
+def system_prompts(
+    seed: int = 0, n: int = 2000, prompts: int = 32, prompt_len: int = 1024, zipf: float = 1.1
+) -> list[Request]:
+    """System prompts of Zipf popularity (prompt k is chosen with weight 1 / k^zipf), each
+    followed by a short distinct question: a few prompts are hot, the tail is cold."""
+    rng = random.Random(seed)
+    systems = [
+        _tokens(rng, rng.randint(prompt_len // 2, prompt_len * 3 // 2)) for _ in range(prompts)
+    ]
+    weights = [1 / (k + 1) ** zipf for k in range(prompts)]
+    chosen = rng.choices(systems, weights, k=n)
+    return [Request(s + _tokens(rng, rng.randint(16, 128)), _tokens(rng, 32)) for s in chosen]
+
+
 def multi_turn(seed: int = 0, conversations: int = 200, turns: int = 6) -> list[Request]:
     """Chats whose every turn resends the whole history, the previous answers included.
 
@@ -93,6 +107,7 @@ __all__ = ["MOONCAKE_BLOCK", "MOONCAKE_TRACE", "BlockExpander", "Request", "moon
 
 SYNTHETIC = {
     "shared-prefix": shared_prefix,
+    "system-prompts": system_prompts,
     "multi-turn": multi_turn,
     "few-shot": few_shot,
     "no-sharing": no_sharing,

@@ -1,14 +1,20 @@
 """Cache identity: the one block hash that workers, KV events and the router all compute.
 
-A block is `block_size` consecutive KV positions. Its hash chains
+A block is `block_size` consecutive KV positions. Its hash is a 64-bit XXH3 of the block's
+position keys (cache/tokens.py: 64-bit keys, little-endian), seeded with its parent block's
+hash, so each hash names the whole prefix up to its block. The chain starts from a namespace
+seed: a blake2b digest of the scheme version, the model revision, the adapter, the tenant salt
+and the namespace image hash. XXH3's output is frozen by its specification and blake2b is a
+standard, so every process, every restart and every machine computes the same values; Python's
+`hash()` is never used (it is salted per process). Workers and router exchange their
+`IdentityScheme` when they meet and refuse a mismatch rather than drift apart silently.
 
-    parent block hash | the block's position keys (image content hashes included)
-
-and the chain starts from a namespace seed that digests the scheme version, the model revision,
-the adapter, the tenant salt and the namespace image hash. The digest is blake2b (8 bytes), so
-every process, every restart and every machine computes the same value; Python's `hash()` is
-never used (it is salted per process). Workers and router exchange their `IdentityScheme` when
-they meet and refuse a mismatch rather than drift apart silently.
+Version history: 1 hashed each block with blake2b over `parent digest | tag | keys`, typed keys
+as tagged tuples; 2 (this one) hashes the packed keys with XXH3 seeded by the parent, one C call
+a block, and typed keys are 64-bit digests like every other key. A router and workers of
+different versions refuse each other (the version is part of the scheme they exchange), so a
+cluster moves from 1 to 2 by restarting its router and workers on the new release together;
+nothing persists block hashes across restarts.
 """
 
 from __future__ import annotations
@@ -19,17 +25,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
+from xxhash import xxh3_64_intdigest
+
 from cache.errors import IdentityMismatch
 from cache.namespace import CacheNamespace
 from cache.tokens import CacheKey
 
-IDENTITY_SCHEME_VERSION = 1
+IDENTITY_SCHEME_VERSION = 2
 _DIGEST = 8
 _PERSON = b"radixmesh-kv"
-_TEXT_BLOCK = b"T"
-_MIXED_BLOCK = b"M"
-_BLOCK_DIGEST = blake2b(digest_size=_DIGEST, person=_PERSON)
-"""Empty block digest; each block hashes into a `copy()` (cheaper than a new keyed object)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,29 +64,13 @@ def _field(value: str | int | None) -> bytes:
     return b"i" + len(raw).to_bytes(1, "little") + raw
 
 
-def _pack_text(keys: Sequence[CacheKey]) -> bytes | None:
-    """`keys` as little-endian uint64 bytes, or None if any key is not a plain int."""
-    try:
-        packed = array("Q", keys)  # type: ignore[type-var]  # TypeError on tuple keys
-    except TypeError:
-        return None
+def pack_keys(keys: Sequence[CacheKey]) -> bytes:
+    """`keys` as little-endian uint64 bytes (an `array("Q")` is read as it is)."""
+    packed = keys if type(keys) is array and keys.typecode == "Q" else array("Q", keys)
     if sys.byteorder == "big":
+        packed = array("Q", packed)
         packed.byteswap()
     return packed.tobytes()
-
-
-def _encode_block(keys: Sequence[CacheKey]) -> bytes:
-    packed = _pack_text(keys)
-    if packed is not None:
-        return _TEXT_BLOCK + packed
-    parts = [_MIXED_BLOCK]
-    for key in keys:
-        if isinstance(key, int):
-            parts.append(b"t" + key.to_bytes(8, "little"))
-        else:
-            parts.append(b"k" + len(key).to_bytes(1, "little"))
-            parts.extend(_field(v) for v in key)
-    return b"".join(parts)
 
 
 class BlockHasher:
@@ -93,13 +81,10 @@ class BlockHasher:
             raise ValueError(f"block_size must be >= 1, got {scheme.block_size}")
         self.scheme = scheme
         self.block_size = scheme.block_size
-        self._seeds: dict[CacheNamespace, bytes] = {}
+        self._seeds: dict[CacheNamespace, int] = {}
 
     def namespace_seed(self, namespace: CacheNamespace) -> int:
         """The hash every chain in `namespace` starts from."""
-        return int.from_bytes(self._seed(namespace), "little")
-
-    def _seed(self, namespace: CacheNamespace) -> bytes:
         seed = self._seeds.get(namespace)
         if seed is None:
             fields = (
@@ -109,9 +94,10 @@ class BlockHasher:
                 namespace.tenant,
                 namespace.image_hash,
             )
-            seed = blake2b(
+            digest = blake2b(
                 b"".join(_field(f) for f in fields), digest_size=_DIGEST, person=_PERSON
             ).digest()
+            seed = int.from_bytes(digest, "little")
             if len(self._seeds) > 4096:
                 self._seeds.clear()
             self._seeds[namespace] = seed
@@ -126,36 +112,21 @@ class BlockHasher:
     ) -> list[int]:
         """Append to `hashes` the hashes of the complete blocks of `keys[:upto]` it lacks.
 
-        Text keys are packed once for the whole span (one C call), then each block is one
-        blake2b over `parent digest | b"T" | its packed bytes`; the digests are turned into ints
-        together at the end.
+        The span is packed once (one C call, none for an `array("Q")`); each block is then
+        one XXH3 call over its slice of the bytes, seeded with the hash before it.
         """
         size = self.block_size
         first = len(hashes)
         end = (len(keys) if upto is None else min(upto, len(keys))) // size
         if first >= end:
             return hashes
-        parent = hashes[-1].to_bytes(_DIGEST, "little") if hashes else self._seed(namespace)
-        new_block = _BLOCK_DIGEST.copy
-        digests = bytearray()
-        packed = _pack_text(keys[first * size : end * size])
-        if packed is not None:
-            step = size * 8
-            for off in range(0, len(packed), step):
-                digest = new_block()
-                digest.update(parent + _TEXT_BLOCK + packed[off : off + step])
-                parent = digest.digest()
-                digests += parent
-        else:  # image, coordinate or size keys somewhere in the span: encode block by block
-            for b in range(first, end):
-                digest = new_block()
-                digest.update(parent + _encode_block(keys[b * size : (b + 1) * size]))
-                parent = digest.digest()
-                digests += parent
-        values = array("Q", digests)
-        if sys.byteorder == "big":
-            values.byteswap()
-        hashes.extend(values.tolist())
+        parent = hashes[-1] if hashes else self.namespace_seed(namespace)
+        packed = pack_keys(keys[first * size : end * size])
+        append = hashes.append
+        step = size * 8
+        for off in range(0, len(packed), step):
+            parent = xxh3_64_intdigest(packed[off : off + step], parent)
+            append(parent)
         return hashes
 
     def hashes(self, keys: Sequence[CacheKey], namespace: CacheNamespace) -> list[int]:

@@ -19,7 +19,7 @@ def check_tree(tree: RadixCache) -> None:
     seen_pages: set[int] = set()
     nodes = cached = locked = 0
     for namespace, root in tree.roots.items():
-        assert root.namespace == namespace and root.parent is None and root.keys == ()
+        assert root.namespace == namespace and root.parent is None and not root.keys
         assert root.children, f"empty root of {namespace} was not pruned"
         assert root.lock_ref == sum(c.lock_ref for c in root.children.values()), "root lock_ref"
         for node in _subtree(root):
@@ -55,7 +55,7 @@ def _check_node(tree: RadixCache, node: Node, ps: int, block_size: int | None) -
     assert node.keys and len(node.keys) % ps == 0, f"{node!r} is not whole pages"
     assert len(node.pages) * ps == len(node.keys), f"{node!r}: pages and keys disagree"
     assert node.start == parent.end, f"{node!r} does not start where its parent ends"
-    key = node.keys[0] if ps == 1 else node.keys[:ps]
+    key = node.keys[0] if ps == 1 else node.keys[:ps].tobytes()
     assert parent.children.get(key) is node, f"{node!r} is filed under the wrong key"
     assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0
     assert node.last_access <= parent.last_access or parent.is_root(), "LRU order broken"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 from operator import itemgetter
-from typing import Final
+from typing import Final, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +39,8 @@ SMALL_MOVE: Final = 48
 """Moves of fewer pages than this run in plain Python: numpy costs a few microseconds a call."""
 
 PageArray = npt.NDArray[np.intc]
+PageIds: TypeAlias = "array[int]"
+"""Page ids as the pool hands them out and the tree keeps them: an `array("i")`."""
 
 
 class PagePool:
@@ -78,17 +80,18 @@ class PagePool:
     def state(self, page: int) -> int:
         return self._state[page]
 
-    def allocate(self, count: int, evictable: int = 0) -> list[int]:
-        """Take `count` free pages, now PRIVATE. `evictable` only informs the error message."""
+    def allocate(self, count: int, evictable: int = 0) -> PageIds:
+        """Take `count` free pages, now PRIVATE, as an `array("i")`. `evictable` only informs the
+        error message."""
         if count < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({count})")
         top = self._num_free
         if count > top:
             raise OutOfPages(count, top, evictable)
         if count == 0:
-            return []
+            return array("i")
         taken = self._free[top - count : top][::-1]
-        pages = taken.tolist()
+        pages = array("i", taken.tobytes())
         # Stack entries are distinct pages in range (only checked moves push them): verifying
         # that each is FREE is the whole check.
         if count < SMALL_MOVE:
@@ -107,14 +110,19 @@ class PagePool:
 
         Returns the pages moved, as a list or as an int32 array, in the order given.
         """
-        if not isinstance(pages, list | tuple):
-            pages = list(pages)
-        if len(pages) < SMALL_MOVE:
-            return self._move_few(pages, src, dst)
-        try:  # C ints, at C speed: a float, a str or a huge int raises here
-            batch = np.frombuffer(array("i", pages), dtype=np.intc)
-        except (TypeError, OverflowError):
-            raise self._bad_move(pages, src, dst) from None
+        if type(pages) is array and pages.typecode == "i":
+            if len(pages) < SMALL_MOVE:
+                return self._move_few(pages, src, dst)
+            batch = np.frombuffer(pages, dtype=np.intc)  # the same memory: no conversion
+        else:
+            if not isinstance(pages, list | tuple):
+                pages = list(pages)
+            if len(pages) < SMALL_MOVE:
+                return self._move_few(pages, src, dst)
+            try:  # C ints, at C speed: a float, a str or a huge int raises here
+                batch = np.frombuffer(array("i", pages), dtype=np.intc)
+            except (TypeError, OverflowError):
+                raise self._bad_move(pages, src, dst) from None
         self._move_many(batch, src, dst, pages)
         return batch
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from cache.errors import OutOfPages, OutOfSlots, PageMappingError
-from cache.page_pool import CACHED, PRIVATE, PagePool
+from cache.page_pool import CACHED, PRIVATE, PageIds, PagePool
 
 
 class Evictor(Protocol):
@@ -74,7 +74,7 @@ class PageTable:
         """Whether `allocate_pages(num_pages)` would succeed, evicting if it must."""
         return num_pages <= self.pool.num_free + self.evictable_pages
 
-    def allocate_pages(self, count: int) -> list[int]:
+    def allocate_pages(self, count: int) -> PageIds:
         """Take `count` private pages, evicting unlocked cached pages when the pool runs short.
 
         Raises `OutOfPages` (and evicts nothing) when even eviction cannot supply them.

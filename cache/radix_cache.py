@@ -20,6 +20,7 @@ page range the tree gains or loses is published as block hashes when a publisher
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 
 from cache.errors import CacheError, LengthMismatch, LockUnderflow
@@ -27,13 +28,28 @@ from cache.events import KvEventKind, KvEventPublisher, KvSnapshot
 from cache.identity import BlockHasher
 from cache.lru_heap import LruHeap
 from cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
-from cache.page_pool import PagePool
+from cache.page_pool import PageIds, PagePool
 from cache.radix_node import InsertResult, MatchResult, Node
-from cache.tokens import CacheKey
+from cache.tokens import CacheKey, Keys
 
 
-def common_prefix(node_keys: tuple[CacheKey, ...], keys: tuple[CacheKey, ...], at: int) -> int:
-    """Length of the common prefix of `node_keys` and `keys[at:]`, by slice comparisons."""
+def as_keys(keys: Sequence[CacheKey]) -> Keys:
+    """`keys` as an `array("Q")` (as given when it is one already)."""
+    if type(keys) is array and keys.typecode == "Q":
+        return keys
+    return array("Q", keys)
+
+
+def as_pages(pages: Sequence[int]) -> PageIds:
+    """`pages` as an `array("i")` (as given when it is one already)."""
+    if type(pages) is array and pages.typecode == "i":
+        return pages
+    return array("i", pages)
+
+
+def common_prefix(node_keys: Keys, keys: Keys, at: int) -> int:
+    """Length of the common prefix of `node_keys` and `keys[at:]`, by slice comparisons (each
+    a memcmp of the two arrays' bytes)."""
     hi = min(len(node_keys), len(keys) - at)
     if keys[at : at + hi] == node_keys[:hi]:
         return hi
@@ -87,9 +103,10 @@ class RadixCache:
     def roots(self) -> Mapping[CacheNamespace, Node]:
         return self._trees
 
-    def _key(self, keys: tuple[CacheKey, ...], at: int) -> object:
-        """The child-dict key of the node starting at `keys[at]`: its first page of keys."""
-        return keys[at] if self.page_size == 1 else keys[at : at + self.page_size]
+    def _key(self, keys: Keys, at: int) -> object:
+        """The child-dict key of the node starting at `keys[at]`: its first page of keys (the
+        key itself at page size 1, else the page's bytes)."""
+        return keys[at] if self.page_size == 1 else keys[at : at + self.page_size].tobytes()
 
     # -- match ---------------------------------------------------------------------------------
     def match(
@@ -99,26 +116,23 @@ class RadixCache:
         root = self._trees.get(namespace)
         if root is None:
             return MatchResult()
-        keys = keys if type(keys) is tuple else tuple(keys)
-        node, length, pages, blocks = self._descend(root, keys)
+        node, length, pages, blocks = self._descend(root, as_keys(keys))
         if node is root:
             return MatchResult()
         self._touch(node)
         return MatchResult(pages, length, node, blocks)
 
-    def _descend(
-        self, node: Node, keys: tuple[CacheKey, ...]
-    ) -> tuple[Node, int, list[int], list[int]]:
+    def _descend(self, node: Node, keys: Keys) -> tuple[Node, int, PageIds, list[int]]:
         """Walk down from `node` along `keys` as far as the tree holds them.
 
         The node where the walk stops inside a label is split there, so the walk always ends on
         a node. Returns that node, its end, and the pages and block hashes of the nodes passed.
         """
         ps, n, pos = self.page_size, len(keys), node.end
-        pages: list[int] = []
+        pages = array("i")
         blocks: list[int] = []
         while pos + ps <= n:
-            child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps])
+            child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps].tobytes())
             if child is None:
                 break
             length = len(child.keys)
@@ -188,7 +202,7 @@ class RadixCache:
         the walk down to it. `block_hashes`, the chained hashes of `keys` so far, is extended in
         place and saves rehashing the prefix.
         """
-        keys = keys if type(keys) is tuple else tuple(keys)
+        keys = as_keys(keys)
         ps, n = self.page_size, len(keys)
         if n == 0:
             raise LengthMismatch("nothing to insert: keys is empty")
@@ -200,18 +214,17 @@ class RadixCache:
         node, pos, existing, _ = self._descend(self._start_node(keys, namespace, from_node), keys)
         inserted = 0
         if pos < n:
-            node = self._add_leaf(node, keys, tuple(pages[pos // ps :]), namespace, block_hashes)
+            node = self._add_leaf(node, keys, as_pages(pages[pos // ps :]), namespace, block_hashes)
             inserted = len(node.pages)
         self._touch(node)
         return InsertResult(node, inserted, existing)
 
-    def _start_node(
-        self, keys: tuple[CacheKey, ...], namespace: CacheNamespace, from_node: Node | None
-    ) -> Node:
+    def _start_node(self, keys: Keys, namespace: CacheNamespace, from_node: Node | None) -> Node:
         if from_node is None:
             root = self._trees.get(namespace)
             if root is None:
-                root = self._trees[namespace] = Node(None, (), (), 0, namespace=namespace)
+                root = Node(None, array("Q"), array("i"), 0, namespace=namespace)
+                self._trees[namespace] = root
             return root
         top = from_node
         while top.parent is not None:
@@ -228,8 +241,8 @@ class RadixCache:
     def _add_leaf(
         self,
         parent: Node,
-        keys: tuple[CacheKey, ...],
-        pages: tuple[int, ...],
+        keys: Keys,
+        pages: PageIds,
         namespace: CacheNamespace,
         block_hashes: list[int] | None,
     ) -> Node:

@@ -1,17 +1,20 @@
 """A node of the radix tree and the results that match and insert hand back.
 
-A node is one edge label: the position keys `keys` (a whole number of pages), the `pages` that
-hold their KV, and the routing `blocks` whose last position falls inside the node. `start` is the
-position at which the node begins, so `start + len(keys)` is where it ends. A root has no keys and
-carries its namespace; a node taken out of the tree has `parent = None` and must not be used.
+A node is one edge label: the position keys `keys` (an `array("Q")`, a whole number of pages),
+the `pages` (an `array("i")`) that hold their KV, and the routing `blocks` whose last position
+falls inside the node. `start` is the position at which the node begins, so `start + len(keys)`
+is where it ends. A root has no keys and carries its namespace; a node taken out of the tree has
+`parent = None` and must not be used.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from cache.namespace import CacheNamespace
-from cache.tokens import CacheKey
+from cache.page_pool import PageIds
+from cache.tokens import Keys
 
 
 class Node:
@@ -31,8 +34,8 @@ class Node:
     def __init__(
         self,
         parent: Node | None,
-        keys: tuple[CacheKey, ...],
-        pages: tuple[int, ...],
+        keys: Keys,
+        pages: PageIds,
         start: int,
         blocks: tuple[int, ...] = (),
         namespace: CacheNamespace | None = None,
@@ -74,7 +77,7 @@ class MatchResult:
     locked: lock it before anything can evict (any allocation can).
     """
 
-    pages: list[int] = field(default_factory=list)
+    pages: PageIds = field(default_factory=lambda: array("i"))
     length: int = 0
     """Matched positions: a whole number of pages."""
     last_node: Node | None = None
@@ -96,4 +99,4 @@ class InsertResult:
 
     node: Node
     inserted_pages: int
-    existing_pages: list[int]
+    existing_pages: PageIds

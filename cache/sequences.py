@@ -40,7 +40,7 @@ from cache.page_pool import PagePool
 from cache.page_table import PageTable
 from cache.radix_cache import RadixCache
 from cache.radix_node import Node
-from cache.tokens import CacheKey, CacheToken, to_cache_keys
+from cache.tokens import CacheToken, Keys, to_cache_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class CachedSequence:
     slot: int
     """The page-table row of this sequence."""
     namespace: CacheNamespace
-    keys: list[CacheKey]
+    keys: Keys
     """One key per position: the prompt, then each generated token once appended."""
     prompt_length: int
     reused: int
@@ -244,7 +244,7 @@ class SequenceCache:
         clone = CachedSequence(
             slot,
             seq.namespace,
-            list(seq.keys),
+            seq.keys[:],
             seq.prompt_length,
             seq.reused,
             seq.computed,

@@ -1,13 +1,17 @@
-"""Token types and the cache keys they expand to: one key per KV position.
+"""Token types and the cache keys they expand to: one 64-bit key per KV position.
 
-A plain text token's key is its int id (the fast path: a prompt of ids is its own key list).
-Every other type expands to tagged tuples, which never equal an int and never equal a tuple of
-another type, so keys of different types cannot collide:
+A plain text token's key is its id (the fast path: a prompt of ids is its own key array). Every
+other type expands to keys with the top bit set, a 63-bit XXH3 digest of the type's tag and its
+fields, so no typed key equals a text id (ids are below 2^63) and keys of different types or
+fields differ unless 63-bit digests collide:
 
-    TextToken(id)                    -> id                              1 position
-    CoordToken(pos, bin)             -> (COORD, bin)                    1 position
-    SizeToken(w, h, w_bin, h_bin)    -> (SIZE, w_bin, h_bin)            1 position
-    ImageToken(content_hash, n)      -> (IMAGE, hash, n, 0) ... (IMAGE, hash, n, n-1)   n positions
+    TextToken(id)                    -> id                                   1 position
+    CoordToken(pos, bin)             -> typed(COORD, bin)                    1 position
+    SizeToken(w, h, w_bin, h_bin)    -> typed(SIZE, w_bin, h_bin)            1 position
+    ImageToken(content_hash, n)      -> typed(IMAGE, hash, n, 0) ... typed(IMAGE, hash, n, n-1)
+
+Keys travel as `array("Q")`: the tree slices and compares them with memcmp, and the block
+hasher reads their bytes without packing them again.
 
 Expanding an image into its positions keeps the tree, the page table and the block hashes in one
 unit (KV positions). A cached prefix may end inside an image: the KV of an image position depends
@@ -22,9 +26,17 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import TypeAlias
 
+import numpy as np
+from xxhash import xxh3_64_intdigest
+
 from cache.errors import InvalidToken, UnknownTokenType
 
-CacheKey: TypeAlias = int | tuple[int, ...]
+CacheKey: TypeAlias = int
+Keys: TypeAlias = "array[int]"
+"""One key per position, typecode "Q"."""
+TEXT_ID_LIMIT = 1 << 63
+"""Text ids lie in [0, 2^63); typed keys have the top bit set."""
+_TYPED = 1 << 63
 
 COORD = 1
 SIZE = 2
@@ -70,29 +82,39 @@ def _check_bin(name: str, value: object) -> int:
     return value
 
 
+def typed_key(tag: int, *fields: int) -> CacheKey:
+    """The key of a non-text position: the top bit, then 63 bits of XXH3 over its tag and
+    fields (each little-endian, length-prefixed, so no two field lists encode alike)."""
+    raw = bytearray((tag,))
+    for value in fields:
+        data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        raw += len(data).to_bytes(1, "little") + data
+    return _TYPED | (xxh3_64_intdigest(bytes(raw)) >> 1)
+
+
 def _image_keys(token: ImageToken) -> list[CacheKey]:
     h, n = token.content_hash, token.kv_length
     if type(h) is not int or not 0 <= h < 1 << _HASH_BITS:
         raise InvalidToken(f"ImageToken.content_hash must be a 128-bit int, got {h!r}")
     if type(n) is not int or n < 1:
         raise InvalidToken(f"ImageToken.kv_length must be a positive int, got {n!r}")
-    return [(IMAGE, h, n, i) for i in range(n)]
+    return [typed_key(IMAGE, h, n, i) for i in range(n)]
 
 
 def _keys_of(token: object) -> list[CacheKey]:
     if isinstance(token, Integral) and not isinstance(token, bool):
         token = int(token)
     if type(token) is int:
-        if not 0 <= token < 1 << 64:
-            raise InvalidToken(f"token ids are non-negative 64-bit ints, got {token}")
+        if not 0 <= token < TEXT_ID_LIMIT:
+            raise InvalidToken(f"token ids are non-negative ints below 2^63, got {token}")
         return [token]
     if isinstance(token, TextToken):
         return _keys_of(token.token_id)
     if isinstance(token, CoordToken):
-        return [(COORD, _check_bin("CoordToken.bin", token.bin))]
+        return [typed_key(COORD, _check_bin("CoordToken.bin", token.bin))]
     if isinstance(token, SizeToken):
         w = _check_bin("SizeToken.width_bin", token.width_bin)
-        return [(SIZE, w, _check_bin("SizeToken.height_bin", token.height_bin))]
+        return [typed_key(SIZE, w, _check_bin("SizeToken.height_bin", token.height_bin))]
     if isinstance(token, ImageToken):
         return _image_keys(token)
     raise UnknownTokenType(
@@ -101,17 +123,23 @@ def _keys_of(token: object) -> list[CacheKey]:
     )
 
 
-def to_cache_keys(tokens: Iterable[CacheToken]) -> list[CacheKey]:
+def to_cache_keys(tokens: Iterable[CacheToken]) -> Keys:
     """Expand tokens into one cache key per KV position, validating each.
 
     A sequence of plain integer ids (int, numpy integers) is checked and converted at C speed.
     """
-    tokens = tokens if isinstance(tokens, list) else list(tokens)
-    try:  # unsigned: a negative id raises OverflowError here, at C speed
-        return array("Q", tokens).tolist()
-    except (TypeError, OverflowError):
-        pass
-    keys: list[CacheKey] = []
-    for token in tokens:
-        keys.extend(_keys_of(token))
+    if type(tokens) is array and tokens.typecode == "Q":
+        keys = array("Q", tokens)
+    else:
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        try:  # unsigned: a negative id or a non-int raises here, at C speed
+            keys = array("Q", tokens)  # type: ignore[arg-type]
+        except (TypeError, OverflowError):
+            keys = array("Q")
+            for token in tokens:
+                keys.extend(_keys_of(token))
+            return keys
+    if keys and np.frombuffer(keys, dtype=np.int64).min() < 0:  # an id of 2^63 or more
+        bad = next(k for k in keys if k >= TEXT_ID_LIMIT)
+        raise InvalidToken(f"token ids are non-negative ints below 2^63, got {bad}")
     return keys

@@ -15,12 +15,12 @@ from cache import (
     BlockHasher,
     CacheKey,
     CacheNamespace,
+    CoordToken,
     IdentityMismatch,
     IdentityScheme,
     ImageToken,
     to_cache_keys,
 )
-from cache.tokens import COORD
 
 SCHEME = IdentityScheme(block_size=4, model_revision="smollm2-135m@r1")
 KEYS = list(range(100, 117))  # four whole blocks and one position over
@@ -81,7 +81,7 @@ def test_model_revision_and_block_size_change_the_hashes() -> None:
 
 def test_typed_keys_never_hash_like_text() -> None:
     scheme = IdentityScheme(block_size=1, model_revision="m")
-    assert hashes([3], scheme=scheme) != hashes([(COORD, 3)], scheme=scheme)
+    assert hashes([3], scheme=scheme) != hashes(to_cache_keys([CoordToken(0.5, 3)]), scheme=scheme)
     img_a = to_cache_keys([ImageToken(1 << 100, 2)])
     img_b = to_cache_keys([ImageToken((1 << 100) + 1, 2)])
     assert hashes(img_a, scheme=scheme) != hashes(img_b, scheme=scheme)
@@ -125,33 +125,48 @@ def test_other_processes_with_other_hash_seeds_compute_the_same_hashes() -> None
         assert json.loads(out.stdout) == here
 
 
-def test_scheme_version_1_is_frozen() -> None:
+def test_scheme_version_2_is_frozen() -> None:
     """A golden vector: if this changes, so must IDENTITY_SCHEME_VERSION (routers would drift)."""
-    assert IDENTITY_SCHEME_VERSION == 1
+    assert IDENTITY_SCHEME_VERSION == 2
     got = hashes([1, 2, 3, 4], CacheNamespace(tenant="t"), IdentityScheme(4, "golden"))
     assert got == [GOLDEN]
 
 
-GOLDEN = 10062755185459333537
+GOLDEN = 12997290416692875406
 
 
 def test_the_whole_id_range_hashes() -> None:
-    top = (1 << 64) - 1
+    top = (1 << 64) - 1  # a typed key's range reaches it
     assert hashes([top] * 4) != hashes([0] * 4)
-    mixed = to_cache_keys([top, 0, ImageToken(1, 2)])
+    mixed = to_cache_keys([(1 << 63) - 1, 0, ImageToken(1, 2)])
     assert len(hashes(mixed)) == 1
 
 
 def test_chains_of_several_blocks_are_frozen() -> None:
-    """Golden chains from before packing whole spans (edd4c83): text-only and mixed spans."""
+    """Golden chains of version 2 (XXH3 seeded by the parent): text-only and mixed spans."""
     scheme, ns = IdentityScheme(4, "golden"), CacheNamespace(tenant="t")
     assert hashes(list(range(1, 13)), ns, scheme) == [GOLDEN, *GOLDEN_TEXT_CHAIN]
-    mixed = to_cache_keys([1, 2, 3, 4, ImageToken(7, 3), 9, (1 << 64) - 1, 0, 5])
+    mixed = to_cache_keys([1, 2, 3, 4, ImageToken(7, 3), 9, (1 << 63) - 1, 0, 5])
     assert hashes(mixed, ns, scheme) == [GOLDEN, GOLDEN_MIXED_BLOCK]
 
 
-GOLDEN_TEXT_CHAIN = [806146984030419297, 17054172298006274966]
-GOLDEN_MIXED_BLOCK = 15211465112183626292
+GOLDEN_TEXT_CHAIN = [350180328271403658, 6004046551898577415]
+GOLDEN_MIXED_BLOCK = 11407636459012004286
+
+
+def test_version_2_is_xxh3_seeded_by_the_parent() -> None:
+    """The definition, computed independently: a block's hash is XXH3-64 of its keys as
+    little-endian uint64, seeded with the previous hash (the namespace seed for the first)."""
+    xxhash = pytest.importorskip("xxhash")
+    hasher = BlockHasher(IdentityScheme(4, "golden"))
+    ns = CacheNamespace(tenant="t")
+    parent = hasher.namespace_seed(ns)
+    expected = []
+    for block in ([1, 2, 3, 4], [5, 6, 7, 8]):
+        raw = b"".join(k.to_bytes(8, "little") for k in block)
+        parent = xxhash.xxh3_64_intdigest(raw, parent)
+        expected.append(parent)
+    assert hasher.hashes(list(range(1, 9)), ns) == expected
 
 
 def test_a_typed_key_later_in_the_span_leaves_earlier_text_blocks_unchanged() -> None:

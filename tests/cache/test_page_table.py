@@ -18,9 +18,9 @@ def test_map_is_sequential_and_refuses_gaps_and_overlaps() -> None:
         s.table.map_pages(slot, 3, pages[2:])
     with pytest.raises(PageMappingError, match="sequential"):
         s.table.map_pages(slot, 1, pages[2:])
-    assert s.table.get_pages(slot, 0, 2) == pages[:2]  # unchanged by the refusals
+    assert s.table.get_pages(slot, 0, 2) == list(pages[:2])  # unchanged by the refusals
     s.table.map_pages(slot, 2, pages[2:])
-    assert list(s.table.row(slot)) == pages
+    assert list(s.table.row(slot)) == list(pages)
 
 
 def test_unallocated_pages_and_slots_cannot_be_used() -> None:

@@ -89,7 +89,7 @@ def test_coalescing_after_eviction() -> None:
     s.tree.evict(2)  # [3, 4] is older than [7, 8]
     assert s.tree.node_count == 1
     (node,) = s.tree.nodes()
-    assert node.keys == (1, 2, 7, 8) and list(node.pages) == first[:2] + second[2:]
+    assert tuple(node.keys) == (1, 2, 7, 8) and list(node.pages) == list(first[:2] + second[2:])
     s.check()
 
 

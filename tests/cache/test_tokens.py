@@ -1,4 +1,5 @@
-"""Token types expand to one non-colliding key per KV position; bad tokens get typed errors."""
+"""Token types expand to one non-colliding 64-bit key per KV position; bad tokens get typed
+errors."""
 
 from __future__ import annotations
 
@@ -16,22 +17,35 @@ from cache import (
     UnknownTokenType,
     to_cache_keys,
 )
-from cache.tokens import COORD, IMAGE, SIZE
+from cache.tokens import COORD, IMAGE, SIZE, TEXT_ID_LIMIT, typed_key
 
 
 def test_plain_ids_are_their_own_keys() -> None:
     ids = [5, 0, 49151, 7]
-    assert to_cache_keys(ids) == ids
-    assert to_cache_keys(np.array(ids, dtype=np.int64)) == ids
-    assert all(type(k) is int for k in to_cache_keys(np.array(ids, dtype=np.int32)))
+    keys = to_cache_keys(ids)
+    assert keys.typecode == "Q" and keys.tolist() == ids
+    assert to_cache_keys(np.array(ids, dtype=np.int64)).tolist() == ids
+    assert to_cache_keys(np.array(ids, dtype=np.int32)).tolist() == ids
+    assert to_cache_keys(keys) == keys and to_cache_keys(keys) is not keys  # a copy
 
 
 def test_each_type_has_its_own_tagged_key() -> None:
     keys = to_cache_keys(
         [TextToken(3), CoordToken(0.25, 3), SizeToken(0.5, 0.5, 3, 3), ImageToken(3, 2)]
     )
-    assert keys == [3, (COORD, 3), (SIZE, 3, 3), (IMAGE, 3, 2, 0), (IMAGE, 3, 2, 1)]
+    expected = [3, typed_key(COORD, 3), typed_key(SIZE, 3, 3)]
+    expected += [typed_key(IMAGE, 3, 2, 0), typed_key(IMAGE, 3, 2, 1)]
+    assert keys.tolist() == expected
     assert len(set(keys)) == len(keys)
+    assert all(k >= TEXT_ID_LIMIT for k in keys[1:]), "typed keys have the top bit set"
+
+
+def test_typed_keys_depend_on_every_field_and_on_the_tag() -> None:
+    base = typed_key(IMAGE, 3, 2, 0)
+    others = [typed_key(IMAGE, 4, 2, 0), typed_key(IMAGE, 3, 3, 0), typed_key(IMAGE, 3, 2, 1)]
+    others += [typed_key(SIZE, 3, 2, 0), typed_key(IMAGE, 3, 2), typed_key(IMAGE, 3, 2, 0, 0)]
+    assert base not in others and len(set(others)) == len(others)
+    assert typed_key(COORD, 1, 23) != typed_key(COORD, 12, 3)  # fields are length-prefixed
 
 
 def test_coord_and_size_keys_ignore_the_continuous_values() -> None:
@@ -42,7 +56,8 @@ def test_coord_and_size_keys_ignore_the_continuous_values() -> None:
 def test_image_expands_to_its_kv_length() -> None:
     keys = to_cache_keys([1, ImageToken(0xFFFF, 729), 2])
     assert len(keys) == 731
-    assert keys[1] == (IMAGE, 0xFFFF, 729, 0) and keys[729] == (IMAGE, 0xFFFF, 729, 728)
+    assert keys[1] == typed_key(IMAGE, 0xFFFF, 729, 0)
+    assert keys[729] == typed_key(IMAGE, 0xFFFF, 729, 728)
     other = to_cache_keys([1, ImageToken(0xFFFE, 729), 2])
     assert keys[1:730] != other[1:730]
     longer = to_cache_keys([1, ImageToken(0xFFFF, 730), 2])
@@ -53,7 +68,8 @@ def test_image_expands_to_its_kv_length() -> None:
     ("token", "error", "words"),
     [
         (-1, InvalidToken, "non-negative"),
-        (1 << 64, InvalidToken, "64-bit"),
+        (1 << 64, InvalidToken, "below 2\\^63"),
+        (1 << 63, InvalidToken, "below 2\\^63"),
         (TextToken(-3), InvalidToken, "non-negative"),
         (1.5, UnknownTokenType, "float"),
         ("hello", UnknownTokenType, "str"),
@@ -87,7 +103,8 @@ def test_one_key_per_position_and_equal_tokens_give_equal_keys(tokens: list[obje
     keys = to_cache_keys(tokens)  # type: ignore[arg-type]
     assert len(keys) == sum(t.kv_length if isinstance(t, ImageToken) else 1 for t in tokens)
     assert keys == to_cache_keys(list(tokens))  # type: ignore[arg-type]
-    assert all(type(k) is int or (type(k) is tuple and k[0] in (COORD, SIZE, IMAGE)) for k in keys)
+    texts = [t for t in tokens if isinstance(t, int)]
+    assert [k for k in keys if k < TEXT_ID_LIMIT] == texts, "only text ids are below 2^63"
 
 
 def test_negative_ids_are_refused_from_lists_and_arrays_alike() -> None:
@@ -95,6 +112,8 @@ def test_negative_ids_are_refused_from_lists_and_arrays_alike() -> None:
         to_cache_keys([3, -7, 4])
     with pytest.raises(InvalidToken, match="got -7"):
         to_cache_keys(np.array([3, -7, 4]))
-    assert to_cache_keys([(1 << 64) - 1]) == [(1 << 64) - 1]
-    with pytest.raises(InvalidToken, match="64-bit"):
+    assert to_cache_keys([TEXT_ID_LIMIT - 1]).tolist() == [TEXT_ID_LIMIT - 1]
+    with pytest.raises(InvalidToken, match=f"got {TEXT_ID_LIMIT}"):
+        to_cache_keys([TEXT_ID_LIMIT])  # fits the array, refused by the range check
+    with pytest.raises(InvalidToken, match="below 2"):
         to_cache_keys([1 << 64])

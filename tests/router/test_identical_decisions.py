@@ -1,7 +1,9 @@
 """Speed work on the router must not change a single decision: every routed request's worker
 and predicted cached tokens, in dispatch order, and the simulator's report with its timings
 removed, on slices of the Mooncake conversation trace, against a golden fixture recorded from
-the code before the speed work (identical_decisions.json).
+the code before the speed work (identical_decisions.json). It was re-recorded once, for block
+identity version 2 (XXH3): new prefixes go to the rendezvous winner of their first block's hash,
+so new hash values place them anew.
 
 Regenerate the fixture only for an intended change of decisions:
 `python -m tests.router.test_identical_decisions --write`.
