@@ -97,10 +97,10 @@ class PagePool:
         if count < SMALL_MOVE:
             self._move_few(pages, FREE, PRIVATE)
         else:
-            states = self._states
-            if states.take(taken).tobytes().count(FREE) != count:
+            states, index = self._states, taken.astype(np.intp)
+            if states.take(index).tobytes().count(FREE) != count:
                 raise self._bad_move(pages, FREE, PRIVATE)
-            states.put(taken, PRIVATE)
+            states[index] = PRIVATE
         self._num_free = top - count
         self.num_private += count
         return pages
@@ -150,20 +150,21 @@ class PagePool:
     def _move_many(self, batch: PageArray, src: int, dst: int, pages: Sequence[int]) -> None:
         """`_move` over an int32 array; `pages` is what the caller passed, to name a bad page.
 
-        `take`, `put` and `bytes.count` cost about half what fancy indexing and `.all()` do.
+        The batch is widened to intp once: `take` and index assignment with native indices cost
+        about half what they do with int32 ones (and `put` costs three times as much).
         """
         ordered = batch.copy()
         ordered.sort()
         states = self._states
+        if ordered[0] <= 0 or ordered[-1] >= self.num_pages:
+            raise self._bad_move(pages, src, dst)
+        index = batch.astype(np.intp)
         if (
-            ordered[0] <= 0
-            or ordered[-1] >= self.num_pages
-            or (src != dst and b"\x01" in (ordered[1:] == ordered[:-1]).tobytes())
-            or states.take(batch).tobytes().count(src) != len(batch)
-        ):
+            src != dst and b"\x01" in (ordered[1:] == ordered[:-1]).tobytes()
+        ) or states.take(index).tobytes().count(src) != len(batch):
             raise self._bad_move(pages, src, dst)
         if src != dst:
-            states.put(batch, dst)
+            states[index] = dst
 
     def _bad_move(self, pages: Iterable[int], src: int, dst: int) -> InvalidPageState:
         pages = list(pages)
