@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -41,7 +42,7 @@ from cache import DEFAULT_NAMESPACE, BlockHasher, IdentityScheme, PagePool, Radi
 from cache.config import CacheConfig
 from cache.tokens import to_cache_keys
 
-console = Console(stderr=True)
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 WORKLOADS: dict[str, Callable[[], list[Request]]] = {
     "system-prompts": lambda: workloads.system_prompts(0),
@@ -185,8 +186,8 @@ class SGLangCache:
         return self.evicted
 
     def pool_bytes_per_page(self) -> float:
-        free = self.alloc.free_pages
-        return free.element_size() * free.numel() / max(1, free.numel())
+        """Its free list holds one int64 per free page (a tensor), at most one per page."""
+        return float(self.alloc.free_pages.element_size())
 
     def held_tensor_bytes(self) -> int:
         total = self.alloc.free_pages.numel() * 8

@@ -35,7 +35,7 @@ STATE_NAMES: Final = {RESERVED: "reserved", FREE: "free", PRIVATE: "private", CA
 NULL_PAGE: Final = 0
 MAX_PAGES: Final = 2**31 - 1
 """Page ids are C ints (int32) on the free stack and in the batches numpy checks."""
-SMALL_MOVE: Final = 48
+SMALL_MOVE: Final = 32
 """Moves of fewer pages than this run in plain Python: numpy costs a few microseconds a call."""
 
 PageArray = npt.NDArray[np.intc]
@@ -159,9 +159,9 @@ class PagePool:
         if ordered[0] <= 0 or ordered[-1] >= self.num_pages:
             raise self._bad_move(pages, src, dst)
         index = batch.astype(np.intp)
-        if (
-            src != dst and b"\x01" in (ordered[1:] == ordered[:-1]).tobytes()
-        ) or states.take(index).tobytes().count(src) != len(batch):
+        if (src != dst and b"\x01" in (ordered[1:] == ordered[:-1]).tobytes()) or states.take(
+            index
+        ).tobytes().count(src) != len(batch):
             raise self._bad_move(pages, src, dst)
         if src != dst:
             states[index] = dst
