@@ -1,9 +1,9 @@
 """Token types and the cache keys they expand to: one 64-bit key per KV position.
 
 A plain text token's key is its id (the fast path: a prompt of ids is its own key array). Every
-other type expands to keys with the top bit set, a 63-bit XXH3 digest of the type's tag and its
-fields, so no typed key equals a text id (ids are below 2^63) and keys of different types or
-fields differ unless 63-bit digests collide:
+other type expands to keys with the top bit set and its type's tag in the next two bits, so no
+typed key equals a text id (ids are below 2^63) and keys of different types never collide; the
+61 bits left hold a coord's or a size's bins exactly, and an image position's XXH3 digest:
 
     TextToken(id)                    -> id                                   1 position
     CoordToken(pos, bin)             -> typed(COORD, bin)                    1 position
@@ -41,7 +41,8 @@ _TYPED = 1 << 63
 COORD = 1
 SIZE = 2
 IMAGE = 3
-_BINS = 1024
+_BIN_BITS = 10
+_BINS = 1 << _BIN_BITS
 _HASH_BITS = 128
 
 
@@ -83,13 +84,23 @@ def _check_bin(name: str, value: object) -> int:
 
 
 def typed_key(tag: int, *fields: int) -> CacheKey:
-    """The key of a non-text position: the top bit, then 63 bits of XXH3 over its tag and
-    fields (each little-endian, length-prefixed, so no two field lists encode alike)."""
-    raw = bytearray((tag,))
-    for value in fields:
-        data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-        raw += len(data).to_bytes(1, "little") + data
-    return _TYPED | (xxh3_64_intdigest(bytes(raw)) >> 1)
+    """The key of a non-text position: the top bit, the type's tag in the next two bits, then
+    61 bits of payload. A coord's bin and a size's two bins fit there exactly; an image
+    position's payload is 61 bits of XXH3 over its content hash, length and index (each
+    little-endian, length-prefixed). So keys of different types never collide, coord and size
+    keys never at all, and image keys only if their 61-bit digests do."""
+    if tag == COORD:
+        (payload,) = fields
+    elif tag == SIZE:
+        width, height = fields
+        payload = width << _BIN_BITS | height
+    else:
+        raw = bytearray()
+        for value in fields:
+            data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+            raw += len(data).to_bytes(1, "little") + data
+        payload = xxh3_64_intdigest(bytes(raw)) >> 3
+    return _TYPED | tag << 61 | payload
 
 
 def _image_keys(token: ImageToken) -> list[CacheKey]:

@@ -43,9 +43,21 @@ def test_each_type_has_its_own_tagged_key() -> None:
 def test_typed_keys_depend_on_every_field_and_on_the_tag() -> None:
     base = typed_key(IMAGE, 3, 2, 0)
     others = [typed_key(IMAGE, 4, 2, 0), typed_key(IMAGE, 3, 3, 0), typed_key(IMAGE, 3, 2, 1)]
-    others += [typed_key(SIZE, 3, 2, 0), typed_key(IMAGE, 3, 2), typed_key(IMAGE, 3, 2, 0, 0)]
+    others += [typed_key(SIZE, 3, 2), typed_key(IMAGE, 3, 2), typed_key(IMAGE, 3, 2, 0, 0)]
     assert base not in others and len(set(others)) == len(others)
-    assert typed_key(COORD, 1, 23) != typed_key(COORD, 12, 3)  # fields are length-prefixed
+    assert typed_key(IMAGE, 1, 23, 0) != typed_key(IMAGE, 12, 3, 0)  # fields length-prefixed
+
+
+def test_types_never_collide_and_coord_and_size_keys_are_exact() -> None:
+    """The top bit marks a typed key and the next two bits its type; a coord's bin and a size's
+    bins are the payload itself, so distinct ones never share a key."""
+    coords = {typed_key(COORD, b) for b in range(1024)}
+    sizes = {typed_key(SIZE, w, h) for w in range(0, 1024, 7) for h in range(0, 1024, 11)}
+    images = {typed_key(IMAGE, 5, 9, i) for i in range(9)}
+    assert len(coords) == 1024 and len(sizes) == 147 * 94 and len(images) == 9
+    for keys, tag in ((coords, COORD), (sizes, SIZE), (images, IMAGE)):
+        assert {k >> 61 for k in keys} == {4 | tag}
+    assert typed_key(SIZE, 3, 5) == (1 << 63) | SIZE << 61 | 3 << 10 | 5
 
 
 def test_coord_and_size_keys_ignore_the_continuous_values() -> None:
