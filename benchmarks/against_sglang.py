@@ -1,4 +1,6 @@
-"""radixmesh's prefix cache against SGLang's own, in one serving loop, same process, alternating.
+"""radixmesh's prefix cache against SGLang's Python one, in one serving loop, same process,
+alternating. That is `RadixCache` of sglang/srt/mem_cache/radix_cache.py; SGLang 0.5.23 serves by
+default with `UnifiedRadixCache` over a compiled Rust tree core, which this does not measure.
 
 Each request runs the loop a scheduler runs for it, one request in flight:
 

@@ -13,7 +13,7 @@ Prints one JSON object per workload on stdout (and to --output), then a summary 
 Capacity is in tokens; by default it is a fraction of the workload's distinct tokens, which
 forces eviction. Run: `python benchmarks/cache_bench.py [--workloads ...] [--capacity N]`.
 
-`--against sglang` instead runs SGLang's own RadixCache (fetched from its wheel at run time) and
+`--against sglang` instead runs SGLang's Python RadixCache (fetched from its wheel at run time) and
 radixmesh's in one serving loop over 16 cells: benchmarks/against_sglang.py.
 """
 
@@ -303,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--output", type=Path, default=None, help="also write JSON lines here")
     against = parser.add_argument_group(
-        "--against sglang", "SGLang's own RadixCache in the same loop (see against_sglang.py)"
+        "--against sglang", "SGLang's Python RadixCache in the same loop (see against_sglang.py)"
     )
     against.add_argument("--against", choices=["sglang"], default=None)
     against.add_argument("--rounds", type=int, default=3, help="alternating rounds a cell")

@@ -1,4 +1,4 @@
-"""SGLang's own radix cache and KV allocators, loaded from its wheel for a side-by-side benchmark.
+"""SGLang's Python radix cache and KV allocators, loaded from its wheel for a side-by-side run.
 
 `fetch_wheel` runs `pip download sglang==<version> --no-deps` into a directory (nothing is
 vendored or committed); `load` extracts the files the prefix cache is made of (the tree, its
@@ -20,6 +20,7 @@ import types
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
@@ -45,6 +46,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         "next_power_of_2": lambda n: 1 << max(0, n - 1).bit_length(),
     },
     "sglang.srt.utils.common": {"ceil_align": lambda n, align: -(-n // align) * align},
+    # no Triton here: alloc_extend / alloc_decode would fall back to their torch versions
+    "sglang.srt.platforms": {
+        "current_platform": SimpleNamespace(capabilities=SimpleNamespace(supports_triton=False))
+    },
 }
 
 

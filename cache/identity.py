@@ -11,7 +11,7 @@ standard, so every process, every restart and every machine computes the same va
 
 Version history: 1 hashed each block with blake2b over `parent digest | tag | keys`, typed keys
 as tagged tuples; 2 (this one) hashes the packed keys with XXH3 seeded by the parent, one C call
-a block, and typed keys are 64-bit digests like every other key. A router and workers of
+a block, and the keys hashed are the uint64 keys of cache/tokens.py. A router and workers of
 different versions refuse each other (the version is part of the scheme they exchange), so a
 cluster moves from 1 to 2 by restarting its router and workers on the new release together;
 nothing persists block hashes across restarts.

@@ -78,6 +78,8 @@ class PagePool:
         return len(self._state) + self._free.nbytes
 
     def state(self, page: int) -> int:
+        if not 0 <= page < self.num_pages:
+            raise InvalidPageState(f"page {page!r} is not a page of this pool")
         return self._state[page]
 
     def allocate(self, count: int, evictable: int = 0) -> PageIds:
@@ -123,7 +125,9 @@ class PagePool:
                 batch = np.frombuffer(array("i", pages), dtype=np.intc)
             except (TypeError, OverflowError):
                 raise self._bad_move(pages, src, dst) from None
-        self._move_many(batch, src, dst, pages)
+        if not self._move_many(batch, src, dst):
+            del batch  # a view of the caller's array: the error must not pin its buffer
+            raise self._bad_move(pages, src, dst)
         return batch
 
     def _move_few(self, pages: Sequence[int], src: int, dst: int) -> Sequence[int]:
@@ -147,8 +151,8 @@ class PagePool:
             state[page] = dst
         return pages
 
-    def _move_many(self, batch: PageArray, src: int, dst: int, pages: Sequence[int]) -> None:
-        """`_move` over an int32 array; `pages` is what the caller passed, to name a bad page.
+    def _move_many(self, batch: PageArray, src: int, dst: int) -> bool:
+        """`_move` over an int32 array: False, changing nothing, if any page may not move.
 
         The batch is widened to intp once: `take` and index assignment with native indices cost
         about half what they do with int32 ones (and `put` costs three times as much).
@@ -157,14 +161,15 @@ class PagePool:
         ordered.sort()
         states = self._states
         if ordered[0] <= 0 or ordered[-1] >= self.num_pages:
-            raise self._bad_move(pages, src, dst)
+            return False
         index = batch.astype(np.intp)
         if (src != dst and b"\x01" in (ordered[1:] == ordered[:-1]).tobytes()) or states.take(
             index
         ).tobytes().count(src) != len(batch):
-            raise self._bad_move(pages, src, dst)
+            return False
         if src != dst:
             states[index] = dst
+        return True
 
     def _bad_move(self, pages: Iterable[int], src: int, dst: int) -> InvalidPageState:
         pages = list(pages)

@@ -3,7 +3,8 @@
 A plain text token's key is its id (the fast path: a prompt of ids is its own key array). Every
 other type expands to keys with the top bit set and its type's tag in the next two bits, so no
 typed key equals a text id (ids are below 2^63) and keys of different types never collide; the
-61 bits left hold a coord's or a size's bins exactly, and an image position's XXH3 digest:
+61 bits left hold a coord's or a size's bins exactly, and an image position's index added to its
+image's base, a 61-bit blake2b digest of the image's content hash and length:
 
     TextToken(id)                    -> id                                   1 position
     CoordToken(pos, bin)             -> typed(COORD, bin)                    1 position
@@ -23,11 +24,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
+from hashlib import blake2b
 from numbers import Integral
 from typing import TypeAlias
 
 import numpy as np
-from xxhash import xxh3_64_intdigest
 
 from cache.errors import InvalidToken, UnknownTokenType
 
@@ -37,6 +38,7 @@ Keys: TypeAlias = "array[int]"
 TEXT_ID_LIMIT = 1 << 63
 """Text ids lie in [0, 2^63); typed keys have the top bit set."""
 _TYPED = 1 << 63
+_PAYLOAD = (1 << 61) - 1
 
 COORD = 1
 SIZE = 2
@@ -86,21 +88,31 @@ def _check_bin(name: str, value: object) -> int:
 def typed_key(tag: int, *fields: int) -> CacheKey:
     """The key of a non-text position: the top bit, the type's tag in the next two bits, then
     61 bits of payload. A coord's bin and a size's two bins fit there exactly; an image
-    position's payload is 61 bits of XXH3 over its content hash, length and index (each
-    little-endian, length-prefixed). So keys of different types never collide, coord and size
-    keys never at all, and image keys only if their 61-bit digests do."""
+    position's payload is its image's base (61 bits of a blake2b digest of the content hash and
+    the length) plus its index. So keys of different types never collide, coord and size keys
+    never at all, and the positions of two images only if their bases land within their lengths
+    of each other (about n / 2^60 for a pair of n-position images)."""
     if tag == COORD:
-        (payload,) = fields
+        (bin_,) = fields
+        payload = _check_bin("coord bin", bin_)
     elif tag == SIZE:
         width, height = fields
-        payload = width << _BIN_BITS | height
+        payload = _check_bin("width bin", width) << _BIN_BITS | _check_bin("height bin", height)
+    elif tag == IMAGE:
+        content_hash, length, index = fields
+        if not 0 <= index < length:
+            raise InvalidToken(f"image position {index} is outside its {length} positions")
+        payload = (_image_base(content_hash, length) + index) & _PAYLOAD
     else:
-        raw = bytearray()
-        for value in fields:
-            data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-            raw += len(data).to_bytes(1, "little") + data
-        payload = xxh3_64_intdigest(bytes(raw)) >> 3
+        raise ValueError(f"unknown typed key tag {tag}")
     return _TYPED | tag << 61 | payload
+
+
+def _image_base(content_hash: int, length: int) -> int:
+    """61 bits of blake2b over the image's content hash and KV length: a preimage for a given
+    image costs about 2^61 digests, so one tenant's crafted image cannot take another's keys."""
+    raw = content_hash.to_bytes(16, "little") + length.to_bytes(8, "little")
+    return int.from_bytes(blake2b(raw, digest_size=8, person=b"radixmesh-img").digest(), "little")
 
 
 def _image_keys(token: ImageToken) -> list[CacheKey]:
@@ -109,7 +121,8 @@ def _image_keys(token: ImageToken) -> list[CacheKey]:
         raise InvalidToken(f"ImageToken.content_hash must be a 128-bit int, got {h!r}")
     if type(n) is not int or n < 1:
         raise InvalidToken(f"ImageToken.kv_length must be a positive int, got {n!r}")
-    return [typed_key(IMAGE, h, n, i) for i in range(n)]
+    base, head = _image_base(h, n), _TYPED | IMAGE << 61
+    return [head | (base + i) & _PAYLOAD for i in range(n)]
 
 
 def _keys_of(token: object) -> list[CacheKey]:

@@ -120,6 +120,23 @@ def test_a_large_batch_names_the_bad_page_and_changes_nothing(path: str) -> None
     pool.check()
 
 
+def test_a_refused_array_of_pages_stays_the_callers_to_change(path: str) -> None:
+    """numpy reads an `array("i")` of pages in place; a refused move must not keep that view
+    alive in its error (the array could then never grow again)."""
+    pool = PagePool(100, 1)
+    pages = pool.allocate(40)
+    pages[5] = 0
+    with pytest.raises(InvalidPageState, match="page 0 is reserved") as refused:
+        pool.free_private(pages)
+    pages.append(1)  # BufferError while the error pinned a view of the array's memory
+    del pages[-1]
+    pages[5] = 6
+    pool.free_private(pages)
+    assert refused.value is not None and pool.num_free == 99
+    with pytest.raises(InvalidPageState, match="page -1 is not a page of this pool"):
+        pool.state(-1)
+
+
 def test_allocate_refuses_a_page_on_the_free_stack_that_is_not_free(path: str) -> None:
     pool = PagePool(64, 1)
     pool._state[3] = CACHED  # corrupt: page 3 is still on the free stack

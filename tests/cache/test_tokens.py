@@ -43,9 +43,25 @@ def test_each_type_has_its_own_tagged_key() -> None:
 def test_typed_keys_depend_on_every_field_and_on_the_tag() -> None:
     base = typed_key(IMAGE, 3, 2, 0)
     others = [typed_key(IMAGE, 4, 2, 0), typed_key(IMAGE, 3, 3, 0), typed_key(IMAGE, 3, 2, 1)]
-    others += [typed_key(SIZE, 3, 2), typed_key(IMAGE, 3, 2), typed_key(IMAGE, 3, 2, 0, 0)]
+    others += [typed_key(SIZE, 3, 2), typed_key(COORD, 3)]
     assert base not in others and len(set(others)) == len(others)
-    assert typed_key(IMAGE, 1, 23, 0) != typed_key(IMAGE, 12, 3, 0)  # fields length-prefixed
+    assert typed_key(IMAGE, 1, 23, 0) != typed_key(IMAGE, 12, 3, 0)
+
+
+def test_typed_keys_refuse_fields_they_cannot_hold() -> None:
+    with pytest.raises(InvalidToken, match="height bin"):
+        typed_key(SIZE, 0, 1024)  # would read as (1, 0) if unchecked
+    with pytest.raises(InvalidToken, match="coord bin"):
+        typed_key(COORD, 1 << 62)  # would spill into the tag bits
+    with pytest.raises(InvalidToken, match="outside its 4 positions"):
+        typed_key(IMAGE, 7, 4, 4)
+
+
+def test_an_images_positions_are_consecutive_keys_from_its_base() -> None:
+    keys = to_cache_keys([ImageToken(99, 5)])
+    assert [(k - keys[0]) % (1 << 61) for k in keys] == [0, 1, 2, 3, 4]  # mod: a base may wrap
+    assert {k >> 61 for k in keys} == {4 | IMAGE}
+    assert list(keys) == [typed_key(IMAGE, 99, 5, i) for i in range(5)]
 
 
 def test_types_never_collide_and_coord_and_size_keys_are_exact() -> None:
