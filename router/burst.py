@@ -67,13 +67,9 @@ class TailEstimate:
         self._sorted = array("d")
         self._stride = stride
         self._skip = 0
-
-    @property
-    def value(self) -> float:
-        ordered = self._sorted
-        if len(ordered) < self._warmup:
-            return self.fallback_s
-        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        self.value = fallback_s
+        """The quantile of the samples kept (`fallback_s` until `warmup` were kept), updated
+        as each is kept: the router reads it on every decision."""
 
     def add(self, seconds: float) -> None:
         if self._skip:
@@ -86,3 +82,5 @@ class TailEstimate:
         ring[at] = seconds
         self._next = at + 1 if at + 1 < len(ring) else 0
         insort(ordered, seconds)
+        if len(ordered) >= self._warmup:
+            self.value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]

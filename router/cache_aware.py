@@ -121,28 +121,32 @@ class CacheAware(BaseRouter):
         holding the longest prefix, with the seconds it saves over the next best; None when no
         single worker holds more than all others."""
         groups = prefix_groups(request.block_hashes, self.index.holders, self.pending.holders)
-        rate, n = self.prefill_rate, request.num_tokens
-        best = self.predicted_tokens(groups[-1][1], request) if groups else 0
-        if not groups or groups[-1][0] & (groups[-1][0] - 1):
+        if not groups:
+            return request.num_tokens / self.prefill_rate, None
+        rate, n, block = self.prefill_rate, request.num_tokens, self.block_tokens
+        last = n - 1 if n else 0  # predicted_tokens: never the last prompt token
+        holders, depth = groups[-1]
+        best = min(depth * block, last)
+        if holders & (holders - 1):
             return (n - best) / rate, None
-        (worker,) = self.members.workers_in(groups[-1][0])
-        runner_up = self.predicted_tokens(groups[-2][1], request) if len(groups) > 1 else 0
-        saving = (best - runner_up) / rate
-        return (n - best) / rate, (worker, saving)
+        worker = self.members.by_bit[holders.bit_length() - 1]
+        assert worker is not None
+        runner_up = min(groups[-2][1] * block, last) if len(groups) > 1 else 0
+        return (n - best) / rate, (worker, (best - runner_up) / rate)
 
     # -- the policy ----------------------------------------------------------------------------
     def choose(self, request: RouteRequest, now: float) -> RouteDecision:
-        hashes = request.block_hashes
-        groups = prefix_groups(hashes, self.index.holders, self.pending.holders)
+        groups = prefix_groups(request.block_hashes, self.index.holders, self.pending.holders)
         rate, n = self.prefill_rate, request.num_tokens
-        best_cached = self.predicted_tokens(groups[-1][1], request) if groups else 0
+        best_cached = min(groups[-1][1] * self.block_tokens, n - 1 if n else 0) if groups else 0
         self.tail.add((n - best_cached) / rate)
         candidates, best_ttft = self._candidates(request, groups, now)
         extra = self.work_weight / rate
         if self.tail_free:
-            if best_ttft >= self.ttft_tail.value:
+            ttft_tail = self.ttft_tail
+            if best_ttft >= ttft_tail.value:
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
-            self.ttft_tail.add(best_ttft)
+            ttft_tail.add(best_ttft)
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
         low = float("inf")
         tied: list[tuple[WorkerId, int]] = []  # not list[...](): a generic alias per call
@@ -157,7 +161,9 @@ class CacheAware(BaseRouter):
                 low, tied = cost, [(worker, cached)]
             elif cost <= low + 1e-9:
                 tied.append((worker, cached))
-        return self._pick(tied, hashes, groups)
+        if len(tied) == 1:
+            return RouteDecision(*tied[0])
+        return self._pick(tied, request.block_hashes, groups)
 
     def _candidates(
         self, request: RouteRequest, groups: list[tuple[int, int]], now: float
@@ -166,27 +172,29 @@ class CacheAware(BaseRouter):
         of each match group (and of the workers matching nothing) under the load guard, and
         the least wait + own prefill among them (the request's best TTFT)."""
         members, loads, rate, n = self.members, self.loads, self.prefill_rate, request.num_tokens
-        block, last = self.block_tokens, max(0, request.num_tokens - 1)
-        matched = [(mask, min(depth * block, last)) for mask, depth in groups]
+        block, last = self.block_tokens, n - 1 if n else 0
         rest = members.all_mask
         for mask, _ in groups:
             rest &= ~mask
+        matched = [(mask, min(depth * block, last)) for mask, depth in groups]
         if rest:
             matched.append((rest, 0))
         # the guard cannot bind while no worker waits longer than the slack
         guarded = loads.by_free[-1][0] - now > self.slack_s
         waiting = self._total_wait(now) if guarded else 0.0
+        bound = float("inf")
         states, by_bit, scan = loads.workers, members.by_bit, self.scan
         out: list[tuple[WorkerId, float, float, int]] = []
         best_ttft = float("inf")
         for mask, cached in matched:
             own = (n - cached) / rate
-            bound = self._bound(waiting, own) if guarded else float("inf")
+            if guarded:
+                bound = self._bound(waiting, own)
             if mask.bit_count() > scan:
-                members_of = self._least_loaded(mask, own, cached, bound, now)
-                if members_of:
-                    best_ttft = min(best_ttft, members_of[0][1] + own)
-                out.extend(members_of)
+                least = len(out)
+                self._least_loaded(out, mask, own, cached, bound, now)
+                if len(out) > least:
+                    best_ttft = min(best_ttft, out[least][1] + own)
                 continue
             left = mask
             while left:  # a small group: look at each member
@@ -202,18 +210,25 @@ class CacheAware(BaseRouter):
         return out, best_ttft
 
     def _least_loaded(
-        self, mask: int, own: float, cached: int, bound: float, now: float
-    ) -> list[tuple[WorkerId, float, float, int]]:
-        """Members of a large group in `free_at` order, under `bound`: the least loaded, those
-        tied with it, and any before the first one no burst member has reserved (at most
-        `scan`). Within a group only the wait and reservations differ, so no later member
-        can cost less; once `calibrate`d the running requests differ too (the longest idle
-        workers are often those with the most requests decoding), so the scan goes on, past
-        `scan`, while a member's wait, the floor of its cost, is under the least cost of an
-        unreserved member seen."""
+        self,
+        out: list[tuple[WorkerId, float, float, int]],
+        mask: int,
+        own: float,
+        cached: int,
+        bound: float,
+        now: float,
+    ) -> None:
+        """Appends to `out` the members of a large group in `free_at` order, under `bound`:
+        the least loaded, those tied with it, and any before the first one no burst member has
+        reserved (at most `scan`). Within a group only the wait and reservations differ, so no
+        later member can cost less; once `calibrate`d the running requests differ too (the
+        longest idle workers are often those with the most requests decoding), so the scan
+        goes on, past `scan`, while a member's wait, the floor of its cost, is under the least
+        cost of an unreserved member seen."""
         by_bit, reserved = self.members.by_bit, self._reserved
         decode_s, states = self.decode_s, self.loads.workers
-        out: list[tuple[WorkerId, float, float, int]] = []
+        first = len(out)
+        full = first + self.scan if not decode_s else -1  # len(out) once `scan` are in
         floor = float("inf")  # the least cost of an unreserved member so far
         for free_at, bit in self.loads.by_free:
             if not mask >> bit & 1:
@@ -225,11 +240,10 @@ class CacheAware(BaseRouter):
             assert worker is not None
             out.append((worker, wait, own, cached))
             if worker not in reserved:
-                cost = wait + decode_s * states[worker].running if decode_s else out[0][1]
+                cost = wait + decode_s * states[worker].running if decode_s else out[first][1]
                 floor = min(floor, cost)
-            if len(out) >= self.scan and not decode_s:
+            if len(out) == full:
                 break
-        return out
 
     def _total_wait(self, now: float) -> float:
         """Seconds of queued prefill on all workers together, drained to `now`."""
@@ -251,9 +265,8 @@ class CacheAware(BaseRouter):
         groups: list[tuple[int, int]],
     ) -> RouteDecision:
         """Among equal costs, the rendezvous winner for the first block nobody holds."""
-        if len(tied) == 1:
-            return RouteDecision(*tied[0])
         deepest = groups[-1][1] if groups else 0
         key = hashes[min(deepest, len(hashes) - 1)] if hashes else 0
         seeds = self.members.seed
-        return RouteDecision(*max(tied, key=lambda pair: (weight(key, seeds[pair[0]]), pair[0])))
+        heaviest = max([(weight(key, seeds[worker]), worker, cached) for worker, cached in tied])
+        return RouteDecision(heaviest[1], heaviest[2])
