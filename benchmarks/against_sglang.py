@@ -11,7 +11,9 @@ Each request runs the loop a scheduler runs for it, one request in flight:
     reported and the partial last page, unlock
 
 radixmesh runs `cache.RadixCache` over `cache.PagePool` with block hashing on (as the worker
-always runs it) and converts the token ids to cache keys as the worker does; SGLang runs its
+always runs it), converts the token ids to cache keys as the worker does, and takes the prompt's
+block hashes from the router when they check out (`BlockHasher.accepts`), hashing only the
+blocks past them (the output's), as the worker does; SGLang runs its
 `RadixCache` over its `TokenToKVPoolAllocator` (page 1) or `PagedTokenToKVPoolAllocator`, CPU
 tensors, KV events off (its default). Both see the same requests and the same capacity in tokens.
 
@@ -92,19 +94,23 @@ class Radixmesh:
         self.page_size = page_size
         self.pool = PagePool(capacity // page_size + 1, page_size)
         block = CacheConfig(2, page_size).block_size
-        hasher = BlockHasher(IdentityScheme(max(block, page_size), "bench"))
-        self.tree = RadixCache(self.pool, hasher)
+        self.hasher = BlockHasher(IdentityScheme(max(block, page_size), "bench"))
+        self.tree = RadixCache(self.pool, self.hasher)
 
     def prepare(self, req: Request) -> Any:
-        """The worker receives token ids as a list (from the gRPC message)."""
-        return req.prompt, req.output
+        """The worker receives token ids as a list (from the gRPC message) and the prompt's
+        block hashes, which the router computed to route it."""
+        return req.prompt, req.output, self.hasher.hashes(req.prompt, DEFAULT_NAMESPACE)
 
     def serve(self, prepared: Any) -> int:
         """One request through the loop; returns the prompt tokens served from the cache."""
         ps, pool, tree = self.page_size, self.pool, self.tree
-        prompt, output = prepared
+        prompt, output, routed = prepared
         keys = to_cache_keys(prompt + output)
         match = tree.match(keys[: len(prompt) - 1], DEFAULT_NAMESPACE)
+        chain = match.block_hashes  # as SequenceCache.start takes the router's when it checks
+        if len(routed) > len(chain) and self.hasher.accepts(routed, keys, DEFAULT_NAMESPACE):
+            chain = list(routed)
         node = match.last_node
         tree.lock(node)
         need = -(-len(keys) // ps) - len(match.pages)
@@ -117,7 +123,7 @@ class Radixmesh:
             match.pages + fresh[: whole - len(match.pages)],
             DEFAULT_NAMESPACE,
             from_node=node,
-            block_hashes=match.block_hashes,
+            block_hashes=chain,
         )
         spare = fresh[whole - len(match.pages) :]  # the partial last page
         if result.existing_pages:  # the tree already had pages past the match: ours duplicate

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
+import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from cache.errors import IdentityMismatch
@@ -128,6 +129,27 @@ class BlockHasher:
             parent = xxh3_64_intdigest(packed[off : off + step], parent)
             append(parent)
         return hashes
+
+    def accepts(
+        self, chain: Sequence[int], keys: Sequence[CacheKey], namespace: CacheNamespace
+    ) -> bool:
+        """Whether `chain`, computed elsewhere (the router hashes each prompt to route it), may
+        stand for the hashes of the first `len(chain)` blocks of `keys`: those blocks are all
+        text (the router hashes token ids and knows nothing of images), and the first and the
+        last of them hash here as given, so a wrong namespace, scheme or token at either end
+        shows. A middle block is not rehashed: that would cost what taking the chain saves."""
+        size = self.block_size
+        end = len(chain) * size
+        if not chain or end > len(keys):
+            return False
+        head = keys[:end] if type(keys) is array else array("Q", keys[:end])
+        if np.frombuffer(head, dtype=np.int64).min() < 0:  # a typed key: the top bit
+            return False
+        if self.extend([], head, namespace, size) != [chain[0]]:
+            return False
+        if len(chain) == 1:
+            return True
+        return self.extend([chain[-2]], head[-2 * size :], namespace)[-1] == chain[-1]
 
     def hashes(self, keys: Sequence[CacheKey], namespace: CacheNamespace) -> list[int]:
         """Hashes of every complete block of `keys`, from the first."""

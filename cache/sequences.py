@@ -28,7 +28,7 @@ private page (a `PageCopy` the worker performs before its next forward pass).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from cache.config import CacheConfig
@@ -78,6 +78,8 @@ class SequenceStats:
     prompt_positions: int = 0
     reused_positions: int = 0
     duplicate_pages_freed: int = 0
+    given_blocks: int = 0
+    """Block hashes taken as given (`start`'s `block_hashes`) instead of computed here."""
 
 
 def _pages_for(positions: int, page_size: int) -> int:
@@ -112,10 +114,14 @@ class SequenceCache:
         tokens: Iterable[CacheToken],
         namespace: CacheNamespace = DEFAULT_NAMESPACE,
         reserve: int = 0,
+        block_hashes: Sequence[int] = (),
     ) -> CachedSequence:
         """Begin a sequence: reuse its cached prefix and hold pages for max(prompt, reserve).
 
-        Raises `OutOfPages` / `OutOfSlots` having changed nothing (beyond LRU order).
+        `block_hashes`, the chain of the leading blocks as another party computed it (the
+        router, under the same identity scheme), saves hashing them again when it checks out
+        (`BlockHasher.accepts`); otherwise it is ignored. Raises `OutOfPages` / `OutOfSlots` having
+        changed nothing (beyond LRU order).
         """
         keys = to_cache_keys(tokens)
         n, ps = len(keys), self.page_size
@@ -140,9 +146,11 @@ class SequenceCache:
         copies = []
         if reuse > full * ps:
             copies.append(PageCopy(match.pages[full], fresh[0], reuse - full * ps))
-        seq = CachedSequence(
-            slot, namespace, keys, n, reuse, reuse, node, full, copies, match.block_hashes
-        )
+        chain = match.block_hashes
+        if len(block_hashes) > len(chain) and self.hasher.accepts(block_hashes, keys, namespace):
+            chain = list(block_hashes)
+            self.stats.given_blocks += len(chain)
+        seq = CachedSequence(slot, namespace, keys, n, reuse, reuse, node, full, copies, chain)
         self._live[slot] = seq
         self.stats.started += 1
         self.stats.prompt_positions += n

@@ -177,7 +177,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             self.counters.routed += 1
             self.counters.predicted_cached_tokens += decision.predicted_cached_tokens
             link = self.links.links[decision.worker]
-            requests = progress.worker_requests(decision.predicted_cached_tokens)
+            requests = progress.worker_requests(decision.predicted_cached_tokens, hashes)
             entry.worker, entry.worker_ids = link.name, [r.request_id for r in requests]
             calls = [link.stub.Generate(r, timeout=caller.time_remaining()) for r in requests]
             try:

@@ -15,6 +15,7 @@ max_tokens, and draws the next one with the randomness of sample i at that posit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.requests import PreparedRequest
@@ -50,9 +51,11 @@ class StreamProgress:
         sample.finished = sample.finished or response.finished
 
     def worker_requests(
-        self, predicted_cached_tokens: int
+        self, predicted_cached_tokens: int, prompt_block_hashes: Sequence[int] = ()
     ) -> list[worker_pb2.WorkerGenerateRequest]:
-        """The calls that serve what is left: the whole request, or one per unfinished sample."""
+        """The calls that serve what is left: the whole request, or one per unfinished sample.
+        `prompt_block_hashes`, the prompt's chain as routed, goes with each (a resumed sample's
+        ids start with the prompt, so its chain starts with the same hashes)."""
         p = self.prepared
         namespace = namespace_to_proto(p.namespace)
         if not self.started:
@@ -63,6 +66,7 @@ class StreamProgress:
                     namespace=namespace,
                     sampling=sampling_to_proto(p.sampling),
                     predicted_cached_tokens=predicted_cached_tokens,
+                    prompt_block_hashes=prompt_block_hashes,
                 )
             ]
         alone = sampling_to_proto(p.sampling)
@@ -75,6 +79,7 @@ class StreamProgress:
                 sampling=alone,
                 predicted_cached_tokens=predicted_cached_tokens,
                 resume=resume_to_proto(Resume(index, len(sample.token_ids))),
+                prompt_block_hashes=prompt_block_hashes,
             )
             for index, sample in enumerate(self.samples)
             if not sample.finished

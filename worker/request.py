@@ -41,6 +41,9 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     resume: Resume | None = None
     """Set (with token ids and n = 1) when this continues a sample begun elsewhere."""
+    prompt_block_hashes: tuple[int, ...] = ()
+    """The prompt's block hashes as the router computed them: the cache checks and uses them
+    instead of hashing the prompt on the scheduler thread (`SequenceCache.start`)."""
 
     @property
     def generated_before(self) -> int:

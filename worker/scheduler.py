@@ -92,7 +92,12 @@ class Scheduler:
     def _admit(self, sample: SampleState) -> bool:
         request = sample.request.request
         try:
-            seq = self.cache.start(sample.tokens, request.namespace, reserve=len(sample.tokens))
+            seq = self.cache.start(
+                sample.tokens,
+                request.namespace,
+                reserve=len(sample.tokens),
+                block_hashes=request.prompt_block_hashes,
+            )
         except (OutOfPages, OutOfSlots):
             return False
         self.copy_pages(self.cache.take_page_copies(seq))

@@ -70,6 +70,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 namespace=namespace_from_proto(request.namespace),
                 sampling=sampling_from_proto(request.sampling),
                 resume=resume_from_proto(request),
+                prompt_block_hashes=tuple(request.prompt_block_hashes),
             )
             self.engine.submit(generate, sink)
         except InvalidRequest as err:

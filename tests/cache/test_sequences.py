@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from cache import (
+    DEFAULT_NAMESPACE,
     CacheConfig,
     CacheNamespace,
+    ImageToken,
     OutOfPages,
     OutOfSlots,
     PageCopy,
@@ -201,3 +205,62 @@ def test_a_hit_starts_with_the_cached_prefix_hashes() -> None:
     second = cache.start([*range(12), 77, 78])
     assert second.block_hashes == first.block_hashes[:3]
     assert second.block_hashes == cache.hasher.hashes(list(range(12)), second.namespace)
+
+
+def _published_blocks(cache: SequenceCache) -> set[int]:
+    return cache.tree.block_set()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_chain_given_by_the_router_is_used_and_stores_the_same_blocks(page_size: int) -> None:
+    """The router hashes the prompt to route it; the cache takes that chain instead of hashing
+    the prompt again, and ends with exactly the blocks it would have computed itself."""
+    prompt, ns = list(range(100, 150)), CacheNamespace(tenant="acme")
+    own = make(page_size=page_size)
+    chain = own.hasher.hashes(prompt, ns)
+    assert len(chain) == 50 // own.hasher.block_size
+    given = make(page_size=page_size)
+    for cache, offered in ((own, ()), (given, chain)):
+        seq = cache.start(prompt, ns, block_hashes=offered)
+        cache.take_page_copies(seq)
+        cache.finish(seq, len(prompt))
+        check_sequence_cache(cache)
+    assert own.stats.given_blocks == 0 and given.stats.given_blocks == len(chain)
+    assert _published_blocks(given) == _published_blocks(own) == set(chain)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda chain: [chain[0] ^ 1, *chain[1:]],  # the first block differs
+        lambda chain: [*chain[:-1], chain[-1] ^ 1],  # the last block differs
+        lambda chain: [*chain, 7],  # longer than the prompt's blocks
+    ],
+)
+def test_a_chain_that_does_not_check_out_is_ignored(
+    spoil: Callable[[list[int]], list[int]],
+) -> None:
+    prompt, ns = list(range(100, 150)), CacheNamespace(adapter="a")
+    cache = make()
+    chain = cache.hasher.hashes(prompt, ns)
+    seq = cache.start(prompt, ns, block_hashes=spoil(chain))
+    cache.finish(seq, len(prompt))
+    assert cache.stats.given_blocks == 0
+    assert _published_blocks(cache) == set(chain)
+    other = cache.hasher.hashes(prompt, CacheNamespace(adapter="b"))  # another namespace's
+    seq = cache.start(prompt, CacheNamespace(adapter="b2"), block_hashes=other)
+    cache.abort(seq)
+    assert cache.stats.given_blocks == 0
+
+
+def test_a_prompt_with_an_image_hashes_itself() -> None:
+    """The router hashes token ids only: an image's keys are the worker's, so its chain is
+    never taken, even where the ends agree."""
+    cache = make(num_pages=256)
+    text = list(range(100, 140))
+    tokens = [*text[:8], ImageToken(5, 8), *text[8:]]
+    routed = cache.hasher.hashes([*text[:8], *range(8), *text[8:]], DEFAULT_NAMESPACE)
+    seq = cache.start(tokens, block_hashes=routed)
+    cache.finish(seq, len(seq.keys))
+    assert cache.stats.given_blocks == 0
+    assert _published_blocks(cache) == set(cache.hasher.hashes(seq.keys, DEFAULT_NAMESPACE))

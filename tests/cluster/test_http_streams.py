@@ -192,3 +192,18 @@ def test_oversized_headers_and_tenants_are_refused(one_slot: LocalCluster) -> No
     )
     assert tenant.status_code == 400 and tenant.json()["error"]["param"] == "namespace.tenant"
     assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+
+
+def test_the_worker_takes_the_prompts_block_hashes_from_the_router(one_slot: LocalCluster) -> None:
+    """The router hashed the prompt to route it; the worker's cache uses that chain instead of
+    hashing the prompt again, and stores and publishes exactly those blocks."""
+    engine = next(iter(one_slot.engines.values()))
+    before = engine.cache.stats.given_blocks
+    prompt = " ".join([PROMPT] * 8)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    answer = httpx.post(f"{one_slot.http_url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    one_slot.wait_idle()
+    taken = engine.cache.stats.given_blocks - before
+    tokens = answer.json()["usage"]["prompt_tokens"]
+    assert taken == tokens // engine.cache.hasher.block_size > 0

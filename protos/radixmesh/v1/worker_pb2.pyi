@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume")
+    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: _serving_pb2.Namespace
     sampling: _serving_pb2.SamplingParams
     predicted_cached_tokens: int
     resume: Resume
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+    prompt_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("sample_index", "generated")
