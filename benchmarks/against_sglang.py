@@ -32,7 +32,7 @@ import time
 import tracemalloc
 from array import array
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +80,11 @@ def distinct_tokens(requests: list[Request]) -> int:
     return count
 
 
-def capacity_tokens(requests: list[Request], fraction: float, page_size: int) -> int:
-    """`fraction` of the distinct tokens, at least two of the longest request, whole pages."""
+def capacity_tokens(requests: list[Request], distinct: int, fraction: float, page_size: int) -> int:
+    """`fraction` of the `distinct` tokens (`distinct_tokens`, counted once per stream), at least
+    two of the longest request, in whole pages."""
     largest = max(len(r.prompt) + len(r.output) for r in requests)
-    tokens = max(int(fraction * distinct_tokens(requests)), 2 * (largest + page_size))
+    tokens = max(int(fraction * distinct), 2 * (largest + page_size))
     return tokens - tokens % page_size
 
 
@@ -235,12 +236,13 @@ def peak_bytes(make: Callable[[], Any], requests: list[Request]) -> tuple[int, f
 def compare(
     sgl: sglang_radix.SGLang,
     requests: list[Request],
+    distinct: int,
     fraction: float,
     page_size: int,
     rounds: int,
     memory: bool,
 ) -> dict[str, Any]:
-    capacity = capacity_tokens(requests, fraction, page_size)
+    capacity = capacity_tokens(requests, distinct, fraction, page_size)
     makers: dict[str, Callable[[], Any]] = {
         "radixmesh": lambda: Radixmesh(capacity, page_size),
         "sglang": lambda: SGLangCache(sgl, capacity, page_size),
@@ -311,8 +313,6 @@ def run(
     memory: bool,
     output: Path | None,
     wheel_dir: Path | None,
-    fractions: tuple[float, ...] = CAPACITIES,
-    page_sizes: tuple[int, ...] = PAGE_SIZES,
     scale: float = 1.0,
 ) -> int:
     """Every (workload, capacity, page size) cell; a JSON line each on stdout. 0, or 2 offline."""
@@ -326,17 +326,18 @@ def run(
             return 2
         sgl = sglang_radix.load(wheel, Path(tmp) / "src")
         rows = []
-        cells = [(n, f, p) for n in names for f in fractions for p in page_sizes]
+        cells = [(n, f, p) for n in names for f in CAPACITIES for p in PAGE_SIZES]
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("cells", total=len(cells))
-            streams: dict[str, list[Request]] = {}
+            streams: dict[str, tuple[list[Request], int]] = {}
             for name, fraction, page_size in cells:
                 if name not in streams:
                     requests = WORKLOADS[name]()
-                    streams[name] = requests[: max(1, int(len(requests) * scale))]
+                    requests = requests[: max(1, int(len(requests) * scale))]
+                    streams[name] = requests, distinct_tokens(requests)
                 progress.update(task, description=f"{name}, {fraction:.0%}, page {page_size}")
                 row = {"workload": name}
-                row |= compare(sgl, streams[name], fraction, page_size, rounds, memory)
+                row |= compare(sgl, *streams[name], fraction, page_size, rounds, memory)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 progress.advance(task)
@@ -344,6 +345,3 @@ def run(
         output.write_text("".join(json.dumps(row) + "\n" for row in rows))
     console.print(table(rows))
     return 0
-
-
-__all__ = ["Run", "asdict", "compare", "run"]

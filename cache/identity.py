@@ -25,12 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
-import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from cache.errors import IdentityMismatch
 from cache.namespace import CacheNamespace
-from cache.tokens import CacheKey
+from cache.tokens import CacheKey, as_keys, has_typed_keys
 
 IDENTITY_SCHEME_VERSION = 2
 _DIGEST = 8
@@ -67,7 +66,7 @@ def _field(value: str | int | None) -> bytes:
 
 def pack_keys(keys: Sequence[CacheKey]) -> bytes:
     """`keys` as little-endian uint64 bytes (an `array("Q")` is read as it is)."""
-    packed = keys if type(keys) is array and keys.typecode == "Q" else array("Q", keys)
+    packed = as_keys(keys)
     if sys.byteorder == "big":
         packed = array("Q", packed)
         packed.byteswap()
@@ -142,8 +141,8 @@ class BlockHasher:
         end = len(chain) * size
         if not chain or end > len(keys):
             return False
-        head = keys[:end] if type(keys) is array else array("Q", keys[:end])
-        if np.frombuffer(head, dtype=np.int64).min() < 0:  # a typed key: the top bit
+        head = as_keys(keys[:end])
+        if has_typed_keys(head):
             return False
         if self.extend([], head, namespace, size) != [chain[0]]:
             return False

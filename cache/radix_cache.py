@@ -30,14 +30,7 @@ from cache.lru_heap import LruHeap
 from cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from cache.page_pool import PageIds, PagePool
 from cache.radix_node import InsertResult, MatchResult, Node
-from cache.tokens import CacheKey, Keys
-
-
-def as_keys(keys: Sequence[CacheKey]) -> Keys:
-    """`keys` as an `array("Q")` (as given when it is one already)."""
-    if type(keys) is array and keys.typecode == "Q":
-        return keys
-    return array("Q", keys)
+from cache.tokens import CacheKey, Keys, as_keys
 
 
 def as_pages(pages: Sequence[int]) -> PageIds:

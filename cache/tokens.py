@@ -22,7 +22,7 @@ only on the whole image, so the worker recomputes the rest of it from the image'
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 from numbers import Integral
@@ -94,18 +94,21 @@ def typed_key(tag: int, *fields: int) -> CacheKey:
     of each other (about n / 2^60 for a pair of n-position images)."""
     if tag == COORD:
         (bin_,) = fields
-        payload = _check_bin("coord bin", bin_)
-    elif tag == SIZE:
+        return _TYPED | COORD << 61 | _check_bin("CoordToken.bin", bin_)
+    if tag == SIZE:
         width, height = fields
-        payload = _check_bin("width bin", width) << _BIN_BITS | _check_bin("height bin", height)
-    elif tag == IMAGE:
+        width = _check_bin("SizeToken.width_bin", width)
+        return _TYPED | SIZE << 61 | width << _BIN_BITS | _check_bin("SizeToken.height_bin", height)
+    if tag == IMAGE:
         content_hash, length, index = fields
         if not 0 <= index < length:
             raise InvalidToken(f"image position {index} is outside its {length} positions")
-        payload = (_image_base(content_hash, length) + index) & _PAYLOAD
-    else:
-        raise ValueError(f"unknown typed key tag {tag}")
-    return _TYPED | tag << 61 | payload
+        return _image_key(_image_base(content_hash, length), index)
+    raise ValueError(f"unknown typed key tag {tag}")
+
+
+def _image_key(base: int, index: int) -> CacheKey:
+    return _TYPED | IMAGE << 61 | (base + index) & _PAYLOAD
 
 
 def _image_base(content_hash: int, length: int) -> int:
@@ -121,8 +124,8 @@ def _image_keys(token: ImageToken) -> list[CacheKey]:
         raise InvalidToken(f"ImageToken.content_hash must be a 128-bit int, got {h!r}")
     if type(n) is not int or n < 1:
         raise InvalidToken(f"ImageToken.kv_length must be a positive int, got {n!r}")
-    base, head = _image_base(h, n), _TYPED | IMAGE << 61
-    return [head | (base + i) & _PAYLOAD for i in range(n)]
+    base = _image_base(h, n)
+    return [_image_key(base, i) for i in range(n)]
 
 
 def _keys_of(token: object) -> list[CacheKey]:
@@ -135,16 +138,28 @@ def _keys_of(token: object) -> list[CacheKey]:
     if isinstance(token, TextToken):
         return _keys_of(token.token_id)
     if isinstance(token, CoordToken):
-        return [typed_key(COORD, _check_bin("CoordToken.bin", token.bin))]
+        return [typed_key(COORD, token.bin)]
     if isinstance(token, SizeToken):
-        w = _check_bin("SizeToken.width_bin", token.width_bin)
-        return [typed_key(SIZE, w, _check_bin("SizeToken.height_bin", token.height_bin))]
+        return [typed_key(SIZE, token.width_bin, token.height_bin)]
     if isinstance(token, ImageToken):
         return _image_keys(token)
     raise UnknownTokenType(
         f"cannot cache a token of type {type(token).__name__} ({token!r}); expected an int id, "
         "TextToken, CoordToken, SizeToken or ImageToken"
     )
+
+
+def as_keys(keys: Sequence[CacheKey]) -> Keys:
+    """`keys` as an `array("Q")` (as given when it is one already)."""
+    if type(keys) is array and keys.typecode == "Q":
+        return keys
+    return array("Q", keys)
+
+
+def has_typed_keys(keys: Keys) -> bool:
+    """Whether any key has the top bit set (a typed key, or an id of 2^63 or more): one numpy
+    pass over the array's memory."""
+    return bool(keys) and np.frombuffer(keys, dtype=np.int64).min() < 0
 
 
 def to_cache_keys(tokens: Iterable[CacheToken]) -> Keys:
@@ -163,7 +178,7 @@ def to_cache_keys(tokens: Iterable[CacheToken]) -> Keys:
             for token in tokens:
                 keys.extend(_keys_of(token))
             return keys
-    if keys and np.frombuffer(keys, dtype=np.int64).min() < 0:  # an id of 2^63 or more
+    if has_typed_keys(keys):  # from ids: an id of 2^63 or more
         bad = next(k for k in keys if k >= TEXT_ID_LIMIT)
         raise InvalidToken(f"token ids are non-negative ints below 2^63, got {bad}")
     return keys

@@ -123,22 +123,21 @@ class CacheAware(BaseRouter):
         groups = prefix_groups(request.block_hashes, self.index.holders, self.pending.holders)
         if not groups:
             return request.num_tokens / self.prefill_rate, None
-        rate, n, block = self.prefill_rate, request.num_tokens, self.block_tokens
-        last = n - 1 if n else 0  # predicted_tokens: never the last prompt token
+        rate, n = self.prefill_rate, request.num_tokens
         holders, depth = groups[-1]
-        best = min(depth * block, last)
+        best = self.predicted_tokens(depth, request)
         if holders & (holders - 1):
             return (n - best) / rate, None
         worker = self.members.by_bit[holders.bit_length() - 1]
         assert worker is not None
-        runner_up = min(groups[-2][1] * block, last) if len(groups) > 1 else 0
+        runner_up = self.predicted_tokens(groups[-2][1], request) if len(groups) > 1 else 0
         return (n - best) / rate, (worker, (best - runner_up) / rate)
 
     # -- the policy ----------------------------------------------------------------------------
     def choose(self, request: RouteRequest, now: float) -> RouteDecision:
         groups = prefix_groups(request.block_hashes, self.index.holders, self.pending.holders)
         rate, n = self.prefill_rate, request.num_tokens
-        best_cached = min(groups[-1][1] * self.block_tokens, n - 1 if n else 0) if groups else 0
+        best_cached = self.predicted_tokens(groups[-1][1], request) if groups else 0
         self.tail.add((n - best_cached) / rate)
         candidates, best_ttft = self._candidates(request, groups, now)
         extra = self.work_weight / rate

@@ -39,8 +39,7 @@ class PendingRoutes:
 
     def add(self, request_id: str, bit: int, blocks: tuple[int, ...], now: float) -> None:
         """Expect the worker of `bit` to hold `blocks` until settled or `ttl_s` from now."""
-        if request_id in self._routes:
-            self.drop(request_id)
+        self.drop(request_id)
         if not blocks:
             return
         deadline = now + self.ttl_s
@@ -60,13 +59,12 @@ class PendingRoutes:
 
     def expire(self, now: float) -> None:
         """Drop every entry whose deadline has passed."""
-        heap, routes = self._deadlines, self._routes
+        heap = self._deadlines
         while heap and heap[0][0] <= now:
             deadline, request_id = heapq.heappop(heap)
-            route = routes.get(request_id)
+            route = self._routes.get(request_id)
             if route is not None and route[2] == deadline:
-                del routes[request_id]
-                unmark(self.holders, route[0], route[1])
+                self.drop(request_id)
 
     def drop(self, request_id: str) -> None:
         route = self._routes.pop(request_id, None)

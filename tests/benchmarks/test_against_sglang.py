@@ -21,7 +21,9 @@ def small_stream() -> list[workloads.Request]:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_radixmesh_loop_keeps_every_page_accounted_for(page_size: int) -> None:
     requests = small_stream()
-    capacity = against_sglang.capacity_tokens(requests, 0.05, page_size)
+    capacity = against_sglang.capacity_tokens(
+        requests, against_sglang.distinct_tokens(requests), 0.05, page_size
+    )
     cache = against_sglang.Radixmesh(capacity, page_size)
     reused = [cache.serve(cache.prepare(req)) for req in requests]
     pool = cache.pool
@@ -37,7 +39,7 @@ def test_capacity_is_whole_pages_and_holds_the_longest_request_twice() -> None:
     requests = small_stream()
     longest = max(len(r.prompt) + len(r.output) for r in requests)
     for page_size in (1, 16):
-        capacity = against_sglang.capacity_tokens(requests, 0.001, page_size)
+        capacity = against_sglang.capacity_tokens(requests, 1000, 0.001, page_size)
         assert capacity % page_size == 0 and capacity >= 2 * longest
 
 
@@ -82,7 +84,9 @@ def test_sglang_is_its_own_code_and_agrees_on_hits_when_nothing_is_evicted(
 
 @pytest.mark.slow
 def test_a_cell_is_one_json_row_with_both_caches(sglang: sglang_radix.SGLang) -> None:
-    row = against_sglang.compare(sglang, small_stream(), 0.05, 16, rounds=2, memory=True)
+    requests = small_stream()
+    distinct = against_sglang.distinct_tokens(requests)
+    row = against_sglang.compare(sglang, requests, distinct, 0.05, 16, rounds=2, memory=True)
     json.dumps(row)
     for name in ("radixmesh", "sglang"):
         side = row[name]
@@ -91,3 +95,12 @@ def test_a_cell_is_one_json_row_with_both_caches(sglang: sglang_radix.SGLang) ->
         assert side["peak_bytes"] > 0 and side["pool_bytes_per_page"] > 0
     assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
     assert row["radixmesh"]["hit_rate"] >= row["sglang"]["hit_rate"]
+
+
+def test_distinct_tokens_counts_every_distinct_prefix_once() -> None:
+    requests = workloads.multi_turn(seed=2, conversations=4, turns=3)
+    prefixes = set()
+    for req in requests:
+        whole = req.prompt + req.output
+        prefixes.update(tuple(whole[: i + 1]) for i in range(len(whole)))
+    assert against_sglang.distinct_tokens(requests) == len(prefixes) > 0
