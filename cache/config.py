@@ -18,6 +18,8 @@ class CacheConfig:
     page_size, so that every block ends on a page boundary and one tree node owns it."""
     model_revision: str = ""
     """Identifies the weights; part of every block hash."""
+    host_pages: int = 0
+    """Pages of the host tier (evicted device pages are demoted there); 0 disables it."""
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
@@ -26,6 +28,11 @@ class CacheConfig:
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_sequences < 1:
             raise ValueError(f"max_sequences must be >= 1, got {self.max_sequences}")
+        if self.host_pages < 0 or self.host_pages == 1:
+            raise ValueError(
+                f"host_pages must be 0 (no host tier) or >= 2 (page 0 is reserved), "
+                f"got {self.host_pages}"
+            )
         if self.block_size < 1 or self.block_size % self.page_size:
             raise ValueError(
                 f"block_size must be a positive multiple of page_size ({self.page_size}), "

@@ -62,6 +62,10 @@ class PageTable:
         return self._row(slot)
 
     @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
     def active_slots(self) -> list[int]:
         return [s for s, row in enumerate(self._rows) if row is not None]
 

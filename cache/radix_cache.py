@@ -13,9 +13,15 @@ Contract (every operation runs on the one scheduler thread; nothing here is thre
   the tail of the last leaf it needs; evicting 0 pages is always safe. Afterwards a parent left
   with one child is merged into that child, and an empty root is pruned.
 - With `page_size > 1`, nodes, matches and splits are whole pages.
+- With a host pool (cache/tiers.py), eviction demotes a device node to the host instead of
+  dropping it, and drops host nodes (least recently used first) to make room there; a node too
+  big for the host is dropped with everything below it. `match` reports the host-resident part
+  of a match separately; `promote` brings it back to the device. `insert` of positions the tree
+  holds on the host takes the caller's device pages for them and frees the host copy.
 
-`evictable_pages` is kept incrementally (cached minus locked), never by walking the tree. Every
-page range the tree gains or loses is published as block hashes when a publisher is attached.
+`evictable_pages` is kept incrementally (device pages cached minus locked), never by walking the
+tree. Every page range the tree gains or loses is published as block hashes when a publisher is
+attached; a block keeps its place while its node moves between tiers.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from cache.events import KvEventKind, KvEventPublisher, KvSnapshot
 from cache.identity import BlockHasher
 from cache.lru_heap import LruHeap
 from cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
-from cache.page_pool import PageIds, PagePool
+from cache.page_pool import PRIVATE, PageIds, PagePool
 from cache.radix_node import InsertResult, MatchResult, Node
+from cache.tiers import DEVICE, HOST, TierCopy
 from cache.tokens import CacheKey, Keys, as_keys
 
 
@@ -62,7 +69,13 @@ class RadixCache:
         pool: PagePool,
         hasher: BlockHasher | None = None,
         publisher: KvEventPublisher | None = None,
+        host_pool: PagePool | None = None,
     ) -> None:
+        if host_pool is not None and host_pool.page_size != pool.page_size:
+            raise ValueError(
+                f"the host pool's page_size {host_pool.page_size} differs from the device "
+                f"pool's {pool.page_size}: a node's pages move between them one for one"
+            )
         if hasher is not None and hasher.block_size % pool.page_size:
             raise ValueError(
                 f"block_size {hasher.block_size} must be a multiple of page_size "
@@ -80,7 +93,19 @@ class RadixCache:
         self.locked_pages = 0
         self.node_count = 0
         self.evicted_pages = 0
-        """Pages evicted since creation (a counter for metrics)."""
+        """Device pages evicted (demoted or dropped) since creation (a counter for metrics)."""
+        self.host_pool = host_pool
+        self._host_heap = LruHeap()
+        self.host_cached_pages = 0
+        self.demoted_pages = 0
+        """Pages copied from the device to the host on eviction."""
+        self.promoted_pages = 0
+        """Pages copied from the host back to the device for a match."""
+        self.adopted_pages = 0
+        """Host pages replaced by an insert's freshly computed device pages."""
+        self.host_evicted_pages = 0
+        """Host pages dropped to make room."""
+        self._copies: list[TierCopy] = []
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -91,6 +116,11 @@ class RadixCache:
     def evictable_pages(self) -> int:
         """Pages that eviction could free: every unlocked node's (O(1))."""
         return self.cached_pages - self.locked_pages
+
+    def take_copies(self) -> list[TierCopy]:
+        """The tier copies queued since the last call, in the order they must run."""
+        copies, self._copies = self._copies, []
+        return copies
 
     @property
     def roots(self) -> Mapping[CacheNamespace, Node]:
@@ -113,32 +143,94 @@ class RadixCache:
         if node is root:
             return MatchResult()
         self._touch(node)
-        return MatchResult(pages, length, node, blocks)
+        if node.tier == DEVICE:
+            return MatchResult(pages, length, node, blocks)
+        device: Node | None = node
+        while device is not None and device.tier != DEVICE:
+            device = device.parent
+        on_device = len(pages) * self.page_size
+        last = None if device is None or device.is_root() else device
+        return MatchResult(pages, on_device, last, blocks, length - on_device, node)
 
-    def _descend(self, node: Node, keys: Keys) -> tuple[Node, int, PageIds, list[int]]:
-        """Walk down from `node` along `keys` as far as the tree holds them.
+    def promote(self, match: MatchResult, spare: int = 0) -> MatchResult:
+        """`match` with its host-resident part moved back to the device (a `TierCopy` each),
+        or `match` unchanged when the device cannot make room for it, and then for `spare` more
+        pages, without evicting the match itself."""
+        top = match.host_node
+        if top is None:
+            return match
+        path = []
+        node: Node | None = top
+        while node is not None and node.tier == HOST:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        need = sum(len(n.pages) for n in path)
+        self.lock(top)  # the whole path, on both tiers: nothing below can be evicted meanwhile
+        try:
+            short = need - self.pool.num_free
+            if short + spare > self.evictable_pages:
+                return match
+            if short > 0:
+                self.evict(short)
+            fresh = self.pool.allocate(need)
+            pages, blocks, at = array("i", match.pages), list(match.block_hashes), 0
+            for node in path:
+                count = len(node.pages)
+                self._move_to_device(node, fresh[at : at + count], True)
+                at += count
+                pages.extend(node.pages)
+                blocks.extend(node.blocks)
+            self.promoted_pages += need
+        finally:
+            self.unlock(top)
+        return MatchResult(pages, top.end, top, blocks)
+
+    def _move_to_device(self, node: Node, pages: PageIds, copy: bool) -> None:
+        """Give host node `node` the private device `pages` instead of its host pages (`copy`:
+        queue the copy of its KV into them)."""
+        assert self.host_pool is not None and node.tier == HOST
+        self.pool.claim(pages)
+        if copy:
+            self._copies.append(TierCopy(HOST, node.pages, DEVICE, pages))
+        self.host_pool.uncache(node.pages)
+        count = len(pages)
+        node.pages, node.tier = pages, DEVICE
+        self.host_cached_pages -= count
+        self.cached_pages += count
+        if node.lock_ref:
+            self.locked_pages += count
+
+    def _descend(
+        self, node: Node, keys: Keys, stop_at_host: bool = False
+    ) -> tuple[Node, int, PageIds, list[int]]:
+        """Walk down from `node` along `keys` as far as the tree holds them (`stop_at_host`:
+        only through device nodes).
 
         The node where the walk stops inside a label is split there, so the walk always ends on
-        a node. Returns that node, its end, and the pages and block hashes of the nodes passed.
+        a node. Returns that node, its end, and the device pages and their block hashes of the
+        nodes passed (host nodes come last on any path: their pages are left out).
         """
         ps, n, pos = self.page_size, len(keys), node.end
         pages = array("i")
         blocks: list[int] = []
         while pos + ps <= n:
             child = node.children.get(keys[pos] if ps == 1 else keys[pos : pos + ps].tobytes())
-            if child is None:
+            if child is None or (stop_at_host and child.tier != DEVICE):
                 break
             length = len(child.keys)
             if keys[pos : pos + length] != child.keys:
                 cut = common_prefix(child.keys, keys, pos)
                 cut -= cut % ps  # > 0: the child's first page matched
                 node = self._split(child, cut)
-                pages.extend(node.pages)
-                blocks.extend(node.blocks)
+                if node.tier == DEVICE:
+                    pages.extend(node.pages)
+                    blocks.extend(node.blocks)
                 pos += cut
                 break
-            pages.extend(child.pages)
-            blocks.extend(child.blocks)
+            if child.tier == DEVICE:
+                pages.extend(child.pages)
+                blocks.extend(child.blocks)
             pos += length
             node = child
         return node, pos, pages, blocks
@@ -149,7 +241,14 @@ class RadixCache:
         nb = self._block_count(node.start, node.start + cut) if self.hasher else 0
         parent = node.parent
         assert parent is not None and 0 < cut < len(node.keys) and cut % ps == 0
-        head = Node(parent, node.keys[:cut], node.pages[: cut // ps], node.start, node.blocks[:nb])
+        head = Node(
+            parent,
+            node.keys[:cut],
+            node.pages[: cut // ps],
+            node.start,
+            node.blocks[:nb],
+            tier=node.tier,
+        )
         head.lock_ref = node.lock_ref
         head.last_access = node.last_access
         node.keys = node.keys[cut:]
@@ -175,10 +274,30 @@ class RadixCache:
         while current.parent is not None:
             current.last_access = now
             current = current.parent
-        if node.parent is not None and not node.children and node.lock_ref == 0:
+        self._requeue(node)
+        if node.tier == HOST:  # the device node above it was used as well
+            above = node.parent
+            while above is not None and above.tier == HOST:
+                above = above.parent
+            if above is not None:
+                self._requeue(above)
+
+    def _requeue(self, node: Node) -> None:
+        """Give `node` a current entry in its tier's heap if eviction may take it now: a device
+        node with no child on the device, or a host leaf; unlocked either way."""
+        if node.parent is None or node.lock_ref:
+            return
+        if node.tier == DEVICE:
+            for child in node.children.values():
+                if child.tier == DEVICE:
+                    return
             self._heap.push(node)
             if len(self._heap) > 4 * self.node_count + 1024:
                 self._heap.rebuild(self._evictable_leaves())
+        elif not node.children:
+            self._host_heap.push(node)
+            if len(self._host_heap) > 4 * self.node_count + 1024:
+                self._host_heap.rebuild(n for n in self.nodes() if self._host_victim(n))
 
     # -- insert --------------------------------------------------------------------------------
     def insert(
@@ -204,13 +323,41 @@ class RadixCache:
                 f"{len(pages)} pages of {ps} positions cannot hold {n} keys "
                 "(insert whole pages: one page per page_size keys)"
             )
-        node, pos, existing, _ = self._descend(self._start_node(keys, namespace, from_node), keys)
+        start = self._start_node(keys, namespace, from_node)
+        node, pos, existing, _ = self._descend(start, keys, self.host_pool is not None)
         inserted = 0
+        if pos < n and self.host_cached_pages:
+            node, pos, inserted = self._adopt_host(node, keys, pages, pos)
         if pos < n:
             node = self._add_leaf(node, keys, as_pages(pages[pos // ps :]), namespace, block_hashes)
-            inserted = len(node.pages)
+            inserted += len(node.pages)
         self._touch(node)
         return InsertResult(node, inserted, existing)
+
+    def _adopt_host(
+        self, node: Node, keys: Keys, pages: Sequence[int], pos: int
+    ) -> tuple[Node, int, int]:
+        """Below `node`, host nodes holding `keys[pos:]` take the caller's device pages for
+        those positions (already computed: nothing is copied) and free their host pages.
+        Returns the last node taken, where it ends, and the pages taken."""
+        ps, n, adopted = self.page_size, len(keys), 0
+        while pos < n:
+            child = node.children.get(self._key(keys, pos))
+            if child is None:
+                break
+            assert child.tier == HOST, "a device node below where the walk left the device"
+            cut = common_prefix(child.keys, keys, pos)
+            cut -= cut % ps
+            if cut < len(child.keys):
+                child = self._split(child, cut)
+            if not adopted:  # all or nothing: check every page the caller gives up front
+                self.pool.require(as_pages(pages[pos // ps :]), PRIVATE)
+            self._move_to_device(child, as_pages(pages[pos // ps : (pos + cut) // ps]), False)
+            self.adopted_pages += cut // ps
+            adopted += cut // ps
+            pos += cut
+            node = child
+        return node, pos, adopted
 
     def _start_node(self, keys: Keys, namespace: CacheNamespace, from_node: Node | None) -> Node:
         if from_node is None:
@@ -265,7 +412,7 @@ class RadixCache:
             raise ValueError(f"cannot lock {node!r}: it is no longer in the tree")
         current: Node | None = node
         while current is not None:
-            if current.lock_ref == 0:
+            if current.lock_ref == 0 and current.tier == DEVICE:
                 self.locked_pages += len(current.pages)
             current.lock_ref += 1
             current = current.parent
@@ -279,15 +426,16 @@ class RadixCache:
         current: Node | None = node
         while current is not None:
             current.lock_ref -= 1
-            if current.lock_ref == 0:
+            if current.lock_ref == 0 and current.tier == DEVICE:
                 self.locked_pages -= len(current.pages)
             current = current.parent
-        if node.lock_ref == 0 and not node.children:
-            self._heap.push(node)
+        if node.lock_ref == 0:
+            self._requeue(node)
 
     # -- eviction ------------------------------------------------------------------------------
     def evict(self, needed_pages: int) -> int:
-        """Free at least `needed_pages` pages if unlocked ones allow; returns the pages freed."""
+        """Free at least `needed_pages` device pages if unlocked ones allow (demoting them to
+        the host when there is one); returns the device pages freed."""
         freed, removed = 0, list[int]()
         while freed < needed_pages:
             victim = self._pop_victim()
@@ -296,51 +444,123 @@ class RadixCache:
             surplus = len(victim.pages) - (needed_pages - freed)
             if surplus > 0:  # keep the head, evict only the pages still needed
                 self._split(victim, surplus * self.page_size)
-            freed += self._remove_leaf(victim, removed)
+            freed += self._demote(victim, removed) or self._drop_subtree(victim, removed)
         if removed and self.publisher is not None:
             self.publisher.publish(KvEventKind.REMOVED, removed)
         self.evicted_pages += freed
         return freed
 
     def _pop_victim(self) -> Node | None:
+        """The least recently used device node with no child on the device, unlocked."""
         while True:
             node = self._heap.pop()
             if node is None:
                 return None
             parent = node.parent
             if (
-                not node.children
+                node.tier == DEVICE
                 and node.lock_ref == 0
                 and parent is not None
                 and parent.children.get(self._key(node.keys, 0)) is node
+                and (not node.children or all(c.tier != DEVICE for c in node.children.values()))
             ):
                 return node
 
-    def _remove_leaf(self, leaf: Node, removed: list[int]) -> int:
+    def _host_victim(self, node: Node) -> bool:
+        parent = node.parent
+        return (
+            node.tier == HOST
+            and not node.children
+            and node.lock_ref == 0
+            and parent is not None
+            and parent.children.get(self._key(node.keys, 0)) is node
+        )
+
+    def _demote(self, node: Node, removed: list[int]) -> int:
+        """Move device node `node` to the host, dropping host leaves to make room; returns the
+        device pages freed, 0 (and `node` still on the device) when the host cannot hold it."""
+        host = self.host_pool
+        if host is None:
+            return 0
+        while True:
+            count = len(node.pages)  # grows if a drop below leaves its parent to merge into it
+            if count > host.usable_pages:
+                return 0
+            if host.num_free >= count:
+                break
+            victim = self._host_heap.pop()
+            if victim is None:
+                return 0
+            if not self._host_victim(victim):
+                continue
+            surplus = len(victim.pages) - (count - host.num_free)
+            if surplus > 0:
+                self._split(victim, surplus * self.page_size)
+            self.host_evicted_pages += len(victim.pages)
+            self._remove_leaf(victim, removed)
+        pages = host.allocate(count)
+        host.claim(pages)
+        self._copies.append(TierCopy(DEVICE, node.pages, HOST, pages))
+        self.pool.uncache(node.pages)
+        node.pages, node.tier = pages, HOST
+        self.cached_pages -= count
+        self.host_cached_pages += count
+        self.demoted_pages += count
+        self._requeue(node)
+        if node.parent is not None:
+            self._requeue(node.parent)
+        return count
+
+    def _drop_subtree(self, node: Node, removed: list[int]) -> int:
+        """Remove device node `node` and everything below it (all on the host: `node` has no
+        device child); returns the device pages freed."""
+        below = []
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            below.append(child)
+            stack.extend(child.children.values())
+        for child in reversed(below):  # children after their parents: leaves come first
+            self.host_evicted_pages += len(child.pages)
+            self._remove_leaf(child, removed, settle=False)
+        return self._remove_leaf(node, removed)
+
+    def _remove_leaf(self, leaf: Node, removed: list[int], settle: bool = True) -> int:
+        """Take leaf `leaf` out of the tree and free its pages; `settle`: then requeue, merge or
+        prune its parent as its new shape requires."""
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
         del parent.children[self._key(leaf.keys, 0)]
         leaf.parent = None
-        self.pool.uncache(leaf.pages)
-        self.cached_pages -= len(leaf.pages)
+        count = len(leaf.pages)
+        if leaf.tier == DEVICE:
+            self.pool.uncache(leaf.pages)
+            self.cached_pages -= count
+        else:
+            assert self.host_pool is not None
+            self.host_pool.uncache(leaf.pages)
+            self.host_cached_pages -= count
         self.node_count -= 1
         removed.extend(leaf.blocks)
+        if not settle:
+            return count
         if parent.is_root():
             if not parent.children:
                 assert parent.lock_ref == 0, "an empty root holds a lock"
                 del self._trees[parent.namespace]  # type: ignore[arg-type]
-        elif not parent.children:
-            if parent.lock_ref == 0:
-                self._heap.push(parent)
         elif len(parent.children) == 1:
             self._coalesce(parent)
-        return len(leaf.pages)
+        else:
+            self._requeue(parent)
+        return count
 
     def _coalesce(self, parent: Node) -> None:
-        """Merge `parent` into its only child unless someone holds a lock on `parent` itself."""
+        """Merge `parent` into its only child unless someone holds a lock on `parent` itself or
+        they live in different tiers."""
         (child,) = parent.children.values()
         grand = parent.parent
-        if grand is None or parent.lock_ref != child.lock_ref:
+        if grand is None or parent.lock_ref != child.lock_ref or parent.tier != child.tier:
+            self._requeue(parent)
             return
         child.keys = parent.keys + child.keys
         child.pages = parent.pages + child.pages
@@ -352,8 +572,7 @@ class RadixCache:
         parent.parent = None
         parent.children = {}
         self.node_count -= 1
-        if not child.children and child.lock_ref == 0:
-            self._heap.push(child)
+        self._requeue(child)
 
     def clear(self) -> int:
         """Drop every cached page (only when nothing is locked); publishes `cleared`."""
@@ -362,10 +581,14 @@ class RadixCache:
             raise CacheError(f"cannot clear the cache while {locks} locks are held")
         freed = self.cached_pages
         for node in self.nodes():
-            self.pool.uncache(node.pages)
+            if node.tier == DEVICE:
+                self.pool.uncache(node.pages)
+            else:
+                assert self.host_pool is not None
+                self.host_pool.uncache(node.pages)
         self._trees.clear()
-        self._heap = LruHeap()
-        self.cached_pages = self.locked_pages = self.node_count = 0
+        self._heap, self._host_heap = LruHeap(), LruHeap()
+        self.cached_pages = self.locked_pages = self.node_count = self.host_cached_pages = 0
         if self.publisher is not None:
             self.publisher.publish(KvEventKind.CLEARED)
         return freed
@@ -381,10 +604,20 @@ class RadixCache:
                 yield node
 
     def _evictable_leaves(self) -> list[Node]:
-        return [n for n in self.nodes() if not n.children and n.lock_ref == 0]
+        """Device nodes that eviction may take now (no child on the device, unlocked)."""
+        return [
+            n
+            for n in self.nodes()
+            if n.tier == DEVICE
+            and n.lock_ref == 0
+            and all(c.tier != DEVICE for c in n.children.values())
+        ]
 
     def heap_nodes(self) -> list[Node]:
         return self._heap.current()
+
+    def host_heap_nodes(self) -> list[Node]:
+        return self._host_heap.current()
 
     def block_set(self) -> set[int]:
         """Every routing block the tree holds, from the nodes themselves."""

@@ -3,8 +3,8 @@
 A node is one edge label: the position keys `keys` (an `array("Q")`, a whole number of pages),
 the `pages` (an `array("i")`) that hold their KV, and the routing `blocks` whose last position
 falls inside the node. `start` is the position at which the node begins, so `start + len(keys)`
-is where it ends. A root has no keys and carries its namespace; a node taken out of the tree has
-`parent = None` and must not be used.
+is where it ends. `tier` says which pool `pages` belong to (cache/tiers.py). A root has no keys
+and carries its namespace; a node taken out of the tree has `parent = None` and must not be used.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cache.namespace import CacheNamespace
 from cache.page_pool import PageIds
+from cache.tiers import DEVICE
 from cache.tokens import Keys
 
 
@@ -29,6 +30,7 @@ class Node:
         "pages",
         "parent",
         "start",
+        "tier",
     )
 
     def __init__(
@@ -39,6 +41,7 @@ class Node:
         start: int,
         blocks: tuple[int, ...] = (),
         namespace: CacheNamespace | None = None,
+        tier: int = DEVICE,
     ) -> None:
         self.parent = parent
         self.keys = keys
@@ -46,6 +49,7 @@ class Node:
         self.start = start
         self.blocks = blocks
         self.namespace = namespace
+        self.tier = tier
         self.children: dict[object, Node] = {}
         self.lock_ref = 0
         self.last_access = 0
@@ -65,7 +69,7 @@ class Node:
     def __repr__(self) -> str:
         return (
             f"Node([{self.start}, {self.end}), pages={len(self.pages)}, "
-            f"children={len(self.children)}, lock_ref={self.lock_ref})"
+            f"children={len(self.children)}, lock_ref={self.lock_ref}, tier={self.tier})"
         )
 
 
@@ -84,6 +88,11 @@ class MatchResult:
     """The node that ends exactly at `length`; None when nothing matched."""
     block_hashes: list[int] = field(default_factory=list)
     """The chained hashes of the routing blocks inside [0, length), read off the nodes."""
+    host_length: int = 0
+    """Positions [length, length + host_length) are cached too, but in the host tier: promote
+    them (`RadixCache.promote`) before use."""
+    host_node: Node | None = None
+    """The host node that ends at `length + host_length`; None when `host_length` is 0."""
 
 
 @dataclass(slots=True)

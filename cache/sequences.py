@@ -11,6 +11,11 @@ lives here and is tested without a model:
     finish  offer what was computed (prompt and generated) to the cache, unlock, free the rest
     abort   unlock and free, caching nothing; valid at any point
 
+With a host tier (`CacheConfig.host_pages`), `start` promotes the host-resident part of its
+match back to the device, and any allocation may demote evicted pages to the host. Those moves
+queue `TierCopy`s; `take_page_copies` hands them out ahead of the sequence's own copies and
+`take_tier_copies` alone: the worker performs them in order before its next forward pass.
+
 A sequence's page-table row always reads
 
     [ cached pages (tree-owned, locked) | private pages (this sequence's alone) ]
@@ -40,6 +45,7 @@ from cache.page_pool import PagePool
 from cache.page_table import PageTable
 from cache.radix_cache import RadixCache
 from cache.radix_node import Node
+from cache.tiers import TierCopy
 from cache.tokens import CacheToken, Keys, to_cache_keys
 
 
@@ -80,6 +86,8 @@ class SequenceStats:
     duplicate_pages_freed: int = 0
     given_blocks: int = 0
     """Block hashes taken as given (`start`'s `block_hashes`) instead of computed here."""
+    host_positions: int = 0
+    """Reused positions that `start` promoted from the host tier."""
 
 
 def _pages_for(positions: int, page_size: int) -> int:
@@ -93,10 +101,13 @@ class SequenceCache:
         self.config = config
         self.page_size = config.page_size
         self.pool = PagePool(config.num_pages, config.page_size)
+        self.host_pool = None
+        if config.host_pages:
+            self.host_pool = PagePool(config.host_pages, config.page_size)
         self.scheme = IdentityScheme(config.block_size, config.model_revision)
         self.hasher = BlockHasher(self.scheme)
         self.events = KvEventPublisher(source)
-        self.tree = RadixCache(self.pool, self.hasher, self.events)
+        self.tree = RadixCache(self.pool, self.hasher, self.events, self.host_pool)
         self.table = PageTable(self.pool, config.max_sequences, evictor=self.tree)
         self.stats = SequenceStats()
         self._live: dict[int, CachedSequence] = {}
@@ -128,6 +139,11 @@ class SequenceCache:
         if n == 0:
             raise SequenceError("empty prompt: a sequence needs at least one position")
         match = self.tree.match(keys, namespace)
+        on_device = match.length
+        if match.host_node is not None and on_device < n - 1 and self.table.num_free_slots:
+            # promote only if the whole start then fits: a refused start changes nothing
+            reused_pages = min(on_device + match.host_length, n - 1) // ps
+            match = self.tree.promote(match, _pages_for(max(n, reserve), ps) - reused_pages)
         reuse = min(match.length, n - 1)
         full = reuse // ps
         node = match.last_node
@@ -155,12 +171,21 @@ class SequenceCache:
         self.stats.started += 1
         self.stats.prompt_positions += n
         self.stats.reused_positions += reuse
+        self.stats.host_positions += max(0, reuse - on_device)
         return seq
 
-    def take_page_copies(self, seq: CachedSequence) -> list[PageCopy]:
-        """The copies the worker must perform before computing this sequence's KV."""
-        copies, seq.page_copies = seq.page_copies, []
+    def take_page_copies(self, seq: CachedSequence) -> list[TierCopy | PageCopy]:
+        """The copies the worker must perform, in order, before computing this sequence's KV:
+        every tier copy queued so far, then the sequence's own."""
+        copies: list[TierCopy | PageCopy] = []
+        copies.extend(self.tree.take_copies())
+        copies.extend(seq.page_copies)
+        seq.page_copies = []
         return copies
+
+    def take_tier_copies(self) -> list[TierCopy]:
+        """The tier copies queued so far (demotions by `grow`, `fork`, ...), in order."""
+        return self.tree.take_copies()
 
     # -- while running -------------------------------------------------------------------------
     def append(self, seq: CachedSequence, tokens: Iterable[CacheToken]) -> None:

@@ -6,6 +6,16 @@ chunks, commits, samples, grows, forks, finishes, aborts and evicts, on a pool s
 eviction and refusals happen all the time. After each step: page conservation with no page in two
 states, exact lock counts, every cached node reachable and filed correctly, and the KV events
 replayed into a fresh index equal to the tree's own block set.
+
+The machine also keeps what every page would hold (the key and position of each slot): the
+simulated forward pass writes a sequence's pages, and every copy the cache hands out (page
+copies, tier copies) is performed in the order given, before the next forward pass as the worker
+does. A sequence must then read exactly its own keys from the pages it reuses, and every cached
+node's pages must hold its keys, in whichever tier they live.
+
+The tiered machines add a host tier smaller than what is evicted, so demotions, promotions, host
+evictions, inserts over host-resident positions and aborts right after a promotion (before its
+copies are taken) all happen.
 """
 
 from __future__ import annotations
@@ -31,15 +41,19 @@ from cache import (
     CacheToken,
     ImageToken,
     OutOfPages,
+    PageCopy,
     SequenceCache,
 )
 from cache.integrity import check_sequence_cache
+from cache.tiers import DEVICE, TierCopy
 
 BOS = 1
 PREFIXES = [[], list(range(100, 120)), [*range(100, 110), *range(200, 230)], [7] * 24]
 NAMESPACES = [CacheNamespace(), CacheNamespace(tenant="acme"), CacheNamespace(adapter="lora")]
 IMAGES = [ImageToken(0xA11CE, 12), ImageToken(0xB0B, 20)]
 STEPS = {"count": 0}
+MOVED = {"demoted": 0, "promoted": 0, "adopted": 0, "host_evicted": 0, "host_reads": 0}
+"""Pages moved between tiers over a whole run (the tiered tests require each kind)."""
 
 
 @dataclass
@@ -50,19 +64,52 @@ class Running:
     """Positions whose KV the simulated forward pass has written."""
 
 
+Slot = tuple[int, int] | None
+"""What one KV slot holds in the simulation: (key, position), or None if never written."""
+
+
 class CacheMachine(RuleBasedStateMachine):
     page_size = 1
     num_pages = 120
     block_size = 4
+    host_pages = 0
 
     def __init__(self) -> None:
         super().__init__()
-        config = CacheConfig(self.num_pages, self.page_size, 6, self.block_size)
+        config = CacheConfig(
+            self.num_pages, self.page_size, 6, self.block_size, host_pages=self.host_pages
+        )
         self.cache = SequenceCache(config, source="machine")
         self.index = BlockSetIndex("machine")
         self.cache.events.subscribe(self.index.apply)
         self.running: list[Running] = []
         self.history: list[tuple[list[CacheToken], CacheNamespace]] = []
+        self.kv: dict[tuple[int, int], list[Slot]] = {}
+        """(tier, page) -> its slots, as the worker's KV tensors would hold them."""
+        self.seen: dict[str, int] = {}
+
+    # -- the simulated KV ----------------------------------------------------------------------
+    def _page(self, tier: int, page: int) -> list[Slot]:
+        return self.kv.setdefault((tier, page), [None] * self.page_size)
+
+    def _perform(self, copies: list[TierCopy | PageCopy]) -> None:
+        for copy in copies:
+            if isinstance(copy, TierCopy):
+                for src, dst in zip(copy.src_pages, copy.dst_pages, strict=True):
+                    self.kv[(copy.dst_tier, dst)] = list(self._page(copy.src_tier, src))
+            else:
+                head = self._page(DEVICE, copy.src)[: copy.num_slots]
+                self._page(DEVICE, copy.dst)[: copy.num_slots] = head
+
+    def _flush(self) -> None:
+        """What the worker does before each forward pass."""
+        self._perform(list(self.cache.take_tier_copies()))
+
+    def _assert_reads(self, seq: CachedSequence, upto: int) -> None:
+        row, ps = self.cache.table.row(seq.slot), self.page_size
+        for p in range(upto):
+            got = self._page(DEVICE, row[p // ps])[p % ps]
+            assert got == (seq.keys[p], p), f"position {p} reads {got}, not {(seq.keys[p], p)}"
 
     # -- starting ------------------------------------------------------------------------------
     def _start(self, tokens: list[CacheToken], ns: CacheNamespace, reserve: int) -> None:
@@ -76,7 +123,8 @@ class CacheMachine(RuleBasedStateMachine):
                 len(self.running),
             ), "a refused start changed the pool"
             return
-        self.cache.take_page_copies(seq)  # the worker copies, then computes from `reused`
+        self._perform(self.cache.take_page_copies(seq))  # then it computes from `reused`
+        self._assert_reads(seq, seq.reused)
         self.running.append(Running(seq, tokens, seq.reused))
 
     @rule(
@@ -114,8 +162,12 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 100), chunk=st.integers(1, 24), commit=st.booleans())
     def compute(self, pick: int, chunk: int, commit: bool) -> None:
         run = self.running[pick % len(self.running)]
-        mapped = len(self.cache.table.row(run.seq.slot)) * self.page_size
-        run.done = min(run.done + chunk, len(run.seq.keys), mapped)
+        row, ps = self.cache.table.row(run.seq.slot), self.page_size
+        mapped = len(row) * ps
+        self._flush()
+        old, run.done = run.done, min(run.done + chunk, len(run.seq.keys), mapped)
+        for p in range(old, run.done):  # the forward pass writes the KV of these positions
+            self._page(DEVICE, row[p // ps])[p % ps] = (run.seq.keys[p], p)
         if commit or run.done == run.seq.prompt_length:
             self.cache.commit(run.seq, run.done)
 
@@ -141,7 +193,8 @@ class CacheMachine(RuleBasedStateMachine):
             clone = self.cache.fork(run.seq)
         except CacheError:
             return
-        self.cache.take_page_copies(clone)
+        self._perform(self.cache.take_page_copies(clone))
+        self._assert_reads(clone, clone.computed)
         self.running.append(Running(clone, list(run.tokens), clone.computed))
 
     @precondition(lambda self: self.running)
@@ -164,13 +217,46 @@ class CacheMachine(RuleBasedStateMachine):
         assert freed >= min(pages, evictable), (freed, pages, evictable)
         assert freed <= evictable
 
+    @rule()
+    def evict_everything(self) -> None:
+        """Everything unlocked leaves the device (to the host, when there is one)."""
+        evictable = self.cache.tree.evictable_pages
+        assert self.cache.tree.evict(evictable) == evictable
+        assert self.cache.tree.evictable_pages == 0
+
+    @precondition(lambda self: self.history)
+    @rule(pick=st.integers(0, 1000))
+    def start_then_abort(self, pick: int) -> None:
+        """A start (promoting, with a host tier) aborted before its copies were taken."""
+        tokens, ns = self.history[pick % len(self.history)]
+        try:
+            seq = self.cache.start(tokens, ns)
+        except CacheError:
+            return
+        self.cache.abort(seq)
+
     # -- invariants ----------------------------------------------------------------------------
     @invariant()
     def everything_accounted_for(self) -> None:
         STEPS["count"] += 1
+        tree = self.cache.tree
+        for kind in ("demoted", "promoted", "adopted", "host_evicted"):
+            MOVED[kind] += getattr(tree, f"{kind}_pages") - self.seen.get(kind, 0)
+            self.seen[kind] = getattr(tree, f"{kind}_pages")
+        MOVED["host_reads"] += self.cache.stats.host_positions - self.seen.get("host_reads", 0)
+        self.seen["host_reads"] = self.cache.stats.host_positions
         check_sequence_cache(self.cache)
         assert self.index.in_sync, "an event was lost"
         assert self.index.blocks == self.cache.tree.block_set(), "events disagree with the tree"
+
+    @invariant()
+    def cached_pages_hold_their_keys(self) -> None:
+        self._flush()
+        ps = self.page_size
+        for node in self.cache.tree.nodes():
+            for j, key in enumerate(node.keys):
+                got = self._page(node.tier, node.pages[j // ps])[j % ps]
+                assert got == (key, node.start + j), f"{node!r} position {node.start + j}: {got}"
 
 
 class BigPageMachine(CacheMachine):
@@ -179,8 +265,25 @@ class BigPageMachine(CacheMachine):
     block_size = 16
 
 
+class TieredMachine(CacheMachine):
+    host_pages = 40
+
+
+class TieredPage4Machine(CacheMachine):
+    page_size = 4
+    num_pages = 30
+    block_size = 4
+    host_pages = 12
+
+
+class TieredBigPageMachine(BigPageMachine):
+    num_pages = 12
+    host_pages = 8
+
+
 def _run(machine: type[CacheMachine], examples: int) -> int:
     STEPS["count"] = 0
+    MOVED.update(dict.fromkeys(MOVED, 0))
     run_state_machine_as_test(
         machine, settings=settings(max_examples=examples, stateful_step_count=100, deadline=None)
     )
@@ -193,3 +296,30 @@ def test_random_operations_page_size_1() -> None:
 
 def test_random_operations_page_size_16() -> None:
     assert _run(BigPageMachine, 70) >= 5000
+
+
+def _moved_both_ways() -> bool:
+    """Demotions, promotions and sequences reading promoted pages all happened. (Host
+    evictions, inserts over host nodes and the rest happen in most runs; tests/cache/test_tiers.py
+    covers each on purpose.)"""
+    return bool(MOVED["demoted"] and MOVED["promoted"] and MOVED["host_reads"])
+
+
+def test_random_operations_with_a_host_tier_page_size_1() -> None:
+    assert _run(TieredMachine, 70) >= 5000
+    assert _moved_both_ways(), MOVED
+
+
+def test_random_operations_with_a_host_tier_page_size_4() -> None:
+    assert _run(TieredPage4Machine, 70) >= 5000
+    assert _moved_both_ways(), MOVED
+
+
+def test_random_operations_with_a_host_tier_page_size_16() -> None:
+    # prompts here span one to four pages: moves happen in most runs, not in every one
+    assert _run(TieredBigPageMachine, 70) >= 5000
+
+
+def test_without_a_host_tier_nothing_moves_between_tiers() -> None:
+    assert _run(CacheMachine, 5) > 0
+    assert not any(MOVED.values()), MOVED
