@@ -127,7 +127,8 @@ def stats(args: argparse.Namespace, client: Client) -> int:
     table = Table(title=f"radixmesh at {args.target}: policy {response.policy}")
     table.add_column("worker", no_wrap=True)
     for column in ("ok", "reqs", "prompt", "cached", "gen", "run", "queue", "free pg",
-                   "cached pg", "priv pg", "evicted", "preempt"):  # fmt: skip
+                   "cached pg", "priv pg", "evicted", "preempt", "host pg", "down/up",
+                   "host hit"):  # fmt: skip
         table.add_column(column, justify="right", no_wrap=True)
     for w in response.workers:
         table.add_row(
@@ -135,6 +136,8 @@ def stats(args: argparse.Namespace, client: Client) -> int:
             str(w.cached_prompt_tokens), str(w.generated_tokens), str(w.running), str(w.waiting),
             f"{w.free_pages}/{w.total_pages}", str(w.cached_pages), str(w.private_pages),
             str(w.evicted_pages), str(w.preemptions),
+            f"{w.host_cached_pages}/{w.host_total_pages}" if w.host_total_pages else "-",
+            f"{w.demoted_pages}/{w.promoted_pages}", str(w.host_hit_tokens),
         )  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     print(

@@ -83,6 +83,9 @@ class EngineSection:
     max_model_len: int | None = _at_least(2048, 1)
     max_waiting: int = _at_least(256, 0)
     block_size: int = _at_least(16, 1)
+    host_pages: int = _at_least(0, 0)
+    """Pages of the host tier: evicted KV moves to CPU memory instead of vanishing, and a later
+    match copies it back (0: off). Each page holds page_size positions of every layer."""
     max_stop_strings: int = _at_least(MAX_STOP_STRINGS, 0)
     """Stop strings one request may give (OpenAI allows 4); more are refused by name."""
     max_stop_chars: int = _at_least(MAX_STOP_CHARS, 1)

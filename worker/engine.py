@@ -78,6 +78,8 @@ class EngineConfig:
     """Positions per sequence; defaults to the model's max_position_embeddings."""
     max_waiting: int = 1024
     block_size: int = 16
+    host_pages: int = 0
+    """Pages of the host tier (CPU memory; pinned on CUDA hosts); 0: evicted pages are gone."""
     model_revision: str = ""
     debug_checks: bool = False
     """Run the cache's full integrity check whenever the engine goes idle."""
@@ -94,6 +96,12 @@ class EngineStats:
     cached_pages: int
     private_pages: int
     evicted_pages: int
+    host_total_pages: int
+    host_cached_pages: int
+    demoted_pages: int
+    promoted_pages: int
+    host_evicted_pages: int
+    host_hit_tokens: int
     preemptions: int
     requests_finished: int
     prompt_tokens: int
@@ -125,10 +133,11 @@ class Engine:
                 config.max_running,
                 config.block_size,
                 config.model_revision,
+                config.host_pages,
             ),
             source,
         )
-        self.runner = ModelRunner(model, config.num_pages, config.page_size)
+        self.runner = ModelRunner(model, config.num_pages, config.page_size, config.host_pages)
         self.scheduler = Scheduler(
             self.cache,
             SchedulerConfig(config.token_budget, config.max_prefill_chunk, config.max_running),
@@ -221,14 +230,20 @@ class Engine:
             self._thread = None
 
     def stats(self) -> EngineStats:
-        pool = self.cache.pool
+        pool, tree, host = self.cache.pool, self.cache.tree, self.cache.host_pool
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             free_pages=pool.num_free,
             cached_pages=pool.num_cached,
             private_pages=pool.num_private,
-            evicted_pages=self.cache.tree.evicted_pages,
+            evicted_pages=tree.evicted_pages,
+            host_total_pages=host.usable_pages if host is not None else 0,
+            host_cached_pages=tree.host_cached_pages,
+            demoted_pages=tree.demoted_pages,
+            promoted_pages=tree.promoted_pages,
+            host_evicted_pages=tree.host_evicted_pages,
+            host_hit_tokens=self.cache.stats.host_positions,
             preemptions=self.scheduler.preemptions,
             requests_finished=self._finished,
             prompt_tokens=self._prompt_tokens,
@@ -278,6 +293,8 @@ class Engine:
             return self.scheduler.has_work()
         chunks = [self._chunk(sample, take) for sample, take in plan]
         try:
+            # pages demoted while growing: read before this pass may write them again
+            self.runner.copy_pages(self.cache.take_tier_copies())
             logits = self.runner.run(chunks)
         except Exception as err:
             log.exception("forward pass failed; failing the %d samples of the step", len(plan))

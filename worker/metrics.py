@@ -40,6 +40,22 @@ class EngineCollector(Collector):
                 stats.evicted_pages,
             ),
             "radixmesh_worker_preemptions": ("Sequences preempted for pages", stats.preemptions),
+            "radixmesh_worker_demoted_pages": (
+                "KV pages copied from the device to the host tier on eviction",
+                stats.demoted_pages,
+            ),
+            "radixmesh_worker_promoted_pages": (
+                "KV pages copied from the host tier back to the device for a match",
+                stats.promoted_pages,
+            ),
+            "radixmesh_worker_host_evicted_pages": (
+                "KV pages dropped from the host tier",
+                stats.host_evicted_pages,
+            ),
+            "radixmesh_worker_host_hit_tokens": (
+                "Prompt tokens served from pages promoted from the host tier",
+                stats.host_hit_tokens,
+            ),
         }
         for name, (text, value) in counters.items():
             family = CounterMetricFamily(name, text, labels=labels)
@@ -56,6 +72,11 @@ class EngineCollector(Collector):
             "radixmesh_worker_pages_private": (
                 "KV pages private to running sequences",
                 stats.private_pages,
+            ),
+            "radixmesh_worker_host_pages": ("Pages of the host tier", stats.host_total_pages),
+            "radixmesh_worker_host_pages_cached": (
+                "Host-tier pages holding cached KV",
+                stats.host_cached_pages,
             ),
         }
         for name, (text, value) in gauges.items():

@@ -4,6 +4,10 @@ The engine hands over `Chunk`s (the tokens of one sequence to compute this step,
 start, the sequence's page row, whether its next token is sampled); the runner lays them end to
 end into a `ForwardBatch`, performs pending page copies, and returns the logits of the sampling
 rows. It never touches the cache's bookkeeping: page rows come from `cache.PageTable`.
+
+With a host tier it also owns the host KV tensors (CPU memory, pinned when the device is CUDA)
+and performs the cache's `TierCopy`s: a gather of whole pages per layer on one side, a scatter
+on the other, in the order the cache queued them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import PageCopy
+from cache.tiers import DEVICE, TierCopy
 from kernels.layout import cdiv
 from worker.batch import ForwardBatch
 from worker.model import CausalLM
@@ -31,18 +36,44 @@ class Chunk:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self, model: CausalLM, num_pages: int, page_size: int, host_pages: int = 0
+    ) -> None:
         self.model = model
         self.page_size = page_size
         self.device = model.model.embed_tokens.weight.device
         self.kv = model.allocate_kv(num_pages, page_size, self.device)
+        self.host_kv = model.allocate_kv(host_pages, page_size, "cpu") if host_pages else []
+        if self.device.type == "cuda":
+            self.host_kv = [(k.pin_memory(), v.pin_memory()) for k, v in self.host_kv]
 
-    def copy_pages(self, copies: Sequence[PageCopy]) -> None:
-        """Copy KV slots [0, n) of page src into page dst, in every layer."""
+    def copy_pages(self, copies: Sequence[PageCopy | TierCopy]) -> None:
+        """Perform the copies in order: a `PageCopy` copies KV slots [0, n) of page src into
+        page dst on the device; a `TierCopy` copies whole pages between the tiers. Every layer,
+        K and V."""
         for copy in copies:
+            if isinstance(copy, TierCopy):
+                self._copy_tier(copy)
+                continue
             for k_cache, v_cache in self.kv:
                 k_cache[copy.dst, : copy.num_slots] = k_cache[copy.src, : copy.num_slots]
                 v_cache[copy.dst, : copy.num_slots] = v_cache[copy.src, : copy.num_slots]
+
+    def _copy_tier(self, copy: TierCopy) -> None:
+        src = self.kv if copy.src_tier == DEVICE else self.host_kv
+        dst = self.kv if copy.dst_tier == DEVICE else self.host_kv
+        if not src or not dst:
+            raise RuntimeError("a tier copy to or from a host tier this runner does not have")
+        src_index = torch.frombuffer(copy.src_pages, dtype=torch.int32).to(
+            src[0][0].device, torch.long
+        )
+        dst_index = torch.frombuffer(copy.dst_pages, dtype=torch.int32).to(
+            dst[0][0].device, torch.long
+        )
+        for (src_k, src_v), (dst_k, dst_v) in zip(src, dst, strict=True):
+            for source, target in ((src_k, dst_k), (src_v, dst_v)):
+                pages = source.index_select(0, src_index).to(target.device)
+                target.index_copy_(0, dst_index, pages)
 
     def build_batch(self, chunks: Sequence[Chunk]) -> ForwardBatch:
         ps = self.page_size

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from cache import OutOfPages, OutOfSlots, SequenceCache
 from cache.sequences import PageCopy
+from cache.tiers import TierCopy
 from worker.samples import Phase, SampleState
 
 
@@ -40,7 +41,7 @@ class Scheduler:
         self,
         cache: SequenceCache,
         config: SchedulerConfig,
-        copy_pages: Callable[[list[PageCopy]], None],
+        copy_pages: Callable[[list[TierCopy | PageCopy]], None],
     ) -> None:
         self.cache = cache
         self.config = config

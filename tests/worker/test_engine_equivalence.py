@@ -4,7 +4,8 @@ For two model configs (Llama with GQA; Qwen3 with GQA 4:1, QK-norm, tied head, l
 greedy tokens are identical, and the logits at the prompt's last position agree to 1e-5
 relative, between a no-cache oracle that recomputes the whole sequence every step and the engine:
 cold with pages of 1 and 16, after a prefix hit, after a full-prompt hit, with several prefill
-chunk sizes, and inside batches of different composition.
+chunk sizes, inside batches of different composition, and after part of the prompt's KV went
+to the host tier and came back.
 """
 
 from __future__ import annotations
@@ -72,6 +73,18 @@ def _full_hit(engine: Engine, sink: Callable) -> None:  # type: ignore[type-arg]
     _run_target(engine, sink)
 
 
+def _host_tier_hit(engine: Engine, sink: Callable) -> None:  # type: ignore[type-arg]
+    """The warm prompt's tail is demoted to the host by a long request, then promoted back."""
+    engine.submit(greedy("warm", PROMPT, 8), lambda o: None)
+    drain(engine)
+    rng = random.Random(5)
+    engine.submit(greedy("crowd", [rng.randrange(1, 384) for _ in range(80)], 15), lambda o: None)
+    drain(engine)
+    assert engine.stats().demoted_pages > 0, "nothing went to the host"
+    _run_target(engine, sink)
+    assert engine.stats().promoted_pages > 0 and engine.stats().host_hit_tokens > 0
+
+
 def _crowded_batch(engine: Engine, sink: Callable) -> None:  # type: ignore[type-arg]
     rng = random.Random(3)
     for i in range(3):
@@ -99,6 +112,7 @@ SCENARIOS = {
     "chunk-7": (engine_config(max_prefill_chunk=7, page_size=4, num_pages=64), _run_target),
     "chunk-16-budget-20": (engine_config(max_prefill_chunk=16, token_budget=20), _run_target),
     "crowded-batch": (engine_config(page_size=4, num_pages=128), _crowded_batch),
+    "host-tier-hit": (engine_config(page_size=4, num_pages=32, host_pages=64), _host_tier_hit),
     "joins-mid-decode": (
         engine_config(page_size=16, num_pages=64, token_budget=24),
         _joins_mid_decode,
