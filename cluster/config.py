@@ -86,6 +86,12 @@ class EngineSection:
     host_pages: int = _at_least(0, 0)
     """Pages of the host tier: evicted KV moves to CPU memory instead of vanishing, and a later
     match copies it back (0: off). Each page holds page_size positions of every layer."""
+    persist_dir: str | None = None
+    """Where each worker saves its cache (a directory per worker under it) in the background
+    and on drain, and loads it at start; null: no persistence."""
+    persist_max_bytes: int = _at_least(8 << 30, 1)
+    persist_interval_s: float = _at_least(60.0, 0)
+    """Seconds between background saves; 0: only on drain."""
     max_stop_strings: int = _at_least(MAX_STOP_STRINGS, 0)
     """Stop strings one request may give (OpenAI allows 4); more are refused by name."""
     max_stop_chars: int = _at_least(MAX_STOP_CHARS, 1)

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 import torch
@@ -29,6 +30,7 @@ from cache.integrity import check_sequence_cache
 from kernels.layout import cdiv
 from worker import validation
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
 from worker.logprobs import token_logprob
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
@@ -80,6 +82,13 @@ class EngineConfig:
     block_size: int = 16
     host_pages: int = 0
     """Pages of the host tier (CPU memory; pinned on CUDA hosts); 0: evicted pages are gone."""
+    persist_dir: str | None = None
+    """Where the cache persists (a directory per worker under it): loaded at start, saved in
+    the background and on stop; None: the cache lives and dies with the process."""
+    persist_max_bytes: int = 8 << 30
+    """Disk the saved cache may use; the least recently used nodes are left out beyond it."""
+    persist_interval_s: float = 60.0
+    """Seconds between background saves while serving; 0: save only on stop."""
     model_revision: str = ""
     debug_checks: bool = False
     """Run the cache's full integrity check whenever the engine goes idle."""
@@ -152,6 +161,14 @@ class Engine:
         self._wake = threading.Event()
         self._finished = 0
         self._prompt_tokens = self._cached_tokens = self._generated = 0
+        self.store: KvStore | None = None
+        self.saver: BackgroundSaver | None = None
+        self.loaded = LoadReport(0, 0, 0)
+        if config.persist_dir is not None:
+            self.store = KvStore(Path(config.persist_dir) / source, config.persist_max_bytes)
+            self.loaded = self.store.load(self)
+            if config.persist_interval_s > 0:
+                self.saver = BackgroundSaver(self, self.store, config.persist_interval_s)
         self.observe_logits: Callable[[str, int, int, torch.Tensor], None] | None = None
         """Called on the engine thread with (request id, sample index, position, logits) before
         each token is drawn (tests and logprobs)."""
@@ -220,14 +237,27 @@ class Engine:
             raise RuntimeError("the engine is already running")
         self._thread = threading.Thread(target=self._loop, name="radixmesh-engine", daemon=True)
         self._thread.start()
+        if self.saver is not None:
+            self.saver.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is in flight and stop the thread."""
+        """Abort what is in flight, stop the thread, and save the cache (with `persist_dir`)."""
+        if self.saver is not None:
+            self.saver.stop()
         self._stopping.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error(
+                    "the engine thread did not stop in %.0f s; the cache is not saved", timeout
+                )
+                return
             self._thread = None
+        if self.store is not None:
+            began = time.perf_counter()
+            saved = self.store.save(self)
+            log.info("saved %d cached nodes in %.2f s", saved, time.perf_counter() - began)
 
     def stats(self) -> EngineStats:
         pool, tree, host = self.cache.pool, self.cache.tree, self.cache.host_pool

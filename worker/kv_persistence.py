@@ -1,0 +1,411 @@
+"""The prefix cache on disk: written while serving and on drain, loaded at start.
+
+A directory holds one safetensors file per tree node (its position keys and the K and V of its
+pages, every layer) and `manifest.json`: what the cache was computed with (identity scheme
+version, model revision, page size, block size, dtype, KV shape), then the nodes, parents
+first, each with its namespace, its file and the file's XXH3-128 checksum.
+
+    manifest.json                 {"format": 1, "identity": {...}, "nodes": [...]}
+    <node name>.safetensors       keys [n] int64 (the uint64 keys' bits), k / v [layers, pages,
+                                  page_size, kv_heads, head_dim]
+
+A node's file name is a digest of its namespace, its parent's name and its keys, so a node that
+did not change is not written again, and files that no manifest names are deleted. Loading
+refuses a manifest computed with anything else (one log line; the worker starts cold) and drops
+a node whose file is missing, truncated or fails its checksum, with everything below it: no KV
+is served that was not written for exactly that prefix of exactly that namespace. A node goes
+back under its own namespace (tenant salt and adapter included), so a reload cannot give one
+tenant's KV to another.
+
+Disk use is bounded: the most recently used nodes are kept (a node only with its parent) until
+the next would pass `max_bytes`.
+
+Thread rules: `snapshot` runs on the engine thread (or with the engine stopped) and copies KV
+into CPU tensors in bounded batches; `write` runs on any thread; `load` runs before the engine
+starts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+from array import array
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from xxhash import xxh3_128_hexdigest
+
+from cache import IDENTITY_SCHEME_VERSION, CacheError, CacheNamespace, Node
+from cache.tiers import DEVICE
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+log = logging.getLogger(__name__)
+FORMAT = 1
+MANIFEST = "manifest.json"
+SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreIdentity:
+    """What a saved cache was computed with; a load needs every field equal."""
+
+    scheme_version: int
+    model_revision: str
+    page_size: int
+    block_size: int
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> StoreIdentity:
+        k = engine.runner.kv[0][0]
+        return cls(
+            IDENTITY_SCHEME_VERSION,
+            engine.config.model_revision,
+            engine.config.page_size,
+            engine.config.block_size,
+            str(k.dtype).removeprefix("torch."),
+            len(engine.runner.kv),
+            k.shape[2],
+            k.shape[3],
+        )
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    name: str
+    parent: str | None
+    namespace: dict[str, Any]
+    start: int
+    positions: int
+    last_access: int
+    checksum: str = ""
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    nodes: int
+    positions: int
+    dropped: int
+    refused: str = ""
+    """Why the whole directory was ignored ('' when it was read)."""
+    seconds: float = 0.0
+
+
+def _namespace_fields(ns: CacheNamespace) -> dict[str, Any]:
+    image = None if ns.image_hash is None else format(ns.image_hash, "x")
+    return {"adapter": ns.adapter, "tenant": ns.tenant, "image_hash": image}
+
+
+def _namespace(fields: dict[str, Any]) -> CacheNamespace:
+    image = fields.get("image_hash")
+    image_hash = None if image is None else int(image, 16)
+    return CacheNamespace(fields.get("adapter"), fields.get("tenant"), image_hash)
+
+
+def _node_name(parent: str | None, ns: dict[str, Any], node: Node) -> str:
+    head = json.dumps([parent, ns, node.start], sort_keys=True).encode()
+    return xxh3_128_hexdigest(head + node.keys.tobytes())
+
+
+class KvStore:
+    """One worker's cache directory."""
+
+    def __init__(self, directory: Path | str, max_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.written: dict[str, tuple[str, int]] = {}
+        """Node name -> (checksum, bytes) of the files this store knows are on disk."""
+
+    # -- saving --------------------------------------------------------------------------------
+    def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
+        """The tree as records, most recently used first, a node only after its parent, and
+        the nodes by name (engine thread; walks the tree, copies nothing)."""
+        records: list[NodeRecord] = []
+        nodes: dict[str, Node] = {}
+        frontier: list[tuple[int, int, Node, str | None, dict[str, Any]]] = []
+        count = 0
+        for root in engine.cache.tree.roots.values():
+            ns = _namespace_fields(root.namespace or CacheNamespace())
+            for child in root.children.values():
+                count += 1
+                heapq.heappush(frontier, (-child.last_access, count, child, None, ns))
+        while frontier:
+            _, _, node, parent, ns = heapq.heappop(frontier)
+            name = _node_name(parent, ns, node)
+            nodes[name] = node
+            records.append(
+                NodeRecord(name, parent, ns, node.start, len(node.keys), node.last_access)
+            )
+            for child in node.children.values():
+                count += 1
+                heapq.heappush(frontier, (-child.last_access, count, child, name, ns))
+        return records, nodes
+
+    @staticmethod
+    def gather(
+        engine: Engine, node: Node, record: NodeRecord, first: int, end: int
+    ) -> tuple[bytes, torch.Tensor, torch.Tensor] | None:
+        """The keys of `node` and the K and V of its pages [first, end), on the CPU (engine
+        thread); None if the node left the tree or changed shape since `record` named it (a
+        demotion moves the pages, not what they hold: that is fine)."""
+        if node.parent is None or (node.start, len(node.keys)) != (record.start, record.positions):
+            return None
+        kv = engine.runner.kv if node.tier == DEVICE else engine.runner.host_kv
+        pages = node.pages[first:end]
+        index = torch.frombuffer(pages, dtype=torch.int32).to(kv[0][0].device, torch.long)
+        k = torch.stack([layer_k.index_select(0, index) for layer_k, _ in kv]).cpu()
+        v = torch.stack([layer_v.index_select(0, index) for _, layer_v in kv]).cpu()
+        return node.keys.tobytes(), k, v
+
+    def write_node(self, name: str, keys: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
+        tensors = {
+            "keys": torch.frombuffer(bytearray(keys), dtype=torch.int64),
+            "k": k.contiguous(),
+            "v": v.contiguous(),
+        }
+        data = save_tensors(tensors)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"{name}{SUFFIX}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        self.written[name] = (xxh3_128_hexdigest(data), len(data))
+
+    def write_manifest(self, records: list[NodeRecord], identity: StoreIdentity) -> int:
+        """Name the written nodes (a node only with its parent, within `max_bytes`, most
+        recently used first) in a new manifest, atomically; delete files it does not name.
+        Returns the nodes it lists."""
+        kept: list[dict[str, Any]] = []
+        placed: set[str] = set()
+        total = 0
+        for record in records:
+            on_disk = self.written.get(record.name)
+            if on_disk is None or (record.parent is not None and record.parent not in placed):
+                continue
+            if total + on_disk[1] > self.max_bytes:
+                continue
+            record.checksum, record.nbytes = on_disk
+            total += on_disk[1]
+            placed.add(record.name)
+            kept.append(asdict(record))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        manifest = {"format": FORMAT, "identity": asdict(identity), "nodes": kept}
+        tmp = self.directory / f"{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(manifest))
+        os.replace(tmp, self.directory / MANIFEST)
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            if path.stem not in placed:
+                path.unlink(missing_ok=True)
+                self.written.pop(path.stem, None)
+        return len(kept)
+
+    def save(self, engine: Engine) -> int:
+        """Everything at once, with the engine stopped (drain) or on its thread; returns the
+        nodes saved."""
+        records, nodes = self.records(engine)
+        for record in records:
+            if record.name in self.written:
+                continue
+            node = nodes[record.name]
+            got = self.gather(engine, node, record, 0, len(node.pages))
+            assert got is not None
+            self.write_node(record.name, *got)
+        return self.write_manifest(records, StoreIdentity.of(engine))
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, engine: Engine) -> LoadReport:
+        """Put the saved cache into `engine`'s cache (before it starts): most recently used
+        nodes first, while the device and host tiers have room."""
+        began = time.perf_counter()
+        path = self.directory / MANIFEST
+        if not path.exists():
+            return LoadReport(0, 0, 0)
+        try:
+            manifest = json.loads(path.read_text())
+            saved = StoreIdentity(**manifest["identity"])
+            records = [NodeRecord(**r) for r in manifest["nodes"]]
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            return self._refuse(f"its manifest is unreadable ({err})")
+        if manifest.get("format") != FORMAT:
+            return self._refuse(f"format {manifest.get('format')!r}, this worker reads {FORMAT}")
+        ours = StoreIdentity.of(engine)
+        diffs = [
+            f"{k} {getattr(saved, k)!r} (this worker: {getattr(ours, k)!r})"
+            for k in asdict(ours)
+            if getattr(saved, k) != getattr(ours, k)
+        ]
+        if diffs:
+            return self._refuse("it was saved with " + ", ".join(diffs))
+        cache = engine.cache
+        room = cache.pool.usable_pages + (cache.host_pool.usable_pages if cache.host_pool else 0)
+        ps = engine.config.page_size
+        keys_of: dict[str, array[int]] = {}
+        loaded = positions = dropped = 0
+        for record in records:
+            if record.parent is not None and record.parent not in keys_of:
+                dropped += 1  # its parent was dropped: nothing below it may be served
+                continue
+            pages = record.positions // ps
+            if pages > room - positions // ps:
+                dropped += 1
+                continue
+            tensors = self._read(record, ps, ours)
+            if tensors is None:
+                dropped += 1
+                continue
+            prefix = keys_of[record.parent] if record.parent is not None else array("Q")
+            keys = prefix + array("Q", tensors["keys"].numpy().tobytes())
+            if not self._attach(engine, _namespace(record.namespace), prefix, keys, tensors):
+                dropped += 1
+                continue
+            keys_of[record.name] = keys
+            self.written[record.name] = (record.checksum, record.nbytes)
+            loaded += 1
+            positions += record.positions
+        seconds = time.perf_counter() - began
+        log.info(
+            "loaded %d cached nodes (%d positions) from %s in %.2f s; %d dropped",
+            loaded, positions, self.directory, seconds, dropped,
+        )  # fmt: skip
+        return LoadReport(loaded, positions, dropped, seconds=seconds)
+
+    def _refuse(self, why: str) -> LoadReport:
+        log.warning("not loading the KV cache in %s: %s; starting cold", self.directory, why)
+        return LoadReport(0, 0, 0, refused=why)
+
+    def _read(
+        self, record: NodeRecord, ps: int, identity: StoreIdentity
+    ) -> dict[str, torch.Tensor] | None:
+        path = self.directory / f"{record.name}{SUFFIX}"
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            log.warning("dropping cached node %s: %s", record.name, err)
+            return None
+        if xxh3_128_hexdigest(data) != record.checksum:
+            log.warning("dropping cached node %s: its file fails its checksum", record.name)
+            return None
+        try:
+            tensors = load_tensors(data)
+        except Exception as err:  # safetensors raises its own error types
+            log.warning("dropping cached node %s: unreadable (%s)", record.name, err)
+            return None
+        pages = record.positions // ps
+        want = (identity.num_layers, pages, ps, identity.kv_heads, identity.head_dim)
+        if (
+            record.positions % ps
+            or tensors.get("keys") is None
+            or tuple(tensors["keys"].shape) != (record.positions,)
+            or any(tuple(tensors[t].shape) != want for t in ("k", "v") if t in tensors)
+            or not {"k", "v"} <= tensors.keys()
+        ):
+            log.warning("dropping cached node %s: its tensors do not fit", record.name)
+            return None
+        return tensors
+
+    def _attach(
+        self,
+        engine: Engine,
+        namespace: CacheNamespace,
+        prefix: array[int],
+        keys: array[int],
+        tensors: dict[str, torch.Tensor],
+    ) -> bool:
+        """Insert `keys` (its parent's path `prefix` is cached) with the node's KV."""
+        cache, runner = engine.cache, engine.runner
+        parent = None
+        before = array("i")
+        if prefix:
+            match = cache.tree.match(prefix, namespace)
+            if match.length != len(prefix):
+                return False  # the parent was evicted meanwhile (a full pool): skip this node
+            parent, before = match.last_node, match.pages
+        cache.tree.lock(parent)
+        try:
+            fresh = cache.table.allocate_pages((len(keys) - len(prefix)) // engine.config.page_size)
+        except CacheError:
+            cache.tree.unlock(parent)
+            return False
+        runner.copy_pages(cache.take_tier_copies())  # demotions read their pages first
+        index = torch.frombuffer(fresh, dtype=torch.int32).to(runner.device, torch.long)
+        for layer, (k_cache, v_cache) in enumerate(runner.kv):
+            k_cache.index_copy_(0, index, tensors["k"][layer].to(runner.device, k_cache.dtype))
+            v_cache.index_copy_(0, index, tensors["v"][layer].to(runner.device, v_cache.dtype))
+        result = cache.tree.insert(keys, before + fresh, namespace, from_node=parent)
+        cache.tree.unlock(parent)
+        if result.existing_pages:  # cannot happen in a fresh tree; free them if it does
+            cache.pool.free_private(fresh[: len(result.existing_pages)])
+        return True
+
+
+class BackgroundSaver:
+    """Saves the cache every `interval` seconds while the engine serves: the tree walk and
+    each copy of at most `max_bytes_per_call` of KV run on the engine thread between steps
+    (`Engine.call`), the files are written here."""
+
+    def __init__(
+        self, engine: Engine, store: KvStore, interval: float, max_bytes_per_call: int = 4 << 20
+    ) -> None:
+        self.engine, self.store, self.interval = engine, store, interval
+        k = engine.runner.kv[0][0]
+        page_bytes = 2 * len(engine.runner.kv) * k[0].numel() * k.element_size()
+        self.pages_per_call = max(1, max_bytes_per_call // page_bytes)
+        self.saves = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="radixmesh-kv-saver", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.save_once()
+            except Exception:  # a full disk, a stopped engine: log it, keep serving
+                log.exception("background save of the KV cache failed")
+
+    def save_once(self) -> int:
+        """One pass: copy and write every node not on disk yet, then the manifest."""
+        engine, store = self.engine, self.store
+        records, nodes = engine.call(lambda: store.records(engine)).result()
+        for record in records:
+            if self._stop.is_set():
+                break
+            if record.name in store.written:
+                continue
+            node = nodes[record.name]
+            parts: list[tuple[bytes, torch.Tensor, torch.Tensor]] = []
+            total = record.positions // engine.config.page_size
+            for first in range(0, total, self.pages_per_call):
+                end = min(first + self.pages_per_call, total)
+                gather = partial(store.gather, engine, node, record, first, end)
+                part = engine.call(gather).result()
+                if part is None:  # it changed meanwhile: the next pass names it anew
+                    break
+                parts.append(part)
+            else:
+                k = torch.cat([p[1] for p in parts], dim=1)
+                v = torch.cat([p[2] for p in parts], dim=1)
+                store.write_node(record.name, parts[0][0], k, v)
+        self.saves += 1
+        return store.write_manifest(records, StoreIdentity.of(engine))
