@@ -1,0 +1,38 @@
+"""A worker restarted with a persisted cache: its first request hits, and the router knows it.
+
+One worker behind the real router over loopback gRPC; it serves a long prompt, is stopped (its
+engine saves the cache on the way down, as a drain does), and comes back under the same name.
+The next turn of the same conversation must be served from the loaded cache, and the router,
+which rebuilt its index for the worker from the snapshot it takes on attach, must have
+predicted that hit: no cold window after a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from cluster.client import Client, text_request
+from tests.cluster.local_cluster import ENGINE, start_cluster
+from worker.loader import LoadedModel
+
+CONVERSATION = "Persistence keeps what the cache learned across a restart of its worker. " * 6
+
+
+def test_a_restarted_worker_hits_on_its_first_request(tiny: LoadedModel, tmp_path: Path) -> None:
+    engine = replace(ENGINE, persist_dir=str(tmp_path), persist_interval_s=0.0)
+    cluster = start_cluster(tiny, workers=1, engine=engine)
+    try:
+        client = Client(cluster.target)
+        first = list(client.generate(text_request(CONVERSATION + "One?", max_tokens=4)))[-1]
+        assert first.cached_prompt_tokens == 0
+        cluster.wait_idle()
+        cluster.kill_worker("worker-0")  # its engine saves on stop
+        assert (tmp_path / "worker-0" / "manifest.json").exists()
+        cluster.add_worker("worker-0")
+        assert cluster.engines["worker-0"].loaded.nodes > 0
+        second = list(client.generate(text_request(CONVERSATION + "Two?", max_tokens=4)))[-1]
+        assert second.cached_prompt_tokens >= 64, second
+        assert second.predicted_cached_tokens > 0, "the router's index started cold"
+    finally:
+        cluster.close()
