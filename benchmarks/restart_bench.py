@@ -1,0 +1,207 @@
+"""What a restart costs with the cache persisted: TTFT of a conversation's next turn cold, warm
+and after a restart, and the time to save and load a big cache.
+
+    turn 1: a ~1k-token conversation is served (the engine caches it)
+    turn 2: the conversation plus a question, measured three ways:
+      cold           a fresh engine, nothing cached
+      warm           the engine that served turn 1 (a device hit)
+      after restart  turn 1's engine stopped (it saves its cache, as on SIGTERM's drain), a new
+                     engine loads the directory, then turn 2 (the first request it sees)
+
+and, on the tiny model, the seconds to save and to load `--cache-tokens` cached tokens (a tree of
+conversations sharing a system prompt, through the same `KvStore` the engine uses).
+
+Medians of --repeats. Prints a table and one JSON object (and --output).
+Run: `python benchmarks/restart_bench.py [--model default] [--prompt-len 1024]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from worker.engine import Engine, EngineConfig
+from worker.kv_persistence import KvStore
+from worker.loader import load_model
+from worker.model import CausalLM
+from worker.request import GenerateRequest
+from worker.sampling_params import SamplingParams
+from worker.tiny_model import TINY_CONFIG, tiny_model
+
+console = Console(stderr=True)
+
+
+def _config(length: int, persist: Path | None, **extra: object) -> EngineConfig:
+    base: dict[str, object] = dict(
+        num_pages=2 * length // 16 + 64, page_size=16, max_running=4,
+        token_budget=length + 64, max_prefill_chunk=length + 64, max_model_len=length + 256,
+        persist_dir=None if persist is None else str(persist), persist_interval_s=0.0,
+    )  # fmt: skip
+    base.update(extra)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def _first_token(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, int]:
+    """(seconds to the first token, cached prompt tokens), stepping the engine directly."""
+    outputs: list = []
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    began = time.perf_counter()
+    engine.submit(GenerateRequest(request_id, tuple(prompt), sampling=sampling), outputs.append)
+    while not outputs:
+        engine.step()
+    elapsed = time.perf_counter() - began
+    while engine.step():
+        pass
+    return elapsed, outputs[0].cached_prompt_tokens
+
+
+def restart_ttft(model: CausalLM, length: int, repeats: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    rows: dict[str, list[float]] = {"cold": [], "warm": [], "after restart": []}
+    cached: dict[str, int] = {}
+    save_s, load_s = [], []
+    for r in track(range(repeats), description="restart TTFT", console=console):
+        turn1 = [rng.randrange(1, vocab) for _ in range(length)]
+        turn2 = [*turn1, *(rng.randrange(1, vocab) for _ in range(24))]
+        cold = Engine(model, None, _config(len(turn2), None))
+        _first_token(cold, [rng.randrange(1, vocab) for _ in range(32)], "warmup")
+        seconds, cached["cold"] = _first_token(cold, turn2, f"cold{r}")
+        rows["cold"].append(seconds)
+        warm = Engine(model, None, _config(len(turn2), None))
+        _first_token(warm, turn1, f"turn1-{r}")
+        seconds, cached["warm"] = _first_token(warm, turn2, f"warm{r}")
+        rows["warm"].append(seconds)
+        with tempfile.TemporaryDirectory(prefix="radixmesh-restart-") as tmp:
+            first = Engine(model, None, _config(len(turn2), Path(tmp)))
+            _first_token(first, turn1, f"turn1-{r}")
+            began = time.perf_counter()
+            first.stop()  # saves, as a drain does
+            save_s.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            second = Engine(model, None, _config(len(turn2), Path(tmp)))
+            load_s.append(time.perf_counter() - began)
+            seconds, cached["after restart"] = _first_token(second, turn2, f"restart{r}")
+            rows["after restart"].append(seconds)
+    medians = {name: statistics.median(times) for name, times in rows.items()}
+    return {
+        "prompt_tokens": length,
+        "ttft_ms": {name: 1000 * s for name, s in medians.items()},
+        "cached_tokens": cached,
+        "restart_over_warm": medians["after restart"] / medians["warm"],
+        "restart_over_cold": medians["after restart"] / medians["cold"],
+        "save_ms": 1000 * statistics.median(save_s),
+        "load_ms": 1000 * statistics.median(load_s),
+    }
+
+
+def save_load(tokens: int, conversation: int, repeats: int, seed: int) -> dict:
+    """Seconds to save and load `tokens` cached tokens of the tiny model."""
+    model = tiny_model(TINY_CONFIG, seed=seed)
+    rng = random.Random(seed)
+    ps = 16
+    system = [rng.randrange(1, TINY_CONFIG.vocab_size) for _ in range(256)]
+    count = max(1, (tokens - len(system)) // (conversation - len(system)))
+    config = _config(
+        conversation, None, num_pages=tokens // ps + 2 * count + 64, max_model_len=None
+    )
+    saves, loads, nbytes, nodes = [], [], 0, 0
+    for _ in track(range(repeats), description="save / load", console=console):
+        with tempfile.TemporaryDirectory(prefix="radixmesh-saveload-") as tmp:
+            engine = Engine(model, None, config)
+            tree = engine.cache.tree
+            for _ in range(count):  # cached as a prefill would leave them, without computing
+                tail = [rng.randrange(1, TINY_CONFIG.vocab_size) for _ in range(conversation)]
+                keys = (system + tail)[: conversation // ps * ps]
+                match = tree.match(keys)
+                fresh = engine.cache.pool.allocate(len(keys) // ps - len(match.pages))
+                tree.insert(keys, match.pages + fresh)
+            cached = tree.cached_pages * ps
+            store = KvStore(Path(tmp), 1 << 40)
+            began = time.perf_counter()
+            nodes = store.save(engine)
+            saves.append(time.perf_counter() - began)
+            nbytes = sum(p.stat().st_size for p in Path(tmp).iterdir())
+            began = time.perf_counter()
+            fresh_engine = Engine(model, None, config)
+            report = KvStore(Path(tmp), 1 << 40).load(fresh_engine)
+            loads.append(time.perf_counter() - began)
+            assert report.positions == cached, (report, cached)
+    return {
+        "cached_tokens": cached,
+        "nodes": nodes,
+        "bytes": nbytes,
+        "save_s": statistics.median(saves),
+        "load_s": statistics.median(loads),
+    }
+
+
+def report(result: dict) -> Table:
+    table = Table(title="restart with a persisted cache")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    if "restart" in result:
+        r = result["restart"]
+        for name, ms in r["ttft_ms"].items():
+            table.add_row(f"TTFT {name} ({r['cached_tokens'][name]} cached)", f"{ms:.1f} ms")
+        table.add_row("after restart / warm", f"{r['restart_over_warm']:.2f}")
+        table.add_row("after restart / cold", f"{r['restart_over_cold']:.2f}")
+        table.add_row(
+            f"save / load of the {r['prompt_tokens']}-token turn",
+            f"{r['save_ms']:.1f} / {r['load_ms']:.1f} ms",
+        )
+    if "save_load" in result:
+        s = result["save_load"]
+        table.add_row(
+            f"save / load {s['cached_tokens']:,} tokens (tiny model, {s['nodes']} nodes, "
+            f"{s['bytes'] / 2**20:.0f} MiB)",
+            f"{s['save_s']:.2f} / {s['load_s']:.2f} s",
+        )
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M) or 'tiny'")
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-tokens", type=int, default=1_000_000)
+    parser.add_argument("--conversation", type=int, default=2048, help="tokens per cached one")
+    parser.add_argument("--skip-restart", action="store_true")
+    parser.add_argument("--skip-save-load", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    result: dict = {}
+    if not args.skip_restart:
+        if args.model == "tiny":
+            model = tiny_model(TINY_CONFIG, seed=args.seed)
+        else:
+            model = load_model(args.model).model
+        result["restart"] = restart_ttft(model, args.prompt_len, args.repeats, args.seed)
+    if not args.skip_save_load:
+        result["save_load"] = save_load(
+            args.cache_tokens, args.conversation, args.repeats, args.seed
+        )
+    print(json.dumps(result))
+    if args.output is not None:
+        args.output.write_text(json.dumps(result) + "\n")
+    Console(width=None if sys.stdout.isatty() else 120).print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
