@@ -53,6 +53,7 @@ SCENARIOS: dict[str, list[str]] = {
         "--set", "metrics.serviceMonitor.enabled=true,model.volume.type=hostPath",
         "--set", "model.volume.hostPath=/srv/models,model.source=smollm2.gguf",
         "--set", "podDisruptionBudget.head.enabled=false,service.port=443",
+        "--set", "kvCache.persistence.enabled=true,kvCache.persistence.claimName=rm-kv",
     ],
 }  # fmt: skip
 

@@ -34,6 +34,7 @@ HEALTH_CHECK = CHART / "files" / "health_check.py"
 # Keys of radixmesh's config that the chart sets itself (values.schema.json refuses them).
 CHART_OWNED = {
     "model": {"source"},
+    "engine": {"persist_dir"},
     "workers": {"host"},
     "router": {"host", "resource"},
     "metrics": {"host"},
@@ -91,6 +92,23 @@ def test_configmap_values_per_example(tmp_path: Path) -> None:
     assert variants.router.http_port is None  # config.router.http_port=null: off, not 8000
     assert variants.model.source == "/models/smollm2.gguf"
     assert variants.security.tls_client_ca == "/etc/radixmesh/client-ca/ca.crt"
+    assert variants.engine.persist_dir == "/var/lib/radixmesh/kv"  # kvCache.persistence
+    assert cpu.engine.persist_dir is None
+
+
+@needs_helm
+def test_the_saved_kv_cache_lives_on_its_claim_in_every_worker_pod() -> None:
+    cluster = find(render("values-cpu-variants"), "RayCluster", RELEASE)
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    pod = group["template"]["spec"]
+    (claim,) = [v for v in pod["volumes"] if v["name"] == "kv-cache"]
+    assert claim["persistentVolumeClaim"] == {"claimName": "rm-kv"}
+    mounts = [m for c in pod["containers"] for m in c["volumeMounts"] if m["name"] == "kv-cache"]
+    assert [m["mountPath"] for m in mounts] == ["/var/lib/radixmesh/kv"]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    assert all(v["name"] != "kv-cache" for v in head.get("volumes", []))
+    off = find(render("values-cpu"), "RayCluster", RELEASE)["spec"]["workerGroupSpecs"][0]
+    assert all(v["name"] != "kv-cache" for v in off["template"]["spec"]["volumes"])
 
 
 @needs_helm

@@ -118,6 +118,11 @@ are merged in at start by the render-config init container (they live in a Secre
 {{- $_ := set $model "device" (ternary "cuda" "cpu" (eq (include "radixmesh.gpu" .) "true")) -}}
 {{- end -}}
 {{- $_ := set $cfg "model" $model -}}
+{{- if .Values.kvCache.persistence.enabled -}}
+{{- $engine := $cfg.engine | default dict -}}
+{{- $_ := set $engine "persist_dir" .Values.kvCache.persistence.mountPath -}}
+{{- $_ := set $cfg "engine" $engine -}}
+{{- end -}}
 {{- $workers := $cfg.workers | default dict -}}
 {{- $_ := set $workers "host" "0.0.0.0" -}}
 {{- $_ := set $workers "count" (include "radixmesh.workerCount" . | int) -}}
