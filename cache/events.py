@@ -4,6 +4,10 @@ The producer side (`KvEventPublisher`) numbers every event of one source 1, 2, 3
 it to any number of subscribers, synchronously and in order; subscribers must be cheap (put it on
 a queue). The consumer side (`BlockSetIndex`) applies events to a set of block hashes and notices
 a gap in the numbers, so a consumer that missed an event asks for a snapshot instead of drifting.
+
+With a host tier a block keeps its place in the set while its pages move: `demoted` says the
+blocks now live in host memory, `promoted` that they are back on the device. A consumer that
+knows nothing of tiers can treat both as no change.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ class KvEventKind(Enum):
     STORED = "stored"
     REMOVED = "removed"
     CLEARED = "cleared"
+    DEMOTED = "demoted"
+    PROMOTED = "promoted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +40,8 @@ class KvSnapshot:
     seq: int
     """The number of the last event already reflected in `block_hashes`."""
     block_hashes: frozenset[int]
+    host_block_hashes: frozenset[int] = frozenset()
+    """The blocks of `block_hashes` whose pages are in the host tier."""
 
 
 Subscriber = Callable[[KvEvent], None]
@@ -75,6 +83,8 @@ class BlockSetIndex:
         self.source = source
         self.seq = 0
         self.blocks: set[int] = set()
+        self.host: set[int] = set()
+        """The blocks of `blocks` in the host tier."""
         self.in_sync = True
         """False after a gap: events are ignored until `load_snapshot`."""
 
@@ -90,17 +100,26 @@ class BlockSetIndex:
             self.in_sync = False
             return False
         self.seq = event.seq
-        if event.kind is KvEventKind.STORED:
+        kind = event.kind
+        if kind is KvEventKind.STORED:
             self.blocks.update(event.block_hashes)
-        elif event.kind is KvEventKind.REMOVED:
+        elif kind is KvEventKind.REMOVED:
             self.blocks.difference_update(event.block_hashes)
+            if self.host:
+                self.host.difference_update(event.block_hashes)
+        elif kind is KvEventKind.DEMOTED:
+            self.host.update(event.block_hashes)
+        elif kind is KvEventKind.PROMOTED:
+            self.host.difference_update(event.block_hashes)
         else:
             self.blocks.clear()
+            self.host.clear()
         return True
 
     def load_snapshot(self, snapshot: KvSnapshot) -> None:
         if snapshot.source != self.source:
             raise ValueError(f"snapshot of {snapshot.source!r} loaded into {self.source!r}")
         self.blocks = set(snapshot.block_hashes)
+        self.host = set(snapshot.host_block_hashes)
         self.seq = snapshot.seq
         self.in_sync = True

@@ -117,6 +117,12 @@ class RadixCache:
         """Pages that eviction could free: every unlocked node's (O(1))."""
         return self.cached_pages - self.locked_pages
 
+    def _publish(self, kind: KvEventKind, blocks: list[int]) -> None:
+        """Publish `blocks` (and empty the list) when there are any and a publisher."""
+        if blocks and self.publisher is not None:
+            self.publisher.publish(kind, blocks)
+        blocks.clear()
+
     def take_copies(self) -> list[TierCopy]:
         """The tier copies queued since the last call, in the order they must run."""
         copies, self._copies = self._copies, []
@@ -182,6 +188,7 @@ class RadixCache:
                 pages.extend(node.pages)
                 blocks.extend(node.blocks)
             self.promoted_pages += need
+            self._publish(KvEventKind.PROMOTED, blocks[len(match.block_hashes) :])
         finally:
             self.unlock(top)
         return MatchResult(pages, top.end, top, blocks)
@@ -340,7 +347,7 @@ class RadixCache:
         """Below `node`, host nodes holding `keys[pos:]` take the caller's device pages for
         those positions (already computed: nothing is copied) and free their host pages.
         Returns the last node taken, where it ends, and the pages taken."""
-        ps, n, adopted = self.page_size, len(keys), 0
+        ps, n, adopted, moved = self.page_size, len(keys), 0, list[int]()
         while pos < n:
             child = node.children.get(self._key(keys, pos))
             if child is None:
@@ -355,8 +362,10 @@ class RadixCache:
             self._move_to_device(child, as_pages(pages[pos // ps : (pos + cut) // ps]), False)
             self.adopted_pages += cut // ps
             adopted += cut // ps
+            moved.extend(child.blocks)
             pos += cut
             node = child
+        self._publish(KvEventKind.PROMOTED, moved)
         return node, pos, adopted
 
     def _start_node(self, keys: Keys, namespace: CacheNamespace, from_node: Node | None) -> Node:
@@ -445,8 +454,7 @@ class RadixCache:
             if surplus > 0:  # keep the head, evict only the pages still needed
                 self._split(victim, surplus * self.page_size)
             freed += self._demote(victim, removed) or self._drop_subtree(victim, removed)
-        if removed and self.publisher is not None:
-            self.publisher.publish(KvEventKind.REMOVED, removed)
+        self._publish(KvEventKind.REMOVED, removed)
         self.evicted_pages += freed
         return freed
 
@@ -498,6 +506,7 @@ class RadixCache:
                 self._split(victim, surplus * self.page_size)
             self.host_evicted_pages += len(victim.pages)
             self._remove_leaf(victim, removed)
+        self._publish(KvEventKind.REMOVED, removed)  # the drops came first
         pages = host.allocate(count)
         host.claim(pages)
         self._copies.append(TierCopy(DEVICE, node.pages, HOST, pages))
@@ -506,6 +515,7 @@ class RadixCache:
         self.cached_pages -= count
         self.host_cached_pages += count
         self.demoted_pages += count
+        self._publish(KvEventKind.DEMOTED, list(node.blocks))
         self._requeue(node)
         if node.parent is not None:
             self._requeue(node.parent)
@@ -626,7 +636,17 @@ class RadixCache:
             blocks.update(node.blocks)
         return blocks
 
+    def host_block_set(self) -> set[int]:
+        """The routing blocks of nodes in the host tier."""
+        blocks: set[int] = set()
+        if self.host_cached_pages:
+            for node in self.nodes():
+                if node.tier == HOST:
+                    blocks.update(node.blocks)
+        return blocks
+
     def snapshot(self) -> KvSnapshot:
         source = self.publisher.source if self.publisher else ""
         seq = self.publisher.seq if self.publisher else 0
-        return KvSnapshot(source, seq, frozenset(self.block_set()))
+        host = frozenset(self.host_block_set())
+        return KvSnapshot(source, seq, frozenset(self.block_set()), host)

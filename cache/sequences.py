@@ -76,6 +76,8 @@ class CachedSequence:
     page_copies: list[PageCopy] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     released: bool = False
+    host_reused: int = 0
+    """Of `reused`, the positions `start` promoted from the host tier."""
 
 
 @dataclass(slots=True)
@@ -167,11 +169,12 @@ class SequenceCache:
             chain = list(block_hashes)
             self.stats.given_blocks += len(chain)
         seq = CachedSequence(slot, namespace, keys, n, reuse, reuse, node, full, copies, chain)
+        seq.host_reused = max(0, reuse - on_device)
         self._live[slot] = seq
         self.stats.started += 1
         self.stats.prompt_positions += n
         self.stats.reused_positions += reuse
-        self.stats.host_positions += max(0, reuse - on_device)
+        self.stats.host_positions += seq.host_reused
         return seq
 
     def take_page_copies(self, seq: CachedSequence) -> list[TierCopy | PageCopy]:

@@ -210,6 +210,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                     response.index,
                     len(response.token_ids),
                     response.cached_prompt_tokens,
+                    response.host_cached_tokens,
                 )
                 if not answered:
                     answered = True

@@ -72,7 +72,12 @@ class StreamTiming:
         return dispatch
 
     def responded(
-        self, dispatch: Dispatch, index: int, tokens: int, cached_prompt_tokens: int
+        self,
+        dispatch: Dispatch,
+        index: int,
+        tokens: int,
+        cached_prompt_tokens: int,
+        host_cached_tokens: int = 0,
     ) -> None:
         """A message of sample `index` carrying `tokens` new tokens."""
         if index:  # sample 0 starts first; the others' messages fall between its steps
@@ -86,6 +91,7 @@ class StreamTiming:
                     dispatch.prompt_tokens - cached_prompt_tokens,
                     dispatch.running_before,
                     now - dispatch.began,
+                    host_cached_tokens,
                 )
                 self._observed()
         elif tokens > 0:

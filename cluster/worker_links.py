@@ -216,6 +216,11 @@ class WorkerLinks:
 
     async def _load_snapshot(self, link: WorkerLink) -> None:
         message = await link.stub.GetSnapshot(worker_pb2.GetSnapshotRequest(), timeout=10)
-        snapshot = KvSnapshot(link.name, message.seq, frozenset(message.block_hashes))
+        snapshot = KvSnapshot(
+            link.name,
+            message.seq,
+            frozenset(message.block_hashes),
+            frozenset(message.host_block_hashes),
+        )
         self.policy.load_snapshot(link.name, snapshot)
         link.snapshots_loaded += 1

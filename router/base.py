@@ -44,6 +44,9 @@ class BaseRouter:
         self.decode_s = 0.0
         """Seconds each running request adds to a new request's first token on its worker
         (0 until `calibrate`: the reference service model has no decode)."""
+        self.host_rate = config.host_rate or 10.0 * config.prefill_rate
+        """Tokens per second copied back from a worker's host tier (a policy prices a host
+        hit by it against recomputing)."""
 
     # -- membership ----------------------------------------------------------------------------
     def add_worker(self, worker: WorkerId, capacity_tokens: int) -> None:
@@ -122,6 +125,8 @@ class BaseRouter:
         worker's next `prefill_done` re-prices what is left of its queue."""
         self.prefill_rate = self.loads.prefill_rate = rates.prefill_rate
         self.decode_s = rates.decode_s
+        if rates.host_rate is not None:
+            self.host_rate = rates.host_rate
 
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.members.require(worker)

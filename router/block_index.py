@@ -7,6 +7,11 @@ Removing a worker, or a `cleared` event, costs O(that worker's blocks), not O(th
 
 Must never guess: a block is in a worker's set only if that worker's events (or snapshot) said
 so. Stale-but-unconfirmed knowledge lives in `router/pending.py`, not here.
+
+With host tiers, `host_holders` maps each block some worker holds in host memory to the mask
+of those workers (`demoted` / `promoted` events, the snapshot's host blocks): a worker's blocks
+on a request's chain are a device prefix then a host suffix, so `host_from` finds where its
+host part begins. It stays empty, and costs nothing, while no worker has a host tier.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class BlockIndex:
     def __init__(self) -> None:
         self.holders: dict[int, int] = {}
         """Block hash -> mask of the workers whose events say they hold it."""
+        self.host_holders: dict[int, int] = {}
+        """Block hash -> mask of the workers holding it in their host tier."""
         self._sets: dict[WorkerId, BlockSetIndex] = {}
         self._bits: dict[WorkerId, int] = {}
 
@@ -53,31 +60,46 @@ class BlockIndex:
 
     def remove(self, worker: WorkerId) -> None:
         """Drop the worker's blocks: O(its size)."""
-        unmark(self.holders, self._bits.pop(worker), self._sets.pop(worker).blocks)
+        bit, index = self._bits.pop(worker), self._sets.pop(worker)
+        unmark(self.holders, bit, index.blocks)
+        unmark(self.host_holders, bit, index.host)
 
     def apply(self, worker: WorkerId, event: KvEvent) -> bool:
         """Apply the worker's next event; False after a gap (until `load_snapshot`)."""
         index = self._sets[worker]
         before = index.seq
-        cleared = set(index.blocks) if event.kind is KvEventKind.CLEARED else None
+        kind = event.kind
+        cleared = (set(index.blocks), set(index.host)) if kind is KvEventKind.CLEARED else None
         ok = index.apply(event)
         if index.seq == before:
             return ok  # a gap (ignored), or a redelivery already reflected
         bit = self._bits[worker]
-        if event.kind is KvEventKind.STORED:
+        if kind is KvEventKind.STORED:
             mark(self.holders, bit, event.block_hashes)
+        elif kind is KvEventKind.REMOVED:
+            unmark(self.holders, bit, event.block_hashes)
+            if self.host_holders:
+                unmark(self.host_holders, bit, event.block_hashes)
+        elif kind is KvEventKind.DEMOTED:
+            mark(self.host_holders, bit, event.block_hashes)
+        elif kind is KvEventKind.PROMOTED:
+            unmark(self.host_holders, bit, event.block_hashes)
         else:
-            unmark(self.holders, bit, event.block_hashes if cleared is None else cleared)
+            assert cleared is not None
+            unmark(self.holders, bit, cleared[0])
+            unmark(self.host_holders, bit, cleared[1])
         return True
 
     def load_snapshot(self, worker: WorkerId, snapshot: KvSnapshot) -> None:
         """Replace the worker's set by `snapshot` (after a gap, or on (re)join)."""
         index = self._sets[worker]
-        old = index.blocks
+        old, old_host = index.blocks, index.host
         index.load_snapshot(snapshot)
         bit = self._bits[worker]
         unmark(self.holders, bit, old - index.blocks)
         mark(self.holders, bit, index.blocks - old)
+        unmark(self.host_holders, bit, old_host - index.host)
+        mark(self.host_holders, bit, index.host - old_host)
 
     def in_sync(self, worker: WorkerId) -> bool:
         return self._sets[worker].in_sync
@@ -105,10 +127,29 @@ class BlockIndex:
                 bad = mid
         return good + 1
 
+    def host_from(self, bit: int, hashes: tuple[int, ...], depth: int) -> int:
+        """Where the host part of the worker's first `depth` blocks of `hashes` begins (`depth`
+        when none of them is on its host): a bisection, the host blocks being a suffix."""
+        mask, get = 1 << bit, self.host_holders.get
+        if not depth or not get(hashes[depth - 1], 0) & mask:
+            return depth
+        low, high = 0, depth - 1  # hashes[high] is on the host
+        while low < high:
+            mid = (low + high) // 2
+            if get(hashes[mid], 0) & mask:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
     def nbytes(self) -> int:
         """Bytes held: every set's and the holders dict's tables, one int per distinct block,
         and one mask per block once masks outgrow CPython's cached small ints (bit 8 up)."""
         tables = sum(sys.getsizeof(index.blocks) for index in self._sets.values())
         widest = max(self._bits.values(), default=0)
         mask = 0 if widest < 8 else sys.getsizeof(1 << widest)
-        return tables + sys.getsizeof(self.holders) + (INT_BYTES + mask) * len(self.holders)
+        total = tables + sys.getsizeof(self.holders) + (INT_BYTES + mask) * len(self.holders)
+        if self.host_holders:  # only with host tiers (and then the host sets too)
+            total += sum(sys.getsizeof(index.host) for index in self._sets.values())
+            total += sys.getsizeof(self.host_holders) + (INT_BYTES + mask) * len(self.host_holders)
+        return total

@@ -12,6 +12,9 @@ routes, and `best` the most any worker holds:
                                                whose only home is W
             + decode_s x running(W)            the engine steps of W's running requests that the
                                                new one waits through (0 unless `calibrate`d)
+            + host(W) / host_rate              the part of cached(W) that W holds in its host
+                                               tier, copied back before the prefill (only
+                                               while some worker has one)
 
 The first two terms are the request's own TTFT; the greedy `least_ttft` stops there. The third
 is the cost to later requests of scattering a prefix: every token recomputed away from its
@@ -147,12 +150,15 @@ class CacheAware(BaseRouter):
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
             ttft_tail.add(best_ttft)
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
+        on_host = self.index.host_holders
         low = float("inf")
         tied: list[tuple[WorkerId, int]] = []  # not list[...](): a generic alias per call
         for worker, wait, own, cached in candidates:
             cost = wait + own + extra * (best_cached - cached)
             if decode_s:
                 cost += decode_s * states[worker].running
+            if on_host and cached:
+                cost += self._host_tokens(worker, request.block_hashes, cached) / self.host_rate
             if reserved_of:
                 for saving in reserved_of.get(worker, ()):
                     cost += own if own < saving else saving
@@ -243,6 +249,13 @@ class CacheAware(BaseRouter):
                 floor = min(floor, cost)
             if len(out) == full:
                 break
+
+    def _host_tokens(self, worker: WorkerId, hashes: tuple[int, ...], cached: int) -> int:
+        """Of the `cached` leading tokens `worker` holds, those in its host tier."""
+        block = self.block_tokens
+        depth = min(-(-cached // block), len(hashes))
+        start = self.index.host_from(self.members.bit[worker], hashes, depth)
+        return max(0, cached - start * block)
 
     def _total_wait(self, now: float) -> float:
         """Seconds of queued prefill on all workers together, drained to `now`."""

@@ -15,6 +15,9 @@ class RouterConfig:
     prefill_rate: float = 8000.0
     """A worker's prefill speed in tokens/s: turns queued tokens into seconds of waiting."""
     block_tokens: int = 16
+    host_rate: float | None = None
+    """Tokens per second a worker copies back from its host tier, until learned; None: 10x
+    `prefill_rate`."""
     """Tokens per routing block: the workers' `IdentityScheme.block_size`."""
     pending_ttl_s: float = 60.0
     """The longest an unconfirmed route counts as cached on its worker."""
@@ -22,6 +25,8 @@ class RouterConfig:
     """How long after its prefill a route still counts, while its `stored` event travels."""
 
     def __post_init__(self) -> None:
+        if self.host_rate is not None and not 0.0 < self.host_rate < math.inf:
+            raise ValueError(f"host_rate must be > 0 tokens/s and finite, got {self.host_rate}")
         if not 0.0 < self.prefill_rate < math.inf:  # NaN too: every cost would be NaN
             raise ValueError(
                 f"prefill_rate must be > 0 tokens/s and finite, got {self.prefill_rate}"

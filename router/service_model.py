@@ -30,6 +30,13 @@ whenever the slope is not positive, it falls back to the ratio (uncached tokens 
 seconds left after decode). Until `min_samples` of each kind were seen the configured values
 stand, and the learned rate stays within `max_factor` of the configured one. Must never be
 trusted for anything but routing costs; it is an estimate, not a measurement of record.
+
+Host tiers: a first token whose prompt was partly copied back from a worker's host tier
+(`host_tokens`, reported by the worker) is kept out of the prefill fit. What it took beyond
+that fit's prediction for its uncached tokens, over its host tokens, is the host tier's cost per
+token: `host_rate` is host tokens over those excess seconds, both decayed sums, once
+`min_samples` such first tokens were seen (the configured rate until then), within
+`max_factor` of the configured one.
 """
 
 from __future__ import annotations
@@ -44,11 +51,18 @@ class ServiceRates:
     """Tokens per second of prefill on one worker."""
     decode_s: float
     """Seconds each running request adds to a new request's first token on its worker."""
+    host_rate: float | None = None
+    """Tokens per second copied back from a host tier; None: keep the configured rate."""
 
     def __post_init__(self) -> None:
         # a policy divides by the rate and multiplies the decode cost into every score: a
         # zero, negative or non-finite value would surface later as a crash or a NaN cost
-        if not 0.0 < self.prefill_rate < math.inf or not 0.0 <= self.decode_s < math.inf:
+        host_bad = self.host_rate is not None and not 0.0 < self.host_rate < math.inf
+        if (
+            host_bad
+            or not 0.0 < self.prefill_rate < math.inf
+            or not 0.0 <= self.decode_s < math.inf
+        ):
             raise ValueError(
                 "need 0 < prefill_rate < inf tokens/s and 0 <= decode_s < inf s, got "
                 f"{self.prefill_rate}, {self.decode_s}"
@@ -63,6 +77,7 @@ class ServiceModel:
         min_samples: int = 16,
         max_factor: float = 100.0,
         min_spread_tokens: float = 32.0,
+        host_rate: float | None = None,
     ) -> None:
         if (
             not 0.0 < prefill_rate < math.inf
@@ -77,6 +92,7 @@ class ServiceModel:
                 f"{prefill_rate}, {half_life}, {min_samples}, {max_factor}, {min_spread_tokens}"
             )
         self.configured_rate = prefill_rate
+        self.configured_host_rate = host_rate if host_rate is not None else 10.0 * prefill_rate
         self.max_factor = max_factor
         self.min_samples = min_samples
         self.min_spread_tokens = min_spread_tokens
@@ -88,6 +104,9 @@ class ServiceModel:
         # through: running + 1) and x r, so the line can be fitted with any later decode_s
         self._first = [0.0] * 7
         self._first_tokens = 0
+        self._host_tokens = 0.0  # decayed sums of host tokens and their excess seconds
+        self._host_seconds = 0.0
+        self._host_samples = 0
 
     def observe_step(self, running: int, seconds: float) -> None:
         """One decode step: `seconds` between two responses while `running` requests ran."""
@@ -98,10 +117,18 @@ class ServiceModel:
         self._step_running = self._step_running * d + running
         self._steps += 1
 
-    def observe_first_token(self, uncached_tokens: int, running: int, seconds: float) -> None:
+    def observe_first_token(
+        self, uncached_tokens: int, running: int, seconds: float, host_tokens: int = 0
+    ) -> None:
         """A request dispatched to a worker with no prefill queued and `running` requests in
-        flight (itself excluded) had its first token after `seconds`."""
-        if uncached_tokens < 1 or running < 0 or not 0.0 <= seconds < math.inf:
+        flight (itself excluded) had its first token after `seconds`; `host_tokens` of its
+        cached prompt came back from the host tier."""
+        if running < 0 or not 0.0 <= seconds < math.inf:
+            return
+        if host_tokens > 0:
+            self._observe_host(max(uncached_tokens, 0), running, seconds, host_tokens)
+            return
+        if uncached_tokens < 1:
             return
         x, y, r, d = float(uncached_tokens), seconds, running + 1.0, self._decay
         for i, value in enumerate((1.0, x, x * x, y, x * y, r, x * r)):
@@ -138,5 +165,36 @@ class ServiceModel:
             return None
         return sx / sy
 
+    def _observe_host(self, uncached: int, running: int, seconds: float, host: int) -> None:
+        fit = self._fit() if self._first_tokens >= self.min_samples else None
+        if fit is None:  # no prefill fit to subtract yet
+            return
+        slope, intercept = fit
+        excess = seconds - intercept - self.decode_s * (running + 1) - slope * uncached
+        d = self._decay
+        self._host_tokens = self._host_tokens * d + host
+        self._host_seconds = self._host_seconds * d + max(excess, 0.0)
+        self._host_samples += 1
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(seconds per uncached token, seconds of overhead) of the first-token fit."""
+        n, sx, _, sy, _, sr, _ = self._first
+        rate = self._fitted_rate()
+        if rate is None or n <= 0:
+            return None
+        slope = 1.0 / rate
+        return slope, max(0.0, (sy - self.decode_s * sr - slope * sx) / n)
+
+    @property
+    def host_rate(self) -> float:
+        """The learned host tier rate (tokens/s), clamped; the configured one until enough."""
+        configured = self.configured_host_rate
+        if self._host_samples < self.min_samples:
+            return configured
+        if self._host_seconds <= 0:
+            return configured * self.max_factor
+        rate = self._host_tokens / self._host_seconds
+        return min(max(rate, configured / self.max_factor), configured * self.max_factor)
+
     def rates(self) -> ServiceRates:
-        return ServiceRates(self.prefill_rate, self.decode_s)
+        return ServiceRates(self.prefill_rate, self.decode_s, self.host_rate)

@@ -440,6 +440,7 @@ class Engine:
             text=text,
             prompt_tokens=request.prompt_tokens,
             cached_prompt_tokens=request.cached_prompt_tokens,
+            host_cached_tokens=request.host_cached_tokens,
             finished=reason is not None,
             finish_reason=reason,
             error=error,

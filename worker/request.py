@@ -73,6 +73,8 @@ class RequestOutput:
     prompt_tokens: int
     cached_prompt_tokens: int
     """Prompt positions whose KV came from the prefix cache (at the sample's first admission)."""
+    host_cached_tokens: int = 0
+    """Of `cached_prompt_tokens`, those copied back from the host tier."""
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

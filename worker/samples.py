@@ -67,6 +67,8 @@ class RequestState:
     cached_prompt_tokens: int = 0
     """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as
     the client sent it: `prompt_tokens` at most)."""
+    host_cached_tokens: int = 0
+    """Of those, the positions that came back from the host tier."""
     admitted: bool = False
     forked: bool = False
     stops: StopStrings = field(init=False)

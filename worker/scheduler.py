@@ -108,6 +108,9 @@ class Scheduler:
             sample.request.admitted = True
             # a resumed sample's ids end with generated tokens: its cache hit counts the prompt
             sample.request.cached_prompt_tokens = min(seq.reused, sample.request.prompt_tokens)
+            sample.request.host_cached_tokens = min(
+                seq.host_reused, sample.request.cached_prompt_tokens
+            )
         return True
 
     def _make_room(self, sample: SampleState, positions: int) -> bool:

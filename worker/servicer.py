@@ -117,7 +117,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.KvSnapshot:
         snapshot = await self._on_engine(self.engine.cache.tree.snapshot)
         return worker_pb2.KvSnapshot(
-            worker=self.name, seq=snapshot.seq, block_hashes=sorted(snapshot.block_hashes)
+            worker=self.name,
+            seq=snapshot.seq,
+            block_hashes=sorted(snapshot.block_hashes),
+            host_block_hashes=sorted(snapshot.host_block_hashes),
         )
 
     async def GetLoad(

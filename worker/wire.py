@@ -91,6 +91,7 @@ def output_to_proto(
         finish_reason=output.finish_reason or "",
         prompt_tokens=output.prompt_tokens,
         cached_prompt_tokens=output.cached_prompt_tokens,
+        host_cached_tokens=output.host_cached_tokens,
         predicted_cached_tokens=predicted_cached_tokens,
         worker=worker,
         logprobs=[logprob_to_proto(each) for each in output.logprobs],

@@ -248,6 +248,7 @@ class CacheMachine(RuleBasedStateMachine):
         check_sequence_cache(self.cache)
         assert self.index.in_sync, "an event was lost"
         assert self.index.blocks == self.cache.tree.block_set(), "events disagree with the tree"
+        assert self.index.host == self.cache.tree.host_block_set(), "events lost a tier move"
 
     @invariant()
     def cached_pages_hold_their_keys(self) -> None:

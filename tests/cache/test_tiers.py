@@ -63,7 +63,8 @@ def test_eviction_moves_pages_to_the_host_and_a_match_finds_them_there() -> None
     assert (copy.src_tier, copy.dst_tier) == (DEVICE, HOST)
     assert list(copy.src_pages) == list(device_pages)
     assert all(t.host.state(page) == CACHED for page in copy.dst_pages)
-    assert t.events == [], "a demoted block is still cached: no event"
+    (demoted,) = t.events  # still cached, now on the host
+    assert demoted.kind is KvEventKind.DEMOTED and len(demoted.block_hashes) == 2
     match = t.tree.match([*range(100, 108), 5])
     assert (match.length, match.last_node, match.host_length) == (0, None, 8)
     assert match.host_node is not None and match.host_node.tier == HOST
@@ -84,6 +85,8 @@ def test_promote_copies_the_pages_back_and_frees_the_host() -> None:
     assert list(up.dst_pages) == list(promoted.pages)
     assert t.host.num_cached == 0 and t.tree.promoted_pages == 8
     assert len(promoted.block_hashes) == 2, "the blocks come back with the pages"
+    assert t.events[-1].kind is KvEventKind.PROMOTED
+    assert t.events[-1].block_hashes == tuple(promoted.block_hashes)
 
 
 def test_a_full_host_drops_its_least_recently_used_leaf() -> None:
@@ -99,7 +102,8 @@ def test_a_full_host_drops_its_least_recently_used_leaf() -> None:
     assert t.tree.match([1, 2, 3, 4]).host_length == 0
     assert t.tree.match([5, 6, 7, 8]).host_length == 4
     assert t.tree.match([9, 10, 11, 12]).host_length == 4
-    assert t.kinds() == [KvEventKind.REMOVED] and len(t.events[0].block_hashes) == 1
+    assert t.kinds() == [KvEventKind.REMOVED, KvEventKind.DEMOTED], "the drop first"
+    assert len(t.events[0].block_hashes) == 1 and len(t.events[1].block_hashes) == 1
     assert t.tree.host_evicted_pages == 4
 
 
@@ -132,8 +136,9 @@ def test_an_insert_over_host_positions_takes_the_callers_pages_without_a_copy() 
     assert t.tree.take_copies() == [], "the caller computed them: nothing to copy"
     assert t.tree.adopted_pages == 8 and t.host.num_free == t.host.usable_pages
     assert list(t.tree.match(keys).pages) == list(fresh)
-    stored = [e for e in t.events if e.kind is KvEventKind.STORED]
-    assert len(stored) == 1 and len(stored[0].block_hashes) == 1, "only the new block is news"
+    assert t.kinds() == [KvEventKind.PROMOTED, KvEventKind.STORED]
+    assert len(t.events[0].block_hashes) == 2, "the adopted blocks are back on the device"
+    assert len(t.events[1].block_hashes) == 1, "only the new block is stored"
 
 
 def test_an_insert_over_host_positions_with_pages_not_private_changes_nothing() -> None:

@@ -35,7 +35,8 @@ def _serve(host_pages: int) -> tuple[list[int], dict[str, int], object]:
     drain(engine)
     check_sequence_cache(engine.cache)
     final = recorder.final("turn2")
-    return recorder.tokens("turn2"), {"cached": final.cached_prompt_tokens}, engine
+    counts = {"cached": final.cached_prompt_tokens, "host": final.host_cached_tokens}
+    return recorder.tokens("turn2"), counts, engine
 
 
 def test_a_turn_pushed_out_of_the_device_comes_back_from_the_host() -> None:
@@ -44,6 +45,7 @@ def test_a_turn_pushed_out_of_the_device_comes_back_from_the_host() -> None:
     assert tokens == cold_tokens, "the host tier changed an output"
     assert cold["cached"] == 0, "without a host tier the conversation was evicted"
     assert warm["cached"] == 64, "every whole page of the conversation came back"
+    assert (warm["host"], cold["host"]) == (64, 0), "the output says where its hit came from"
     stats = engine.stats()  # type: ignore[attr-defined]
     assert stats.host_hit_tokens == 64 and stats.promoted_pages == 16
     assert stats.demoted_pages >= 16 and stats.host_total_pages == 127
@@ -56,6 +58,8 @@ def test_stats_and_metrics_report_the_host_tier() -> None:
     assert (wire.host_total_pages, wire.host_cached_pages) == (127, stats.host_cached_pages)
     assert (wire.demoted_pages, wire.promoted_pages) == (stats.demoted_pages, 16)
     assert wire.host_hit_tokens == 64
+    snapshot = engine.cache.tree.snapshot()  # type: ignore[attr-defined]
+    assert snapshot.host_block_hashes and snapshot.host_block_hashes <= snapshot.block_hashes
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, "w"))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
