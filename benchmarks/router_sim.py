@@ -7,7 +7,11 @@ capacity, and the reference service model, so that numbers compare across implem
   tokens/s over the prompt tokens its cache does not hold when the prefill starts;
 - TTFT = time waiting for the worker + uncached tokens / rate;
 - the prompt enters the worker's cache when its prefill completes (KV events go to the router
-  then, `--event-delay-ms` later); decode is not modelled.
+  then, `--event-delay-ms` later); decode is not modelled;
+- tiers (`--host-tokens`): each worker's cache also has a host tier of that many tokens; what
+  its device evicts moves there, and a request whose prefix it reaches copies it back at
+  `--host-rate` tokens/s before its prefill (TTFT adds host tokens / host rate). The router is
+  told that rate (a live router learns it).
 
 References on the same stream: the pooled cache (one cache of N x capacity, each request served
 at its arrival) and the TTFT floor (uncached tokens of the pooled cache / rate, no queueing).
@@ -175,20 +179,30 @@ class Simulation:
         self.scale = stream.token_scale
         self.rate = args.prefill_rate
         self.now = 0.0
+        self.host_rate = args.host_rate or 10.0 * self.rate
         config = RouterConfig(
-            prefill_rate=self.rate, block_tokens=stream.block_positions * self.scale
+            prefill_rate=self.rate,
+            block_tokens=stream.block_positions * self.scale,
+            host_rate=self.host_rate,
         )
         self.policy: RoutingPolicy = make_policy(
             policy_name, config, lambda: self.now, **(knobs or {})
         )
         self.label = label or policy_name
         positions = args.capacity_tokens // self.scale
+        host_positions = args.host_tokens // self.scale
         self.workers: dict[str, SimWorker] = {}
         self.deliveries: deque[tuple[float, str, KvEvent]] = deque()
         for w in range(args.workers):
             name = f"w{w}" if not args.seed else f"w{w}.{args.seed}"  # the seed salts tie-breaks
             cache = SequenceCache(
-                CacheConfig(positions + 1, 1, max_sequences=4, block_size=stream.block_positions),
+                CacheConfig(
+                    positions + 1,
+                    1,
+                    max_sequences=4,
+                    block_size=stream.block_positions,
+                    host_pages=host_positions + 1 if host_positions else 0,
+                ),
                 source=name,
             )
             cache.events.subscribe(self._publisher(name))
@@ -198,7 +212,7 @@ class Simulation:
         self.route_ns: list[int] = []
         self._time_each_route()
         self.ttft: list[float] = []
-        self.reused = self.total = 0
+        self.reused = self.total = self.host_reused = 0
         self.predicted_error = 0
         self.predicted: dict[str, int] = {}
         self.uncacheable = 0
@@ -288,10 +302,12 @@ class Simulation:
             seq = None
             self.uncacheable += 1
         reused = seq.reused if seq is not None else 0
+        host = seq.host_reused if seq is not None else 0
         if seq is not None:
-            worker.cache.take_page_copies(seq)  # page size 1: never any
+            worker.cache.take_page_copies(seq)  # tier copies: their time is charged below
         uncached = (n - reused) * self.scale
-        duration = uncached / self.rate
+        duration = uncached / self.rate + host * self.scale / self.host_rate
+        self.host_reused += host
         self.ttft.append(self.now - req.arrival_s + duration)
         self.reused += reused
         self.total += n
@@ -326,7 +342,14 @@ class Simulation:
         routing_s = sum(self.route_ns) / 1e9
         hit = self.reused / max(1, self.total)
         stored_blocks = sum(len(w.cache.tree.block_set()) for w in self.workers.values())
-        return {
+        tiers: dict[str, Any] = {}
+        if self.args.host_tokens:  # (absent without tiers: the pinned output stays as it was)
+            tiers = {
+                "host_tokens": self.args.host_tokens,
+                "host_rate": self.host_rate,
+                "host_hit_rate": self.host_reused / max(1, self.total),
+            }
+        return tiers | {
             "policy": self.label,
             "source": self.stream.source,
             "workers": len(self.workers),
@@ -498,6 +521,11 @@ def summary(rows: list[dict[str, Any]]) -> Table:
             f"p99 {r['ttft_floor_p99_s']:.2f} s; {r['workers']} workers x "
             f"{r['capacity_tokens']} tokens at {r['prefill_rate']:.0f} tokens/s"
         )
+        if r.get("host_tokens"):
+            table.caption += (
+                f"; host tier {r['host_tokens']} tokens at {r['host_rate']:.0f} tokens/s, "
+                f"host hits {r['host_hit_rate']:.3f} ({rows[0]['policy']})"
+            )
     return table
 
 
@@ -509,6 +537,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--capacity-tokens", type=int, default=2_000_000)
     parser.add_argument("--prefill-rate", type=float, default=8000.0, help="tokens/s")
+    parser.add_argument("--host-tokens", type=int, default=0, help="host tier per worker")
+    parser.add_argument(
+        "--host-rate", type=float, default=None, help="host tier tokens/s (10x prefill)"
+    )
     parser.add_argument("--policy", choices=sorted(POLICIES), default=None, help="default: all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="first N trace records")

@@ -72,3 +72,16 @@ def test_mooncake_trace_head() -> None:
     row = rows["cache_aware"]
     assert row.keys() >= KEYS and row["requests"] == 300
     assert row["hit_rate"] <= row["pooled_hit_rate"] + 0.02
+
+
+def test_a_host_tier_brings_back_what_the_device_evicted() -> None:
+    # multi-turn conversations on workers whose device holds little: the host tier keeps turns
+    argv = ("--workload", "multi-turn", "--limit", "100", "--workers", "2", "--seed", "1",
+            "--capacity-tokens", "20000", "--policy", "cache_aware")  # fmt: skip
+    device = simulate(*argv)["cache_aware"]
+    tiered = simulate(*argv, "--host-tokens", "160000")["cache_aware"]
+    assert "host_tokens" not in device, "without tiers the output is as it always was"
+    assert tiered["host_tokens"] == 160000 and tiered["host_rate"] == 10 * 8000.0
+    assert tiered["host_hit_rate"] > 0.3
+    assert tiered["hit_rate"] > device["hit_rate"] + 0.3, (tiered["hit_rate"], device["hit_rate"])
+    assert tiered["ttft_p50_s"] < device["ttft_p50_s"]
