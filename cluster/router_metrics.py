@@ -76,6 +76,10 @@ class RouterCollector(Collector):
                 "Seconds each running request adds to a new first token, learned from streams",
                 rates.decode_s,
             ),
+            "radixmesh_router_learned_host_tokens_per_second": (
+                "Tokens per second workers copy back from their host tier, as learned",
+                rates.host_rate or 0.0,
+            ),
         }
         for name, (text, value) in gauges.items():
             gauge = GaugeMetricFamily(name, text)

@@ -337,6 +337,8 @@ def test_answers_are_counted_by_route_and_status(
     registry = CollectorRegistry()
     registry.register(RouterCollector(cluster.service))
     scraped = generate_latest(registry).decode()
+    host_rate = cluster.service.timing.model.rates().host_rate
+    assert f"radixmesh_router_learned_host_tokens_per_second {host_rate}" in scraped
     for (route, status), count in counts.items():
         line = f'radixmesh_router_http_responses_total{{route="{route}",status="{status}"}}'
         assert f"{line} {float(count)}" in scraped, scraped
