@@ -165,13 +165,7 @@ class RadixCache:
         top = match.host_node
         if top is None:
             return match
-        path = []
-        node: Node | None = top
-        while node is not None and node.tier == HOST:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        need = sum(len(n.pages) for n in path)
+        need = sum(len(n.pages) for n in self._host_path(top))
         self.lock(top)  # the whole path, on both tiers: nothing below can be evicted meanwhile
         try:
             short = need - self.pool.num_free
@@ -179,6 +173,9 @@ class RadixCache:
                 return match
             if short > 0:
                 self.evict(short)
+            # eviction may have merged nodes of the path (a parent left with its one locked
+            # child): the same pages, in fewer nodes
+            path = self._host_path(top)
             fresh = self.pool.allocate(need)
             pages, blocks, at = array("i", match.pages), list(match.block_hashes), 0
             for node in path:
@@ -192,6 +189,17 @@ class RadixCache:
         finally:
             self.unlock(top)
         return MatchResult(pages, top.end, top, blocks)
+
+    @staticmethod
+    def _host_path(top: Node) -> list[Node]:
+        """The host nodes from the first one above `top` down to `top`, top-down."""
+        path = []
+        node: Node | None = top
+        while node is not None and node.tier == HOST:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
 
     def _move_to_device(self, node: Node, pages: PageIds, copy: bool) -> None:
         """Give host node `node` the private device `pages` instead of its host pages (`copy`:

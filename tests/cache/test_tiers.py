@@ -42,7 +42,8 @@ class Tiers:
         """Compute `keys` on fresh device pages and insert them."""
         ps = self.tree.page_size
         pages = self.device.allocate(len(keys) // ps)
-        self.tree.insert(keys, pages)
+        result = self.tree.insert(keys, pages)
+        self.device.free_private(pages[: len(result.existing_pages)])  # duplicates of the tree's
 
     def check(self) -> None:
         check_tree(self.tree)
@@ -204,3 +205,25 @@ def test_host_pages_are_configured_and_checked() -> None:
     assert without.host_pool is None
     with pytest.raises(ValueError, match="pairs pages"):
         TierCopy(DEVICE, array("i", [1]), HOST, array("i", []))
+
+
+def test_a_promotion_survives_its_own_eviction_merging_the_path() -> None:
+    """Making room on the device demotes, which drops a host leaf, which leaves a node of the
+    path being promoted with one child: the two merge mid-promotion (found by router_sim on
+    the Mooncake trace)."""
+    t = Tiers(9, 9)  # 8 usable pages a tier
+    t.cache([1, 2, 3, 4])
+    t.cache([1, 2, 5, 6])  # [1, 2] with children [3, 4] and [5, 6]
+    t.tree.evict(6)  # all on the host: 6 of 8 host pages
+    t.tree.match([1, 2, 3, 4])  # [5, 6] is now the least recently used host leaf
+    t.cache(list(range(20, 28)))  # the device is full
+    t.tree.take_copies()
+    promoted = t.tree.promote(t.tree.match([1, 2, 3, 4]))
+    t.check()
+    assert promoted.length == 4 and list(promoted.pages) == list(t.tree.match([1, 2, 3, 4]).pages)
+    assert t.tree.match([1, 2, 5, 6]).length + t.tree.match([1, 2, 5, 6]).host_length == 2
+    copies = t.tree.take_copies()
+    assert [(c.src_tier, c.dst_tier, len(c.src_pages)) for c in copies] == [
+        (DEVICE, HOST, 4),
+        (HOST, DEVICE, 4),
+    ]
