@@ -12,6 +12,14 @@ Per workload, the same seeded request stream goes through:
 Prints one JSON object per workload on stdout (and to --output), then a summary table on stderr.
 Capacity is in tokens; by default it is a fraction of the workload's distinct tokens, which
 forces eviction. Run: `python benchmarks/cache_bench.py [--workloads ...] [--capacity N]`.
+`--host-multiple M` gives radixmesh a host tier of M times its device capacity (cache/tiers.py):
+evicted pages are demoted there and promoted back when a match reaches them.
+
+`--tiers` instead measures issue 15's tier target per workload, in one run: the device tier alone
+at --capacity-fraction (default 5 %) of the distinct tokens, the same device tier with a host
+tier --host-multiple (default 8) times larger, and an unbounded cache; the hit rate of each and
+its gap to the unbounded one (the target: within 5 % of it). A fourth run, one device pool as
+large as both tiers together, tells what the total capacity misses from what the tiering loses.
 
 `--against sglang` instead runs SGLang's Python RadixCache (fetched from its wheel at run time) and
 radixmesh's in one serving loop over 16 cells: benchmarks/against_sglang.py.
@@ -40,8 +48,30 @@ from benchmarks import against_sglang, workloads
 from benchmarks.simple_trie import SimpleTrie
 from benchmarks.workloads import Request
 from cache import CacheConfig, CachedSequence, CacheNamespace, OutOfPages, OutOfSlots, SequenceCache
+from cache.tiers import TierCopy
 
 console = Console(stderr=True)
+TIER_TARGET_PCT = 5.0
+"""Issue 15: with a host tier the hit rate is within this % of an unbounded cache's."""
+
+
+@dataclass
+class TierCounters:
+    """What the host tier did in one run (cache/tiers.py); pages are `page_size` positions."""
+
+    host_capacity_tokens: int
+    demoted_pages: int
+    """Device pages copied down on eviction."""
+    promoted_pages: int
+    """Host pages copied back to the device for a match."""
+    host_evicted_pages: int
+    """Host pages dropped to make room there."""
+    adopted_pages: int
+    """Host pages replaced by a prefill's own device pages at insert (nothing copied)."""
+    host_hit_tokens: int
+    """Prompt positions served from pages that `start` promoted."""
+    copied_pages: int
+    """Pages of the `TierCopy`s the loop drained (a worker would copy these)."""
 
 
 @dataclass
@@ -60,6 +90,16 @@ class RunResult:
     evicted_tokens: int = 0
     rejected: int = 0
     wall_s: float = 0.0
+    tiers: TierCounters | None = None
+    """With a host tier only."""
+
+
+def as_row(result: RunResult) -> dict:
+    """`result` as a JSON object (without `tiers` when there was no host tier)."""
+    row = asdict(result)
+    if result.tiers is None:
+        del row["tiers"]
+    return row
 
 
 def _percentile(values: list[int], q: float) -> float:
@@ -82,7 +122,11 @@ def run_radixmesh(
     window: int,
     memory: bool = True,
     quiet: bool = False,
+    host_capacity: int = 0,
+    label: str = "radixmesh",
 ) -> RunResult:
+    """`host_capacity` (tokens): a host tier of that size; `start` promotes what a prompt finds
+    there, as the worker's does, and the loop drains the tier copies a worker would perform."""
     if capacity is None:
         capacity = sum(len(r.prompt) + len(r.output) + page_size for r in requests)
     config = CacheConfig(
@@ -90,16 +134,17 @@ def run_radixmesh(
         page_size,
         max_sequences=window + 2,
         block_size=max(16, page_size),
+        host_pages=host_capacity // page_size + 1 if host_capacity else 0,
     )
     cache = SequenceCache(config)
     namespaces: dict[str | None, CacheNamespace] = {}
     inflight: deque[tuple[CachedSequence, int]] = deque()
     start_ns: list[int] = []
     commit_ns: list[int] = []
-    rejected = 0
+    rejected = copied = 0
     clock = time.perf_counter_ns
     began = time.perf_counter()
-    for req in _progress(requests, "radixmesh", quiet):
+    for req in _progress(requests, label, quiet):
         ns = namespaces.setdefault(req.tenant, CacheNamespace(tenant=req.tenant))
         total = len(req.prompt) + len(req.output)
         seq = None
@@ -115,7 +160,10 @@ def run_radixmesh(
         if seq is None:
             rejected += 1
             continue
-        cache.take_page_copies(seq)  # a worker copies these before its forward pass
+        # a worker performs these (tier copies first) before its forward pass
+        for copy in cache.take_page_copies(seq):
+            if isinstance(copy, TierCopy):
+                copied += len(copy.src_pages)
         t0 = clock()
         cache.commit(seq, len(req.prompt))
         commit_ns.append(clock() - t0)
@@ -125,8 +173,21 @@ def run_radixmesh(
             cache.finish(*inflight.popleft())
     while inflight:
         cache.finish(*inflight.popleft())
+    copied += sum(len(copy.src_pages) for copy in cache.take_tier_copies())
     wall = time.perf_counter() - began
     cached = cache.tree.cached_pages * page_size
+    tree = cache.tree
+    tiers = None
+    if host_capacity:
+        tiers = TierCounters(
+            host_capacity_tokens=host_capacity,
+            demoted_pages=tree.demoted_pages,
+            promoted_pages=tree.promoted_pages,
+            host_evicted_pages=tree.host_evicted_pages,
+            adopted_pages=tree.adopted_pages,
+            host_hit_tokens=cache.stats.host_positions,
+            copied_pages=copied,
+        )
     return RunResult(
         requests_per_s=len(requests) / wall,
         hit_rate=cache.stats.reused_positions / max(1, cache.stats.prompt_positions),
@@ -140,6 +201,7 @@ def run_radixmesh(
         evicted_tokens=cache.tree.evicted_pages * page_size,
         rejected=rejected,
         wall_s=wall,
+        tiers=tiers,
     )
 
 
@@ -198,18 +260,26 @@ def run_simple_trie(
     )
 
 
+def _capacity(requests: list[Request], distinct: int, args: argparse.Namespace) -> int:
+    """Device capacity in tokens: --capacity, else --capacity-fraction of the distinct tokens
+    (at least twice the largest request, so that every request fits)."""
+    if args.capacity is not None:
+        return int(args.capacity)
+    largest = max(len(r.prompt) + len(r.output) for r in requests)
+    return max(int(args.capacity_fraction * distinct), 2 * largest)
+
+
 def bench_workload(name: str, requests: list[Request], args: argparse.Namespace) -> dict:
     quiet, memory = args.quiet, not args.no_memory
     ideal = run_simple_trie(requests, None, args.window, False, quiet, "ideal (infinite)")
-    if args.capacity is not None:
-        capacity = args.capacity
-    else:
-        largest = max(len(r.prompt) + len(r.output) for r in requests)
-        capacity = max(int(args.capacity_fraction * ideal.cached_tokens), 2 * largest)
-    ours = run_radixmesh(requests, capacity, args.page_size, args.window, memory, quiet)
+    capacity = _capacity(requests, ideal.cached_tokens, args)
+    host = args.host_multiple * capacity
+    ours = run_radixmesh(
+        requests, capacity, args.page_size, args.window, memory, quiet, host_capacity=host
+    )
     lru = run_simple_trie(requests, capacity, args.window, memory, quiet)
     unbounded = run_radixmesh(requests, None, args.page_size, args.window, False, quiet)
-    return {
+    row = {
         "workload": name,
         "requests": len(requests),
         "prompt_tokens": sum(len(r.prompt) for r in requests),
@@ -218,11 +288,57 @@ def bench_workload(name: str, requests: list[Request], args: argparse.Namespace)
         "page_size": args.page_size,
         "window": args.window,
         "ideal_hit_rate": ideal.hit_rate,
-        "radixmesh": asdict(ours),
+        "radixmesh": as_row(ours),
         "radixmesh_unbounded_hit_rate": unbounded.hit_rate,
         "simple_trie_lru": asdict(lru),
         "throughput_ratio_vs_simple_trie": ours.requests_per_s / lru.requests_per_s,
         "hit_rate_minus_lru": ours.hit_rate - lru.hit_rate,
+    }
+    if host:
+        row["host_capacity_tokens"] = host
+    return row
+
+
+def bench_tiers(name: str, requests: list[Request], args: argparse.Namespace) -> dict:
+    """Issue 15's tier cell: device alone, device + host, unbounded; the same stream each."""
+    quiet, ps, window = args.quiet, args.page_size, args.window
+    ideal = run_simple_trie(requests, None, window, False, quiet, "ideal (infinite)")
+    capacity = _capacity(requests, ideal.cached_tokens, args)
+    host = args.host_multiple * capacity
+    runs = {
+        "device_only": run_radixmesh(requests, capacity, ps, window, False, quiet),
+        "device_host": run_radixmesh(
+            requests, capacity, ps, window, False, quiet, host, "radixmesh + host"
+        ),
+        "unbounded": run_radixmesh(requests, None, ps, window, False, quiet),
+        # a reference: one device pool as large as both tiers together, so that a gap can be
+        # told apart into what the total capacity misses and what the tiering loses
+        "device_total": run_radixmesh(
+            requests, (1 + args.host_multiple) * capacity, ps, window, False, quiet
+        ),
+    }
+    best = runs["unbounded"].hit_rate
+    configs = {}
+    for key, run in runs.items():
+        configs[key] = as_row(run)
+        configs[key]["gap_points"] = 100 * (best - run.hit_rate)
+        configs[key]["gap_pct_of_unbounded"] = 100 * (best - run.hit_rate) / best if best else 0.0
+    return {
+        "workload": name,
+        "mode": "tiers",
+        "requests": len(requests),
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
+        "distinct_tokens": ideal.cached_tokens,
+        "page_size": ps,
+        "window": window,
+        "device_capacity_tokens": capacity,
+        "device_fraction": capacity / max(1, ideal.cached_tokens),
+        "host_multiple": args.host_multiple,
+        "host_capacity_tokens": host,
+        "ideal_hit_rate": ideal.hit_rate,
+        "configs": configs,
+        "target_gap_pct": TIER_TARGET_PCT,
+        "within_target": configs["device_host"]["gap_pct_of_unbounded"] <= TIER_TARGET_PCT,
     }
 
 
@@ -281,6 +397,50 @@ def summary(rows: list[dict]) -> Table:
     return table
 
 
+def _device_tokens(row: dict, key: str) -> str:
+    if key == "unbounded":
+        return "-"
+    times = 1 + row["host_multiple"] if key == "device_total" else 1
+    capacity = times * row["device_capacity_tokens"]
+    return f"{capacity:,} ({times * row['device_fraction']:.1%})"
+
+
+def tier_summary(rows: list[dict]) -> Table:
+    table = Table(
+        title=f"host tier: hit rate vs an unbounded cache (issue 15 target: gap <= "
+        f"{TIER_TARGET_PCT:g} % of unbounded)"
+    )
+    columns = ["workload", "page", "config", "device tok", "host tok", "hit", "gap pts", "gap %"]
+    columns += ["demoted", "promoted", "host-evicted", "req/s"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        names = {
+            "device_only": "device",
+            "device_host": "device + host",
+            "unbounded": "unbounded",
+            "device_total": f"device x{1 + row['host_multiple']}",
+        }
+        for key, label in names.items():
+            run = row["configs"][key]
+            tiers = run.get("tiers")
+            table.add_row(
+                row["workload"],
+                str(row["page_size"]),
+                label,
+                _device_tokens(row, key),
+                f"{tiers['host_capacity_tokens']:,}" if tiers else "-",
+                f"{run['hit_rate']:.4f}",
+                f"{run['gap_points']:.2f}",
+                f"{run['gap_pct_of_unbounded']:.1f}",
+                f"{tiers['demoted_pages']:,}" if tiers else "-",
+                f"{tiers['promoted_pages']:,}" if tiers else "-",
+                f"{tiers['host_evicted_pages']:,}" if tiers else "-",
+                f"{run['requests_per_s']:.0f}",
+            )
+    return table
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = [*workloads.SYNTHETIC, "mooncake"]
@@ -289,8 +449,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--capacity-fraction",
         type=float,
-        default=0.25,
-        help="without --capacity: this fraction of the workload's distinct tokens",
+        default=None,
+        help="without --capacity: this fraction of the workload's distinct tokens "
+        "(default 0.25; 0.05 with --tiers)",
+    )
+    parser.add_argument(
+        "--host-multiple",
+        type=int,
+        default=None,
+        help="a host tier this many times the device capacity (default 0: none; 8 with --tiers)",
+    )
+    parser.add_argument(
+        "--tiers",
+        action="store_true",
+        help="per workload: device alone, device + host tier, unbounded (issue 15's target)",
     )
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--window", type=int, default=8, help="requests in flight")
@@ -313,7 +485,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     against.add_argument(
         "--sglang-wheel-dir", type=Path, default=None, help="reuse a downloaded wheel from here"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.capacity_fraction is None:
+        args.capacity_fraction = 0.05 if args.tiers else 0.25
+    if args.host_multiple is None:
+        args.host_multiple = 8 if args.tiers else 0
+    if args.host_multiple < 0 or (args.tiers and args.host_multiple == 0):
+        parser.error("--host-multiple must be >= 0, and > 0 with --tiers")
+    if args.against and (args.tiers or args.host_multiple):
+        parser.error("--against sglang measures the device cache alone: no --tiers, no host tier")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,14 +510,15 @@ def main(argv: list[str] | None = None) -> int:
             scale=args.scale,
         )
     rows = []
+    bench = bench_tiers if args.tiers else bench_workload
     for name, requests in load_workloads(args):
-        row = bench_workload(name, requests, args)
+        row = bench(name, requests, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.output is not None:
         args.output.write_text("".join(json.dumps(row) + "\n" for row in rows))
     if rows:
-        console.print(summary(rows))
+        console.print(tier_summary(rows) if args.tiers else summary(rows))
     return 0
 
 

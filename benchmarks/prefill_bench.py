@@ -7,7 +7,12 @@ For each model (SmolLM2-135M-Instruct, and a bigger random CPU-sized config):
 - decode: tokens/s and per-step latency of 128 new tokens through the engine (paged KV cache)
   vs recomputing the whole sequence every step (no cache), seed 003's comparison;
 - on SmolLM2, single-request decode through the engine vs transformers' `generate` (same CPU,
-  same run, same greedy tokens).
+  same run, same greedy tokens);
+- with `--sections host-tier` (not in the default run): TTFT of the whole prompt cold, cached on
+  the device, and cached on the host tier (its pages demoted between requests and promoted back
+  by the next one, a real copy of every layer's K and V), as ratios to cold: issue 15's target
+  is host hit <= 25 % of cold. On a CPU both tiers are host memory, so the promotion is a copy
+  within RAM, not a PCIe transfer.
 
 Prints one JSON object (and --output) and a report in seed 003's shape. Medians of --repeats.
 Run: `python benchmarks/prefill_bench.py [--models smollm2 big] [--prompt-len 1024]`.
@@ -29,17 +34,21 @@ import itertools
 
 import torch
 from rich.console import Console
+from rich.table import Table
 
 from worker.config import ModelConfig
 from worker.engine import Engine, EngineConfig
 from worker.loader import load_model
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
-from worker.request import GenerateRequest
+from worker.request import GenerateRequest, RequestOutput
 from worker.sampling_params import SamplingParams
 from worker.tiny_model import TINY_CONFIG, tiny_model
 
 console = Console(stderr=True)
+HOST_TARGET = 0.25
+"""Issue 15: TTFT of a prompt served from the host tier <= this fraction of recomputing it."""
+SECTIONS = ("ttft", "decode", "host-tier")
 BIG = ModelConfig(
     vocab_size=32000,
     hidden_size=1024,
@@ -63,7 +72,7 @@ def prefill_flops(config: ModelConfig, start: int, end: int) -> float:
     return per_token * tokens + attention + 2 * h * config.vocab_size
 
 
-def _engine(model: CausalLM, tokenizer: object, length: int) -> Engine:
+def _engine(model: CausalLM, tokenizer: object, length: int, host_pages: int = 0) -> Engine:
     config = EngineConfig(
         num_pages=2 * length // 16 + 64,
         page_size=16,
@@ -71,13 +80,14 @@ def _engine(model: CausalLM, tokenizer: object, length: int) -> Engine:
         token_budget=length + 16,
         max_prefill_chunk=length + 16,
         max_model_len=length + 256,
+        host_pages=host_pages,
     )
     return Engine(model, tokenizer, config)  # type: ignore[arg-type]
 
 
-def _first_token_seconds(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, int]:
-    """Submit, step until the first token; returns (seconds, cached prompt tokens)."""
-    outputs = []
+def _first_token(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, RequestOutput]:
+    """Submit, step until the first token; returns (seconds, that output)."""
+    outputs: list[RequestOutput] = []
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     began = time.perf_counter()
     engine.submit(GenerateRequest(request_id, tuple(prompt), sampling=sampling), outputs.append)
@@ -86,7 +96,13 @@ def _first_token_seconds(engine: Engine, prompt: list[int], request_id: str) -> 
     elapsed = time.perf_counter() - began
     while engine.step():
         pass
-    return elapsed, outputs[0].cached_prompt_tokens
+    return elapsed, outputs[0]
+
+
+def _first_token_seconds(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, int]:
+    """Submit, step until the first token; returns (seconds, cached prompt tokens)."""
+    elapsed, output = _first_token(engine, prompt, request_id)
+    return elapsed, output.cached_prompt_tokens
 
 
 def ttft(model: CausalLM, prompt: list[int], fractions: list[float], repeats: int) -> dict:
@@ -120,6 +136,64 @@ def ttft(model: CausalLM, prompt: list[int], fractions: list[float], repeats: in
             }
         )
     return {"prompt_tokens": len(prompt), "cold_ttft_ms": 1000 * cold_s, "cached": rows}
+
+
+def host_tier(model: CausalLM, prompt: list[int], repeats: int) -> dict:
+    """TTFT of `prompt` cold, whole on the device, and whole on the host tier, alternating.
+
+    Each repeat: clear the cache; the cold request (which caches the prompt); the device hit;
+    then every cached page is demoted (`evict` with a host tier, the demotion copies performed
+    there, outside the timing) and the host hit promotes them back as it starts (inside it).
+    The engine is driven by `step()` on this thread, so the cache may be touched between steps.
+    """
+    pages = 2 * len(prompt) // 16 + 64
+    engine = _engine(model, None, len(prompt), host_pages=pages)
+    _first_token_seconds(engine, prompt[:64], "warmup")
+    tree = engine.cache.tree
+    times: dict[str, list[float]] = {"cold": [], "device": [], "host": []}
+    tokens: dict[str, list[int]] = {"cold": [], "device": [], "host": []}
+    cached = {"device": 0, "host": 0}
+    demoted, promoted, host_hits = [], [], []
+    for r in range(repeats):
+        tree.clear()
+        for path in ("cold", "device", "host"):
+            if path == "host":
+                before = engine.stats()
+                tree.evict(tree.evictable_pages)  # demotes every cached page to the host tier
+                engine.runner.copy_pages(engine.cache.take_tier_copies())
+                middle = engine.stats()
+                demoted.append(middle.demoted_pages - before.demoted_pages)
+            seconds, output = _first_token(engine, prompt, f"{path}{r}")
+            times[path].append(seconds)
+            tokens[path].append(output.token_ids[0])
+            if path != "cold":
+                cached[path] = output.cached_prompt_tokens
+        after = engine.stats()
+        promoted.append(after.promoted_pages - middle.promoted_pages)
+        host_hits.append(after.host_hit_tokens - middle.host_hit_tokens)
+    ms = {path: 1000 * statistics.median(values) for path, values in times.items()}
+    per_page = sum(k[0].numel() * k.element_size() * 2 for k, _ in engine.runner.kv)
+    return {
+        "prompt_tokens": len(prompt),
+        "page_size": engine.config.page_size,
+        "host_pages": pages,
+        "repeats": repeats,
+        "cold_ttft_ms": ms["cold"],
+        "device_hit_ttft_ms": ms["device"],
+        "host_hit_ttft_ms": ms["host"],
+        "device_hit_ratio": ms["device"] / ms["cold"],
+        "host_hit_ratio": ms["host"] / ms["cold"],
+        "device_cached_tokens": cached["device"],
+        "host_cached_tokens": cached["host"],
+        "demoted_pages": demoted,
+        "promoted_pages": promoted,
+        "host_hit_tokens": host_hits,
+        "promoted_mb": promoted[-1] * per_page / 1e6,
+        "same_first_token": tokens["host"] == tokens["device"] == tokens["cold"],
+        "ttft_ms": {path: [1000 * t for t in values] for path, values in times.items()},
+        "target_ratio": HOST_TARGET,
+        "within_target": ms["host"] / ms["cold"] <= HOST_TARGET,
+    }
 
 
 def decode_with_cache(model: CausalLM, prompt: list[int], new_tokens: int) -> dict:
@@ -208,15 +282,27 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
         path = None
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist()
-    console.print(f"[bold]{name}[/]: TTFT, {args.prompt_len}-token prompt")
     result: dict = {"model": name, "parameters": sum(p.numel() for p in model.parameters())}
-    result["ttft"] = ttft(model, prompt, args.fractions, args.repeats)
+    if "ttft" in args.sections:
+        console.print(f"[bold]{name}[/]: TTFT, {args.prompt_len}-token prompt")
+        result["ttft"] = ttft(model, prompt, args.fractions, args.repeats)
+    if "host-tier" in args.sections:
+        console.print(f"[bold]{name}[/]: host tier, {args.prompt_len}-token prompt")
+        result["host_tier"] = host_tier(model, prompt, args.repeats)
+    if "decode" in args.sections:
+        result["decode"] = decode(name, model, path, prompt, args)
+    return result
+
+
+def decode(
+    name: str, model: CausalLM, path: Path | None, prompt: list[int], args: argparse.Namespace
+) -> dict:
     short = prompt[: args.decode_prompt_len]
     console.print(f"[bold]{name}[/]: decode, {args.decode_tokens} tokens")
     cached = decode_with_cache(model, short, args.decode_tokens)
     uncached = decode_without_cache(model, short, args.decode_tokens)
     assert cached["tokens"] == uncached["tokens"], "cache and no-cache decodes disagree"
-    result["decode"] = {
+    result = {
         "prompt_tokens": len(short),
         "new_tokens": args.decode_tokens,
         "with_cache": {k: v for k, v in cached.items() if k != "tokens"},
@@ -225,22 +311,33 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     }
     if path is not None and not args.no_transformers:
         reference = decode_transformers(path, short, args.decode_tokens)
-        result["decode"]["transformers_generate"] = {
+        result["transformers_generate"] = {
             "tokens_per_s": reference["tokens_per_s"],
             "same_tokens": reference["tokens"] == cached["tokens"],
         }
-        result["decode"]["ratio_to_transformers"] = (
-            cached["tokens_per_s"] / reference["tokens_per_s"]
-        )
+        result["ratio_to_transformers"] = cached["tokens_per_s"] / reference["tokens_per_s"]
     return result
 
 
 def report(result: dict) -> None:
-    t, d = result["ttft"], result["decode"]
     lines = [
         f"=== Prefix-cache benchmark: {result['model']} ({result['parameters'] / 1e6:.1f} M) ===",
         "Dtype:            float32 (CPU, torch reference attention)",
-        f"KV cache:         paged, page_size 16 ({d['with_cache']['kv_cache_mb']:.1f} MB)",
+    ]
+    if "decode" in result:
+        mb = result["decode"]["with_cache"]["kv_cache_mb"]
+        lines.append(f"KV cache:         paged, page_size 16 ({mb:.1f} MB)")
+    if "ttft" in result:
+        lines += _ttft_lines(result["ttft"])
+    if "decode" in result:
+        lines += _decode_lines(result["decode"])
+    console.print("\n".join(lines) + "\n")
+    if "host_tier" in result:
+        console.print(host_tier_table(result["host_tier"]))
+
+
+def _ttft_lines(t: dict) -> list[str]:
+    lines = [
         "",
         f"--- Prefill: {t['prompt_tokens']}-token prompt ---",
         f"TTFT cold (median):        {t['cold_ttft_ms']:.1f} ms",
@@ -251,8 +348,12 @@ def report(result: dict) -> None:
             f"{row['ttft_ms']:8.1f} ms  = {row['ratio_to_cold']:.3f} of cold "
             f"(FLOP ratio {row['flop_ratio']:.3f})"
         )
+    return lines
+
+
+def _decode_lines(d: dict) -> list[str]:
     w, wo = d["with_cache"], d["without_cache"]
-    lines += [
+    lines = [
         "",
         f"--- Decode: {d['new_tokens']} tokens after a {d['prompt_tokens']}-token prompt ---",
         f"Decode throughput:  {wo['tokens_per_s']:.1f} -> {w['tokens_per_s']:.1f} tok/s "
@@ -269,7 +370,34 @@ def report(result: dict) -> None:
             f"{w['tokens_per_s']:.1f} tok/s ({d['ratio_to_transformers']:.2f}x), "
             f"same tokens: {hf['same_tokens']}"
         )
-    console.print("\n".join(lines) + "\n")
+    return lines
+
+
+def host_tier_table(h: dict) -> Table:
+    verdict = "met" if h["within_target"] else "NOT met"
+    table = Table(
+        title=f"Host tier: {h['prompt_tokens']}-token prompt, page_size {h['page_size']}, "
+        f"median of {h['repeats']} (target host hit <= {h['target_ratio']:.0%} of cold: "
+        f"{verdict})"
+    )
+    for column in ("TTFT of", "cached tokens", "pages promoted", "median ms", "of cold"):
+        table.add_column(column, justify="right")
+    table.add_row("cold (no cache)", "0", "-", f"{h['cold_ttft_ms']:.1f}", "1.000")
+    table.add_row(
+        "device hit",
+        str(h["device_cached_tokens"]),
+        "-",
+        f"{h['device_hit_ttft_ms']:.1f}",
+        f"{h['device_hit_ratio']:.3f}",
+    )
+    table.add_row(
+        "host hit",
+        str(h["host_cached_tokens"]),
+        f"{h['promoted_pages'][-1]} ({h['promoted_mb']:.1f} MB)",
+        f"{h['host_hit_ttft_ms']:.1f}",
+        f"{h['host_hit_ratio']:.3f}",
+    )
+    return table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -282,6 +410,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-prompt-len", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=["ttft", "decode"],
+        help="what to measure (host-tier: TTFT from the host tier vs cold, issue 15)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--output", type=Path, default=None)

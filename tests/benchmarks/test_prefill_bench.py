@@ -28,3 +28,19 @@ def test_smoke_run_reports_every_section(capsys) -> None:  # type: ignore[no-unt
     decode = result["decode"]
     assert decode["new_tokens"] == 6 and decode["speedup"] > 0
     assert "transformers_generate" not in decode  # only for the real checkpoint
+    assert "host_tier" not in result  # not in the default sections
+
+
+def test_host_tier_section_serves_the_prompt_from_promoted_pages(capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["--models", "tiny", "--prompt-len", "64", "--repeats", "2", "--sections", "host-tier"]
+    assert main(argv) == 0
+    (result,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["models"]
+    assert "ttft" not in result and "decode" not in result
+    host = result["host_tier"]
+    # the whole prompt but its last position, from 4 pages of 16 demoted then promoted back
+    assert host["device_cached_tokens"] == host["host_cached_tokens"] == 63
+    assert host["demoted_pages"] == host["promoted_pages"] == [4, 4]
+    assert host["host_hit_tokens"] == [63, 63]
+    assert host["same_first_token"]
+    assert len(host["ttft_ms"]["host"]) == 2 and host["host_hit_ratio"] > 0
+    assert host["within_target"] == (host["host_hit_ratio"] <= host["target_ratio"])
