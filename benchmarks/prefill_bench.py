@@ -99,7 +99,7 @@ def _first_token(engine: Engine, prompt: list[int], request_id: str) -> tuple[fl
     return elapsed, outputs[0]
 
 
-def _first_token_seconds(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, int]:
+def first_token_seconds(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, int]:
     """Submit, step until the first token; returns (seconds, cached prompt tokens)."""
     elapsed, output = _first_token(engine, prompt, request_id)
     return elapsed, output.cached_prompt_tokens
@@ -107,11 +107,11 @@ def _first_token_seconds(engine: Engine, prompt: list[int], request_id: str) -> 
 
 def ttft(model: CausalLM, prompt: list[int], fractions: list[float], repeats: int) -> dict:
     engine = _engine(model, None, len(prompt))
-    _first_token_seconds(engine, prompt[:64], "warmup")
+    first_token_seconds(engine, prompt[:64], "warmup")
     cold = []
     for r in range(repeats):
         engine.cache.tree.clear()
-        cold.append(_first_token_seconds(engine, prompt, f"cold{r}")[0])
+        cold.append(first_token_seconds(engine, prompt, f"cold{r}")[0])
     cold_s = statistics.median(cold)
     rows = []
     for fraction in fractions:
@@ -119,8 +119,8 @@ def ttft(model: CausalLM, prompt: list[int], fractions: list[float], repeats: in
         times, used = [], 0
         for r in range(repeats):
             engine.cache.tree.clear()
-            _first_token_seconds(engine, prompt[:cached], f"warm{fraction}{r}")
-            seconds, used = _first_token_seconds(engine, prompt, f"hit{fraction}{r}")
+            first_token_seconds(engine, prompt[:cached], f"warm{fraction}{r}")
+            seconds, used = first_token_seconds(engine, prompt, f"hit{fraction}{r}")
             times.append(seconds)
         hit_s = statistics.median(times)
         flop_ratio = prefill_flops(model.config, used, len(prompt)) / prefill_flops(
@@ -148,7 +148,7 @@ def host_tier(model: CausalLM, prompt: list[int], repeats: int) -> dict:
     """
     pages = 2 * len(prompt) // 16 + 64
     engine = _engine(model, None, len(prompt), host_pages=pages)
-    _first_token_seconds(engine, prompt[:64], "warmup")
+    first_token_seconds(engine, prompt[:64], "warmup")
     tree = engine.cache.tree
     times: dict[str, list[float]] = {"cold": [], "device": [], "host": []}
     tokens: dict[str, list[int]] = {"cold": [], "device": [], "host": []}

@@ -33,12 +33,11 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from benchmarks.prefill_bench import first_token_seconds
 from worker.engine import Engine, EngineConfig
 from worker.kv_persistence import KvStore
 from worker.loader import load_model
 from worker.model import CausalLM
-from worker.request import GenerateRequest
-from worker.sampling_params import SamplingParams
 from worker.tiny_model import TINY_CONFIG, tiny_model
 
 console = Console(stderr=True)
@@ -54,20 +53,6 @@ def _config(length: int, persist: Path | None, **extra: object) -> EngineConfig:
     return EngineConfig(**base)  # type: ignore[arg-type]
 
 
-def _first_token(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, int]:
-    """(seconds to the first token, cached prompt tokens), stepping the engine directly."""
-    outputs: list = []
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    began = time.perf_counter()
-    engine.submit(GenerateRequest(request_id, tuple(prompt), sampling=sampling), outputs.append)
-    while not outputs:
-        engine.step()
-    elapsed = time.perf_counter() - began
-    while engine.step():
-        pass
-    return elapsed, outputs[0].cached_prompt_tokens
-
-
 def restart_ttft(model: CausalLM, length: int, repeats: int, seed: int) -> dict:
     rng = random.Random(seed)
     vocab = model.config.vocab_size
@@ -78,23 +63,23 @@ def restart_ttft(model: CausalLM, length: int, repeats: int, seed: int) -> dict:
         turn1 = [rng.randrange(1, vocab) for _ in range(length)]
         turn2 = [*turn1, *(rng.randrange(1, vocab) for _ in range(24))]
         cold = Engine(model, None, _config(len(turn2), None))
-        _first_token(cold, [rng.randrange(1, vocab) for _ in range(32)], "warmup")
-        seconds, cached["cold"] = _first_token(cold, turn2, f"cold{r}")
+        first_token_seconds(cold, [rng.randrange(1, vocab) for _ in range(32)], "warmup")
+        seconds, cached["cold"] = first_token_seconds(cold, turn2, f"cold{r}")
         rows["cold"].append(seconds)
         warm = Engine(model, None, _config(len(turn2), None))
-        _first_token(warm, turn1, f"turn1-{r}")
-        seconds, cached["warm"] = _first_token(warm, turn2, f"warm{r}")
+        first_token_seconds(warm, turn1, f"turn1-{r}")
+        seconds, cached["warm"] = first_token_seconds(warm, turn2, f"warm{r}")
         rows["warm"].append(seconds)
         with tempfile.TemporaryDirectory(prefix="radixmesh-restart-") as tmp:
             first = Engine(model, None, _config(len(turn2), Path(tmp)))
-            _first_token(first, turn1, f"turn1-{r}")
+            first_token_seconds(first, turn1, f"turn1-{r}")
             began = time.perf_counter()
             first.stop()  # saves, as a drain does
             save_s.append(time.perf_counter() - began)
             began = time.perf_counter()
             second = Engine(model, None, _config(len(turn2), Path(tmp)))
             load_s.append(time.perf_counter() - began)
-            seconds, cached["after restart"] = _first_token(second, turn2, f"restart{r}")
+            seconds, cached["after restart"] = first_token_seconds(second, turn2, f"restart{r}")
             rows["after restart"].append(seconds)
     medians = {name: statistics.median(times) for name, times in rows.items()}
     return {
