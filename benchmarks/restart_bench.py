@@ -7,6 +7,8 @@ and after a restart, and the time to save and load a big cache.
       warm           the engine that served turn 1 (a device hit)
       after restart  turn 1's engine stopped (it saves its cache, as on SIGTERM's drain), a new
                      engine loads the directory, then turn 2 (the first request it sees)
+      from disk      turn 1 saved, then cleared from every tier of the running engine: turn 2
+                     reads it back from disk on demand (the file read is inside its TTFT)
 
 and, on the tiny model, the seconds to save and to load `--cache-tokens` cached tokens (a tree of
 conversations sharing a system prompt, through the same `KvStore` the engine uses).
@@ -56,7 +58,7 @@ def _config(length: int, persist: Path | None, **extra: object) -> EngineConfig:
 def restart_ttft(model: CausalLM, length: int, repeats: int, seed: int) -> dict:
     rng = random.Random(seed)
     vocab = model.config.vocab_size
-    rows: dict[str, list[float]] = {"cold": [], "warm": [], "after restart": []}
+    rows: dict[str, list[float]] = {"cold": [], "warm": [], "after restart": [], "from disk": []}
     cached: dict[str, int] = {}
     save_s, load_s = [], []
     for r in track(range(repeats), description="restart TTFT", console=console):
@@ -81,6 +83,14 @@ def restart_ttft(model: CausalLM, length: int, repeats: int, seed: int) -> dict:
             load_s.append(time.perf_counter() - began)
             seconds, cached["after restart"] = first_token_seconds(second, turn2, f"restart{r}")
             rows["after restart"].append(seconds)
+        with tempfile.TemporaryDirectory(prefix="radixmesh-disk-") as tmp:
+            disk = Engine(model, None, _config(len(turn2), Path(tmp)))
+            first_token_seconds(disk, turn1, f"turn1-disk-{r}")
+            assert disk.store is not None
+            disk.store.save(disk)  # as the background saver does while serving
+            disk.cache.tree.clear()  # gone from every tier; only the files remain
+            seconds, cached["from disk"] = first_token_seconds(disk, turn2, f"disk{r}")
+            rows["from disk"].append(seconds)
     medians = {name: statistics.median(times) for name, times in rows.items()}
     return {
         "prompt_tokens": length,
@@ -88,6 +98,7 @@ def restart_ttft(model: CausalLM, length: int, repeats: int, seed: int) -> dict:
         "cached_tokens": cached,
         "restart_over_warm": medians["after restart"] / medians["warm"],
         "restart_over_cold": medians["after restart"] / medians["cold"],
+        "disk_over_cold": medians["from disk"] / medians["cold"],
         "save_ms": 1000 * statistics.median(save_s),
         "load_ms": 1000 * statistics.median(load_s),
     }
@@ -144,6 +155,7 @@ def report(result: dict) -> Table:
             table.add_row(f"TTFT {name} ({r['cached_tokens'][name]} cached)", f"{ms:.1f} ms")
         table.add_row("after restart / warm", f"{r['restart_over_warm']:.2f}")
         table.add_row("after restart / cold", f"{r['restart_over_cold']:.2f}")
+        table.add_row("from disk / cold", f"{r['disk_over_cold']:.2f}")
         table.add_row(
             f"save / load of the {r['prompt_tokens']}-token turn",
             f"{r['save_ms']:.1f} / {r['load_ms']:.1f} ms",

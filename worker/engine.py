@@ -111,6 +111,7 @@ class EngineStats:
     promoted_pages: int
     host_evicted_pages: int
     host_hit_tokens: int
+    disk_hit_tokens: int
     preemptions: int
     requests_finished: int
     prompt_tokens: int
@@ -151,6 +152,7 @@ class Engine:
             self.cache,
             SchedulerConfig(config.token_budget, config.max_prefill_chunk, config.max_running),
             self.runner.copy_pages,
+            self._from_disk if config.persist_dir is not None else None,
         )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._requests: dict[str, RequestState] = {}
@@ -274,6 +276,7 @@ class Engine:
             promoted_pages=tree.promoted_pages,
             host_evicted_pages=tree.host_evicted_pages,
             host_hit_tokens=self.cache.stats.host_positions,
+            disk_hit_tokens=self.store.disk_hit_tokens if self.store is not None else 0,
             preemptions=self.scheduler.preemptions,
             requests_finished=self._finished,
             prompt_tokens=self._prompt_tokens,
@@ -294,6 +297,15 @@ class Engine:
             )
 
     # -- the engine thread ---------------------------------------------------------------------
+    def _from_disk(self, sample: SampleState) -> None:
+        """Read back saved KV that continues the sample's prompt past both tiers (a disk hit
+        costs a file read on this thread; a failed read is logged and recomputed)."""
+        assert self.store is not None
+        try:
+            self.store.extend(self, sample.tokens, sample.request.request.namespace)
+        except Exception:  # the cache on disk must never fail a request
+            log.exception("reading saved KV for %s failed", sample.request.request.request_id)
+
     def _loop(self) -> None:
         while not self._stopping.is_set():
             try:

@@ -20,9 +20,15 @@ tenant's KV to another.
 Disk use is bounded: the most recently used nodes are kept (a node only with its parent) until
 the next would pass `max_bytes`.
 
-Thread rules: `snapshot` runs on the engine thread (or with the engine stopped) and copies KV
-into CPU tensors in bounded batches; `write` runs on any thread; `load` runs before the engine
-starts.
+While serving, the directory is also a disk tier: the store keeps a catalog of the nodes on
+disk (their namespace and keys, a few bytes a position), and `extend` (at admission, on the
+engine thread) reads the saved nodes that continue a prompt beyond what the device and host
+tiers hold, and inserts them, so a prefix evicted from both tiers but saved earlier is read
+back instead of recomputed. What is on disk is what the last save wrote.
+
+Thread rules: `records` and `gather` run on the engine thread (or with the engine stopped);
+`write_node` and `write_manifest` on any one thread at a time; `load` before the engine starts;
+`extend` on the engine thread.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from xxhash import xxh3_128_hexdigest
 
-from cache import IDENTITY_SCHEME_VERSION, CacheError, CacheNamespace, Node
+from cache import IDENTITY_SCHEME_VERSION, CacheError, CacheNamespace, Node, to_cache_keys
 from cache.tiers import DEVICE
 
 if TYPE_CHECKING:
@@ -122,6 +128,17 @@ def _node_name(parent: str | None, ns: dict[str, Any], node: Node) -> str:
     return xxh3_128_hexdigest(head + node.keys.tobytes())
 
 
+@dataclass(frozen=True, slots=True)
+class DiskNode:
+    """A node the manifest lists, as the catalog keeps it."""
+
+    name: str
+    record: NodeRecord
+    namespace: CacheNamespace
+    keys: array[int]
+    """The node's own keys (positions [record.start, record.start + record.positions))."""
+
+
 class KvStore:
     """One worker's cache directory."""
 
@@ -130,6 +147,17 @@ class KvStore:
         self.max_bytes = max_bytes
         self.written: dict[str, tuple[str, int]] = {}
         """Node name -> (checksum, bytes) of the files this store knows are on disk."""
+        self._keys: dict[str, bytes] = {}
+        """Node name -> its keys, for the files this store wrote or read."""
+        self._children: dict[object, dict[bytes, DiskNode]] = {}
+        """The catalog: a parent's name (or a namespace, for the first nodes) -> its listed
+        children by their first page of keys (cut to `page_size` by `extend`)."""
+        self._page = 1
+        """Positions per page of what the catalog lists (from the identity saved or read)."""
+        self.disk_hit_tokens = 0
+        """Prompt positions read back from disk by `extend`."""
+        self._lock = threading.Lock()
+        """Guards the catalog, which the saver's thread rebuilds."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -185,6 +213,7 @@ class KvStore:
         tmp.write_bytes(data)
         os.replace(tmp, path)
         self.written[name] = (xxh3_128_hexdigest(data), len(data))
+        self._keys[name] = keys
 
     def write_manifest(self, records: list[NodeRecord], identity: StoreIdentity) -> int:
         """Name the written nodes (a node only with its parent, within `max_bytes`, most
@@ -212,7 +241,24 @@ class KvStore:
             if path.stem not in placed:
                 path.unlink(missing_ok=True)
                 self.written.pop(path.stem, None)
+                self._keys.pop(path.stem, None)
+        self._page = identity.page_size
+        self._catalog([NodeRecord(**r) for r in kept])
         return len(kept)
+
+    def _catalog(self, records: list[NodeRecord]) -> None:
+        """Rebuild the catalog from the manifest's records (parents first)."""
+        children: dict[object, dict[bytes, DiskNode]] = {}
+        for record in records:
+            keys = self._keys.get(record.name)
+            if keys is None:
+                continue
+            ns = _namespace(record.namespace)
+            node = DiskNode(record.name, record, ns, array("Q", keys))
+            parent: object = record.parent if record.parent is not None else ns
+            children.setdefault(parent, {})[keys[: 8 * self._page]] = node
+        with self._lock:
+            self._children = children
 
     def save(self, engine: Engine) -> int:
         """Everything at once, with the engine stopped (drain) or on its thread; returns the
@@ -275,14 +321,60 @@ class KvStore:
                 continue
             keys_of[record.name] = keys
             self.written[record.name] = (record.checksum, record.nbytes)
+            self._keys[record.name] = keys[len(prefix) :].tobytes()
             loaded += 1
             positions += record.positions
+        self._page = ours.page_size
+        self._catalog([r for r in records if r.name in keys_of])
         seconds = time.perf_counter() - began
         log.info(
             "loaded %d cached nodes (%d positions) from %s in %.2f s; %d dropped",
             loaded, positions, self.directory, seconds, dropped,
         )  # fmt: skip
         return LoadReport(loaded, positions, dropped, seconds=seconds)
+
+    def lookup(self, keys: array[int], namespace: CacheNamespace) -> list[DiskNode]:
+        """The saved nodes along `keys` from the root, each whole and equal to its stretch of
+        `keys`."""
+        with self._lock:
+            children = self._children
+        path: list[DiskNode] = []
+        parent: object = namespace
+        at = 0
+        while at < len(keys):
+            node = children.get(parent, {}).get(keys[at : at + self._page].tobytes())
+            if node is None or keys[at : at + len(node.keys)] != node.keys:
+                break
+            path.append(node)
+            at += len(node.keys)
+            parent = node.name
+        return path
+
+    def extend(self, engine: Engine, tokens: list[int], namespace: CacheNamespace) -> int:
+        """Before a start (engine thread): insert the saved nodes that continue `tokens` past
+        what the tree holds in either tier. Returns the positions read from disk."""
+        if not self._children:
+            return 0
+        keys = to_cache_keys(tokens)
+        path = self.lookup(keys, namespace)
+        if not path:
+            return 0
+        match = engine.cache.tree.match(keys, namespace)
+        have = match.length + match.host_length
+        read = 0
+        prefix = array("Q")
+        ps = engine.config.page_size
+        for node in path:
+            end = node.record.start + node.record.positions
+            if end > have:
+                tensors = self._read(node.record, ps, StoreIdentity.of(engine))
+                whole = keys[:end]
+                if tensors is None or not self._attach(engine, namespace, prefix, whole, tensors):
+                    break
+                read += end - max(node.record.start, have)
+            prefix = keys[:end]
+        self.disk_hit_tokens += read
+        return read
 
     def _refuse(self, why: str) -> LoadReport:
         log.warning("not loading the KV cache in %s: %s; starting cold", self.directory, why)
@@ -332,6 +424,9 @@ class KvStore:
         before = array("i")
         if prefix:
             match = cache.tree.match(prefix, namespace)
+            if match.host_node is not None:
+                match = cache.tree.promote(match)
+                runner.copy_pages(cache.take_tier_copies())
             if match.length != len(prefix):
                 return False  # the parent was evicted meanwhile (a full pool): skip this node
             parent, before = match.last_node, match.pages

@@ -56,6 +56,10 @@ class EngineCollector(Collector):
                 "Prompt tokens served from pages promoted from the host tier",
                 stats.host_hit_tokens,
             ),
+            "radixmesh_worker_disk_hit_tokens": (
+                "Prompt positions read back from the saved cache on disk",
+                stats.disk_hit_tokens,
+            ),
         }
         for name, (text, value) in counters.items():
             family = CounterMetricFamily(name, text, labels=labels)

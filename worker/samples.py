@@ -52,6 +52,8 @@ class SampleState:
     generated: int = 0
     prefilled: bool = False
     """Whether the tokens known at admission are all computed (and committed to the cache)."""
+    disk_checked: bool = False
+    """Whether the saved cache was searched for this sample's prompt (once, at admission)."""
 
     @property
     def pending(self) -> int:

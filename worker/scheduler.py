@@ -42,10 +42,13 @@ class Scheduler:
         cache: SequenceCache,
         config: SchedulerConfig,
         copy_pages: Callable[[list[TierCopy | PageCopy]], None],
+        from_disk: Callable[[SampleState], None] | None = None,
     ) -> None:
         self.cache = cache
         self.config = config
         self.copy_pages = copy_pages
+        self.from_disk = from_disk
+        """Called once per sample before its first start: read saved KV that extends it."""
         self.waiting: deque[SampleState] = deque()
         self.running: list[SampleState] = []
         self.preemptions = 0
@@ -92,6 +95,9 @@ class Scheduler:
 
     def _admit(self, sample: SampleState) -> bool:
         request = sample.request.request
+        if self.from_disk is not None and not sample.disk_checked:
+            sample.disk_checked = True
+            self.from_disk(sample)
         try:
             seq = self.cache.start(
                 sample.tokens,

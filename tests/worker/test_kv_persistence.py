@@ -223,3 +223,37 @@ def test_without_a_persist_dir_nothing_is_written(tmp_path: Path) -> None:
     serve(engine, TURNS[:1])
     engine.stop()
     assert engine.store is None and not any(tmp_path.iterdir())
+
+
+def test_a_prefix_evicted_from_every_tier_is_read_back_from_disk(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path, host_pages=16), source="w0")
+    serve(engine, TURNS[:1])
+    assert engine.store is not None
+    engine.store.save(engine)  # as the background saver would, while serving
+    cache = engine.cache
+    cache.tree.evict(cache.tree.evictable_pages)  # to the host...
+    assert cache.tree.host_cached_pages > 0
+    cache.tree.clear()  # ...and out of every tier
+    engine.runner.copy_pages(cache.take_tier_copies())
+    assert cache.tree.node_count == 0
+    cold = Engine(model(), None, config(None), source="w0")
+    prompt = [*TURNS[0], 5, 6]
+    tokens, cached, logits = ask(engine, prompt)
+    cold_tokens, _, cold_logits = ask(cold, prompt)
+    assert cached == (len(TURNS[0]) + 3) // 4 * 4, "the saved conversation was read back"
+    assert engine.stats().disk_hit_tokens == cached
+    assert tokens == cold_tokens and relative_error(logits, cold_logits) < 1e-5
+    check_sequence_cache(cache)
+
+
+def test_a_damaged_file_read_on_demand_is_recomputed_not_served(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    serve(engine, TURNS[:1])
+    assert engine.store is not None
+    engine.store.save(engine)
+    engine.cache.tree.clear()
+    for path in (tmp_path / "w0").glob("*.safetensors"):
+        path.write_bytes(path.read_bytes()[:100])
+    tokens, cached, _ = ask(engine, [*TURNS[0], 5, 6])
+    assert cached == 0 and engine.stats().disk_hit_tokens == 0 and len(tokens) == 6
+    check_sequence_cache(engine.cache)
