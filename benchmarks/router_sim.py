@@ -62,7 +62,7 @@ from cache import (
     OutOfPages,
     SequenceCache,
 )
-from router.config import RouterConfig
+from router.config import RouterConfig, default_host_rate
 from router.interface import RouteDecision, RouteRequest, RoutingPolicy
 from router.policies import POLICIES, make_policy
 
@@ -179,7 +179,7 @@ class Simulation:
         self.scale = stream.token_scale
         self.rate = args.prefill_rate
         self.now = 0.0
-        self.host_rate = args.host_rate or 10.0 * self.rate
+        self.host_rate = args.host_rate or default_host_rate(self.rate)
         config = RouterConfig(
             prefill_rate=self.rate,
             block_tokens=stream.block_positions * self.scale,

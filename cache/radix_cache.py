@@ -47,6 +47,11 @@ def as_pages(pages: Sequence[int]) -> PageIds:
     return array("i", pages)
 
 
+def _no_device_child(node: Node) -> bool:
+    """Whether no child of `node` is on the device (a device node eviction may demote)."""
+    return all(child.tier != DEVICE for child in node.children.values())
+
+
 def common_prefix(node_keys: Keys, keys: Keys, at: int) -> int:
     """Length of the common prefix of `node_keys` and `keys[at:]`, by slice comparisons (each
     a memcmp of the two arrays' bytes)."""
@@ -96,7 +101,6 @@ class RadixCache:
         """Device pages evicted (demoted or dropped) since creation (a counter for metrics)."""
         self.host_pool = host_pool
         self._host_heap = LruHeap()
-        self.host_cached_pages = 0
         self.demoted_pages = 0
         """Pages copied from the device to the host on eviction."""
         self.promoted_pages = 0
@@ -111,6 +115,11 @@ class RadixCache:
     @property
     def total_cached_pages(self) -> int:
         return self.cached_pages
+
+    @property
+    def host_cached_pages(self) -> int:
+        """Pages of the host tier holding cached KV (the host pool's own count)."""
+        return self.host_pool.num_cached if self.host_pool is not None else 0
 
     @property
     def evictable_pages(self) -> int:
@@ -211,7 +220,6 @@ class RadixCache:
         self.host_pool.uncache(node.pages)
         count = len(pages)
         node.pages, node.tier = pages, DEVICE
-        self.host_cached_pages -= count
         self.cached_pages += count
         if node.lock_ref:
             self.locked_pages += count
@@ -303,9 +311,8 @@ class RadixCache:
         if node.parent is None or node.lock_ref:
             return
         if node.tier == DEVICE:
-            for child in node.children.values():
-                if child.tier == DEVICE:
-                    return
+            if not _no_device_child(node):
+                return
             self._heap.push(node)
             if len(self._heap) > 4 * self.node_count + 1024:
                 self._heap.rebuild(self._evictable_leaves())
@@ -478,7 +485,7 @@ class RadixCache:
                 and node.lock_ref == 0
                 and parent is not None
                 and parent.children.get(self._key(node.keys, 0)) is node
-                and (not node.children or all(c.tier != DEVICE for c in node.children.values()))
+                and _no_device_child(node)
             ):
                 return node
 
@@ -521,7 +528,6 @@ class RadixCache:
         self.pool.uncache(node.pages)
         node.pages, node.tier = pages, HOST
         self.cached_pages -= count
-        self.host_cached_pages += count
         self.demoted_pages += count
         self._publish(KvEventKind.DEMOTED, list(node.blocks))
         self._requeue(node)
@@ -557,7 +563,6 @@ class RadixCache:
         else:
             assert self.host_pool is not None
             self.host_pool.uncache(leaf.pages)
-            self.host_cached_pages -= count
         self.node_count -= 1
         removed.extend(leaf.blocks)
         if not settle:
@@ -606,7 +611,7 @@ class RadixCache:
                 self.host_pool.uncache(node.pages)
         self._trees.clear()
         self._heap, self._host_heap = LruHeap(), LruHeap()
-        self.cached_pages = self.locked_pages = self.node_count = self.host_cached_pages = 0
+        self.cached_pages = self.locked_pages = self.node_count = 0
         if self.publisher is not None:
             self.publisher.publish(KvEventKind.CLEARED)
         return freed
@@ -624,11 +629,7 @@ class RadixCache:
     def _evictable_leaves(self) -> list[Node]:
         """Device nodes that eviction may take now (no child on the device, unlocked)."""
         return [
-            n
-            for n in self.nodes()
-            if n.tier == DEVICE
-            and n.lock_ref == 0
-            and all(c.tier != DEVICE for c in n.children.values())
+            n for n in self.nodes() if n.tier == DEVICE and n.lock_ref == 0 and _no_device_child(n)
         ]
 
     def heap_nodes(self) -> list[Node]:
@@ -656,5 +657,8 @@ class RadixCache:
     def snapshot(self) -> KvSnapshot:
         source = self.publisher.source if self.publisher else ""
         seq = self.publisher.seq if self.publisher else 0
-        host = frozenset(self.host_block_set())
-        return KvSnapshot(source, seq, frozenset(self.block_set()), host)
+        blocks: set[int] = set()
+        host: set[int] = set()
+        for node in self.nodes():  # one walk for both sets
+            (blocks if node.tier == DEVICE else host).update(node.blocks)
+        return KvSnapshot(source, seq, frozenset(blocks | host), frozenset(host))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from cache import KvEvent, KvSnapshot
 from router.block_index import BlockIndex
-from router.config import RouterConfig
+from router.config import RouterConfig, default_host_rate
 from router.errors import NoWorkers
 from router.interface import RouteDecision, RouteRequest, WorkerId, WorkerLoad
 from router.load import LoadBook
@@ -44,7 +44,7 @@ class BaseRouter:
         self.decode_s = 0.0
         """Seconds each running request adds to a new request's first token on its worker
         (0 until `calibrate`: the reference service model has no decode)."""
-        self.host_rate = config.host_rate or 10.0 * config.prefill_rate
+        self.host_rate = config.host_rate or default_host_rate(config.prefill_rate)
         """Tokens per second copied back from a worker's host tier (a policy prices a host
         hit by it against recomputing)."""
 

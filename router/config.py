@@ -9,6 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+HOST_SPEEDUP = 10.0
+"""Until a router has learned it, a token copied back from a host tier costs this many times
+less than a recomputed one."""
+
+
+def default_host_rate(prefill_rate: float) -> float:
+    return HOST_SPEEDUP * prefill_rate
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -16,8 +24,8 @@ class RouterConfig:
     """A worker's prefill speed in tokens/s: turns queued tokens into seconds of waiting."""
     block_tokens: int = 16
     host_rate: float | None = None
-    """Tokens per second a worker copies back from its host tier, until learned; None: 10x
-    `prefill_rate`."""
+    """Tokens per second a worker copies back from its host tier, until learned; None:
+    `default_host_rate(prefill_rate)`."""
     """Tokens per routing block: the workers' `IdentityScheme.block_size`."""
     pending_ttl_s: float = 60.0
     """The longest an unconfirmed route counts as cached on its worker."""

@@ -44,6 +44,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from router.config import default_host_rate
+
 
 @dataclass(frozen=True, slots=True)
 class ServiceRates:
@@ -92,7 +94,7 @@ class ServiceModel:
                 f"{prefill_rate}, {half_life}, {min_samples}, {max_factor}, {min_spread_tokens}"
             )
         self.configured_rate = prefill_rate
-        self.configured_host_rate = host_rate if host_rate is not None else 10.0 * prefill_rate
+        self.configured_host_rate = host_rate or default_host_rate(prefill_rate)
         self.max_factor = max_factor
         self.min_samples = min_samples
         self.min_spread_tokens = min_spread_tokens

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -167,7 +168,14 @@ class Engine:
         self.saver: BackgroundSaver | None = None
         self.loaded = LoadReport(0, 0, 0)
         if config.persist_dir is not None:
-            self.store = KvStore(Path(config.persist_dir) / source, config.persist_max_bytes)
+            directory = Path(config.persist_dir) / source
+            try:  # a directory we cannot write is a config error now, not a lost save later
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ValueError(f"persist_dir {config.persist_dir!r}: {err}") from None
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise ValueError(f"persist_dir {config.persist_dir!r}: {directory} is not writable")
+            self.store = KvStore(directory, config.persist_max_bytes)
             self.loaded = self.store.load(self)
             if config.persist_interval_s > 0:
                 self.saver = BackgroundSaver(self, self.store, config.persist_interval_s)
@@ -258,7 +266,11 @@ class Engine:
             self._thread = None
         if self.store is not None:
             began = time.perf_counter()
-            saved = self.store.save(self)
+            try:
+                saved = self.store.save(self)
+            except OSError as err:  # a full or vanished disk must not fail the drain
+                log.error("could not save the KV cache to %s: %s", self.store.directory, err)
+                return
             log.info("saved %d cached nodes in %.2f s", saved, time.perf_counter() - began)
 
     def stats(self) -> EngineStats:

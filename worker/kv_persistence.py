@@ -51,7 +51,6 @@ from safetensors.torch import save as save_tensors
 from xxhash import xxh3_128_hexdigest
 
 from cache import IDENTITY_SCHEME_VERSION, CacheError, CacheNamespace, Node, to_cache_keys
-from cache.tiers import DEVICE
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -156,8 +155,6 @@ class KvStore:
         """Positions per page of what the catalog lists (from the identity saved or read)."""
         self.disk_hit_tokens = 0
         """Prompt positions read back from disk by `extend`."""
-        self._lock = threading.Lock()
-        """Guards the catalog, which the saver's thread rebuilds."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -167,8 +164,8 @@ class KvStore:
         nodes: dict[str, Node] = {}
         frontier: list[tuple[int, int, Node, str | None, dict[str, Any]]] = []
         count = 0
-        for root in engine.cache.tree.roots.values():
-            ns = _namespace_fields(root.namespace or CacheNamespace())
+        for namespace, root in engine.cache.tree.roots.items():
+            ns = _namespace_fields(namespace)
             for child in root.children.values():
                 count += 1
                 heapq.heappush(frontier, (-child.last_access, count, child, None, ns))
@@ -193,11 +190,7 @@ class KvStore:
         demotion moves the pages, not what they hold: that is fine)."""
         if node.parent is None or (node.start, len(node.keys)) != (record.start, record.positions):
             return None
-        kv = engine.runner.kv if node.tier == DEVICE else engine.runner.host_kv
-        pages = node.pages[first:end]
-        index = torch.frombuffer(pages, dtype=torch.int32).to(kv[0][0].device, torch.long)
-        k = torch.stack([layer_k.index_select(0, index) for layer_k, _ in kv]).cpu()
-        v = torch.stack([layer_v.index_select(0, index) for _, layer_v in kv]).cpu()
+        k, v = engine.runner.read_pages(node.tier, node.pages[first:end])
         return node.keys.tobytes(), k, v
 
     def write_node(self, name: str, keys: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -248,7 +241,7 @@ class KvStore:
 
     def _catalog(self, records: list[NodeRecord]) -> None:
         """Rebuild the catalog from the manifest's records (parents first)."""
-        children: dict[object, dict[bytes, DiskNode]] = {}
+        children: dict[object, dict[bytes, DiskNode]] = {}  # replaced whole: readers need no lock
         for record in records:
             keys = self._keys.get(record.name)
             if keys is None:
@@ -257,8 +250,7 @@ class KvStore:
             node = DiskNode(record.name, record, ns, array("Q", keys))
             parent: object = record.parent if record.parent is not None else ns
             children.setdefault(parent, {})[keys[: 8 * self._page]] = node
-        with self._lock:
-            self._children = children
+        self._children = children
 
     def save(self, engine: Engine) -> int:
         """Everything at once, with the engine stopped (drain) or on its thread; returns the
@@ -336,8 +328,7 @@ class KvStore:
     def lookup(self, keys: array[int], namespace: CacheNamespace) -> list[DiskNode]:
         """The saved nodes along `keys` from the root, each whole and equal to its stretch of
         `keys`."""
-        with self._lock:
-            children = self._children
+        children = self._children
         path: list[DiskNode] = []
         parent: object = namespace
         at = 0
@@ -363,11 +354,11 @@ class KvStore:
         have = match.length + match.host_length
         read = 0
         prefix = array("Q")
-        ps = engine.config.page_size
+        ps, identity = engine.config.page_size, StoreIdentity.of(engine)
         for node in path:
             end = node.record.start + node.record.positions
             if end > have:
-                tensors = self._read(node.record, ps, StoreIdentity.of(engine))
+                tensors = self._read(node.record, ps, identity)
                 whole = keys[:end]
                 if tensors is None or not self._attach(engine, namespace, prefix, whole, tensors):
                     break
@@ -401,10 +392,10 @@ class KvStore:
         want = (identity.num_layers, pages, ps, identity.kv_heads, identity.head_dim)
         if (
             record.positions % ps
-            or tensors.get("keys") is None
+            or not {"keys", "k", "v"} <= tensors.keys()
+            or tensors["keys"].dtype != torch.int64
             or tuple(tensors["keys"].shape) != (record.positions,)
-            or any(tuple(tensors[t].shape) != want for t in ("k", "v") if t in tensors)
-            or not {"k", "v"} <= tensors.keys()
+            or any(tuple(tensors[t].shape) != want for t in ("k", "v"))
         ):
             log.warning("dropping cached node %s: its tensors do not fit", record.name)
             return None
@@ -419,7 +410,7 @@ class KvStore:
         tensors: dict[str, torch.Tensor],
     ) -> bool:
         """Insert `keys` (its parent's path `prefix` is cached) with the node's KV."""
-        cache, runner = engine.cache, engine.runner
+        cache, runner, ps = engine.cache, engine.runner, engine.config.page_size
         parent = None
         before = array("i")
         if prefix:
@@ -432,19 +423,18 @@ class KvStore:
             parent, before = match.last_node, match.pages
         cache.tree.lock(parent)
         try:
-            fresh = cache.table.allocate_pages((len(keys) - len(prefix)) // engine.config.page_size)
-        except CacheError:
-            cache.tree.unlock(parent)
-            return False
-        runner.copy_pages(cache.take_tier_copies())  # demotions read their pages first
-        index = torch.frombuffer(fresh, dtype=torch.int32).to(runner.device, torch.long)
-        for layer, (k_cache, v_cache) in enumerate(runner.kv):
-            k_cache.index_copy_(0, index, tensors["k"][layer].to(runner.device, k_cache.dtype))
-            v_cache.index_copy_(0, index, tensors["v"][layer].to(runner.device, v_cache.dtype))
-        result = cache.tree.insert(keys, before + fresh, namespace, from_node=parent)
-        cache.tree.unlock(parent)
-        if result.existing_pages:  # cannot happen in a fresh tree; free them if it does
+            try:
+                fresh = cache.table.allocate_pages((len(keys) - len(prefix)) // ps)
+            except CacheError:
+                return False
+            runner.copy_pages(cache.take_tier_copies())  # demotions read their pages first
+            runner.write_pages(fresh, tensors["k"], tensors["v"])
+            result = cache.tree.insert(keys, before + fresh, namespace, from_node=parent)
+            # positions the tree already held (read back on demand past a partial match):
+            # ours there are duplicates
             cache.pool.free_private(fresh[: len(result.existing_pages)])
+        finally:
+            cache.tree.unlock(parent)
         return True
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import PageCopy
+from cache.page_pool import PageIds
 from cache.tiers import DEVICE, TierCopy
 from kernels.layout import cdiv
 from worker.batch import ForwardBatch
@@ -59,21 +60,37 @@ class ModelRunner:
                 k_cache[copy.dst, : copy.num_slots] = k_cache[copy.src, : copy.num_slots]
                 v_cache[copy.dst, : copy.num_slots] = v_cache[copy.src, : copy.num_slots]
 
+    def tier_kv(self, tier: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (k, v) per layer of `tier`'s pages."""
+        kv = self.kv if tier == DEVICE else self.host_kv
+        if not kv:
+            raise RuntimeError("a copy to or from a host tier this runner does not have")
+        return kv
+
     def _copy_tier(self, copy: TierCopy) -> None:
-        src = self.kv if copy.src_tier == DEVICE else self.host_kv
-        dst = self.kv if copy.dst_tier == DEVICE else self.host_kv
-        if not src or not dst:
-            raise RuntimeError("a tier copy to or from a host tier this runner does not have")
-        src_index = torch.frombuffer(copy.src_pages, dtype=torch.int32).to(
-            src[0][0].device, torch.long
-        )
-        dst_index = torch.frombuffer(copy.dst_pages, dtype=torch.int32).to(
-            dst[0][0].device, torch.long
-        )
+        src, dst = self.tier_kv(copy.src_tier), self.tier_kv(copy.dst_tier)
+        src_index = _page_index(copy.src_pages, src[0][0].device)
+        dst_index = _page_index(copy.dst_pages, dst[0][0].device)
         for (src_k, src_v), (dst_k, dst_v) in zip(src, dst, strict=True):
             for source, target in ((src_k, dst_k), (src_v, dst_v)):
                 pages = source.index_select(0, src_index).to(target.device)
                 target.index_copy_(0, dst_index, pages)
+
+    def read_pages(self, tier: int, pages: PageIds) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `pages` of `tier`, every layer, on the CPU: [layers, pages, page_size,
+        kv_heads, head_dim] each."""
+        kv = self.tier_kv(tier)
+        index = _page_index(pages, kv[0][0].device)
+        k = torch.stack([layer_k.index_select(0, index) for layer_k, _ in kv]).cpu()
+        v = torch.stack([layer_v.index_select(0, index) for _, layer_v in kv]).cpu()
+        return k, v
+
+    def write_pages(self, pages: PageIds, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write `read_pages`-shaped K and V into device `pages`."""
+        index = _page_index(pages, self.device)
+        for layer, (k_cache, v_cache) in enumerate(self.kv):
+            k_cache.index_copy_(0, index, k[layer].to(self.device, k_cache.dtype))
+            v_cache.index_copy_(0, index, v[layer].to(self.device, v_cache.dtype))
 
     def build_batch(self, chunks: Sequence[Chunk]) -> ForwardBatch:
         ps = self.page_size
@@ -113,3 +130,11 @@ class ModelRunner:
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Compute the chunks' K/V; float32 logits for the sampling chunks, in chunk order."""
         return self.model(self.build_batch(chunks), self.kv)
+
+
+def _page_index(pages: PageIds, device: torch.device) -> torch.Tensor:
+    """`pages` (an `array("i")`) as an int64 index tensor on `device` (read in place; an empty
+    array, which `frombuffer` refuses, gives an empty index)."""
+    if not pages:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.frombuffer(pages, dtype=torch.int32).to(device, torch.long)

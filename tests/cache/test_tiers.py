@@ -161,8 +161,11 @@ def test_promotion_is_refused_when_the_device_cannot_hold_it() -> None:
     t.tree.take_copies()
     held = t.device.allocate(3)  # a running sequence's private pages
     match = t.tree.match(list(range(100, 108)))
-    assert t.tree.promote(match) is match
-    assert t.tree.promote(t.tree.match(list(range(100, 104))), spare=3) is not None
+    assert t.tree.promote(match) is match, "8 pages do not fit in the 5 free"
+    assert t.tree.take_copies() == [] and t.tree.host_cached_pages == 8, "nothing moved"
+    head = t.tree.match(list(range(100, 104)))  # 4 pages fit, and 1 more, but not 3 more
+    assert t.tree.promote(head, spare=3) is head
+    assert t.tree.promote(head, spare=1).length == 4
     t.device.free_private(held)
     t.check()
 

@@ -218,11 +218,14 @@ def test_the_background_saver_writes_while_serving_in_small_copies(tmp_path: Pat
     assert cached >= len(TURNS[1]) // 4 * 4
 
 
-def test_without_a_persist_dir_nothing_is_written(tmp_path: Path) -> None:
+def test_without_a_persist_dir_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # a save to a relative path would land here
     engine, _ = recorded_engine(model(), config(None))
     serve(engine, TURNS[:1])
     engine.stop()
-    assert engine.store is None and not any(tmp_path.iterdir())
+    assert engine.store is None and engine.saver is None and not any(tmp_path.iterdir())
 
 
 def test_a_prefix_evicted_from_every_tier_is_read_back_from_disk(tmp_path: Path) -> None:
@@ -256,4 +259,30 @@ def test_a_damaged_file_read_on_demand_is_recomputed_not_served(tmp_path: Path) 
         path.write_bytes(path.read_bytes()[:100])
     tokens, cached, _ = ask(engine, [*TURNS[0], 5, 6])
     assert cached == 0 and engine.stats().disk_hit_tokens == 0 and len(tokens) == 6
+    check_sequence_cache(engine.cache)
+
+
+def test_a_persist_dir_that_cannot_be_written_is_refused_at_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="persist_dir"):
+        Engine(model(), None, config(blocker), source="w0")
+
+
+def test_a_file_with_keys_of_another_dtype_is_dropped_not_loaded(tmp_path: Path) -> None:
+    from safetensors.torch import load, save
+    from xxhash import xxh3_128_hexdigest
+
+    directory = saved(tmp_path)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    leaf = next(n for n in manifest["nodes"] if n["parent"] is not None)
+    path = directory / f"{leaf['name']}.safetensors"
+    tensors = load(path.read_bytes())
+    tensors["keys"] = tensors["keys"].to(torch.int32)  # same shape, wrong type
+    data = save(tensors)
+    path.write_bytes(data)
+    leaf["checksum"], leaf["nbytes"] = xxh3_128_hexdigest(data), len(data)  # and it checks out
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    assert (engine.loaded.nodes, engine.loaded.dropped) == (len(manifest["nodes"]) - 1, 1)
     check_sequence_cache(engine.cache)
