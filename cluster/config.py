@@ -3,7 +3,8 @@
     model:    source ("default" = SmolLM2-135M-Instruct, a checkpoint dir, a .gguf), device
     engine:   the worker engine (pages, page size, batching limits, context)
     workers:  how many (default: one per GPU, else 2 CPU workers), CPUs each, bind host
-    router:   the public endpoint, routing policy, admission and message limits, retries
+    router:   the public endpoint, routing policy, admission and message limits, retries, the
+              text index
     security: TLS files, bearer tokens (each bound to a tenant, or "*" for any)
     metrics:  Prometheus ports of the router and of each worker (port + index)
 
@@ -114,6 +115,20 @@ class WorkersSection:
 
 
 @dataclass(frozen=True)
+class TextIndexSection:
+    mode: str = _one_of("exact", ("off", "exact", "anchored"))
+    """How text and chat prompts reuse the texts the router has seen (docs/router.md):
+    "exact" reuses ids only where they provably equal a full tokenization; "anchored" reuses the
+    ids cached for the matched text, generated ones included (more hits; the ids may differ from
+    a full tokenization); "off" tokenises every prompt in full. A request may ask for another."""
+    max_chars: int = _at_least(16_000_000, 0)
+    """Characters kept, least recently used dropped first, over every tenant (0: none)."""
+    min_fraction: float = _at_least(0.8, 0.0, 1.0)
+    """Anchored mode: a text that leaves a stored text reuses its ids up to the divergence only
+    when it shares at least this fraction of it (seed 002's DIVERGE rule)."""
+
+
+@dataclass(frozen=True)
 class RouterSection:
     host: str = "127.0.0.1"
     port: int = _port(50051)
@@ -134,6 +149,7 @@ class RouterSection:
     max_concurrent_streams: int = _at_least(64, 1)
     """Per client connection."""
     max_restarts: int = _at_least(-1, -1)
+    text_index: TextIndexSection = field(default_factory=TextIndexSection)
 
 
 @dataclass(frozen=True)
