@@ -18,6 +18,7 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from cache import CacheNamespace
 from cluster.config import ANY_TENANT
@@ -28,6 +29,9 @@ from worker.request import GenerateRequest
 from worker.sampling_params import SamplingParams
 from worker.validation import RequestLimits
 from worker.wire import sampling_from_proto
+
+if TYPE_CHECKING:
+    from cluster.text_prompts import TextPrompts, TextTurn
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_TENANT_CHARS = 256
@@ -52,6 +56,8 @@ class PreparedRequest:
     token_ids: tuple[int, ...]
     namespace: CacheNamespace
     sampling: SamplingParams
+    text_turn: TextTurn | None = None
+    """The text prompt as the router's text index took it (None: ids given, or index off)."""
 
 
 def prepare(
@@ -60,10 +66,12 @@ def prepare(
     limits: RequestLimits,
     allowed_tenant: str = ANY_TENANT,
     fill_context: bool = False,
+    text_prompts: TextPrompts | None = None,
 ) -> PreparedRequest:
     """Raises InvalidRequest (naming the field) or TenantRefused. With `fill_context`, a request
     that gives no max_tokens may generate up to the end of the context (OpenAI's default) instead
-    of the proto's default of 16."""
+    of the proto's default of 16. With `text_prompts`, a text or chat prompt is tokenised
+    through the router's text index, in the mode the request asks for."""
     request_id = message.request_id or uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(request_id):
         raise InvalidRequest("request_id", "1-128 characters of [A-Za-z0-9._:-]")
@@ -88,7 +96,10 @@ def prepare(
         sampling=sampling_from_proto(message.sampling),
         **_prompt(message),  # type: ignore[arg-type]
     )
-    ids = validation.prompt_ids(request, tokenizer, limits)
+    encoder = None
+    if text_prompts is not None and message.WhichOneof("prompt") in ("text", "chat"):
+        encoder = text_prompts.encoder(request.namespace, text_prompts.mode(message.text_match))
+    ids = validation.prompt_ids(request, encoder or tokenizer, limits)
     if fill_context and not message.sampling.HasField("max_tokens"):
         room = max(1, limits.max_model_len - len(ids))
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))
@@ -96,7 +107,8 @@ def prepare(
     sampling = request.sampling
     if sampling.seed is None and not sampling.greedy:
         sampling = replace(sampling, seed=secrets.randbits(63))
-    return PreparedRequest(request_id, tuple(ids), request.namespace, sampling)
+    turn = encoder.turn if encoder is not None else None
+    return PreparedRequest(request_id, tuple(ids), request.namespace, sampling, turn)
 
 
 def _prompt(message: serving_pb2.GenerateRequest) -> dict[str, object]:

@@ -7,7 +7,9 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cache.text_index import TextIndexStats
 from cluster.router_service import RouterService
+from cluster.text_prompts import TextIndexCounters
 
 
 class RouterCollector(Collector):
@@ -83,5 +85,41 @@ class RouterCollector(Collector):
         }
         for name, (text, value) in gauges.items():
             gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], value)
+            yield gauge
+        yield from self._text_index()
+
+    def _text_index(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        texts = self.service.text_prompts
+        t = texts.counters if texts is not None else TextIndexCounters()
+        index = texts.index.stats() if texts is not None else TextIndexStats(0, 0, 0, 0)
+        counters = {
+            "prompts": ("Text prompts tokenised through the text index", t.prompts),
+            "prompt_chars": ("Characters of those prompts", t.prompt_chars),
+            "reused_chars": ("Characters whose token ids came from the text index", t.reused_chars),
+            "reused_tokens": ("Token ids reused from the text index", t.reused_tokens),
+            "tokenized_chars": ("Characters tokenised after the text index", t.tokenized_chars),
+            "backoff_tokens": (
+                "Tokens of matched text tokenised again (exact mode's back-off)",
+                t.backoff_tokens,
+            ),
+            "seconds": ("Time matching, tokenising and inserting text prompts", t.seconds),
+            "evicted_chars": ("Characters dropped from the text index (LRU)", index.evicted_chars),
+        }
+        for name, (text, value) in counters.items():
+            family = CounterMetricFamily(f"radixmesh_router_text_index_{name}", text)
+            family.add_metric([], value)
+            yield family
+        outcomes = CounterMetricFamily(
+            "radixmesh_router_text_index_matches",
+            "Text index matches by outcome",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(t.outcomes.items()):
+            outcomes.add_metric([outcome], count)
+        yield outcomes
+        gauges = {"chars": ("Characters held", index.chars), "nodes": ("Nodes", index.nodes)}
+        for name, (text, value) in gauges.items():
+            gauge = GaugeMetricFamily(f"radixmesh_router_text_index_{name}", text)
             gauge.add_metric([], value)
             yield gauge

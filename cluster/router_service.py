@@ -36,6 +36,7 @@ from cluster.serving_call import Caller, ServingError
 from cluster.stream_merge import merge_streams
 from cluster.stream_progress import StreamProgress
 from cluster.stream_timing import StreamTiming
+from cluster.text_prompts import TextPrompts
 from cluster.worker_links import ChannelClosed, WorkerLink, WorkerLinks, responses
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
@@ -82,6 +83,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         """request id -> its tenant and the worker serving it."""
         self.preparing = 0
         """Requests being checked and tokenised: they count against max_in_flight already."""
+        self.text_prompts: TextPrompts | None = None
+        """The router's text index (cluster/text_prompts.py), built with the first text prompt."""
+        self.background: set[asyncio.Task[None]] = set()
         # the rate the policies are built with (cluster/policies.py) stands until one is learned
         self.timing = StreamTiming(lambda: self.links.policy, router_config(config).prefill_rate)
 
@@ -120,10 +124,12 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 f"request_id: {prepared.request_id!r} is already running",
             )
         entry = self.in_flight[prepared.request_id] = InFlight(prepared.namespace.tenant)
+        progress = StreamProgress(prepared)
         try:
-            async for response in self._serve(prepared, entry, caller):
+            async for response in self._serve(prepared, entry, caller, progress):
                 yield response
             self._count("OK")
+            self._remember_answers(prepared, progress)
         finally:
             self.in_flight.pop(prepared.request_id, None)
 
@@ -144,8 +150,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         try:
             if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenise
                 return prepare(request, tokenizer, limits, tenant, fill_context)
+            texts = await self._text_prompts()
             return await asyncio.to_thread(
-                prepare, request, tokenizer, limits, tenant, fill_context
+                prepare, request, tokenizer, limits, tenant, fill_context, texts
             )
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
@@ -153,15 +160,43 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         except TenantRefused as err:
             raise self._error(grpc.StatusCode.PERMISSION_DENIED, str(err)) from err
 
+    async def _text_prompts(self) -> TextPrompts | None:
+        """The text index of the workers' tokenizer (a new one when the tokenizer changes).
+        Built on a thread: checking the tokenizer reads its whole JSON."""
+        tokenizer, section = self.links.tokenizer, self.config.text_index
+        if tokenizer is None or section.max_chars == 0:
+            return None
+        if self.text_prompts is None or self.text_prompts.tokenizer is not tokenizer:
+            self.text_prompts = await asyncio.to_thread(
+                TextPrompts, tokenizer, section.mode, section.max_chars, section.min_fraction
+            )
+        return self.text_prompts
+
+    def _remember_answers(self, prepared: PreparedRequest, progress: StreamProgress) -> None:
+        """A finished text prompt's answers join the text index, on a thread (the stream has
+        ended: this delays no one)."""
+        turn, texts = prepared.text_turn, self.text_prompts
+        if turn is None or texts is None:
+            return
+        samples = [sample.token_ids for sample in progress.samples]
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(texts.finished, turn, samples)
+        )
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     async def _serve(
-        self, prepared: PreparedRequest, entry: InFlight, caller: Caller
+        self,
+        prepared: PreparedRequest,
+        entry: InFlight,
+        caller: Caller,
+        progress: StreamProgress,
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         assert self.links.hasher is not None
         hashes = tuple(self.links.hasher.hashes(prepared.token_ids, prepared.namespace))
         route = RouteRequest(
             prepared.request_id, prepared.namespace, hashes, len(prepared.token_ids)
         )
-        progress = StreamProgress(prepared)
         failure = ""
         for attempt in range(self.config.max_retries + 1):
             if not self.links.links:

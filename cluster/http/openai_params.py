@@ -23,6 +23,13 @@ from protos.radixmesh.v1 import serving_pb2
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 """OpenAI's roles -> the chat template's ("developer" is OpenAI's newer name for "system")."""
 MAX_TOP_LOGPROBS = 20
+TEXT_MATCH = {
+    None: serving_pb2.TEXT_MATCH_DEFAULT,
+    "exact": serving_pb2.TEXT_MATCH_EXACT,
+    "anchored": serving_pb2.TEXT_MATCH_ANCHORED,
+    "off": serving_pb2.TEXT_MATCH_OFF,
+}
+"""The `text_match` body field (an extension, like vLLM's extra sampling fields)."""
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (0, 2**63 - 1)
 _SEED = (-(2**63), 2**63 - 1)
@@ -62,6 +69,7 @@ def chat_request(
         sampling=sampling(request, max_tokens, logprobs),
     )
     message.namespace.tenant = tenant
+    message.text_match = TEXT_MATCH[request.text_match]
     return message
 
 
@@ -115,6 +123,7 @@ def completion_request(
         _check_range("prompt", prompt, _INT64)
         message.token_ids.ids.extend(prompt)
     message.namespace.tenant = tenant
+    message.text_match = TEXT_MATCH[request.text_match]
     return message
 
 

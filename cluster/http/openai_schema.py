@@ -53,6 +53,8 @@ class GenerationParams(Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    text_match: Literal["exact", "anchored", "off"] | None = None
+    """radixmesh: how the prompt's text reuses the router's text index (docs/router.md)."""
     user: str | None = None
     logit_bias: Any = None
     service_tier: Any = None
