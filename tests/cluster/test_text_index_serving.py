@@ -1,0 +1,129 @@
+"""The router's text index on the serving path: real gRPC and HTTP on loopback, real engines.
+
+Multi-turn plain-text conversations whose turns are appended without a separator: in `exact`
+mode the router's ids are those of a full tokenization (the prompt token counts say so, and the
+outputs equal a cold run on those ids); in `anchored` mode the next turn reuses the ids the
+model generated (the worker serves them from its cache) and the outputs equal a cold run on the
+ids the router sent. The index never crosses tenants.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+
+from cluster.client import Client, text_request
+from protos.radixmesh.v1 import serving_pb2
+from tests.cluster.local_cluster import LocalCluster, start_cluster
+from worker.loader import LoadedModel
+
+HISTORY = "The router keeps the text of every conversation it has seen, and the ids"
+QUESTIONS = (" of the tokens betw", "een them; so the next tur", "n tokenises only what is new.")
+
+
+@pytest.fixture
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    running = start_cluster(tiny, workers=1, http=True)
+    yield running
+    running.close()
+
+
+def generate(
+    client: Client, text: str | None, mode: int, tenant: str = "", ids: list[int] | None = None
+) -> tuple[list[int], serving_pb2.GenerateResponse]:
+    """Greedy: the generated ids and the last message (prompt and cache counts)."""
+    request = text_request(text, token_ids=ids, max_tokens=6, tenant=tenant)
+    request.text_match = mode
+    responses = list(client.generate(request, timeout=30))
+    generated = [i for r in responses for i in r.token_ids]
+    return generated, responses[-1]
+
+
+def test_exact_mode_sends_full_tokenization_ids_and_reuses_the_history(
+    cluster: LocalCluster, tiny: LoadedModel
+) -> None:
+    client, tokenizer = Client(cluster.target), tiny.tokenizer
+    prompt = HISTORY
+    for question in QUESTIONS:
+        generated, last = generate(client, prompt, serving_pb2.TEXT_MATCH_EXACT)
+        full = tokenizer.encode(prompt)
+        assert last.prompt_tokens == len(full)
+        cold, _ = generate(client, None, serving_pb2.TEXT_MATCH_OFF, tenant="cold", ids=full)
+        assert generated == cold  # the same ids: the same answer as a cold run
+        prompt += tokenizer.decode(generated) + question  # no separator between turns
+        cluster.wait_idle()
+    counters = cluster.service.text_prompts.counters  # type: ignore[union-attr]
+    assert counters.prompts == len(QUESTIONS)
+    assert counters.reused_chars > len(HISTORY)  # later turns reused the earlier ones
+    assert counters.outcomes.get("split", 0) == len(QUESTIONS) - 1
+
+
+def test_anchored_mode_reuses_the_generated_ids_and_the_worker_serves_them(
+    cluster: LocalCluster, tiny: LoadedModel
+) -> None:
+    client, tokenizer = Client(cluster.target), tiny.tokenizer
+    generated, _ = generate(client, HISTORY, serving_pb2.TEXT_MATCH_ANCHORED)
+    cluster.wait_idle()
+    answer = tokenizer.decode(generated, skip_special_tokens=False)
+    prompt = HISTORY + answer + QUESTIONS[0]
+    anchored_ids = [
+        *tokenizer.encode(HISTORY),
+        *generated,
+        *tokenizer.encode(QUESTIONS[0], add_special_tokens=False),
+    ]
+    # the answer ("Thatadict..." continues "ids" without a space): tokenising the whole text
+    # gives other ids than the generated ones, which only anchored mode reuses
+    assert anchored_ids != tokenizer.encode(prompt)
+    # what the index answers once the answer has joined it (on a thread after the stream)
+    texts = cluster.service.text_prompts
+    assert texts is not None
+    assert _wait(lambda: texts.index.stats().chars >= len(HISTORY + answer)), texts.index.stats()
+    second, last = generate(client, prompt, serving_pb2.TEXT_MATCH_ANCHORED)
+    assert last.prompt_tokens == len(anchored_ids)
+    page = cluster.config.engine.page_size
+    computed = len(tokenizer.encode(HISTORY)) + len(generated) - 1  # the last one was not fed
+    assert last.cached_prompt_tokens >= computed // page * page
+    cold, _ = generate(client, None, serving_pb2.TEXT_MATCH_OFF, tenant="cold", ids=anchored_ids)
+    assert second == cold  # the engine's output for the ids it got equals a cold run on them
+    assert texts.counters.outcomes.get("extend", 0) == 1
+
+
+def test_the_index_never_crosses_tenants(cluster: LocalCluster) -> None:
+    client = Client(cluster.target)
+    generate(client, HISTORY, serving_pb2.TEXT_MATCH_ANCHORED, tenant="acme")
+    cluster.wait_idle()
+    texts = cluster.service.text_prompts
+    assert texts is not None
+    generate(client, HISTORY + QUESTIONS[0], serving_pb2.TEXT_MATCH_ANCHORED, tenant="globex")
+    assert texts.counters.outcomes.get("miss", 0) == 2  # acme's first turn, globex's first
+    assert texts.counters.reused_chars == 0
+
+
+def test_http_requests_choose_a_mode_and_a_bad_one_is_named(cluster: LocalCluster) -> None:
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
+        for mode in ("exact", "anchored", "off"):
+            c.completions.create(
+                model="tiny",
+                prompt=HISTORY,
+                max_tokens=2,
+                temperature=0,
+                extra_body={"text_match": mode},
+            )
+        with pytest.raises(openai.BadRequestError, match="text_match"):
+            c.completions.create(
+                model="tiny", prompt=HISTORY, max_tokens=2, extra_body={"text_match": "fuzzy"}
+            )
+    texts = cluster.service.text_prompts
+    assert texts is not None and texts.counters.prompts == 2  # "off" bypasses the index
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
