@@ -40,6 +40,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+import numpy as np
+
 CUT = 1
 """Flag: the text may be cut after this token (it ends on a character boundary)."""
 SPLIT = 2
@@ -400,12 +402,11 @@ class TextIndex:
         if not exact:
             node.anchored = True
             return
-        given = flags[at : at + len(node.flags)]
-        if node.exact:  # a split point only where every full tokenization had one
-            node.flags = bytearray(a & b | a & CUT for a, b in zip(node.flags, given, strict=True))
-        else:
-            node.flags = bytearray(given)
-            node.exact = True
+        given = bytes(flags[at : at + len(node.flags)])
+        if not node.exact:
+            node.flags, node.exact = bytearray(given), True
+        elif node.flags != given:  # a split point only where every full tokenization had one
+            node.flags = bytearray(a & (b | CUT) for a, b in zip(node.flags, given, strict=True))
 
     # -- LRU ---------------------------------------------------------------------------------------
     def _touch(self, path: list[TextNode]) -> None:
@@ -490,14 +491,17 @@ def _check_tokens(text: str, ids: Sequence[int], ends: Sequence[int], flags: Seq
         raise ValueError(
             f"the last token must end the text on a CUT: ends at {ends[-1]} of {len(text)}"
         )
-    cut, last = 0, 0
-    for i, (end, flag) in enumerate(zip(ends, flags, strict=True)):
-        if end < last:
-            raise ValueError(f"token {i} ends at {end}, before token {i - 1} ({last})")
-        if flag & SPLIT and not flag & CUT:
-            raise ValueError(f"token {i} is a SPLIT point but not a CUT")
-        if flag & CUT:
-            if end <= cut:
-                raise ValueError(f"token {i} cuts at {end}: no character since the cut at {cut}")
-            cut = end
-        last = end
+    end = np.asarray(ends, dtype=np.int64)
+    flag = np.asarray(flags, dtype=np.uint8)
+    backwards = np.flatnonzero(end[1:] < end[:-1])
+    if backwards.size:
+        i = int(backwards[0]) + 1
+        raise ValueError(f"token {i} ends at {end[i]}, before token {i - 1} ({end[i - 1]})")
+    lone = np.flatnonzero((flag & SPLIT).astype(bool) & ~(flag & CUT).astype(bool))
+    if lone.size:
+        raise ValueError(f"token {int(lone[0])} is a SPLIT point but not a CUT")
+    cuts = np.flatnonzero(flag & CUT)
+    empty = np.flatnonzero(np.diff(end[cuts], prepend=0) <= 0)
+    if empty.size:
+        i = int(cuts[empty[0]])
+        raise ValueError(f"token {i} cuts at {end[i]}: no character since the previous cut")

@@ -29,6 +29,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from cache.text_index import TextIndex, TextMatch, TextMatchMode
 from protos.radixmesh.v1 import serving_pb2
 from worker.tokenizer import Tokenizer
@@ -147,7 +149,7 @@ class TextPrompts:
         tail = self.spans.spans(text[start:])
         spans = Spans(
             match.ids + tail.ids,
-            match.ends + array("q", [end + start for end in tail.ends]),
+            match.ends + _shifted(tail.ends, start),
             match.flags + tail.flags,
         )
         with self._lock:
@@ -168,7 +170,14 @@ class TextPrompts:
                 continue
             start = len(turn.text)
             ids = turn.spans.ids + spans.ids
-            ends = turn.spans.ends + array("q", [end + start for end in spans.ends])
+            ends = turn.spans.ends + _shifted(spans.ends, start)
             flags = turn.spans.flags + spans.flags
             with self._lock:
                 self.index.insert(turn.namespace, text, ids, ends, flags, exact=False)
+
+
+def _shifted(ends: array, by: int) -> array:
+    """Character ends counted from `by` characters earlier."""
+    if not by:
+        return ends
+    return array("q", (np.frombuffer(ends, dtype=np.int64) + by).tobytes())

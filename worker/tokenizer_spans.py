@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cache.text_index import CUT, SPLIT
 from worker.tokenizer import Tokenizer
 
@@ -95,16 +97,20 @@ class TokenSpans:
         if not text:
             return Spans(array("q"), array("q"), bytearray())
         (encoding,) = self.tokenizer.backend.encode_batch([text], add_special_tokens=False)
-        offsets, words = encoding.offsets, encoding.word_ids
-        n = len(offsets)
-        ends = array("q", [end for _, end in offsets])
-        flags = bytearray(n)
-        for i in range(n - 1):
-            if offsets[i + 1][0] >= ends[i]:  # the next token starts a character of its own
-                flags[i] = CUT | SPLIT if words[i + 1] != words[i] else CUT
-        flags[n - 1] = CUT | SPLIT
-        ends[n - 1] = len(text)
-        return Spans(array("q", encoding.ids), ends, flags)
+        spans = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        words = np.array(
+            [-1 - i if w is None else w for i, w in enumerate(encoding.word_ids)]
+            if None in encoding.word_ids
+            else encoding.word_ids,
+            dtype=np.int64,
+        )
+        ends = spans[:, 1].copy()
+        ends[-1] = len(text)
+        cut = spans[1:, 0] >= ends[:-1]  # the next token starts a character of its own
+        split = cut & (words[1:] != words[:-1])
+        flags = np.full(len(ends), CUT | SPLIT, dtype=np.uint8)
+        flags[:-1] = cut * CUT | split * SPLIT
+        return Spans(array("q", encoding.ids), array("q", ends.tobytes()), bytearray(flags))
 
     def generated(self, ids: Sequence[int]) -> tuple[str, Spans]:
         """Generated ids as the text they spell and their spans: a CUT wherever the ids so far
