@@ -145,6 +145,12 @@ def stats(args: argparse.Namespace, client: Client) -> int:
         f"{response.requests_in_flight}; cached tokens predicted {response.predicted_cached_tokens}"
         f", served {response.actual_cached_tokens}; router index {response.index_bytes} bytes"
     )
+    t = response.text_index
+    print(
+        f"text index ({t.mode}): {t.prompts} prompts, {t.reused_chars} of {t.prompt_chars} "
+        f"characters reused, {t.backoff_tokens} tokens of back-off; holds {t.chars} characters "
+        f"in {t.nodes} nodes, {t.evicted_chars} evicted"
+    )
     return 0
 
 

@@ -344,4 +344,22 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             actual_cached_tokens=c.actual_cached_tokens,
             workers=workers,
             index_bytes=self.links.policy.index_bytes(),
+            text_index=self._text_index_stats(),
+        )
+
+    def _text_index_stats(self) -> serving_pb2.TextIndexStats:
+        texts = self.text_prompts
+        if texts is None:
+            return serving_pb2.TextIndexStats(mode=self.config.text_index.mode)
+        t, index = texts.counters, texts.index.stats()
+        return serving_pb2.TextIndexStats(
+            mode=texts.mode(serving_pb2.TEXT_MATCH_DEFAULT),
+            chars=index.chars,
+            nodes=index.nodes,
+            prompts=t.prompts,
+            prompt_chars=t.prompt_chars,
+            reused_chars=t.reused_chars,
+            tokenized_chars=t.tokenized_chars,
+            backoff_tokens=t.backoff_tokens,
+            evicted_chars=index.evicted_chars,
         )

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from cluster.client import Client, text_request
+from cluster.router_metrics import RouterCollector
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import LocalCluster, start_cluster
 from worker.loader import LoadedModel
@@ -48,6 +49,7 @@ def test_exact_mode_sends_full_tokenization_ids_and_reuses_the_history(
     client, tokenizer = Client(cluster.target), tiny.tokenizer
     prompt = HISTORY
     for question in QUESTIONS:
+        sent = prompt
         generated, last = generate(client, prompt, serving_pb2.TEXT_MATCH_EXACT)
         full = tokenizer.encode(prompt)
         assert last.prompt_tokens == len(full)
@@ -59,6 +61,16 @@ def test_exact_mode_sends_full_tokenization_ids_and_reuses_the_history(
     assert counters.prompts == len(QUESTIONS)
     assert counters.reused_chars > len(HISTORY)  # later turns reused the earlier ones
     assert counters.outcomes.get("split", 0) == len(QUESTIONS) - 1
+    stats = cluster.stats().text_index  # what `radixmesh stats` prints
+    assert (stats.mode, stats.prompts) == ("exact", len(QUESTIONS))
+    assert stats.reused_chars == counters.reused_chars and stats.chars >= len(sent)
+    metrics = {
+        family.name: family.samples[0].value
+        for family in RouterCollector(cluster.service).collect()
+        if family.name.startswith("radixmesh_router_text_index") and family.samples
+    }
+    assert metrics["radixmesh_router_text_index_reused_chars"] == counters.reused_chars
+    assert metrics["radixmesh_router_text_index_chars"] == stats.chars
 
 
 def test_anchored_mode_reuses_the_generated_ids_and_the_worker_serves_them(

@@ -221,7 +221,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., healthy: _Optional[bool] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., preemptions: _Optional[int] = ..., total_pages: _Optional[int] = ..., address: _Optional[str] = ..., host_total_pages: _Optional[int] = ..., host_cached_pages: _Optional[int] = ..., demoted_pages: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., host_evicted_pages: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes", "vocab_size", "max_model_len", "requests_migrated")
+    __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes", "vocab_size", "max_model_len", "requests_migrated", "text_index")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RETRIED_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,7 @@ class GetStatsResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    TEXT_INDEX_FIELD_NUMBER: _ClassVar[int]
     policy: str
     requests_routed: int
     requests_retried: int
@@ -244,4 +245,27 @@ class GetStatsResponse(_message.Message):
     vocab_size: int
     max_model_len: int
     requests_migrated: int
-    def __init__(self, policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., requests_retried: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., requests_migrated: _Optional[int] = ...) -> None: ...
+    text_index: TextIndexStats
+    def __init__(self, policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., requests_retried: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., requests_migrated: _Optional[int] = ..., text_index: _Optional[_Union[TextIndexStats, _Mapping]] = ...) -> None: ...
+
+class TextIndexStats(_message.Message):
+    __slots__ = ("mode", "chars", "nodes", "prompts", "prompt_chars", "reused_chars", "tokenized_chars", "backoff_tokens", "evicted_chars")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CHARS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_CHARS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZED_CHARS_FIELD_NUMBER: _ClassVar[int]
+    BACKOFF_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_CHARS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    chars: int
+    nodes: int
+    prompts: int
+    prompt_chars: int
+    reused_chars: int
+    tokenized_chars: int
+    backoff_tokens: int
+    evicted_chars: int
+    def __init__(self, mode: _Optional[str] = ..., chars: _Optional[int] = ..., nodes: _Optional[int] = ..., prompts: _Optional[int] = ..., prompt_chars: _Optional[int] = ..., reused_chars: _Optional[int] = ..., tokenized_chars: _Optional[int] = ..., backoff_tokens: _Optional[int] = ..., evicted_chars: _Optional[int] = ...) -> None: ...
