@@ -27,6 +27,9 @@ from cluster.config import ClusterConfig, ConfigError, ModelSection
         ("engine: {num_pages: 0}", "engine.num_pages: must be at least 1, got 0"),
         ("metrics: {worker_port: -1}", "metrics.worker_port: must be from 0 to 65535"),
         ("drain_timeout_s: -5", "drain_timeout_s: must be at least 0, got -5.0"),
+        ("router: {text_index: {mode: fuzzy}}", "router.text_index.mode: 'fuzzy' is not one of"),
+        ("router: {text_index: {max_chars: -1}}", "router.text_index.max_chars: must be at least"),
+        ("router: {text_index: {min_fraction: 1.5}}", "router.text_index.min_fraction: must be"),
     ],
 )
 def test_a_value_out_of_range_is_refused_naming_its_key(
