@@ -85,6 +85,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         """Requests being checked and tokenised: they count against max_in_flight already."""
         self.text_prompts: TextPrompts | None = None
         """The router's text index (cluster/text_prompts.py), built with the first text prompt."""
+        self._text_prompts_failed: object = None
+        """The tokenizer the text index could not be built for (not tried again)."""
         self.background: set[asyncio.Task[None]] = set()
         # the rate the policies are built with (cluster/policies.py) stands until one is learned
         self.timing = StreamTiming(lambda: self.links.policy, router_config(config).prefill_rate)
@@ -166,10 +168,17 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         tokenizer, section = self.links.tokenizer, self.config.text_index
         if tokenizer is None or section.max_chars == 0:
             return None
+        if tokenizer is self._text_prompts_failed:
+            return None
         if self.text_prompts is None or self.text_prompts.tokenizer is not tokenizer:
-            self.text_prompts = await asyncio.to_thread(
-                TextPrompts, tokenizer, section.mode, section.max_chars, section.min_fraction
-            )
+            try:
+                self.text_prompts = await asyncio.to_thread(
+                    TextPrompts, tokenizer, section.mode, section.max_chars, section.min_fraction
+                )
+            except Exception:  # never worth failing a request: tokenise in full instead
+                log.exception("text index off: it could not be built for this tokenizer")
+                self._text_prompts_failed = tokenizer
+                return None
         return self.text_prompts
 
     def _remember_answers(self, prepared: PreparedRequest, progress: StreamProgress) -> None:

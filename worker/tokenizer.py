@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -206,6 +207,13 @@ class Tokenizer:
         with offsets, 4.5 ms without, for 207k tokens). The ids are the same."""
         (encoding,) = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
         return list(encoding.ids)
+
+    def encode_with_offsets(self, text: str) -> Encoding:
+        """`text`'s encoding with no special tokens added, with each token's character offsets
+        and pre-tokenizer word (what the router's text index needs; about 20 % slower than
+        `encode`). Releases the GIL like `encode`."""
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=False)
+        return encoding
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]

@@ -96,7 +96,7 @@ class TokenSpans:
         """`text` tokenised on its own, with no special tokens added."""
         if not text:
             return Spans(array("q"), array("q"), bytearray())
-        (encoding,) = self.tokenizer.backend.encode_batch([text], add_special_tokens=False)
+        encoding = self.tokenizer.encode_with_offsets(text)
         spans = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         words = np.array(
             [-1 - i if w is None else w for i, w in enumerate(encoding.word_ids)]
