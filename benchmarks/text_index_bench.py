@@ -3,7 +3,8 @@ multi-turn conversations, on the default model's tokenizer (SmolLM2-135M-Instruc
 
 A conversation is plain text: turn 1 is an opening text and a user message; every later turn is
 the previous prompt + the previous answer + a new user message, appended without a separator.
-The text is English from the repository's own docs (README.md, docs/*.md), seeded. An answer's
+The text is English from the repository's own docs (docs/*.md), seeded: it changes when they
+do, so compare numbers within one run (each comes with its same-run baseline). An answer's
 ids are what a model would emit: `tokenizer.encode(answer)`, except where a boundary kind says
 the model emitted its last newlines one by one.
 
@@ -72,13 +73,13 @@ BOUNDARIES = ("trailing-space", "split-word", "newline-token", "newline-steps")
 
 # -- the workload ------------------------------------------------------------------------------
 def corpus(root: Path = ROOT) -> list[str]:
-    """Paragraphs of English: the repository's README.md and docs/*.md, split on blank lines."""
+    """Paragraphs of English: the repository's docs/*.md, split on blank lines."""
     paragraphs: list[str] = []
-    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    for path in sorted((root / "docs").glob("*.md")):
         blocks = (block.strip() for block in path.read_text().split("\n\n"))
         paragraphs.extend(block for block in blocks if len(block) >= 40)
     if not paragraphs:
-        raise ValueError(f"no text under {root} (README.md, docs/*.md)")
+        raise ValueError(f"no text in {root / 'docs'}/*.md")
     return paragraphs
 
 
