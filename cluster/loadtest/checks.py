@@ -84,6 +84,18 @@ def check_combinations(args: argparse.Namespace) -> None:
         )
     if args.chaos and (args.compare or args.sweep is not None):
         raise UsageError("--chaos works on a single run: it does not go with --compare or --sweep")
+    modes = args.text_match or []
+    if len(set(modes)) < len(modes):
+        raise UsageError(f"--text-match names a mode twice: {' '.join(modes)}")
+    if len(modes) > 1 and (args.compare or args.sweep is not None or args.chaos):
+        raise UsageError(
+            "--text-match with several modes makes one run per mode: it does not go with "
+            "--compare, --sweep or --chaos (give one mode to those)"
+        )
+    if modes and args.workload == "trace":
+        raise UsageError(
+            "--text-match is for text and chat prompts: the trace workload sends token ids"
+        )
 
 
 def check_api(
@@ -108,11 +120,12 @@ def check_api(
         raise UsageError(str(err)) from err
     if args.grpc_target is not None and "://" in args.grpc_target:
         raise UsageError(f"--grpc-target {args.grpc_target} is a URL: it takes HOST:PORT")
-    if (args.compare or args.sweep is not None) and args.grpc_target is None:
+    several = len(args.text_match or []) > 1
+    if (args.compare or args.sweep is not None or several) and args.grpc_target is None:
         raise UsageError(
-            "--compare and --sweep switch the policy and empty the caches through the router's "
-            "Admin service, which is gRPC only: with --api openai, also give the router's gRPC "
-            "address (--grpc-target HOST:PORT)"
+            "--compare, --sweep and several --text-match modes switch the policy or empty the "
+            "caches through the router's Admin service, which is gRPC only: with --api openai, "
+            "also give the router's gRPC address (--grpc-target HOST:PORT)"
         )
     named = [name for name, weight in adapters if name and weight > 0]
     if named:

@@ -5,7 +5,8 @@
         --arrival trace --time-scale 0.05] [--sweep 1,4,16] [--compare cache_aware round_robin]
         [--tenants acme=1,globex=1] [--chaos worker-0@10 --ray-address HOST:PORT]
     radixmesh loadtest --api openai --target http://127.0.0.1:8000 [--model ID]
-        [--grpc-target 127.0.0.1:50051 (for --compare, --sweep)] ...
+        [--grpc-target 127.0.0.1:50051 (for --compare, --sweep, several --text-match)] ...
+    radixmesh loadtest --workload plain-multi-turn --text-match exact anchored ...
 
 The flags are checked first (cluster/loadtest/checks.py), then the target is probed: a bad
 flag, an unreachable target or refused credentials end the command within seconds, saying so.
@@ -13,7 +14,11 @@ flag, an unreachable target or refused credentials end the command within second
 streamed completions (cluster/loadtest/openai_api.py); the reports say which. `--compare`
 switches the router's policy through the Admin service (gRPC, whichever API the requests use)
 and empties every cache before each policy, so both start cold; `--sweep` runs each
-concurrency (closed) or rate (poisson) in turn.
+concurrency (closed) or rate (poisson) in turn. `--text-match MODE` asks the router's text
+index for that mode in every request (serving.proto's text_match, or the HTTP body's); with
+several modes, each runs in turn from emptied caches and the reports put them side by side.
+ClearCaches does not empty the router's text index, so each mode's texts start with a line of
+their own ("Run N.") that no other run's texts share.
 """
 
 from __future__ import annotations
@@ -89,10 +94,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=None, help="the cluster's Ray (for --chaos)")
     parser.add_argument("--compare", nargs=2, metavar="POLICY", default=None)
     parser.add_argument(
+        "--text-match",
+        nargs="+",
+        choices=workloads.TEXT_MATCHES,
+        default=None,
+        metavar="MODE",
+        help="how the router's text index tokenises text and chat prompts, sent with every "
+        "request (exact, anchored, off; default: the router's router.text_index.mode); "
+        "several: one run per mode from emptied caches, reported side by side",
+    )
+    parser.add_argument(
         "--warmup", type=int, default=64, help="requests sent (and discarded) before measuring"
     )
     add_token_argument(
-        parser, "with tokens configured, --compare and --sweep need one bound to '*' (admin)"
+        parser,
+        "with tokens configured, --compare, --sweep and several --text-match modes need one "
+        "bound to '*' (admin)",
     )
     add_tls_arguments(parser)
 
@@ -149,6 +166,7 @@ async def one_run(
     arrivals: Arrivals,
     label: str,
     plan: chaos.ChaosPlan | None,
+    text_match: str | None = None,
 ) -> tuple[RunResult, dict[str, object] | None]:
     bounds = Bounds(args.num_requests, args.max_seconds, args.request_timeout)
     run = Run(target, sessions, arrivals, bounds, console, chaos=plan)
@@ -162,6 +180,7 @@ async def one_run(
         "num_requests": args.num_requests,
         "max_tokens": args.max_tokens,
         "seed": args.seed,
+        "text_match": text_match,
     }
     summary = summarize(records, run.duration, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
     return RunResult(label, settings, summary, records), run.chaos_report
@@ -217,15 +236,19 @@ async def main_async(args: argparse.Namespace, checked: Checked) -> int:
         turns=args.turns,
     )  # fmt: skip
     sessions = workloads.build(args.workload, options)  # a malformed trace fails before warmup
+    modes = args.text_match or [None]
+    sessions = workloads.with_text_match(sessions, modes[0])
     arrivals = Arrivals(args.arrival, args.concurrency, args.rate, args.seed)
     await warm_up(args, target, options)
     runs: list[RunResult] = []
     chaos_report = None
-    if args.compare:
+    if len(modes) > 1:
+        runs = await text_match_runs(args, probed, sessions, arrivals, modes)
+    elif args.compare:
         assert probed.admin is not None  # checks.py: --compare over HTTP needs --grpc-target
         for policy in args.compare:
             await admin(probed.admin, policy)
-            result, _ = await one_run(args, target, sessions, arrivals, policy, None)
+            result, _ = await one_run(args, target, sessions, arrivals, policy, None, modes[0])
             runs.append(result)
     elif checked.sweep:
         assert probed.admin is not None
@@ -234,19 +257,41 @@ async def main_async(args: argparse.Namespace, checked: Checked) -> int:
             await admin(probed.admin)
             level_arrivals = Arrivals(args.arrival, int(level), level, args.seed)
             result, _ = await one_run(
-                args, target, sessions, level_arrivals, f"{axis}={level:g}", None
+                args, target, sessions, level_arrivals, f"{axis}={level:g}", None, modes[0]
             )
             result.offered_load = level
             result.settings["sweep_axis"] = axis
             runs.append(result)
     else:
         label = probed.policy or target.api  # the policy is GetStats' to tell
-        result, chaos_report = await one_run(args, target, sessions, arrivals, label, checked.chaos)
+        result, chaos_report = await one_run(
+            args, target, sessions, arrivals, label, checked.chaos, modes[0]
+        )
         runs.append(result)
     paths = report.write(args.output_dir, runs, chaos_report, sweep=bool(checked.sweep))
     print(report.markdown(runs, chaos_report))
     console.print("reports: " + ", ".join(str(p) for p in paths.values()))
     return chaos_exit(chaos_report)
+
+
+async def text_match_runs(
+    args: argparse.Namespace,
+    probed: Probed,
+    sessions: list[Session],
+    arrivals: Arrivals,
+    modes: list[str],
+) -> list[RunResult]:
+    """The same sessions once per text match mode, each from emptied caches. The router's text
+    index outlives ClearCaches, so each mode's texts open with a line no other run's share."""
+    assert probed.admin is not None  # checks.py: several modes over HTTP need --grpc-target
+    runs = []
+    for number, mode in enumerate(modes, 1):
+        await admin(probed.admin)
+        marked = workloads.with_text_match(sessions, mode, f"Run {number}.\n")
+        label = f"text_match={mode}"
+        result, _ = await one_run(args, probed.endpoint, marked, arrivals, label, None, mode)
+        runs.append(result)
+    return runs
 
 
 def main(args: argparse.Namespace) -> int:

@@ -21,6 +21,13 @@ from cluster.loadtest.records import RequestRecord
 from cluster.loadtest.workloads import RequestSpec, Session
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 
+TEXT_MATCH = {
+    "exact": serving_pb2.TEXT_MATCH_EXACT,
+    "anchored": serving_pb2.TEXT_MATCH_ANCHORED,
+    "off": serving_pb2.TEXT_MATCH_OFF,
+}
+"""workloads.TEXT_MATCHES -> GenerateRequest.text_match."""
+
 
 @dataclass(frozen=True)
 class Target:
@@ -57,6 +64,8 @@ def to_proto(spec: RequestSpec, session: Session, request_id: str) -> serving_pb
             max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True
         ),
     )
+    if session.text_match is not None:
+        request.text_match = TEXT_MATCH[session.text_match]
     if spec.text is not None:
         request.text = spec.text
     elif spec.chat is not None:

@@ -5,8 +5,9 @@ token-id prompts, with `stream_options.include_usage`.
     probe     GET /health (a 404 is a server without one; a 503 ends the command), then
               GET /v1/models with the token: the model id (unless --model names one) and its
               max_model_len
-    request   temperature 0, ignore_eos (vLLM's extension), max_tokens; the bearer token,
-              X-Radixmesh-Tenant for a named tenant, X-Request-Id (the run's request id)
+    request   temperature 0, ignore_eos (vLLM's extension), max_tokens, text_match with
+              --text-match (radixmesh's extension); the bearer token, X-Radixmesh-Tenant for a
+              named tenant, X-Request-Id (the run's request id)
     record    TTFT: the first chunk carrying text or a finish reason; an inter-token gap: the
               time between two such chunks. The server sends no chunk for a token whose text is
               not complete yet (half of a multi-byte character), so a gap may span tokens.
@@ -134,9 +135,11 @@ class HttpTarget:
             yield HttpConnection(client, self)
 
 
-def request_body(spec: RequestSpec, model: str) -> tuple[str, dict[str, Any]]:
+def request_body(
+    spec: RequestSpec, model: str, text_match: str | None = None
+) -> tuple[str, dict[str, Any]]:
     """The path and JSON body of `spec`: chat messages to chat completions, a text or token ids
-    to completions, streamed with usage."""
+    to completions, streamed with usage; `text_match` as radixmesh's body field."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": spec.max_tokens,
@@ -145,6 +148,8 @@ def request_body(spec: RequestSpec, model: str) -> tuple[str, dict[str, Any]]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if text_match is not None:
+        body["text_match"] = text_match
     if spec.chat is not None:
         body["messages"] = [{"role": role, "content": content} for role, content in spec.chat]
         return CHAT_PATH, body
@@ -209,7 +214,7 @@ class HttpConnection:
         timeout: float,
     ) -> None:
         record.predicted_cached_tokens = None  # unless the response says (radixmesh's headers)
-        path, body = request_body(spec, self.target.model)
+        path, body = request_body(spec, self.target.model, session.text_match)
         headers = {"x-request-id": record.request_id}
         if session.tenant:
             headers[TENANT_HEADER] = session.tenant

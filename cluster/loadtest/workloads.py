@@ -5,11 +5,17 @@ arrived. Most workloads are one request per session; `multi-turn` resends the wh
 conversation every turn, the server's real answers included (as text), which is what makes a
 chat hit the cache turn after turn.
 
-    shared-prefix  K system prompts x short questions
-    multi-turn     conversations: every turn = the history so far + a new question
-    few-shot       long few-shot templates + a question
-    random         unrelated prompts: nothing to share
-    trace          a Mooncake-format trace (token ids), arrival times and lengths scaled
+    shared-prefix     K system prompts x short questions
+    multi-turn        conversations: every turn = the history so far + a new question
+    plain-multi-turn  the same as one plain text: every turn = the previous prompt + the
+                      server's answer + a new message, appended without a separator; each
+                      message ends with "Answer: " and the next one starts right after the
+                      answer's last character: where the answer starts with a letter or ends
+                      inside a word, a full tokenization merges across the join and leaves the
+                      ids the worker cached, which the router's text index (anchored) keeps
+    few-shot          long few-shot templates + a question
+    random            unrelated prompts: nothing to share
+    trace             a Mooncake-format trace (token ids), arrival times and lengths scaled
 
 Namespaces are drawn per session from weighted tenant and adapter mixes.
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cluster.loadtest.trace import MOONCAKE_TRACE, BlockExpander, read_trace
@@ -34,7 +40,9 @@ _PARAGRAPH = (
     "read write keep send receive route share reuse compute evict lock free hold move split merge"
 )
 WORDS = _PARAGRAPH.split()
-WORKLOADS = ("shared-prefix", "multi-turn", "few-shot", "random", "trace")
+WORKLOADS = ("shared-prefix", "multi-turn", "plain-multi-turn", "few-shot", "random", "trace")
+TEXT_MATCHES = ("exact", "anchored", "off")
+"""How the router's text index tokenises a text or chat prompt (serving.proto TextMatch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +69,14 @@ class Session:
     system: str | None = None
     max_tokens: int = 32
     history: list[tuple[str, str]] = field(default_factory=list)
+    plain: bool = False
+    """Multi-turn as one text: `system`, then each message and answer appended as they are."""
+    text: str = ""
+    """Plain multi-turn: the text sent last."""
+    text_match: str | None = None
+    """One of TEXT_MATCHES, sent with every request; None: the router's own mode."""
+    prefix: str = ""
+    """Put before every text prompt (a chat's first message): marks a run's texts apart."""
 
     @property
     def length(self) -> int:
@@ -69,13 +85,37 @@ class Session:
     def request(self, turn: int, previous_answer: str | None) -> RequestSpec:
         """The `turn`-th request, given the answer to the previous one."""
         if not self.questions:
-            return self.turns[turn]
+            return _marked(self.turns[turn], self.prefix)
+        if self.plain:
+            if turn == 0:
+                self.text = self.system or ""
+            else:
+                self.text += previous_answer or ""
+            self.text += self.questions[turn]
+            return RequestSpec(self.max_tokens, text=self.prefix + self.text)
         if turn == 0:
             self.history = [("system", self.system)] if self.system else []
         else:
             self.history.append(("assistant", previous_answer or ""))
         self.history.append(("user", self.questions[turn]))
-        return RequestSpec(self.max_tokens, chat=tuple(self.history))
+        return _marked(RequestSpec(self.max_tokens, chat=tuple(self.history)), self.prefix)
+
+
+def _marked(spec: RequestSpec, prefix: str) -> RequestSpec:
+    if not prefix:
+        return spec
+    if spec.text is not None:
+        return replace(spec, text=prefix + spec.text)
+    if spec.chat:
+        (role, content), *rest = spec.chat
+        return replace(spec, chat=((role, prefix + content), *rest))
+    return spec  # token ids: nothing to mark
+
+
+def with_text_match(sessions: list[Session], mode: str | None, prefix: str = "") -> list[Session]:
+    """Fresh copies of `sessions` whose requests ask for the text match `mode`, their texts
+    after `prefix`."""
+    return [replace(s, text_match=mode, prefix=prefix, history=[], text="") for s in sessions]
 
 
 @dataclass(frozen=True)
@@ -136,7 +176,7 @@ def _shared_prefix(rng: random.Random, o: WorkloadOptions) -> list[Session]:
     ]
 
 
-def _multi_turn(rng: random.Random, o: WorkloadOptions) -> list[Session]:
+def _multi_turn(rng: random.Random, o: WorkloadOptions, plain: bool = False) -> list[Session]:
     conversations = max(1, o.requests // o.turns)
     longest = max(4, min(40, _budget(o) // (2 * o.turns)))
     sessions = []
@@ -145,10 +185,18 @@ def _multi_turn(rng: random.Random, o: WorkloadOptions) -> list[Session]:
         questions = [
             _words(rng, rng.randint(longest // 2, longest)) + "?" for _ in range(max(1, turns))
         ]
+        system = _words(rng, 20)
+        if plain:  # no separator: the answer follows the space, the next message the answer
+            questions = [f"{question} Answer: " for question in questions]
+            system += ".\n"
         sessions.append(
-            Session(i, questions=questions, system=_words(rng, 20), max_tokens=o.max_tokens)
+            Session(i, questions=questions, system=system, max_tokens=o.max_tokens, plain=plain)
         )
     return sessions
+
+
+def _plain_multi_turn(rng: random.Random, o: WorkloadOptions) -> list[Session]:
+    return _multi_turn(rng, o, plain=True)
 
 
 def _few_shot(rng: random.Random, o: WorkloadOptions) -> list[Session]:
@@ -204,6 +252,7 @@ def _trace(o: WorkloadOptions) -> list[Session]:
 _BUILDERS = {
     "shared-prefix": _shared_prefix,
     "multi-turn": _multi_turn,
+    "plain-multi-turn": _plain_multi_turn,
     "few-shot": _few_shot,
     "random": _random,
 }

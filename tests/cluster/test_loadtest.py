@@ -12,9 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster.loadtest.cli import add_arguments, main
+from cluster.loadtest.grpc_api import to_proto
 from cluster.loadtest.trace import MOONCAKE_BLOCK, BlockExpander
-from cluster.loadtest.workloads import WorkloadOptions, build
+from cluster.loadtest.workloads import WorkloadOptions, build, with_text_match
 from cluster.policies import build_policy
+from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import LocalCluster, start_cluster
 from worker.loader import load_model
 from worker.tiny_model import build_tiny_checkpoint
@@ -60,7 +62,9 @@ def trace_file(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn", "few-shot", "random", "trace"])
+@pytest.mark.parametrize(
+    "workload", ["shared-prefix", "multi-turn", "plain-multi-turn", "few-shot", "random", "trace"]
+)
 def test_each_workload_runs_and_counts_add_up(
     cluster: LocalCluster, tmp_path: Path, workload: str
 ) -> None:
@@ -79,7 +83,7 @@ def test_each_workload_runs_and_counts_add_up(
     (run,) = report["runs"]
     summary = consistent(run)
     assert summary["requests"]["sent"] == 8 and summary["requests"]["completed"] == 8
-    if workload in ("shared-prefix", "multi-turn", "trace"):
+    if workload in ("shared-prefix", "multi-turn", "plain-multi-turn", "trace"):
         assert summary["hit_rate"] > 0
     if workload == "random":
         assert summary["hit_rate"] < 0.05
@@ -103,6 +107,39 @@ def test_compare_runs_both_policies_from_cold_caches(cluster: LocalCluster, tmp_
     assert aware["hit_rate"] > robin["hit_rate"]
     assert "x |" in (tmp_path / "summary.md").read_text()  # ratios between the two
     cluster.loop.run(cluster.links.replace_policy(build_policy(cluster.config)))  # as before
+
+
+def test_text_match_modes_run_in_turn_and_are_reported_side_by_side(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    code, report = loadtest(
+        cluster, tmp_path, "--workload", "plain-multi-turn", "--num-requests", "8", "--turns",
+        "4", "--concurrency", "2", "--warmup", "2", "--text-match", "exact", "anchored",
+    )  # fmt: skip
+    assert code == 0
+    runs = report["runs"]
+    assert [run["label"] for run in runs] == ["text_match=exact", "text_match=anchored"]
+    assert [run["settings"]["text_match"] for run in runs] == ["exact", "anchored"]
+    for run in runs:
+        summary = consistent(run)
+        assert summary["requests"]["completed"] == 8 and summary["hit_rate"] > 0
+    texts = cluster.service.text_prompts
+    assert texts is not None and texts.counters.outcomes.get("extend", 0) > 0  # anchored's
+    assert "| text_match=exact | text_match=anchored |" in (tmp_path / "summary.md").read_text()
+    cluster.wait_idle()
+
+
+def test_plain_turns_append_the_answer_and_the_next_message_without_a_separator() -> None:
+    session, *_ = build("plain-multi-turn", WorkloadOptions(requests=6, turns=3))
+    first = session.request(0, None)
+    assert first.text is not None and first.chat is None and first.text.endswith("Answer: ")
+    second = session.request(1, "an answer")
+    assert second.text == first.text + "an answer" + session.questions[1]
+    assert to_proto(second, session, "r").text_match == serving_pb2.TEXT_MATCH_DEFAULT
+    (marked,) = with_text_match([session], "anchored", "Run 2.\n")
+    spec = marked.request(0, None)
+    assert spec.text == "Run 2.\n" + first.text
+    assert to_proto(spec, marked, "r").text_match == serving_pb2.TEXT_MATCH_ANCHORED
 
 
 def test_sweep_plots_load_against_latency(cluster: LocalCluster, tmp_path: Path) -> None:

@@ -146,6 +146,9 @@ def refused(
         (["--workload", "trace", "--trace", "/no/such/trace.jsonl"], "is absent (--trace PATH)"),
         (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: cannot be read"),
         (["--tls-cert", "/no/such/client.pem"], "need --tls-ca"),
+        (["--text-match", "exact", "exact"], "--text-match names a mode twice"),
+        (["--text-match", "exact", "off", "--sweep", "1,2"], "does not go with --compare, --sweep"),
+        (["--workload", "trace", "--text-match", "exact"], "the trace workload sends token ids"),
     ],
 )
 def test_bad_flags_are_refused_before_the_server_is_contacted(

@@ -82,7 +82,12 @@ def trace_file(path: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("workload", "path"),
-    [("shared-prefix", "completions (text)"), ("multi-turn", "chat"), ("trace", "token ids")],
+    [
+        ("shared-prefix", "completions (text)"),
+        ("multi-turn", "chat"),
+        ("plain-multi-turn", "completions (text), text_match anchored"),
+        ("trace", "token ids"),
+    ],
 )
 def test_a_run_over_the_openai_api_completes_with_cache_hits(
     cluster: LocalCluster, tmp_path: Path, workload: str, path: str
@@ -90,6 +95,8 @@ def test_a_run_over_the_openai_api_completes_with_cache_hits(
     flags = ["--workload", workload, "--num-requests", "8", "--concurrency", "3"]
     if workload == "trace":  # token ids must lie in the vocabulary, which GetStats reports
         flags += ["--trace", str(trace_file(tmp_path / "t.jsonl")), "--grpc-target", cluster.target]
+    if workload == "plain-multi-turn":
+        flags += ["--text-match", "anchored"]
     code, report = over_http(cluster, tmp_path, *flags)
     assert code == 0
     (run,) = report["runs"]
@@ -110,6 +117,10 @@ def test_a_run_over_the_openai_api_completes_with_cache_hits(
     text = (tmp_path / "summary.md").read_text()
     assert text.startswith(f"API: openai, {cluster.http_url}, model {SERVED_NAME}\n")
     assert "| prediction error (tokens) | - |" not in text
+    if workload == "plain-multi-turn":  # the body's text_match reached the router's index
+        assert run["settings"]["text_match"] == "anchored"
+        texts = cluster.service.text_prompts
+        assert texts is not None and texts.counters.outcomes.get("extend", 0) > 0
     cluster.wait_idle()
 
 
@@ -226,6 +237,7 @@ def test_an_unknown_model_is_named(
         (["--api", "openai", "--target", "ftp://h:1"], "is not the HTTP API's base URL"),
         (["--api", "openai", "--compare", "a", "b"], "also give the router's gRPC address"),
         (["--api", "openai", "--sweep", "1,2"], "(--grpc-target HOST:PORT)"),
+        (["--api", "openai", "--text-match", "off", "exact"], "(--grpc-target HOST:PORT)"),
         (["--api", "openai", "--adapters", "=1,sql=1"], "cannot name an adapter"),
         (["--api", "openai", "--grpc-target", "http://h:1"], "--grpc-target http://h:1 is a URL"),
         (["--api", "openai", "--tls-ca", "/no/ca.pem"], "--tls-ca is for an https:// target"),
@@ -251,7 +263,8 @@ def test_base_urls_drop_the_v1_that_serve_prints() -> None:
     assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
     path, body = request_body(RequestSpec(4, chat=(("user", "hi"),)), "m")
     assert path == "/v1/chat/completions"
-    assert body["messages"] == [{"role": "user", "content": "hi"}]
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and "text_match" not in body
+    assert request_body(RequestSpec(4, text="hi"), "m", "anchored")[1]["text_match"] == "anchored"
 
 
 # -- streams that go wrong, from a real server's canned bytes --------------------------------------
