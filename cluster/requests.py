@@ -84,15 +84,11 @@ def prepare(
     tenant = message.namespace.tenant
     if len(tenant) > MAX_TENANT_CHARS:
         raise InvalidRequest("namespace.tenant", f"at most {MAX_TENANT_CHARS} characters")
-    if allowed_tenant != ANY_TENANT:
-        if tenant and tenant != allowed_tenant:
-            raise TenantRefused(
-                f"namespace.tenant: this token may only use tenant {allowed_tenant!r}"
-            )
-        tenant = allowed_tenant
+    if allowed_tenant != ANY_TENANT and tenant and tenant != allowed_tenant:
+        raise TenantRefused(f"namespace.tenant: this token may only use tenant {allowed_tenant!r}")
     request = GenerateRequest(
         request_id,
-        namespace=CacheNamespace(tenant=tenant or None),
+        namespace=request_namespace(message, allowed_tenant),
         sampling=sampling_from_proto(message.sampling),
         **_prompt(message),  # type: ignore[arg-type]
     )
@@ -109,6 +105,12 @@ def prepare(
         sampling = replace(sampling, seed=secrets.randbits(63))
     turn = encoder.turn if encoder is not None else None
     return PreparedRequest(request_id, tuple(ids), request.namespace, sampling, turn)
+
+
+def request_namespace(message: serving_pb2.GenerateRequest, allowed_tenant: str) -> CacheNamespace:
+    """The cache namespace a request runs in: a token bound to a tenant always uses that one."""
+    tenant = message.namespace.tenant if allowed_tenant == ANY_TENANT else allowed_tenant
+    return CacheNamespace(tenant=tenant or None)
 
 
 def _prompt(message: serving_pb2.GenerateRequest) -> dict[str, object]:

@@ -7,6 +7,7 @@ With bearer tokens configured, only a token bound to every tenant ("*") may call
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -20,9 +21,16 @@ from router.errors import UnknownPolicy
 
 
 class AdminService(serving_pb2_grpc.AdminServicer):
-    def __init__(self, links: WorkerLinks, config: ClusterConfig) -> None:
+    def __init__(
+        self,
+        links: WorkerLinks,
+        config: ClusterConfig,
+        on_clear: Callable[[], None] | None = None,
+    ) -> None:
         self.links = links
         self.config = config
+        self.on_clear = on_clear
+        """What ClearCaches clears in the router itself (its text index)."""
 
     async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
         if allowed_tenant(context, self.config.security) != ANY_TENANT:
@@ -59,4 +67,6 @@ class AdminService(serving_pb2_grpc.AdminServicer):
                 raise answer
             else:
                 freed += answer.pages_freed
+        if self.on_clear is not None:
+            self.on_clear()
         return serving_pb2.ClearCachesResponse(pages_freed=freed)

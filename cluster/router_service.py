@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cache import CacheNamespace
 from cluster.auth import allowed_tenant
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.policies import router_config
-from cluster.requests import PreparedRequest, TenantRefused, prepare
+from cluster.requests import PreparedRequest, TenantRefused, prepare, request_namespace
 from cluster.serving_call import Caller, ServingError
 from cluster.stream_merge import merge_streams
 from cluster.stream_progress import StreamProgress
@@ -44,6 +45,8 @@ from worker.errors import InvalidRequest, PromptTooLarge
 from worker.validation import RequestLimits
 
 log = logging.getLogger(__name__)
+ANSWER_JOIN_WAIT_S = 1.0
+"""How long a text prompt waits for its namespace's last answers to join the text index."""
 WORKER_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
@@ -87,7 +90,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         """The router's text index (cluster/text_prompts.py), built with the first text prompt."""
         self._text_prompts_failed: object = None
         """The tokenizer the text index could not be built for (not tried again)."""
-        self.background: set[asyncio.Task[None]] = set()
+        self.answers_joining: dict[CacheNamespace, set[asyncio.Task[None]]] = {}
+        """Answers being added to the text index, by namespace."""
         # the rate the policies are built with (cluster/policies.py) stands until one is learned
         self.timing = StreamTiming(lambda: self.links.policy, router_config(config).prefill_rate)
 
@@ -153,6 +157,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenise
                 return prepare(request, tokenizer, limits, tenant, fill_context)
             texts = await self._text_prompts()
+            await self._answers_joined(request, caller)
             return await asyncio.to_thread(
                 prepare, request, tokenizer, limits, tenant, fill_context, texts
             )
@@ -181,9 +186,14 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 return None
         return self.text_prompts
 
+    def clear_text_index(self) -> None:
+        if self.text_prompts is not None:
+            self.text_prompts.clear()
+
     def _remember_answers(self, prepared: PreparedRequest, progress: StreamProgress) -> None:
         """A finished text prompt's answers join the text index, on a thread (the stream has
-        ended: this delays no one)."""
+        ended: this delays no one). The namespace's next text prompt waits for it (a client
+        sends its next turn as soon as it has this one's last message)."""
         turn, texts = prepared.text_turn, self.text_prompts
         if turn is None or texts is None:
             return
@@ -191,8 +201,22 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         task = asyncio.get_running_loop().create_task(
             asyncio.to_thread(texts.finished, turn, samples)
         )
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        pending = self.answers_joining.setdefault(prepared.namespace, set())
+        pending.add(task)
+
+        def joined(task: asyncio.Task[None]) -> None:
+            pending.discard(task)
+            if not pending and self.answers_joining.get(prepared.namespace) is pending:
+                del self.answers_joining[prepared.namespace]
+
+        task.add_done_callback(joined)
+
+    async def _answers_joined(self, request: serving_pb2.GenerateRequest, caller: Caller) -> None:
+        """Until the answers of the namespace's finished requests are in the text index (at most
+        ANSWER_JOIN_WAIT_S: they take milliseconds)."""
+        pending = self.answers_joining.get(request_namespace(request, caller.tenant))
+        if pending:
+            await asyncio.wait(set(pending), timeout=ANSWER_JOIN_WAIT_S)
 
     async def _serve(
         self,

@@ -105,6 +105,11 @@ class TextPrompts:
         self.counters = TextIndexCounters()
         self._lock = threading.Lock()
 
+    def clear(self) -> None:
+        """Forget every text (Admin.ClearCaches); the counters stay."""
+        with self._lock:
+            self.index = TextIndex(self.index.max_chars, self.index.min_fraction)
+
     def mode(self, requested: int) -> str:
         """The mode a request runs in: the one it asked for (serving.proto TextMatch), else the
         configured one; "off" whatever was asked when the tokenizer cannot split exactly."""

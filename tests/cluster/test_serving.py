@@ -358,9 +358,11 @@ def test_admin_switches_policy_and_clears_caches(cluster: LocalCluster) -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "fastest" in err.value.details()
         cluster.wait_idle()
+        assert client.stats().text_index.chars > 0
         freed = admin.ClearCaches(serving_pb2.ClearCachesRequest(), timeout=10).pages_freed
         assert freed > 0
     assert all(w.cached_pages == 0 for w in client.stats().workers)
+    assert client.stats().text_index.chars == 0  # the router's text index is emptied too
     assert client.stats().vocab_size == 512 and client.stats().max_model_len == 512
     cold = collect(client, text_request(SYSTEM * 3, max_tokens=2))[-1]
     assert cold.cached_prompt_tokens == 0

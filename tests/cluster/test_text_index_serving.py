@@ -10,7 +10,8 @@ ids the router sent. The index never crosses tenants.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -74,9 +75,19 @@ def test_exact_mode_sends_full_tokenization_ids_and_reuses_the_history(
 
 
 def test_anchored_mode_reuses_the_generated_ids_and_the_worker_serves_them(
-    cluster: LocalCluster, tiny: LoadedModel
+    cluster: LocalCluster, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client, tokenizer = Client(cluster.target), tiny.tokenizer
+    generate(client, "warm", serving_pb2.TEXT_MATCH_ANCHORED, tenant="warm-up")  # builds the index
+    texts = cluster.service.text_prompts
+    assert texts is not None
+    joining = texts.finished
+
+    def slow_join(*args: Any) -> None:  # an answer that takes long to join the index
+        time.sleep(0.3)
+        joining(*args)
+
+    monkeypatch.setattr(texts, "finished", slow_join)
     generated, _ = generate(client, HISTORY, serving_pb2.TEXT_MATCH_ANCHORED)
     cluster.wait_idle()
     answer = tokenizer.decode(generated, skip_special_tokens=False)
@@ -89,10 +100,7 @@ def test_anchored_mode_reuses_the_generated_ids_and_the_worker_serves_them(
     # the answer ("Thatadict..." continues "ids" without a space): tokenising the whole text
     # gives other ids than the generated ones, which only anchored mode reuses
     assert anchored_ids != tokenizer.encode(prompt)
-    # what the index answers once the answer has joined it (on a thread after the stream)
-    texts = cluster.service.text_prompts
-    assert texts is not None
-    assert _wait(lambda: texts.index.stats().chars >= len(HISTORY + answer)), texts.index.stats()
+    # sent at once: the router waits for the first answer to join the index before matching
     second, last = generate(client, prompt, serving_pb2.TEXT_MATCH_ANCHORED)
     assert last.prompt_tokens == len(anchored_ids)
     page = cluster.config.engine.page_size
@@ -130,12 +138,3 @@ def test_http_requests_choose_a_mode_and_a_bad_one_is_named(cluster: LocalCluste
             )
     texts = cluster.service.text_prompts
     assert texts is not None and texts.counters.prompts == 2  # "off" bypasses the index
-
-
-def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
