@@ -16,9 +16,8 @@ switches the router's policy through the Admin service (gRPC, whichever API the 
 and empties every cache before each policy, so both start cold; `--sweep` runs each
 concurrency (closed) or rate (poisson) in turn. `--text-match MODE` asks the router's text
 index for that mode in every request (serving.proto's text_match, or the HTTP body's); with
-several modes, each runs in turn from emptied caches and the reports put them side by side.
-ClearCaches does not empty the router's text index, so each mode's texts start with a line of
-their own ("Run N.") that no other run's texts share.
+several modes, each runs in turn from emptied caches (the workers' and the router's text
+index) and the reports put them side by side.
 """
 
 from __future__ import annotations
@@ -281,13 +280,13 @@ async def text_match_runs(
     arrivals: Arrivals,
     modes: list[str],
 ) -> list[RunResult]:
-    """The same sessions once per text match mode, each from emptied caches. The router's text
-    index outlives ClearCaches, so each mode's texts open with a line no other run's share."""
+    """The same sessions once per text match mode, each from emptied caches (ClearCaches
+    empties the router's text index too)."""
     assert probed.admin is not None  # checks.py: several modes over HTTP need --grpc-target
     runs = []
-    for number, mode in enumerate(modes, 1):
+    for mode in modes:
         await admin(probed.admin)
-        marked = workloads.with_text_match(sessions, mode, f"Run {number}.\n")
+        marked = workloads.with_text_match(sessions, mode)
         label = f"text_match={mode}"
         result, _ = await one_run(args, probed.endpoint, marked, arrivals, label, None, mode)
         runs.append(result)
