@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tokenizers import pre_tokenizers
 
 from cache.text_index import CUT, SPLIT
 from worker.tokenizer import Tokenizer
@@ -41,6 +42,12 @@ class Spans:
     ids: array
     ends: array
     flags: bytearray
+    spelled: bool = True
+    """The ids spell the whole text. False when the text has a character with a byte the
+    vocabulary has no token for (SmolLM2 lacks 21 of the 256, 0x04 and the first byte of
+    U+40000 among them): the tokenizer drops such bytes, so `ends` and `flags` mean nothing
+    (every end is the text's end, only the last token a CUT) and the text must not join the
+    index. Its ids are still those of tokenising it alone."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -53,6 +60,7 @@ class TokenSpans:
         """The longest special token in characters (>= 1)."""
         self.lead: list[int] = list(tokenizer.encode("", add_special_tokens=True))
         """What `add_special_tokens` puts before a text's own ids."""
+        self._spellable = self._spellable_bytes()
         self.reason = self._config_reason() or self._probe_reason()
         """Why split tokenization is not exact for this tokenizer (None: it is)."""
 
@@ -71,6 +79,11 @@ class TokenSpans:
                 return f"its pre-tokenizer {part.get('type')} may change text across a cut"
             if part.get("type") == "ByteLevel" and part.get("add_prefix_space"):
                 return "its ByteLevel pre-tokenizer adds a prefix space to every tail"
+        if "ByteLevel" not in {part.get("type") for part in parts}:
+            return "it has no ByteLevel pre-tokenizer (the rule assumes byte-level pieces)"
+        return self._tokens_reason(config)
+
+    def _tokens_reason(self, config: dict[str, Any]) -> str | None:
         post = (config.get("post_processor") or {}).get("type")
         if post not in _POST_PROCESSORS:
             return f"its post-processor {post} may add ids after the text"
@@ -92,10 +105,36 @@ class TokenSpans:
                 return "its offsets do not map tokens to the characters they spell"
         return None
 
+    def _spellable_bytes(self) -> bytes:
+        """The bytes the vocabulary has a token for, found through ByteLevel's own mapping of
+        bytes to characters (a character holding the byte, mapped, looked up)."""
+        level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        spellable = bytearray()
+        for byte in range(256):
+            if byte not in _HOLDERS:  # never in UTF-8 text
+                spellable.append(byte)
+                continue
+            char, position = _HOLDERS[byte]
+            mapped = level.pre_tokenize_str(char)[0][0][position]
+            if self.tokenizer.token_to_id(mapped) is not None:
+                spellable.append(byte)
+        return bytes(spellable)
+
+    def spelled(self, text: str) -> bool:
+        """Whether the vocabulary spells every byte of `text` (a C-speed pass)."""
+        data = text.encode("utf-8", "surrogatepass")
+        return not data.translate(None, self._spellable)
+
     def spans(self, text: str) -> Spans:
         """`text` tokenised on its own, with no special tokens added."""
         if not text:
             return Spans(array("q"), array("q"), bytearray())
+        if not self.spelled(text):
+            ids = array("q", self.tokenizer.encode(text, add_special_tokens=False))
+            flags = bytearray(len(ids))
+            if ids:
+                flags[-1] = CUT | SPLIT
+            return Spans(ids, array("q", [len(text)] * len(ids)), flags, spelled=False)
         encoding = self.tokenizer.encode_with_offsets(text)
         spans = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         words = np.array(
@@ -108,9 +147,9 @@ class TokenSpans:
         ends[-1] = len(text)
         cut = spans[1:, 0] >= ends[:-1]  # the next token starts a character of its own
         split = cut & (words[1:] != words[:-1])
-        flags = np.full(len(ends), CUT | SPLIT, dtype=np.uint8)
-        flags[:-1] = cut * CUT | split * SPLIT
-        return Spans(array("q", encoding.ids), array("q", ends.tobytes()), bytearray(flags))
+        marks = np.full(len(ends), CUT | SPLIT, dtype=np.uint8)
+        marks[:-1] = cut * CUT | split * SPLIT
+        return Spans(array("q", encoding.ids), array("q", ends.tobytes()), bytearray(marks))
 
     def generated(self, ids: Sequence[int]) -> tuple[str, Spans]:
         """Generated ids as the text they spell and their spans: a CUT wherever the ids so far
@@ -125,3 +164,17 @@ class TokenSpans:
         if ids:
             ends[-1], flags[-1] = len(decoder.text), CUT
         return decoder.text, Spans(array("q", ids), ends, flags)
+
+
+def _holders() -> dict[int, tuple[str, int]]:
+    """For each byte UTF-8 uses, a character that holds it and where: U+0000-U+07FF cover the
+    one- and two-byte forms and every continuation byte, one character per lead byte the rest."""
+    leads = [0x800, *range(0x1000, 0x10000, 0x1000), 0x10000, 0x40000, 0x80000, 0xC0000, 0x100000]
+    holders: dict[int, tuple[str, int]] = {}
+    for code in [*range(0x800), *leads]:
+        for position, byte in enumerate(chr(code).encode()):
+            holders.setdefault(byte, (chr(code), position))
+    return holders
+
+
+_HOLDERS = _holders()
