@@ -117,7 +117,8 @@ class TextPrompts:
         self, namespace: Hashable, text: str, mode: str, add_special_tokens: bool = True
     ) -> tuple[list[int], TextTurn | None]:
         """The prompt's ids (BOS included when `add_special_tokens` and the tokenizer adds one)
-        and the turn the index took (None: "off", or nothing to index)."""
+        and the turn the index took (None: "off", nothing to index, or a text the tokenizer
+        cannot spell: see `Spans.spelled`)."""
         if mode == OFF or not text:
             return self.tokenizer.encode(text, add_special_tokens), None
         began = time.perf_counter()
@@ -134,7 +135,8 @@ class TextPrompts:
             c.outcomes[match.outcome.value] = c.outcomes.get(match.outcome.value, 0) + 1
             c.seconds += time.perf_counter() - began
         lead = self.spans.lead if add_special_tokens else []
-        return lead + spans.ids.tolist(), TextTurn(namespace, match_mode, text, spans)
+        turn = TextTurn(namespace, match_mode, text, spans) if spans.spelled else None
+        return lead + spans.ids.tolist(), turn
 
     def _through_index(
         self, namespace: Hashable, text: str, mode: TextMatchMode
@@ -149,9 +151,11 @@ class TextPrompts:
             match.ids + tail.ids,
             match.ends + array("q", [end + start for end in tail.ends]),
             match.flags + tail.flags,
+            tail.spelled,
         )
-        with self._lock:
-            self.index.insert(namespace, text, spans.ids, spans.ends, spans.flags, match.exact)
+        if spans.spelled:  # a text whose offsets are off would corrupt the index: kept out
+            with self._lock:
+                self.index.insert(namespace, text, spans.ids, spans.ends, spans.flags, match.exact)
         backoff = bisect.bisect_right(tail.ends, match.matched_chars - start)
         return spans, match, backoff
 

@@ -39,6 +39,11 @@ class Spans:
     ids: array
     ends: array
     flags: bytearray
+    spelled: bool = True
+    """The ids spell the text. False where the tokenizer dropped bytes it has no token for
+    (SmolLM2's vocabulary lacks 21 of the 256, among them 0x04 and the first byte of U+40000):
+    its offsets are then shifted, so `ends` and `flags` are not to be trusted (here every end
+    is the text's end and only the last token a CUT) and the text must not join the index."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -97,6 +102,11 @@ class TokenSpans:
         (encoding,) = self.tokenizer.backend.encode_batch([text], add_special_tokens=False)
         offsets, words = encoding.offsets, encoding.word_ids
         n = len(offsets)
+        if self.tokenizer.backend.decode(encoding.ids, skip_special_tokens=False) != text:
+            flags = bytearray(n)
+            if n:
+                flags[-1] = CUT | SPLIT
+            return Spans(array("q", encoding.ids), array("q", [len(text)] * n), flags, False)
         ends = array("q", [end for _, end in offsets])
         flags = bytearray(n)
         for i in range(n - 1):
