@@ -20,7 +20,14 @@ from tokenizers import normalizers
 from cache.text_index import TextIndex
 from cluster.text_prompts import OFF, TextIndexCounters, TextPrompts, TextTurn
 from protos.radixmesh.v1 import serving_pb2
-from tests.worker.tokenizer_fixtures import TOKENIZERS, long_texts, texts
+from tests.worker.tokenizer_fixtures import (
+    FRAGMENTS,
+    PREAMBLES,
+    TOKENIZERS,
+    WITH_BARE,
+    long_texts,
+    texts,
+)
 from worker.tokenizer import Tokenizer
 
 EXACT, ANCHORED = "exact", "anchored"
@@ -31,6 +38,12 @@ def built(request: pytest.FixtureRequest) -> TextPrompts:
     prompts = TextPrompts(TOKENIZERS[request.param]())
     assert prompts.spans.reason is None
     return prompts
+
+
+@pytest.fixture(scope="module", params=sorted(WITH_BARE))
+def any_built(request: pytest.FixtureRequest) -> TextPrompts:
+    """Also SmolLM2's tokenizer without special tokens (a margin of 1 character)."""
+    return TextPrompts(WITH_BARE[request.param]())
 
 
 def fresh(
@@ -53,23 +66,70 @@ def generated_ids(tokenizer: Tokenizer, answer: str, how: str, rng_ids: list[int
 
 
 # -- the exact claim -------------------------------------------------------------------------------
-OPS = ["new", "extend", "extend", "edit", "truncate", "answer", "answer", "repeat"]
+OPS = ["new", "extend", "extend", "edit", "truncate", "resume", "resume", "answer", "answer"]
+CUT_SHORT = [
+    *(t for t in FRAGMENTS if len(t) > 1),
+    " " * 20,
+    "\n" * 6,
+    " \n \n  \t ",
+    "1234567890",
+    "!!!???...",
+    "<|im_end|>\n<|im_start|>assistant\n",
+    "abcdefghijklmnopqrstuvwxyz",
+]
+"""Texts a prompt may stop inside of (a special token, a whitespace run, a contraction, a long
+word), for the next prompt to complete."""
+
+
+def cut_points(text: str) -> st.SearchStrategy[int]:
+    """Anywhere in `text`, or where a piece may end: inside or after a run of whitespace or
+    punctuation (where a tokenizer looks ahead)."""
+    near = [i for i in range(1, len(text)) if not text[i - 1].isalnum() or not text[i].isalnum()]
+    anywhere = st.integers(0, len(text))
+    return st.one_of(anywhere, st.sampled_from(near)) if near else anywhere
 
 
 @settings(max_examples=250, deadline=None)
 @given(data=st.data())
 def test_exact_mode_ids_are_always_the_full_tokenization(
-    built: TextPrompts, data: st.DataObject
+    any_built: TextPrompts, data: st.DataObject
 ) -> None:
-    tokenizer = built.tokenizer
+    tokenizer = any_built.tokenizer
     prompts = fresh(
-        built,
+        any_built,
         max_chars=data.draw(st.sampled_from([0, 40, 300, 16_000_000]), label="max_chars"),
         min_fraction=data.draw(st.sampled_from([0.0, 0.5, 0.8, 1.0]), label="min_fraction"),
     )
     seen: list[str] = []
     turns: list[TextTurn] = []
     prompted = 0
+
+    def check(namespace: Hashable, text: str) -> None:
+        nonlocal prompted
+        mode = data.draw(st.sampled_from([EXACT, EXACT, ANCHORED]), label="mode")
+        special = data.draw(st.booleans(), label="add_special_tokens")
+        ids, turn = prompts.encode(namespace, text, mode, special)
+        expected = tokenizer.encode(text, add_special_tokens=special)
+        if mode == EXACT:
+            assert ids == expected
+        else:  # anchored ids may differ, but they spell the same text
+            assert tokenizer.decode(ids, skip_special_tokens=False) == tokenizer.decode(
+                expected, skip_special_tokens=False
+            )
+        lead = prompts.spans.lead * special
+        spelled = tokenizer.decode(expected, skip_special_tokens=False) == (
+            tokenizer.decode(lead, skip_special_tokens=False) + text
+        )
+        if text and spelled:
+            assert turn is not None and turn.text == text
+            assert ids == lead + turn.spans.ids.tolist()
+            turns.append(turn)
+        else:  # nothing to index, or characters the tokenizer drops: kept out of the index
+            assert turn is None
+        prompted += bool(text)
+        seen.append(text)
+        prompts.index.check_integrity()
+
     for _ in range(data.draw(st.integers(1, 8), label="steps")):
         op = data.draw(st.sampled_from(OPS), label="op") if seen else "new"
         namespace: Hashable = data.draw(st.sampled_from(["A", "A", "B"]), label="namespace")
@@ -80,11 +140,13 @@ def test_exact_mode_ids_are_always_the_full_tokenization(
         elif op == "extend":  # with or without a separator: texts() may start with a letter
             text = base + more
         elif op == "edit":
-            text = base[: data.draw(st.integers(0, len(base)), label="cut")] + more
+            text = base[: data.draw(cut_points(base), label="cut")] + more
         elif op == "truncate":
-            text = base[: data.draw(st.integers(0, len(base)), label="cut")]
-        elif op == "repeat":
-            text = base
+            text = base[: data.draw(cut_points(base), label="cut")]
+        elif op == "resume":  # a prompt stops inside a piece, the next one completes it
+            piece = data.draw(st.sampled_from(CUT_SHORT), label="piece")
+            check(namespace, base + piece[: data.draw(st.integers(1, len(piece) - 1))])
+            text = base + piece + more
         else:
             if not turns:
                 continue
@@ -97,24 +159,41 @@ def test_exact_mode_ids_are_always_the_full_tokenization(
             answer = tokenizer.decode(answer_ids, skip_special_tokens=False)
             seen.append(turn.text + answer)
             text = turn.text + answer + more
-        mode = data.draw(st.sampled_from([EXACT, EXACT, ANCHORED]), label="mode")
-        special = data.draw(st.booleans(), label="add_special_tokens")
-        ids, turn_or_none = prompts.encode(namespace, text, mode, special)
-        expected = tokenizer.encode(text, add_special_tokens=special)
-        if mode == EXACT:
-            assert ids == expected
-        else:  # anchored ids may differ, but they spell the same text
-            assert tokenizer.decode(ids, skip_special_tokens=False) == tokenizer.decode(
-                expected, skip_special_tokens=False
-            )
-        if text:
-            assert turn_or_none is not None and turn_or_none.text == text
-            assert ids == prompts.spans.lead * special + turn_or_none.spans.ids.tolist()
-            turns.append(turn_or_none)
-            prompted += 1
-        seen.append(text)
-        prompts.index.check_integrity()
+        check(namespace, text)
     assert prompts.counters.prompts == prompted
+
+
+TRAPS = [
+    ("<|im_sta", "<|im_start|>user\n"),  # a special token completed
+    ("<|im_start", "<|im_start|>"),
+    ("<|im_start|", "<|im_start|>x"),
+    ("hello  you", "hello  "),  # a whitespace run that no longer precedes a word
+    ("hello  you", "hello  \n"),
+    ("hello   you", "hello    you"),
+    ("line\n\nnext", "line\n\n"),
+    ("line\n\n", "line\n\nnext"),
+    ("it 'l", "it 'll"),  # a contraction completed
+    ("it's", "it'sy"),
+    ("1234", "12345"),
+    ("👍", "👍🏽 ok"),
+    ("abc!!", "abc!!!?"),
+    ("the café", "the cafés"),
+]
+
+
+@pytest.mark.parametrize(("first", "second"), TRAPS)
+def test_exact_mode_where_a_stored_text_tokenises_otherwise_in_a_longer_one(
+    any_built: TextPrompts, first: str, second: str
+) -> None:
+    """A stored text that the next one continues or cuts inside its last pieces, after an
+    opening long enough to reuse: exact mode backs off far enough."""
+    tokenizer = any_built.tokenizer
+    for opening in PREAMBLES:
+        prompts = fresh(any_built)
+        for text in (opening + first, opening + second, opening + first):
+            ids, _ = prompts.encode("n", text, EXACT, add_special_tokens=False)
+            assert ids == tokenizer.encode(text, add_special_tokens=False), text
+        assert prompts.counters.reused_chars > 0
 
 
 # -- reuse -----------------------------------------------------------------------------------------
@@ -315,13 +394,19 @@ UNSPELLABLE: list[tuple[str, Callable[[str], str]]] = [
 def test_characters_the_tokenizer_drops(
     built: TextPrompts, name: str, make: Callable[[str], str], mode: str
 ) -> None:
-    """SmolLM2's vocabulary has no token for some bytes (0x04, 0x06): encoding drops them, and a
-    text of only such characters has no ids at all. The index must take that as it comes."""
+    """SmolLM2's vocabulary has no token for some bytes (0x04, 0x06): encoding drops them (a
+    text of only such characters has no ids at all) and shifts the offsets after them, so such
+    a text is tokenised (past what the index reuses) but never joins the index."""
     prompts = fresh(built)
     prompts.encode("n", TEXT, mode)
+    stored = prompts.index.stats()
     text = make(TEXT)
-    ids, _ = prompts.encode("n", text, mode)
-    assert ids == prompts.tokenizer.encode(text)
-    ids, _ = prompts.encode("n", text, mode)
-    assert ids == prompts.tokenizer.encode(text)
+    spelled = prompts.tokenizer.decode(prompts.tokenizer.encode(text), False) == text
+    assert spelled == (built.tokenizer is TOKENIZERS["tiny"]())
+    for _ in range(2):
+        ids, turn = prompts.encode("n", text, mode)
+        assert ids == prompts.tokenizer.encode(text)
+        assert (turn is not None) == spelled
+    if not spelled:
+        assert prompts.index.stats() == stored
     prompts.index.check_integrity()

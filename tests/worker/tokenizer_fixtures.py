@@ -1,11 +1,11 @@
-"""The two tokenizers the text index is tested with, and texts that probe split tokenization.
+"""The tokenizers the text index is tested with, and texts that probe split tokenization.
 
 `smollm2_tokenizer()`: the default model's (byte-level BPE, Digits then ByteLevel pre-tokenizer,
 17 special tokens), from the converted checkpoint in ~/.cache/radixmesh (converted on first use).
 `tiny_tokenizer()`: the tiny model's (byte-level BPE trained on a paragraph, 3 special tokens),
-from its tokenizer files alone. `texts()`: strings built from pieces that make tokenizers look
-ahead: whitespace runs, punctuation, contractions, digits, multi-byte characters, special-token
-strings whole and cut.
+from its tokenizer files alone. `bare_tokenizer()`: SmolLM2's without special tokens.
+`texts()`: strings built from pieces that make tokenizers look ahead: whitespace runs,
+punctuation, contractions, digits, multi-byte characters, special-token strings whole and cut.
 """
 
 from __future__ import annotations
@@ -117,4 +117,15 @@ def tiny_tokenizer() -> Tokenizer:
     )
 
 
+@cache
+def bare_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer without its special tokens: "<|im_start|>" is plain text to it, so
+    the text index backs off by a margin of 1 character and the split points that must follow
+    a back-off point do all the work (with a margin of 16 they are never needed)."""
+    config = json.loads(smollm2_tokenizer().backend.to_str())
+    config["added_tokens"] = []
+    return Tokenizer.from_files({TOKENIZER_FILE: json.dumps(config)})
+
+
 TOKENIZERS = {"smollm2": smollm2_tokenizer, "tiny": tiny_tokenizer}
+WITH_BARE = {**TOKENIZERS, "bare": bare_tokenizer}
