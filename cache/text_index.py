@@ -207,7 +207,7 @@ class TextIndex:
         root = self._roots.get(namespace)
         if root is None or not text:
             return _miss(0)
-        exact_only = mode is TextMatchMode.EXACT
+        exact_only = TextMatchMode(mode) is TextMatchMode.EXACT  # "exact" the string too
         path, matched = self._walk(root, text, exact_only)
         self._touch(path)
         if exact_only:
@@ -501,7 +501,8 @@ def _check_tokens(text: str, ids: Sequence[int], ends: Sequence[int], flags: Seq
     if lone.size:
         raise ValueError(f"token {int(lone[0])} is a SPLIT point but not a CUT")
     cuts = np.flatnonzero(flag & CUT)
-    empty = np.flatnonzero(np.diff(end[cuts], prepend=0) <= 0)
+    previous = np.concatenate(([0], end[cuts][:-1]))
+    empty = np.flatnonzero(end[cuts] <= previous)
     if empty.size:
-        i = int(cuts[empty[0]])
-        raise ValueError(f"token {i} cuts at {end[i]}: no character since the previous cut")
+        i, cut = int(cuts[empty[0]]), int(previous[empty[0]])
+        raise ValueError(f"token {i} cuts at {end[i]}: no character since the cut at {cut}")
