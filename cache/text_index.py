@@ -329,6 +329,7 @@ class TextIndex:
         if self.max_chars == 0 or not ids:
             return
         keys = ids if isinstance(ids, array) and ids.typecode == "q" else array("q", ids)
+        positions = ends if isinstance(ends, array) and ends.typecode == "q" else array("q", ends)
         root = self._roots.get(namespace)
         if root is None:
             root = TextNode(None, 0, "", array("q"), array("q"), bytearray())
@@ -344,13 +345,19 @@ class TextIndex:
                     pos,
                     text[pos:],
                     keys[at:],
-                    array("q", ends[at:]),
+                    positions[at:],
                     bytearray(flags[at:]),
                 )
                 node.add_child(child)
                 self.chars += len(child.text)
                 self.nodes += 1
                 common = len(ids) - at
+            elif child.ends[:common] != positions[at : at + common]:
+                k = next(k for k in range(common) if child.ends[k] != positions[at + k])
+                raise ValueError(
+                    f"token {at + k} is stored ending at character {child.ends[k]}, given "
+                    f"{positions[at + k]}: the same ids must spell the same characters"
+                )
             elif common < len(child.ids):
                 self._split(child, common)
             self._mark(child, flags, at, exact)

@@ -37,7 +37,9 @@ _PROBE = "Hello  world123 <|x|>é漢字\n\n  x!!  "
 
 @dataclass(frozen=True, slots=True)
 class Spans:
-    """A text's tokens: `ends[i]` is the character after token i, `flags[i]` its CUT / SPLIT."""
+    """A text's tokens: `ends[i]` is the character after token i, `flags[i]` its CUT / SPLIT.
+    A token that ends inside a character (not a CUT) ends where the next CUT does, so the same
+    ids always come with the same ends, whichever way they were produced."""
 
     ids: array
     ends: array
@@ -149,6 +151,8 @@ class TokenSpans:
         split = cut & (words[1:] != words[:-1])
         marks = np.full(len(ends), CUT | SPLIT, dtype=np.uint8)
         marks[:-1] = cut * CUT | split * SPLIT
+        cuts = np.flatnonzero(marks & CUT)  # inside a character: end where the next cut does
+        ends = ends[cuts][np.searchsorted(cuts, np.arange(len(ends)))]
         return Spans(array("q", encoding.ids), array("q", ends.tobytes()), bytearray(marks))
 
     def generated(self, ids: Sequence[int]) -> tuple[str, Spans]:
@@ -163,6 +167,12 @@ class TokenSpans:
         decoder.finish()
         if ids:
             ends[-1], flags[-1] = len(decoder.text), CUT
+        following = len(decoder.text)
+        for i in range(len(ids) - 1, -1, -1):  # inside a character: end where the next cut does
+            if flags[i] & CUT:
+                following = ends[i]
+            else:
+                ends[i] = following
         return decoder.text, Spans(array("q", ids), ends, flags)
 
 

@@ -535,3 +535,14 @@ def test_random_inserts_and_matches_keep_the_index_consistent() -> None:
         Machine, settings=settings(max_examples=150, stateful_step_count=40, deadline=None)
     )
     assert outcomes == set(TextOutcome)  # every outcome came up in the run
+
+
+def test_ids_stored_with_other_characters_are_refused_not_filed() -> None:
+    index = TextIndex(100)
+    index.insert("t", "abc", [1, 2], [1, 3], [CUT | SPLIT, CUT | SPLIT], exact=True)
+    before = index.stats()
+    with pytest.raises(ValueError, match="the same ids must spell the same characters"):
+        index.insert("t", "abcd", [1, 2, 3], [2, 3, 4], [CUT, CUT, CUT], exact=False)
+    assert index.stats() == before
+    assert index.match("t", "abc", ANCHORED).ids.tolist() == [1, 2]
+    index.check_integrity()
