@@ -161,8 +161,7 @@ class TextPrompts:
             tail.spelled,
         )
         if spans.spelled:  # (what the index holds is spelled: the match's part is)
-            with self._lock:
-                self.index.insert(namespace, text, spans.ids, spans.ends, spans.flags, match.exact)
+            self._insert(namespace, text, spans, match.exact)
         backoff = bisect.bisect_right(tail.ends, match.matched_chars - start)
         return spans, match, backoff
 
@@ -178,11 +177,21 @@ class TextPrompts:
                 self._through_index(turn.namespace, text, TextMatchMode.EXACT)
                 continue
             start = len(turn.text)
-            ids = turn.spans.ids + spans.ids
-            ends = turn.spans.ends + _shifted(spans.ends, start)
-            flags = turn.spans.flags + spans.flags
+            joined = Spans(
+                turn.spans.ids + spans.ids,
+                turn.spans.ends + _shifted(spans.ends, start),
+                turn.spans.flags + spans.flags,
+            )
+            self._insert(turn.namespace, text, joined, exact=False)
+
+    def _insert(self, namespace: Hashable, text: str, spans: Spans, exact: bool) -> None:
+        """Into the index; a text it refuses is logged and left out, never failing a request
+        (its ids are right whether or not it is kept)."""
+        try:
             with self._lock:
-                self.index.insert(turn.namespace, text, ids, ends, flags, exact=False)
+                self.index.insert(namespace, text, spans.ids, spans.ends, spans.flags, exact)
+        except ValueError as err:
+            log.warning("text index: a text of %d characters left out: %s", len(text), err)
 
 
 def _shifted(ends: array, by: int) -> array:

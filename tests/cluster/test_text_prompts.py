@@ -410,3 +410,20 @@ def test_characters_the_tokenizer_drops(
     if not spelled:
         assert prompts.index.stats() == stored
     prompts.index.check_integrity()
+
+
+def test_a_text_the_index_refuses_is_left_out_and_the_request_still_gets_its_ids(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prompts = TextPrompts(TOKENIZERS["tiny"]())
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("refused for the test")
+
+    prompts.index.insert = refuse  # type: ignore[method-assign]
+    text = "The router keeps the text of every conversation."
+    ids, turn = prompts.encode("t", text, "exact")
+    assert ids == prompts.tokenizer.encode(text)
+    assert turn is not None and prompts.index.stats().chars == 0
+    prompts.finished(turn, [prompts.tokenizer.encode(" More.", add_special_tokens=False)])
+    assert "left out: refused for the test" in caplog.text
