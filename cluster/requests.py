@@ -103,7 +103,10 @@ def prepare(
     sampling = request.sampling
     if sampling.seed is None and not sampling.greedy:
         sampling = replace(sampling, seed=secrets.randbits(63))
-    turn = encoder.turn if encoder is not None else None
+    turn = None
+    if encoder is not None:  # accepted: the prompt joins the text index
+        encoder.keep()
+        turn = encoder.turn
     return PreparedRequest(request_id, tuple(ids), request.namespace, sampling, turn)
 
 

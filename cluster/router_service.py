@@ -131,11 +131,14 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         entry = self.in_flight[prepared.request_id] = InFlight(prepared.namespace.tenant)
         progress = StreamProgress(prepared)
+        remembered = False
         try:
             async for response in self._serve(prepared, entry, caller, progress):
+                if not remembered and all(sample.finished for sample in progress.samples):
+                    remembered = True  # registered before the client has the last message
+                    self._remember_answers(prepared, progress)
                 yield response
             self._count("OK")
-            self._remember_answers(prepared, progress)
         finally:
             self.in_flight.pop(prepared.request_id, None)
 
@@ -191,9 +194,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             self.text_prompts.clear()
 
     def _remember_answers(self, prepared: PreparedRequest, progress: StreamProgress) -> None:
-        """A finished text prompt's answers join the text index, on a thread (the stream has
-        ended: this delays no one). The namespace's next text prompt waits for it (a client
-        sends its next turn as soon as it has this one's last message)."""
+        """A finished text prompt's answers join the text index, on a thread, registered
+        before the last message goes out: the namespace's next text prompt waits for them (a
+        client sends its next turn as soon as it has this one's last message)."""
         turn, texts = prepared.text_turn, self.text_prompts
         if turn is None or texts is None:
             return

@@ -54,6 +54,8 @@ class TextTurn:
     text: str
     spans: Spans
     """The text's own ids (no BOS) with their ends and flags."""
+    exact: bool = True
+    """The ids are a full tokenization's (how the text joins the index)."""
 
 
 @dataclass
@@ -74,14 +76,23 @@ class TextIndexCounters:
 
 class PromptEncoder:
     """`validation.PromptTokenizer` for one request: encodes through the index and keeps the
-    turn it took."""
+    turn it took; `keep()` adds the prompt to the index once the request is accepted."""
 
     def __init__(self, prompts: TextPrompts, namespace: Hashable, mode: str) -> None:
         self._prompts, self._namespace, self._mode = prompts, namespace, mode
         self.turn: TextTurn | None = None
+        self.probe = prompts.tokenizer
+        """For size checks of part of the text (validation's head check): not through the
+        index, which must see only whole prompts."""
+
+    def keep(self) -> None:
+        if self.turn is not None:
+            self._prompts.keep(self.turn)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids, self.turn = self._prompts.encode(self._namespace, text, self._mode, add_special_tokens)
+        ids, self.turn = self._prompts.encode(
+            self._namespace, text, self._mode, add_special_tokens, keep=False
+        )
         return ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
@@ -121,11 +132,17 @@ class TextPrompts:
         return PromptEncoder(self, namespace, mode)
 
     def encode(
-        self, namespace: Hashable, text: str, mode: str, add_special_tokens: bool = True
+        self,
+        namespace: Hashable,
+        text: str,
+        mode: str,
+        add_special_tokens: bool = True,
+        keep: bool = True,
     ) -> tuple[list[int], TextTurn | None]:
         """The prompt's ids (BOS included when `add_special_tokens` and the tokenizer adds one)
         and the turn the index took (None: "off", nothing to index, or a text the vocabulary
-        cannot spell: `Spans.spelled`)."""
+        cannot spell: `Spans.spelled`). `keep=False`: the prompt joins the index only when
+        `keep(turn)` is called (the router calls it once the request is accepted)."""
         if mode == OFF or not text:
             return self.tokenizer.encode(text, add_special_tokens), None
         began = time.perf_counter()
@@ -142,13 +159,19 @@ class TextPrompts:
             c.outcomes[match.outcome.value] = c.outcomes.get(match.outcome.value, 0) + 1
             c.seconds += time.perf_counter() - began
         lead = self.spans.lead if add_special_tokens else []
-        turn = TextTurn(namespace, match_mode, text, spans) if spans.spelled else None
+        turn = TextTurn(namespace, match_mode, text, spans, match.exact) if spans.spelled else None
+        if keep and turn is not None:
+            self.keep(turn)
         return lead + spans.ids.tolist(), turn
 
+    def keep(self, turn: TextTurn) -> None:
+        """The prompt joins the index."""
+        self._insert(turn.namespace, turn.text, turn.spans, turn.exact)
+
     def _through_index(
-        self, namespace: Hashable, text: str, mode: TextMatchMode
+        self, namespace: Hashable, text: str, mode: TextMatchMode, insert: bool = False
     ) -> tuple[Spans, TextMatch, int]:
-        """Match, tokenise the rest, insert: the text's spans, the match and its back-off
+        """Match, tokenise the rest (and insert): the text's spans, the match and its back-off
         (tokens of matched text tokenised again)."""
         with self._lock:
             match = self.index.match(namespace, text, mode, self.spans.margin)
@@ -160,7 +183,7 @@ class TextPrompts:
             match.flags + tail.flags,
             tail.spelled,
         )
-        if spans.spelled:  # (what the index holds is spelled: the match's part is)
+        if insert and spans.spelled:  # (what the index holds is spelled: the match's part is)
             self._insert(namespace, text, spans, match.exact)
         backoff = bisect.bisect_right(tail.ends, match.matched_chars - start)
         return spans, match, backoff
@@ -174,7 +197,7 @@ class TextPrompts:
             answer, spans = self.spans.generated(generated)
             text = turn.text + answer
             if turn.mode is TextMatchMode.EXACT:
-                self._through_index(turn.namespace, text, TextMatchMode.EXACT)
+                self._through_index(turn.namespace, text, TextMatchMode.EXACT, insert=True)
                 continue
             start = len(turn.text)
             joined = Spans(
@@ -190,8 +213,8 @@ class TextPrompts:
         try:
             with self._lock:
                 self.index.insert(namespace, text, spans.ids, spans.ends, spans.flags, exact)
-        except ValueError as err:
-            log.warning("text index: a text of %d characters left out: %s", len(text), err)
+        except ValueError as err:  # e.g. an answer whose last bytes were not a character
+            log.debug("text index: a text of %d characters left out: %s", len(text), err)
 
 
 def _shifted(ends: array, by: int) -> array:

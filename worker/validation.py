@@ -113,7 +113,8 @@ def _encode(
     """The text's ids; refused by its head alone when that already overflows the context."""
     head = HEAD_CHARS_PER_TOKEN * limits.max_model_len
     if len(text) > head:
-        tokens = len(tokenizer.encode(text[:head], add_special_tokens=add_special_tokens))
+        probe = getattr(tokenizer, "probe", tokenizer)  # the router's text index: not through it
+        tokens = len(probe.encode(text[:head], add_special_tokens=add_special_tokens))
         if tokens > limits.max_model_len + HEAD_SLACK_TOKENS:
             raise InvalidRequest(
                 name,

@@ -415,6 +415,7 @@ def test_characters_the_tokenizer_drops(
 def test_a_text_the_index_refuses_is_left_out_and_the_request_still_gets_its_ids(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level("DEBUG", logger="cluster.text_prompts")
     prompts = TextPrompts(TOKENIZERS["tiny"]())
 
     def refuse(*args: object, **kwargs: object) -> None:
@@ -427,3 +428,26 @@ def test_a_text_the_index_refuses_is_left_out_and_the_request_still_gets_its_ids
     assert turn is not None and prompts.index.stats().chars == 0
     prompts.finished(turn, [prompts.tokenizer.encode(" More.", add_special_tokens=False)])
     assert "left out: refused for the test" in caplog.text
+
+
+def test_prepare_indexes_whole_accepted_prompts_only() -> None:
+    """Validation's size check of a long text's head goes around the index (anchored mode then
+    extended the head: a first prompt's ids differed from a full tokenization), and a refused
+    prompt leaves nothing behind."""
+    from cluster.requests import prepare
+    from worker.errors import InvalidRequest
+    from worker.validation import RequestLimits
+
+    tokenizer = TOKENIZERS["smollm2"]()
+    prompts = TextPrompts(tokenizer)
+    limits = RequestLimits(tokenizer.vocab_size, 64)  # a head of 16 x 64 characters
+    text = "Dear reader, " + "-" * 1500 + " The Supercalifragilisticexpialidocious word"
+    message = serving_pb2.GenerateRequest(request_id="long", text=text)
+    message.text_match = serving_pb2.TEXT_MATCH_ANCHORED
+    prepared = prepare(message, tokenizer, limits, text_prompts=prompts)
+    assert list(prepared.token_ids) == tokenizer.encode(text)
+    assert prompts.counters.outcomes == {"miss": 1} and prompts.index.stats().chars == len(text)
+    refused = serving_pb2.GenerateRequest(request_id="big", text="hello world " * 200)
+    with pytest.raises(InvalidRequest, match="overflow a context of 64 tokens"):
+        prepare(refused, tokenizer, limits, text_prompts=prompts)
+    assert prompts.index.stats().chars == len(text)
