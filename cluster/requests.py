@@ -92,6 +92,10 @@ def prepare(
         sampling=sampling_from_proto(message.sampling),
         **_prompt(message),  # type: ignore[arg-type]
     )
+    if message.text_match not in serving_pb2.TextMatch.values():
+        raise InvalidRequest(
+            "text_match", f"{message.text_match} is not one of {serving_pb2.TextMatch.keys()}"
+        )
     encoder = None
     if text_prompts is not None and message.WhichOneof("prompt") in ("text", "chat"):
         encoder = text_prompts.encoder(request.namespace, text_prompts.mode(message.text_match))

@@ -1,7 +1,7 @@
 """What the text index (cache/text_index.py) needs from a tokenizer: token ids with the
 character each one ends at, CUT and SPLIT flags, and whether split tokenization is exact here.
 
-`TokenSpans.of(tokenizer)` checks the tokenizer once. Split tokenization (tokenise a text's head
+`TokenSpans(tokenizer)` checks the tokenizer once. Split tokenization (tokenise a text's head
 and tail apart, join the ids) equals tokenising the whole text only at a pre-tokenizer split
 point whose next two pieces are unchanged and past which no special token can start; the index
 finds those points, and this module vouches that the tokenizer works that way:
@@ -65,10 +65,6 @@ class TokenSpans:
         self._spellable = self._spellable_bytes()
         self.reason = self._config_reason() or self._probe_reason()
         """Why split tokenization is not exact for this tokenizer (None: it is)."""
-
-    @classmethod
-    def of(cls, tokenizer: Tokenizer) -> TokenSpans:
-        return cls(tokenizer)
 
     def _config_reason(self) -> str | None:
         config: dict[str, Any] = json.loads(self.tokenizer.backend.to_str())

@@ -451,3 +451,17 @@ def test_prepare_indexes_whole_accepted_prompts_only() -> None:
     with pytest.raises(InvalidRequest, match="overflow a context of 64 tokens"):
         prepare(refused, tokenizer, limits, text_prompts=prompts)
     assert prompts.index.stats().chars == len(text)
+
+
+def test_an_unknown_text_match_is_refused_by_name() -> None:
+    from cluster.requests import prepare
+    from worker.errors import InvalidRequest
+    from worker.validation import RequestLimits
+
+    tokenizer = TOKENIZERS["tiny"]()
+    prompts = TextPrompts(tokenizer)
+    message = serving_pb2.GenerateRequest(request_id="odd", text="hello there")
+    message.text_match = 7  # proto3 keeps an enum value it does not know
+    with pytest.raises(InvalidRequest, match="text_match: 7 is not one of"):
+        prepare(message, tokenizer, RequestLimits(tokenizer.vocab_size, 64), text_prompts=prompts)
+    assert prompts.index.stats().chars == 0
