@@ -305,7 +305,10 @@ def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file:
         "--working-dir", str(ROOT), "--no-wait", "--",
         "radixmesh", "serve", "--config", str(config_file),
     ]  # fmt: skip
-    subprocess.run(submit, env=env, check=True, timeout=180, capture_output=True)
+    submitted = subprocess.run(
+        submit, env=env, timeout=180, capture_output=True, text=True, check=False
+    )
+    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-3000:]
     target = endpoint(config_file)
     try:
         wait_serving(target)
