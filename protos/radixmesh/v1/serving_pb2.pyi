@@ -18,6 +18,62 @@ TEXT_MATCH_EXACT: TextMatch
 TEXT_MATCH_ANCHORED: TextMatch
 TEXT_MATCH_OFF: TextMatch
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "identity", "rank", "target_modules", "resident", "path", "worker")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    identity: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    resident: bool
+    path: str
+    worker: str
+    def __init__(self, name: _Optional[str] = ..., identity: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., resident: _Optional[bool] = ..., path: _Optional[str] = ..., worker: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("workers", "pages_freed")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    pages_freed: int
+    def __init__(self, workers: _Optional[int] = ..., pages_freed: _Optional[int] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
 class SetPolicyRequest(_message.Message):
     __slots__ = ("policy",)
     POLICY_FIELD_NUMBER: _ClassVar[int]

@@ -208,6 +208,21 @@ class AdminStub:
                 request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.SerializeToString,
                 response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/radixmesh.v1.Admin/LoadAdapter',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/radixmesh.v1.Admin/UnloadAdapter',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/radixmesh.v1.Admin/ListAdapters',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -228,6 +243,29 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load a LoRA adapter (a PEFT directory readable by every worker) on every worker, or
+        replace the weights of one loaded under the same name (its cache namespace changes with
+        them). INVALID_ARGUMENT names the file and tensor of a bad adapter; nothing is loaded then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unload an adapter from every worker: its cached KV is dropped and announced as removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters every worker holds, resident in a slot or in host memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -240,6 +278,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ClearCaches,
                     request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.FromString,
                     response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -297,6 +350,87 @@ class Admin:
             '/radixmesh.v1.Admin/ClearCaches',
             protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesRequest.SerializeToString,
             protos_dot_radixmesh_dot_v1_dot_serving__pb2.ClearCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Admin/LoadAdapter',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Admin/UnloadAdapter',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Admin/ListAdapters',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.ListAdaptersRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.radixmesh.v1 import serving_pb2 as protos_dot_radixmesh_dot_v1_dot_serving__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/radixmesh/v1/worker.proto\x12\x0cradixmesh.v1\x1a!protos/radixmesh/v1/serving.proto\"\xfe\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12*\n\tnamespace\x18\x03 \x01(\x0b\x32\x17.radixmesh.v1.Namespace\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x1f\n\x17predicted_cached_tokens\x18\x05 \x01(\r\x12$\n\x06resume\x18\x06 \x01(\x0b\x32\x14.radixmesh.v1.Resume\x12\x1b\n\x13prompt_block_hashes\x18\x07 \x03(\x06\"1\n\x06Resume\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\tgenerated\x18\x02 \x01(\r\"\x17\n\x15StreamKvEventsRequest\":\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"E\n\x0cKvEventBatch\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.radixmesh.v1.KvEvent\"\x14\n\x12GetSnapshotRequest\"Z\n\nKvSnapshot\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x19\n\x11host_block_hashes\x18\x04 \x03(\x06\"\x10\n\x0eGetLoadRequest\"i\n\x04Load\x12\x1d\n\x15queued_prefill_tokens\x18\x01 \x01(\x04\x12\x19\n\x11running_sequences\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\xca\x01\n\nWorkerInfo\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x18\n\x10identity_version\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0emodel_revision\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x13\n\x0bmax_running\x18\t \x01(\r\"\x15\n\x13GetTokenizerRequest\"v\n\x0eTokenizerFiles\x12\x36\n\x05\x66iles\x18\x01 \x03(\x0b\x32\'.radixmesh.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xa9\x05\n\x06Worker\x12Q\n\x08Generate\x12#.radixmesh.v1.WorkerGenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12S\n\x0eStreamKvEvents\x12#.radixmesh.v1.StreamKvEventsRequest\x1a\x1a.radixmesh.v1.KvEventBatch0\x01\x12I\n\x0bGetSnapshot\x12 .radixmesh.v1.GetSnapshotRequest\x1a\x18.radixmesh.v1.KvSnapshot\x12;\n\x07GetLoad\x12\x1c.radixmesh.v1.GetLoadRequest\x1a\x12.radixmesh.v1.Load\x12\x44\n\x08GetStats\x12\x1d.radixmesh.v1.GetStatsRequest\x1a\x19.radixmesh.v1.WorkerStats\x12\x43\n\x08\x44\x65scribe\x12\x1d.radixmesh.v1.DescribeRequest\x1a\x18.radixmesh.v1.WorkerInfo\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12Q\n\nClearCache\x12 .radixmesh.v1.ClearCachesRequest\x1a!.radixmesh.v1.ClearCachesResponse\x12O\n\x0cGetTokenizer\x12!.radixmesh.v1.GetTokenizerRequest\x1a\x1c.radixmesh.v1.TokenizerFilesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/radixmesh/v1/worker.proto\x12\x0cradixmesh.v1\x1a!protos/radixmesh/v1/serving.proto\"\xfe\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12*\n\tnamespace\x18\x03 \x01(\x0b\x32\x17.radixmesh.v1.Namespace\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x1f\n\x17predicted_cached_tokens\x18\x05 \x01(\r\x12$\n\x06resume\x18\x06 \x01(\x0b\x32\x14.radixmesh.v1.Resume\x12\x1b\n\x13prompt_block_hashes\x18\x07 \x03(\x06\"1\n\x06Resume\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\tgenerated\x18\x02 \x01(\r\"\x17\n\x15StreamKvEventsRequest\":\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"E\n\x0cKvEventBatch\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.radixmesh.v1.KvEvent\"\x14\n\x12GetSnapshotRequest\"Z\n\nKvSnapshot\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x19\n\x11host_block_hashes\x18\x04 \x03(\x06\"\x10\n\x0eGetLoadRequest\"\xb4\x01\n\x04Load\x12\x1d\n\x15queued_prefill_tokens\x18\x01 \x01(\x04\x12\x19\n\x11running_sequences\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12+\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x19.radixmesh.v1.AdapterInfo\x12\x1c\n\x14\x61\x64\x61pter_swap_seconds\x18\x06 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xca\x01\n\nWorkerInfo\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x18\n\x10identity_version\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0emodel_revision\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x13\n\x0bmax_running\x18\t \x01(\r\"\x15\n\x13GetTokenizerRequest\"v\n\x0eTokenizerFiles\x12\x36\n\x05\x66iles\x18\x01 \x03(\x0b\x32\'.radixmesh.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xcf\x06\n\x06Worker\x12Q\n\x08Generate\x12#.radixmesh.v1.WorkerGenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12S\n\x0eStreamKvEvents\x12#.radixmesh.v1.StreamKvEventsRequest\x1a\x1a.radixmesh.v1.KvEventBatch0\x01\x12I\n\x0bGetSnapshot\x12 .radixmesh.v1.GetSnapshotRequest\x1a\x18.radixmesh.v1.KvSnapshot\x12;\n\x07GetLoad\x12\x1c.radixmesh.v1.GetLoadRequest\x1a\x12.radixmesh.v1.Load\x12\x44\n\x08GetStats\x12\x1d.radixmesh.v1.GetStatsRequest\x1a\x19.radixmesh.v1.WorkerStats\x12\x43\n\x08\x44\x65scribe\x12\x1d.radixmesh.v1.DescribeRequest\x1a\x18.radixmesh.v1.WorkerInfo\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12Q\n\nClearCache\x12 .radixmesh.v1.ClearCachesRequest\x1a!.radixmesh.v1.ClearCachesResponse\x12O\n\x0cGetTokenizer\x12!.radixmesh.v1.GetTokenizerRequest\x1a\x1c.radixmesh.v1.TokenizerFiles\x12J\n\x0bLoadAdapter\x12 .radixmesh.v1.LoadAdapterRequest\x1a\x19.radixmesh.v1.AdapterInfo\x12X\n\rUnloadAdapter\x12\".radixmesh.v1.UnloadAdapterRequest\x1a#.radixmesh.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,18 +50,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVSNAPSHOT']._serialized_end=661
   _globals['_GETLOADREQUEST']._serialized_start=663
   _globals['_GETLOADREQUEST']._serialized_end=679
-  _globals['_LOAD']._serialized_start=681
-  _globals['_LOAD']._serialized_end=786
-  _globals['_DESCRIBEREQUEST']._serialized_start=788
-  _globals['_DESCRIBEREQUEST']._serialized_end=805
-  _globals['_WORKERINFO']._serialized_start=808
-  _globals['_WORKERINFO']._serialized_end=1010
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1012
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1033
-  _globals['_TOKENIZERFILES']._serialized_start=1035
-  _globals['_TOKENIZERFILES']._serialized_end=1153
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=1109
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=1153
-  _globals['_WORKER']._serialized_start=1156
-  _globals['_WORKER']._serialized_end=1837
+  _globals['_LOAD']._serialized_start=682
+  _globals['_LOAD']._serialized_end=862
+  _globals['_DESCRIBEREQUEST']._serialized_start=864
+  _globals['_DESCRIBEREQUEST']._serialized_end=881
+  _globals['_WORKERINFO']._serialized_start=884
+  _globals['_WORKERINFO']._serialized_end=1086
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1088
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1109
+  _globals['_TOKENIZERFILES']._serialized_start=1111
+  _globals['_TOKENIZERFILES']._serialized_end=1229
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=1185
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=1229
+  _globals['_WORKER']._serialized_start=1232
+  _globals['_WORKER']._serialized_end=2079
 # @@protoc_insertion_point(module_scope)

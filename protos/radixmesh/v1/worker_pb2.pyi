@@ -76,16 +76,20 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("queued_prefill_tokens", "running_sequences", "free_pages", "total_pages")
+    __slots__ = ("queued_prefill_tokens", "running_sequences", "free_pages", "total_pages", "adapters", "adapter_swap_seconds")
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     queued_prefill_tokens: int
     running_sequences: int
     free_pages: int
     total_pages: int
-    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_sequences: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_serving_pb2.AdapterInfo]
+    adapter_swap_seconds: float
+    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_sequences: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[_serving_pb2.AdapterInfo, _Mapping]]] = ..., adapter_swap_seconds: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -80,6 +80,16 @@ class WorkerStub:
                 request_serializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.TokenizerFiles.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/radixmesh.v1.Worker/LoadAdapter',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/radixmesh.v1.Worker/UnloadAdapter',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -147,6 +157,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load (or replace) a LoRA adapter into host memory; it takes a device slot when a request
+        needs it. INVALID_ARGUMENT names the file and tensor of a bad adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Drop an adapter and its cached KV (published as "removed"); NOT_FOUND if it is not loaded.
+        Its requests in flight finish first; new ones are refused as unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +220,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.GetTokenizerRequest.FromString,
                     response_serializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.TokenizerFiles.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +475,60 @@ class Worker:
             '/radixmesh.v1.Worker/GetTokenizer',
             protos_dot_radixmesh_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
             protos_dot_radixmesh_dot_v1_dot_worker__pb2.TokenizerFiles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Worker/LoadAdapter',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.LoadAdapterRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Worker/UnloadAdapter',
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
