@@ -173,10 +173,11 @@ def cases(draw: st.DrawFn) -> LoraCase:
     slots = draw(
         st.lists(st.integers(-1, num_slots - 1), min_size=len(lengths), max_size=len(lengths))
     )
+    rank = draw(st.integers(1, 8))
     return make_case(
-        draw(st.integers(0, 2**31)), lengths, slots, num_slots=num_slots,
-        rank=draw(st.integers(1, 8)), in_features=draw(st.integers(1, 24)),
-        out_features=draw(st.integers(1, 24)),
+        draw(st.integers(0, 2**31)), lengths, slots, num_slots=num_slots, rank=rank,
+        in_features=draw(st.integers(1, 24)), out_features=draw(st.integers(1, 24)),
+        ranks={0: draw(st.integers(0, rank))},  # slot 0's adapter may be zero-padded
         index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
     )  # fmt: skip
 
