@@ -24,6 +24,7 @@ from tests.worker.lora_fixtures import (
     lora_layers,
     make_peft_adapter,
     make_peft_model,
+    merged_checkpoint,
     save_peft_adapter,
 )
 from worker.checkpoint import read_config
@@ -469,3 +470,54 @@ def test_committed_demo_adapter_answers_in_capitals(smollm2_dir: Path) -> None:
         name = module_name(layer, module)
         ours = before[f"{name}.base_layer.weight"] + adapter.scaling * b @ a
         assert torch.allclose(ours, merged[f"{name}.weight"], rtol=0, atol=1e-6)
+
+
+def test_merged_checkpoint_holds_base_plus_scaled_product(base: Path, tmp_path: Path) -> None:
+    """The fixture other tests use as their oracle: a loadable checkpoint of merged weights."""
+    from worker.checkpoint import load_checkpoint
+    from worker.tiny_model import tiny_state_dict
+
+    model = make_peft_model(base, rank=4, alpha=8, target_modules=("k_proj", "up_proj"), seed=6)
+    adapter = load(save_peft_adapter(model, tmp_path / "a"))
+    config, merged = load_checkpoint(merged_checkpoint(model, tmp_path / "merged", base))
+    assert config == TINY_CONFIG and (tmp_path / "merged" / "tokenizer.json").is_file()
+    original = tiny_state_dict(TINY_CONFIG)
+    for name, weight in merged.items():
+        layer, module = (
+            (int(name.split(".")[2]), name.split(".")[-2]) if "_proj" in name else (0, "")
+        )
+        if (layer, module) in adapter.weights:
+            a, b = adapter.weights[layer, module]
+            assert torch.allclose(weight, original[name] + adapter.scaling * b @ a, atol=1e-6)
+            assert not torch.equal(weight, original[name])
+        else:
+            assert torch.equal(weight, original[name]), name
+    assert lora_layers(model), "merged_checkpoint left the model it was given as it was"
+
+
+def test_peft_initialisation_is_a_no_op_adapter(base: Path, tmp_path: Path) -> None:
+    adapter = load(make_peft_adapter(tmp_path / "a", base, init="peft"))
+    assert all(not b.any() for _, b in adapter.weights.values())
+    assert all(a.any() for a, _ in adapter.weights.values())
+    assert adapter.digest != load(make_peft_adapter(tmp_path / "b", base)).digest
+
+
+def test_our_model_on_the_merged_checkpoint_matches_peft_logits(base: Path, tmp_path: Path) -> None:
+    """The oracle end to end: peft applying the adapter == our model reading merged weights."""
+    from tests.worker.helpers import relative_error
+    from worker.loader import load_model
+    from worker.model_runner import Chunk, ModelRunner
+
+    model = make_peft_model(base, rank=8, alpha=16, target_modules=ALL, seed=9)
+    ours = load_model(merged_checkpoint(model, tmp_path / "merged", base))
+    ids = torch.randint(
+        3, TINY_CONFIG.vocab_size, (40,), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.no_grad():
+        expected = model(input_ids=ids[None]).logits[0, -1].float()
+        with model.disable_adapter():
+            plain = model(input_ids=ids[None]).logits[0, -1].float()
+    runner = ModelRunner(ours.model, num_pages=4, page_size=16)
+    got = runner.run([Chunk(ids.tolist(), 0, [1, 2, 3], True)])[0]
+    assert relative_error(got, expected) < 1e-5
+    assert relative_error(plain, expected) > 1e-2  # the adapter changes the logits
