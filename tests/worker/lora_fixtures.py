@@ -47,7 +47,7 @@ def make_peft_model(
 ) -> Any:
     """A `peft.PeftModel` over the float32 transformers model of `base_checkpoint_dir`.
 
-    `init="random"`: every A is N(0, 1/in) and every B N(0, (scale/rank)^2)-ish (drawn from
+    `init="random"`: every A is N(0, 1/in) and every B N(0, scale^2/rank) (drawn from
     `seed`), so the update is a visible fraction of the base output; `init="peft"`: PEFT's own
     initialisation (B = 0, a no-op adapter). A string `target_modules` is PEFT's regex form.
     """
