@@ -273,7 +273,7 @@ def test_new_weights_under_the_same_name_miss_and_the_old_tree_goes(
     old = _identity(engine, "caps")
     first = _run(engine, recorder, _request("before", "caps"))
     assert first.cached_prompt_tokens == 0
-    seed, targets, rank = ADAPTERS["caps"]
+    _, targets, rank = ADAPTERS["caps"]
     retrained = make_peft_adapter(
         tmp_path / "caps2", tiny.path, rank=rank, alpha=2 * rank, target_modules=targets, seed=99
     )
