@@ -594,9 +594,9 @@ class Engine:
                 self.cache.finish(sample.seq, sample.computed)
             sample.seq = None
             self.scheduler.release_slot(sample)
-            if self._retired:
-                self._drop_retired()
         sample.phase = Phase.FINISHED
+        if self._retired:  # a retired adapter's last sequence may have ended
+            self._drop_retired()
         request = sample.request
         if request.finished:
             self._requests.pop(request.request_id, None)
