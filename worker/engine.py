@@ -673,11 +673,8 @@ class Engine:
             if sample.phase is Phase.FINISHED or state.adapter is None:
                 continue  # a sibling's refusal ended it already
             name = state.adapter.name
-            how = (
-                "replaced after the request began"
-                if name in self.adapters.adapters
-                else ("unloaded")
-            )
+            replaced = name in self.adapters.adapters
+            how = "replaced after the request began" if replaced else "unloaded"
             self._abort(state, FINISH_ERROR, f"adapter {name!r} was {how}")
 
     def _add(self, state: RequestState) -> None:

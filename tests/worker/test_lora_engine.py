@@ -321,6 +321,28 @@ def test_a_queued_request_takes_its_names_new_weights(
     _nothing_leaked(engine)
 
 
+def test_a_preempted_request_whose_adapter_was_replaced_ends_with_an_error(
+    tiny: Any, adapter_dirs: dict[str, Path]
+) -> None:
+    engine, recorder = _engine(tiny, adapter_dirs, ("caps",), num_pages=21)
+    engine.submit(_request("old", "caps", PROMPT, max_tokens=8), recorder.outputs.append)
+    engine.submit(_request("young", "caps", PROMPT[::-1], max_tokens=8), recorder.outputs.append)
+    while not engine.scheduler.preemptions:  # 20 pages: both prompts fit, not their growth
+        assert engine.step()
+    (waiting,) = engine.scheduler.waiting
+    assert waiting.request.request_id == "young" and waiting.lora_slot == -1
+    first = _identity(engine, "caps")
+    engine.load_adapter("caps", str(adapter_dirs["poem"]))
+    assert CacheNamespace(first) in engine.cache.tree.roots  # "old" still runs in it
+    drain(engine)
+    assert CacheNamespace(first) not in engine.cache.tree.roots
+    assert recorder.final("old").finish_reason == "length"
+    young = recorder.final("young")
+    assert young.finish_reason == "error"
+    assert young.error == "adapter 'caps' was replaced after the request began"
+    _nothing_leaked(engine)
+
+
 # -- slots -----------------------------------------------------------------------------------
 
 
