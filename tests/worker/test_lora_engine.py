@@ -28,6 +28,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from prometheus_client import CollectorRegistry, generate_latest
 
 from cache import CacheNamespace, KvEvent, KvEventKind
 from cache.integrity import check_sequence_cache
@@ -38,6 +39,7 @@ from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
 from worker.loader import load_model
 from worker.lora_adapter import AdapterError
+from worker.metrics import EngineCollector
 from worker.model_runner import Chunk
 from worker.request import GenerateRequest, RequestOutput
 from worker.samples import Phase
@@ -367,6 +369,32 @@ def test_an_adapter_waits_while_every_slot_is_pinned_and_base_requests_pass_it(
     assert recorder.tokens("sql") == solo_recorder.tokens("sql")
     assert engine.adapters.swaps >= 3  # caps, sql, caps again
     _nothing_leaked(engine)
+
+
+def test_the_metrics_count_adapters_and_swaps(tiny: Any, adapter_dirs: dict[str, Path]) -> None:
+    engine, recorder = _engine(tiny, adapter_dirs, ("caps", "sql", "poem"), max_loras=2)
+    for i, name in enumerate(["caps", "sql", "poem", "caps"]):
+        _run(engine, recorder, _request(f"r{i}", name, max_tokens=2))
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, "w"))
+    text = generate_latest(registry).decode()
+    stats = engine.stats()
+    assert (stats.adapters_loaded, stats.adapters_resident, stats.adapter_swaps) == (3, 2, 4)
+    assert 'radixmesh_worker_adapters_loaded{worker="w"} 3.0' in text
+    assert 'radixmesh_worker_adapters_resident{worker="w"} 2.0' in text
+    assert 'radixmesh_worker_adapter_swaps_total{worker="w"} 4.0' in text
+    assert 0 < stats.adapter_swap_seconds <= stats.adapter_swap_seconds_total
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("radixmesh_worker_adapter_swap_seconds")
+    }
+    assert values == {
+        "radixmesh_worker_adapter_swap_seconds_total": pytest.approx(
+            stats.adapter_swap_seconds_total
+        ),
+        "radixmesh_worker_adapter_swap_seconds_avg": pytest.approx(stats.adapter_swap_seconds),
+    }
 
 
 def test_a_step_orders_its_chunks_by_adapter_slot(tiny: Any, adapter_dirs: dict[str, Path]) -> None:
