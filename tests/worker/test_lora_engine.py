@@ -345,6 +345,22 @@ def test_a_preempted_request_whose_adapter_was_replaced_ends_with_an_error(
     _nothing_leaked(engine)
 
 
+def test_the_saved_cache_comes_back_only_to_the_same_weights(
+    tiny: Any, adapter_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    saved = dict(persist_dir=str(tmp_path / "kv"), persist_interval_s=0)
+    first, _ = _engine(tiny, adapter_dirs, ("caps",), **saved)
+    first.start()
+    tokens = [t for o in first.generate(_request("a", "caps")) for t in o.token_ids]
+    first.stop()  # saves
+    same, same_recorder = _engine(tiny, adapter_dirs, ("caps",), **saved)
+    assert _run(same, same_recorder, _request("b", "caps")).cached_prompt_tokens > 0
+    assert same_recorder.tokens("b") == tokens
+    other = {"caps": adapter_dirs["poem"]}  # other weights under the name
+    changed, changed_recorder = _engine(tiny, other, ("caps",), **saved)
+    assert _run(changed, changed_recorder, _request("c", "caps")).cached_prompt_tokens == 0
+
+
 # -- slots -----------------------------------------------------------------------------------
 
 
