@@ -8,11 +8,11 @@ the engine thread, one step at a time:
     -> sample -> stop checks -> stream a RequestOutput per sample -> finish: cache what was
        computed, unlock, free
 
-LoRA adapters (`EngineConfig.adapters`, `load_adapter`, `unload_adapter`): a request names its
-adapter in `namespace.adapter`; `submit` swaps the name for the adapter's identity
-(`name@digest`), so the request's KV lives in that adapter's own trees. The scheduler admits it
-once the adapter holds a device slot (worker/lora_slots.py) and each chunk carries its slot. An
-unloaded or replaced adapter's running requests finish; then its trees are dropped.
+LoRA adapters (`EngineConfig.adapters`, `load_adapter`, `unload_adapter`; worker/lora_serving.py):
+a request names its adapter in `namespace.adapter`; `submit` swaps the name for the adapter's
+identity (`name@digest`), so the request's KV lives in that adapter's own trees. The scheduler
+admits it once the adapter holds a device slot (worker/lora_slots.py); each chunk carries its
+slot. An unloaded or replaced adapter's running requests finish; then its trees are dropped.
 
 `step()` can also be driven directly (no thread) for deterministic tests.
 """
@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -39,9 +39,8 @@ from worker import validation
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
 from worker.logprobs import token_logprob
-from worker.lora_adapter import LoraAdapter, load_adapter
-from worker.lora_slots import AdapterSlots, AdapterState
-from worker.lora_weights import LoraStacks
+from worker.lora_serving import AdapterLifecycle, adapter_slots
+from worker.lora_slots import AdapterState
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.penalties import Penalties
@@ -185,20 +184,14 @@ class Engine:
             ),
             source,
         )
-        weight = model.model.embed_tokens.weight
-        stacks = None
-        if config.max_loras:
-            stacks = LoraStacks(
-                model.config, config.max_loras, config.max_lora_rank, weight.device, weight.dtype
-            )
-        self.adapters = AdapterSlots(config.max_loras, config.max_lora_rank, stacks)
+        rank = config.max_lora_rank
+        self.adapters, stacks = adapter_slots(model, config.max_loras, rank)
         """The adapters loaded and their device slots (changed on the engine thread only)."""
-        self._retired: set[str] = set()
-        """Identities of unloaded or replaced adapters whose trees are still to be dropped."""
+        self.lora = AdapterLifecycle(self.adapters, self.cache, model.config, rank)
         for name, path in config.adapters:
-            self.adapters.add(load_adapter(name, path, model.config, config.max_lora_rank))
+            self.lora.install(self.lora.read(name, path))
         self.runner = ModelRunner(
-            model, config.num_pages, config.page_size, config.host_pages, lora=stacks
+            model, config.num_pages, config.page_size, config.host_pages, stacks
         )
         self.scheduler = Scheduler(
             self.cache,
@@ -242,7 +235,7 @@ class Engine:
         anything."""
         if self._stopping.is_set():
             raise EngineStopped("the engine is stopping")
-        request, adapter = self._bind_adapter(request)
+        request, adapter = self.lora.bind(request)
         prompt = validation.prompt_ids(request, self.tokenizer, self.limits)
         self._validate(request, prompt)
         with self._lock:
@@ -263,32 +256,18 @@ class Engine:
         self._wake.set()
         return len(prompt)
 
-    def _bind_adapter(self, request: GenerateRequest) -> tuple[GenerateRequest, LoraAdapter | None]:
-        """The request in its adapter's namespace (the name swapped for the identity)."""
-        name = request.namespace.adapter
-        if name is None:
-            return request, None
-        adapter = self.adapters.get(name)
-        if adapter is None:
-            loaded = ", ".join(sorted(self.adapters.adapters)) or "none"
-            raise InvalidRequest(
-                "namespace.adapter", f"unknown adapter {name!r} (loaded: {loaded})"
-            )
-        namespace = replace(request.namespace, adapter=adapter.identity)
-        return replace(request, namespace=namespace), adapter
-
     def load_adapter(self, name: str, path: str) -> AdapterState:
         """Read the PEFT adapter at `path` (in the caller's thread: file reads never stall the
         engine) and serve it as `name`, replacing an adapter of that name. Raises
         `AdapterError` naming the file and tensor at fault, changing nothing."""
-        adapter = load_adapter(name, path, self.model.config, self.config.max_lora_rank)
-        return self._on_engine_thread(lambda: self._install(adapter))
+        adapter = self.lora.read(name, path)
+        return self._on_engine_thread(lambda: self.lora.install(adapter))
 
     def unload_adapter(self, name: str) -> int:
         """Stop serving `name`: new requests for it are refused, its running ones finish, then
         its trees (every tenant's) are dropped from the cache. Returns the pages dropped now (0
         while requests of it still run). KeyError if `name` is not loaded."""
-        return self._on_engine_thread(lambda: self._unload(name))
+        return self._on_engine_thread(lambda: self.lora.unload(name))
 
     def adapter_states(self) -> list[AdapterState]:
         """Every adapter loaded, with its slot (engine thread: use `call`)."""
@@ -438,12 +417,12 @@ class Engine:
         """Run one step; False when there was nothing to do."""
         self._drain_inbox()
         plan = self.scheduler.schedule()
-        if not plan:
+        if self.scheduler.refused:
             self._end_refused()
+        if not plan:
             if self.config.debug_checks and not self.scheduler.has_work():
                 check_sequence_cache(self.cache)
             return self.scheduler.has_work()
-        self._end_refused()
         if any(sample.lora_slot >= 0 for sample, _ in plan):
             plan.sort(key=lambda item: item[0].lora_slot)  # one adapter segment per slot
         chunks = [self._chunk(sample, take) for sample, take in plan]
@@ -595,8 +574,7 @@ class Engine:
             sample.seq = None
             self.scheduler.release_slot(sample)
         sample.phase = Phase.FINISHED
-        if self._retired:  # a retired adapter's last sequence may have ended
-            self._drop_retired()
+        self.lora.drop_retired()  # a retired adapter's last sequence may have ended
         request = sample.request
         if request.finished:
             self._requests.pop(request.request_id, None)
@@ -635,47 +613,13 @@ class Engine:
                 if state is not None:
                     self._abort(state, FINISH_ABORT)
 
-    # -- adapters (engine thread) --------------------------------------------------------------
-    def _install(self, adapter: LoraAdapter) -> AdapterState:
-        old = self.adapters.add(adapter)
-        self._retired.discard(adapter.identity)  # its trees hold KV of exactly these weights
-        if old is not None and old.identity != adapter.identity:
-            self._retired.add(old.identity)
-            self._drop_retired()
-        log.info("adapter %s loaded (rank %d, %s)", adapter.identity, adapter.rank, adapter.path)
-        (state,) = [s for s in self.adapters.info() if s.name == adapter.name]
-        return state
-
-    def _unload(self, name: str) -> int:
-        if name not in self.adapters.adapters:
-            loaded = ", ".join(sorted(self.adapters.adapters)) or "none"
-            raise KeyError(f"adapter {name!r} is not loaded (loaded: {loaded})")
-        adapter = self.adapters.remove(name)
-        self._retired.add(adapter.identity)
-        freed = self._drop_retired()
-        log.info("adapter %s unloaded; %d cached pages dropped", adapter.identity, freed)
-        return freed
-
-    def _drop_retired(self) -> int:
-        """Drop the trees of retired adapters that no live sequence uses any more."""
-        busy = {seq.namespace.adapter for seq in self.cache.live}
-        ready = self._retired - busy
-        if not ready:
-            return 0
-        self._retired -= ready
-        return self.cache.drop_namespaces(lambda namespace: namespace.adapter in ready)
-
     def _end_refused(self) -> None:
         """End the requests the scheduler refused: their adapter was unloaded, or replaced
         after they began (their tokens so far came from weights that are gone)."""
         for sample in self.scheduler.take_refused():
             state = sample.request
-            if sample.phase is Phase.FINISHED or state.adapter is None:
-                continue  # a sibling's refusal ended it already
-            name = state.adapter.name
-            replaced = name in self.adapters.adapters
-            how = "replaced after the request began" if replaced else "unloaded"
-            self._abort(state, FINISH_ERROR, f"adapter {name!r} was {how}")
+            if sample.phase is not Phase.FINISHED and state.adapter is not None:
+                self._abort(state, FINISH_ERROR, self.lora.why_gone(state.adapter))
 
     def _add(self, state: RequestState) -> None:
         request = state.request
