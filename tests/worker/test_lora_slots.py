@@ -1,5 +1,6 @@
 """Adapter slots: LRU swapping, pins that protect a slot, replacement and removal while in use;
-then long random runs against a model of the rules, with every invariant checked each step."""
+then long random runs against a model of the rules, with every invariant checked each step. The
+slots copy into the tiny model's real `LoraStacks`, whose slots say what they hold."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ from hypothesis.stateful import (
 
 from worker.lora_adapter import AdapterError, LoraAdapter
 from worker.lora_slots import AdapterSlots
+from worker.lora_weights import LoraStacks
+from worker.tiny_model import TINY_CONFIG
 
 
 def make_adapter(name: str, seed: int, rank: int = 4) -> LoraAdapter:
-    """A real adapter record with seeded random factors for one projection."""
+    """A real adapter record for the tiny model's layer 0 q_proj, seeded random factors."""
     generator = torch.Generator().manual_seed(seed)
-    a = torch.randn(rank, 8, generator=generator)
-    b = torch.randn(8, rank, generator=generator)
+    a = torch.randn(rank, TINY_CONFIG.hidden_size, generator=generator)
+    b = torch.randn(TINY_CONFIG.q_size, rank, generator=generator)
     digest = hashlib.blake2b(a.numpy().tobytes() + b.numpy().tobytes(), digest_size=8)
     return LoraAdapter(
         name,
@@ -38,19 +41,24 @@ def make_adapter(name: str, seed: int, rank: int = 4) -> LoraAdapter:
     )
 
 
-class DeviceWeights:
-    """Stands for the device stacks: what each slot holds, and every copy into one."""
+class DeviceWeights(LoraStacks):
+    """The real device stacks of the tiny model, which also say what each slot holds."""
 
     def __init__(self, slots: int) -> None:
-        self.held: list[str | None] = [None] * slots
-        self.loads: list[tuple[int, str]] = []
+        super().__init__(TINY_CONFIG, slots, 8, "cpu", torch.float32)
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
-        self.held[slot] = adapter.identity
-        self.loads.append((slot, adapter.identity))
+    @property
+    def held(self) -> list[str | None]:
+        return list(self.slot_identity)
 
-    def clear(self, slot: int) -> None:
-        self.held[slot] = None
+    def holds_weights_of(self, slot: int, adapter: LoraAdapter) -> bool:
+        (a, b), (stack_a, stack_b) = adapter.weights[0, "q_proj"], self.weights(0, "q_proj")
+        rank = adapter.rank
+        return bool(
+            torch.equal(stack_a[slot, :rank], a)
+            and torch.equal(stack_b[slot, :, :rank], b * adapter.scaling)
+            and not stack_a[slot, rank:].any()
+        )
 
 
 def _slots(count: int = 2) -> tuple[AdapterSlots, DeviceWeights]:
@@ -67,7 +75,8 @@ def test_least_recently_used_unpinned_slot_is_swapped_out() -> None:
     assert slots.acquire("c") == 1  # b was the least recently used
     assert slots.resident() == ["a", "c"]
     assert weights.held == [slots.adapters["a"].identity, slots.adapters["c"].identity]
-    assert slots.swaps == 3 and len(weights.loads) == 3
+    assert slots.swaps == 3
+    assert weights.holds_weights_of(1, slots.adapters["c"])
 
 
 def test_a_pinned_slot_is_never_taken_and_every_pinned_slot_means_wait() -> None:
@@ -199,6 +208,7 @@ class SlotMachine(RuleBasedStateMachine):
                 oldest = min(unpinned, key=lambda a: self.last_use[a.identity])  # type: ignore[union-attr]
                 assert victim is oldest, "not the least recently used unpinned adapter"
             assert self.weights.held[slot] == identity, "acquired without copying it in"
+            assert self.weights.holds_weights_of(slot, self.slots.adapters[name])
         if slot is None:
             return
         self.clock += 1
