@@ -55,6 +55,18 @@ PAGE_SIZE = 16
 
 
 @dataclass(frozen=True)
+class Timing:
+    tokens: int
+    wall_s: float
+    cpu_s: float
+    """CPU seconds of the whole process (every thread): what the step cost, however long it
+    waited for a core on a shared machine."""
+
+    def per_second(self, clock: str) -> float:
+        return self.tokens / (self.wall_s if clock == "wall" else self.cpu_s)
+
+
+@dataclass(frozen=True)
 class Case:
     label: str
     adapters: int
@@ -135,19 +147,20 @@ class Workload:
             for i, slot in enumerate(slots_prefill)
         ]
 
-    def decode(self) -> float:
-        """Tokens/s of `decode_steps` decode steps (each at the same position: a real step's
-        shapes, with the context's KV written once beforehand)."""
-        steps = self.args.decode_steps
-        began = time.perf_counter()
-        for _ in range(steps):
-            self.runner.run(self.decode_chunks)
-        return steps * len(self.decode_chunks) / (time.perf_counter() - began)
+    def decode(self) -> Timing:
+        """`decode_steps` decode steps (each at the same position: a real step's shapes, with
+        the context's KV written once beforehand)."""
+        return self._timed([self.decode_chunks] * self.args.decode_steps)
 
-    def prefill(self) -> float:
-        began = time.perf_counter()
-        self.runner.run(self.prefill_chunks)
-        return sum(len(c.token_ids) for c in self.prefill_chunks) / (time.perf_counter() - began)
+    def prefill(self) -> Timing:
+        return self._timed([self.prefill_chunks])
+
+    def _timed(self, steps: list[list[Chunk]]) -> Timing:
+        wall, cpu = time.perf_counter(), time.process_time()
+        for chunks in steps:
+            self.runner.run(chunks)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return Timing(sum(len(c.token_ids) for chunks in steps for c in chunks), wall, cpu)
 
     def warm(self) -> None:
         self.runner.run(self.context_chunks)
@@ -187,10 +200,10 @@ def bench(model: CausalLM, args: argparse.Namespace) -> dict:
             slots_of(args.decode_batch, case.adapters),
             slots_of(args.prefill_seqs, case.adapters),
         )
-    measured: dict[Case, dict[str, list[float]]] = {
+    measured: dict[Case, dict[str, list[Timing]]] = {
         c: {"decode": [], "prefill": []} for c in workloads
     }
-    phases: list[tuple[str, Callable[[Workload], float]]] = [
+    phases: list[tuple[str, Callable[[Workload], Timing]]] = [
         ("decode", Workload.decode),
         ("prefill", Workload.prefill),
     ]
@@ -213,11 +226,14 @@ def bench(model: CausalLM, args: argparse.Namespace) -> dict:
     rows = []
     for case, values in measured.items():
         row: dict = {"case": case.label, "adapters": case.adapters, "targets": case.targets}
-        for phase, samples in values.items():
-            median = statistics.median(samples)
+        for phase, timings in values.items():
+            base_median = statistics.median(t.per_second(args.clock) for t in measured[base][phase])
+            median = statistics.median(t.per_second(args.clock) for t in timings)
             row[f"{phase}_tokens_per_s"] = median
-            row[f"{phase}_ratio"] = median / statistics.median(measured[base][phase])
-            row[f"{phase}_samples"] = samples
+            row[f"{phase}_ratio"] = median / base_median
+            row[f"{phase}_samples"] = [
+                {"tokens": t.tokens, "wall_s": t.wall_s, "cpu_s": t.cpu_s} for t in timings
+            ]
         rows.append(row)
     return {
         "stacks_mb": {t: s.nbytes / 1e6 for t, s in stacks.items()},
@@ -236,7 +252,8 @@ def table(result: dict) -> Table:
     title = (
         f"LoRA throughput: {r['model']}, rank {r['rank']}, decode {r['decode_batch']} x 1 "
         f"(context {r['decode_context']}), prefill {r['prefill_seqs']} x {r['prefill_len']}, "
-        f"{r['threads']} threads, median of {r['repeats']} (target >= {TARGET_RATIO:.0%} "
+        f"{r['threads']} threads, tokens per {r['clock']} second, median of {r['repeats']} "
+        f"(target >= {TARGET_RATIO:.0%} "
         f"of base at 4 adapters: {verdict})"
     )
     out = Table(title=title)
@@ -290,6 +307,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-seqs", type=int, default=4)
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="tokens per wall second, or per CPU second of the process (steadier on a shared "
+        "machine: it counts the work, not the waiting)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="write a bar chart (PNG) here")
@@ -307,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "rank": args.rank,
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "repeats": args.repeats,
         "decode_batch": args.decode_batch,
         "decode_context": args.decode_context,

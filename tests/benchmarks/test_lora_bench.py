@@ -41,9 +41,11 @@ def test_smoke_run_measures_every_case(capsys: pytest.CaptureFixture[str], tmp_p
     argv = ["--model", "tiny", "--repeats", "2", "--adapters", "1", "4", "--targets", "all", "qv"]
     argv += ["--decode-batch", "4", "--decode-context", "8", "--decode-steps", "2"]
     argv += ["--prefill-seqs", "2", "--prefill-len", "16", "--plot", str(tmp_path / "lora.png")]
+    argv += ["--clock", "cpu"]
     assert main([*argv, "--output", str(tmp_path / "lora.json")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result == json.loads((tmp_path / "lora.json").read_text())
+    assert result["clock"] == "cpu"
     labels = [row["case"] for row in result["rows"]]
     assert labels == [
         "base, no stacks",
@@ -57,6 +59,8 @@ def test_smoke_run_measures_every_case(capsys: pytest.CaptureFixture[str], tmp_p
     assert base["decode_ratio"] == base["prefill_ratio"] == 1.0
     for row in result["rows"]:
         assert len(row["decode_samples"]) == len(row["prefill_samples"]) == 2
+        assert row["decode_samples"][0]["tokens"] == 4 * 2  # 4 sequences, 2 steps
+        assert row["prefill_samples"][0]["tokens"] == 2 * 16
         assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
     four = [row for row in result["rows"] if row["adapters"] == 4]
     met = all(min(r["decode_ratio"], r["prefill_ratio"]) >= 0.8 for r in four)
