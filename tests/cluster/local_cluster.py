@@ -19,6 +19,7 @@ from cluster.config import (
     ModelSection,
     RouterSection,
     SecuritySection,
+    engine_options,
 )
 from cluster.http.server import HttpServer, start_http_server
 from cluster.policies import build_policy
@@ -78,7 +79,7 @@ class LocalCluster:
 
     def add_worker(self, name: str) -> None:
         config = EngineConfig(
-            **{**vars(self.config.engine), "model_revision": self.loaded.revision}
+            **{**engine_options(self.config), "model_revision": self.loaded.revision}
         )
         engine = Engine(self.loaded.model, self.loaded.tokenizer, config, source=name)
         engine.start()
