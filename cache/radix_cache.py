@@ -13,6 +13,8 @@ Contract (every operation runs on the one scheduler thread; nothing here is thre
   the tail of the last leaf it needs; evicting 0 pages is always safe. Afterwards a parent left
   with one child is merged into that child, and an empty root is pruned.
 - With `page_size > 1`, nodes, matches and splits are whole pages.
+- `drop_namespaces` removes whole trees (an unloaded adapter's, on both tiers) at once; it
+  refuses, changing nothing, while any of them holds a lock.
 - With a host pool (cache/tiers.py), eviction demotes a device node to the host instead of
   dropping it, and drops host nodes (least recently used first) to make room there; a node too
   big for the host is dropped with everything below it. `match` reports the host-resident part
@@ -27,7 +29,8 @@ attached; a block keeps its place while its node moves between tiers.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from cache.errors import CacheError, LengthMismatch, LockUnderflow
 from cache.events import KvEventKind, KvEventPublisher, KvSnapshot
@@ -614,6 +617,42 @@ class RadixCache:
         self.cached_pages = self.locked_pages = self.node_count = 0
         if self.publisher is not None:
             self.publisher.publish(KvEventKind.CLEARED)
+        return freed
+
+    def drop_namespaces(
+        self, which: Callable[[CacheNamespace], bool] | AbstractSet[CacheNamespace]
+    ) -> int:
+        """Drop every node of the namespaces `which` selects (a predicate or a set), on both
+        tiers, publishing their blocks as `removed`; returns the device pages freed.
+
+        Raises `CacheError`, changing nothing, while one of them holds a lock (a running
+        sequence uses it). Other namespaces, their LRU order and their locks are untouched.
+        """
+        select = which.__contains__ if isinstance(which, AbstractSet) else which
+        chosen = [ns for ns in self._trees if select(ns)]
+        locked = {ns: self._trees[ns].lock_ref for ns in chosen if self._trees[ns].lock_ref}
+        if locked:
+            raise CacheError(f"cannot drop namespaces while they hold locks: {locked}")
+        freed, removed = 0, list[int]()
+        for namespace in chosen:
+            root = self._trees.pop(namespace)
+            stack = list(root.children.values())
+            root.children = {}
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                count = len(node.pages)
+                if node.tier == DEVICE:
+                    self.pool.uncache(node.pages)
+                    self.cached_pages -= count
+                    freed += count
+                else:
+                    assert self.host_pool is not None
+                    self.host_pool.uncache(node.pages)
+                removed.extend(node.blocks)
+                node.parent, node.children = None, {}  # its heap entries go stale: skipped
+                self.node_count -= 1
+        self._publish(KvEventKind.REMOVED, removed)
         return freed
 
     # -- views ---------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ lives here and is tested without a model:
     finish  offer what was computed (prompt and generated) to the cache, unlock, free the rest
     abort   unlock and free, caching nothing; valid at any point
 
+`drop_namespaces` removes whole namespaces from the tree (an unloaded adapter's) once no live
+sequence runs in them.
+
 With a host tier (`CacheConfig.host_pages`), `start` promotes the host-resident part of its
 match back to the device, and any allocation may demote evicted pages to the host. Those moves
 queue `TierCopy`s; `take_page_copies` hands them out ahead of the sequence's own copies and
@@ -33,7 +36,8 @@ private page (a `PageCopy` the worker performs before its next forward pass).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from cache.config import CacheConfig
@@ -291,6 +295,19 @@ class SequenceCache:
         )
         self._live[slot] = clone
         return clone
+
+    # -- whole namespaces ----------------------------------------------------------------------
+    def drop_namespaces(
+        self, which: Callable[[CacheNamespace], bool] | AbstractSet[CacheNamespace]
+    ) -> int:
+        """Drop every cached page of the namespaces `which` selects (`RadixCache.drop_namespaces`);
+        returns the device pages freed. Raises `CacheError`, changing nothing, while a live
+        sequence runs in one of them (it would cache its KV there again, or holds a lock)."""
+        select = which.__contains__ if isinstance(which, AbstractSet) else which
+        running = sorted({str(s.namespace) for s in self._live.values() if select(s.namespace)})
+        if running:
+            raise CacheError(f"cannot drop namespaces with live sequences: {', '.join(running)}")
+        return self.tree.drop_namespaces(select)
 
     # -- end -----------------------------------------------------------------------------------
     def finish(self, seq: CachedSequence, computed: int | None = None) -> None:

@@ -13,6 +13,15 @@ The tokens of every sequence in the step are laid end to end:
 A sequence's query chunk is always the last `cu[i+1] - cu[i]` of its `seq_lens_k[i]` positions
 (right-aligned causal attention over cached + new KV). A step whose chunks all have length 1 is a
 pure decode step and may use the decode kernel.
+
+A step that serves LoRA adapters also cuts its rows into segments of one adapter slot each
+(`kernels.lora`; adjacent sequences of one slot share a segment, -1 is the base model):
+
+    lora_seg_starts [0, 3, 4, 8]                        segment g owns rows starts[g]:starts[g+1]
+    lora_seg_slots  [2, -1, 0]                          its adapter slot
+    lora_slots      (0, 2)                              the distinct slots >= 0, on the host
+
+A step without adapters has no segments (None) and runs exactly as the base model.
 """
 
 from __future__ import annotations
@@ -40,6 +49,13 @@ class ForwardBatch:
     """[S] int64 rows of the flat batch whose logits are computed (usually each chunk's last)."""
     max_seqlen_q: int
     """The longest chunk (a launch-size hint)."""
+    lora_seg_starts: torch.Tensor | None = None
+    """[G + 1] int32 row offsets of the adapter segments, or None: no adapter this step."""
+    lora_seg_slots: torch.Tensor | None = None
+    """[G] int32 adapter slot of each segment (-1: none)."""
+    lora_slots: tuple[int, ...] = ()
+    """The distinct slots >= 0 in `lora_seg_slots`, known on the host (read from the tensor when
+    empty)."""
 
     @property
     def num_tokens(self) -> int:

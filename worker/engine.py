@@ -8,6 +8,12 @@ the engine thread, one step at a time:
     -> sample -> stop checks -> stream a RequestOutput per sample -> finish: cache what was
        computed, unlock, free
 
+LoRA adapters (`EngineConfig.adapters`, `load_adapter`, `unload_adapter`): a request names its
+adapter in `namespace.adapter`; `submit` swaps the name for the adapter's identity
+(`name@digest`), so the request's KV lives in that adapter's own trees. The scheduler admits it
+once the adapter holds a device slot (worker/lora_slots.py) and each chunk carries its slot. An
+unloaded or replaced adapter's running requests finish; then its trees are dropped.
+
 `step()` can also be driven directly (no thread) for deterministic tests.
 """
 
@@ -19,8 +25,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -33,6 +39,9 @@ from worker import validation
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
 from worker.logprobs import token_logprob
+from worker.lora_adapter import LoraAdapter, load_adapter
+from worker.lora_slots import AdapterSlots, AdapterState
+from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.penalties import Penalties
@@ -96,6 +105,28 @@ class EngineConfig:
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_chars: int = MAX_STOP_CHARS
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    max_loras: int = 4
+    """LoRA adapters resident on the device at once (slots); 0: no adapters."""
+    max_lora_rank: int = 64
+    """The highest adapter rank accepted (the slots' width)."""
+    adapters: Sequence[tuple[str, str]] = ()
+    """(name, PEFT directory) of the adapters loaded at start; also {name, path} mappings.
+    A bad one fails the start with its `AdapterError`."""
+
+    def __post_init__(self) -> None:
+        pairs = []
+        for entry in self.adapters:
+            pair = (entry.get("name"), entry.get("path")) if isinstance(entry, Mapping) else entry
+            name, path = pair
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise ValueError(f"adapters: {entry!r} is not a (name, path) pair")
+            pairs.append((name, path))
+        object.__setattr__(self, "adapters", tuple(pairs))
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras must be >= 0 and max_lora_rank >= 1: "
+                f"{self.max_loras}, {self.max_lora_rank}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +149,12 @@ class EngineStats:
     prompt_tokens: int
     cached_prompt_tokens: int
     generated_tokens: int
+    adapters_loaded: int = 0
+    adapters_resident: int = 0
+    adapter_swaps: int = 0
+    adapter_swap_seconds: float = 0.0
+    """Average time to copy an adapter into a slot (EWMA)."""
+    adapter_swap_seconds_total: float = 0.0
 
 
 class Engine:
@@ -148,12 +185,27 @@ class Engine:
             ),
             source,
         )
-        self.runner = ModelRunner(model, config.num_pages, config.page_size, config.host_pages)
+        weight = model.model.embed_tokens.weight
+        stacks = None
+        if config.max_loras:
+            stacks = LoraStacks(
+                model.config, config.max_loras, config.max_lora_rank, weight.device, weight.dtype
+            )
+        self.adapters = AdapterSlots(config.max_loras, config.max_lora_rank, stacks)
+        """The adapters loaded and their device slots (changed on the engine thread only)."""
+        self._retired: set[str] = set()
+        """Identities of unloaded or replaced adapters whose trees are still to be dropped."""
+        for name, path in config.adapters:
+            self.adapters.add(load_adapter(name, path, model.config, config.max_lora_rank))
+        self.runner = ModelRunner(
+            model, config.num_pages, config.page_size, config.host_pages, lora=stacks
+        )
         self.scheduler = Scheduler(
             self.cache,
             SchedulerConfig(config.token_budget, config.max_prefill_chunk, config.max_running),
             self.runner.copy_pages,
             self._from_disk if config.persist_dir is not None else None,
+            self.adapters,
         )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._requests: dict[str, RequestState] = {}
@@ -190,6 +242,7 @@ class Engine:
         anything."""
         if self._stopping.is_set():
             raise EngineStopped("the engine is stopping")
+        request, adapter = self._bind_adapter(request)
         prompt = validation.prompt_ids(request, self.tokenizer, self.limits)
         self._validate(request, prompt)
         with self._lock:
@@ -206,9 +259,47 @@ class Engine:
                     f"{self.config.max_waiting + self.config.max_running}"
                 )
             self._active_ids.add(request.request_id)
-        self._inbox.put(("add", RequestState(request, prompt, sink)))
+        self._inbox.put(("add", RequestState(request, prompt, sink, adapter)))
         self._wake.set()
         return len(prompt)
+
+    def _bind_adapter(self, request: GenerateRequest) -> tuple[GenerateRequest, LoraAdapter | None]:
+        """The request in its adapter's namespace (the name swapped for the identity)."""
+        name = request.namespace.adapter
+        if name is None:
+            return request, None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            loaded = ", ".join(sorted(self.adapters.adapters)) or "none"
+            raise InvalidRequest(
+                "namespace.adapter", f"unknown adapter {name!r} (loaded: {loaded})"
+            )
+        namespace = replace(request.namespace, adapter=adapter.identity)
+        return replace(request, namespace=namespace), adapter
+
+    def load_adapter(self, name: str, path: str) -> AdapterState:
+        """Read the PEFT adapter at `path` (in the caller's thread: file reads never stall the
+        engine) and serve it as `name`, replacing an adapter of that name. Raises
+        `AdapterError` naming the file and tensor at fault, changing nothing."""
+        adapter = load_adapter(name, path, self.model.config, self.config.max_lora_rank)
+        return self._on_engine_thread(lambda: self._install(adapter))
+
+    def unload_adapter(self, name: str) -> int:
+        """Stop serving `name`: new requests for it are refused, its running ones finish, then
+        its trees (every tenant's) are dropped from the cache. Returns the pages dropped now (0
+        while requests of it still run). KeyError if `name` is not loaded."""
+        return self._on_engine_thread(lambda: self._unload(name))
+
+    def adapter_states(self) -> list[AdapterState]:
+        """Every adapter loaded, with its slot (engine thread: use `call`)."""
+        return self.adapters.info()
+
+    def _on_engine_thread(self, function: Callable[[], T]) -> T:
+        if self._thread is None or threading.current_thread() is self._thread:
+            return function()
+        if self._stopping.is_set():
+            raise EngineStopped("the engine is stopping")
+        return self.call(function).result()
 
     def call(self, function: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `function` on the engine thread between steps (the cache is only safe there)."""
@@ -275,6 +366,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         pool, tree, host = self.cache.pool, self.cache.tree, self.cache.host_pool
+        adapters = self.adapters
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -294,6 +386,11 @@ class Engine:
             prompt_tokens=self._prompt_tokens,
             cached_prompt_tokens=self._cached_tokens,
             generated_tokens=self._generated,
+            adapters_loaded=len(adapters.adapters),
+            adapters_resident=len(adapters.resident()),
+            adapter_swaps=adapters.swaps,
+            adapter_swap_seconds=adapters.swap_seconds,
+            adapter_swap_seconds_total=adapters.swap_seconds_total,
         )
 
     # -- validation (caller's thread) ----------------------------------------------------------
@@ -342,9 +439,13 @@ class Engine:
         self._drain_inbox()
         plan = self.scheduler.schedule()
         if not plan:
+            self._end_refused()
             if self.config.debug_checks and not self.scheduler.has_work():
                 check_sequence_cache(self.cache)
             return self.scheduler.has_work()
+        self._end_refused()
+        if any(sample.lora_slot >= 0 for sample, _ in plan):
+            plan.sort(key=lambda item: item[0].lora_slot)  # one adapter segment per slot
         chunks = [self._chunk(sample, take) for sample, take in plan]
         try:
             # pages demoted while growing: read before this pass may write them again
@@ -373,7 +474,13 @@ class Engine:
         start = sample.computed
         tokens = sample.tokens[start : start + take]
         pages = self.cache.table.row(sample.seq.slot)
-        return Chunk(tokens, start, pages, sample=start + take == len(sample.tokens))
+        return Chunk(
+            tokens,
+            start,
+            pages,
+            sample=start + take == len(sample.tokens),
+            lora_slot=sample.lora_slot,
+        )
 
     def _sampled(self, sample: SampleState, logits: torch.Tensor) -> None:
         assert sample.seq is not None
@@ -407,6 +514,7 @@ class Engine:
                 born.append(sibling)
                 continue
             self.runner.copy_pages(self.cache.take_page_copies(sibling.seq))
+            self.scheduler.hold_slot(sibling, parent.lora_slot)
             sibling.computed, sibling.prefilled = parent.computed, True
             sibling.phase = Phase.RUNNING
             self.scheduler.running.append(sibling)
@@ -485,6 +593,9 @@ class Engine:
             else:
                 self.cache.finish(sample.seq, sample.computed)
             sample.seq = None
+            self.scheduler.release_slot(sample)
+            if self._retired:
+                self._drop_retired()
         sample.phase = Phase.FINISHED
         request = sample.request
         if request.finished:
@@ -523,6 +634,51 @@ class Engine:
                 state = self._requests.get(str(payload))
                 if state is not None:
                     self._abort(state, FINISH_ABORT)
+
+    # -- adapters (engine thread) --------------------------------------------------------------
+    def _install(self, adapter: LoraAdapter) -> AdapterState:
+        old = self.adapters.add(adapter)
+        self._retired.discard(adapter.identity)  # its trees hold KV of exactly these weights
+        if old is not None and old.identity != adapter.identity:
+            self._retired.add(old.identity)
+            self._drop_retired()
+        log.info("adapter %s loaded (rank %d, %s)", adapter.identity, adapter.rank, adapter.path)
+        (state,) = [s for s in self.adapters.info() if s.name == adapter.name]
+        return state
+
+    def _unload(self, name: str) -> int:
+        if name not in self.adapters.adapters:
+            loaded = ", ".join(sorted(self.adapters.adapters)) or "none"
+            raise KeyError(f"adapter {name!r} is not loaded (loaded: {loaded})")
+        adapter = self.adapters.remove(name)
+        self._retired.add(adapter.identity)
+        freed = self._drop_retired()
+        log.info("adapter %s unloaded; %d cached pages dropped", adapter.identity, freed)
+        return freed
+
+    def _drop_retired(self) -> int:
+        """Drop the trees of retired adapters that no live sequence uses any more."""
+        busy = {seq.namespace.adapter for seq in self.cache.live}
+        ready = self._retired - busy
+        if not ready:
+            return 0
+        self._retired -= ready
+        return self.cache.drop_namespaces(lambda namespace: namespace.adapter in ready)
+
+    def _end_refused(self) -> None:
+        """End the requests the scheduler refused: their adapter was unloaded, or replaced
+        after they began (their tokens so far came from weights that are gone)."""
+        for sample in self.scheduler.take_refused():
+            state = sample.request
+            if sample.phase is Phase.FINISHED or state.adapter is None:
+                continue  # a sibling's refusal ended it already
+            name = state.adapter.name
+            how = (
+                "replaced after the request began"
+                if name in self.adapters.adapters
+                else ("unloaded")
+            )
+            self._abort(state, FINISH_ERROR, f"adapter {name!r} was {how}")
 
     def _add(self, state: RequestState) -> None:
         request = state.request

@@ -8,6 +8,10 @@ sequence's whole paged K/V: `append_prefill_attention` for chunks, `decode_atten
 chunk is one token. What is the same for every layer of a step is done once, in `Step`: the RoPE
 rows, and the kernel dispatch (layer 0 goes through the checked public functions, the others call
 the implementation they chose). Logits are computed only for `batch.logits_indices`, in float32.
+With LoRA stacks and a batch cut into adapter segments, each projection an adapter of the step
+targets adds its low-rank term through `Step.lora` (shrink then expand over the segments,
+`kernels.lora`); projections no adapter of the step targets, and steps without segments, run
+exactly as without stacks.
 Parameter names are Hugging Face's, so `load_state_dict` takes an HF Llama/Qwen state dict.
 The model holds no KV and no request state; never call it from two threads at once.
 """
@@ -22,8 +26,10 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.lora import lora_expand, lora_shrink
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
+from worker.lora_weights import LoraStacks
 from worker.rope import RotaryEmbedding, rotate
 
 KvCache = tuple[torch.Tensor, torch.Tensor]
@@ -39,6 +45,20 @@ class Step:
     write: Callable[..., Any] | None = None
     """The bound write_kv implementation, once layer 0 has gone through the checked dispatch."""
     attend: Callable[..., Any] | None = None
+    lora_stacks: LoraStacks | None = None
+    lora_modules: tuple[str, ...] = ()
+    """The projections some adapter of this step targets (empty: no LoRA this step)."""
+
+    def lora(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y = module(x)` plus each row's adapter term for `module` of `layer`, in place."""
+        if module not in self.lora_modules:
+            return y
+        assert self.lora_stacks is not None
+        starts, slots = self.batch.lora_seg_starts, self.batch.lora_seg_slots
+        assert starts is not None and slots is not None
+        a, b = self.lora_stacks.weights(layer, module)
+        lora_expand(y, lora_shrink(x, a, starts, slots), b, starts, slots)
+        return y
 
     def write_kv(self, cache: KvCache, k: torch.Tensor, v: torch.Tensor) -> None:
         k_cache, v_cache = cache
@@ -79,8 +99,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
@@ -92,40 +113,44 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, step: Step, cache: KvCache) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        tokens, layer = x.shape[0], self.layer
+        q = step.lora(layer, "q_proj", x, self.q_proj(x)).view(tokens, self.num_heads, -1)
+        k = step.lora(layer, "k_proj", x, self.k_proj(x)).view(tokens, self.num_kv_heads, -1)
+        v = step.lora(layer, "v_proj", x, self.v_proj(x)).view(tokens, self.num_kv_heads, -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
         step.write_kv(cache, k, v)
-        out = step.attention(q, cache)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = step.attention(q, cache).reshape(tokens, self.num_heads * self.head_dim)
+        return step.lora(layer, "o_proj", out, self.o_proj(out))
 
 
 class Mlp(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        layer = self.layer
+        gate = step.lora(layer, "gate_proj", x, self.gate_proj(x))
+        h = nn.functional.silu(gate) * step.lora(layer, "up_proj", x, self.up_proj(x))
+        return step.lora(layer, "down_proj", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Mlp(config)
+        self.mlp = Mlp(config, layer)
 
     def forward(self, x: torch.Tensor, step: Step, cache: KvCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), step, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), step)
 
 
 class Decoder(nn.Module):
@@ -140,7 +165,7 @@ class Decoder(nn.Module):
             config.max_position_embeddings,
         )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -154,12 +179,21 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[KvCache]) -> torch.Tensor:
-        """Float32 logits [len(batch.logits_indices), vocab] of one step; writes its K/V."""
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[KvCache], lora: LoraStacks | None = None
+    ) -> torch.Tensor:
+        """Float32 logits [len(batch.logits_indices), vocab] of one step; writes its K/V.
+        With `lora`, rows in adapter segments get their adapter's terms."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
         x = self.model.embed_tokens(batch.input_ids)
         step = Step(batch, *self.model.rotary.lookup(batch.positions))
+        if batch.lora_seg_slots is not None:
+            if lora is None:
+                raise ValueError("a batch with LoRA segments and no LoRA stacks")
+            step.lora_stacks = lora
+            slots = batch.lora_slots or tuple(batch.lora_seg_slots.tolist())
+            step.lora_modules = lora.modules_in_use(slots)
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, step, cache)
         x = self.model.norm(x[batch.logits_indices])

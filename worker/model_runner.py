@@ -5,6 +5,11 @@ start, the sequence's page row, whether its next token is sampled); the runner l
 end into a `ForwardBatch`, performs pending page copies, and returns the logits of the sampling
 rows. It never touches the cache's bookkeeping: page rows come from `cache.PageTable`.
 
+With LoRA stacks (worker/lora_weights.py) a chunk may name the adapter slot its rows use; the
+batch then carries the adapter segments, adjacent chunks of one slot merged into one segment
+(the engine orders its chunks by slot so that there are few). When every chunk is -1 there are
+no segments and the step is the base model's.
+
 With a host tier it also owns the host KV tensors (CPU memory, pinned when the device is CUDA)
 and performs the cache's `TierCopy`s: a gather of whole pages per layer on one side, a scatter
 on the other, in the order the cache queued them.
@@ -22,6 +27,7 @@ from cache.page_pool import PageIds
 from cache.tiers import DEVICE, TierCopy
 from kernels.layout import cdiv
 from worker.batch import ForwardBatch
+from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 
 
@@ -34,13 +40,21 @@ class Chunk:
     """The sequence's page row (covering at least start + len(token_ids) positions)."""
     sample: bool
     """Whether logits are wanted at the chunk's last token."""
+    lora_slot: int = -1
+    """The LoRA stacks' slot of the sequence's adapter; -1: the base model."""
 
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, num_pages: int, page_size: int, host_pages: int = 0
+        self,
+        model: CausalLM,
+        num_pages: int,
+        page_size: int,
+        host_pages: int = 0,
+        lora: LoraStacks | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.page_size = page_size
         self.device = model.model.embed_tokens.weight.device
         self.kv = model.allocate_kv(num_pages, page_size, self.device)
@@ -116,6 +130,7 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(cu[-1] - 1)
         device = self.device
+        starts, seg_slots = self._segments(chunks)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -125,11 +140,35 @@ class ModelRunner:
             seq_lens_k=torch.tensor(lens_k, dtype=torch.int32, device=device),
             logits_indices=torch.tensor(sample_rows, dtype=torch.int64, device=device),
             max_seqlen_q=max(len(c.token_ids) for c in chunks),
+            lora_seg_starts=_int32(starts, device) if seg_slots else None,
+            lora_seg_slots=_int32(seg_slots, device) if seg_slots else None,
+            lora_slots=tuple(sorted({s for s in seg_slots if s >= 0})),
         )
+
+    def _segments(self, chunks: Sequence[Chunk]) -> tuple[list[int], list[int]]:
+        """Row offsets and slots of the adapter segments; ([0], []) when no chunk has one."""
+        if all(c.lora_slot == -1 for c in chunks):
+            return [0], []
+        if self.lora is None:
+            raise ValueError("a chunk with a LoRA slot, and this runner has no LoRA stacks")
+        starts, slots = [0], list[int]()
+        for chunk in chunks:
+            if not -1 <= chunk.lora_slot < self.lora.max_loras:
+                raise ValueError(f"LoRA slot {chunk.lora_slot} outside [-1, {self.lora.max_loras})")
+            if slots and slots[-1] == chunk.lora_slot:
+                starts[-1] += len(chunk.token_ids)
+            else:
+                starts.append(starts[-1] + len(chunk.token_ids))
+                slots.append(chunk.lora_slot)
+        return starts, slots
 
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Compute the chunks' K/V; float32 logits for the sampling chunks, in chunk order."""
-        return self.model(self.build_batch(chunks), self.kv)
+        return self.model(self.build_batch(chunks), self.kv, self.lora)
+
+
+def _int32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def _page_index(pages: PageIds, device: torch.device) -> torch.Tensor:

@@ -13,11 +13,12 @@ from it and share its prompt pages.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
 from cache import CachedSequence
+from worker.lora_adapter import LoraAdapter
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling import Sampler
 from worker.stop import StopChecker, StopStrings, compile_stops
@@ -54,6 +55,9 @@ class SampleState:
     """Whether the tokens known at admission are all computed (and committed to the cache)."""
     disk_checked: bool = False
     """Whether the saved cache was searched for this sample's prompt (once, at admission)."""
+    lora_slot: int = -1
+    """The adapter slot this sample pins while it runs (-1: none: the base model, or not
+    running)."""
 
     @property
     def pending(self) -> int:
@@ -65,6 +69,8 @@ class RequestState:
     request: GenerateRequest
     prompt_ids: list[int]
     sink: Callable[[RequestOutput], None]
+    adapter: LoraAdapter | None = None
+    """The adapter the request runs with (its identity is `request.namespace.adapter`)."""
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as
@@ -80,6 +86,12 @@ class RequestState:
     def __post_init__(self) -> None:
         self.stops = compile_stops(self.request.sampling.stop)
         self.stop_token_ids = frozenset(self.request.sampling.stop_token_ids)
+
+    def rebind(self, adapter: LoraAdapter) -> None:
+        """Run with `adapter` instead (its name's new weights; only before any sample ran)."""
+        namespace = replace(self.request.namespace, adapter=adapter.identity)
+        self.request = replace(self.request, namespace=namespace, prompt_block_hashes=())
+        self.adapter = adapter
 
     @property
     def prompt_tokens(self) -> int:

@@ -3,6 +3,12 @@
     step budget (tokens): [ running, oldest first: 1 token each decoding, a chunk if prefilling ]
                           [ waiting, FIFO: admitted while slots, pages and budget allow       ]
 
+A sample of a LoRA adapter is admitted only once its adapter holds a device slot
+(`AdapterSlots.acquire`), which it pins while it runs. When every slot is pinned it waits, and
+the adapter samples behind it wait too (they queue for slots in FIFO order), but base-model
+samples behind it are still admitted: a busy adapter never stalls the base model. A sample whose
+adapter was unloaded (or replaced after it began) cannot run; it is handed back as `refused`.
+
 Admission goes through the cache's protocol (`start`: match, lock, map, allocate with
 eviction) and allocates the whole prompt's pages, so a prefill is never preempted for want of
 its own pages. A running sample that cannot grow by the pages it needs preempts the youngest
@@ -15,11 +21,23 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from cache import OutOfPages, OutOfSlots, SequenceCache
 from cache.sequences import PageCopy
 from cache.tiers import TierCopy
+from worker.lora_slots import AdapterSlots
 from worker.samples import Phase, SampleState
+
+
+class Admission(Enum):
+    ADMITTED = "admitted"
+    NO_ROOM = "no room"
+    """No pages or sequence slots: nothing behind it is admitted either (FIFO)."""
+    NO_ADAPTER_SLOT = "no adapter slot"
+    """Every adapter slot is pinned: it waits; base-model samples behind it may pass."""
+    REFUSED = "refused"
+    """Its adapter is gone: it can never run."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +61,18 @@ class Scheduler:
         config: SchedulerConfig,
         copy_pages: Callable[[list[TierCopy | PageCopy]], None],
         from_disk: Callable[[SampleState], None] | None = None,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.cache = cache
         self.config = config
         self.copy_pages = copy_pages
         self.from_disk = from_disk
         """Called once per sample before its first start: read saved KV that extends it."""
+        self.adapters = adapters
         self.waiting: deque[SampleState] = deque()
         self.running: list[SampleState] = []
+        self.refused: list[SampleState] = []
+        """Waiting samples whose adapter is gone: the engine ends their requests."""
         self.preemptions = 0
 
     def has_work(self) -> bool:
@@ -82,18 +104,65 @@ class Scheduler:
             plan.append((sample, take))
             budget -= take
             i += 1
-        while budget > 0 and self.waiting and len(self.running) < self.config.max_running:
-            sample = self.waiting[0]
-            if not self._admit(sample):
+        at, slots_busy = 0, False
+        while budget > 0 and at < len(self.waiting) and len(self.running) < self.config.max_running:
+            sample = self.waiting[at]
+            if slots_busy and sample.request.adapter is not None:
+                at += 1  # behind a sample waiting for a slot: its turn comes first
+                continue
+            admission = self._admit(sample)
+            if admission is Admission.NO_ROOM:
                 break
-            self.waiting.popleft()
+            if admission is Admission.NO_ADAPTER_SLOT:
+                slots_busy, at = True, at + 1
+                continue
+            if admission is Admission.REFUSED:  # stays queued until the engine ends it
+                self.refused.append(sample)
+                at += 1
+                continue
+            del self.waiting[at]
             self.running.append(sample)
             take = min(sample.pending, budget, self.config.max_prefill_chunk)
             plan.append((sample, take))
             budget -= take
         return plan
 
-    def _admit(self, sample: SampleState) -> bool:
+    def take_refused(self) -> list[SampleState]:
+        refused, self.refused = self.refused, []
+        return refused
+
+    def _adapter_slot(self, sample: SampleState) -> int | Admission:
+        """The slot for the sample's adapter (-1: none needed), or why there is none."""
+        state = sample.request
+        if state.adapter is None:
+            return -1
+        assert self.adapters is not None
+        current = self.adapters.get(state.adapter.name)
+        if current is None or current.identity != state.adapter.identity:
+            if current is None or state.admitted:
+                return Admission.REFUSED
+            state.rebind(current)  # never ran: it takes its name's new weights
+        slot = self.adapters.acquire(current.name)
+        return Admission.NO_ADAPTER_SLOT if slot is None else slot
+
+    def hold_slot(self, sample: SampleState, slot: int) -> None:
+        """`sample` runs on adapter slot `slot` (-1: none) until `release_slot`."""
+        assert sample.lora_slot == -1
+        if slot >= 0:
+            assert self.adapters is not None
+            self.adapters.pin(slot)
+        sample.lora_slot = slot
+
+    def release_slot(self, sample: SampleState) -> None:
+        if sample.lora_slot >= 0:
+            assert self.adapters is not None
+            self.adapters.unpin(sample.lora_slot)
+        sample.lora_slot = -1
+
+    def _admit(self, sample: SampleState) -> Admission:
+        slot = self._adapter_slot(sample)
+        if isinstance(slot, Admission):
+            return slot
         request = sample.request.request
         if self.from_disk is not None and not sample.disk_checked:
             sample.disk_checked = True
@@ -106,10 +175,11 @@ class Scheduler:
                 block_hashes=request.prompt_block_hashes,
             )
         except (OutOfPages, OutOfSlots):
-            return False
+            return Admission.NO_ROOM
         self.copy_pages(self.cache.take_page_copies(seq))
         sample.seq, sample.computed, sample.prefilled = seq, seq.reused, False
         sample.phase = Phase.RUNNING
+        self.hold_slot(sample, slot)
         if not sample.request.admitted:
             sample.request.admitted = True
             # a resumed sample's ids end with generated tokens: its cache hit counts the prompt
@@ -117,7 +187,7 @@ class Scheduler:
             sample.request.host_cached_tokens = min(
                 seq.host_reused, sample.request.cached_prompt_tokens
             )
-        return True
+        return Admission.ADMITTED
 
     def _make_room(self, sample: SampleState, positions: int) -> bool:
         """Grow `sample` to `positions`, preempting the youngest; False if `sample` was it."""
@@ -137,6 +207,7 @@ class Scheduler:
         assert sample.seq is not None
         self.running.remove(sample)
         self.cache.finish(sample.seq, sample.computed)
+        self.release_slot(sample)
         sample.seq, sample.computed = None, 0
         self.enqueue(sample, front=True)
         self.preemptions += 1

@@ -2,10 +2,11 @@
 
 The machine plays an engine: it starts prompts (shared prefixes, several namespaces, images,
 exact duplicates of running prompts, repeats of finished ones for full hits), computes KV in
-chunks, commits, samples, grows, forks, finishes, aborts and evicts, on a pool small enough that
-eviction and refusals happen all the time. After each step: page conservation with no page in two
-states, exact lock counts, every cached node reachable and filed correctly, and the KV events
-replayed into a fresh index equal to the tree's own block set.
+chunks, commits, samples, grows, forks, finishes, aborts, evicts and drops whole namespaces (an
+unloaded adapter's), on a pool small enough that eviction and refusals happen all the time.
+After each step: page conservation with no page in two states, exact lock counts, every cached
+node reachable and filed correctly, and the KV events replayed into a fresh index equal to the
+tree's own block set.
 
 The machine also keeps what every page would hold (the key and position of each slot): the
 simulated forward pass writes a sequence's pages, and every copy the cache hands out (page
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -45,6 +47,7 @@ from cache import (
     SequenceCache,
 )
 from cache.integrity import check_sequence_cache
+from cache.radix_node import Node
 from cache.tiers import DEVICE, TierCopy
 
 BOS = 1
@@ -62,6 +65,13 @@ class Running:
     tokens: list[CacheToken]
     done: int
     """Positions whose KV the simulated forward pass has written."""
+
+
+def _namespace_of(node: Node) -> CacheNamespace | None:
+    root = node
+    while root.parent is not None:
+        root = root.parent
+    return root.namespace
 
 
 Slot = tuple[int, int] | None
@@ -223,6 +233,22 @@ class CacheMachine(RuleBasedStateMachine):
         evictable = self.cache.tree.evictable_pages
         assert self.cache.tree.evict(evictable) == evictable
         assert self.cache.tree.evictable_pages == 0
+
+    @rule(ns=st.sampled_from(NAMESPACES))
+    def drop_namespace(self, ns: CacheNamespace) -> None:
+        """An unloaded adapter's tree goes (on both tiers); refused while a sequence runs in it."""
+        tree, pool = self.cache.tree, self.cache.pool
+        before = (pool.num_free, tree.cached_pages, tree.host_cached_pages)
+        if any(r.seq.namespace == ns for r in self.running):
+            with pytest.raises(CacheError):
+                self.cache.drop_namespaces({ns})
+            assert before == (pool.num_free, tree.cached_pages, tree.host_cached_pages)
+            return
+        own = [n for n in tree.nodes() if _namespace_of(n) == ns]
+        freed = self.cache.drop_namespaces({ns})
+        assert ns not in tree.roots
+        assert freed == sum(len(n.pages) for n in own if n.tier == DEVICE)
+        assert pool.num_free == before[0] + freed
 
     @precondition(lambda self: self.history)
     @rule(pick=st.integers(0, 1000))

@@ -1,0 +1,170 @@
+"""The device copy of the resident adapters: per layer and target module, every slot's factors
+stacked into one tensor, the layout `kernels.lora` reads.
+
+    a[layer][module]  [max_loras, max_rank, in]     slot s, rows [0, rank): adapter A
+    b[layer][module]  [max_loras, out, max_rank]    slot s, cols [0, rank): scaling * adapter B
+
+    W' x = W x + b[s] @ (a[s] @ x)          (the padding rows/columns are zero: they add nothing)
+
+`load(slot, adapter)` overwrites the whole slot in every allocated stack: the adapter's factors
+zero-padded to `max_rank` with `scaling` folded into B, and zeros in every (layer, module) the
+adapter does not target, so nothing of the slot's previous adapter survives. An adapter that does
+not fit (rank above `max_rank`, a layer or module the model lacks, a factor of the wrong shape)
+is refused with `AdapterError` before anything is written: the slot keeps what it held.
+
+A module's stacks are allocated when the first adapter targeting it loads and kept from then on
+(zero in every slot that does not target it), so a worker serving q/v-only adapters never holds
+MLP stacks. `modules_in_use(slots)` names the modules some of the given slots target: the model
+skips the others, and a step without adapters touches none of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from worker.config import ModelConfig
+from worker.lora_adapter import TARGET_MODULES, AdapterError, LoraAdapter
+
+Stack = tuple[torch.Tensor, torch.Tensor]
+
+
+def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each target module of `config`'s decoder layers."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (hidden, config.q_size),
+        "k_proj": (hidden, config.kv_size),
+        "v_proj": (hidden, config.kv_size),
+        "o_proj": (config.q_size, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def stack_bytes(
+    config: ModelConfig,
+    max_loras: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    modules: Iterable[str] = TARGET_MODULES,
+) -> int:
+    """Bytes of the stacks of `modules` over every layer."""
+    shapes = module_shapes(config)
+    per_layer = sum(max_rank * (shapes[m][0] + shapes[m][1]) for m in modules)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return config.num_layers * max_loras * per_layer * itemsize
+
+
+class LoraStacks:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras ({max_loras}) and max_rank ({max_rank}) must be >= 1")
+        self.config = config
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.device, self.dtype = torch.device(device), dtype
+        self.shapes = module_shapes(config)
+        self.stacks: dict[str, list[Stack]] = {}
+        """module -> per layer (a, b); only modules some loaded adapter has targeted."""
+        self.slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
+        """The modules the adapter in each slot targets (empty: a free slot)."""
+        self.slot_identity: list[str | None] = [None] * max_loras
+        """`LoraAdapter.identity` of each slot's adapter, None for a free slot."""
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy `adapter` into `slot`, replacing whatever the slot held (see the module
+        docstring); raises AdapterError, leaving the slot as it was, if it does not fit."""
+        self._check_slot(slot)
+        self._check(adapter)
+        for module in adapter.target_modules:
+            if module not in self.stacks:
+                self.stacks[module] = [
+                    self._allocate(module) for _ in range(self.config.num_layers)
+                ]
+        self._zero(slot)
+        for (layer, module), (a, b) in adapter.weights.items():
+            rank = a.shape[0]
+            stack_a, stack_b = self.stacks[module][layer]
+            stack_a[slot, :rank].copy_(a)
+            stack_b[slot, :, :rank].copy_(b.float() * adapter.scaling)
+        self.slot_modules[slot] = frozenset(adapter.target_modules)
+        self.slot_identity[slot] = adapter.identity
+
+    def clear(self, slot: int) -> None:
+        """Zero `slot` in every stack and mark it free."""
+        self._check_slot(slot)
+        self._zero(slot)
+        self.slot_modules[slot] = frozenset()
+        self.slot_identity[slot] = None
+
+    def modules_in_use(self, slots: Iterable[int]) -> tuple[str, ...]:
+        """The modules (in TARGET_MODULES order) that the adapters in `slots` target; -1, the
+        no-adapter slot, targets none."""
+        used: set[str] = set()
+        for slot in set(slots):
+            if slot >= 0:
+                self._check_slot(slot)
+                used |= self.slot_modules[slot]
+        return tuple(m for m in TARGET_MODULES if m in used)
+
+    def weights(self, layer: int, module: str) -> Stack:
+        """(a, b) of `module` in `layer`; only for a module some adapter has targeted."""
+        return self.stacks[module][layer]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated so far."""
+        return sum(a.nbytes + b.nbytes for layers in self.stacks.values() for a, b in layers)
+
+    def _allocate(self, module: str) -> Stack:
+        fan_in, fan_out = self.shapes[module]
+        slots, rank, dtype, device = self.max_loras, self.max_rank, self.dtype, self.device
+        a = torch.zeros((slots, rank, fan_in), dtype=dtype, device=device)
+        b = torch.zeros((slots, fan_out, rank), dtype=dtype, device=device)
+        return a, b
+
+    def _zero(self, slot: int) -> None:
+        for layers in self.stacks.values():
+            for a, b in layers:
+                a[slot].zero_()
+                b[slot].zero_()
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside [0, {self.max_loras})")
+
+    def _check(self, adapter: LoraAdapter) -> None:
+        """Refuse an adapter whose factors do not fit these stacks, naming the tensor."""
+        where = f"adapter {adapter.name!r} ({adapter.path})"
+        if adapter.rank > self.max_rank:
+            raise AdapterError(
+                f"{where}: rank {adapter.rank} exceeds max_lora_rank {self.max_rank}"
+            )
+        for (layer, module), (a, b) in adapter.weights.items():
+            tensor = f"layer {layer} {module}"
+            if module not in self.shapes:
+                raise AdapterError(f"{where}: {tensor}: {module} is not one of {TARGET_MODULES}")
+            if not 0 <= layer < self.config.num_layers:
+                raise AdapterError(
+                    f"{where}: {tensor}: the base model has {self.config.num_layers} layers"
+                )
+            fan_in, fan_out = self.shapes[module]
+            rank = a.shape[0] if a.dim() == 2 else -1
+            if a.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, rank):
+                raise AdapterError(
+                    f"{where}: {tensor}: A {list(a.shape)} and B {list(b.shape)} do not fit "
+                    f"[rank, {fan_in}] and [{fan_out}, rank]"
+                )
+            if rank > self.max_rank:
+                raise AdapterError(
+                    f"{where}: {tensor}: rank {rank} exceeds max_lora_rank {self.max_rank}"
+                )
