@@ -195,8 +195,9 @@ class AdapterSlots:
         return list(self._lru)
 
     def resident(self) -> list[str]:
-        """Names of the registered adapters that sit in a slot."""
-        return [a.name for a in self.adapters.values() if a.identity in self._where]
+        """Names of the registered adapters that sit in a slot (safe from any thread: the
+        registry is copied in one step first)."""
+        return [a.name for a in list(self.adapters.values()) if a.identity in self._where]
 
     def info(self) -> list[AdapterState]:
         """Every registered adapter, by name."""

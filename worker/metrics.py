@@ -60,6 +60,14 @@ class EngineCollector(Collector):
                 "Prompt positions read back from the saved cache on disk",
                 stats.disk_hit_tokens,
             ),
+            "radixmesh_worker_adapter_swaps": (
+                "LoRA adapters copied into a device slot",
+                stats.adapter_swaps,
+            ),
+            "radixmesh_worker_adapter_swap_seconds": (
+                "Seconds spent copying LoRA adapters into device slots",
+                stats.adapter_swap_seconds_total,
+            ),
         }
         for name, (text, value) in counters.items():
             family = CounterMetricFamily(name, text, labels=labels)
@@ -81,6 +89,18 @@ class EngineCollector(Collector):
             "radixmesh_worker_host_pages_cached": (
                 "Host-tier pages holding cached KV",
                 stats.host_cached_pages,
+            ),
+            "radixmesh_worker_adapters_loaded": (
+                "LoRA adapters held (host memory and device slots)",
+                stats.adapters_loaded,
+            ),
+            "radixmesh_worker_adapters_resident": (
+                "LoRA adapters in a device slot",
+                stats.adapters_resident,
+            ),
+            "radixmesh_worker_adapter_swap_seconds_avg": (
+                "Recent time to copy one LoRA adapter into a slot (EWMA, seconds)",
+                stats.adapter_swap_seconds,
             ),
         }
         for name, (text, value) in gauges.items():

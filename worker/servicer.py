@@ -3,11 +3,14 @@
 Generate submits token ids to the engine and streams its outputs back; a client that goes away
 (cancel, deadline, disconnect) aborts the request at once, so its pages are freed. A request may
 resume a sample another worker began (`resume`: its ids end with the tokens already streamed).
-GetTokenizer hands the checkpoint's tokenizer files to a router that has none. KV events are
+GetTokenizer hands the checkpoint's tokenizer files to a router that has none. LoadAdapter reads
+a PEFT directory on a worker thread (never on the event loop, never on the engine's) and serves
+it; UnloadAdapter stops serving one and drops its cached trees; GetLoad reports every adapter
+held and the measured time to swap one into a slot. KV events are
 subscribed on the engine thread and streamed in batches; snapshots, load and stats are read on
 the engine thread too (the cache is only safe there). Errors map to gRPC statuses:
-InvalidRequest -> INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
-EngineStopped -> UNAVAILABLE.
+InvalidRequest and AdapterError -> INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
+EngineStopped -> UNAVAILABLE, an unknown adapter to unload -> NOT_FOUND.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from cache import IDENTITY_SCHEME_VERSION, KvEvent
 from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from worker.engine import Engine
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.lora_adapter import AdapterError
 from worker.request import GenerateRequest, RequestOutput
 from worker.tokenizer import tokenizer_files
 from worker.wire import (
+    adapter_info_to_proto,
     namespace_from_proto,
     output_to_proto,
     resume_from_proto,
@@ -126,14 +131,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetLoad(
         self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.Load:
-        queued = await self._on_engine(self.engine.queued_prefill_tokens)
+        queued, adapters = await self._on_engine(
+            lambda: (self.engine.queued_prefill_tokens(), self.engine.adapter_states())
+        )
         stats = self.engine.stats()
         return worker_pb2.Load(
             queued_prefill_tokens=queued,
             running_sequences=stats.running,
             free_pages=stats.free_pages,
             total_pages=self.engine.cache.pool.usable_pages,
+            adapters=[adapter_info_to_proto(a, self.name) for a in adapters],
+            adapter_swap_seconds=stats.adapter_swap_seconds,
         )
+
+    async def LoadAdapter(
+        self, request: serving_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.AdapterInfo:
+        if not request.name or not request.path:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "LoadAdapter needs both a name and a path"
+            )
+        try:
+            state = await asyncio.to_thread(self.engine.load_adapter, request.name, request.path)
+        except AdapterError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except EngineStopped as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        return adapter_info_to_proto(state, self.name)
+
+    async def UnloadAdapter(
+        self, request: serving_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.UnloadAdapterResponse:
+        name = request.name
+        try:
+            freed = await self._on_engine(lambda: self.engine.unload_adapter(name))
+        except KeyError as err:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(err.args[0]))
+        return serving_pb2.UnloadAdapterResponse(workers=1, pages_freed=freed)
 
     async def GetStats(
         self, request: serving_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

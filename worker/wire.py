@@ -5,11 +5,16 @@ Absent optional fields take the engine's defaults; every conversion error names 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cache import CacheNamespace
 from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.errors import InvalidRequest
 from worker.request import RequestOutput, Resume, TokenLogprob
 from worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the adapter record holds tensors; this module imports no torch
+    from worker.lora_slots import AdapterState
 
 DEFAULTS = SamplingParams()
 _INT32 = 2**31 - 1
@@ -104,4 +109,16 @@ def logprob_to_proto(logprob: TokenLogprob) -> serving_pb2.TokenLogprob:
         logprob=logprob.logprob,
         top_ids=[token for token, _ in logprob.top],
         top_logprobs=[value for _, value in logprob.top],
+    )
+
+
+def adapter_info_to_proto(state: AdapterState, worker: str) -> serving_pb2.AdapterInfo:
+    return serving_pb2.AdapterInfo(
+        name=state.name,
+        identity=state.identity,
+        rank=state.rank,
+        target_modules=list(state.target_modules),
+        resident=state.resident,
+        path=state.path,
+        worker=worker,
     )
