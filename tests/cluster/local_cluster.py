@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from cluster.config import (
+    AdapterSection,
     ClusterConfig,
     EngineSection,
     ModelSection,
@@ -126,11 +127,13 @@ def start_cluster(
     security: SecuritySection | None = None,
     engine: EngineSection = ENGINE,
     http: bool = False,
+    adapters: tuple[AdapterSection, ...] = (),
 ) -> LocalCluster:
-    """`http`: the HTTP API too, on a free port (else none: its default port is 8000)."""
+    """`http`: the HTTP API too, on a free port (else none: its default port is 8000).
+    `adapters`: LoRA adapters every worker loads at start (config model.adapters)."""
     router = replace(router or RouterSection(port=0), http_port=0 if http else None)
     config = ClusterConfig(
-        model=ModelSection(served_name=SERVED_NAME),
+        model=ModelSection(served_name=SERVED_NAME, adapters=adapters),
         engine=engine,
         router=router,
         security=security or SecuritySection(),
