@@ -579,7 +579,7 @@ def summary(rows: list[dict[str, Any]]) -> Table:
         "dec/s",
     )
     if rows and "adapter_swaps" in rows[0]:
-        columns += ("swaps",)
+        columns += ("mean", "swaps")
     for column in columns:
         table.add_column(column, justify="right", no_wrap=True)
     for r in rows:
@@ -593,7 +593,7 @@ def summary(rows: list[dict[str, Any]]) -> Table:
             f"{r['imbalance']:.2f}",
             f"{r['window_imbalance_max']:.2f}",
             f"{r['decisions_per_s']:.0f}",
-            *([str(r["adapter_swaps"])] if "adapter_swaps" in r else []),
+            *([f"{r['ttft_mean_s']:.3f}", str(r["adapter_swaps"])] if "adapter_swaps" in r else []),
         )
     if rows:
         r = rows[0]
