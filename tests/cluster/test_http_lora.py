@@ -6,6 +6,8 @@ the file, and loading needs a token bound to every tenant."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +16,10 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from cluster.client import Client
 from cluster.config import SecuritySection
+from cluster.loadtest.cli import add_arguments
+from cluster.loadtest.cli import main as loadtest_main
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
 from worker.loader import LoadedModel
 
@@ -155,3 +160,31 @@ def test_loading_needs_a_token_for_every_tenant(tiny: LoadedModel, caps: Path) -
             assert complete(acme, "caps")[1] == "caps"
     finally:
         running.close()
+
+
+def test_the_load_test_draws_zipf_adapters_over_grpc_and_the_openai_api(
+    cluster: LocalCluster, caps: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RADIXMESH_TOKEN", raising=False)
+    admin = Client(cluster.target)
+    for k in range(3):
+        admin.load_adapter(f"lora-{k}", str(caps))
+    flags = ["--workload", "shared-prefix", "--num-requests", "12", "--concurrency", "3"]
+    flags += ["--adapters", "zipf:3", "--max-tokens", "4", "--warmup", "0"]
+    over = {
+        "grpc": ["--target", cluster.target],
+        "openai": ["--api", "openai", "--target", cluster.http_url],
+    }
+    for api, target in over.items():
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        out = tmp_path / api
+        assert loadtest_main(parser.parse_args(["--output-dir", str(out), *target, *flags])) == 0
+        (run,) = json.loads((out / "report.json").read_text())["runs"]
+        assert run["summary"]["requests"] == {"sent": 12, "completed": 12, "errored": 0}, api
+        drawn = {r["adapter"] for r in run["requests"]}
+        assert drawn <= {"lora-0", "lora-1", "lora-2"} and "lora-0" in drawn, (api, drawn)
+    for k in range(3):
+        admin.unload_adapter(f"lora-{k}")
+    admin.close()
+    cluster.wait_idle()
