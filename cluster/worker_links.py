@@ -111,6 +111,8 @@ class WorkerLinks:
     admin_adapters: dict[str, str | None] = field(default_factory=dict)
     """Adapters changed through the Admin service, name -> path (None: unloaded), in order:
     replayed on each worker that attaches."""
+    _adapter_view: dict[str, str] | None = None
+    """`adapters()`, kept until a worker's adapters or the membership change."""
 
     @property
     def healthy(self) -> list[str]:
@@ -149,6 +151,11 @@ class WorkerLinks:
         """name -> identity of every adapter a healthy worker holds. Workers that disagree (a
         reload under way) give the identity most of them hold (ties: the smallest), which only
         decides the router's hashes: each worker checks them against its own."""
+        if self._adapter_view is None:
+            self._adapter_view = self._vote_adapters()
+        return self._adapter_view
+
+    def _vote_adapters(self) -> dict[str, str]:
         votes: dict[str, dict[str, int]] = {}
         for link in self.links.values():
             for name, info in link.adapters.items():
@@ -173,7 +180,10 @@ class WorkerLinks:
             return
         if self.links.get(link.name) is not link:  # detached meanwhile
             return
-        link.adapters = {info.name: info for info in load.adapters}
+        adapters = {info.name: info for info in load.adapters}
+        if adapters != link.adapters:
+            self._adapter_view = None
+        link.adapters = adapters
         link.adapter_swap_s = load.adapter_swap_seconds
         self._report_adapters(link)
 
@@ -254,10 +264,12 @@ class WorkerLinks:
         link = self.links.pop(name, None)
         if link is None:
             return
+        self._adapter_view = None
         self.policy.remove_worker(name)
-        if link.poll is not None and link.poll is not asyncio.current_task():
-            link.poll.cancel()
         try:
+            if link.poll is not None and link.poll is not asyncio.current_task():
+                link.poll.cancel()
+                await asyncio.wait([link.poll])
             if link.feed is not None and link.feed is not asyncio.current_task():
                 link.feed.cancel()
                 await asyncio.wait([link.feed])  # its end, not its error; our own cancel passes
