@@ -4,7 +4,11 @@ resident, while a busy holder still spills to one that must swap it in."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache import CacheNamespace
 from router.adapters import AdapterBook, WorkerAdapters
@@ -148,3 +152,55 @@ def test_the_swap_default_comes_from_the_router_config() -> None:
     assert policy.adapters.swap_s("w0", "a@1") == 1.5
     with pytest.raises(ValueError, match="adapter_swap_s"):
         RouterConfig(adapter_swap_s=-1.0)
+
+
+IDS = [f"a{k}@d" for k in range(5)]
+WORKERS = ["w0", "w1", "w2"]
+operations = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("report"),
+            st.sampled_from(WORKERS),
+            st.sets(st.sampled_from(IDS)),
+            st.sets(st.sampled_from(IDS)),
+        ),
+        st.tuples(st.just("routed"), st.sampled_from(WORKERS), st.sampled_from(IDS)),
+        st.tuples(st.just("remove"), st.sampled_from(WORKERS)),
+        st.tuples(st.just("add"), st.sampled_from(WORKERS)),
+    ),
+    max_size=60,
+)
+
+
+@given(operations)
+@settings(max_examples=300, deadline=None)
+def test_the_book_agrees_with_what_each_worker_last_reported(ops: list[tuple[Any, ...]]) -> None:
+    """After any sequence of reports, routes, joins and leaves: an adapter's holder mask is
+    exactly the members whose last report held it; resident adapters are held, and never more
+    than the most a worker reported resident at once (at least 1)."""
+    book = AdapterBook()
+    held: dict[str, set[str]] = {}
+    most: dict[str, int] = {}
+    for op in ops:
+        worker = op[1]
+        if op[0] == "add" and worker not in held:
+            book.add(worker, WORKERS.index(worker))
+            held[worker], most[worker] = set(), 1
+        elif op[0] == "remove" and worker in held:
+            book.remove(worker)
+            del held[worker], most[worker]
+        elif op[0] == "report" and worker in held:
+            resident = op[3] & op[2]
+            book.report(worker, WorkerAdapters.of(op[2], resident, 0.1))
+            held[worker] = set(op[2])
+            most[worker] = max(most[worker], len(resident))
+        elif op[0] == "routed" and worker in held:
+            book.routed(worker, op[2])
+            if op[2] in held[worker]:
+                assert book.swap_s(worker, op[2]) == 0.0  # resident once routed there
+        for identity in IDS:
+            expected = sum(1 << WORKERS.index(w) for w, ids in held.items() if identity in ids)
+            assert book.holders(identity) == expected
+        for w, state in book.workers.items():
+            assert set(state.resident) <= held[w]
+            assert len(state.resident) <= most[w]
