@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import pytest
 
 from cluster.client import Client, text_request
 from cluster.config import AdapterSection, SecuritySection
-from protos.radixmesh.v1 import serving_pb2
+from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 from tests.cluster.local_cluster import LocalCluster, start_cluster
 from worker.loader import LoadedModel
 
@@ -56,8 +57,8 @@ def tokens(client: Client, adapter: str = "", prompt: list[int] = PROMPT) -> lis
     return [t for r in client.generate(request, timeout=60) for t in r.token_ids]
 
 
-def last(client: Client, adapter: str) -> serving_pb2.GenerateResponse:
-    request = text_request(token_ids=PROMPT, max_tokens=4, temperature=0, adapter=adapter)
+def last(client: Client, adapter: str, prompt: list[int] = PROMPT) -> serving_pb2.GenerateResponse:
+    request = text_request(token_ids=prompt, max_tokens=4, temperature=0, adapter=adapter)
     return list(client.generate(request, timeout=60))[-1]
 
 
@@ -218,3 +219,34 @@ def test_cli_generate_with_an_adapter_and_adapters_commands(
     assert run("adapters", "unload", "caps").returncode == 0
     usage = run("adapters", "load", "caps")
     assert usage.returncode == 2 and "load NAME PATH" in usage.stderr
+
+
+def test_the_router_learns_adapters_from_load_polls_and_routes_only_to_holders(
+    cluster: LocalCluster, adapters: dict[str, Path]
+) -> None:
+    """An adapter loaded on one worker behind the router's back (not through the Admin
+    service) is learned from that worker's next Load, and its requests go to it alone."""
+    stub = cluster.links.links["worker-1"].stub
+    request = serving_pb2.LoadAdapterRequest(name="sql", path=str(adapters["sql"]))
+
+    async def load() -> serving_pb2.AdapterInfo:
+        return await stub.LoadAdapter(request, timeout=60)
+
+    identity = cluster.loop.run(load()).identity
+    deadline = time.monotonic() + 5
+    while cluster.links.adapters() != {"sql": identity}:
+        assert time.monotonic() < deadline, "the Load poll never reported the adapter"
+        time.sleep(0.05)
+    client = Client(cluster.target)
+    prompts = [list(range(k, k + 30)) for k in (60, 100, 140, 180, 220, 260)]  # new prefixes
+    served = {last(client, "sql", prompt).worker for prompt in prompts}
+    assert served == {"worker-1"}  # worker-0 would refuse the name
+    # a policy that knows nothing of adapters is kept to holders too (and a new policy is
+    # told the adapters at once): round robin would send every other request to worker-0
+    admin = serving_pb2_grpc.AdminStub(client.channel)
+    admin.SetPolicy(serving_pb2.SetPolicyRequest(policy="round_robin"), timeout=30)
+    served = {last(client, "sql", [p + 1 for p in prompt]).worker for prompt in prompts}
+    assert served == {"worker-1"}
+    assert {last(client, "", prompt).worker for prompt in prompts} == {"worker-0", "worker-1"}
+    client.close()
+    cluster.wait_idle()
