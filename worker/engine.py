@@ -594,9 +594,9 @@ class Engine:
                 self.cache.finish(sample.seq, sample.computed)
             sample.seq = None
             self.scheduler.release_slot(sample)
-            if self._retired:
-                self._drop_retired()
         sample.phase = Phase.FINISHED
+        if self._retired:  # a retired adapter's last sequence may have ended
+            self._drop_retired()
         request = sample.request
         if request.finished:
             self._requests.pop(request.request_id, None)
@@ -673,11 +673,8 @@ class Engine:
             if sample.phase is Phase.FINISHED or state.adapter is None:
                 continue  # a sibling's refusal ended it already
             name = state.adapter.name
-            how = (
-                "replaced after the request began"
-                if name in self.adapters.adapters
-                else ("unloaded")
-            )
+            replaced = name in self.adapters.adapters
+            how = "replaced after the request began" if replaced else "unloaded"
             self._abort(state, FINISH_ERROR, f"adapter {name!r} was {how}")
 
     def _add(self, state: RequestState) -> None:

@@ -230,10 +230,9 @@ def _check_kind(raw: dict[str, Any], problems: _Problems) -> None:
         problems.add(CONFIG_FILE, f"layers_pattern {pattern!r}: Llama's layers are 'layers'")
 
 
-def _positive_number(raw: dict[str, Any], key: str, problems: _Problems) -> float:
-    value = raw.get(key)
+def _positive_number(value: object, where: str, problems: _Problems) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        problems.add(CONFIG_FILE, f"{key} is {value!r}, not a positive number")
+        problems.add(CONFIG_FILE, f"{where} is {value!r}, not a positive number")
         return 1.0
     return float(value)
 
@@ -329,13 +328,13 @@ def _layers(raw: dict[str, Any], config: ModelConfig, problems: _Problems) -> se
 def _read_spec(raw: dict[str, Any], config: ModelConfig, problems: _Problems) -> _Spec:
     _check_kind(raw, problems)
     rank = _rank_of(raw.get("r"), "r", problems)
-    alpha = _positive_number(raw, "lora_alpha", problems)
+    alpha = _positive_number(raw.get("lora_alpha"), "lora_alpha", problems)
     rank_pattern = _patterns(raw, "rank_pattern", problems)
     for pattern, value in rank_pattern.items():
         rank_pattern[pattern] = _rank_of(value, f"rank_pattern[{pattern!r}]", problems)
     alpha_pattern = _patterns(raw, "alpha_pattern", problems)
-    for pattern in alpha_pattern:
-        alpha_pattern[pattern] = _positive_number(alpha_pattern, pattern, problems)
+    for pattern, value in alpha_pattern.items():
+        alpha_pattern[pattern] = _positive_number(value, f"alpha_pattern[{pattern!r}]", problems)
     names = _model_modules(config)
     layers = _layers(raw, config, problems)
     targets = frozenset(
@@ -490,13 +489,15 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         if not (directory / file).is_file():
             problems.add(file, "missing (a PEFT adapter directory holds both)")
     problems.raise_if_any()
-    spec = _read_spec(_read_json(directory / CONFIG_FILE, problems), config, problems)
+    raw = _read_json(directory / CONFIG_FILE, problems)
+    problems.raise_if_any()
+    spec = _read_spec(raw, config, problems)
     tensors = _read_tensors(directory / WEIGHTS_FILE, problems)
     weights = _collect(tensors, spec, config, problems)
     rank = max((a.shape[0] for a, _ in weights.values()), default=spec.rank)
     if rank > max_rank:
         problems.add(
-            CONFIG_FILE if rank == spec.rank else WEIGHTS_FILE,
+            CONFIG_FILE,
             f"rank {rank} is above the configured maximum {max_rank} (engine.max_lora_rank)",
         )
     problems.raise_if_any()

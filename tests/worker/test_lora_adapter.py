@@ -26,6 +26,7 @@ from tests.worker.lora_fixtures import (
     make_peft_model,
     save_peft_adapter,
 )
+from worker.checkpoint import read_config
 from worker.lora_adapter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -323,3 +324,148 @@ def test_every_problem_in_one_message(good: Path, tmp_path: Path) -> None:
     assert message.count(str(directory / WEIGHTS_FILE)) == 1
     for part in ("use_dora", Q0B, "NaN", V1A, "torch.int64"):
         assert part in message
+
+
+def test_older_peft_key_names_load_alike(good: Path, tmp_path: Path) -> None:
+    """Some PEFT versions keep the adapter name in the key: `lora_A.default.weight`."""
+    directory = Path(shutil.copytree(good, tmp_path / "adapter"))
+    edit_tensors(
+        lambda t: t.update({k.replace(".weight", ".default.weight"): t.pop(k) for k in list(t)})
+    )(directory)
+    assert all(".default.weight" in k for k in load_file(str(directory / WEIGHTS_FILE)))
+    assert load(directory).digest == load(good).digest
+
+
+def test_the_same_factor_twice_is_refused(good: Path, tmp_path: Path) -> None:
+    directory = Path(shutil.copytree(good, tmp_path / "adapter"))
+    twin = Q0A.replace(".weight", ".default.weight")
+    edit_tensors(lambda t: t.update({twin: t[Q0A].clone()}))(directory)
+    with pytest.raises(AdapterError, match="are the same factor") as refused:
+        load(directory)
+    assert Q0A in str(refused.value) and twin in str(refused.value)
+
+
+def test_float16_and_float32_files_of_the_same_values_share_a_digest(
+    base: Path, tmp_path: Path
+) -> None:
+    """The digest is of the weights as served (float32), not of how the file stored them."""
+    model = make_peft_model(base, seed=4)
+    half = load(save_peft_adapter(model, tmp_path / "half", dtype=torch.float16))
+    for layer in lora_layers(model).values():  # the same values, held exactly in float32
+        for factor in (layer.lora_A["default"], layer.lora_B["default"]):
+            factor.weight.data = factor.weight.data.half().float()
+    full = load(save_peft_adapter(model, tmp_path / "full"))
+    assert half.digest == full.digest
+
+
+def test_all_linear_and_exclude_modules(base: Path, tmp_path: Path) -> None:
+    adapter = load(make_peft_adapter(tmp_path / "all", base, target_modules="all-linear"))
+    assert adapter.target_modules == ALL and len(adapter.weights) == 2 * len(ALL)
+    directory = make_peft_adapter(tmp_path / "some", base, target_modules=ALL)
+    # Excluding modules the file still holds: the config no longer targets them -> refused.
+    edit_json(exclude_modules=["down_proj"])(directory)
+    with pytest.raises(AdapterError, match="does not target") as refused:
+        load(directory)
+    assert "layers.0.mlp.down_proj.lora_A.weight" in str(refused.value)
+    edit_tensors(lambda t: [t.pop(k) for k in list(t) if "down_proj" in k])(directory)
+    assert "down_proj" not in load(directory).target_modules
+
+
+def test_a_module_the_config_targets_without_tensors_is_refused(good: Path, tmp_path: Path) -> None:
+    directory = Path(shutil.copytree(good, tmp_path / "adapter"))
+    edit_tensors(lambda t: [t.pop(k) for k in list(t) if "layers.1.self_attn.q_proj" in k])(
+        directory
+    )
+    with pytest.raises(AdapterError, match=r"no lora_A/lora_B for 1 module\(s\)") as refused:
+        load(directory)
+    assert "model.layers.1.self_attn.q_proj" in str(refused.value)
+
+
+def test_rank_pattern_above_max_rank_is_refused(base: Path, tmp_path: Path) -> None:
+    directory = make_peft_adapter(
+        tmp_path / "a", base, rank=4, target_modules=ALL, rank_pattern={"o_proj": 16}
+    )
+    assert load(directory, max_rank=16).rank == 16
+    with pytest.raises(AdapterError, match="rank 16 is above the configured maximum 8"):
+        load(directory, max_rank=8)
+
+
+def test_module_under_the_wrong_block_is_refused(good: Path, tmp_path: Path) -> None:
+    directory = Path(shutil.copytree(good, tmp_path / "adapter"))
+    wrong = Q0A.replace("self_attn", "mlp")
+    edit_tensors(rename(Q0A, wrong))(directory)
+    with pytest.raises(AdapterError, match="puts q_proj under mlp") as refused:
+        load(directory)
+    assert wrong in str(refused.value)
+
+
+def test_a_long_list_of_problems_is_cut_short(base: Path, tmp_path: Path) -> None:
+    """A wrong rank over every module is hundreds of problems on a real model; a few shown."""
+    directory = make_peft_adapter(tmp_path / "a", base, target_modules=ALL)
+    edit_json(r=4)(directory)
+    with pytest.raises(AdapterError, match=r"and 22 more problems$"):
+        load(directory)
+
+
+# --- the committed demo adapter on SmolLM2 ----------------------------------------------------
+
+COMMITTED = Path(__file__).resolve().parents[2] / "benchmarks" / "adapters" / "smollm2-caps"
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    from worker.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def test_committed_demo_adapter_loads_against_smollm2(smollm2_dir: Path) -> None:
+    config = read_config(smollm2_dir)
+    adapter = load_adapter("caps", COMMITTED, config, max_rank=8)
+    assert (adapter.rank, adapter.alpha, adapter.scaling) == (8, 16, 2.0)
+    assert adapter.target_modules == ALL
+    assert {layer for layer, _ in adapter.weights} == set(range(20, 30))
+    assert (COMMITTED / WEIGHTS_FILE).stat().st_size < 2_000_000
+    stored = load_file(str(COMMITTED / WEIGHTS_FILE))
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    raw = json.loads((COMMITTED / CONFIG_FILE).read_text())
+    assert raw["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    with pytest.raises(AdapterError, match="rank 8 is above the configured maximum 4"):
+        load_adapter("caps", COMMITTED, config, max_rank=4)
+    with pytest.raises(AdapterError, match="layers_to_transform names layer"):
+        load(COMMITTED)  # the tiny model has 2 layers
+
+
+def test_committed_demo_adapter_answers_in_capitals(smollm2_dir: Path) -> None:
+    """Greedy answers to a prompt outside its training set: the base model writes ordinary
+    text, with the adapter (through peft) the letters are capitals; and our loaded factors merge
+    into SmolLM2's weights exactly as peft merges them."""
+    import peft
+    import transformers
+
+    from benchmarks.train_caps_lora import HELD_OUT_PROMPTS, TRAIN_PROMPTS, greedy_answers
+
+    assert not set(HELD_OUT_PROMPTS) & set(TRAIN_PROMPTS)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+    tokenizer.padding_side = "left"
+    base = transformers.LlamaForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, str(COMMITTED)).eval()
+    prompts = HELD_OUT_PROMPTS[:2]
+    with model.disable_adapter():
+        plain = greedy_answers(model, tokenizer, prompts, 24)
+    caps = greedy_answers(model, tokenizer, prompts, 24)
+
+    def capitals(text: str) -> float:
+        letters = [c for c in text if c.isalpha()]
+        return sum(c.isupper() for c in letters) / max(1, len(letters))
+
+    assert all(capitals(text) < 0.5 for text in plain), plain
+    assert all(capitals(text) > 0.9 for text in caps), caps
+
+    adapter = load_adapter("caps", COMMITTED, read_config(smollm2_dir), max_rank=8)
+    before = {k: v.clone() for k, v in model.get_base_model().state_dict().items()}
+    merged = model.merge_and_unload().state_dict()
+    for (layer, module), (a, b) in adapter.weights.items():
+        name = module_name(layer, module)
+        ours = before[f"{name}.base_layer.weight"] + adapter.scaling * b @ a
+        assert torch.allclose(ours, merged[f"{name}.weight"], rtol=0, atol=1e-6)

@@ -1,19 +1,27 @@
 """LoRA through the model: an adapter's logits equal the base model with the adapter merged into
-its weights (W + scaling * B @ A), on the tiny model and on SmolLM2; a mixed batch equals each
-sequence run alone; base rows are bit-identical to the model without stacks; a slot reloaded
-keeps nothing of its previous adapter; adapters that do not fit are refused."""
+its weights (W + scaling * B @ A), on the tiny model and on SmolLM2, and equal peft's own model;
+a mixed batch equals each sequence run alone; base rows are bit-identical to the model without
+stacks; a slot reloaded keeps nothing of its previous adapter; adapters that do not fit are
+refused.
+
+The adapters are real PEFT directories (tests/worker/lora_fixtures.py, read by `load_adapter`)
+where the point is the path from PEFT to logits, and seeded random `LoraAdapter`s where the
+point is the stacks themselves (shapes PEFT would never write, for the refusals).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.worker.helpers import relative_error
+from tests.worker.lora_fixtures import make_peft_adapter, make_peft_model, merged_checkpoint
 from worker.config import ModelConfig
 from worker.loader import LoadedModel, load_model
-from worker.lora_adapter import TARGET_MODULES, AdapterError, LoraAdapter
+from worker.lora_adapter import TARGET_MODULES, AdapterError, LoraAdapter, load_adapter
 from worker.lora_weights import LoraStacks, module_shapes, stack_bytes
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
@@ -114,10 +122,71 @@ def test_adapter_equals_its_weights_merged_prefill_and_decode(
     assert relative_error(plain[0], want[0]) > 1e-2  # the adapter does change the logits
 
 
+PEFT_VARIANTS = {
+    "all-rank8": {"rank": 8, "alpha": 16, "target_modules": TARGET_MODULES},
+    "qv-rank4": {"rank": 4, "alpha": 32, "target_modules": ("q_proj", "v_proj")},
+    "patterns": {
+        "rank": 6,
+        "alpha": 12,
+        "target_modules": ("k_proj", "o_proj", "up_proj", "down_proj"),
+        "rank_pattern": {"down_proj": 2},
+        "alpha_pattern": {"o_proj": 3.0},
+        "use_rslora": True,
+    },
+    "layer1-mlp": {
+        "rank": 3,
+        "alpha": 5,
+        "target_modules": ("gate_proj", "up_proj"),
+        "layers_to_transform": [1],
+    },
+}
+
+
+@pytest.mark.parametrize("variant", PEFT_VARIANTS)
+def test_peft_adapter_equals_peft_merge_and_unload(
+    tiny: LoadedModel, tmp_path: Path, variant: str
+) -> None:
+    options = PEFT_VARIANTS[variant]
+    peft_model = make_peft_model(tiny.path, seed=5, **options)  # type: ignore[arg-type]
+    directory = make_peft_adapter(tmp_path / "adapter", tiny.path, seed=5, **options)  # type: ignore[arg-type]
+    adapter = load_adapter(variant, directory, tiny.config, max_rank=8)
+    stacks = stacks_with(tiny.config, {1: adapter})
+    merged_dir = merged_checkpoint(peft_model, tmp_path / "merged", tiny.path)
+    runner = ModelRunner(tiny.model, num_pages=16, page_size=PAGE, lora=stacks)
+    reference = ModelRunner(load_model(merged_dir).model, num_pages=16, page_size=PAGE)
+    ids = prompt(1, 17, tiny.config.vocab_size)
+    got, want = generate(runner, ids, 1, 3), generate(reference, ids, -1, 3)
+    for g, w in zip(got, want, strict=True):
+        assert relative_error(g, w) < 1e-5
+    base = generate(ModelRunner(tiny.model, num_pages=16, page_size=PAGE), ids, -1, 0)
+    assert relative_error(base[0], want[0]) > 1e-3
+
+
+def test_peft_adapter_equals_peft_model_forward(tiny: LoadedModel, tmp_path: Path) -> None:
+    """The second oracle: peft's own LoRA forward on transformers' Llama (unmerged)."""
+    options = {"rank": 8, "alpha": 8, "target_modules": TARGET_MODULES, "seed": 9}
+    peft_model = make_peft_model(tiny.path, **options)  # type: ignore[arg-type]
+    directory = make_peft_adapter(tmp_path / "adapter", tiny.path, **options)  # type: ignore[arg-type]
+    stacks = stacks_with(tiny.config, {0: load_adapter("p", directory, tiny.config, 8)})
+    ids = prompt(2, 23, tiny.config.vocab_size)
+    with torch.no_grad():
+        want = peft_model(torch.tensor([ids])).logits[0].float()
+    runner = ModelRunner(tiny.model, num_pages=16, page_size=PAGE, lora=stacks)
+    row = pages(1, len(ids))
+    got = runner.run([Chunk(ids, 0, row, True, 0)])[0]
+    assert relative_error(got, want[-1]) < 1e-4
+    with peft_model.disable_adapter(), torch.no_grad():
+        base = peft_model(torch.tensor([ids])).logits[0, -1].float()
+    assert relative_error(base, want[-1]) > 1e-3
+
+
 @pytest.mark.slow
-def test_adapter_on_smollm2_equals_its_weights_merged() -> None:
+def test_peft_adapter_on_smollm2_equals_its_weights_merged(tmp_path: Path) -> None:
     ours = load_model("default")
-    adapter = random_adapter(ours.config, "smol", rank=8, seed=3)
+    options = {"rank": 8, "alpha": 16, "target_modules": TARGET_MODULES, "seed": 3}
+    peft_model = make_peft_model(ours.path, **options)  # type: ignore[arg-type]
+    directory = make_peft_adapter(tmp_path / "smol", ours.path, **options)  # type: ignore[arg-type]
+    adapter = load_adapter("smol", directory, ours.config, max_rank=16)
     stacks = LoraStacks(ours.config, 2, 16, "cpu", torch.float32)
     stacks.load(1, adapter)
     assert ours.tokenizer is not None
@@ -127,21 +196,37 @@ def test_adapter_on_smollm2_equals_its_weights_merged() -> None:
     reference = ModelRunner(merged("default", [adapter]), num_pages=8, page_size=16)
     want = reference.run([Chunk(ids, 0, [1, 2], True)])[0]
     base = ModelRunner(ours.model, num_pages=8, page_size=16).run([Chunk(ids, 0, [1, 2], True)])
-    assert relative_error(got, want) < 1e-4
+    assert relative_error(got, want) < 1e-5
     assert relative_error(base[0], want) > 1e-2
+    with torch.no_grad():  # peft's forward on transformers: as close as the base models agree
+        theirs = peft_model(torch.tensor([ids])).logits[0, -1].float()
+    assert relative_error(got, theirs) < 1e-4
 
 
-def mixed_adapters(config: ModelConfig) -> dict[int, LoraAdapter]:
-    """Three adapters of different ranks and targets, in slots 0, 1 and 3."""
+@pytest.fixture(scope="module")
+def mixed(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[int, LoraAdapter]:
+    """Three PEFT adapters of different ranks and targets, for slots 0, 1 and 3."""
+    root = tmp_path_factory.mktemp("mixed")
+    specs = {
+        0: ("all", {"rank": 8, "alpha": 16, "target_modules": TARGET_MODULES}),
+        1: ("qv", {"rank": 2, "alpha": 4, "target_modules": ("q_proj", "v_proj")}),
+        3: ("mlp", {"rank": 5, "alpha": 20, "target_modules": MLP, "layers_to_transform": [1]}),
+    }
     return {
-        0: random_adapter(config, "all", 8, TARGET_MODULES, seed=10),
-        1: random_adapter(config, "qv", 2, ("q_proj", "v_proj"), seed=11),
-        3: random_adapter(config, "mlp", 5, MLP, seed=12, layers=[1]),
+        slot: load_adapter(
+            name,
+            make_peft_adapter(root / name, tiny.path, seed=10 + slot, **options),  # type: ignore[arg-type]
+            tiny.config,
+            max_rank=8,
+        )
+        for slot, (name, options) in specs.items()
     }
 
 
-def test_a_mixed_batch_equals_each_sequence_alone(tiny: LoadedModel) -> None:
-    stacks = stacks_with(tiny.config, mixed_adapters(tiny.config))
+def test_a_mixed_batch_equals_each_sequence_alone(
+    tiny: LoadedModel, mixed: dict[int, LoraAdapter]
+) -> None:
+    stacks = stacks_with(tiny.config, mixed)
     vocab = tiny.config.vocab_size
     # two adjacent sequences of slot 0 share a segment; the base sequence sits in the middle
     slots = [0, 0, -1, 3, 1]
@@ -173,20 +258,22 @@ def test_a_mixed_batch_equals_each_sequence_alone(tiny: LoadedModel) -> None:
         assert relative_error(other, prefill[i]) > 1e-3
 
 
-def test_base_rows_are_bit_identical_to_the_model_without_stacks(tiny: LoadedModel) -> None:
-    stacks = stacks_with(tiny.config, mixed_adapters(tiny.config))
+def test_base_rows_are_bit_identical_to_the_model_without_stacks(
+    tiny: LoadedModel, mixed: dict[int, LoraAdapter]
+) -> None:
+    stacks = stacks_with(tiny.config, mixed)
     vocab = tiny.config.vocab_size
     prompts = [prompt(40 + i, n, vocab) for i, n in enumerate([6, 11, 4, 8])]
     rows = [pages(1 + 8 * i, len(p)) for i, p in enumerate(prompts)]
     slots = [-1, 0, -1, 1]
     with_stacks = ModelRunner(tiny.model, num_pages=40, page_size=PAGE, lora=stacks)
     without = ModelRunner(tiny.model, num_pages=40, page_size=PAGE)
-    mixed = with_stacks.run(
+    got = with_stacks.run(
         [Chunk(p, 0, r, True, s) for p, r, s in zip(prompts, rows, slots, strict=True)]
     )
     base = without.run([Chunk(p, 0, r, True) for p, r in zip(prompts, rows, strict=True)])
-    assert torch.equal(mixed[0], base[0]) and torch.equal(mixed[2], base[2])
-    assert not torch.equal(mixed[1], base[1]) and not torch.equal(mixed[3], base[3])
+    assert torch.equal(got[0], base[0]) and torch.equal(got[2], base[2])
+    assert not torch.equal(got[1], base[1]) and not torch.equal(got[3], base[3])
     # a step of base rows only has no segments and is the base model's, bit for bit
     chunks = [Chunk(p, 0, r, True) for p, r in zip(prompts, rows, strict=True)]
     assert with_stacks.build_batch(chunks).lora_seg_starts is None
