@@ -13,6 +13,13 @@ capacity, and the reference service model, so that numbers compare across implem
   `--host-rate` tokens/s before its prefill (TTFT adds host tokens / host rate). The router is
   told that rate (a live router learns it).
 
+- LoRA adapters (`--workload lora-zipf`: Zipf over `--adapters` adapters, each with its own
+  system prompts): each worker holds every adapter in host memory and `--max-loras` of them
+  in device slots (least recently used leaves); a prefill whose adapter is not in a slot first
+  swaps it in, `--swap-ms` added to its TTFT. Workers report their slots to the router as a
+  live worker's Load does, `--event-delay-ms` later. The adapter-blind run is cache_aware
+  with its swap term off (`cache_aware-adapter_blind`).
+
 References on the same stream: the pooled cache (one cache of N x capacity, each request served
 at its arrival) and the TTFT floor (uncached tokens of the pooled cache / rate, no queueing).
 
@@ -35,7 +42,7 @@ import json
 import random
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -62,6 +69,7 @@ from cache import (
     OutOfPages,
     SequenceCache,
 )
+from router.adapters import WorkerAdapters
 from router.config import RouterConfig, default_host_rate
 from router.interface import RouteDecision, RouteRequest, RoutingPolicy
 from router.policies import POLICIES, make_policy
@@ -96,6 +104,9 @@ class SimWorker:
     queue: deque[int] = field(default_factory=deque)
     busy: tuple[int, CachedSequence | None] | None = None
     work_tokens: int = 0
+    slots: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    """LoRA adapters (identities) in device slots, least recently used first."""
+    swaps: int = 0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -128,6 +139,8 @@ def synthetic_stream(args: argparse.Namespace) -> Stream:
     sizes = {"conversations": args.limit} if args.workload == "multi-turn" and args.limit else {}
     if args.limit and args.workload != "multi-turn":
         sizes = {"n": args.limit}
+    if args.workload == "lora-zipf":
+        sizes |= {"adapters": args.adapters, "zipf": args.adapter_zipf}
     raw = make(args.seed, **sizes)
     rng = random.Random(args.seed)
     mean_len = sum(len(r.prompt) for r in raw) / max(1, len(raw))
@@ -135,19 +148,32 @@ def synthetic_stream(args: argparse.Namespace) -> Stream:
     t, items = 0.0, []
     for r in raw:
         t += rng.expovariate(rate)
-        items.append((t, r.prompt, r.tenant))
+        items.append((t, r.prompt, r.tenant, r.adapter))
     return Stream(_requests(items, 16, 1), 1, 16, args.workload)
 
 
+def adapter_identity(name: str) -> str:
+    """A simulated adapter's cache identity (a live one is name@digest of its weights)."""
+    return f"{name}@sim"
+
+
 def _requests(
-    items: Iterable[tuple[float, list[int], str | None]], block: int, scale: int
+    items: Iterable[
+        tuple[float, list[int], str | None] | tuple[float, list[int], str | None, str | None]
+    ],
+    block: int,
+    scale: int,
 ) -> list[SimRequest]:
     hasher = BlockHasher(IdentityScheme(block, ""))
-    namespaces: dict[str | None, CacheNamespace] = {}
+    namespaces: dict[tuple[str | None, str | None], CacheNamespace] = {}
     shared: dict[int, tuple[int, ...]] = {}  # copies of the trace share their prompts' tuples
     out = []
-    for i, (arrival, prompt, tenant) in enumerate(items):
-        ns = namespaces.setdefault(tenant, CacheNamespace(tenant=tenant))
+    for i, (arrival, prompt, tenant, *rest) in enumerate(items):
+        adapter = rest[0] if rest else None
+        ns = namespaces.setdefault(
+            (tenant, adapter),
+            CacheNamespace(adapter=adapter_identity(adapter) if adapter else None, tenant=tenant),
+        )
         positions = shared.setdefault(id(prompt), tuple(prompt))
         hashes = tuple(hasher.hashes(positions, ns))
         rid = str(i)
@@ -161,6 +187,8 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "least_ttft+burst_order": ("least_ttft", {"burst": True}),
     "cache_aware-in_arrival_order": ("cache_aware", {"burst": False}),
 }
+ADAPTER_BLIND = ("cache_aware-adapter_blind", "cache_aware", {"adapter_swaps": False})
+"""The run a LoRA workload adds: cache_aware without its swap term (holders only still)."""
 """Rows of `--ablations`: what the burst dispatch order alone is worth, with and without the
 rest of cache_aware's score."""
 
@@ -208,6 +236,14 @@ class Simulation:
             cache.events.subscribe(self._publisher(name))
             self.workers[name] = SimWorker(name, cache)
             self.policy.add_worker(name, args.capacity_tokens)
+        self.swap_s = args.swap_ms / 1000.0
+        self.adapters = sorted(
+            {r.namespace.adapter for r in stream.requests if r.namespace.adapter is not None}
+        )
+        self.reports: deque[tuple[float, str, WorkerAdapters]] = deque()
+        for name in self.workers:
+            self._report_slots(self.workers[name], delay=0.0)
+        self._deliver(0.0)
         self.heap: list[tuple[float, int, str]] = []
         self.route_ns: list[int] = []
         self._time_each_route()
@@ -246,6 +282,32 @@ class Simulation:
             _, name, event = deliveries.popleft()
             if not policy.apply_event(name, event):
                 policy.load_snapshot(name, self.workers[name].cache.tree.snapshot())
+        reports = self.reports
+        while reports and reports[0][0] <= until:
+            _, name, report = reports.popleft()
+            policy.report_adapters(name, report)
+
+    def _report_slots(self, worker: SimWorker, delay: float | None = None) -> None:
+        """The worker's adapters as its Load reports them, `delay` (the event delay) later."""
+        if not self.adapters:
+            return
+        delay = self.args.event_delay_ms / 1000.0 if delay is None else delay
+        report = WorkerAdapters.of(self.adapters, tuple(worker.slots), self.swap_s)
+        self.reports.append((self.now + delay, worker.name, report))
+
+    def _swap_in(self, worker: SimWorker, adapter: str | None) -> float:
+        """Seconds before the prefill can start: the adapter's swap into a slot, if needed."""
+        if adapter is None:
+            return 0.0
+        if adapter in worker.slots:
+            worker.slots.move_to_end(adapter)
+            return 0.0
+        worker.slots[adapter] = None
+        if len(worker.slots) > self.args.max_loras:
+            worker.slots.popitem(last=False)
+        worker.swaps += 1
+        self._report_slots(worker)
+        return self.swap_s
 
     def run(self, progress: Progress | None = None, task: object = None) -> None:
         requests, heap = self.stream.requests, self.heap
@@ -307,6 +369,7 @@ class Simulation:
             worker.cache.take_page_copies(seq)  # tier copies: their time is charged below
         uncached = (n - reused) * self.scale
         duration = uncached / self.rate + host * self.scale / self.host_rate
+        duration += self._swap_in(worker, req.namespace.adapter)
         self.host_reused += host
         self.ttft.append(self.now - req.arrival_s + duration)
         self.reused += reused
@@ -343,6 +406,11 @@ class Simulation:
         hit = self.reused / max(1, self.total)
         stored_blocks = sum(len(w.cache.tree.block_set()) for w in self.workers.values())
         tiers: dict[str, Any] = {}
+        if self.adapters:
+            tiers["adapters"] = len(self.adapters)
+            tiers["max_loras"] = self.args.max_loras
+            tiers["swap_ms"] = self.args.swap_ms
+            tiers["adapter_swaps"] = sum(w.swaps for w in self.workers.values())
         if self.args.host_tokens:  # (absent without tiers: the pinned output stays as it was)
             tiers = {
                 "host_tokens": self.args.host_tokens,
@@ -499,7 +567,19 @@ def paused_gc() -> Iterator[None]:
 # -- the command line --------------------------------------------------------------------------
 def summary(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="router simulation (TTFT in s; hit rates of prompt tokens)")
-    columns = ("policy", "hit", "of pooled", "p50", "p90", "p99", "imbal", "win imbal", "dec/s")
+    columns: tuple[str, ...] = (
+        "policy",
+        "hit",
+        "of pooled",
+        "p50",
+        "p90",
+        "p99",
+        "imbal",
+        "win imbal",
+        "dec/s",
+    )
+    if rows and "adapter_swaps" in rows[0]:
+        columns += ("mean", "swaps")
     for column in columns:
         table.add_column(column, justify="right", no_wrap=True)
     for r in rows:
@@ -513,6 +593,7 @@ def summary(rows: list[dict[str, Any]]) -> Table:
             f"{r['imbalance']:.2f}",
             f"{r['window_imbalance_max']:.2f}",
             f"{r['decisions_per_s']:.0f}",
+            *([f"{r['ttft_mean_s']:.3f}", str(r["adapter_swaps"])] if "adapter_swaps" in r else []),
         )
     if rows:
         r = rows[0]
@@ -521,6 +602,11 @@ def summary(rows: list[dict[str, Any]]) -> Table:
             f"p99 {r['ttft_floor_p99_s']:.2f} s; {r['workers']} workers x "
             f"{r['capacity_tokens']} tokens at {r['prefill_rate']:.0f} tokens/s"
         )
+        if r.get("adapters"):
+            table.caption += (
+                f"; {r['adapters']} LoRA adapters (Zipf), {r['max_loras']} slots per worker, "
+                f"{r['swap_ms']:g} ms a swap"
+            )
         if r.get("host_tokens"):
             table.caption += (
                 f"; host tier {r['host_tokens']} tokens at {r['host_rate']:.0f} tokens/s, "
@@ -551,6 +637,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ablations", action="store_true", help="also greedy with burst order, ours without"
     )
     parser.add_argument("--load", type=float, default=0.7, help="synthetic: offered load")
+    parser.add_argument("--adapters", type=int, default=16, help="lora-zipf: LoRA adapters")
+    parser.add_argument("--adapter-zipf", type=float, default=1.1, help="lora-zipf: exponent")
+    parser.add_argument("--max-loras", type=int, default=4, help="adapter slots per worker")
+    parser.add_argument("--swap-ms", type=float, default=50.0, help="an adapter's swap-in")
     parser.add_argument("--decisions", type=int, default=0, help="measure decision rate only")
     parser.add_argument("--prompt-tokens", type=int, default=10_000)
     parser.add_argument("--block-tokens", type=int, default=512, help="decision-rate blocks")
@@ -575,6 +665,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
     if args.ablations:
         runs += [(label, name, knobs) for label, (name, knobs) in ABLATIONS.items()]
+    if args.workload == "lora-zipf" and args.policy in (None, "cache_aware"):
+        runs.append(ADAPTER_BLIND)
     with Progress(console=console, transient=True, disable=args.quiet) as progress:
         for label, name, knobs in runs:
             task = progress.add_task(label, total=len(stream.requests))

@@ -24,6 +24,8 @@ class Request:
     output: list[int]
     tenant: str | None = None
     arrival_ms: float = 0.0
+    adapter: str | None = None
+    """The LoRA adapter the request names (None: the base model)."""
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -89,6 +91,37 @@ def no_sharing(seed: int = 0, n: int = 1000) -> list[Request]:
     return [Request(_tokens(rng, rng.randint(256, 2048)), _tokens(rng, 32)) for _ in range(n)]
 
 
+def lora_zipf(
+    seed: int = 0,
+    n: int = 3000,
+    adapters: int = 16,
+    zipf: float = 1.1,
+    prompts_per_adapter: int = 2,
+    prompt_len: int = 512,
+) -> list[Request]:
+    """Multi-LoRA serving: each request names adapter k (lora-k) with weight 1 / (k + 1)^zipf
+    and starts with one of that adapter's own system prompts (its task), then a short distinct
+    question. Prefixes are shared only within an adapter (its KV is its own namespace)."""
+    rng = random.Random(seed)
+    tasks = [
+        [
+            _tokens(rng, rng.randint(prompt_len // 2, prompt_len * 3 // 2))
+            for _ in range(prompts_per_adapter)
+        ]
+        for _ in range(adapters)
+    ]
+    weights = [1 / (k + 1) ** zipf for k in range(adapters)]
+    chosen = rng.choices(range(adapters), weights, k=n)
+    return [
+        Request(
+            rng.choice(tasks[k]) + _tokens(rng, rng.randint(16, 128)),
+            _tokens(rng, 32),
+            adapter=f"lora-{k}",
+        )
+        for k in chosen
+    ]
+
+
 def mooncake(
     path: Path = MOONCAKE_TRACE, block_tokens: int = 32, limit: int | None = None, seed: int = 0
 ) -> list[Request]:
@@ -111,4 +144,5 @@ SYNTHETIC = {
     "multi-turn": multi_turn,
     "few-shot": few_shot,
     "no-sharing": no_sharing,
+    "lora-zipf": lora_zipf,
 }

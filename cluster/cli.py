@@ -4,6 +4,8 @@ radixmesh serve [--config FILE]          run the cluster until SIGTERM / Ctrl-C
 radixmesh generate "text" [...]          stream one completion to the terminal
 radixmesh chat [...]                     an interactive conversation (each turn hits the cache)
 radixmesh stats [...]                    per-worker counters and page usage
+radixmesh adapters list|load NAME PATH|unload NAME [...]
+                                         LoRA adapters on every worker (Admin RPCs)
 radixmesh ray-token FILE                 a Ray token file for `ray start` and its clients
 """
 
@@ -44,17 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", "stream one completion"),
         ("chat", "an interactive conversation"),
         ("stats", "per-worker counters"),
+        ("adapters", "LoRA adapters: list, load NAME PATH, unload NAME (every worker)"),
     ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--target", default=DEFAULT_TARGET, help="router host:port")
         add_token_argument(sub)
         add_tls_arguments(sub)
-        if name != "stats":
+        if name in ("generate", "chat"):
             sub.add_argument("--max-tokens", type=int, default=128)
             sub.add_argument("--temperature", type=float, default=0.0)
             sub.add_argument("--seed", type=int, default=None)
             sub.add_argument("--tenant", default="")
             sub.add_argument("--system", default=None, help="a system message")
+            sub.add_argument("--adapter", default="", help="a LoRA adapter's name")
+    adapters = commands.choices["adapters"]
+    adapters.add_argument("action", choices=("list", "load", "unload"))
+    adapters.add_argument("name", nargs="?", default=None)
+    adapters.add_argument("path", nargs="?", default=None, help="load: a PEFT directory")
     token = commands.add_parser(
         "ray-token", help="create a Ray token file (owner-only, random) unless one is there"
     )
@@ -89,7 +97,11 @@ def _stream(client: Client, request: object) -> tuple[str, object]:
 
 def generate(args: argparse.Namespace, client: Client) -> int:
     common = dict(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, tenant=args.tenant
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        tenant=args.tenant,
+        adapter=args.adapter,
     )
     if args.raw:
         request = text_request(args.text, **common)
@@ -117,6 +129,7 @@ def chat(args: argparse.Namespace, client: Client) -> int:
             temperature=args.temperature,
             seed=args.seed,
             tenant=args.tenant,
+            adapter=args.adapter,
         )
         answer, _ = _stream(client, request)
         history.append(("assistant", answer))
@@ -154,6 +167,39 @@ def stats(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def adapters(args: argparse.Namespace, client: Client) -> int:
+    wanted = {"list": 0, "unload": 1, "load": 2}[args.action]
+    given = [a for a in (args.name, args.path) if a is not None]
+    if len(given) != wanted:
+        usage = {"list": "list", "unload": "unload NAME", "load": "load NAME PATH"}[args.action]
+        console.print(f"[red]radixmesh adapters {usage}[/]")
+        return 2
+    if args.action == "load":
+        loaded = client.load_adapter(args.name, args.path).adapters
+        workers = ", ".join(info.worker for info in loaded)
+        print(f"loaded {args.name} ({loaded[0].identity if loaded else '-'}) on {workers}")
+        return 0
+    if args.action == "unload":
+        answer = client.unload_adapter(args.name)
+        print(f"unloaded {args.name} from {answer.workers} worker(s), {answer.pages_freed} pages")
+        return 0
+    table = Table(title=f"LoRA adapters at {args.target}")
+    for column in ("name", "identity", "rank", "modules", "worker", "resident", "path"):
+        table.add_column(column, no_wrap=column != "path")
+    for info in client.list_adapters().adapters:
+        table.add_row(
+            info.name,
+            info.identity,
+            str(info.rank),
+            ",".join(m.removesuffix("_proj") for m in info.target_modules),
+            info.worker,
+            "yes" if info.resident else "host",
+            info.path,
+        )
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -171,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]{escape(str(err))}[/]", soft_wrap=True)
         return 2
     try:
-        return {"generate": generate, "chat": chat, "stats": stats}[args.command](args, client)
+        commands = {"generate": generate, "chat": chat, "stats": stats, "adapters": adapters}
+        return commands[args.command](args, client)
     except grpc.RpcError as err:
         console.print(f"[red]{err.code().name}[/]: {err.details()}")
         return 1

@@ -1,4 +1,5 @@
-"""A small synchronous client of radixmesh.v1.Serving (the CLI and the tests use it)."""
+"""A small synchronous client of radixmesh.v1.Serving and the adapter calls of radixmesh.v1.Admin
+(the CLI and the tests use it)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Client:
     tls: ClientTls | None = None
     channel: grpc.Channel = field(init=False)
     stub: serving_pb2_grpc.ServingStub = field(init=False)
+    admin: serving_pb2_grpc.AdminStub = field(init=False)
 
     def __post_init__(self) -> None:
         self.token = token_or_env(self.token)
@@ -31,6 +33,7 @@ class Client:
         else:
             self.channel = grpc.insecure_channel(self.target)
         self.stub = serving_pb2_grpc.ServingStub(self.channel)
+        self.admin = serving_pb2_grpc.AdminStub(self.channel)
 
     @property
     def metadata(self) -> list[tuple[str, str]]:
@@ -52,6 +55,21 @@ class Client:
         )
         return bool(response.found)
 
+    def load_adapter(
+        self, name: str, path: str, timeout: float = 300
+    ) -> serving_pb2.LoadAdapterResponse:
+        request = serving_pb2.LoadAdapterRequest(name=name, path=path)
+        return self.admin.LoadAdapter(request, timeout=timeout, metadata=self.metadata)
+
+    def unload_adapter(self, name: str, timeout: float = 60) -> serving_pb2.UnloadAdapterResponse:
+        request = serving_pb2.UnloadAdapterRequest(name=name)
+        return self.admin.UnloadAdapter(request, timeout=timeout, metadata=self.metadata)
+
+    def list_adapters(self, timeout: float = 10) -> serving_pb2.ListAdaptersResponse:
+        return self.admin.ListAdapters(
+            serving_pb2.ListAdaptersRequest(), timeout=timeout, metadata=self.metadata
+        )
+
     def close(self) -> None:
         self.channel.close()
 
@@ -67,12 +85,16 @@ def text_request(
     seed: int | None = None,
     tenant: str = "",
     n: int = 1,
+    adapter: str = "",
 ) -> serving_pb2.GenerateRequest:
+    """`adapter`: a LoRA adapter's name ("": the base model)."""
     sampling = serving_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
     if seed is not None:
         sampling.seed = seed
     request = serving_pb2.GenerateRequest(
-        request_id=request_id, sampling=sampling, namespace=serving_pb2.Namespace(tenant=tenant)
+        request_id=request_id,
+        sampling=sampling,
+        namespace=serving_pb2.Namespace(tenant=tenant, adapter=adapter),
     )
     if text is not None:
         request.text = text

@@ -1,7 +1,8 @@
 """The cluster's configuration: frozen sections built once from a YAML file (or the defaults).
 
-    model:    source ("default" = SmolLM2-135M-Instruct, a checkpoint dir, a .gguf), device
-    engine:   the worker engine (pages, page size, batching limits, context)
+    model:    source ("default" = SmolLM2-135M-Instruct, a checkpoint dir, a .gguf), device,
+              LoRA adapters every worker loads at start
+    engine:   the worker engine (pages, page size, batching limits, context, LoRA slots)
     workers:  how many (default: one per GPU, else 2 CPU workers), CPUs each, bind host
     router:   the public endpoint, routing policy, admission and message limits, retries, the
               text index
@@ -31,6 +32,8 @@ from worker.validation import DEFAULT_MAX_PROMPT_CHARS
 
 T = TypeVar("T")
 ANY_TENANT = "*"
+MAX_ADAPTER_NAME_CHARS = 128
+"""An adapter's name is part of every cache key of its namespace and of the OpenAI `model`."""
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -53,6 +56,15 @@ def _one_of(default: Any, choices: Collection[object]) -> Any:
 
 
 @dataclass(frozen=True)
+class AdapterSection:
+    """A LoRA adapter every worker loads at start: what requests call it, where its PEFT
+    directory is (adapter_config.json + adapter_model.safetensors, readable by every worker)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class ModelSection:
     source: str = "default"
     device: str = _one_of("auto", ("auto", "cpu", "cuda"))
@@ -63,6 +75,25 @@ class ModelSection:
     """The model's name in the OpenAI and Anthropic APIs (the `model` a request names, the id in
     /v1/models); default: SmolLM2-135M-Instruct for the default model, else the source's
     directory name, or its file name without `.gguf`."""
+    adapters: tuple[AdapterSection, ...] = ()
+    """LoRA adapters loaded by every worker at start (more: the Admin RPC LoadAdapter, or
+    POST /v1/load_lora_adapter). Names are unique, non-empty, without '@' (the cache identity
+    is name@digest), at most MAX_ADAPTER_NAME_CHARS characters, and not the model's own name."""
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, adapter in enumerate(self.adapters):
+            where = f"adapters[{i}].name"
+            problem = adapter_name_problem(adapter.name)
+            if problem:
+                raise ConfigError(f"{where}: {problem}")
+            if adapter.name in seen:
+                raise ConfigError(f"{where}: {adapter.name!r} is listed twice")
+            if adapter.name == self.name:
+                raise ConfigError(f"{where}: {adapter.name!r} is the base model's served name")
+            if not adapter.path:
+                raise ConfigError(f"adapters[{i}].path: must not be empty")
+            seen.add(adapter.name)
 
     @property
     def name(self) -> str:
@@ -100,6 +131,11 @@ class EngineSection:
     max_prompt_chars: int = _at_least(DEFAULT_MAX_PROMPT_CHARS, 1)
     """Characters of a text prompt (or of a chat's messages together), refused before any
     tokenising: the router and the workers check the same numbers."""
+    max_loras: int = _at_least(4, 1)
+    """LoRA adapters resident on a worker's device at once (slots of one batch); more are kept
+    in host memory and swapped in least recently used first."""
+    max_lora_rank: int = _at_least(64, 1)
+    """The largest adapter rank a worker accepts (its slots are this wide)."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +237,28 @@ class ClusterConfig:
         return dataclasses.asdict(self)
 
 
+def adapter_name_problem(name: str) -> str | None:
+    """What is wrong with `name` as an adapter's name (None: nothing)."""
+    if not name:
+        return "must not be empty"
+    if "@" in name:
+        return f"{name!r} contains '@' (an adapter's cache identity is name@digest)"
+    if len(name) > MAX_ADAPTER_NAME_CHARS:
+        return f"{len(name)} characters; at most {MAX_ADAPTER_NAME_CHARS}"
+    if name != name.strip():
+        return f"{name!r} starts or ends with whitespace"
+    return None
+
+
+def engine_options(config: ClusterConfig) -> dict[str, Any]:
+    """A worker's engine keyword arguments: the engine section, and the adapters to load at
+    start as (name, path) pairs (worker/engine.py EngineConfig)."""
+    return {
+        **dataclasses.asdict(config.engine),
+        "adapters": [(a.name, a.path) for a in config.model.adapters],
+    }
+
+
 def build(kind: type[T], raw: dict[str, Any], where: str) -> T:
     """Build dataclass `kind` from `raw`, refusing unknown keys, wrongly typed values and values
     outside their field's range or choices."""
@@ -209,12 +267,24 @@ def build(kind: type[T], raw: dict[str, Any], where: str) -> T:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(fields)}")
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in raw
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{where}: missing key(s) {missing}")
     values = {}
     for name, value in raw.items():
         key = f"{where}.{name}" if where else name
         values[name] = _convert(hints[name], value, key)
         _check_range(fields[name].metadata, values[name], key)
-    return kind(**values)
+    try:
+        return kind(**values)
+    except ConfigError as err:  # a section's own check across its keys: name where it is
+        raise ConfigError(f"{where}.{err}" if where else str(err)) from None
 
 
 def _check_range(metadata: Any, value: Any, where: str) -> None:
@@ -237,6 +307,11 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             return None
         hint = next(o for o in options if o is not type(None))
         origin = get_origin(hint)
+    if origin is tuple:  # tuple[X, ...]: a YAML list of X
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item = get_args(hint)[0]
+        return tuple(_convert(item, each, f"{where}[{i}]") for i, each in enumerate(value))
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")

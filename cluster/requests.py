@@ -3,10 +3,15 @@
 The router tokenises (it must: routing keys are token-block hashes, the same the workers'
 KV events carry) and validates with the same functions and limits the worker uses
 (worker/validation.py). On top of those: images are refused (no model here has a vision
-encoder), adapters are refused (none is loaded), request ids are bounded, and a caller whose
+encoder), an adapter no healthy worker holds is refused by name, request ids are bounded, and
+a caller whose
 token is bound to a tenant can only use that tenant: the tenant is the cache salt, never trusted
 to cross tenants. A sampled request without a seed gets one here, at random: the router then
 knows every draw's seed, so a stream moved to another worker mid-way continues exactly.
+
+A LoRA request names its adapter (`namespace.adapter`, the OpenAI `model`); the router hashes,
+routes and indexes its text in the namespace of the adapter's identity ("name@digest", from
+the workers' reports), and forwards the NAME: each worker maps it to the weights it holds.
 
 `prepare` tokenises: the router calls it off its event loop (it may take a second on a large
 prompt, and the tokenizer releases the GIL meanwhile).
@@ -17,6 +22,7 @@ from __future__ import annotations
 import re
 import secrets
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -58,6 +64,8 @@ class PreparedRequest:
     sampling: SamplingParams
     text_turn: TextTurn | None = None
     """The text prompt as the router's text index took it (None: ids given, or index off)."""
+    adapter: str | None = None
+    """The LoRA adapter's name, as the workers know it (`namespace.adapter` is its identity)."""
 
 
 def prepare(
@@ -67,20 +75,20 @@ def prepare(
     allowed_tenant: str = ANY_TENANT,
     fill_context: bool = False,
     text_prompts: TextPrompts | None = None,
+    adapters: Mapping[str, str] | None = None,
 ) -> PreparedRequest:
     """Raises InvalidRequest (naming the field) or TenantRefused. With `fill_context`, a request
     that gives no max_tokens may generate up to the end of the context (OpenAI's default) instead
     of the proto's default of 16. With `text_prompts`, a text or chat prompt is tokenised
-    through the router's text index, in the mode the request asks for."""
+    through the router's text index, in the mode the request asks for. `adapters`: the
+    adapters the healthy workers hold, name -> identity (None: none)."""
     request_id = message.request_id or uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(request_id):
         raise InvalidRequest("request_id", "1-128 characters of [A-Za-z0-9._:-]")
     if message.images:
         raise InvalidRequest("images", "this model has no vision encoder; send text only")
-    if message.namespace.adapter:
-        raise InvalidRequest(
-            "namespace.adapter", f"unknown adapter {message.namespace.adapter!r} (none loaded)"
-        )
+    adapter = message.namespace.adapter or None
+    adapter_identity(adapter, adapters)  # refused before any tokenising
     tenant = message.namespace.tenant
     if len(tenant) > MAX_TENANT_CHARS:
         raise InvalidRequest("namespace.tenant", f"at most {MAX_TENANT_CHARS} characters")
@@ -88,7 +96,7 @@ def prepare(
         raise TenantRefused(f"namespace.tenant: this token may only use tenant {allowed_tenant!r}")
     request = GenerateRequest(
         request_id,
-        namespace=request_namespace(message, allowed_tenant),
+        namespace=request_namespace(message, allowed_tenant, adapters),
         sampling=sampling_from_proto(message.sampling),
         **_prompt(message),  # type: ignore[arg-type]
     )
@@ -111,13 +119,31 @@ def prepare(
     if encoder is not None:  # accepted: the prompt joins the text index
         encoder.keep()
         turn = encoder.turn
-    return PreparedRequest(request_id, tuple(ids), request.namespace, sampling, turn)
+    return PreparedRequest(request_id, tuple(ids), request.namespace, sampling, turn, adapter)
 
 
-def request_namespace(message: serving_pb2.GenerateRequest, allowed_tenant: str) -> CacheNamespace:
-    """The cache namespace a request runs in: a token bound to a tenant always uses that one."""
+def request_namespace(
+    message: serving_pb2.GenerateRequest,
+    allowed_tenant: str,
+    adapters: Mapping[str, str] | None = None,
+) -> CacheNamespace:
+    """The cache namespace a request runs in: a token bound to a tenant always uses that one;
+    a LoRA request's adapter is its identity. Raises InvalidRequest for an unknown adapter."""
     tenant = message.namespace.tenant if allowed_tenant == ANY_TENANT else allowed_tenant
-    return CacheNamespace(tenant=tenant or None)
+    identity = adapter_identity(message.namespace.adapter or None, adapters)
+    return CacheNamespace(adapter=identity, tenant=tenant or None)
+
+
+def adapter_identity(name: str | None, adapters: Mapping[str, str] | None) -> str | None:
+    """The identity ("name@digest") of adapter `name` (None: the base model), or
+    InvalidRequest naming the adapters that are loaded."""
+    if name is None:
+        return None
+    identity = (adapters or {}).get(name)
+    if identity is None:
+        loaded = ", ".join(sorted(adapters or {})) or "none"
+        raise InvalidRequest("namespace.adapter", f"unknown adapter {name!r} (loaded: {loaded})")
+    return identity
 
 
 def _prompt(message: serving_pb2.GenerateRequest) -> dict[str, object]:

@@ -50,7 +50,7 @@ async def start_router_server(
         (serving_pb2_grpc.add_ServingServicer_to_server, service, "radixmesh.v1.Serving"),
         (
             serving_pb2_grpc.add_AdminServicer_to_server,
-            AdminService(links, config, service.clear_text_index),
+            AdminService(links, config, service.clear_text_index, service.adapter_admin),
             "radixmesh.v1.Admin",
         ),
     ]

@@ -1,4 +1,5 @@
-"""radixmesh.v1.Admin: operator calls on the router's port (switch policy, clear caches).
+"""radixmesh.v1.Admin: operator calls on the router's port (switch policy, clear caches, load
+and unload LoRA adapters on every worker: cluster/adapter_admin.py).
 
 With bearer tokens configured, only a token bound to every tenant ("*") may call them. Used by
 `radixmesh loadtest --compare` to run one workload under two policies from cold caches.
@@ -12,9 +13,11 @@ from dataclasses import replace
 
 import grpc
 
+from cluster.adapter_admin import AdapterAdmin
 from cluster.auth import allowed_tenant
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.policies import build_policy
+from cluster.serving_call import ServingError
 from cluster.worker_links import WorkerLinks
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 from router.errors import UnknownPolicy
@@ -26,11 +29,14 @@ class AdminService(serving_pb2_grpc.AdminServicer):
         links: WorkerLinks,
         config: ClusterConfig,
         on_clear: Callable[[], None] | None = None,
+        adapters: AdapterAdmin | None = None,
     ) -> None:
         self.links = links
         self.config = config
         self.on_clear = on_clear
         """What ClearCaches clears in the router itself (its text index)."""
+        self.adapters = adapters or AdapterAdmin(links, config)
+        """Shared with the HTTP API (the router service's): one change at a time."""
 
     async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
         if allowed_tenant(context, self.config.security) != ANY_TENANT:
@@ -70,3 +76,36 @@ class AdminService(serving_pb2_grpc.AdminServicer):
         if self.on_clear is not None:
             self.on_clear()
         return serving_pb2.ClearCachesResponse(pages_freed=freed)
+
+    async def LoadAdapter(
+        self, request: serving_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.LoadAdapterResponse:
+        await self._require_admin(context)
+        infos = []
+        try:
+            infos = await self.adapters.load(request.name, request.path)
+        except ServingError as err:
+            await context.abort(err.code, err.message)
+        return serving_pb2.LoadAdapterResponse(adapters=infos)
+
+    async def UnloadAdapter(
+        self, request: serving_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.UnloadAdapterResponse:
+        await self._require_admin(context)
+        answer = serving_pb2.UnloadAdapterResponse()
+        try:
+            answer = await self.adapters.unload(request.name)
+        except ServingError as err:
+            await context.abort(err.code, err.message)
+        return answer
+
+    async def ListAdapters(
+        self, request: serving_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.ListAdaptersResponse:
+        await self._require_admin(context)
+        infos = []
+        try:
+            infos = await self.adapters.listed()
+        except ServingError as err:
+            await context.abort(err.code, err.message)
+        return serving_pb2.ListAdaptersResponse(adapters=infos)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from cache import CacheNamespace
+from cluster.adapter_admin import AdapterAdmin
 from cluster.auth import allowed_tenant
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.policies import router_config
@@ -82,6 +83,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.engine = config.engine
         self.security = config.security
         self.counters = RouterCounters()
+        self.adapter_admin = AdapterAdmin(links, config)
+        """Loads and unloads LoRA adapters on every worker (the Admin RPCs, the HTTP API)."""
         self.in_flight: dict[str, InFlight] = {}
         """request id -> its tenant and the worker serving it."""
         self.preparing = 0
@@ -156,13 +159,14 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         if limits is None or not self.links.links:
             raise self._error(grpc.StatusCode.UNAVAILABLE, "no healthy worker")
         tenant, tokenizer = caller.tenant, self.links.tokenizer
+        adapters = self.links.adapters()
         try:
             if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenise
-                return prepare(request, tokenizer, limits, tenant, fill_context)
+                return prepare(request, tokenizer, limits, tenant, fill_context, None, adapters)
             texts = await self._text_prompts()
-            await self._answers_joined(request, caller)
+            await self._answers_joined(request, caller, adapters)
             return await asyncio.to_thread(
-                prepare, request, tokenizer, limits, tenant, fill_context, texts
+                prepare, request, tokenizer, limits, tenant, fill_context, texts, adapters
             )
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
@@ -214,10 +218,13 @@ class RouterService(serving_pb2_grpc.ServingServicer):
 
         task.add_done_callback(joined)
 
-    async def _answers_joined(self, request: serving_pb2.GenerateRequest, caller: Caller) -> None:
+    async def _answers_joined(
+        self, request: serving_pb2.GenerateRequest, caller: Caller, adapters: dict[str, str]
+    ) -> None:
         """Until the answers of the namespace's finished requests are in the text index (at most
         ANSWER_JOIN_WAIT_S: they take milliseconds)."""
-        pending = self.answers_joining.get(request_namespace(request, caller.tenant))
+        namespace = request_namespace(request, caller.tenant, adapters)
+        pending = self.answers_joining.get(namespace)
         if pending:
             await asyncio.wait(set(pending), timeout=ANSWER_JOIN_WAIT_S)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -26,7 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 from rich.markup import escape
 
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import ClusterConfig, ConfigError, engine_options
 from cluster.ray_runtime import connect, gpu_count
 from cluster.router_actor import RouterActor
 from cluster.router_watch import RouterWatch, first_line
@@ -68,7 +67,7 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
             .remote(
                 name,
                 config.model.source,
-                asdict(config.engine),
+                engine_options(config),
                 device,
                 config.model.dtype,
                 config.workers.host,

@@ -58,6 +58,7 @@ class StreamProgress:
         ids start with the prompt, so its chain starts with the same hashes)."""
         p = self.prepared
         namespace = namespace_to_proto(p.namespace)
+        namespace.adapter = p.adapter or ""  # workers know an adapter by its name
         if not self.started:
             return [
                 worker_pb2.WorkerGenerateRequest(

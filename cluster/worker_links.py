@@ -10,6 +10,13 @@ A failing feed or call, or an event the router cannot read (an unknown kind), de
 worker (dropped from the policy, index and all: never routed on an index it stopped updating);
 whoever knows where the worker lives now (Ray, a test) attaches it again, and it starts from a
 snapshot. All on one asyncio loop.
+
+LoRA adapters: every `load_poll_s` (and at attach, and right after an Admin call changes them:
+`refresh_adapters`) the router asks each worker for its `Load`, whose adapters (name, identity,
+resident or in host memory) and measured swap seconds go to the policy (`report_adapters`) and
+make `adapters()`, the name -> identity map requests are checked against. Adapters loaded or
+unloaded through the Admin service are remembered (`admin_adapters`) and replayed on a worker
+that attaches (a restarted one starts from its config's adapters), before it takes requests.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from cache import (
     KvSnapshot,
 )
 from cluster.requests import ModelLimits
-from protos.radixmesh.v1 import worker_pb2, worker_pb2_grpc
+from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
+from router.adapters import WorkerAdapters
 from router.interface import RoutingPolicy
 from worker.grpc_server import INTERNAL_MESSAGE_BYTES
 from worker.tokenizer import Tokenizer, TokenizerError
@@ -83,6 +91,10 @@ class WorkerLink:
     feed: asyncio.Task[None] | None = None
     events_applied: int = 0
     snapshots_loaded: int = 0
+    adapters: dict[str, serving_pb2.AdapterInfo] = field(default_factory=dict)
+    """The LoRA adapters it holds, by name, as of its last Load."""
+    adapter_swap_s: float = 0.0
+    poll: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -95,6 +107,12 @@ class WorkerLinks:
     limits: ModelLimits | None = None
     tokenizer: Tokenizer | None = None
     """The workers' tokenizer, from the first worker attached (None: the model has none)."""
+    load_poll_s: float = 0.5
+    admin_adapters: dict[str, str | None] = field(default_factory=dict)
+    """Adapters changed through the Admin service, name -> path (None: unloaded), in order:
+    replayed on each worker that attaches."""
+    _adapter_view: dict[str, str] | None = None
+    """`adapters()`, kept until a worker's adapters or the membership change."""
 
     @property
     def healthy(self) -> list[str]:
@@ -110,6 +128,7 @@ class WorkerLinks:
             scheme = self._checked(name, info)
             if self.tokenizer is None:
                 self.tokenizer = await self._fetch_tokenizer(name, stub)
+            await self._replay_adapters(name, stub)
         except (grpc.aio.AioRpcError, IdentityRefused, TokenizerUnavailable):
             await channel.close()
             raise
@@ -122,8 +141,88 @@ class WorkerLinks:
         ready = asyncio.get_running_loop().create_future()
         link.feed = asyncio.create_task(self._feed(link, ready), name=f"kv-events-{name}")
         await ready
+        await self._poll_load(link)
+        link.poll = asyncio.create_task(self._keep_polling(link), name=f"load-{name}")
         self.on_change()
         return link
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+    def adapters(self) -> dict[str, str]:
+        """name -> identity of every adapter a healthy worker holds. Workers that disagree (a
+        reload under way) give the identity most of them hold (ties: the smallest), which only
+        decides the router's hashes: each worker checks them against its own."""
+        if self._adapter_view is None:
+            self._adapter_view = self._vote_adapters()
+        return self._adapter_view
+
+    def _vote_adapters(self) -> dict[str, str]:
+        votes: dict[str, dict[str, int]] = {}
+        for link in self.links.values():
+            for name, info in link.adapters.items():
+                counts = votes.setdefault(name, {})
+                counts[info.identity] = counts.get(info.identity, 0) + 1
+        return {
+            name: min(counts, key=lambda identity: (-counts[identity], identity))
+            for name, counts in votes.items()
+        }
+
+    async def refresh_adapters(self) -> None:
+        """Every worker's adapters as of now (after an Admin call changed them)."""
+        await asyncio.gather(*(self._poll_load(link) for link in list(self.links.values())))
+
+    async def _poll_load(self, link: WorkerLink) -> None:
+        """Ask the worker for its Load; its adapters go to the link and the policy. A failing
+        call changes nothing (the KV feed decides whether the worker is gone)."""
+        try:
+            load = await link.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        except grpc.aio.AioRpcError as err:
+            log.debug("GetLoad of %s failed: %s", link.name, err.code())
+            return
+        if self.links.get(link.name) is not link:  # detached meanwhile
+            return
+        adapters = {info.name: info for info in load.adapters}
+        if adapters != link.adapters:
+            self._adapter_view = None
+        link.adapters = adapters
+        link.adapter_swap_s = load.adapter_swap_seconds
+        self._report_adapters(link)
+
+    def _report_adapters(self, link: WorkerLink) -> None:
+        infos = link.adapters.values()
+        self.policy.report_adapters(
+            link.name,
+            WorkerAdapters.of(
+                (i.identity for i in infos),
+                (i.identity for i in infos if i.resident),
+                link.adapter_swap_s,
+            ),
+        )
+
+    async def _keep_polling(self, link: WorkerLink) -> None:
+        while self.links.get(link.name) is link:
+            await asyncio.sleep(self.load_poll_s)
+            await self._poll_load(link)
+
+    async def _replay_adapters(self, name: str, stub: worker_pb2_grpc.WorkerStub) -> None:
+        """What the Admin service loaded and unloaded, on a worker that joins. A failure is
+        logged, not fatal: the worker serves what it holds, and refuses the rest by name."""
+        for adapter, path in self.admin_adapters.items():
+            try:
+                if path is None:
+                    await stub.UnloadAdapter(
+                        serving_pb2.UnloadAdapterRequest(name=adapter), timeout=30
+                    )
+                else:
+                    await stub.LoadAdapter(
+                        serving_pb2.LoadAdapterRequest(name=adapter, path=path), timeout=120
+                    )
+            except grpc.aio.AioRpcError as err:
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise  # the worker itself failed: not attached
+                if path is not None:  # (an unload of what it does not hold is no news)
+                    log.warning(
+                        "worker %s: adapter %s not loaded: %s", name, adapter, err.details()
+                    )
 
     def _checked(self, name: str, info: worker_pb2.WorkerInfo) -> IdentityScheme:
         """The worker's identity scheme; raises IdentityRefused if it hashes blocks differently
@@ -165,8 +264,12 @@ class WorkerLinks:
         link = self.links.pop(name, None)
         if link is None:
             return
+        self._adapter_view = None
         self.policy.remove_worker(name)
         try:
+            if link.poll is not None and link.poll is not asyncio.current_task():
+                link.poll.cancel()
+                await asyncio.wait([link.poll])
             if link.feed is not None and link.feed is not asyncio.current_task():
                 link.feed.cancel()
                 await asyncio.wait([link.feed])  # its end, not its error; our own cancel passes
@@ -180,6 +283,7 @@ class WorkerLinks:
         self.policy = policy
         for link in list(self.links.values()):
             policy.add_worker(link.name, link.info.total_pages * link.info.page_size)
+            self._report_adapters(link)
             await self._load_snapshot(link)
         self.on_change()
 

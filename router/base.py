@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from cache import KvEvent, KvSnapshot
+from router.adapters import AdapterBook, WorkerAdapters
 from router.block_index import BlockIndex
 from router.config import RouterConfig, default_host_rate
 from router.errors import NoWorkers
@@ -30,6 +31,9 @@ class BaseRouter:
     name = "base"
     tracks_blocks = True
     """Whether KV events feed an exact block index (False: events are acknowledged, unused)."""
+    adapter_aware = False
+    """Whether `choose` itself keeps a LoRA request to workers holding its adapter (False:
+    `route` moves a request that `choose` sent elsewhere to the least loaded holder)."""
 
     def __init__(self, config: RouterConfig | None = None, clock: Clock = time.monotonic) -> None:
         """`clock`: seconds, monotonic (the simulator passes its simulated time)."""
@@ -47,6 +51,8 @@ class BaseRouter:
         self.host_rate = config.host_rate or default_host_rate(config.prefill_rate)
         """Tokens per second copied back from a worker's host tier (a policy prices a host
         hit by it against recomputing)."""
+        self.adapters = AdapterBook(config.adapter_swap_s)
+        """The LoRA adapters each worker holds and has resident (router/adapters.py)."""
 
     # -- membership ----------------------------------------------------------------------------
     def add_worker(self, worker: WorkerId, capacity_tokens: int) -> None:
@@ -55,6 +61,7 @@ class BaseRouter:
         bit = self.members.add(worker)
         self.index.add(worker, bit)
         self.loads.add(worker, bit, capacity_tokens, self.clock())
+        self.adapters.add(worker, bit)
 
     def remove_worker(self, worker: WorkerId) -> None:
         """Drop the worker, its index (O(its blocks)), its pending routes and its load."""
@@ -62,6 +69,7 @@ class BaseRouter:
         self.index.remove(worker)
         self.pending.drop_worker(bit)
         self.loads.remove(worker)
+        self.adapters.remove(worker)
 
     # -- what workers hold ---------------------------------------------------------------------
     def apply_event(self, worker: WorkerId, event: KvEvent) -> bool:
@@ -82,6 +90,9 @@ class BaseRouter:
         if self.tracks_blocks:
             self.pending.expire(now)
         decision = self.choose(request, now)
+        adapter = request.namespace.adapter
+        if adapter is not None and not self.adapter_aware:
+            decision = self._to_holder(decision, request, adapter)
         worker = decision.worker
         cached = min(decision.predicted_cached_tokens, request.num_tokens)
         self.loads.routed(
@@ -91,7 +102,23 @@ class BaseRouter:
             bit = self.members.bit[worker]
             held = self.index.depth(bit, request.block_hashes)
             self.pending.add(request.request_id, bit, request.block_hashes[held:], now)
+        if adapter is not None:
+            self.adapters.routed(worker, adapter)
         return decision
+
+    def _to_holder(
+        self, decision: RouteDecision, request: RouteRequest, adapter: str
+    ) -> RouteDecision:
+        """`decision` if its worker holds `adapter` (or nobody does: the worker refuses it by
+        name), else the holder whose queued prefill frees up first."""
+        holders = self.adapters.holders(adapter)
+        if not holders or holders >> self.members.bit[decision.worker] & 1:
+            return decision
+        bit = next(bit for _, bit in self.loads.by_free if holders >> bit & 1)
+        worker = self.members.by_bit[bit]
+        assert worker is not None
+        held = self.index.depth(bit, request.block_hashes) if self.tracks_blocks else 0
+        return RouteDecision(worker, self.predicted_tokens(held, request))
 
     def route_burst(
         self, requests: Sequence[RouteRequest]
@@ -131,6 +158,11 @@ class BaseRouter:
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.members.require(worker)
         self.loads.workers[worker].reported = load
+
+    def report_adapters(self, worker: WorkerId, adapters: WorkerAdapters) -> None:
+        """The adapters `worker` holds and has resident, and its swap seconds."""
+        self.members.require(worker)
+        self.adapters.report(worker, adapters)
 
     # -- reports -------------------------------------------------------------------------------
     def index_bytes(self) -> int:

@@ -15,6 +15,13 @@ routes, and `best` the most any worker holds:
             + host(W) / host_rate              the part of cached(W) that W holds in its host
                                                tier, copied back before the prefill (only
                                                while some worker has one)
+            + swap(W)                          a LoRA request on a worker where its adapter
+                                               is not resident: the worker's swap seconds
+                                               (router/adapters.py; 0 where resident)
+
+A LoRA request's candidates are the workers that hold its adapter (resident or in host
+memory); the swap term gathers an adapter's requests where it is resident, and since the wait
+still counts, a busy holder spills to one that must swap it in (not starving other adapters).
 
 The first two terms are the request's own TTFT; the greedy `least_ttft` stops there. The third
 is the cost to later requests of scattering a prefix: every token recomputed away from its
@@ -58,6 +65,7 @@ simulator's p50 TTFT by at most 0.004 s and its p99 by 0.06 s (docs/router.md)."
 
 class CacheAware(BaseRouter):
     name = "cache_aware"
+    adapter_aware = True
 
     def __init__(
         self,
@@ -70,11 +78,14 @@ class CacheAware(BaseRouter):
         tail_quantile: float = 0.97,
         scan: int = 4,
         tail_free: bool = True,
+        adapter_swaps: bool = True,
     ) -> None:
         """`work_weight`: beta above; `epsilon`, `slack_s`: the guard; `burst`: dispatch bursts
         in the order of router/burst.py (False: as given); `tail_quantile`: where the tail
         starts (very long burst members, no work term); `scan`: candidates looked at per large
-        match group; `tail_free`: drop the work term for requests in the tail."""
+        match group; `tail_free`: drop the work term for requests in the tail;
+        `adapter_swaps`: price an adapter's swap into a slot (False: adapter-blind, the
+        simulator's comparison; holders only either way)."""
         super().__init__(config, clock)
         if work_weight < 0 or epsilon < 0 or slack_s < 0 or scan < 1:
             raise ValueError(
@@ -91,6 +102,7 @@ class CacheAware(BaseRouter):
         self.ttft_tail = TailEstimate(tail_quantile, **_TAIL_SAMPLING)
         """Where the work term stops: the same quantile of requests' best TTFTs."""
         self.scan = scan
+        self.adapter_swaps = adapter_swaps
         self._reserved: dict[WorkerId, list[float]] = {}
 
     # -- bursts --------------------------------------------------------------------------------
@@ -151,6 +163,8 @@ class CacheAware(BaseRouter):
             ttft_tail.add(best_ttft)
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
         on_host = self.index.host_holders
+        adapter = request.namespace.adapter if self.adapter_swaps else None
+        swap_s = self.adapters.swap_s
         low = float("inf")
         tied: list[tuple[WorkerId, int]] = []  # not list[...](): a generic alias per call
         for worker, wait, own, cached in candidates:
@@ -159,6 +173,8 @@ class CacheAware(BaseRouter):
                 cost += decode_s * states[worker].running
             if on_host and cached:
                 cost += self._host_tokens(worker, request.block_hashes, cached) / self.host_rate
+            if adapter is not None:
+                cost += swap_s(worker, adapter)
             if reserved_of:
                 for saving in reserved_of.get(worker, ()):
                     cost += own if own < saving else saving
@@ -178,10 +194,12 @@ class CacheAware(BaseRouter):
         the least wait + own prefill among them (the request's best TTFT)."""
         members, loads, rate, n = self.members, self.loads, self.prefill_rate, request.num_tokens
         block, last = self.block_tokens, n - 1 if n else 0
-        rest = members.all_mask
+        allowed = self._allowed(request)
+        rest = allowed
         for mask, _ in groups:
             rest &= ~mask
-        matched = [(mask, min(depth * block, last)) for mask, depth in groups]
+        matched = [(mask & allowed, min(depth * block, last)) for mask, depth in groups]
+        matched = [(mask, cached) for mask, cached in matched if mask]
         if rest:
             matched.append((rest, 0))
         # the guard cannot bind while no worker waits longer than the slack
@@ -213,6 +231,13 @@ class CacheAware(BaseRouter):
                     out.append((worker, wait, own, cached))
                     best_ttft = min(best_ttft, wait + own)
         return out, best_ttft
+
+    def _allowed(self, request: RouteRequest) -> int:
+        """The workers that may serve `request`: for a LoRA request, those holding its adapter
+        (every worker when none does: the chosen one refuses it by name)."""
+        adapter = request.namespace.adapter
+        holders = self.adapters.holders(adapter) if adapter is not None else 0
+        return holders or self.members.all_mask
 
     def _least_loaded(
         self,

@@ -15,6 +15,10 @@ plus the load routed to them. It returns one worker per request. The driver feed
     prefill_done(worker, request_id)    the request's prompt is computed (its load leaves the queue)
     finished(worker, request_id)        the request is over (its KV occupancy is released)
     report_load(worker, WorkerLoad)     the worker's own view, when it has one (optional)
+    report_adapters(worker, WorkerAdapters)
+                                        the LoRA adapters it holds and has resident, its swap
+                                        seconds (router/adapters.py); a request whose
+                                        namespace.adapter is set goes only to a worker holding it
     calibrate(ServiceRates)             prefill rate and decode cost learned from the streams
 
 Block hashes are the cache package's `BlockHasher` hashes under the workers' `IdentityScheme`:
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cache import CacheNamespace, KvEvent, KvSnapshot
+from router.adapters import WorkerAdapters
 from router.service_model import ServiceRates
 
 WorkerId = str
@@ -90,6 +95,8 @@ class RoutingPolicy(Protocol):
     def finished(self, worker: WorkerId, request_id: str) -> None: ...
 
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None: ...
+
+    def report_adapters(self, worker: WorkerId, adapters: WorkerAdapters) -> None: ...
 
     def calibrate(self, rates: ServiceRates) -> None:
         """Cost time with rates learned from the served streams (router/service_model.py)."""

@@ -47,18 +47,20 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def messages(body: MessagesRequest, request: Request) -> Response:
         caller = api.caller(request)
-        api.check_model(body.model)
+        adapter = api.check_model(body.model)
         rid = api.request_id(request)
         message = generate_request(body, rid, api.tenant(request))
+        message.namespace.adapter = adapter or ""
+        model = adapter or api.model
         stream = api.start(message, caller)
         if body.stream:
             first = await api.finish(request, anext(stream))  # a refusal: a status, not an event
-            return EventStream(events(f"msg_{rid}", api.model, first, stream), served_by(first))
+            return EventStream(events(f"msg_{rid}", model, first, stream), served_by(first))
         samples, counts = await api.finish(request, collect(stream))
         sample = samples[0]
         reply = Message(
             id=f"msg_{rid}",
-            model=api.model,
+            model=model,
             content=[TextBlock(text="".join(sample.text))],
             stop_reason=stop_reason(sample.finish_reason, sample.stop_string),
             stop_sequence=sample.stop_string,

@@ -3,7 +3,14 @@
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
     POST /tokenize              POST /detokenize                          (vLLM's)
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
     GET  /health                (no token: probes carry none)
+
+A request's `model` is the base model's served name, or a LoRA adapter's name (vLLM's
+convention): the request then runs with that adapter (gRPC's namespace.adapter). Any other
+name is 404, as OpenAI answers. /v1/models lists the base model and every adapter a worker
+holds (`parent`: the base model). Loading and unloading adapters needs a token bound to every
+tenant ("*"), as the Admin gRPC service does (403 otherwise).
 
 Every call but /health needs a known bearer token when `security.auth_tokens` is set
 (`Authorization: Bearer <token>`, or Anthropic's `x-api-key: <token>`), and uses the tenant the
@@ -23,7 +30,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -52,11 +59,13 @@ from cluster.http.openai_schema import (
     DetokenizeRequest,
     DetokenizeResponse,
     GenerationParams,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
 )
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
 from cluster.http.token_texts import TokenTexts
@@ -107,11 +116,22 @@ class HttpApi:
         the serving core refuses one the token does not allow (403), as for gRPC."""
         return request.headers.get(TENANT_HEADER, "")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
-            raise HttpError(
-                404, f"model {model!r} does not exist; this cluster serves {[self.model]}", "model"
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a model not served."""
+        if model is None or model == self.model:
+            return None
+        adapters = self.service.links.adapters()
+        if model in adapters:
+            return model
+        served = [self.model, *sorted(adapters)]
+        raise HttpError(
+            404, f"model {model!r} does not exist; this cluster serves {served}", "model"
+        )
+
+    def require_admin(self, request: Request) -> None:
+        """403 unless the caller's token is bound to every tenant (the Admin service's rule)."""
+        if self.caller(request).tenant != ANY_TENANT:
+            raise HttpError(403, "loading and unloading adapters needs a token bound to tenant '*'")
 
     def request_id(self, request: Request) -> str:
         return request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -134,10 +154,11 @@ class HttpApi:
     # -- OpenAI ------------------------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         caller = self.caller(request)
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         rid = self.request_id(request)
         message = openai_params.chat_request(body, rid, self.tenant(request))
-        reply = Reply(f"chatcmpl-{rid}", self.model, self.token_texts())
+        message.namespace.adapter = adapter or ""
+        reply = Reply(f"chatcmpl-{rid}", adapter or self.model, self.token_texts())
         logprobs = bool(body.logprobs)
         options = body.stream_options or StreamOptions()
         stream = self.start(message, caller, fill_context=True)
@@ -152,10 +173,11 @@ class HttpApi:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         caller = self.caller(request)
-        self.check_model(body.model)
+        adapter = self.check_model(body.model)
         rid = self.request_id(request)
         message = openai_params.completion_request(body, rid, self.tenant(request))
-        reply = Reply(f"cmpl-{rid}", self.model, self.token_texts())
+        message.namespace.adapter = adapter or ""
+        reply = Reply(f"cmpl-{rid}", adapter or self.model, self.token_texts())
         logprobs = body.logprobs is not None
         stream = self.start(message, caller)
         options = body.stream_options or StreamOptions()
@@ -197,13 +219,48 @@ class HttpApi:
     async def models(self, request: Request) -> ModelList:
         self.caller(request)
         limits = self.service.links.limits
-        card = ModelCard(
-            id=self.model,
-            created=self.started,
-            root=self.config.model.source,
-            max_model_len=limits.max_model_len if limits else None,
-        )
-        return ModelList(data=[card])
+        max_model_len = limits.max_model_len if limits else None
+        cards = [
+            ModelCard(
+                id=self.model,
+                created=self.started,
+                root=self.config.model.source,
+                max_model_len=max_model_len,
+            )
+        ]
+        paths = {}
+        for link in self.service.links.links.values():
+            paths.update({name: info.path for name, info in link.adapters.items()})
+        cards += [
+            ModelCard(
+                id=name,
+                created=self.started,
+                root=paths.get(name, ""),
+                parent=self.model,
+                max_model_len=max_model_len,
+            )
+            for name in sorted(self.service.links.adapters())
+        ]
+        return ModelList(data=cards)
+
+    # -- vLLM's LoRA endpoints -------------------------------------------------------------------
+    async def load_lora_adapter(self, body: LoadLoraAdapterRequest, request: Request) -> Response:
+        self.require_admin(request)
+        try:
+            await self.service.adapter_admin.load(body.lora_name, body.lora_path)
+        except ServingError as err:
+            raise HttpError.of(err) from err
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(
+        self, body: UnloadLoraAdapterRequest, request: Request
+    ) -> Response:
+        self.require_admin(request)
+        try:
+            await self.service.adapter_admin.unload(body.lora_name)
+        except ServingError as err:
+            raise HttpError.of(err) from err
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # -- vLLM's tokenizer endpoints ----------------------------------------------------------------
     async def tokenize(self, body: TokenizeRequest, request: Request) -> TokenizeResponse:
@@ -285,6 +342,8 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
     anthropic_routes.add_routes(app, api)
 
@@ -366,6 +425,8 @@ _ROUTES = (
     "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/health",
 )
 

@@ -258,3 +258,18 @@ class DetokenizeRequest(Strict):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# -- vLLM's LoRA endpoints -----------------------------------------------------------------------
+class LoadLoraAdapterRequest(Strict):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool | None = None
+    """vLLM's flag to replace an adapter of the same name; radixmesh always replaces (the new
+    weights get a new cache identity)."""
+
+
+class UnloadLoraAdapterRequest(Strict):
+    lora_name: str
+    lora_int_id: int | None = None
+    """vLLM's numeric id; radixmesh knows adapters by name only (ignored)."""

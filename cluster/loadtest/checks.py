@@ -98,11 +98,10 @@ def check_combinations(args: argparse.Namespace) -> None:
         )
 
 
-def check_api(
-    args: argparse.Namespace, adapters: list[tuple[str, float]]
-) -> tuple[str, str | None]:
+def check_api(args: argparse.Namespace) -> tuple[str, str | None]:
     """The target (and, over HTTP, the gRPC target) the `--api` needs; UsageError for flags
-    that belong to the other API, or that it cannot serve."""
+    that belong to the other API, or that it cannot serve. (An adapter is named over gRPC by
+    namespace.adapter, over the OpenAI API by `model`, as vLLM does.)"""
     target = args.target or DEFAULT_TARGETS[args.api]
     if args.api == "grpc":
         if "://" in target:
@@ -127,15 +126,32 @@ def check_api(
             "caches through the router's Admin service, which is gRPC only: with --api openai, "
             "also give the router's gRPC address (--grpc-target HOST:PORT)"
         )
-    named = [name for name, weight in adapters if name and weight > 0]
-    if named:
-        raise UsageError(
-            f"--adapters {named[0]!r}: the OpenAI API cannot name an adapter (its model is the "
-            "served model); use --api grpc"
-        )
     if args.tls_ca is not None and url.startswith("http://"):
         raise UsageError(f"--tls-ca is for an https:// target, not {url}")
     return url, args.grpc_target
+
+
+ZIPF_EXPONENT = 1.1
+ZIPF_ADAPTER = "lora-{}"
+
+
+def adapter_weights(text: str) -> list[tuple[str, float]]:
+    """`--adapters`: `name=weight,...` as `weights`, or `zipf:N[:S]`: adapters lora-0 ..
+    lora-(N-1), adapter k drawn with weight 1 / (k + 1)^S (S: ZIPF_EXPONENT); load them first
+    (`radixmesh adapters load lora-0 DIR`, ...)."""
+    if not text.startswith("zipf:"):
+        return weights("--adapters", text)
+    count, _, exponent = text.removeprefix("zipf:").partition(":")
+    try:
+        n, s = int(count), float(exponent or ZIPF_EXPONENT)
+    except ValueError:
+        n, s = 0, math.nan
+    if n < 1 or not math.isfinite(s) or s < 0:
+        raise UsageError(
+            f"--adapters {text!r}: expected zipf:N or zipf:N:S with N >= 1 adapters and an "
+            "exponent S >= 0 (e.g. zipf:16:1.1)"
+        )
+    return [(ZIPF_ADAPTER.format(k), 1 / (k + 1) ** s) for k in range(n)]
 
 
 def weights(flag: str, text: str) -> list[tuple[str, float]]:
@@ -204,8 +220,8 @@ def check(args: argparse.Namespace) -> Checked:
             f"--chaos at {chaos.at_s:g} s is not before --max-seconds {args.max_seconds:g}: "
             "the run stops launching requests then"
         )
-    adapters = weights("--adapters", args.adapters)
-    target, grpc_target = check_api(args, adapters)
+    adapters = adapter_weights(args.adapters)
+    target, grpc_target = check_api(args)
     tls = tls_from_args(args)
     if args.api == "openai":
         ssl_context(tls)  # a CA or client certificate that is not PEM fails here

@@ -81,7 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation (multi-turn)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tenants", default="", help="weights, e.g. acme=3,globex=1")
-    parser.add_argument("--adapters", default="", help="weights, e.g. =9,sql-lora=1")
+    parser.add_argument(
+        "--adapters",
+        default="",
+        help="weights, e.g. =9,sql-lora=1 ('' is the base model), or zipf:N[:S] over lora-0.."
+        "lora-(N-1) (the OpenAI API names an adapter as its model)",
+    )
     parser.add_argument("--trace", type=Path, default=MOONCAKE_TRACE)
     parser.add_argument("--trace-block-tokens", type=int, default=32, help="tokens per 512-block")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiplies trace times")

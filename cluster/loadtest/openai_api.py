@@ -214,7 +214,8 @@ class HttpConnection:
         timeout: float,
     ) -> None:
         record.predicted_cached_tokens = None  # unless the response says (radixmesh's headers)
-        path, body = request_body(spec, self.target.model, session.text_match)
+        model = session.adapter or self.target.model  # an adapter is a model (vLLM's way)
+        path, body = request_body(spec, model, session.text_match)
         headers = {"x-request-id": record.request_id}
         if session.tenant:
             headers[TENANT_HEADER] = session.tenant

@@ -14,11 +14,13 @@ from pathlib import Path
 import grpc
 
 from cluster.config import (
+    AdapterSection,
     ClusterConfig,
     EngineSection,
     ModelSection,
     RouterSection,
     SecuritySection,
+    engine_options,
 )
 from cluster.http.server import HttpServer, start_http_server
 from cluster.policies import build_policy
@@ -78,7 +80,7 @@ class LocalCluster:
 
     def add_worker(self, name: str) -> None:
         config = EngineConfig(
-            **{**vars(self.config.engine), "model_revision": self.loaded.revision}
+            **{**engine_options(self.config), "model_revision": self.loaded.revision}
         )
         engine = Engine(self.loaded.model, self.loaded.tokenizer, config, source=name)
         engine.start()
@@ -125,11 +127,13 @@ def start_cluster(
     security: SecuritySection | None = None,
     engine: EngineSection = ENGINE,
     http: bool = False,
+    adapters: tuple[AdapterSection, ...] = (),
 ) -> LocalCluster:
-    """`http`: the HTTP API too, on a free port (else none: its default port is 8000)."""
+    """`http`: the HTTP API too, on a free port (else none: its default port is 8000).
+    `adapters`: LoRA adapters every worker loads at start (config model.adapters)."""
     router = replace(router or RouterSection(port=0), http_port=0 if http else None)
     config = ClusterConfig(
-        model=ModelSection(served_name=SERVED_NAME),
+        model=ModelSection(served_name=SERVED_NAME, adapters=adapters),
         engine=engine,
         router=router,
         security=security or SecuritySection(),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ClusterConfig, ConfigError, ModelSection
+from cluster.config import ClusterConfig, ConfigError, ModelSection, build, engine_options
 
 
 @pytest.mark.parametrize(
@@ -94,3 +94,53 @@ def test_cuda_workers_without_a_gpu_or_a_count_are_refused(
 )
 def test_the_served_model_name(model: ModelSection, name: str) -> None:
     assert model.name == name
+
+
+@pytest.mark.parametrize(
+    ("adapters", "expected"),
+    [
+        ("[{name: '', path: /a}]", "model.adapters[0].name: must not be empty"),
+        ("[{name: 'x@1', path: /a}]", "model.adapters[0].name: 'x@1' contains '@'"),
+        (f"[{{name: {'a' * 129}, path: /a}}]", "model.adapters[0].name: 129 characters"),
+        ("[{name: a, path: /a}, {name: a, path: /b}]", "model.adapters[1].name: 'a' is listed"),
+        ("[{name: SmolLM2-135M-Instruct, path: /a}]", "is the base model's served name"),
+        ("[{name: a}]", "model.adapters[0]: missing key(s) ['path']"),
+        ("[{name: a, path: 3}]", "model.adapters[0].path: expected str, got 3"),
+        ("[{name: a, path: ''}]", "model.adapters[0].path: must not be empty"),
+        ("[{name: a, path: /a, rank: 8}]", "model.adapters[0]: unknown key(s) ['rank']"),
+        ("{name: a, path: /a}", "model.adapters: expected a list"),
+    ],
+)
+def test_a_bad_adapter_list_is_refused_naming_the_entry(
+    tmp_path: Path, adapters: str, expected: str
+) -> None:
+    path = tmp_path / "radixmesh.yaml"
+    path.write_text(f"model: {{adapters: {adapters}}}\n")
+    with pytest.raises(ConfigError) as err:
+        ClusterConfig.load(path)
+    assert str(err.value).startswith(f"{path}.") and expected in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("text", ["engine: {max_loras: 0}", "engine: {max_lora_rank: 0}"])
+def test_lora_slots_and_rank_are_at_least_one(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "radixmesh.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=r"engine\.max_lora.*: must be at least 1, got 0"):
+        ClusterConfig.load(path)
+
+
+def test_adapters_reach_each_worker_engine_as_name_path_pairs(tmp_path: Path) -> None:
+    path = tmp_path / "radixmesh.yaml"
+    path.write_text(
+        "model: {adapters: [{name: shouty, path: /a/shouty}, {name: terse, path: /a/terse}]}\n"
+        "engine: {max_loras: 2, max_lora_rank: 16}\n"
+    )
+    config = ClusterConfig.load(path)
+    assert [a.name for a in config.model.adapters] == ["shouty", "terse"]
+    # what the router actor rebuilds from (Ray passes the dict) is the same config
+    assert build(ClusterConfig, config.to_dict(), "") == config
+    options = engine_options(config)
+    assert options["adapters"] == [("shouty", "/a/shouty"), ("terse", "/a/terse")]
+    assert (options["max_loras"], options["max_lora_rank"]) == (2, 16)
+    assert ClusterConfig().engine.max_loras == 4 and ClusterConfig().engine.max_lora_rank == 64
+    assert engine_options(ClusterConfig())["adapters"] == []

@@ -31,6 +31,7 @@ from cluster.loadtest.chaos import (
     account,
     failure,
 )
+from cluster.loadtest.checks import adapter_weights
 from cluster.loadtest.cli import add_arguments, chaos_exit, main
 from cluster.loadtest.grpc_api import Target
 from cluster.loadtest.records import RequestRecord
@@ -143,6 +144,8 @@ def refused(
         (["--trace-block-tokens", "100000000"], "--trace-block-tokens must be at most 512"),
         (["--tenants", "acme=lots"], "--tenants: the weight of 'acme' is 'lots'"),
         (["--adapters", "=0"], "--adapters: every weight is 0"),
+        (["--adapters", "zipf:0"], "--adapters 'zipf:0': expected zipf:N or zipf:N:S"),
+        (["--adapters", "zipf:8:-1"], "with N >= 1 adapters and an exponent S >= 0"),
         (["--workload", "trace", "--trace", "/no/such/trace.jsonl"], "is absent (--trace PATH)"),
         (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: cannot be read"),
         (["--tls-cert", "/no/such/client.pem"], "need --tls-ca"),
@@ -389,3 +392,10 @@ def test_a_request_sent_while_the_kill_ran_counts_as_in_flight() -> None:
     assert report["kill_returned_at_s"] == 11.0
     assert report["recovery_s"] == 3.0 and report["recovered"] is True
     assert report["errors"] == 2 and report["truncated"] == 0
+
+
+def test_zipf_adapters_name_lora_k_by_falling_weight() -> None:
+    drawn = adapter_weights("zipf:4:1")
+    assert [name for name, _ in drawn] == ["lora-0", "lora-1", "lora-2", "lora-3"]
+    assert [round(w, 4) for _, w in drawn] == [1.0, 0.5, 0.3333, 0.25]
+    assert adapter_weights("=3,sql=1") == [("", 3.0), ("sql", 1.0)]

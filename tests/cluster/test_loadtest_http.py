@@ -238,7 +238,6 @@ def test_an_unknown_model_is_named(
         (["--api", "openai", "--compare", "a", "b"], "also give the router's gRPC address"),
         (["--api", "openai", "--sweep", "1,2"], "(--grpc-target HOST:PORT)"),
         (["--api", "openai", "--text-match", "off", "exact"], "(--grpc-target HOST:PORT)"),
-        (["--api", "openai", "--adapters", "=1,sql=1"], "cannot name an adapter"),
         (["--api", "openai", "--grpc-target", "http://h:1"], "--grpc-target http://h:1 is a URL"),
         (["--api", "openai", "--tls-ca", "/no/ca.pem"], "--tls-ca is for an https:// target"),
         (
