@@ -12,10 +12,17 @@ For Llama-8B attention (32 query / 8 KV heads, head_dim 128, bf16) over shuffled
 Each row reports time, achieved TFLOP/s and GB/s, the floor (the larger of FLOP time at the
 measured bf16 matmul peak and byte time at the measured copy bandwidth, both measured here with
 torch), the fraction of the floor reached, and the fraction of the fastest flash-attn time on
-the same shape. Times are medians of CUDA-graph replays (kernel time without Python launch
-overhead; `--eager` times plain calls, L2 flushed). Prints the human table on stderr and one JSON
+the same shape. LoRA (`--lora`, or always with the rest): SGMV shrink + expand of rank 16 over
+SmolLM2-135M's projections (576 -> 576, 576 -> 1536, 1536 -> 576) for decode (64 rows, 1 / 4 / 16
+slots) and prefill (2048 rows, 1 / 4 slots), rows grouped by slot as the engine orders them;
+Triton next to the per-segment torch path and the base projection itself (`x @ W.T`, cuBLAS). In
+those rows `batch` is the number of slots, `prefix` / `suffix` the projection's in / out features,
+and `of flash` the base projection's time over LoRA's (its inverse: the share LoRA adds).
+Times are medians of CUDA-graph replays (kernel time without Python launch overhead; the
+torch LoRA path, which reads its segments on the host, eagerly; `--eager` times plain calls, L2
+flushed). Prints the human table on stderr and one JSON
 object on stdout. Needs CUDA; without it, says so and exits with status 2.
-Run: `python benchmarks/kernels_bench.py [--quick] [--eager] [--output FILE]`.
+Run: `python benchmarks/kernels_bench.py [--quick] [--eager] [--lora] [--output FILE]`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ PREFILL_SHAPES = [  # (batch, prefix, suffix)
 DECODE_SHAPES = [(1, 32768), (8, 8192), (16, 32768), (64, 1024), (64, 8192)]  # (batch, context)
 QUICK_PREFILL = [(2, 256, 128)]
 QUICK_DECODE = [(4, 1024)]
+LORA_RANK = 16
+LORA_FEATURES = [(576, 576), (576, 1536), (1536, 576)]  # SmolLM2-135M: q/o, gate/up, down
+LORA_SHAPES = [(64, 1), (64, 4), (64, 16), (2048, 1), (2048, 4)]  # (rows, distinct slots)
+QUICK_LORA = [(64, 4)]
 
 
 @dataclass
@@ -213,6 +224,60 @@ def bench_decode(
     return relate_to_flash(rows)
 
 
+def lora_step(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    y: torch.Tensor,
+    b: torch.Tensor,
+    segments: tuple[torch.Tensor, torch.Tensor],
+    backend: str,
+) -> None:
+    from kernels import lora_expand, lora_shrink
+
+    h = lora_shrink(x, a, *segments, check_values=False, backend=backend)
+    lora_expand(y, h, b, *segments, check_values=False, backend=backend)
+
+
+def bench_lora_features(
+    rows: int, slots: int, features: tuple[int, int], peaks: dict[str, float]
+) -> list[Row]:
+    """Shrink + expand per backend, and the base projection, on one (in, out) projection."""
+    in_f, out_f = features
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    x, y, w = bf16(rows, in_f), bf16(rows, out_f), bf16(out_f, in_f)
+    a, b = bf16(max(slots, 4), LORA_RANK, in_f), bf16(max(slots, 4), out_f, LORA_RANK)
+    bounds = [round(i * rows / slots) for i in range(slots + 1)]  # grouped by slot, as served
+    segments = (
+        torch.tensor(bounds, dtype=torch.int32, device="cuda"),
+        torch.arange(slots, dtype=torch.int32, device="cuda"),
+    )
+    as_row = (slots, in_f, out_f)
+    base_ms = bench_ms(partial(torch.matmul, x, w.t()))
+    base_cost = (2.0 * rows * in_f * out_f, 2.0 * (in_f * out_f + rows * (in_f + out_f)))
+    result = [make_row("lora_base", "linear", 0, as_row, base_ms, base_cost, peaks)]
+    cost = (
+        2.0 * rows * LORA_RANK * (in_f + out_f),
+        2.0 * (slots * LORA_RANK * (in_f + out_f) + rows * (in_f + 2 * out_f)),
+    )
+    graphs = TIMING["graphs"]
+    for backend in ("triton", "torch"):
+        TIMING["graphs"] = graphs and backend == "triton"  # the torch path reads the segments
+        ms = bench_ms(partial(lora_step, x, a, y, b, segments, backend))
+        row = make_row(f"lora_{rows}", backend, 0, as_row, ms, cost, peaks)
+        row.of_flash = base_ms / ms
+        result.append(row)
+    TIMING["graphs"] = graphs
+    return result
+
+
+def bench_lora(shape: tuple[int, int], peaks: dict[str, float]) -> list[Row]:
+    """LoRA rows for `shape` = (rows, distinct slots) over every projection of LORA_FEATURES."""
+    return [row for f in LORA_FEATURES for row in bench_lora_features(*shape, f, peaks)]
+
+
 def table(rows: list[Row], peaks: dict[str, float]) -> str:
     head = f"peaks: matmul {peaks['matmul_tflops']:.0f} TFLOP/s, copy {peaks['copy_gbs']:.0f} GB/s"
     columns = ["kernel", "backend", "page", "batch", "prefix", "suffix", "ms", "TFLOP/s", "GB/s"]
@@ -231,6 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small shape each (a smoke run)")
     parser.add_argument("--output", type=Path, help="also write the JSON object here")
+    parser.add_argument("--lora", action="store_true", help="only the LoRA shrink/expand rows")
     parser.add_argument(
         "--eager",
         action="store_true",
@@ -254,10 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     peaks = measure_peaks()
     rows: list[Row] = []
-    for p_shape in QUICK_PREFILL if args.quick else PREFILL_SHAPES:
+    for p_shape in [] if args.lora else QUICK_PREFILL if args.quick else PREFILL_SHAPES:
         rows += bench_prefill(p_shape, peaks, gen)
-    for d_shape in QUICK_DECODE if args.quick else DECODE_SHAPES:
+    for d_shape in [] if args.lora else QUICK_DECODE if args.quick else DECODE_SHAPES:
         rows += bench_decode(d_shape, peaks, gen)
+    for l_shape in QUICK_LORA if args.quick else LORA_SHAPES:
+        rows += bench_lora(l_shape, peaks)
     result = {
         "device": torch.cuda.get_device_name(),
         "flash_attn": flash.AVAILABLE,

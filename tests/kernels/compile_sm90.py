@@ -80,7 +80,36 @@ def kernel_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, 
     write = {"HEAD_DIM": 128, "ROW": 1024, "BLOCK_ROW": 1024, "BLOCK_T": 4}
     ptrs_w = {"K": "bf16", "V": "bf16", "KCache": "bf16", "VCache": "bf16", "SlotMapping": "i64"}
     specs.append(("write_kv", triton_write_kv._write_kv_kernel, ptrs_w, write, 4, 1))
-    return specs
+    return specs + lora_specs()
+
+
+def lora_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    """SGMV shrink (plain and split-K) and expand at rank 16, bf16, unit strides specialised as a
+    launch on contiguous tensors gets them."""
+    from kernels import triton_lora
+
+    segs = {"SegStarts": "i32", "SegSlots": "i32"}
+    shrink: dict[str, Any] = {"stride_xk": 1, "stride_ak": 1, "stride_hr": 1, "BLOCK_R": 16}
+    shrink |= {"BLOCK_K": triton_lora.SHRINK_BLOCK_K, "PRECISION": "tf32"}
+    expand: dict[str, Any] = {"stride_hr": 1, "stride_br": 1, "stride_yo": 1, "BLOCK_N": 128}
+    expand |= {"BLOCK_R": 16, "PRECISION": "tf32"}
+    x_a = segs | {"X": "bf16", "A": "bf16"}
+    h_b_y = segs | {"H": "bf16", "B": "bf16", "Y": "bf16"}
+    kernel_s, kernel_e = triton_lora._shrink_kernel, triton_lora._expand_kernel
+    return [
+        (name, kernel, ptrs, constexprs, 4, 1)
+        for name, kernel, ptrs, constexprs in [
+            ("lora_shrink", kernel_s, x_a | {"H": "bf16"}, shrink | {"BLOCK_M": 64, "SPLIT_K": 1}),
+            (
+                "lora_shrink_split",
+                kernel_s,
+                x_a | {"H": "fp32"},
+                shrink | {"BLOCK_M": 16, "SPLIT_K": 4},
+            ),
+            ("lora_expand_m16", kernel_e, h_b_y, expand | {"BLOCK_M": 16}),
+            ("lora_expand_m64", kernel_e, h_b_y, expand | {"BLOCK_M": 64}),
+        ]
+    ]
 
 
 def compile_one(

@@ -1,5 +1,6 @@
 """The CUDA path compiles for an H100 here, without a GPU: real triton codegen and ptxas on the
-production tile configs. No register spills, K/V gathers pipelined as cp.async, tensor-core MMAs.
+production tile configs. No register spills, K/V gathers pipelined as cp.async, tensor-core MMAs
+(the LoRA kernels too).
 The interpreter tests prove the kernels' arithmetic; this proves the compiled form is the one
 the design intends (the interpreter accepts code the compiler would reject or serialise)."""
 
@@ -43,7 +44,7 @@ def report() -> dict[str, dict[str, int]]:
 
 
 def test_every_kernel_compiles_without_spilling(report: dict[str, dict[str, int]]) -> None:
-    assert len(report) == 8, sorted(report)
+    assert len(report) == 12, sorted(report)  # 8 attention kernels, 4 LoRA
     for name, usage in report.items():
         assert usage["stack_bytes"] == 0 and usage["local_bytes"] == 0, f"{name} spills: {usage}"
         assert usage["registers"] <= 255, f"{name}: {usage}"
@@ -57,3 +58,10 @@ def test_attention_kernels_pipeline_their_gathers_into_tensor_cores(
         if name.startswith(("prefill", "decode_split")):
             assert usage["cp_async"] > 0, f"{name}: K/V loads are not asynchronous copies: {usage}"
             assert usage["tensor_core_mma"] > 0, f"{name}: no tensor-core MMA: {usage}"
+
+
+def test_lora_kernels_multiply_on_tensor_cores(report: dict[str, dict[str, int]]) -> None:
+    lora = {name: usage for name, usage in report.items() if name.startswith("lora")}
+    assert len(lora) == 4, sorted(report)
+    for name, usage in lora.items():
+        assert usage["tensor_core_mma"] > 0, f"{name}: no tensor-core MMA: {usage}"
