@@ -48,6 +48,8 @@ class Step:
     lora_stacks: LoraStacks | None = None
     lora_modules: tuple[str, ...] = ()
     """The projections some adapter of this step targets (empty: no LoRA this step)."""
+    lora_checked: bool = False
+    """The segments went through the kernels' value checks once (the first call) this step."""
 
     def lora(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y = module(x)` plus each row's adapter term for `module` of `layer`, in place."""
@@ -57,7 +59,9 @@ class Step:
         starts, slots = self.batch.lora_seg_starts, self.batch.lora_seg_slots
         assert starts is not None and slots is not None
         a, b = self.lora_stacks.weights(layer, module)
-        lora_expand(y, lora_shrink(x, a, starts, slots), b, starts, slots)
+        check, self.lora_checked = not self.lora_checked, True
+        h = lora_shrink(x, a, starts, slots, check_values=check)
+        lora_expand(y, h, b, starts, slots, check_values=False)
         return y
 
     def write_kv(self, cache: KvCache, k: torch.Tensor, v: torch.Tensor) -> None:
