@@ -21,10 +21,8 @@ from cluster.config import SecuritySection
 from cluster.loadtest.cli import add_arguments
 from cluster.loadtest.cli import main as loadtest_main
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
-from worker.loader import LoadedModel
-
-pytest.importorskip("peft")
 from tests.worker.lora_fixtures import make_peft_adapter
+from worker.loader import LoadedModel
 
 PROMPT = "The router sends each request to"
 

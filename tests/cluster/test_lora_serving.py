@@ -24,10 +24,8 @@ from cluster.client import Client, text_request
 from cluster.config import AdapterSection, SecuritySection
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 from tests.cluster.local_cluster import LocalCluster, start_cluster
-from worker.loader import LoadedModel
-
-pytest.importorskip("peft")
 from tests.worker.lora_fixtures import make_peft_adapter
+from worker.loader import LoadedModel
 
 PROMPT = list(range(5, 45))
 EVERY_MODULE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -38,8 +38,6 @@ from worker.lora_adapter import (
 )
 from worker.tiny_model import TINY_CONFIG, build_tiny_checkpoint
 
-pytest.importorskip("peft")
-
 KEY = "base_model.model.model.layers.{}.self_attn.{}.lora_{}.weight"
 
 

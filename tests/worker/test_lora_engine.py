@@ -44,8 +44,6 @@ from worker.model_runner import Chunk
 from worker.request import GenerateRequest, RequestOutput
 from worker.samples import Phase
 
-pytest.importorskip("peft")
-
 _RNG = random.Random(5)
 PROMPT = [_RNG.randrange(3, 500) for _ in range(37)]
 STEPS = 6

@@ -27,8 +27,6 @@ from worker.grpc_server import start_server
 from worker.lora_adapter import CONFIG_FILE
 from worker.servicer import WorkerServicer
 
-pytest.importorskip("peft")
-
 PROMPT = list(range(3, 40))
 
 
