@@ -7,7 +7,9 @@ input, every slot's factors stacked into one tensor, the layout `kernels.lora` r
     gate_up    gate_proj, up_proj
     down_proj  down_proj
 
-Module i of a group owns the rank block [i * max_rank, (i + 1) * max_rank) of `a` and the block
+A group packs only its modules that some loaded adapter has targeted (`members`; a q/v-only
+worker packs q and v, not k), repacking, slots copied, when an adapter targets one more. Module
+i of the packed ones owns the rank block [i * max_rank, (i + 1) * max_rank) of `a` and the block
 (its output rows, its rank columns) of `b`, which is block-diagonal:
 
     a_qkv[s] = | A_q |        b_qkv[s] = | B_q  0    0   |     (scaling folded into each B;
@@ -28,10 +30,11 @@ adapter does not target, so nothing of the slot's previous adapter survives. An 
 not fit (rank above `max_rank`, a layer or module the model lacks, a factor of the wrong shape)
 is refused with `AdapterError` before anything is written: the slot keeps what it held.
 
-A group's stacks are allocated when the first adapter targeting one of its modules loads and
-kept from then on (zero in every slot that does not target it), so a worker serving attention-
-only adapters never holds MLP stacks. `groups_in_use(slots)` names the groups some of the given
-slots target: the model skips the others, and a step without adapters touches none of this.
+A group's stacks are allocated when the first adapter targeting one of its modules loads (and
+repacked when one targets another of its modules), and kept from then on (zero in every slot
+that does not target it), so a worker serving attention-only adapters never holds MLP stacks.
+`groups_in_use(slots)` names the groups some of the given slots target: the model skips the
+others, and a step without adapters touches none of this.
 """
 
 from __future__ import annotations
@@ -82,12 +85,14 @@ def stack_bytes(
     dtype: torch.dtype,
     modules: Iterable[str] = TARGET_MODULES,
 ) -> int:
-    """Bytes of the stacks that adapters targeting `modules` allocate, over every layer: each
-    group holding one of them, whole (a: n * rank x in; b: block-diagonal sum(out) x n * rank)."""
+    """Bytes of the stacks that adapters targeting `modules` allocate, over every layer: per
+    group, its n modules among them packed (a: n * rank x in; b: block-diagonal sum(out) x
+    n * rank)."""
     shapes = module_shapes(config)
+    wanted = set(modules)
     per_layer = 0
-    for group in groups_of(modules):
-        members = GROUPS[group]
+    for group in groups_of(wanted):
+        members = [m for m in GROUPS[group] if m in wanted]
         ranks = len(members) * max_rank
         per_layer += ranks * (shapes[members[0]][0] + sum(shapes[m][1] for m in members))
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -111,9 +116,14 @@ class LoraStacks:
         self.shapes = module_shapes(config)
         self.groups: dict[str, list[Stack]] = {}
         """group -> per layer (a, b) packed; only groups some loaded adapter has targeted."""
+        self.members: dict[str, tuple[str, ...]] = {}
+        """group -> the modules packed in its stacks, in GROUPS order: those some loaded
+        adapter has targeted."""
+        self.packed: dict[str, tuple[int, ...]] = {}
+        """group -> the positions in GROUPS[group] of its `members`."""
         self.stacks: dict[str, list[Stack]] = {}
-        """module -> per layer (a, b): views of its blocks in its group's stacks; every module
-        of an allocated group."""
+        """module -> per layer (a, b): views of its blocks in its group's stacks; only modules
+        some loaded adapter has targeted."""
         self.slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
         """The modules the adapter in each slot targets (empty: a free slot)."""
         self.slot_identity: list[str | None] = [None] * max_loras
@@ -125,8 +135,10 @@ class LoraStacks:
         self._check_slot(slot)
         self._check(adapter)
         for group in groups_of(adapter.target_modules):
-            if group not in self.groups:
-                self._allocate(group)
+            wanted = set(self.members.get(group, ())) | set(adapter.target_modules)
+            members = tuple(m for m in GROUPS[group] if m in wanted)
+            if members != self.members.get(group):
+                self._allocate(group, members)
         self._zero(slot)
         for (layer, module), (a, b) in adapter.weights.items():
             rank = a.shape[0]
@@ -158,7 +170,8 @@ class LoraStacks:
         return groups_of(self.modules_in_use(slots))
 
     def group_weights(self, layer: int, group: str) -> Stack:
-        """(a, b) packed for `group` in `layer` (module docstring); only for an allocated group."""
+        """(a, b) packed for `group` in `layer` (module docstring): the blocks of
+        `members[group]`, in order; only for an allocated group."""
         return self.groups[group][layer]
 
     def weights(self, layer: int, module: str) -> Stack:
@@ -171,8 +184,8 @@ class LoraStacks:
         """Bytes allocated so far."""
         return sum(a.nbytes + b.nbytes for layers in self.groups.values() for a, b in layers)
 
-    def _allocate(self, group: str) -> None:
-        members = GROUPS[group]
+    def _allocate(self, group: str, members: tuple[str, ...]) -> None:
+        """(Re)pack `group` for `members`, copying every slot of the modules it held."""
         fan_in = self.shapes[members[0]][0]
         outs = [self.shapes[m][1] for m in members]
         slots, rank, dtype, device = self.max_loras, self.max_rank, self.dtype, self.device
@@ -181,12 +194,18 @@ class LoraStacks:
             a = torch.zeros((slots, len(members) * rank, fan_in), dtype=dtype, device=device)
             b = torch.zeros((slots, sum(outs), len(members) * rank), dtype=dtype, device=device)
             packed.append((a, b))
-        self.groups[group] = packed
         row = 0
         for i, (module, out) in enumerate(zip(members, outs, strict=True)):
             ranks = slice(i * rank, (i + 1) * rank)
-            self.stacks[module] = [(a[:, ranks], b[:, row : row + out, ranks]) for a, b in packed]
+            views = [(a[:, ranks], b[:, row : row + out, ranks]) for a, b in packed]
+            if module in self.stacks:
+                for (new_a, new_b), (old_a, old_b) in zip(views, self.stacks[module], strict=True):
+                    new_a.copy_(old_a)
+                    new_b.copy_(old_b)
+            self.stacks[module] = views
             row += out
+        self.groups[group], self.members[group] = packed, members
+        self.packed[group] = tuple(GROUPS[group].index(m) for m in members)
 
     def _zero(self, slot: int) -> None:
         for layers in self.groups.values():

@@ -55,10 +55,11 @@ class Step:
     def lora(
         self, layer: int, group: str, x: torch.Tensor, *ys: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """`ys`, the outputs of `group`'s modules on `x` (in the group's order), plus each
-        row's adapter terms: one shrink for the whole group, then one expand into the outputs
-        laid side by side (a copy when there are several; the base values are not recomputed,
-        so rows without an adapter keep them bit for bit). Returned as views, in order."""
+        """`ys`, the outputs of `group`'s modules on `x` (in GROUPS order), plus each row's
+        adapter terms: one shrink for the group's packed modules, then one expand into their
+        outputs laid side by side (a copy when there are several; the base values are not
+        recomputed, so rows without an adapter keep them bit for bit). Returned in order, the
+        packed ones as views, the others (no loaded adapter targets them) as they came."""
         if group not in self.lora_groups:
             return ys
         assert self.lora_stacks is not None
@@ -67,12 +68,17 @@ class Step:
         a, b = self.lora_stacks.group_weights(layer, group)
         check, self.lora_checked = not self.lora_checked, True
         h = lora_shrink(x, a, starts, slots, check_values=check)
-        if len(ys) == 1:
-            lora_expand(ys[0], h, b, starts, slots, check_values=False)
+        packed = self.lora_stacks.packed[group]
+        if len(packed) == 1:
+            lora_expand(ys[packed[0]], h, b, starts, slots, check_values=False)
             return ys
-        y = torch.cat(ys, dim=1)
+        parts = [ys[i] for i in packed]
+        y = torch.cat(parts, dim=1)
         lora_expand(y, h, b, starts, slots, check_values=False)
-        return y.split([part.shape[1] for part in ys], dim=1)
+        out = list(ys)
+        for i, part in zip(packed, y.split([p.shape[1] for p in parts], dim=1), strict=True):
+            out[i] = part
+        return tuple(out)
 
     def write_kv(self, cache: KvCache, k: torch.Tensor, v: torch.Tensor) -> None:
         k_cache, v_cache = cache

@@ -317,15 +317,31 @@ def test_stacks_are_allocated_per_group_on_first_use(tiny: LoadedModel) -> None:
     config = tiny.config  # hidden 64, q 64, k/v 32, MLP 128, 2 layers
     stacks = LoraStacks(config, 4, 8, "cpu", torch.bfloat16)
     assert stacks.nbytes == 0 and stacks.modules_in_use([-1, 0, 3]) == ()
-    stacks.load(3, random_adapter(config, "qv", 4, ("v_proj", "q_proj")))
-    assert set(stacks.groups) == {"qkv"} and set(stacks.stacks) == {"q_proj", "k_proj", "v_proj"}
-    qkv = 2 * 4 * (3 * 8 * 64 + (64 + 32 + 32) * 3 * 8) * 2  # layers, slots, a + b, bf16
-    assert stacks.nbytes == qkv == stack_bytes(config, 4, 8, torch.bfloat16, ["q_proj", "v_proj"])
+    qv = random_adapter(config, "qv", 4, ("v_proj", "q_proj"))
+    stacks.load(3, qv)
+    assert set(stacks.groups) == {"qkv"} and set(stacks.stacks) == {"q_proj", "v_proj"}
+    assert stacks.members["qkv"] == ("q_proj", "v_proj") and stacks.packed["qkv"] == (0, 2)
+    packed_qv = 2 * 4 * (2 * 8 * 64 + (64 + 32) * 2 * 8) * 2  # layers, slots, a + b, bf16
+    assert stacks.nbytes == packed_qv
+    assert stacks.nbytes == stack_bytes(config, 4, 8, torch.bfloat16, ["q_proj", "v_proj"])
     a, b = stacks.weights(1, "v_proj")
     assert a.dtype == torch.bfloat16 and a.shape == (4, 8, 64) and b.shape == (4, 32, 8)
     packed_a, packed_b = stacks.group_weights(1, "qkv")
-    assert packed_a.shape == (4, 24, 64) and packed_b.shape == (4, 128, 24)
-    assert a.data_ptr() == packed_a[:, 16:].data_ptr()  # v's block is a view of the pack
+    assert packed_a.shape == (4, 16, 64) and packed_b.shape == (4, 96, 16)
+    assert a.data_ptr() == packed_a[:, 8:].data_ptr()  # v's block is a view of the pack
+    # an adapter targeting k repacks q/k/v, and slot 3's q and v come along unchanged
+    before = {
+        m: [(x.clone(), y.clone()) for x, y in stacks.stacks[m]] for m in ("q_proj", "v_proj")
+    }
+    stacks.load(1, random_adapter(config, "k", 2, ("k_proj",), seed=5))
+    assert stacks.members["qkv"] == ("q_proj", "k_proj", "v_proj")
+    assert stacks.group_weights(0, "qkv")[1].shape == (4, 128, 24)
+    for module, layers in before.items():
+        for layer, (old_a, old_b) in enumerate(layers):
+            new_a, new_b = stacks.weights(layer, module)
+            assert torch.equal(new_a, old_a) and torch.equal(new_b, old_b)
+    assert stacks.weights(0, "v_proj")[0][3].any() and not stacks.weights(0, "k_proj")[0][3].any()
+    qkv = 2 * 4 * (3 * 8 * 64 + (64 + 32 + 32) * 3 * 8) * 2
     stacks.load(0, random_adapter(config, "down", 2, ("down_proj",)))
     assert stacks.modules_in_use([0, 3]) == ("q_proj", "v_proj", "down_proj")
     assert stacks.modules_in_use([0]) == ("down_proj",)
@@ -333,7 +349,7 @@ def test_stacks_are_allocated_per_group_on_first_use(tiny: LoadedModel) -> None:
     down = 2 * 4 * (8 * 128 + 64 * 8) * 2
     assert stacks.nbytes == qkv + down
     assert stacks.nbytes == stack_bytes(
-        config, 4, 8, torch.bfloat16, ["q_proj", "v_proj", "down_proj"]
+        config, 4, 8, torch.bfloat16, ["q_proj", "k_proj", "v_proj", "down_proj"]
     )
 
 
@@ -365,7 +381,8 @@ def test_grouped_weights_equal_each_module_alone(targets: dict[str, int]) -> Non
     stacks = stacks_with(config, {2: subset, 0: other}, max_rank=max_rank)
     starts, slots = torch.tensor([0, 3, 5, 9]), torch.tensor([2, -1, 0])
     for group in stacks.groups_in_use([2]):
-        members = GROUPS[group]
+        members = stacks.members[group]
+        assert stacks.packed[group] == tuple(GROUPS[group].index(m) for m in members)
         x = torch.randn((9, shapes[members[0]][0]), generator=generator)
         ys = [torch.randn((9, shapes[m][1]), generator=generator) for m in members]
         a, b = stacks.group_weights(1, group)
