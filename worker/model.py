@@ -34,6 +34,10 @@ from worker.lora_weights import LoraStacks
 from worker.rope import RotaryEmbedding, rotate
 
 KvCache = tuple[torch.Tensor, torch.Tensor]
+GROUPED_EXPAND_ROWS = 64
+"""Up to this many rows a LoRA group expands in one call into its outputs laid side by side
+(decode: per-call overhead dominates); above, each module expands from its slice of h (prefill:
+no copy of the outputs, no multiplying the zeros off b's diagonal)."""
 
 
 @dataclass(slots=True)
@@ -71,6 +75,16 @@ class Step:
         packed = self.lora_stacks.packed[group]
         if len(packed) == 1:
             lora_expand(ys[packed[0]], h, b, starts, slots, check_values=False)
+            return ys
+        if x.shape[0] > GROUPED_EXPAND_ROWS:  # each module's block of b, from its slice of h
+            rank = self.lora_stacks.max_rank
+            row = 0
+            for n, i in enumerate(packed):
+                width = ys[i].shape[1]
+                block = b[:, row : row + width, n * rank : (n + 1) * rank]
+                part = h[:, n * rank : (n + 1) * rank]
+                lora_expand(ys[i], part, block, starts, slots, check_values=False)
+                row += width
             return ys
         parts = [ys[i] for i in packed]
         y = torch.cat(parts, dim=1)

@@ -20,6 +20,7 @@ import torch
 from kernels.lora import lora_expand_reference, lora_shrink_reference
 from tests.worker.helpers import relative_error
 from tests.worker.lora_fixtures import make_peft_adapter, make_peft_model, merged_checkpoint
+from worker import model as model_module
 from worker.config import ModelConfig
 from worker.loader import LoadedModel, load_model
 from worker.lora_adapter import TARGET_MODULES, AdapterError, LoraAdapter, load_adapter
@@ -225,6 +226,15 @@ def mixed(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[i
     }
 
 
+@pytest.fixture(params=["grouped", "per-module"])
+def expand(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways a group expands: in one call (up to GROUPED_EXPAND_ROWS rows, as in decode)
+    and module by module (as in a long prefill): forced by setting the threshold to 0."""
+    if request.param == "per-module":
+        monkeypatch.setattr(model_module, "GROUPED_EXPAND_ROWS", 0)
+
+
+@pytest.mark.usefixtures("expand")
 def test_a_mixed_batch_equals_each_sequence_alone(
     tiny: LoadedModel, mixed: dict[int, LoraAdapter]
 ) -> None:
@@ -260,6 +270,7 @@ def test_a_mixed_batch_equals_each_sequence_alone(
         assert relative_error(other, prefill[i]) > 1e-3
 
 
+@pytest.mark.usefixtures("expand")
 def test_base_rows_are_bit_identical_to_the_model_without_stacks(
     tiny: LoadedModel, mixed: dict[int, LoraAdapter]
 ) -> None:
