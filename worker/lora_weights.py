@@ -1,10 +1,28 @@
-"""The device copy of the resident adapters: per layer and target module, every slot's factors
-stacked into one tensor, the layout `kernels.lora` reads.
+"""The device copy of the resident adapters: per layer and group of projections that share their
+input, every slot's factors stacked into one tensor, the layout `kernels.lora` reads.
+
+    group      modules (they read the same x)      a [max_loras, n * max_rank, in]
+    qkv        q_proj, k_proj, v_proj               b [max_loras, sum(out), n * max_rank]
+    o_proj     o_proj
+    gate_up    gate_proj, up_proj
+    down_proj  down_proj
+
+A group packs only its modules that some loaded adapter has targeted (`members`; a q/v-only
+worker packs q and v, not k), repacking, slots copied, when an adapter targets one more. Module
+i of the packed ones owns the rank block [i * max_rank, (i + 1) * max_rank) of `a` and the block
+(its output rows, its rank columns) of `b`, which is block-diagonal:
+
+    a_qkv[s] = | A_q |        b_qkv[s] = | B_q  0    0   |     (scaling folded into each B;
+               | A_k |                   | 0    B_k  0   |      an adapter of a smaller rank,
+               | A_v |                   | 0    0    B_v |      or one that does not target a
+                                                                module, leaves zeros)
+    [q | k | v] += b_qkv[s] @ (a_qkv[s] @ x)
+
+so one shrink and one expand serve the whole group (`group_weights`), and the module's own
+stacks (`weights`, `stacks`) are views of its blocks:
 
     a[layer][module]  [max_loras, max_rank, in]     slot s, rows [0, rank): adapter A
     b[layer][module]  [max_loras, out, max_rank]    slot s, cols [0, rank): scaling * adapter B
-
-    W' x = W x + b[s] @ (a[s] @ x)          (the padding rows/columns are zero: they add nothing)
 
 `load(slot, adapter)` overwrites the whole slot in every allocated stack: the adapter's factors
 zero-padded to `max_rank` with `scaling` folded into B, and zeros in every (layer, module) the
@@ -12,10 +30,11 @@ adapter does not target, so nothing of the slot's previous adapter survives. An 
 not fit (rank above `max_rank`, a layer or module the model lacks, a factor of the wrong shape)
 is refused with `AdapterError` before anything is written: the slot keeps what it held.
 
-A module's stacks are allocated when the first adapter targeting it loads and kept from then on
-(zero in every slot that does not target it), so a worker serving q/v-only adapters never holds
-MLP stacks. `modules_in_use(slots)` names the modules some of the given slots target: the model
-skips the others, and a step without adapters touches none of this.
+A group's stacks are allocated when the first adapter targeting one of its modules loads (and
+repacked when one targets another of its modules), and kept from then on (zero in every slot
+that does not target it), so a worker serving attention-only adapters never holds MLP stacks.
+`groups_in_use(slots)` names the groups some of the given slots target: the model skips the
+others, and a step without adapters touches none of this.
 """
 
 from __future__ import annotations
@@ -28,6 +47,15 @@ from worker.config import ModelConfig
 from worker.lora_adapter import TARGET_MODULES, AdapterError, LoraAdapter
 
 Stack = tuple[torch.Tensor, torch.Tensor]
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+"""Group -> its modules, in the order of their blocks; the modules of a group share their input."""
+GROUP_OF = {module: group for group, modules in GROUPS.items() for module in modules}
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -44,6 +72,12 @@ def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def groups_of(modules: Iterable[str]) -> tuple[str, ...]:
+    """The groups (in GROUPS order) holding some of `modules`."""
+    wanted = {GROUP_OF[m] for m in modules}
+    return tuple(g for g in GROUPS if g in wanted)
+
+
 def stack_bytes(
     config: ModelConfig,
     max_loras: int,
@@ -51,9 +85,16 @@ def stack_bytes(
     dtype: torch.dtype,
     modules: Iterable[str] = TARGET_MODULES,
 ) -> int:
-    """Bytes of the stacks of `modules` over every layer."""
+    """Bytes of the stacks that adapters targeting `modules` allocate, over every layer: per
+    group, its n modules among them packed (a: n * rank x in; b: block-diagonal sum(out) x
+    n * rank)."""
     shapes = module_shapes(config)
-    per_layer = sum(max_rank * (shapes[m][0] + shapes[m][1]) for m in modules)
+    wanted = set(modules)
+    per_layer = 0
+    for group in groups_of(wanted):
+        members = [m for m in GROUPS[group] if m in wanted]
+        ranks = len(members) * max_rank
+        per_layer += ranks * (shapes[members[0]][0] + sum(shapes[m][1] for m in members))
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return config.num_layers * max_loras * per_layer * itemsize
 
@@ -73,8 +114,16 @@ class LoraStacks:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.device, self.dtype = torch.device(device), dtype
         self.shapes = module_shapes(config)
+        self.groups: dict[str, list[Stack]] = {}
+        """group -> per layer (a, b) packed; only groups some loaded adapter has targeted."""
+        self.members: dict[str, tuple[str, ...]] = {}
+        """group -> the modules packed in its stacks, in GROUPS order: those some loaded
+        adapter has targeted."""
+        self.packed: dict[str, tuple[int, ...]] = {}
+        """group -> the positions in GROUPS[group] of its `members`."""
         self.stacks: dict[str, list[Stack]] = {}
-        """module -> per layer (a, b); only modules some loaded adapter has targeted."""
+        """module -> per layer (a, b): views of its blocks in its group's stacks; only modules
+        some loaded adapter has targeted."""
         self.slot_modules: list[frozenset[str]] = [frozenset()] * max_loras
         """The modules the adapter in each slot targets (empty: a free slot)."""
         self.slot_identity: list[str | None] = [None] * max_loras
@@ -85,11 +134,11 @@ class LoraStacks:
         docstring); raises AdapterError, leaving the slot as it was, if it does not fit."""
         self._check_slot(slot)
         self._check(adapter)
-        for module in adapter.target_modules:
-            if module not in self.stacks:
-                self.stacks[module] = [
-                    self._allocate(module) for _ in range(self.config.num_layers)
-                ]
+        for group in groups_of(adapter.target_modules):
+            wanted = set(self.members.get(group, ())) | set(adapter.target_modules)
+            members = tuple(m for m in GROUPS[group] if m in wanted)
+            if members != self.members.get(group):
+                self._allocate(group, members)
         self._zero(slot)
         for (layer, module), (a, b) in adapter.weights.items():
             rank = a.shape[0]
@@ -116,24 +165,50 @@ class LoraStacks:
                 used |= self.slot_modules[slot]
         return tuple(m for m in TARGET_MODULES if m in used)
 
+    def groups_in_use(self, slots: Iterable[int]) -> tuple[str, ...]:
+        """The groups (in GROUPS order) holding a module the adapters in `slots` target."""
+        return groups_of(self.modules_in_use(slots))
+
+    def group_weights(self, layer: int, group: str) -> Stack:
+        """(a, b) packed for `group` in `layer` (module docstring): the blocks of
+        `members[group]`, in order; only for an allocated group."""
+        return self.groups[group][layer]
+
     def weights(self, layer: int, module: str) -> Stack:
-        """(a, b) of `module` in `layer`; only for a module some adapter has targeted."""
+        """(a, b) of `module` in `layer`, views into its group's stacks; only for a module of an
+        allocated group."""
         return self.stacks[module][layer]
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated so far."""
-        return sum(a.nbytes + b.nbytes for layers in self.stacks.values() for a, b in layers)
+        return sum(a.nbytes + b.nbytes for layers in self.groups.values() for a, b in layers)
 
-    def _allocate(self, module: str) -> Stack:
-        fan_in, fan_out = self.shapes[module]
+    def _allocate(self, group: str, members: tuple[str, ...]) -> None:
+        """(Re)pack `group` for `members`, copying every slot of the modules it held."""
+        fan_in = self.shapes[members[0]][0]
+        outs = [self.shapes[m][1] for m in members]
         slots, rank, dtype, device = self.max_loras, self.max_rank, self.dtype, self.device
-        a = torch.zeros((slots, rank, fan_in), dtype=dtype, device=device)
-        b = torch.zeros((slots, fan_out, rank), dtype=dtype, device=device)
-        return a, b
+        packed: list[Stack] = []
+        for _ in range(self.config.num_layers):
+            a = torch.zeros((slots, len(members) * rank, fan_in), dtype=dtype, device=device)
+            b = torch.zeros((slots, sum(outs), len(members) * rank), dtype=dtype, device=device)
+            packed.append((a, b))
+        row = 0
+        for i, (module, out) in enumerate(zip(members, outs, strict=True)):
+            ranks = slice(i * rank, (i + 1) * rank)
+            views = [(a[:, ranks], b[:, row : row + out, ranks]) for a, b in packed]
+            if module in self.stacks:
+                for (new_a, new_b), (old_a, old_b) in zip(views, self.stacks[module], strict=True):
+                    new_a.copy_(old_a)
+                    new_b.copy_(old_b)
+            self.stacks[module] = views
+            row += out
+        self.groups[group], self.members[group] = packed, members
+        self.packed[group] = tuple(GROUPS[group].index(m) for m in members)
 
     def _zero(self, slot: int) -> None:
-        for layers in self.stacks.values():
+        for layers in self.groups.values():
             for a, b in layers:
                 a[slot].zero_()
                 b[slot].zero_()

@@ -8,10 +8,11 @@ sequence's whole paged K/V: `append_prefill_attention` for chunks, `decode_atten
 chunk is one token. What is the same for every layer of a step is done once, in `Step`: the RoPE
 rows, and the kernel dispatch (layer 0 goes through the checked public functions, the others call
 the implementation they chose). Logits are computed only for `batch.logits_indices`, in float32.
-With LoRA stacks and a batch cut into adapter segments, each projection an adapter of the step
-targets adds its low-rank term through `Step.lora` (shrink then expand over the segments,
-`kernels.lora`); projections no adapter of the step targets, and steps without segments, run
-exactly as without stacks.
+With LoRA stacks and a batch cut into adapter segments, each group of projections sharing an input
+(q/k/v, o, gate/up, down) that an adapter of the step targets adds its low-rank terms through
+`Step.lora`: one shrink and one expand over the segments for the group (`kernels.lora`, on the
+packed stacks of worker/lora_weights.py); groups no adapter of the step targets, and steps
+without segments, run exactly as without stacks.
 Parameter names are Hugging Face's, so `load_state_dict` takes an HF Llama/Qwen state dict.
 The model holds no KV and no request state; never call it from two threads at once.
 """
@@ -33,6 +34,10 @@ from worker.lora_weights import LoraStacks
 from worker.rope import RotaryEmbedding, rotate
 
 KvCache = tuple[torch.Tensor, torch.Tensor]
+GROUPED_EXPAND_ROWS = 64
+"""Up to this many rows a LoRA group expands in one call into its outputs laid side by side
+(decode: per-call overhead dominates); above, each module expands from its slice of h (prefill:
+no copy of the outputs, no multiplying the zeros off b's diagonal)."""
 
 
 @dataclass(slots=True)
@@ -46,23 +51,48 @@ class Step:
     """The bound write_kv implementation, once layer 0 has gone through the checked dispatch."""
     attend: Callable[..., Any] | None = None
     lora_stacks: LoraStacks | None = None
-    lora_modules: tuple[str, ...] = ()
-    """The projections some adapter of this step targets (empty: no LoRA this step)."""
+    lora_groups: tuple[str, ...] = ()
+    """The projection groups some adapter of this step targets (empty: no LoRA this step)."""
     lora_checked: bool = False
     """The segments went through the kernels' value checks once (the first call) this step."""
 
-    def lora(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y = module(x)` plus each row's adapter term for `module` of `layer`, in place."""
-        if module not in self.lora_modules:
-            return y
+    def lora(
+        self, layer: int, group: str, x: torch.Tensor, *ys: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """`ys`, the outputs of `group`'s modules on `x` (in GROUPS order), plus each row's
+        adapter terms: one shrink for the group's packed modules, then one expand into their
+        outputs laid side by side (a copy when there are several; the base values are not
+        recomputed, so rows without an adapter keep them bit for bit). Returned in order, the
+        packed ones as views, the others (no loaded adapter targets them) as they came."""
+        if group not in self.lora_groups:
+            return ys
         assert self.lora_stacks is not None
         starts, slots = self.batch.lora_seg_starts, self.batch.lora_seg_slots
         assert starts is not None and slots is not None
-        a, b = self.lora_stacks.weights(layer, module)
+        a, b = self.lora_stacks.group_weights(layer, group)
         check, self.lora_checked = not self.lora_checked, True
         h = lora_shrink(x, a, starts, slots, check_values=check)
+        packed = self.lora_stacks.packed[group]
+        if len(packed) == 1:
+            lora_expand(ys[packed[0]], h, b, starts, slots, check_values=False)
+            return ys
+        if x.shape[0] > GROUPED_EXPAND_ROWS:  # each module's block of b, from its slice of h
+            rank = self.lora_stacks.max_rank
+            row = 0
+            for n, i in enumerate(packed):
+                width = ys[i].shape[1]
+                block = b[:, row : row + width, n * rank : (n + 1) * rank]
+                part = h[:, n * rank : (n + 1) * rank]
+                lora_expand(ys[i], part, block, starts, slots, check_values=False)
+                row += width
+            return ys
+        parts = [ys[i] for i in packed]
+        y = torch.cat(parts, dim=1)
         lora_expand(y, h, b, starts, slots, check_values=False)
-        return y
+        out = list(ys)
+        for i, part in zip(packed, y.split([p.shape[1] for p in parts], dim=1), strict=True):
+            out[i] = part
+        return tuple(out)
 
     def write_kv(self, cache: KvCache, k: torch.Tensor, v: torch.Tensor) -> None:
         k_cache, v_cache = cache
@@ -118,15 +148,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, cache: KvCache) -> torch.Tensor:
         tokens, layer = x.shape[0], self.layer
-        q = step.lora(layer, "q_proj", x, self.q_proj(x)).view(tokens, self.num_heads, -1)
-        k = step.lora(layer, "k_proj", x, self.k_proj(x)).view(tokens, self.num_kv_heads, -1)
-        v = step.lora(layer, "v_proj", x, self.v_proj(x)).view(tokens, self.num_kv_heads, -1)
+        q, k, v = step.lora(layer, "qkv", x, self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(tokens, self.num_heads, -1)
+        k, v = k.view(tokens, self.num_kv_heads, -1), v.view(tokens, self.num_kv_heads, -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
         step.write_kv(cache, k, v)
         out = step.attention(q, cache).reshape(tokens, self.num_heads * self.head_dim)
-        return step.lora(layer, "o_proj", out, self.o_proj(out))
+        return step.lora(layer, "o_proj", out, self.o_proj(out))[0]
 
 
 class Mlp(nn.Module):
@@ -139,9 +169,9 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         layer = self.layer
-        gate = step.lora(layer, "gate_proj", x, self.gate_proj(x))
-        h = nn.functional.silu(gate) * step.lora(layer, "up_proj", x, self.up_proj(x))
-        return step.lora(layer, "down_proj", h, self.down_proj(h))
+        gate, up = step.lora(layer, "gate_up", x, self.gate_proj(x), self.up_proj(x))
+        h = nn.functional.silu(gate) * up
+        return step.lora(layer, "down_proj", h, self.down_proj(h))[0]
 
 
 class DecoderLayer(nn.Module):
@@ -197,7 +227,7 @@ class CausalLM(nn.Module):
                 raise ValueError("a batch with LoRA segments and no LoRA stacks")
             step.lora_stacks = lora
             slots = batch.lora_slots or tuple(batch.lora_seg_slots.tolist())
-            step.lora_modules = lora.modules_in_use(slots)
+            step.lora_groups = lora.groups_in_use(slots)
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, step, cache)
         x = self.model.norm(x[batch.logits_indices])

@@ -17,14 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.lora import lora_expand_reference, lora_shrink_reference
 from tests.worker.helpers import relative_error
 from tests.worker.lora_fixtures import make_peft_adapter, make_peft_model, merged_checkpoint
+from worker import model as model_module
 from worker.config import ModelConfig
 from worker.loader import LoadedModel, load_model
 from worker.lora_adapter import TARGET_MODULES, AdapterError, LoraAdapter, load_adapter
-from worker.lora_weights import LoraStacks, module_shapes, stack_bytes
+from worker.lora_weights import GROUPS, LoraStacks, module_shapes, stack_bytes
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
+from worker.tiny_model import TINY_CONFIG
 
 PAGE = 4
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -223,6 +226,15 @@ def mixed(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[i
     }
 
 
+@pytest.fixture(params=["grouped", "per-module"])
+def expand(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways a group expands: in one call (up to GROUPED_EXPAND_ROWS rows, as in decode)
+    and module by module (as in a long prefill): forced by setting the threshold to 0."""
+    if request.param == "per-module":
+        monkeypatch.setattr(model_module, "GROUPED_EXPAND_ROWS", 0)
+
+
+@pytest.mark.usefixtures("expand")
 def test_a_mixed_batch_equals_each_sequence_alone(
     tiny: LoadedModel, mixed: dict[int, LoraAdapter]
 ) -> None:
@@ -258,6 +270,7 @@ def test_a_mixed_batch_equals_each_sequence_alone(
         assert relative_error(other, prefill[i]) > 1e-3
 
 
+@pytest.mark.usefixtures("expand")
 def test_base_rows_are_bit_identical_to_the_model_without_stacks(
     tiny: LoadedModel, mixed: dict[int, LoraAdapter]
 ) -> None:
@@ -311,21 +324,99 @@ def test_reloading_a_slot_leaves_nothing_of_the_old_adapter(tiny: LoadedModel) -
     assert reused.modules_in_use([1, 2, -1]) == TARGET_MODULES
 
 
-def test_stacks_are_allocated_per_module_on_first_use(tiny: LoadedModel) -> None:
-    config = tiny.config
+def test_stacks_are_allocated_per_group_on_first_use(tiny: LoadedModel) -> None:
+    config = tiny.config  # hidden 64, q 64, k/v 32, MLP 128, 2 layers
     stacks = LoraStacks(config, 4, 8, "cpu", torch.bfloat16)
     assert stacks.nbytes == 0 and stacks.modules_in_use([-1, 0, 3]) == ()
-    stacks.load(3, random_adapter(config, "qv", 4, ("v_proj", "q_proj")))
-    assert set(stacks.stacks) == {"q_proj", "v_proj"}
+    qv = random_adapter(config, "qv", 4, ("v_proj", "q_proj"))
+    stacks.load(3, qv)
+    assert set(stacks.groups) == {"qkv"} and set(stacks.stacks) == {"q_proj", "v_proj"}
+    assert stacks.members["qkv"] == ("q_proj", "v_proj") and stacks.packed["qkv"] == (0, 2)
+    packed_qv = 2 * 4 * (2 * 8 * 64 + (64 + 32) * 2 * 8) * 2  # layers, slots, a + b, bf16
+    assert stacks.nbytes == packed_qv
     assert stacks.nbytes == stack_bytes(config, 4, 8, torch.bfloat16, ["q_proj", "v_proj"])
     a, b = stacks.weights(1, "v_proj")
     assert a.dtype == torch.bfloat16 and a.shape == (4, 8, 64) and b.shape == (4, 32, 8)
+    packed_a, packed_b = stacks.group_weights(1, "qkv")
+    assert packed_a.shape == (4, 16, 64) and packed_b.shape == (4, 96, 16)
+    assert a.data_ptr() == packed_a[:, 8:].data_ptr()  # v's block is a view of the pack
+    # an adapter targeting k repacks q/k/v, and slot 3's q and v come along unchanged
+    before = {
+        m: [(x.clone(), y.clone()) for x, y in stacks.stacks[m]] for m in ("q_proj", "v_proj")
+    }
+    stacks.load(1, random_adapter(config, "k", 2, ("k_proj",), seed=5))
+    assert stacks.members["qkv"] == ("q_proj", "k_proj", "v_proj")
+    assert stacks.group_weights(0, "qkv")[1].shape == (4, 128, 24)
+    for module, layers in before.items():
+        for layer, (old_a, old_b) in enumerate(layers):
+            new_a, new_b = stacks.weights(layer, module)
+            assert torch.equal(new_a, old_a) and torch.equal(new_b, old_b)
+    assert stacks.weights(0, "v_proj")[0][3].any() and not stacks.weights(0, "k_proj")[0][3].any()
+    qkv = 2 * 4 * (3 * 8 * 64 + (64 + 32 + 32) * 3 * 8) * 2
     stacks.load(0, random_adapter(config, "down", 2, ("down_proj",)))
     assert stacks.modules_in_use([0, 3]) == ("q_proj", "v_proj", "down_proj")
     assert stacks.modules_in_use([0]) == ("down_proj",)
+    assert stacks.groups_in_use([0, 3, -1]) == ("qkv", "down_proj")
+    down = 2 * 4 * (8 * 128 + 64 * 8) * 2
+    assert stacks.nbytes == qkv + down
     assert stacks.nbytes == stack_bytes(
-        config, 4, 8, torch.bfloat16, ["q_proj", "v_proj", "down_proj"]
+        config, 4, 8, torch.bfloat16, ["q_proj", "k_proj", "v_proj", "down_proj"]
     )
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        {"k_proj": 8},
+        {"q_proj": 8, "v_proj": 8},
+        {"q_proj": 3, "k_proj": 8, "v_proj": 5, "gate_proj": 2},
+        {"up_proj": 6, "down_proj": 1, "o_proj": 4},
+    ],
+)
+def test_grouped_weights_equal_each_module_alone(targets: dict[str, int]) -> None:
+    """One shrink and one expand on a group's packed stacks equal, module by module, the
+    reference shrink and expand on that module's own factors (padded to max_rank, as the
+    stacks were before grouping), in a batch mixing the adapter, another, and base rows."""
+    config, max_rank = TINY_CONFIG, 8
+    generator = torch.Generator().manual_seed(90)
+    shapes = module_shapes(config)
+    weights = {}
+    for module, rank in targets.items():  # rank_pattern: a rank per module
+        fan_in, fan_out = shapes[module]
+        weights[(1, module)] = (
+            torch.randn((rank, fan_in), generator=generator),
+            torch.randn((fan_out, rank), generator=generator),
+        )
+    subset = LoraAdapter("subset", "/adapters/subset", 8, 12.0, 1.5, "0" * 16, weights)
+    other = random_adapter(config, "other", 8, TARGET_MODULES, seed=91)
+    stacks = stacks_with(config, {2: subset, 0: other}, max_rank=max_rank)
+    starts, slots = torch.tensor([0, 3, 5, 9]), torch.tensor([2, -1, 0])
+    for group in stacks.groups_in_use([2]):
+        members = stacks.members[group]
+        assert stacks.packed[group] == tuple(GROUPS[group].index(m) for m in members)
+        x = torch.randn((9, shapes[members[0]][0]), generator=generator)
+        ys = [torch.randn((9, shapes[m][1]), generator=generator) for m in members]
+        a, b = stacks.group_weights(1, group)
+        y = torch.cat(ys, dim=1)
+        lora_expand_reference(y, lora_shrink_reference(x, a, starts, slots), b, starts, slots)
+        for module, y0, got in zip(members, ys, y.split([t.shape[1] for t in ys], 1), strict=True):
+            # that module's own stack, built as before grouping: its factors zero-padded
+            own_a = torch.zeros((4, max_rank, x.shape[1]))
+            own_b = torch.zeros((4, y0.shape[1], max_rank))
+            for slot, adapter in ((2, subset), (0, other)):
+                if (1, module) in adapter.weights:
+                    fa, fb = adapter.weights[(1, module)]
+                    own_a[slot, : fa.shape[0]] = fa
+                    own_b[slot, :, : fa.shape[0]] = fb * adapter.scaling
+            want = y0.clone()
+            h = lora_shrink_reference(x, own_a, starts, slots)
+            lora_expand_reference(want, h, own_b, starts, slots)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (group, module)
+            assert torch.equal(got[3:5], y0[3:5])  # base rows untouched
+            if module not in targets:  # the adapter's rows of a module it does not target
+                assert torch.equal(got[:3], y0[:3])
+            else:
+                assert not torch.allclose(got[:3], y0[:3])
 
 
 def _with_weight(
