@@ -53,7 +53,8 @@ class Call:
 
 
 @cache
-def _import(name: str) -> ModuleType | None:
+def optional_module(name: str) -> ModuleType | None:
+    """Module `name`, imported on first use (None when it cannot be: triton, flash-attn)."""
     try:
         return importlib.import_module(name)
     except ImportError:
@@ -62,7 +63,7 @@ def _import(name: str) -> ModuleType | None:
 
 def _triton_module(operation: str) -> ModuleType | None:
     name = {"write_kv": "triton_write_kv", "decode_attention": "triton_decode"}
-    return _import(f"kernels.{name.get(operation, 'triton_prefill')}")
+    return optional_module(f"kernels.{name.get(operation, 'triton_prefill')}")
 
 
 def _reference_why_not(call: Call) -> str | None:
@@ -93,7 +94,7 @@ def _flash_why_not(call: Call) -> str | None:
         return "flash-attn has no paged KV write"
     if call.device.type != "cuda":  # before the import: the CPU path never loads flash-attn
         return "flash-attn needs CUDA tensors"
-    flash = _import("kernels.flash")
+    flash = optional_module("kernels.flash")
     if flash is None:
         return "kernels.flash failed to import"
     why: str | None = flash.why_not(
@@ -105,9 +106,9 @@ def _flash_why_not(call: Call) -> str | None:
 def _implementation(backend: str, operation: str) -> Callable[..., Any]:
     module = {
         "reference": lambda: reference,
-        "torch_sdpa": lambda: _import("kernels.torch_sdpa"),
+        "torch_sdpa": lambda: optional_module("kernels.torch_sdpa"),
         "triton": lambda: _triton_module(operation),
-        "flash": lambda: _import("kernels.flash"),
+        "flash": lambda: optional_module("kernels.flash"),
     }[backend]()
     assert module is not None, f"backend {backend} was chosen but cannot be imported"
     function: Callable[..., Any] = getattr(module, operation)

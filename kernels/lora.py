@@ -29,16 +29,14 @@ CUDA): a caller that makes the same call once per layer checks the first and ski
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
-from functools import cache
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from kernels import validate_lora
+from kernels.dispatch import optional_module
 from kernels.errors import KernelInputError
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -83,14 +81,6 @@ REFERENCE: dict[str, Callable[..., Any]] = {
 }
 
 
-@cache
-def _import(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
-
-
 def _why_not(backend: str, device: torch.device, dtype: torch.dtype, forced: bool) -> str | None:
     """Why `backend` cannot run tensors of this device and dtype (None: it can)."""
     if backend != "triton":
@@ -100,7 +90,7 @@ def _why_not(backend: str, device: torch.device, dtype: torch.dtype, forced: boo
         return "triton needs CUDA tensors (or backend='triton' under TRITON_INTERPRET=1)"
     if dtype not in TRITON_DTYPES:
         return f"the triton kernels take {TRITON_DTYPES}, not {dtype}"
-    if _import("kernels.triton_lora") is None:
+    if optional_module("kernels.triton_lora") is None:
         return "triton is not importable"
     return None
 
@@ -122,7 +112,7 @@ def choose_lora_backend(rows: torch.Tensor, backend: str | None = None) -> str:
 def _implementation(backend: str, operation: str) -> Callable[..., Any]:
     if backend == "reference":
         return REFERENCE[operation]
-    module = _import(f"kernels.{backend}_lora")
+    module = optional_module(f"kernels.{backend}_lora")
     assert module is not None, f"backend {backend} was chosen but cannot be imported"
     function: Callable[..., Any] = getattr(module, operation)
     return function

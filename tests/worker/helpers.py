@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
+from protos.radixmesh.v1 import worker_pb2_grpc
 from worker.engine import Engine, EngineConfig
+from worker.grpc_server import start_server
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling_params import SamplingParams
+from worker.servicer import WorkerServicer
 from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG
 
 LLAMA = TINY_CONFIG
@@ -101,3 +106,20 @@ def drain(engine: Engine, limit: int = 10_000) -> int:
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+@contextlib.asynccontextmanager
+async def served(engine: Engine) -> AsyncIterator[worker_pb2_grpc.WorkerStub]:
+    """`engine` started behind a real worker gRPC server on loopback; a stub to it. The engine,
+    the server and the channel are stopped on the way out."""
+    engine.start()
+    servicer = WorkerServicer(engine, "w0")
+    register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
+    server = await start_server(register, "127.0.0.1", 0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield worker_pb2_grpc.WorkerStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(grace=0)
+        engine.stop()

@@ -20,12 +20,11 @@ import pytest
 
 from cache.integrity import check_sequence_cache
 from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
+from tests.worker.helpers import served
 from tests.worker.lora_fixtures import make_peft_adapter
 from tests.worker.test_lora_adapter import BAD
 from worker.engine import Engine, EngineConfig
-from worker.grpc_server import start_server
 from worker.lora_adapter import CONFIG_FILE
-from worker.servicer import WorkerServicer
 
 PROMPT = list(range(3, 40))
 
@@ -47,17 +46,8 @@ async def _serve(
     settings: dict[str, Any] = dict(num_pages=64, page_size=4, block_size=4, max_lora_rank=8)
     settings.update(config)
     engine = Engine(tiny.model, None, EngineConfig(**settings))
-    engine.start()
-    servicer = WorkerServicer(engine, "w0")
-    register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
-    server = await start_server(register, "127.0.0.1", 0)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
-        yield worker_pb2_grpc.WorkerStub(channel), engine
-    finally:
-        await channel.close()
-        await server.stop(grace=0)
-        engine.stop()
+    async with served(engine) as stub:
+        yield stub, engine
 
 
 def _request(request_id: str, adapter: str = "", tokens: list[int] = PROMPT) -> Any:

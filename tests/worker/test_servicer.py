@@ -10,27 +10,16 @@ import grpc
 import pytest
 
 from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
-from tests.worker.helpers import LLAMA
+from tests.worker.helpers import LLAMA, served
 from worker.engine import Engine, EngineConfig
-from worker.grpc_server import start_server
-from worker.servicer import WorkerServicer
 from worker.tiny_model import tiny_model
 
 
 @contextlib.asynccontextmanager
 async def _serve() -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, Engine]]:
     engine = Engine(tiny_model(LLAMA, seed=2), None, EngineConfig(num_pages=64, page_size=4))
-    engine.start()
-    servicer = WorkerServicer(engine, "w0")
-    register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
-    server = await start_server(register, "127.0.0.1", 0)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    try:
-        yield worker_pb2_grpc.WorkerStub(channel), engine
-    finally:
-        await channel.close()
-        await server.stop(grace=0)
-        engine.stop()
+    async with served(engine) as stub:
+        yield stub, engine
 
 
 def _request(
