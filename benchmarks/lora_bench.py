@@ -159,6 +159,8 @@ class Workload:
         wall, cpu = time.perf_counter(), time.process_time()
         for chunks in steps:
             self.runner.run(chunks)
+        if self.runner.device.type == "cuda":  # the launches return before the work is done
+            torch.cuda.synchronize(self.runner.device)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         return Timing(sum(len(c.token_ids) for chunks in steps for c in chunks), wall, cpu)
 

@@ -49,7 +49,8 @@ def _shrink_kernel(
     m_ok = offs_m < end
     offs_r = r_block * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < RANK
-    k_end = tl.where(slot >= 0, IN, 0)  # slot -1: no loop, zeros
+    live = (slot >= 0) & (start + m_block * BLOCK_M < end)  # a row block past its segment: idle
+    k_end = tl.where(live, IN, 0)  # slot -1: no loop, zeros
     x_rows = X + offs_m[:, None] * stride_xt
     a_rows = A + tl.maximum(slot, 0) * stride_as + offs_r[None, :] * stride_ar
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -90,7 +91,8 @@ def _expand_kernel(
     m_ok = offs_m < end
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < OUT
-    r_end = tl.where(slot >= 0, RANK, 0)  # slot -1: no loop, no store
+    live = (slot >= 0) & (start + m_block * BLOCK_M < end)  # a row block past its segment: idle
+    r_end = tl.where(live, RANK, 0)  # slot -1: no loop, no store
     h_rows = H + offs_m[:, None] * stride_ht
     b_cols = B + tl.maximum(slot, 0) * stride_bs + offs_n[None, :] * stride_bo
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -155,6 +155,8 @@ class ModelRunner:
         for chunk in chunks:
             if not -1 <= chunk.lora_slot < self.lora.max_loras:
                 raise ValueError(f"LoRA slot {chunk.lora_slot} outside [-1, {self.lora.max_loras})")
+            if chunk.lora_slot >= 0 and self.lora.slot_identity[chunk.lora_slot] is None:
+                raise ValueError(f"LoRA slot {chunk.lora_slot} holds no adapter")
             if slots and slots[-1] == chunk.lora_slot:
                 starts[-1] += len(chunk.token_ids)
             else:

@@ -473,3 +473,5 @@ def test_the_runner_refuses_slots_it_cannot_serve(tiny: LoadedModel) -> None:
     runner = ModelRunner(tiny.model, num_pages=4, page_size=PAGE, lora=stacks)
     with pytest.raises(ValueError, match="LoRA slot 4 outside"):
         runner.run([Chunk([5, 6], 0, [1], True, 4)])
+    with pytest.raises(ValueError, match="LoRA slot 0 holds no adapter"):  # not the base model
+        runner.run([Chunk([5, 6], 0, [1], True, 0)])
