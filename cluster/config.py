@@ -241,10 +241,12 @@ def adapter_name_problem(name: str) -> str | None:
     """What is wrong with `name` as an adapter's name (None: nothing)."""
     if not name:
         return "must not be empty"
+    if len(name) > MAX_ADAPTER_NAME_CHARS:  # first: the messages below quote the name
+        return f"{len(name)} characters; at most {MAX_ADAPTER_NAME_CHARS}"
     if "@" in name:
         return f"{name!r} contains '@' (an adapter's cache identity is name@digest)"
-    if len(name) > MAX_ADAPTER_NAME_CHARS:
-        return f"{len(name)} characters; at most {MAX_ADAPTER_NAME_CHARS}"
+    if not name.isprintable():
+        return f"{name!r} contains control characters"
     if name != name.strip():
         return f"{name!r} starts or ends with whitespace"
     return None

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from cache import CacheNamespace
-from cluster.config import ANY_TENANT
+from cluster.config import ANY_TENANT, MAX_ADAPTER_NAME_CHARS
 from protos.radixmesh.v1 import serving_pb2
 from worker import validation
 from worker.errors import InvalidRequest
@@ -141,6 +141,10 @@ def adapter_identity(name: str | None, adapters: Mapping[str, str] | None) -> st
         return None
     identity = (adapters or {}).get(name)
     if identity is None:
+        if len(name) > MAX_ADAPTER_NAME_CHARS:  # never quoted whole: a detail of 20 KB became
+            raise InvalidRequest(  # RESOURCE_EXHAUSTED (metadata size) instead of this
+                "namespace.adapter", f"{len(name)} characters; at most {MAX_ADAPTER_NAME_CHARS}"
+            )
         loaded = ", ".join(sorted(adapters or {})) or "none"
         raise InvalidRequest("namespace.adapter", f"unknown adapter {name!r} (loaded: {loaded})")
     return identity

@@ -574,7 +574,8 @@ class Engine:
             sample.seq = None
             self.scheduler.release_slot(sample)
         sample.phase = Phase.FINISHED
-        self.lora.drop_retired()  # a retired adapter's last sequence may have ended
+        if sample.request.request.namespace.adapter in self.lora.retired:
+            self.lora.drop_retired()  # a retired adapter's last sequence may have ended
         request = sample.request
         if request.finished:
             self._requests.pop(request.request_id, None)
@@ -618,8 +619,9 @@ class Engine:
         after they began (their tokens so far came from weights that are gone)."""
         for sample in self.scheduler.take_refused():
             state = sample.request
+            failed = self.scheduler.swap_failures.pop(state.request_id, None)
             if sample.phase is not Phase.FINISHED and state.adapter is not None:
-                self._abort(state, FINISH_ERROR, self.lora.why_gone(state.adapter))
+                self._abort(state, FINISH_ERROR, failed or self.lora.why_gone(state.adapter))
 
     def _add(self, state: RequestState) -> None:
         request = state.request

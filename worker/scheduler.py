@@ -18,6 +18,7 @@ waits at the head of the queue to resume, mostly from the cache.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from cache.sequences import PageCopy
 from cache.tiers import TierCopy
 from worker.lora_slots import AdapterSlots
 from worker.samples import Phase, SampleState
+
+log = logging.getLogger(__name__)
 
 
 class Admission(Enum):
@@ -72,6 +75,9 @@ class Scheduler:
         self.waiting: deque[SampleState] = deque()
         self.running: list[SampleState] = []
         self.refused: list[SampleState] = []
+        self.swap_failures: dict[str, str] = {}
+        """Request id -> why its adapter could not be brought into a slot (the engine ends it
+        with that message; left queued, it would fail the same way every step)."""
         """Waiting samples whose adapter is gone: the engine ends their requests."""
         self.preemptions = 0
 
@@ -142,7 +148,15 @@ class Scheduler:
             if current is None or state.admitted:
                 return Admission.REFUSED
             state.rebind(current)  # never ran: it takes its name's new weights
-        slot = self.adapters.acquire(current.name)
+        try:
+            slot = self.adapters.acquire(current.name)
+        except Exception as err:  # e.g. out of device memory for its stacks
+            log.exception("bringing adapter %r into a slot failed", current.name)
+            self.swap_failures[state.request_id] = (
+                f"adapter {current.name!r} could not be brought into a slot: "
+                f"{type(err).__name__}: {err}"
+            )
+            return Admission.REFUSED
         return Admission.NO_ADAPTER_SLOT if slot is None else slot
 
     def hold_slot(self, sample: SampleState, slot: int) -> None:

@@ -275,6 +275,34 @@ def test_waiting_requests_of_an_unloaded_adapter_end_with_an_error(
     _nothing_leaked(engine)
 
 
+def test_a_swap_that_fails_ends_its_request_alone_and_the_engine_goes_on(
+    tiny: Any, adapter_dirs: dict[str, Path]
+) -> None:
+    """A fault in the copy into a slot (e.g. out of device memory for a new stack) ends that
+    request with the reason; left queued it failed the same way every step and no step ran."""
+    engine, recorder = _engine(tiny, adapter_dirs, ("caps", "sql"), max_loras=1)
+    stacks = engine.adapters.stacks
+    assert stacks is not None
+    load = stacks.load
+
+    def out_of_memory(slot: int, adapter: Any) -> None:
+        raise MemoryError("no room for the stacks")
+
+    stacks.load = out_of_memory  # type: ignore[method-assign]
+    engine.submit(_request("fails", "caps"), recorder.outputs.append)
+    engine.submit(_request("base", None), recorder.outputs.append)
+    drain(engine)
+    assert recorder.final("fails").finish_reason == "error"
+    assert "'caps' could not be brought into a slot: MemoryError" in (
+        recorder.final("fails").error or ""
+    )
+    assert len(recorder.tokens("base")) == STEPS
+    stacks.load = load  # type: ignore[method-assign]
+    assert _run(engine, recorder, _request("after", "caps")).finish_reason == "length"
+    assert len(recorder.tokens("after")) == STEPS
+    _nothing_leaked(engine)
+
+
 def test_new_weights_under_the_same_name_miss_and_the_old_tree_goes(
     tiny: Any, adapter_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
