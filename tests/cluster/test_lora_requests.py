@@ -58,6 +58,14 @@ def test_an_adapter_no_worker_holds_is_refused_naming_the_loaded_ones(
     assert str(err.value) == expected
 
 
+def test_an_overlong_adapter_name_is_refused_by_its_length_never_quoted() -> None:
+    message = text_request("text", adapter="x" * 20_000)
+    with pytest.raises(InvalidRequest) as err:
+        prepare(message, Refusing(), LIMITS, adapters=HELD)
+    assert "20000 characters; at most 128" in str(err.value)
+    assert len(str(err.value)) < 200
+
+
 def test_a_tenant_bound_token_keeps_its_tenant_beside_the_adapter() -> None:
     message = text_request(token_ids=[1], adapter="sql", tenant="")
     assert request_namespace(message, "globex", HELD) == CacheNamespace(
