@@ -22,6 +22,12 @@ A step that serves LoRA adapters also cuts its rows into segments of one adapter
     lora_slots      (0, 2)                              the distinct slots >= 0, on the host
 
 A step without adapters has no segments (None) and runs exactly as the base model.
+
+A step over image positions (a vision prompt's runs of image tokens) carries their embeddings,
+the vision connector's outputs, which replace the token embeddings of those rows:
+
+    embed_rows    [ 1 2 ]                               rows of the flat batch
+    embeds        [2, hidden]                           their input embeddings
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ class ForwardBatch:
     lora_slots: tuple[int, ...] = ()
     """The distinct slots >= 0 in `lora_seg_slots`, known on the host (read from the tensor when
     empty)."""
+    embed_rows: torch.Tensor | None = None
+    """[M] int64 rows whose input embedding is given in `embeds` (image positions), or None."""
+    embeds: torch.Tensor | None = None
+    """[M, hidden] the model's dtype: the input embeddings of `embed_rows`."""
 
     @property
     def num_tokens(self) -> int:

@@ -221,6 +221,8 @@ class CausalLM(nn.Module):
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
         x = self.model.embed_tokens(batch.input_ids)
+        if batch.embed_rows is not None and batch.embeds is not None:  # image positions
+            x[batch.embed_rows] = batch.embeds.to(x.dtype)
         step = Step(batch, *self.model.rotary.lookup(batch.positions))
         if batch.lora_seg_slots is not None:
             if lora is None:

@@ -44,6 +44,9 @@ class GenerateRequest:
     prompt_block_hashes: tuple[int, ...] = ()
     """The prompt's block hashes as the router computed them: the cache checks and uses them
     instead of hashing the prompt on the scheduler thread (`SequenceCache.start`)."""
+    images: tuple[bytes, ...] = ()
+    """Image files of a vision prompt (worker/images.py checks them, worker/image_prompt.py
+    places them): in the order of their placeholders (or, in expanded ids, their runs)."""
 
     @property
     def generated_before(self) -> int:

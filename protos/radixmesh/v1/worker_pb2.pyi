@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes")
+    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class WorkerGenerateRequest(_message.Message):
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: _serving_pb2.Namespace
@@ -23,7 +24,8 @@ class WorkerGenerateRequest(_message.Message):
     predicted_cached_tokens: int
     resume: Resume
     prompt_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("sample_index", "generated")
@@ -96,7 +98,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker", "identity_version", "block_size", "model_revision", "page_size", "total_pages", "vocab_size", "max_model_len", "max_running")
+    __slots__ = ("worker", "identity_version", "block_size", "model_revision", "page_size", "total_pages", "vocab_size", "max_model_len", "max_running", "vision")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class WorkerInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     worker: str
     identity_version: int
     block_size: int
@@ -115,7 +118,28 @@ class WorkerInfo(_message.Message):
     vocab_size: int
     max_model_len: int
     max_running: int
-    def __init__(self, worker: _Optional[str] = ..., identity_version: _Optional[int] = ..., block_size: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
+    vision: VisionInfo
+    def __init__(self, worker: _Optional[str] = ..., identity_version: _Optional[int] = ..., block_size: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_running: _Optional[int] = ..., vision: _Optional[_Union[VisionInfo, _Mapping]] = ...) -> None: ...
+
+class VisionInfo(_message.Message):
+    __slots__ = ("image_token_id", "image_seq_len", "tile_size", "longest_edge", "do_image_splitting", "max_images", "max_image_pixels", "max_image_bytes")
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    TILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_EDGE_FIELD_NUMBER: _ClassVar[int]
+    DO_IMAGE_SPLITTING_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    image_token_id: int
+    image_seq_len: int
+    tile_size: int
+    longest_edge: int
+    do_image_splitting: bool
+    max_images: int
+    max_image_pixels: int
+    max_image_bytes: int
+    def __init__(self, image_token_id: _Optional[int] = ..., image_seq_len: _Optional[int] = ..., tile_size: _Optional[int] = ..., longest_edge: _Optional[int] = ..., do_image_splitting: _Optional[bool] = ..., max_images: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_image_bytes: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
