@@ -308,3 +308,21 @@ def test_the_encoder_counters_reach_prometheus_and_bad_limits_are_refused(
     for bad in ({"max_images": 0}, {"max_image_pixels": -1}, {"encoder_cache_bytes": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_an_images_kv_saved_on_disk_serves_it_after_a_restart(
+    loaded: LoadedModel, tmp_path: Path
+) -> None:
+    """The saved cache keeps image keys like any other: a restarted worker serves the image's
+    positions from disk and never runs the encoder for them."""
+    settings = {"persist_dir": str(tmp_path), "persist_interval_s": 0.0}
+    first = Served(loaded, model_revision=loaded.revision, **settings)
+    tokens, _ = first.run(chat("a", first_turn()))
+    first.engine.stop()
+    restarted = Served(loaded, model_revision=loaded.revision, **settings)
+    assert restarted.engine.loaded.nodes > 0
+    request = chat("b", first_turn())
+    again, final = restarted.run(request)
+    assert again == tokens and final.cached_prompt_tokens >= restarted.image_end(request)
+    assert restarted.engine.stats().encoder_runs == 0
+    restarted.engine.stop()
