@@ -26,10 +26,13 @@ from tokenizers import Tokenizer as BackendTokenizer
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+PROCESSOR_CHAT_TEMPLATE_FILE = "chat_template.json"
+"""Where a vision-language checkpoint's processor keeps its template (SmolVLM's)."""
 TOKENIZER_FILES = (
     TOKENIZER_FILE,
     TOKENIZER_CONFIG_FILE,
     CHAT_TEMPLATE_FILE,
+    PROCESSOR_CHAT_TEMPLATE_FILE,
     "config.json",
     "generation_config.json",
 )
@@ -76,6 +79,8 @@ def _chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
         template = named.get("default")
     if template is None and (path / CHAT_TEMPLATE_FILE).is_file():
         template = (path / CHAT_TEMPLATE_FILE).read_text()
+    if template is None:  # {"chat_template": "..."}, as a processor saves it
+        template = _read_json(path / PROCESSOR_CHAT_TEMPLATE_FILE).get("chat_template")
     return template if isinstance(template, str) else None
 
 

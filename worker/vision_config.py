@@ -1,6 +1,8 @@
 """The configuration of an Idefics3 / SmolVLM checkpoint, read from its Hugging Face config.json.
 
-An Idefics3 config.json (`model_type: "idefics3"`) nests two models and the glue between them:
+An Idefics3 config.json (`model_type: "idefics3"`, or `"smolvlm"`: transformers' SmolVLM
+classes are Idefics3's under another name, with the same weights, processor and prompt layout)
+nests two models and the glue between them:
 
     text_config    a Llama (SmolVLM's is SmolLM2): our `ModelConfig`, the text path as it is
     vision_config  a SigLIP encoder: `VisionConfig`
@@ -20,14 +22,14 @@ from typing import Any
 
 from worker.config import ModelConfig
 
-MODEL_TYPE = "idefics3"
+MODEL_TYPES = ("idefics3", "smolvlm")
 HIDDEN_ACTS = ("gelu_pytorch_tanh",)
 """The vision MLP activations the encoder implements (SigLIP's)."""
 
 
 def is_vision_config(raw: Mapping[str, Any]) -> bool:
     """Whether a config.json dict is an Idefics3 / SmolVLM vision-language model."""
-    return raw.get("model_type") == MODEL_TYPE
+    return raw.get("model_type") in MODEL_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +128,7 @@ class VlmConfig:
         """From an Idefics3 config.json dict. The LM head is tied as the top-level
         `tie_word_embeddings` says (transformers ties by it; its default is False)."""
         if not is_vision_config(raw):
-            raise ValueError(f"model_type {raw.get('model_type')!r} is not {MODEL_TYPE!r}")
+            raise ValueError(f"model_type {raw.get('model_type')!r} is not one of {MODEL_TYPES}")
         text = dict(text_config_dict(raw.get("text_config") or {}))
         text["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
         text.setdefault("model_type", "llama")

@@ -10,7 +10,9 @@ ForwardBatch.embed_rows / embeds: in one chunk, and in two chunks cut inside an 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from worker.image_prompt import PromptImage, expand_text, image_runs
 from worker.images import CheckedImage, ImageLimits, check_image
 from worker.loader import LoadedModel, load_model
 from worker.model_runner import Chunk, ModelRunner
+from worker.tokenizer import Tokenizer, tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -213,3 +216,37 @@ def test_tied_head_single_frame_and_bfloat16(tmp_path: Path) -> None:
     encoded = half.vision.encode(images[0])
     assert encoded.dtype == torch.bfloat16 and half.vision.dtype == torch.bfloat16
     assert relative_error(encoded.float(), embeds) < 5e-2
+
+
+def test_smolvlm_model_type_loads_the_same(
+    tmp_path: Path, checkpoint: Path, processor: Any
+) -> None:
+    """The directory relabelled as transformers' SmolVLM classes (`model_type: "smolvlm"`, the
+    template in the processor's chat_template.json as SmolVLM's Hub files keep it) loads as the
+    same model, and matches transformers' SmolVLMForConditionalGeneration."""
+    path = Path(shutil.copytree(checkpoint, tmp_path / "smolvlm"))
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="smolvlm", architectures=["SmolVLMForConditionalGeneration"])
+    config["vision_config"]["model_type"] = "smolvlm_vision"
+    (path / "config.json").write_text(json.dumps(config))
+    template = (path / "chat_template.jinja").read_text()
+    (path / "chat_template.jinja").unlink()
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+
+    loaded = load_model(path)
+    assert loaded.vision is not None and loaded.tokenizer is not None
+    images = _images(IMAGES[:1])
+    text = loaded.tokenizer.apply_chat_template(_messages(1))
+    router_side = Tokenizer.from_files(tokenizer_files(path))  # what the router is sent
+    assert router_side.apply_chat_template(_messages(1)) == text
+    model = transformers.SmolVLMForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    # SmolVLMProcessor lays prompts out as Idefics3Processor does, but wants torchvision
+    inputs = processor(text=text, images=[images[0].rgb], return_tensors="pt")
+    with torch.no_grad():
+        expected = model.eval()(**inputs).logits[0, -1].float()
+    ids = inputs["input_ids"][0].tolist()
+    got = _run(loaded, ids, loaded.vision.encode(images[0]))[-1]
+    assert relative_error(got, expected) < 1e-5
