@@ -14,6 +14,11 @@ identity (`name@digest`), so the request's KV lives in that adapter's own trees.
 admits it once the adapter holds a device slot (worker/lora_slots.py); each chunk carries its
 slot. An unloaded or replaced adapter's running requests finish; then its trees are dropped.
 
+Images (a vision model: `vision`, worker/vision.py): `submit` checks a request's images and
+places them (worker/image_inputs.py); its samples start the cache with the prompt's cache
+tokens, so a repeated image matches its KV, and each prefill chunk over image positions carries
+their embeddings, encoded lazily and kept in an encoder-output cache (`encoder_cache_bytes`).
+
 `step()` can also be driven directly (no thread) for deterministic tests.
 """
 
@@ -37,6 +42,13 @@ from cache.integrity import check_sequence_cache
 from kernels.layout import cdiv
 from worker import validation
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.image_inputs import ImageEmbedder, ImageEncoder, place
+from worker.images import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    ImageLimits,
+)
 from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
 from worker.logprobs import token_logprob
 from worker.lora_serving import AdapterLifecycle, adapter_slots
@@ -111,6 +123,14 @@ class EngineConfig:
     adapters: Sequence[tuple[str, str]] = ()
     """(name, PEFT directory) of the adapters loaded at start; also {name, path} mappings.
     A bad one fails the start with its `AdapterError`."""
+    max_images: int = DEFAULT_MAX_IMAGES
+    """Images one request may carry (a vision model; worker/images.py)."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Width x height of one image, read from its header before it is decoded."""
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    """Size of one image's file."""
+    encoder_cache_bytes: int = 64 << 20
+    """Vision encoder outputs kept by image (device memory, least recently used out); 0: none."""
 
     def __post_init__(self) -> None:
         pairs = []
@@ -126,6 +146,12 @@ class EngineConfig:
                 f"max_loras must be >= 0 and max_lora_rank >= 1: "
                 f"{self.max_loras}, {self.max_lora_rank}"
             )
+        self.image_limits()  # each must be a positive int
+        if type(self.encoder_cache_bytes) is not int or self.encoder_cache_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes!r}")
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_images, self.max_image_pixels, self.max_image_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +180,12 @@ class EngineStats:
     adapter_swap_seconds: float = 0.0
     """Average time to copy an adapter into a slot (EWMA)."""
     adapter_swap_seconds_total: float = 0.0
+    encoder_runs: int = 0
+    """Images the vision encoder encoded."""
+    encoder_cache_hits: int = 0
+    """Images whose encoder output came from the encoder cache instead."""
+    encoder_seconds: float = 0.0
+    """Time spent in the vision encoder."""
 
 
 class Engine:
@@ -163,14 +195,27 @@ class Engine:
         tokenizer: TokenizerLike | None,
         config: EngineConfig,
         source: str = "worker",
+        vision: ImageEncoder | None = None,
     ) -> None:
+        """`vision`: the model's vision encoder (`LoadedModel.vision`); None: a text model,
+        whose requests with images are refused."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         positions = model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or positions, positions)
         self.vocab_size = model.config.vocab_size
-        self.limits = RequestLimits.of(self.vocab_size, self.max_model_len, config)
+        self.vision = vision
+        self.limits = RequestLimits.of(
+            self.vocab_size,
+            self.max_model_len,
+            config,
+            vision.spec if vision is not None else None,
+            config.image_limits(),
+        )
+        self.embedder = (
+            ImageEmbedder(vision, config.encoder_cache_bytes) if vision is not None else None
+        )
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         self.eos_token_ids = frozenset(eos)
         self.cache = SequenceCache(
@@ -236,8 +281,15 @@ class Engine:
         if self._stopping.is_set():
             raise EngineStopped("the engine is stopping")
         request, adapter = self.lora.bind(request)
-        prompt = validation.prompt_ids(request, self.tokenizer, self.limits)
+        checked = validation.request_images(request, self.limits)
+        prompt = validation.prompt_ids(request, self.tokenizer, self.limits, checked)
         self._validate(request, prompt)
+        images = None
+        if checked:
+            assert self.limits.image_spec is not None
+            original = len(prompt) - request.generated_before
+            salt = request.namespace.tenant
+            images = place(prompt, original, checked, self.limits.image_spec, salt)
         with self._lock:
             if request.request_id in self._active_ids:
                 raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
@@ -252,7 +304,7 @@ class Engine:
                     f"{self.config.max_waiting + self.config.max_running}"
                 )
             self._active_ids.add(request.request_id)
-        self._inbox.put(("add", RequestState(request, prompt, sink, adapter)))
+        self._inbox.put(("add", RequestState(request, prompt, sink, adapter, images)))
         self._wake.set()
         return len(prompt)
 
@@ -346,6 +398,7 @@ class Engine:
     def stats(self) -> EngineStats:
         pool, tree, host = self.cache.pool, self.cache.tree, self.cache.host_pool
         adapters = self.adapters
+        encoder = self.embedder.stats if self.embedder is not None else None
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -370,6 +423,9 @@ class Engine:
             adapter_swaps=adapters.swaps,
             adapter_swap_seconds=adapters.swap_seconds,
             adapter_swap_seconds_total=adapters.swap_seconds_total,
+            encoder_runs=encoder.runs if encoder is not None else 0,
+            encoder_cache_hits=encoder.cache_hits if encoder is not None else 0,
+            encoder_seconds=encoder.seconds if encoder is not None else 0.0,
         )
 
     # -- validation (caller's thread) ----------------------------------------------------------
@@ -390,7 +446,7 @@ class Engine:
         costs a file read on this thread; a failed read is logged and recomputed)."""
         assert self.store is not None
         try:
-            self.store.extend(self, sample.tokens, sample.request.request.namespace)
+            self.store.extend(self, sample.cache_tokens(), sample.request.request.namespace)
         except Exception:  # the cache on disk must never fail a request
             log.exception("reading saved KV for %s failed", sample.request.request.request_id)
 
@@ -425,7 +481,9 @@ class Engine:
             return self.scheduler.has_work()
         if any(sample.lora_slot >= 0 for sample, _ in plan):
             plan.sort(key=lambda item: item[0].lora_slot)  # one adapter segment per slot
-        chunks = [self._chunk(sample, take) for sample, take in plan]
+        plan, chunks = self._chunks(plan)
+        if not plan:
+            return True
         try:
             # pages demoted while growing: read before this pass may write them again
             self.runner.copy_pages(self.cache.take_tier_copies())
@@ -448,17 +506,44 @@ class Engine:
                 self._abort(sample.request, FINISH_ERROR, f"{type(err).__name__}: {err}")
         return True
 
+    def _chunks(
+        self, plan: list[tuple[SampleState, int]]
+    ) -> tuple[list[tuple[SampleState, int]], list[Chunk]]:
+        """The step's chunks; a request whose images cannot be encoded ends here, alone."""
+        chunks: list[Chunk | None] = []
+        for sample, take in plan:
+            try:
+                chunks.append(self._chunk(sample, take))
+            except Exception as err:
+                log.exception("encoding the images of %s failed", sample.request.request_id)
+                self._abort(sample.request, FINISH_ERROR, f"image encoder failed: {err}")
+                chunks.append(None)
+        kept = [
+            (item, chunk)
+            for item, chunk in zip(plan, chunks, strict=True)
+            if chunk is not None and item[0].phase is Phase.RUNNING
+        ]
+        return [item for item, _ in kept], [chunk for _, chunk in kept if chunk is not None]
+
     def _chunk(self, sample: SampleState, take: int) -> Chunk:
         assert sample.seq is not None
         start = sample.computed
         tokens = sample.tokens[start : start + take]
         pages = self.cache.table.row(sample.seq.slot)
+        offsets: list[int] = []
+        embeds = None
+        images = sample.request.images
+        if images is not None and start < images.end:
+            assert self.embedder is not None
+            offsets, embeds = self.embedder.chunk_embeds(images, start, start + take)
         return Chunk(
             tokens,
             start,
             pages,
             sample=start + take == len(sample.tokens),
             lora_slot=sample.lora_slot,
+            embed_offsets=offsets,
+            embeds=embeds,
         )
 
     def _sampled(self, sample: SampleState, logits: torch.Tensor) -> None:
@@ -466,6 +551,8 @@ class Engine:
         if not sample.prefilled:
             self.cache.commit(sample.seq, sample.computed)
             sample.prefilled = True
+            if sample.request.images is not None:  # its image positions are all computed
+                sample.request.images.encoded.clear()
         siblings = self._fork(sample) if not sample.request.forked else []
         top_logprobs = sample.request.request.sampling.logprobs
         for each in (sample, *siblings):

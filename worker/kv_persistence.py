@@ -40,6 +40,7 @@ import os
 import threading
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -50,7 +51,14 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from xxhash import xxh3_128_hexdigest
 
-from cache import IDENTITY_SCHEME_VERSION, CacheError, CacheNamespace, Node, to_cache_keys
+from cache import (
+    IDENTITY_SCHEME_VERSION,
+    CacheError,
+    CacheNamespace,
+    CacheToken,
+    Node,
+    to_cache_keys,
+)
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -341,7 +349,9 @@ class KvStore:
             parent = node.name
         return path
 
-    def extend(self, engine: Engine, tokens: list[int], namespace: CacheNamespace) -> int:
+    def extend(
+        self, engine: Engine, tokens: Sequence[CacheToken], namespace: CacheNamespace
+    ) -> int:
         """Before a start (engine thread): insert the saved nodes that continue `tokens` past
         what the tree holds in either tier. Returns the positions read from disk."""
         if not self._children:

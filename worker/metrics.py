@@ -68,6 +68,18 @@ class EngineCollector(Collector):
                 "Seconds spent copying LoRA adapters into device slots",
                 stats.adapter_swap_seconds_total,
             ),
+            "radixmesh_worker_encoder_runs": (
+                "Images the vision encoder encoded",
+                stats.encoder_runs,
+            ),
+            "radixmesh_worker_encoder_cache_hits": (
+                "Images whose vision encoder output came from the encoder cache",
+                stats.encoder_cache_hits,
+            ),
+            "radixmesh_worker_encoder_seconds": (
+                "Seconds spent in the vision encoder",
+                stats.encoder_seconds,
+            ),
         }
         for name, (text, value) in counters.items():
             family = CounterMetricFamily(name, text, labels=labels)

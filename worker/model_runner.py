@@ -10,6 +10,10 @@ batch then carries the adapter segments, adjacent chunks of one slot merged into
 (the engine orders its chunks by slot so that there are few). When every chunk is -1 there are
 no segments and the step is the base model's.
 
+A chunk over a vision prompt's image positions carries their input embeddings (its rows'
+offsets in the chunk and one row each, from worker/image_inputs.py); the batch gathers them
+into `embed_rows` / `embeds`, which replace those rows' token embeddings.
+
 With a host tier it also owns the host KV tensors (CPU memory, pinned when the device is CUDA)
 and performs the cache's `TierCopy`s: a gather of whole pages per layer on one side, a scatter
 on the other, in the order the cache queued them.
@@ -42,6 +46,10 @@ class Chunk:
     """Whether logits are wanted at the chunk's last token."""
     lora_slot: int = -1
     """The LoRA stacks' slot of the sequence's adapter; -1: the base model."""
+    embed_offsets: Sequence[int] = ()
+    """Offsets in `token_ids` of the image positions, whose embeddings are `embeds`."""
+    embeds: torch.Tensor | None = None
+    """[len(embed_offsets), hidden] the input embeddings of those positions."""
 
 
 class ModelRunner:
@@ -114,6 +122,8 @@ class ModelRunner:
         cu = [0]
         lens_k: list[int] = []
         sample_rows: list[int] = []
+        embed_rows: list[int] = []
+        embeds: list[torch.Tensor] = []
         width = max(cdiv(c.start + len(c.token_ids), ps) for c in chunks)
         table = torch.zeros((len(chunks), width), dtype=torch.int32)
         for i, chunk in enumerate(chunks):
@@ -125,6 +135,10 @@ class ModelRunner:
             slots.extend(row[p // ps] * ps + p % ps for p in span)
             used = cdiv(end, ps)
             table[i, :used] = torch.tensor(row[:used], dtype=torch.int32)
+            if chunk.embeds is not None:
+                _check_embeds(chunk)
+                embed_rows.extend(cu[-1] + offset for offset in chunk.embed_offsets)
+                embeds.append(chunk.embeds)
             cu.append(cu[-1] + len(chunk.token_ids))
             lens_k.append(end)
             if chunk.sample:
@@ -143,6 +157,10 @@ class ModelRunner:
             lora_seg_starts=_int32(starts, device) if seg_slots else None,
             lora_seg_slots=_int32(seg_slots, device) if seg_slots else None,
             lora_slots=tuple(sorted({s for s in seg_slots if s >= 0})),
+            embed_rows=torch.tensor(embed_rows, dtype=torch.int64, device=device)
+            if embeds
+            else None,
+            embeds=_image_embeds(embeds, device) if embeds else None,
         )
 
     def _segments(self, chunks: Sequence[Chunk]) -> tuple[list[int], list[int]]:
@@ -167,6 +185,21 @@ class ModelRunner:
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Compute the chunks' K/V; float32 logits for the sampling chunks, in chunk order."""
         return self.model(self.build_batch(chunks), self.kv, self.lora)
+
+
+def _check_embeds(chunk: Chunk) -> None:
+    offsets, n = chunk.embed_offsets, len(chunk.token_ids)
+    assert chunk.embeds is not None
+    if chunk.embeds.shape[0] != len(offsets) or any(not 0 <= o < n for o in offsets):
+        raise ValueError(
+            f"a chunk of {n} tokens with {chunk.embeds.shape[0]} embeddings for offsets "
+            f"{list(offsets)[:8]}..."
+        )
+
+
+def _image_embeds(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    embeds = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return embeds.to(device)
 
 
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from cache import DEFAULT_NAMESPACE, CacheNamespace
 from worker.sampling_params import SamplingParams
@@ -36,7 +37,9 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...] | None = None
     prompt: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    """Chat messages: a `role` and a `content`, either text or a list of parts
+    ({"type": "text", "text": ...} / {"type": "image"}: the next of `images`)."""
     namespace: CacheNamespace = DEFAULT_NAMESPACE
     sampling: SamplingParams = field(default_factory=SamplingParams)
     resume: Resume | None = None

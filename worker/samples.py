@@ -8,6 +8,10 @@ A sample is what holds a cache sequence and generates tokens. Its positions:
 
 Samples 1..n-1 of a request are UNBORN until sample 0's prompt is complete; then they fork
 from it and share its prompt pages.
+
+A vision prompt's sample starts the cache with its cache tokens (worker/image_inputs.py: one
+ImageToken per run of image positions) instead of its ids, and never with the router's block
+hashes (they cannot stand for image keys; `BlockHasher.accepts` refuses typed keys anyway).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
-from cache import CachedSequence
+from cache import CachedSequence, CacheToken
+from worker.image_inputs import RequestImages
 from worker.lora_adapter import LoraAdapter
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling import Sampler
@@ -63,6 +68,17 @@ class SampleState:
     def pending(self) -> int:
         return len(self.tokens) - self.computed
 
+    def cache_tokens(self) -> list[CacheToken] | list[int]:
+        """What the cache keys this sample's positions by."""
+        images = self.request.images
+        return self.tokens if images is None else images.cache_tokens(self.tokens)
+
+    @property
+    def block_hashes(self) -> tuple[int, ...]:
+        """The router's block hashes of the prompt, if the cache may take them."""
+        request = self.request
+        return request.request.prompt_block_hashes if request.images is None else ()
+
 
 @dataclass(eq=False)
 class RequestState:
@@ -71,6 +87,8 @@ class RequestState:
     sink: Callable[[RequestOutput], None]
     adapter: LoraAdapter | None = None
     """The adapter the request runs with (its identity is `request.namespace.adapter`)."""
+    images: RequestImages | None = None
+    """A vision prompt's images, placed (None: a text prompt)."""
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as

@@ -183,10 +183,10 @@ class Scheduler:
             self.from_disk(sample)
         try:
             seq = self.cache.start(
-                sample.tokens,
+                sample.cache_tokens(),
                 request.namespace,
                 reserve=len(sample.tokens),
-                block_hashes=request.prompt_block_hashes,
+                block_hashes=sample.block_hashes,
             )
         except (OutOfPages, OutOfSlots):
             return Admission.NO_ROOM

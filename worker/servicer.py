@@ -1,6 +1,7 @@
 """The worker's gRPC service: a thin async adapter between protos and the engine thread.
 
-Generate submits token ids to the engine and streams its outputs back; a client that goes away
+Generate submits token ids (and a vision prompt's image files, which the engine checks and
+places again) to the engine and streams its outputs back; a client that goes away
 (cancel, deadline, disconnect) aborts the request at once, so its pages are freed. A request may
 resume a sample another worker began (`resume`: its ids end with the tokens already streamed).
 GetTokenizer hands the checkpoint's tokenizer files to a router that has none. LoadAdapter reads
@@ -76,6 +77,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 sampling=sampling_from_proto(request.sampling),
                 resume=resume_from_proto(request),
                 prompt_block_hashes=tuple(request.prompt_block_hashes),
+                images=tuple(request.images),
             )
             self.engine.submit(generate, sink)
         except InvalidRequest as err:
@@ -188,6 +190,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=self.engine.vocab_size,
             max_model_len=self.engine.max_model_len,
             max_running=self.engine.config.max_running,
+            vision=vision_info(self.engine),
         )
 
     async def Abort(
@@ -219,6 +222,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "requests are running; clear when idle"
             )
         return serving_pb2.ClearCachesResponse(pages_freed=freed or 0)
+
+
+def vision_info(engine: Engine) -> worker_pb2.VisionInfo | None:
+    """How the engine's vision model places images and what it accepts (None: no vision)."""
+    spec = engine.limits.image_spec
+    if spec is None:
+        return None
+    limits = engine.limits.images
+    return worker_pb2.VisionInfo(
+        image_token_id=spec.image_token_id,
+        image_seq_len=spec.image_seq_len,
+        tile_size=spec.tile_size,
+        longest_edge=spec.longest_edge,
+        do_image_splitting=spec.do_image_splitting,
+        max_images=limits.max_images,
+        max_image_pixels=limits.max_pixels,
+        max_image_bytes=limits.max_bytes,
+    )
 
 
 def worker_stats(engine: Engine, name: str, address: str = "") -> serving_pb2.WorkerStats:

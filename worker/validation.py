@@ -6,6 +6,19 @@ they cannot disagree. Every refusal is an `InvalidRequest` naming the field. Tex
 against `max_prompt_chars` before it is tokenised, and a text longer than
 `HEAD_CHARS_PER_TOKEN` characters per token of context is tokenised in full only if its head
 fits: a prompt too long to serve costs at most a context's worth of tokeniser time.
+
+Images (a vision model's `RequestLimits.image_spec`; worker/images.py, worker/image_prompt.py):
+`request_images` decodes and checks a request's image files, and `prompt_ids` places them, so
+the ids it returns are expanded (every image position is in them and counts against the
+context like any token):
+
+    text      "... <image> ..."          each <image> expanded (`expand_text`), then encoded
+    chat      content parts [{"type": "text", "text": ...}, {"type": "image"}]: the template
+              writes <image> for an image part, then as text
+    token ids one image token id per image (`expand_ids`), or already expanded (what the router
+              forwards to a worker): kept as they are when their runs check out (`image_runs`)
+
+A model without vision refuses any image, naming "images".
 """
 
 from __future__ import annotations
@@ -15,6 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from worker.errors import InvalidRequest, PromptTooLarge
+from worker.image_prompt import (
+    IMAGE_TOKEN,
+    ImagePromptSpec,
+    PromptImage,
+    expand_ids,
+    expand_text,
+    image_runs,
+)
+from worker.images import CheckedImage, ImageLimits, check_images
 from worker.request import GenerateRequest
 from worker.sampling_params import MAX_N, StopLimits
 
@@ -55,18 +77,72 @@ class RequestLimits:
     stop: StopLimits = field(default_factory=StopLimits)
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
     """Characters of a text prompt, or of all a chat's message contents together."""
+    image_spec: ImagePromptSpec | None = None
+    """Where the model's images go in a prompt; None: a text model, every image is refused."""
+    images: ImageLimits = field(default_factory=ImageLimits)
+    """What the operator allows of one request's images."""
 
     @classmethod
-    def of(cls, vocab_size: int, max_model_len: int, settings: LimitSettings) -> RequestLimits:
+    def of(
+        cls,
+        vocab_size: int,
+        max_model_len: int,
+        settings: LimitSettings,
+        image_spec: ImagePromptSpec | None = None,
+        images: ImageLimits | None = None,
+    ) -> RequestLimits:
         """The model's limits with the operator's: what the router and every worker check."""
         stop = StopLimits(settings.max_stop_strings, settings.max_stop_chars)
-        return cls(vocab_size, max_model_len, stop, settings.max_prompt_chars)
+        return cls(
+            vocab_size,
+            max_model_len,
+            stop,
+            settings.max_prompt_chars,
+            image_spec,
+            images if images is not None else ImageLimits(),
+        )
+
+
+def request_images(request: GenerateRequest, limits: RequestLimits) -> list[CheckedImage]:
+    """The request's images, decoded and checked (`images[i]` names a bad one); [] for none.
+    A model without vision refuses any."""
+    if not request.images:
+        return []
+    if limits.image_spec is None:
+        raise InvalidRequest("images", "this model has no vision encoder; send text only")
+    return check_images(request.images, "images", limits.images)
+
+
+def prompt_images(images: Sequence[CheckedImage]) -> list[PromptImage]:
+    """What placing checked images in a prompt needs of them: identity and size."""
+    return [PromptImage(i.content_hash, i.width, i.height) for i in images]
 
 
 def prompt_ids(
-    request: GenerateRequest, tokenizer: PromptTokenizer | None, limits: RequestLimits
+    request: GenerateRequest,
+    tokenizer: PromptTokenizer | None,
+    limits: RequestLimits,
+    images: Sequence[CheckedImage] | None = None,
 ) -> list[int]:
-    """The prompt's token ids, from ids as given, text (encoded) or chat (template, encoded)."""
+    """The prompt's token ids, from ids as given, text (encoded) or chat (template, encoded),
+    with every image expanded into its positions. `images`: the request's images as
+    `request_images` returned them (None: checked here)."""
+    if images is None:
+        images = request_images(request, limits)
+    placed = prompt_images(images)
+    ids = _prompt_ids(request, tokenizer, limits, placed)
+    spec = limits.image_spec
+    if spec is not None:  # every image token is one of the images' runs, and every run is there
+        image_runs(ids[: len(ids) - request.generated_before], placed, spec)
+    return ids
+
+
+def _prompt_ids(
+    request: GenerateRequest,
+    tokenizer: PromptTokenizer | None,
+    limits: RequestLimits,
+    images: list[PromptImage],
+) -> list[int]:
     given = [
         name
         for name in ("prompt_token_ids", "prompt", "messages")
@@ -76,31 +152,108 @@ def prompt_ids(
         raise InvalidRequest(
             "prompt", f"give exactly one of token ids, text or messages; got {given}"
         )
+    spec = limits.image_spec
     if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids)
+        return _given_ids(request, tokenizer, images, spec)
     if tokenizer is None:
         raise InvalidRequest(given[0], "this model has no tokenizer; send token ids")
     if request.prompt is not None:
         _check_chars("prompt", len(request.prompt), limits)
-        return _encode("prompt", request.prompt, tokenizer, limits)
+        text = request.prompt
+        if spec is not None:
+            text = expand_text(text, images, spec)
+        return _encode("prompt", text, tokenizer, limits)
     assert request.messages is not None
-    if not request.messages:
-        raise InvalidRequest("messages", "is empty; send at least one message")
-    chars = 0
-    for i, message in enumerate(request.messages):
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("content"), str)
-            or not message.get("role")
-        ):
-            raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
-        chars += len(message["content"])
-    _check_chars("messages", chars, limits)
+    messages = _chat(request.messages, len(images), limits, vision=spec is not None)
     try:
-        text = tokenizer.apply_chat_template(list(request.messages))
+        text = tokenizer.apply_chat_template(messages)
     except ValueError as err:  # no template, or the template refused the conversation
         raise InvalidRequest("messages", str(err)) from err
+    if spec is not None:
+        text = expand_text(text, images, spec)
     return _encode("messages", text, tokenizer, limits, add_special_tokens=False)
+
+
+def _given_ids(
+    request: GenerateRequest,
+    tokenizer: PromptTokenizer | None,
+    images: list[PromptImage],
+    spec: ImagePromptSpec | None,
+) -> list[int]:
+    """Token ids as given; with images, each image's one image token expanded, unless the ids
+    are expanded already (their runs check out: what the router forwards)."""
+    assert request.prompt_token_ids is not None
+    ids = list(request.prompt_token_ids)
+    if spec is None or not images:
+        return ids
+    original = ids[: len(ids) - request.generated_before]
+    try:
+        image_runs(original, images, spec)
+        return ids
+    except InvalidRequest:
+        if sum(t == spec.image_token_id for t in original) != len(images):
+            raise
+    if tokenizer is None or request.resume is not None:
+        raise InvalidRequest(
+            "prompt_token_ids",
+            "one image token per image needs the tokenizer to expand it; send expanded ids",
+        )
+    return expand_ids(ids, images, spec, lambda t: tokenizer.encode(t, add_special_tokens=False))
+
+
+def _chat(
+    messages: Sequence[Any], images: int, limits: RequestLimits, vision: bool
+) -> list[dict[str, Any]]:
+    """The messages checked, for the template: a content of parts stays parts for a vision
+    model (its template renders them; a text content becomes one text part) and becomes its
+    text for a text model. The image parts must match the images, one for one."""
+    if not messages:
+        raise InvalidRequest("messages", "is empty; send at least one message")
+    chars = image_parts = 0
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not message.get("role"):
+            raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+            parts = [{"type": "text", "text": content}]
+        elif isinstance(content, list | tuple):
+            parts = [
+                _part(part, f"messages[{i}].content[{j}]", vision) for j, part in enumerate(content)
+            ]
+            chars += sum(len(p["text"]) for p in parts if p["type"] == "text")
+            image_parts += sum(p["type"] == "image" for p in parts)
+        else:
+            raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
+        if vision:
+            out.append({**message, "content": parts})
+        elif isinstance(content, str):
+            out.append(dict(message))
+        else:
+            out.append({**message, "content": "".join(p["text"] for p in parts)})
+    _check_chars("messages", chars, limits)
+    if image_parts != images:
+        raise InvalidRequest(
+            "images", f"the messages have {image_parts} image parts for {images} images"
+        )
+    return out
+
+
+def _part(part: Any, field: str, vision: bool) -> dict[str, Any]:
+    """One content part: {"type": "text", "text": str} or {"type": "image"}."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        if vision and IMAGE_TOKEN in part["text"]:
+            raise InvalidRequest(
+                field, f"a text part holds {IMAGE_TOKEN}; send images as image parts"
+            )
+        return {"type": "text", "text": part["text"]}
+    if kind == "image":
+        if not vision:
+            raise InvalidRequest(field, "an image part, and this model has no vision encoder")
+        return {"type": "image"}
+    raise InvalidRequest(field, 'expected {"type": "text", "text": ...} or {"type": "image"}')
 
 
 def _encode(

@@ -1,0 +1,161 @@
+"""A vision prompt's images inside the engine: their cache tokens, and the input embeddings of
+the image positions a prefill chunk computes. Engine thread, except `place` (the submitting
+thread: hashing an image's tiles never runs on the engine's).
+
+A request's images are placed once, at submit: the runs of image tokens in its expanded ids
+(`image_runs`: (start, image, tile)) and the prompt as cache tokens (one `ImageToken` per tile
+run), which its sequences start the cache with instead of the ids, so a later request that
+sends the same image matches its KV position for position:
+
+    ids      [ text ... | <image> x L (tile 0) | text | <image> x L (tile 1) | ... | text ]
+    cache    [ text ... | ImageToken(tile 0)   | text | ImageToken(tile 1)   | ... | text ]
+
+A chunk of prefill [start, end) that covers image positions gets their embeddings: row k of
+`Vision.encode(image)` is the input embedding of the image's k-th image position (tile
+`k // L`, offset `k % L`). The encoder runs lazily: only for an image that a chunk computes,
+which a cached prefix covering the image never is. Its output is held by the request while it
+prefills (an image split over chunks is encoded once) and kept in the `EncoderCache`, so an
+image whose KV was evicted, or a cached prefix ending inside an image, costs no second run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from cache import CacheToken
+from worker.encoder_cache import EncoderCache
+from worker.image_prompt import ImagePromptSpec, cache_tokens, image_runs
+from worker.images import CheckedImage
+from worker.validation import prompt_images
+
+
+class ImageEncoder(Protocol):
+    """What the engine needs of a vision model (worker/vision.py's `Vision`)."""
+
+    @property
+    def spec(self) -> ImagePromptSpec: ...
+
+    def encode(self, image: CheckedImage) -> torch.Tensor:
+        """[tiles * spec.image_seq_len, hidden]: row k embeds the image's k-th image position."""
+        ...
+
+
+@dataclass(eq=False)
+class RequestImages:
+    """One request's images, placed in its prompt."""
+
+    images: Sequence[CheckedImage]
+    runs: Sequence[tuple[int, int, int]]
+    """(start position, image index, tile index) of each run of image tokens, in order."""
+    cache_prompt: list[CacheToken]
+    """The prompt as cache tokens (text ids, one ImageToken per run)."""
+    prompt_length: int
+    """Positions of the prompt the runs lie in (`cache_prompt` covers exactly these)."""
+    seq_len: int
+    """Positions of one run (`image_seq_len`)."""
+    salt: object = None
+    """What keeps one tenant's encoder outputs from another's (the tenant)."""
+    encoded: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Encoder outputs by image index, held while the request prefills."""
+
+    @property
+    def end(self) -> int:
+        """The position after the last image position."""
+        return self.runs[-1][0] + self.seq_len if self.runs else 0
+
+    def cache_tokens(self, tokens: Sequence[int]) -> list[CacheToken]:
+        """A sample's tokens (the prompt's ids, then generated ones) as cache tokens."""
+        return [*self.cache_prompt, *tokens[self.prompt_length :]]
+
+    def rows(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """(image, first row of its output, first row of the chunk, count) of every stretch of
+        image positions in [start, end)."""
+        out = []
+        length = self.seq_len
+        for run_start, image, tile in self.runs:
+            lo, hi = max(start, run_start), min(end, run_start + length)
+            if lo < hi:
+                out.append((image, tile * length + lo - run_start, lo - start, hi - lo))
+        return out
+
+
+def place(
+    ids: Sequence[int],
+    prompt_length: int,
+    images: Sequence[CheckedImage],
+    spec: ImagePromptSpec,
+    salt: object = None,
+) -> RequestImages:
+    """Place checked images in expanded ids whose first `prompt_length` are the prompt's
+    (a resumed sample's end with generated tokens). Raises InvalidRequest("images", ...)."""
+    placed = prompt_images(images)
+    prompt = ids[:prompt_length]
+    runs = image_runs(prompt, placed, spec)
+    return RequestImages(
+        images, runs, cache_tokens(prompt, placed, spec), prompt_length, spec.image_seq_len, salt
+    )
+
+
+@dataclass
+class EncoderStats:
+    runs: int = 0
+    """Images encoded."""
+    cache_hits: int = 0
+    """Images whose output came from the encoder cache instead of a run."""
+    seconds: float = 0.0
+    """Time spent encoding."""
+
+
+class ImageEmbedder:
+    """Embeddings of a chunk's image positions, from the held outputs, the encoder cache or the
+    encoder, in that order."""
+
+    def __init__(self, encoder: ImageEncoder, cache_bytes: int) -> None:
+        self.encoder = encoder
+        self.cache = EncoderCache(cache_bytes)
+        self.stats = EncoderStats()
+
+    def chunk_embeds(
+        self, request: RequestImages, start: int, end: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """(chunk rows, [rows, hidden] embeddings) of the image positions in [start, end);
+        ([], None) when there are none."""
+        stretches = request.rows(start, end)
+        if not stretches:
+            return [], None
+        offsets: list[int] = []
+        pieces = []
+        for image, first, chunk_row, count in stretches:
+            output = self._output(request, image)
+            offsets.extend(range(chunk_row, chunk_row + count))
+            pieces.append(output[first : first + count])
+        return offsets, torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def _output(self, request: RequestImages, index: int) -> torch.Tensor:
+        held = request.encoded.get(index)
+        if held is not None:
+            return held
+        image = request.images[index]
+        key = (request.salt, image.content_hash)
+        output = self.cache.get(key)
+        if output is not None:
+            self.stats.cache_hits += 1
+        else:
+            began = time.perf_counter()
+            output = self.encoder.encode(image)
+            self.stats.seconds += time.perf_counter() - began
+            self.stats.runs += 1
+            tiles = len([r for r in request.runs if r[1] == index])
+            if output.shape[0] != tiles * request.seq_len:
+                raise RuntimeError(
+                    f"the vision encoder gave {output.shape[0]} rows for an image of {tiles} "
+                    f"tiles of {request.seq_len} positions"
+                )
+            self.cache.put(key, output)
+        request.encoded[index] = output
+        return output
