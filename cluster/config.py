@@ -37,7 +37,7 @@ ANY_TENANT = "*"
 MAX_ADAPTER_NAME_CHARS = 128
 """An adapter's name is part of every cache key of its namespace and of the OpenAI `model`."""
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
+DEFAULT_ENCODER_CACHE_BYTES = 64 << 20
 
 
 class ConfigError(ValueError):
