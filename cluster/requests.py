@@ -159,8 +159,9 @@ def _image_fields(
     """What refusals call each image; refuses any image of a text model, and too many images
     before decoding one."""
     fields = router_images.image_fields(len(message.images), given)
-    if message.images and limits.image_spec is None:
-        raise InvalidRequest(fields[0], "this model has no vision encoder; send text only")
+    if message.images and limits.image_spec is None:  # named by the client's part, if any
+        where = given[0] if given else "images"
+        raise InvalidRequest(where, "this model has no vision encoder; send text only")
     if message.images:
         router_images.check_count(fields, limits.images.max_images)
     return fields
