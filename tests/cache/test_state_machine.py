@@ -14,6 +14,14 @@ copies, tier copies) is performed in the order given, before the next forward pa
 does. A sequence must then read exactly its own keys from the pages it reuses, and every cached
 node's pages must hold its keys, in whichever tier they live.
 
+Vision prompts are laid out as the Idefics3 / SmolVLM family lays them (worker/image_prompt.py):
+per tile a wrapper token, a row tag and one ImageToken of the family's KV length (4: the tiny
+test checkpoint; 64: SmolVLM-256M / 500M; 81: SmolVLM-2.2B), the global image last. The same
+image recurs (in other namespaces too) and prefixes end inside images (chunks and commits stop
+anywhere, eviction cuts anywhere). Every slot the simulation writes records the namespace of the
+sequence that wrote it, so a sequence reading a page another tenant's sequence wrote, for the
+same image, fails.
+
 The tiered machines add a host tier smaller than what is evicted, so demotions, promotions, host
 evictions, inserts over host-resident positions and aborts right after a promotion (before its
 copies are taken) all happen.
@@ -49,14 +57,22 @@ from cache import (
 from cache.integrity import check_sequence_cache
 from cache.radix_node import Node
 from cache.tiers import DEVICE, TierCopy
+from cache.tokens import IMAGE
 
 BOS = 1
 PREFIXES = [[], list(range(100, 120)), [*range(100, 110), *range(200, 230)], [7] * 24]
 NAMESPACES = [CacheNamespace(), CacheNamespace(tenant="acme"), CacheNamespace(adapter="lora")]
 IMAGES = [ImageToken(0xA11CE, 12), ImageToken(0xB0B, 20)]
+FAMILY_LENGTHS = (4, 64, 81)
+"""`image_seq_len` of the Idefics3 family: the tiny checkpoint, SmolVLM-256M/500M, -2.2B."""
+FAKE, GLOBAL, ROW = 501, 502, 510
+"""The wrapper token, the global image's tag and the first row tag of a vision prompt."""
 STEPS = {"count": 0}
 MOVED = {"demoted": 0, "promoted": 0, "adopted": 0, "host_evicted": 0, "host_reads": 0}
 """Pages moved between tiers over a whole run (the tiered tests require each kind)."""
+REUSED = {"image": 0, "inside_image": 0}
+"""Starts whose reused prefix covered image positions, and those whose prefix ended inside an
+image (the worker then recomputes the rest of it from the image's embeddings)."""
 
 
 @dataclass
@@ -74,8 +90,27 @@ def _namespace_of(node: Node) -> CacheNamespace | None:
     return root.namespace
 
 
-Slot = tuple[int, int] | None
-"""What one KV slot holds in the simulation: (key, position), or None if never written."""
+Slot = tuple[CacheNamespace | None, int, int] | None
+"""What one KV slot holds in the simulation: (namespace, key, position) of the sequence that
+wrote it, or None if never written."""
+
+
+def _is_image(key: int) -> bool:
+    return key >> 61 == 0b100 | IMAGE
+
+
+def tile_token(image: int, tile: int, length: int) -> ImageToken:
+    """One tile's run of an image (its content hash names the image and the tile, as
+    worker.image_prompt.tile_hash does)."""
+    return ImageToken((0x1DEF1C5 << 64) | image << 16 | tile, length)
+
+
+def vision_prompt(image: int, tiles: int, length: int) -> list[CacheToken]:
+    """The image's part of a prompt: each grid tile, then the global image."""
+    tokens: list[CacheToken] = []
+    for tile in range(tiles - 1):
+        tokens += [FAKE, ROW + tile, tile_token(image, tile, length)]
+    return [*tokens, FAKE, GLOBAL, tile_token(image, tiles - 1, length), FAKE]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -119,7 +154,8 @@ class CacheMachine(RuleBasedStateMachine):
         row, ps = self.cache.table.row(seq.slot), self.page_size
         for p in range(upto):
             got = self._page(DEVICE, row[p // ps])[p % ps]
-            assert got == (seq.keys[p], p), f"position {p} reads {got}, not {(seq.keys[p], p)}"
+            want = (seq.namespace, seq.keys[p], p)
+            assert got == want, f"position {p} reads {got}, not {want}"
 
     # -- starting ------------------------------------------------------------------------------
     def _start(self, tokens: list[CacheToken], ns: CacheNamespace, reserve: int) -> None:
@@ -135,6 +171,11 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self._perform(self.cache.take_page_copies(seq))  # then it computes from `reused`
         self._assert_reads(seq, seq.reused)
+        reused = seq.keys[: seq.reused]
+        if any(_is_image(k) for k in reused):
+            REUSED["image"] += 1
+        if 0 < seq.reused < len(seq.keys) and _is_image(seq.keys[seq.reused]):
+            REUSED["inside_image"] += _is_image(reused[-1])
         self.running.append(Running(seq, tokens, seq.reused))
 
     @rule(
@@ -153,6 +194,32 @@ class CacheMachine(RuleBasedStateMachine):
         reserve: int,
     ) -> None:
         tokens: list[CacheToken] = [BOS, *([image] if image else []), *prefix, *tail]
+        self._start(tokens, ns, reserve)
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        image=st.integers(0, 2),
+        tiles=st.sampled_from([1, 3, 5]),
+        length=st.sampled_from(FAMILY_LENGTHS),
+        tail=st.lists(st.integers(0, 5), max_size=6),
+        ns=st.sampled_from(NAMESPACES),
+        reserve=st.integers(0, 40),
+    )
+    def start_vision_prompt(
+        self,
+        prefix: list[int],
+        image: int,
+        tiles: int,
+        length: int,
+        tail: list[int],
+        ns: CacheNamespace,
+        reserve: int,
+    ) -> None:
+        """A prompt of this family with one image of 1, 3 or 5 tiles (as many as leave room
+        for others in the pool)."""
+        while tiles > 1 and tiles * length > self.num_pages * self.page_size // 2:
+            tiles -= 2
+        tokens: list[CacheToken] = [BOS, *prefix, *vision_prompt(image, tiles, length), *tail]
         self._start(tokens, ns, reserve)
 
     @precondition(lambda self: self.running)
@@ -177,7 +244,7 @@ class CacheMachine(RuleBasedStateMachine):
         self._flush()
         old, run.done = run.done, min(run.done + chunk, len(run.seq.keys), mapped)
         for p in range(old, run.done):  # the forward pass writes the KV of these positions
-            self._page(DEVICE, row[p // ps])[p % ps] = (run.seq.keys[p], p)
+            self._page(DEVICE, row[p // ps])[p % ps] = (run.seq.namespace, run.seq.keys[p], p)
         if commit or run.done == run.seq.prompt_length:
             self.cache.commit(run.seq, run.done)
 
@@ -281,9 +348,11 @@ class CacheMachine(RuleBasedStateMachine):
         self._flush()
         ps = self.page_size
         for node in self.cache.tree.nodes():
+            ns = _namespace_of(node)
             for j, key in enumerate(node.keys):
                 got = self._page(node.tier, node.pages[j // ps])[j % ps]
-                assert got == (key, node.start + j), f"{node!r} position {node.start + j}: {got}"
+                want = (ns, key, node.start + j)
+                assert got == want, f"{node!r} position {node.start + j}: {got}, not {want}"
 
 
 class BigPageMachine(CacheMachine):
@@ -311,6 +380,7 @@ class TieredBigPageMachine(BigPageMachine):
 def _run(machine: type[CacheMachine], examples: int) -> int:
     STEPS["count"] = 0
     MOVED.update(dict.fromkeys(MOVED, 0))
+    REUSED.update(dict.fromkeys(REUSED, 0))
     run_state_machine_as_test(
         machine, settings=settings(max_examples=examples, stateful_step_count=100, deadline=None)
     )
@@ -318,11 +388,13 @@ def _run(machine: type[CacheMachine], examples: int) -> int:
 
 
 def test_random_operations_page_size_1() -> None:
-    assert _run(CacheMachine, 70) >= 5000
+    assert _run(CacheMachine, 90) >= 5000
+    assert REUSED["image"] and REUSED["inside_image"], REUSED
 
 
 def test_random_operations_page_size_16() -> None:
-    assert _run(BigPageMachine, 70) >= 5000
+    assert _run(BigPageMachine, 90) >= 5000
+    assert REUSED["image"] and REUSED["inside_image"], REUSED
 
 
 def _moved_both_ways() -> bool:
@@ -333,18 +405,18 @@ def _moved_both_ways() -> bool:
 
 
 def test_random_operations_with_a_host_tier_page_size_1() -> None:
-    assert _run(TieredMachine, 70) >= 5000
+    assert _run(TieredMachine, 90) >= 5000
     assert _moved_both_ways(), MOVED
 
 
 def test_random_operations_with_a_host_tier_page_size_4() -> None:
-    assert _run(TieredPage4Machine, 70) >= 5000
+    assert _run(TieredPage4Machine, 90) >= 5000
     assert _moved_both_ways(), MOVED
 
 
 def test_random_operations_with_a_host_tier_page_size_16() -> None:
     # prompts here span one to four pages: moves happen in most runs, not in every one
-    assert _run(TieredBigPageMachine, 70) >= 5000
+    assert _run(TieredBigPageMachine, 90) >= 5000
 
 
 def test_without_a_host_tier_nothing_moves_between_tiers() -> None:

@@ -77,7 +77,7 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
-def _preprocessor_config(tile: int, longest_edge: int, do_image_splitting: bool) -> dict[str, Any]:
+def preprocessor_config(tile: int, longest_edge: int, do_image_splitting: bool) -> dict[str, Any]:
     """What Idefics3ImageProcessor.save_pretrained writes for SmolVLM (resample 1 = LANCZOS)."""
     return {
         "do_convert_rgb": True,
@@ -227,7 +227,7 @@ def _write_processor_files(
 ) -> None:
     files: dict[str, Any] = {
         "tokenizer_config.json": _tokenizer_config(),
-        "preprocessor_config.json": _preprocessor_config(tile, longest_edge, do_image_splitting),
+        "preprocessor_config.json": preprocessor_config(tile, longest_edge, do_image_splitting),
         "processor_config.json": {
             "image_seq_len": image_seq_len,
             "processor_class": "Idefics3Processor",
@@ -277,9 +277,10 @@ def build_tiny_vlm(
     """A complete tiny Idefics3 directory at `path` (created if needed); returns `path`.
 
     `image_seq_len` (tokens per tile) defaults to (tile / patch)^2 / scale_factor^2 = 4; giving
-    it picks the patch size instead. An image up to `tile` pixels a side is one frame (the global
-    image); a larger one is resized to `longest_edge` and cut into tile x tile frames plus the
-    global one (64 / 32: at most 2 x 2 + 1 frames)."""
+    it picks the patch size instead. Every image is first resized so that its longest side is
+    `longest_edge` (small ones are scaled up), then cut into tile x tile frames plus the global
+    image: with 64 / 32, 2 x 2 + 1 frames for a squarish image, 1 x 2 + 1 for a wide one. With
+    `longest_edge == tile` (or no splitting) every image is one frame."""
     patch = _patch_size(tile, scale_factor, image_seq_len, patch)
     config = tiny_vlm_config(
         tile=tile,
