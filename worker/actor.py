@@ -63,7 +63,9 @@ class WorkerActor:
         loaded = load_model(model_source, DTYPES[dtype] if dtype else None, device)
         self.checkpoint = loaded.path
         config = EngineConfig(**{**engine, "model_revision": loaded.revision})
-        self.engine = Engine(loaded.model, loaded.tokenizer, config, source=name)
+        self.engine = Engine(
+            loaded.model, loaded.tokenizer, config, source=name, vision=loaded.vision
+        )
         self.engine.start()
         self.loop = EventLoopThread(f"grpc-{name}")
         servicer = WorkerServicer(self.engine, name, loaded.path)

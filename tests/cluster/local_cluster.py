@@ -82,7 +82,9 @@ class LocalCluster:
         config = EngineConfig(
             **{**engine_options(self.config), "model_revision": self.loaded.revision}
         )
-        engine = Engine(self.loaded.model, self.loaded.tokenizer, config, source=name)
+        engine = Engine(
+            self.loaded.model, self.loaded.tokenizer, config, source=name, vision=self.loaded.vision
+        )
         engine.start()
         servicer = WorkerServicer(engine, name, self.loaded.path)
         register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
