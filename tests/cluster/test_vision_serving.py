@@ -22,6 +22,7 @@ from typing import Any
 
 import anthropic
 import grpc
+import httpx2 as httpx
 import openai
 import pytest
 from PIL import Image
@@ -322,3 +323,17 @@ def test_a_stream_whose_worker_dies_continues_with_its_image(cluster: LocalClust
     cluster.add_worker("worker-2")
     assert_no_leak(cluster)
     client.close()
+
+
+def test_tokenize_counts_a_vision_models_text_chat_as_it_is_served(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """SmolVLM's template renders only content parts: /tokenize must hand it parts, as serving
+    does, or a text message renders empty. Images are not counted there: refused by name."""
+    messages = [{"role": "user", "content": "Count these words, please."}]
+    served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    counted = httpx.post(f"{cluster.http_url}/tokenize", json={"messages": messages}).json()
+    assert counted["count"] == served.usage.prompt_tokens
+    with_image = httpx.post(f"{cluster.http_url}/tokenize", json={"messages": [user_turn(b"x")]})
+    assert with_image.status_code == 400
+    assert with_image.json()["error"]["param"] == "messages[0].content[0].image_url"
