@@ -121,7 +121,7 @@ def in_process(model_source: str, texts: list[str], tokens: int) -> dict[str, fl
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as in the worker actor: a fair baseline
     loaded = load_model(model_source)
     config = EngineConfig(**{**asdict(ENGINE), "model_revision": loaded.revision})
-    engine = Engine(loaded.model, loaded.tokenizer, config)
+    engine = Engine(loaded.model, loaded.tokenizer, config, vision=loaded.vision)
     engine.start()
     timings = Timings()
     sampling = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,212 @@
+"""The engine serving vision prompts, on the tiny Idefics3 checkpoint (vlm_fixtures.py).
+
+transformers is the oracle: the engine's logits at each prompt's last position equal
+Idefics3ForConditionalGeneration's on the processor's inputs for the same conversation (so the
+image rows' embeddings reach the right positions, cold, warm, chunked or continued). A
+conversation that re-sends its image hits the image's KV on every later turn: the cached
+prompt tokens cover the image's positions, the vision encoder does not run again, and greedy
+output equals a cold engine's on the same prompt. An image whose KV was evicted, or a cached
+prefix that ends inside an image, comes from the encoder cache (no second encoder run; with
+the cache off the encoder runs again, so the counters can tell). An image split over prefill
+chunks is encoded once.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.worker.helpers import drain, relative_error
+from tests.worker.vlm_fixtures import build_tiny_vlm, png_bytes
+from worker import validation
+from worker.engine import Engine, EngineConfig
+from worker.image_prompt import image_runs
+from worker.loader import LoadedModel, load_model
+from worker.request import GenerateRequest, RequestOutput
+from worker.sampling_params import SamplingParams
+
+IMAGE = png_bytes(60, 40, seed=11)
+"""A 2 x 2 grid plus the global image: 5 runs of 4 positions."""
+QUESTIONS = ("What is in the picture?", "And its colours?", "Anything else?")
+TOKENS = 6
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path: Path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny", seed=5)
+    return load_model(path)
+
+
+class Oracle:
+    """transformers on the same checkpoint: the prompt's ids and last position's logits."""
+
+    def __init__(self, path: Path) -> None:
+        self.processor = transformers.AutoProcessor.from_pretrained(path)
+        model = transformers.Idefics3ForConditionalGeneration.from_pretrained(
+            path, dtype=torch.float32
+        )
+        self.model = model.eval()
+        self.image = Image.open(io.BytesIO(IMAGE)).convert("RGB")
+
+    def __call__(self, messages: list[dict[str, Any]]) -> tuple[list[int], torch.Tensor]:
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = self.processor(text=text, images=[self.image], return_tensors="pt")
+        with torch.no_grad():
+            logits = self.model(**inputs).logits[0, -1].float()
+        return inputs["input_ids"][0].tolist(), logits
+
+
+@pytest.fixture(scope="module")
+def oracle(loaded: LoadedModel) -> Oracle:
+    return Oracle(loaded.path)
+
+
+class Served:
+    """An engine driven step by step, with every output and the logits of each draw."""
+
+    def __init__(self, loaded: LoadedModel, **config: Any) -> None:
+        settings = {"num_pages": 256, "page_size": 4, "block_size": 4, **config}
+        self.engine = Engine(
+            loaded.model, loaded.tokenizer, EngineConfig(**settings), vision=loaded.vision
+        )
+        self.outputs: list[RequestOutput] = []
+        self.logits: dict[str, torch.Tensor] = {}
+        self.engine.observe_logits = self._observe
+
+    def _observe(self, request_id: str, index: int, position: int, logits: torch.Tensor) -> None:
+        self.logits.setdefault(request_id, logits.clone())  # the first draw's
+
+    def run(self, request: GenerateRequest) -> tuple[list[int], RequestOutput]:
+        self.engine.submit(request, self.outputs.append)
+        drain(self.engine)
+        mine = [o for o in self.outputs if o.request_id == request.request_id]
+        assert mine[-1].finished and mine[-1].error is None, mine[-1]
+        return [t for o in mine for t in o.token_ids], mine[-1]
+
+    def prompt(self, request: GenerateRequest) -> list[int]:
+        engine = self.engine
+        return validation.prompt_ids(request, engine.tokenizer, engine.limits)
+
+    def image_end(self, request: GenerateRequest) -> int:
+        """The position after the request's last image position."""
+        limits = self.engine.limits
+        assert limits.image_spec is not None
+        images = validation.prompt_images(validation.request_images(request, limits))
+        runs = image_runs(self.prompt(request), images, limits.image_spec)
+        return runs[-1][0] + limits.image_spec.image_seq_len
+
+    def check_idle(self) -> None:
+        cache = self.engine.cache
+        assert not cache.live and cache.pool.num_private == 0
+        assert cache.pool.num_free + cache.tree.cached_pages == cache.pool.usable_pages
+
+
+def chat(request_id: str, turns: list[dict[str, Any]]) -> GenerateRequest:
+    return GenerateRequest(
+        request_id,
+        messages=tuple(turns),
+        images=(IMAGE,),
+        sampling=SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True),
+    )
+
+
+def first_turn() -> list[dict[str, Any]]:
+    parts = [{"type": "image"}, {"type": "text", "text": QUESTIONS[0]}]
+    return [{"role": "user", "content": parts}]
+
+
+def test_a_three_turn_conversation_hits_the_image_and_matches_a_cold_run(
+    loaded: LoadedModel, oracle: Oracle
+) -> None:
+    warm = Served(loaded)
+    assert loaded.tokenizer is not None
+    messages = first_turn()
+    for turn in range(3):
+        request = chat(f"turn{turn}", messages)
+        ids, expected = oracle(messages)
+        assert warm.prompt(request) == ids
+        tokens, final = warm.run(request)
+        assert final.prompt_tokens == len(ids)
+        assert relative_error(warm.logits[request.request_id], expected) < 1e-4
+        stats = warm.engine.stats()
+        assert stats.encoder_runs == 1  # turn 1 encoded the image; later turns never again
+        if turn:
+            assert final.cached_prompt_tokens >= warm.image_end(request), final
+            assert final.cached_prompt_tokens < final.prompt_tokens
+        else:
+            assert final.cached_prompt_tokens == 0
+        cold = Served(loaded)
+        cold_tokens, cold_final = cold.run(request)
+        assert cold_final.cached_prompt_tokens == 0 and cold.engine.stats().encoder_runs == 1
+        assert tokens == cold_tokens
+        assert (
+            relative_error(warm.logits[request.request_id], cold.logits[request.request_id]) < 1e-4
+        )
+        answer = loaded.tokenizer.decode(tokens)
+        messages = [
+            *messages,
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+            {"role": "user", "content": [{"type": "text", "text": QUESTIONS[(turn + 1) % 3]}]},
+        ]
+    warm.check_idle()
+    assert warm.engine.stats().encoder_cache_hits == 0
+
+
+@pytest.mark.parametrize("cache_bytes", [64 << 20, 0])
+def test_an_image_whose_kv_was_evicted_comes_from_the_encoder_cache(
+    loaded: LoadedModel, cache_bytes: int
+) -> None:
+    served = Served(loaded, encoder_cache_bytes=cache_bytes)
+    tokens, _ = served.run(chat("a", first_turn()))
+    tree = served.engine.cache.tree
+    assert tree.evict(tree.evictable_pages) > 0 and tree.cached_pages == 0
+    again, final = served.run(chat("b", first_turn()))
+    assert final.cached_prompt_tokens == 0 and again == tokens
+    stats = served.engine.stats()
+    if cache_bytes:
+        assert (stats.encoder_runs, stats.encoder_cache_hits) == (1, 1)
+    else:
+        assert (stats.encoder_runs, stats.encoder_cache_hits) == (2, 0)
+    served.check_idle()
+
+
+@pytest.mark.parametrize("cache_bytes", [64 << 20, 0])
+def test_a_cached_prefix_ending_inside_an_image_continues_from_the_encoder_cache(
+    loaded: LoadedModel, oracle: Oracle, cache_bytes: int
+) -> None:
+    served = Served(loaded, page_size=1, block_size=4, encoder_cache_bytes=cache_bytes)
+    request = chat("a", first_turn())
+    tokens, final = served.run(request)
+    end = served.image_end(request)
+    cut = end - 6  # in the global image's run, two positions into it
+    tree = served.engine.cache.tree
+    tree.evict(tree.cached_pages - cut)
+    assert tree.cached_pages == cut
+    again, final = served.run(chat("b", first_turn()))
+    assert final.cached_prompt_tokens == cut and again == tokens
+    _, expected = oracle(first_turn())
+    assert relative_error(served.logits["b"], expected) < 1e-4
+    stats = served.engine.stats()
+    assert stats.encoder_runs == (1 if cache_bytes else 2)
+    assert stats.encoder_cache_hits == (1 if cache_bytes else 0)
+    served.check_idle()
+
+
+def test_an_image_split_over_prefill_chunks_is_encoded_once(
+    loaded: LoadedModel, oracle: Oracle
+) -> None:
+    whole = Served(loaded)
+    tokens, _ = whole.run(chat("a", first_turn()))
+    chunked = Served(loaded, max_prefill_chunk=3, token_budget=3, encoder_cache_bytes=0)
+    chunked_tokens, _ = chunked.run(chat("a", first_turn()))
+    assert chunked_tokens == tokens
+    _, expected = oracle(first_turn())
+    assert relative_error(chunked.logits["a"], expected) < 1e-4
+    assert chunked.engine.stats().encoder_runs == 1
+    chunked.check_idle()
