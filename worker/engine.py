@@ -146,9 +146,10 @@ class EngineConfig:
                 f"max_loras must be >= 0 and max_lora_rank >= 1: "
                 f"{self.max_loras}, {self.max_lora_rank}"
             )
-        self.image_limits()  # each must be a positive int
-        if type(self.encoder_cache_bytes) is not int or self.encoder_cache_bytes < 0:
-            raise ValueError(f"encoder_cache_bytes must be >= 0, got {self.encoder_cache_bytes!r}")
+        for name in ("max_images", "max_image_pixels", "max_image_bytes", "encoder_cache_bytes"):
+            value, least = getattr(self, name), 0 if name == "encoder_cache_bytes" else 1
+            if type(value) is not int or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
     def image_limits(self) -> ImageLimits:
         return ImageLimits(self.max_images, self.max_image_pixels, self.max_image_bytes)

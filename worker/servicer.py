@@ -79,7 +79,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prompt_block_hashes=tuple(request.prompt_block_hashes),
                 images=tuple(request.images),
             )
-            self.engine.submit(generate, sink)
+            if generate.images:  # decoding and checking images never stalls the event loop
+                await self._submit_in_thread(generate, sink)
+            else:
+                self.engine.submit(generate, sink)
         except InvalidRequest as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except EngineOverloaded as err:
@@ -95,6 +98,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             if remaining:  # the client went away first: free the request's pages now
                 self.engine.abort(request.request_id)
+
+    async def _submit_in_thread(
+        self, request: GenerateRequest, sink: Callable[[RequestOutput], None]
+    ) -> None:
+        """`engine.submit` on a worker thread; a client gone meanwhile aborts the request
+        once it is queued (an abort queued before it would find nothing to abort)."""
+        loop = asyncio.get_running_loop()
+        submitted = loop.run_in_executor(None, self.engine.submit, request, sink)
+        try:
+            await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            request_id = request.request_id
+
+            def abort(done: asyncio.Future[int]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.engine.abort(request_id)
+
+            submitted.add_done_callback(abort)
+            raise
 
     async def StreamKvEvents(
         self, request: worker_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext

@@ -14,6 +14,7 @@ chunks is encoded once.
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,17 @@ import pytest
 import torch
 from PIL import Image
 
+from cache import CacheNamespace
+from cache.integrity import check_sequence_cache
 from tests.worker.helpers import drain, relative_error
 from tests.worker.vlm_fixtures import build_tiny_vlm, png_bytes
 from worker import validation
 from worker.engine import Engine, EngineConfig
 from worker.image_prompt import image_runs
+from worker.images import CheckedImage, content_hash
 from worker.loader import LoadedModel, load_model
-from worker.request import GenerateRequest, RequestOutput
+from worker.metrics import EngineCollector
+from worker.request import GenerateRequest, RequestOutput, Resume
 from worker.sampling_params import SamplingParams
 
 IMAGE = png_bytes(60, 40, seed=11)
@@ -210,3 +215,96 @@ def test_an_image_split_over_prefill_chunks_is_encoded_once(
     assert relative_error(chunked.logits["a"], expected) < 1e-4
     assert chunked.engine.stats().encoder_runs == 1
     chunked.check_idle()
+
+
+def test_the_same_image_in_two_tenants_shares_neither_pages_nor_encoder_outputs(
+    loaded: LoadedModel,
+) -> None:
+    served = Served(loaded)
+    acme = chat("acme", first_turn())
+    acme = replace(acme, namespace=CacheNamespace(tenant="acme"))
+    other = replace(acme, request_id="other", namespace=CacheNamespace(tenant="other"))
+    tokens, _ = served.run(acme)
+    other_tokens, final = served.run(other)
+    assert final.cached_prompt_tokens == 0 and other_tokens == tokens
+    stats = served.engine.stats()
+    assert (stats.encoder_runs, stats.encoder_cache_hits) == (2, 0)
+    _, final = served.run(replace(acme, request_id="acme-again"))
+    assert final.cached_prompt_tokens > served.image_end(acme)  # each tenant hits its own
+    served.check_idle()
+
+
+def test_n_samples_and_a_resumed_sample_of_an_image_prompt(loaded: LoadedModel) -> None:
+    """n = 2 forks after the image is computed; a sample resumed on a fresh engine (its ids end
+    with the tokens already streamed) continues exactly as the whole run."""
+    sampling = SamplingParams(max_tokens=TOKENS, temperature=0.9, seed=3, n=2, ignore_eos=True)
+    request = replace(chat("n2", first_turn()), sampling=sampling)
+    served = Served(loaded)
+    served.engine.submit(request, served.outputs.append)
+    drain(served.engine)
+    samples = [[t for o in served.outputs if o.index == i for t in o.token_ids] for i in (0, 1)]
+    assert all(len(s) == TOKENS for s in samples)
+    assert served.engine.stats().encoder_runs == 1
+    served.check_idle()
+    prompt = served.prompt(request)
+    cut = 2
+    resumed = GenerateRequest(
+        "resumed",
+        prompt_token_ids=(*prompt, *samples[1][:cut]),
+        images=(IMAGE,),
+        sampling=replace(sampling, n=1),
+        resume=Resume(1, cut),
+    )
+    fresh = Served(loaded)
+    fresh.engine.submit(resumed, fresh.outputs.append)
+    drain(fresh.engine)
+    assert [t for o in fresh.outputs for t in o.token_ids] == samples[1][cut:]
+    assert fresh.outputs[-1].prompt_tokens == len(prompt)
+    fresh.check_idle()
+
+
+class FailingVision:
+    """The checkpoint's vision model, failing on one image (as a device error would)."""
+
+    def __init__(self, vision: Any, fails_on: int) -> None:
+        self.vision = vision
+        self.spec = vision.spec
+        self.fails_on = fails_on
+
+    def encode(self, image: CheckedImage) -> torch.Tensor:
+        if image.content_hash == self.fails_on:
+            raise RuntimeError("the encoder failed")
+        return self.vision.encode(image)
+
+
+def test_an_encoder_failure_ends_its_request_alone(loaded: LoadedModel) -> None:
+    other_image = png_bytes(60, 40, seed=12)
+    failing = FailingVision(loaded.vision, content_hash(other_image))
+    config = EngineConfig(num_pages=256, page_size=4, block_size=4)
+    engine = Engine(loaded.model, loaded.tokenizer, config, vision=failing)
+    outputs: list[RequestOutput] = []
+    good = chat("good", first_turn())
+    engine.submit(replace(good, request_id="bad", images=(other_image,)), outputs.append)
+    engine.submit(good, outputs.append)
+    drain(engine)
+    bad = [o for o in outputs if o.request_id == "bad"]
+    assert bad[-1].finish_reason == "error" and "the encoder failed" in (bad[-1].error or "")
+    fine = [o for o in outputs if o.request_id == "good"]
+    assert fine[-1].finish_reason == "length" and sum(len(o.token_ids) for o in fine) == TOKENS
+    assert not engine.cache.live and engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)
+
+
+def test_the_encoder_counters_reach_prometheus_and_bad_limits_are_refused(
+    loaded: LoadedModel,
+) -> None:
+    served = Served(loaded)
+    served.run(chat("a", first_turn()))
+    families = {f.name: f for f in EngineCollector(served.engine, "w0").collect()}
+    runs = families["radixmesh_worker_encoder_runs"].samples[0]
+    assert runs.name == "radixmesh_worker_encoder_runs_total" and runs.value == 1
+    assert families["radixmesh_worker_encoder_cache_hits"].samples[0].value == 0
+    assert families["radixmesh_worker_encoder_seconds"].samples[0].value > 0
+    for bad in ({"max_images": 0}, {"max_image_pixels": -1}, {"encoder_cache_bytes": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)  # type: ignore[arg-type]
