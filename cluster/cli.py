@@ -1,7 +1,8 @@
 """The `radixmesh` command line: serve a cluster, and talk to one.
 
 radixmesh serve [--config FILE]          run the cluster until SIGTERM / Ctrl-C
-radixmesh generate "text" [...]          stream one completion to the terminal
+radixmesh generate "text" [--image PATH ...]
+                                         stream one completion to the terminal
 radixmesh chat [...]                     an interactive conversation (each turn hits the cache)
 radixmesh stats [...]                    per-worker counters and page usage
 radixmesh adapters list|load NAME PATH|unload NAME [...]
@@ -73,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands.choices["generate"].add_argument(
         "--raw", action="store_true", help="complete the text as is (no chat template)"
     )
+    commands.choices["generate"].add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image file (PNG, JPEG, WebP) for a vision model; repeatable. In a chat the "
+        'images come before the text; with --raw the text places each at an "<image>"',
+    )
     return parser
 
 
@@ -96,12 +105,18 @@ def _stream(client: Client, request: object) -> tuple[str, object]:
 
 
 def generate(args: argparse.Namespace, client: Client) -> int:
+    try:
+        images = [Path(path).read_bytes() for path in args.image]
+    except OSError as err:
+        console.print(f"[red]--image: {escape(str(err))}[/]", soft_wrap=True)
+        return 2
     common = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
         tenant=args.tenant,
         adapter=args.adapter,
+        images=images,
     )
     if args.raw:
         request = text_request(args.text, **common)

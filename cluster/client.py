@@ -86,8 +86,11 @@ def text_request(
     tenant: str = "",
     n: int = 1,
     adapter: str = "",
+    images: Sequence[bytes] = (),
 ) -> serving_pb2.GenerateRequest:
-    """`adapter`: a LoRA adapter's name ("": the base model)."""
+    """`adapter`: a LoRA adapter's name ("": the base model). `images`: image files (PNG, JPEG,
+    WebP) for a vision model; in a chat they come before the text of the last user message, in
+    a text they go where its "<image>" placeholders are, in token ids at its image token ids."""
     sampling = serving_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
     if seed is not None:
         sampling.seed = seed
@@ -95,11 +98,25 @@ def text_request(
         request_id=request_id,
         sampling=sampling,
         namespace=serving_pb2.Namespace(tenant=tenant, adapter=adapter),
+        images=images,
     )
     if text is not None:
         request.text = text
     elif chat is not None:
         request.chat.messages.extend(serving_pb2.ChatMessage(role=r, content=c) for r, c in chat)
+        if images:
+            _place_images(request.chat.messages, len(images))
     elif token_ids is not None:
         request.token_ids.ids.extend(token_ids)
     return request
+
+
+def _place_images(messages: Sequence[serving_pb2.ChatMessage], count: int) -> None:
+    """The images as parts of the last user message, before its text."""
+    last = next((m for m in reversed(messages) if m.role == "user"), None)
+    if last is None:
+        raise ValueError("a chat with images needs a user message to carry them")
+    parts = [serving_pb2.ChatPart(image=k) for k in range(count)]
+    parts.append(serving_pb2.ChatPart(text=last.content))
+    last.content = ""
+    last.parts.extend(parts)

@@ -2,7 +2,8 @@
 
     model:    source ("default" = SmolLM2-135M-Instruct, a checkpoint dir, a .gguf), device,
               LoRA adapters every worker loads at start
-    engine:   the worker engine (pages, page size, batching limits, context, LoRA slots)
+    engine:   the worker engine (pages, page size, batching limits, context, LoRA slots, image
+              limits and the vision encoder's cache)
     workers:  how many (default: one per GPU, else 2 CPU workers), CPUs each, bind host
     router:   the public endpoint, routing policy, admission and message limits, retries, the
               text index
@@ -27,6 +28,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from router.policies import POLICIES
+from worker.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS
 
@@ -35,6 +37,7 @@ ANY_TENANT = "*"
 MAX_ADAPTER_NAME_CHARS = 128
 """An adapter's name is part of every cache key of its namespace and of the OpenAI `model`."""
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_ENCODER_CACHE_BYTES = 64 << 20
 
 
 class ConfigError(ValueError):
@@ -136,6 +139,17 @@ class EngineSection:
     in host memory and swapped in least recently used first."""
     max_lora_rank: int = _at_least(64, 1)
     """The largest adapter rank a worker accepts (its slots are this wide)."""
+    max_images: int = _at_least(DEFAULT_MAX_IMAGES, 1)
+    """Images one request may send (a vision model's; a text model refuses any)."""
+    max_image_pixels: int = _at_least(DEFAULT_MAX_IMAGE_PIXELS, 1)
+    """Width x height of one image, read from its header before a pixel is decoded: a larger
+    one (a decompression bomb) is refused by name."""
+    max_image_bytes: int = _at_least(DEFAULT_MAX_IMAGE_BYTES, 1)
+    """Size of one image's file (PNG, JPEG or WebP). The gRPC message limit and the HTTP body
+    limit grow by max_images of these (router.max_message_bytes)."""
+    encoder_cache_bytes: int = _at_least(DEFAULT_ENCODER_CACHE_BYTES, 0)
+    """Vision encoder outputs a worker keeps by image, least recently used dropped first, for
+    images whose KV was evicted (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +195,8 @@ class RouterSection:
     """A custom Ray resource that pins the router to the nodes offering it (e.g. the Kubernetes
     head pod, where the Service points); None: anywhere."""
     max_message_bytes: int = _at_least(4 << 20, 1)
-    """Of a gRPC message, and of an HTTP request body (larger: 413)."""
+    """Of a gRPC message, and of an HTTP request body (larger: 413), besides their images (a
+    vision model's: engine.max_images x engine.max_image_bytes more, base64 in HTTP)."""
     max_concurrent_streams: int = _at_least(64, 1)
     """Per client connection."""
     max_restarts: int = _at_least(-1, -1)
@@ -259,6 +274,13 @@ def engine_options(config: ClusterConfig) -> dict[str, Any]:
         **dataclasses.asdict(config.engine),
         "adapters": [(a.name, a.path) for a in config.model.adapters],
     }
+
+
+def grpc_message_bytes(config: ClusterConfig) -> int:
+    """What the router's gRPC server receives in one message: router.max_message_bytes, and
+    the most image bytes a request may carry (the rest is held to the first by the service)."""
+    engine = config.engine
+    return config.router.max_message_bytes + engine.max_images * engine.max_image_bytes
 
 
 def build(kind: type[T], raw: dict[str, Any], where: str) -> T:

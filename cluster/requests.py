@@ -2,12 +2,17 @@
 
 The router tokenises (it must: routing keys are token-block hashes, the same the workers'
 KV events carry) and validates with the same functions and limits the worker uses
-(worker/validation.py). On top of those: images are refused (no model here has a vision
-encoder), an adapter no healthy worker holds is refused by name, request ids are bounded, and
-a caller whose
-token is bound to a tenant can only use that tenant: the tenant is the cache salt, never trusted
-to cross tenants. A sampled request without a seed gets one here, at random: the router then
-knows every draw's seed, so a stream moved to another worker mid-way continues exactly.
+(worker/validation.py). On top of those: an adapter no healthy worker holds is refused by
+name, request ids are bounded, and a caller whose token is bound to a tenant can only use that
+tenant: the tenant is the cache salt, never trusted to cross tenants. A sampled request without
+a seed gets one here, at random: the router then knows every draw's seed, so a stream moved to
+another worker mid-way continues exactly.
+
+Images: refused (naming "images") unless the workers serve a vision model (`RequestLimits.
+image_spec`, from their WorkerInfo.vision: cluster/model_vision.py). Each is decoded and checked
+here, as the worker checks it again (worker/images.py), and placed (cluster/images.py):
+the prompt's ids come out expanded, every image position in them, and the prompt routes by its
+cache tokens' keys, image identities included. An image prompt bypasses the text index.
 
 A LoRA request names its adapter (`namespace.adapter`, the OpenAI `model`); the router hashes,
 routes and indexes its text in the namespace of the adapter's identity ("name@digest", from
@@ -22,15 +27,19 @@ from __future__ import annotations
 import re
 import secrets
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cache import CacheNamespace
+from cache.tokens import Keys
+from cluster import images as router_images
 from cluster.config import ANY_TENANT, MAX_ADAPTER_NAME_CHARS
+from cluster.model_vision import ModelVision
 from protos.radixmesh.v1 import serving_pb2
 from worker import validation
 from worker.errors import InvalidRequest
+from worker.images import CheckedImage
 from worker.request import GenerateRequest
 from worker.sampling_params import SamplingParams
 from worker.validation import RequestLimits
@@ -54,6 +63,8 @@ class ModelLimits:
 
     vocab_size: int
     max_model_len: int
+    vision: ModelVision | None = None
+    """Their vision model (None: a text model, images refused)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,15 @@ class PreparedRequest:
     """The text prompt as the router's text index took it (None: ids given, or index off)."""
     adapter: str | None = None
     """The LoRA adapter's name, as the workers know it (`namespace.adapter` is its identity)."""
+    images: tuple[bytes, ...] = ()
+    """The image files, in the order of their runs in `token_ids` (what the worker takes)."""
+    cache_keys: Keys | None = None
+    """An image prompt's cache keys, one per position of `token_ids` (its routing blocks hash
+    them); None: a text prompt, whose ids are its keys."""
+
+    @property
+    def routing_keys(self) -> Sequence[int]:
+        return self.token_ids if self.cache_keys is None else self.cache_keys
 
 
 def prepare(
@@ -76,17 +96,18 @@ def prepare(
     fill_context: bool = False,
     text_prompts: TextPrompts | None = None,
     adapters: Mapping[str, str] | None = None,
+    image_fields: Sequence[str] = (),
 ) -> PreparedRequest:
     """Raises InvalidRequest (naming the field) or TenantRefused. With `fill_context`, a request
     that gives no max_tokens may generate up to the end of the context (OpenAI's default) instead
     of the proto's default of 16. With `text_prompts`, a text or chat prompt is tokenised
     through the router's text index, in the mode the request asks for. `adapters`: the
-    adapters the healthy workers hold, name -> identity (None: none)."""
+    adapters the healthy workers hold, name -> identity (None: none). `image_fields`: what
+    refusals call each of `message.images` (default "images[k]")."""
     request_id = message.request_id or uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(request_id):
         raise InvalidRequest("request_id", "1-128 characters of [A-Za-z0-9._:-]")
-    if message.images:
-        raise InvalidRequest("images", "this model has no vision encoder; send text only")
+    fields = _image_fields(message, limits, image_fields)
     adapter = message.namespace.adapter or None
     adapter_identity(adapter, adapters)  # refused before any tokenising
     tenant = message.namespace.tenant
@@ -94,20 +115,24 @@ def prepare(
         raise InvalidRequest("namespace.tenant", f"at most {MAX_TENANT_CHARS} characters")
     if allowed_tenant != ANY_TENANT and tenant and tenant != allowed_tenant:
         raise TenantRefused(f"namespace.tenant: this token may only use tenant {allowed_tenant!r}")
+    prompt, order = _prompt(message)
+    fields = [fields[k] for k in order]
     request = GenerateRequest(
         request_id,
         namespace=request_namespace(message, allowed_tenant, adapters),
         sampling=sampling_from_proto(message.sampling),
-        **_prompt(message),  # type: ignore[arg-type]
+        images=tuple(message.images[k] for k in order),
+        **prompt,
     )
     if message.text_match not in serving_pb2.TextMatch.values():
         raise InvalidRequest(
             "text_match", f"{message.text_match} is not one of {serving_pb2.TextMatch.keys()}"
         )
+    images = _checked_images(request, limits, fields)
     encoder = None
-    if text_prompts is not None and message.WhichOneof("prompt") in ("text", "chat"):
+    if text_prompts is not None and not images and message.WhichOneof("prompt") in ("text", "chat"):
         encoder = text_prompts.encoder(request.namespace, text_prompts.mode(message.text_match))
-    ids = validation.prompt_ids(request, encoder or tokenizer, limits)
+    ids = validation.prompt_ids(request, encoder or tokenizer, limits, images)
     if fill_context and not message.sampling.HasField("max_tokens"):
         room = max(1, limits.max_model_len - len(ids))
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))
@@ -115,11 +140,41 @@ def prepare(
     sampling = request.sampling
     if sampling.seed is None and not sampling.greedy:
         sampling = replace(sampling, seed=secrets.randbits(63))
+    keys = None
+    if images:
+        assert limits.image_spec is not None
+        keys = router_images.image_cache_keys(ids, images, limits.image_spec)
     turn = None
     if encoder is not None:  # accepted: the prompt joins the text index
         encoder.keep()
         turn = encoder.turn
-    return PreparedRequest(request_id, tuple(ids), request.namespace, sampling, turn, adapter)
+    return PreparedRequest(
+        request_id, tuple(ids), request.namespace, sampling, turn, adapter, request.images, keys
+    )
+
+
+def _image_fields(
+    message: serving_pb2.GenerateRequest, limits: RequestLimits, given: Sequence[str]
+) -> list[str]:
+    """What refusals call each image; refuses any image of a text model, and too many images
+    before decoding one."""
+    fields = router_images.image_fields(len(message.images), given)
+    if message.images and limits.image_spec is None:  # named by the client's part, if any
+        where = given[0] if given else "images"
+        raise InvalidRequest(where, "this model has no vision encoder; send text only")
+    if message.images:
+        router_images.check_count(fields, limits.images.max_images)
+    return fields
+
+
+def _checked_images(
+    request: GenerateRequest, limits: RequestLimits, fields: Sequence[str]
+) -> list[CheckedImage]:
+    """The request's images decoded and checked, a bad one refused as the client named it."""
+    try:
+        return validation.request_images(request, limits)
+    except InvalidRequest as err:
+        raise router_images.renamed(err, fields) from None
 
 
 def request_namespace(
@@ -150,14 +205,16 @@ def adapter_identity(name: str | None, adapters: Mapping[str, str] | None) -> st
     return identity
 
 
-def _prompt(message: serving_pb2.GenerateRequest) -> dict[str, object]:
+def _prompt(message: serving_pb2.GenerateRequest) -> tuple[dict[str, Any], list[int]]:
+    """The prompt's GenerateRequest fields, and the order in which its images are placed (a
+    chat's image parts may name them in any order; text and ids place them as sent)."""
     which = message.WhichOneof("prompt")
+    in_order = list(range(len(message.images)))
     if which == "text":
-        return {"prompt": message.text}
+        return {"prompt": message.text}, in_order
     if which == "token_ids":
-        return {"prompt_token_ids": tuple(message.token_ids.ids)}
+        return {"prompt_token_ids": tuple(message.token_ids.ids)}, in_order
     if which == "chat":
-        return {
-            "messages": tuple({"role": m.role, "content": m.content} for m in message.chat.messages)
-        }
+        messages, order = router_images.chat_messages(message.chat, len(message.images))
+        return {"messages": messages}, order
     raise InvalidRequest("prompt", "set one of text, token_ids or chat")

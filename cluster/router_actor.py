@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.auth import BearerTokenInterceptor
-from cluster.config import ClusterConfig, build
+from cluster.config import ClusterConfig, build, grpc_message_bytes
 from cluster.http.server import HttpServer, start_http_server
 from cluster.policies import build_policy
 from cluster.router_admin import AdminService
@@ -58,7 +58,7 @@ async def start_router_server(
         register,
         router.host,
         router.port,
-        ServerLimits(router.max_message_bytes, router.max_concurrent_streams),
+        ServerLimits(grpc_message_bytes(config), router.max_concurrent_streams),
         tls,
         [BearerTokenInterceptor(security)],
     )

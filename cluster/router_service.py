@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -104,17 +104,34 @@ class RouterService(serving_pb2_grpc.ServingServicer):
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         caller = Caller.within(allowed_tenant(context, self.security), context.time_remaining())
         try:
+            self._check_size(request)
             async for response in self.generate(request, caller):
                 yield response
         except ServingError as err:
             await context.abort(err.code, err.message)
 
+    def _check_size(self, request: serving_pb2.GenerateRequest) -> None:
+        """The gRPC server takes messages of router.max_message_bytes plus the images' allowance
+        (cluster/config.py `grpc_message_bytes`); all but the images must fit the first."""
+        size = request.ByteSize() - sum(len(image) for image in request.images)
+        if size > self.config.max_message_bytes:
+            raise self._error(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request is {size} bytes besides its images; at most "
+                f"{self.config.max_message_bytes} (router.max_message_bytes)",
+            )
+
     async def generate(
-        self, request: serving_pb2.GenerateRequest, caller: Caller, fill_context: bool = False
+        self,
+        request: serving_pb2.GenerateRequest,
+        caller: Caller,
+        fill_context: bool = False,
+        image_fields: Sequence[str] = (),
     ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         """Serve one request, whatever face it came through: the stream of the worker's
         messages, or ServingError. Closing the stream early cancels the worker's call (the
-        worker frees the request's pages). `fill_context`: see cluster/requests.py `prepare`."""
+        worker frees the request's pages). `fill_context`, `image_fields`: see
+        cluster/requests.py `prepare`."""
         taken = len(self.in_flight) + self.preparing
         if taken >= self.config.max_in_flight:  # refused before any tokenising
             raise self._error(
@@ -124,7 +141,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         self.preparing += 1  # held across the tokeniser's thread, where other calls get in
         try:
-            prepared = await self._prepare(request, caller, fill_context)
+            prepared = await self._prepare(request, caller, fill_context, image_fields)
         finally:
             self.preparing -= 1
         if prepared.request_id in self.in_flight:
@@ -150,24 +167,36 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         model = self.links.limits
         if model is None:
             return None
-        return RequestLimits.of(model.vocab_size, model.max_model_len, self.engine)
+        vision = model.vision
+        return RequestLimits.of(
+            model.vocab_size,
+            model.max_model_len,
+            self.engine,
+            vision.spec if vision else None,
+            vision.limits if vision else None,
+        )
 
     async def _prepare(
-        self, request: serving_pb2.GenerateRequest, caller: Caller, fill_context: bool
+        self,
+        request: serving_pb2.GenerateRequest,
+        caller: Caller,
+        fill_context: bool,
+        image_fields: Sequence[str],
     ) -> PreparedRequest:
         limits = self.request_limits()
         if limits is None or not self.links.links:
             raise self._error(grpc.StatusCode.UNAVAILABLE, "no healthy worker")
         tenant, tokenizer = caller.tenant, self.links.tokenizer
         adapters = self.links.adapters()
+        args = (request, tokenizer, limits, tenant, fill_context)
         try:
-            if request.WhichOneof("prompt") == "token_ids":  # nothing to tokenise
-                return prepare(request, tokenizer, limits, tenant, fill_context, None, adapters)
-            texts = await self._text_prompts()
-            await self._answers_joined(request, caller, adapters)
-            return await asyncio.to_thread(
-                prepare, request, tokenizer, limits, tenant, fill_context, texts, adapters
-            )
+            if request.WhichOneof("prompt") == "token_ids" and not request.images:
+                return prepare(*args, None, adapters)  # nothing to tokenise or decode
+            texts = None
+            if not request.images:  # an image prompt bypasses the text index
+                texts = await self._text_prompts()
+                await self._answers_joined(request, caller, adapters)
+            return await asyncio.to_thread(prepare, *args, texts, adapters, image_fields)
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
             raise self._error(code, str(err), isinstance(err, PromptTooLarge)) from err
@@ -236,7 +265,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         progress: StreamProgress,
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         assert self.links.hasher is not None
-        hashes = tuple(self.links.hasher.hashes(prepared.token_ids, prepared.namespace))
+        hashes = tuple(self.links.hasher.hashes(prepared.routing_keys, prepared.namespace))
         route = RouteRequest(
             prepared.request_id, prepared.namespace, hashes, len(prepared.token_ids)
         )

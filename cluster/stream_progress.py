@@ -55,10 +55,13 @@ class StreamProgress:
     ) -> list[worker_pb2.WorkerGenerateRequest]:
         """The calls that serve what is left: the whole request, or one per unfinished sample.
         `prompt_block_hashes`, the prompt's chain as routed, goes with each (a resumed sample's
-        ids start with the prompt, so its chain starts with the same hashes)."""
+        ids start with the prompt, so its chain starts with the same hashes), but for an image
+        prompt: its worker hashes image prompts itself. The images go with every call."""
         p = self.prepared
         namespace = namespace_to_proto(p.namespace)
         namespace.adapter = p.adapter or ""  # workers know an adapter by its name
+        if p.images:
+            prompt_block_hashes = ()
         if not self.started:
             return [
                 worker_pb2.WorkerGenerateRequest(
@@ -68,6 +71,7 @@ class StreamProgress:
                     sampling=sampling_to_proto(p.sampling),
                     predicted_cached_tokens=predicted_cached_tokens,
                     prompt_block_hashes=prompt_block_hashes,
+                    images=p.images,
                 )
             ]
         alone = sampling_to_proto(p.sampling)
@@ -81,6 +85,7 @@ class StreamProgress:
                 predicted_cached_tokens=predicted_cached_tokens,
                 resume=resume_to_proto(Resume(index, len(sample.token_ids))),
                 prompt_block_hashes=prompt_block_hashes,
+                images=p.images,
             )
             for index, sample in enumerate(self.samples)
             if not sample.finished

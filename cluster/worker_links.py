@@ -1,7 +1,8 @@
 """The router's links to its workers: membership, identity checks and the KV-event feed.
 
 `attach(name, address)` connects, asks the worker to Describe itself, refuses it if its cache
-identity scheme differs from the cluster's (version, block size, model revision), takes the
+identity scheme differs from the cluster's (version, block size, model revision) or its vision
+model places images differently (cluster/model_vision.py), takes the
 tokenizer from it if the router has none yet (so a router started or restarted anywhere needs
 no copy of the checkpoint and nothing from Ray's object store), adds it to the routing policy,
 and starts feeding its KV events into the policy: subscribe first, then load a
@@ -37,6 +38,7 @@ from cache import (
     KvEventKind,
     KvSnapshot,
 )
+from cluster.model_vision import ModelVision, differs
 from cluster.requests import ModelLimits
 from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from router.adapters import WorkerAdapters
@@ -46,7 +48,11 @@ from worker.tokenizer import Tokenizer, TokenizerError
 
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", INTERNAL_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", INTERNAL_MESSAGE_BYTES),
+    # Unbounded here: what the router sends was bounded before (the public message limit, the
+    # prompt's context, the images' count and bytes: cluster/requests.py); each worker's server
+    # receives up to worker.grpc_server.internal_message_bytes of its own image limits, which
+    # are at least the cluster's (the smallest over workers).
+    ("grpc.max_send_message_length", -1),
 )
 
 log = logging.getLogger(__name__)
@@ -226,8 +232,8 @@ class WorkerLinks:
 
     def _checked(self, name: str, info: worker_pb2.WorkerInfo) -> IdentityScheme:
         """The worker's identity scheme; raises IdentityRefused if it hashes blocks differently
-        from the cluster. Changes nothing: a worker refused after this (its tokenizer unreadable,
-        say) leaves no trace."""
+        from the cluster, or places images differently (cluster/model_vision.py). Changes
+        nothing: a worker refused after this (its tokenizer unreadable, say) leaves no trace."""
         theirs = IdentityScheme(info.block_size, info.model_revision, info.identity_version)
         if info.identity_version != IDENTITY_SCHEME_VERSION:
             raise IdentityRefused(
@@ -239,15 +245,28 @@ class WorkerLinks:
                 self.scheme.require_compatible(theirs)
             except ValueError as err:
                 raise IdentityRefused(f"worker {name}: {err}") from err
+        try:
+            vision = ModelVision.of(info)
+        except ValueError as err:
+            raise IdentityRefused(f"worker {name}: its vision description: {err}") from err
+        if self.limits is not None:
+            problem = differs(self.limits.vision, vision)
+            if problem:
+                raise IdentityRefused(f"worker {name}: {problem}")
         return theirs
 
     def _limits_with(self, info: worker_pb2.WorkerInfo) -> ModelLimits:
-        """The cluster's limits with this worker counted in: the smallest of each."""
+        """The cluster's limits with this worker counted in: the smallest of each (its vision
+        model's spec is the cluster's: `_checked` said so)."""
+        vision = ModelVision.of(info)
         if self.limits is None:
-            return ModelLimits(info.vocab_size, info.max_model_len)
+            return ModelLimits(info.vocab_size, info.max_model_len, vision)
+        if vision is not None and self.limits.vision is not None:
+            vision = self.limits.vision.smallest(vision)
         return ModelLimits(
             min(self.limits.vocab_size, info.vocab_size),
             min(self.limits.max_model_len, info.max_model_len),
+            vision,
         )
 
     @staticmethod

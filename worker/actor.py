@@ -19,7 +19,7 @@ import torch
 from protos.radixmesh.v1 import worker_pb2_grpc
 from worker.engine import Engine, EngineConfig
 from worker.event_loop import EventLoopThread
-from worker.grpc_server import INTERNAL_MESSAGE_BYTES, GrpcServer, ServerLimits, start_server
+from worker.grpc_server import GrpcServer, ServerLimits, internal_message_bytes, start_server
 from worker.loader import load_model
 from worker.metrics import EngineCollector, serve_metrics
 from worker.servicer import WorkerServicer
@@ -70,7 +70,7 @@ class WorkerActor:
         self.loop = EventLoopThread(f"grpc-{name}")
         servicer = WorkerServicer(self.engine, name, loaded.path)
         register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
-        limits = ServerLimits(max_message_bytes=INTERNAL_MESSAGE_BYTES)
+        limits = ServerLimits(internal_message_bytes(config.max_images, config.max_image_bytes))
         self.server: GrpcServer = self.loop.run(start_server(register, host, 0, limits))
         self.host = advertised_host(host)
         self.metrics_port = None

@@ -26,6 +26,13 @@ INTERNAL_MESSAGE_BYTES = 64 * MiB
 the router in one message (SmolLM2's tokenizer.json alone is 3.5 MB)."""
 
 
+def internal_message_bytes(max_images: int = 0, max_image_bytes: int = 0) -> int:
+    """What a worker's server receives in one message: INTERNAL_MESSAGE_BYTES for everything
+    but images (token ids, a tokenizer), and the most image bytes its limits let a request
+    carry (engine max_images x max_image_bytes)."""
+    return INTERNAL_MESSAGE_BYTES + max_images * max_image_bytes
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     cert_file: Path

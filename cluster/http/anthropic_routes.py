@@ -1,5 +1,9 @@
-"""POST /v1/messages (Anthropic's Messages API, text content, streamed or not) and
-/v1/messages/count_tokens, over the same serving core as everything else.
+"""POST /v1/messages (Anthropic's Messages API, text and image content, streamed or not) and
+/v1/messages/count_tokens (text), over the same serving core as everything else.
+
+Image blocks carry base64 files (cluster/http/image_parts.py); each goes to
+GenerateRequest.images, placed by a ChatPart where it was, and is named by its block when
+refused ("messages[0].content[1].source").
 
 finish reasons: a stop sequence -> stop_reason "stop_sequence" (and which, in stop_sequence),
 any other stop -> "end_turn", "length" -> "max_tokens". Usage counts prompt tokens read from the
@@ -26,6 +30,8 @@ from cluster.http.anthropic_schema import (
     TokenCount,
 )
 from cluster.http.errors import GenerationFailed, HttpError
+from cluster.http.image_parts import anthropic_image
+from cluster.http.openai_params import ChatPrompt
 from cluster.http.openai_responses import (
     Counts,
     Responses,
@@ -49,10 +55,10 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         caller = api.caller(request)
         adapter = api.check_model(body.model)
         rid = api.request_id(request)
-        message = generate_request(body, rid, api.tenant(request))
+        message, image_fields = generate_request(body, rid, api.tenant(request))
         message.namespace.adapter = adapter or ""
         model = adapter or api.model
-        stream = api.start(message, caller)
+        stream = api.start(message, caller, image_fields=image_fields)
         if body.stream:
             first = await api.finish(request, anext(stream))  # a refusal: a status, not an event
             return EventStream(events(f"msg_{rid}", model, first, stream), served_by(first))
@@ -74,7 +80,10 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         for name in ("tools", "tool_choice", "thinking"):
             if getattr(body, name) is not None:
                 raise HttpError.invalid(name, REFUSED[name][0])
-        text = await api.render(chat_messages(body))
+        chat = chat_prompt(body)
+        if chat.images:
+            raise HttpError.invalid(chat.image_fields[0], "images are not counted here; send text")
+        text = await api.render(chat.messages)
         return TokenCount(input_tokens=len(await api.encode(text, False, "messages")))
 
     app.add_api_route("/v1/messages", messages, methods=["POST"])
@@ -83,7 +92,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
 
 def generate_request(
     body: MessagesRequest, request_id: str, tenant: str
-) -> serving_pb2.GenerateRequest:
+) -> tuple[serving_pb2.GenerateRequest, list[str]]:
+    """The request, and what its images are called in refusals."""
     for name, (why, accepted) in REFUSED.items():
         value = getattr(body, name)
         if value is not None and value not in accepted:
@@ -100,37 +110,54 @@ def generate_request(
             if name == "top_k" and not 0 <= value <= 2**31 - 1:
                 raise HttpError.invalid("top_k", f"must be >= 0, got {value}")
             setattr(sampling, name, value)
+    chat = chat_prompt(body)
     message = serving_pb2.GenerateRequest(
         request_id=request_id,
-        chat=serving_pb2.ChatMessages(messages=chat_messages(body)),
+        chat=serving_pb2.ChatMessages(messages=chat.messages),
         sampling=sampling,
+        images=chat.images,
     )
     message.namespace.tenant = tenant
-    return message
+    return message, chat.image_fields
 
 
-def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[serving_pb2.ChatMessage]:
-    out = []
+def chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
+    chat = ChatPrompt()
     if body.system is not None:
-        out.append(serving_pb2.ChatMessage(role="system", content=_text(body.system, "system")))
+        system = _message("system", body.system, "system", chat)
+        if system.parts:
+            raise HttpError.invalid("system", "images go in the messages, not the system prompt")
+        chat.messages.append(system)
     for i, each in enumerate(body.messages):
-        content = _text(each.content, f"messages[{i}].content")
-        out.append(serving_pb2.ChatMessage(role=each.role, content=content))
-    return out
+        chat.messages.append(_message(each.role, each.content, f"messages[{i}].content", chat))
+    return chat
 
 
-def _text(content: str | list[dict[str, Any]], where: str) -> str:
+def _message(
+    role: str, content: str | list[dict[str, Any]], where: str, chat: ChatPrompt
+) -> serving_pb2.ChatMessage:
+    """A message: its text (text blocks joined by newlines, as OpenAI's text parts are), or,
+    with image blocks, its blocks in order (each image's file appended to `chat.images`)."""
     if isinstance(content, str):
-        return content
+        return serving_pb2.ChatMessage(role=role, content=content)
+    parts = []
     for j, block in enumerate(content):
         kind = block.get("type")
+        if kind == "image":
+            chat.image_fields.append(f"{where}[{j}].source")
+            chat.images.append(anthropic_image(block, f"{where}[{j}]"))
+            parts.append(serving_pb2.ChatPart(image=len(chat.images) - 1))
+            continue
         if kind != "text" or set(block) - {"type", "text", "cache_control", "citations"}:
             raise HttpError.invalid(
-                f"{where}[{j}]", f"only text blocks are served, got type {kind!r}"
+                f"{where}[{j}]", f"only text and image blocks are served, got type {kind!r}"
             )
         if not isinstance(block.get("text"), str):
             raise HttpError.invalid(f"{where}[{j}].text", "must be a string")
-    return "\n".join(block["text"] for block in content)  # as OpenAI's text parts are joined
+        parts.append(serving_pb2.ChatPart(text=block["text"]))
+    if not any(p.WhichOneof("part") == "image" for p in parts):
+        return serving_pb2.ChatMessage(role=role, content="\n".join(p.text for p in parts))
+    return serving_pb2.ChatMessage(role=role, parts=parts)
 
 
 def stop_reason(finish: str | None, stop_string: str | None) -> str | None:

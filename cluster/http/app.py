@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -39,6 +39,7 @@ from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.http import anthropic_routes, openai_params
 from cluster.http.body_limit import BodyLimit
 from cluster.http.errors import GenerationFailed, HttpError
+from cluster.http.image_parts import image_body_bytes
 from cluster.http.openai_responses import (
     DONE,
     Counts,
@@ -143,25 +144,30 @@ class HttpApi:
         return self._texts[1]
 
     def start(
-        self, message: serving_pb2.GenerateRequest, caller: Caller, fill_context: bool = False
+        self,
+        message: serving_pb2.GenerateRequest,
+        caller: Caller,
+        fill_context: bool = False,
+        image_fields: Sequence[str] = (),
     ) -> Responses:
         """The request's stream. `fill_context`: without max_tokens, generate up to the end of
-        the context (chat, as OpenAI's chat API does) instead of 16 (legacy completions)."""
+        the context (chat, as OpenAI's chat API does) instead of 16 (legacy completions).
+        `image_fields`: the part each of the message's images came in (for refusals)."""
         if self.draining:
             raise HttpError(503, "the router is draining; retry on another")
-        return self.service.generate(message, caller, fill_context)
+        return self.service.generate(message, caller, fill_context, image_fields)
 
     # -- OpenAI ------------------------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         caller = self.caller(request)
         adapter = self.check_model(body.model)
         rid = self.request_id(request)
-        message = openai_params.chat_request(body, rid, self.tenant(request))
+        message, image_fields = openai_params.chat_request(body, rid, self.tenant(request))
         message.namespace.adapter = adapter or ""
         reply = Reply(f"chatcmpl-{rid}", adapter or self.model, self.token_texts())
         logprobs = bool(body.logprobs)
         options = body.stream_options or StreamOptions()
-        stream = self.start(message, caller, fill_context=True)
+        stream = self.start(message, caller, fill_context=True, image_fields=image_fields)
         return await self.respond(
             request,
             stream,
@@ -304,7 +310,13 @@ class HttpApi:
     ) -> str:
         """A conversation through the chat template, on a thread (400 if the template refuses)."""
         tokenizer, _ = self.tokenizer()
-        chat = [{"role": m.role, "content": m.content} for m in messages]
+        limits = self.service.links.limits
+        if limits is not None and limits.vision is not None:  # its template renders parts
+            chat = [
+                {"role": m.role, "content": [{"type": "text", "text": m.content}]} for m in messages
+            ]
+        else:
+            chat = [{"role": m.role, "content": m.content} for m in messages]
         try:
             return await asyncio.to_thread(
                 tokenizer.apply_chat_template, chat, add_generation_prompt
@@ -365,7 +377,19 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_exception_handler(HttpError, http_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(ClientGone, client_gone)
-    limited = BodyLimit(app, config.router.max_message_bytes, error_body)
+
+    def body_limit() -> tuple[int, str]:
+        limits = service.links.limits
+        images = image_body_bytes(limits.vision if limits else None)
+        if not images:
+            return config.router.max_message_bytes, "router.max_message_bytes"
+        return (
+            config.router.max_message_bytes + images,
+            "router.max_message_bytes, and engine.max_images images of engine.max_image_bytes "
+            "in base64",
+        )
+
+    limited = BodyLimit(app, body_limit, error_body)
     return StatusCounter(limited, service.counters.http_responses), api  # 413s counted too
 
 

@@ -1,6 +1,7 @@
-"""Request bodies over the limit (`router.max_message_bytes`, as gRPC's messages) are refused with
-413 before the app parses a byte of them, and headers over `MAX_HEADER_BYTES` in all with 431
-(httptools reads headers of any size)."""
+"""Request bodies over the limit (`router.max_message_bytes`, as gRPC's messages, and for a vision
+model its images' allowance: cluster/http/image_parts.py) are refused with 413 before the app
+parses a byte of them, and headers over `MAX_HEADER_BYTES` in all with 431 (httptools reads
+headers of any size). The limit is asked for at each request: it follows the workers' model."""
 
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ MAX_HEADER_BYTES = 32 << 10
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, body: Callable[[str, HttpError], Any]):
+    def __init__(
+        self,
+        app: ASGIApp,
+        limit: Callable[[], tuple[int, str]],
+        body: Callable[[str, HttpError], Any],
+    ):
         self.app = app
-        self.max_bytes = max_bytes
+        self.limit = limit
+        """The most bytes a body may have now, and what sets it (named in the 413)."""
         self.body = body
         """The error body for a path (each API writes its errors its own way)."""
 
@@ -34,9 +41,10 @@ class BodyLimit:
             )
             await self._send(scope, send, error)
             return
+        max_bytes, source = self.limit()
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, send, int(declared))
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            await self._refuse(scope, send, int(declared), max_bytes, source)
             return
         chunks, size = [], 0
         while True:
@@ -46,19 +54,19 @@ class BodyLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._refuse(scope, send, size)
+            if size > max_bytes:
+                await self._refuse(scope, send, size, max_bytes, source)
                 return
             if not message.get("more_body", False):
                 break
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([body], receive), send)
 
-    async def _refuse(self, scope: Scope, send: Send, size: int) -> None:
+    async def _refuse(
+        self, scope: Scope, send: Send, size: int, max_bytes: int, source: str
+    ) -> None:
         error = HttpError(
-            413,
-            f"the request body is {size} bytes or more; the limit is {self.max_bytes} "
-            "(router.max_message_bytes)",
+            413, f"the request body is {size} bytes or more; the limit is {max_bytes} ({source})"
         )
         await self._send(scope, send, error)
 

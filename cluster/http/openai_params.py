@@ -2,15 +2,20 @@
 
 Ranges are checked once, by the serving core with the workers' own functions
 (worker/sampling_params.py); this module maps names and shapes, and refuses what has no
-meaning here: parameters radixmesh does not implement (`REFUSED`), content that is not text,
-roles a text model's chat template does not take.
+meaning here: parameters radixmesh does not implement (`REFUSED`), content that is neither
+text nor an image, roles a text model's chat template does not take. Image parts
+(`image_url` with a data URL: cluster/http/image_parts.py) go to GenerateRequest.images, each
+placed by a ChatPart where it was, and named by its part when refused
+("messages[0].content[1].image_url").
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.http.errors import HttpError
+from cluster.http.image_parts import openai_image
 from cluster.http.openai_schema import (
     REFUSED,
     ChatCompletionRequest,
@@ -30,6 +35,7 @@ TEXT_MATCH = {
     "off": serving_pb2.TEXT_MATCH_OFF,
 }
 """The `text_match` body field (an extension, like vLLM's extra sampling fields)."""
+TEXT_KEYS = {"type", "text"}
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (0, 2**63 - 1)
 _SEED = (-(2**63), 2**63 - 1)
@@ -46,7 +52,8 @@ def refuse_unsupported(request: GenerationParams) -> None:
 
 def chat_request(
     request: ChatCompletionRequest, request_id: str, tenant: str
-) -> serving_pb2.GenerateRequest:
+) -> tuple[serving_pb2.GenerateRequest, list[str]]:
+    """The request, and what its images are called in refusals."""
     refuse_unsupported(request)
     if request.top_logprobs is not None and not request.logprobs:
         raise HttpError.invalid("top_logprobs", "needs logprobs: true")
@@ -63,18 +70,37 @@ def chat_request(
     if max_tokens is None:
         max_tokens = request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    chat = chat_prompt(request.messages)
     message = serving_pb2.GenerateRequest(
         request_id=request_id,
-        chat=serving_pb2.ChatMessages(messages=chat_messages(request.messages)),
+        chat=serving_pb2.ChatMessages(messages=chat.messages),
         sampling=sampling(request, max_tokens, logprobs),
+        images=chat.images,
     )
     message.namespace.tenant = tenant
     message.text_match = TEXT_MATCH[request.text_match]
-    return message
+    return message, chat.image_fields
+
+
+@dataclass
+class ChatPrompt:
+    messages: list[serving_pb2.ChatMessage] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
+    """The image parts' files, in order (GenerateRequest.images)."""
+    image_fields: list[str] = field(default_factory=list)
+    """The part each image came in, for refusals ("messages[0].content[1].image_url")."""
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[serving_pb2.ChatMessage]:
-    out = []
+    """The conversation of a text-only request (/tokenize): an image part is refused."""
+    chat = chat_prompt(messages)
+    if chat.images:
+        raise HttpError.invalid(chat.image_fields[0], "images are not counted here; send text")
+    return chat.messages
+
+
+def chat_prompt(messages: list[ChatMessage]) -> ChatPrompt:
+    chat = ChatPrompt()
     for i, each in enumerate(messages):
         where = f"messages[{i}]"
         role = ROLES.get(each.role)
@@ -85,26 +111,37 @@ def chat_messages(messages: list[ChatMessage]) -> list[serving_pb2.ChatMessage]:
         for name in ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
             if getattr(each, name) not in (None, []):
                 raise HttpError.invalid(f"{where}.{name}", "is not supported")
-        out.append(serving_pb2.ChatMessage(role=role, content=text_content(each.content, where)))
-    return out
+        chat.messages.append(_message(role, each.content, where, chat))
+    return chat
 
 
-def text_content(content: str | list[dict[str, Any]] | None, where: str) -> str:
-    """A message's text: a string, or text parts joined by newlines (as vLLM joins them)."""
+def _message(
+    role: str, content: str | list[dict[str, Any]] | None, where: str, chat: ChatPrompt
+) -> serving_pb2.ChatMessage:
+    """A message: its text (a string, or text parts joined by newlines, as vLLM joins them), or,
+    with image parts, its parts in order (each image's file appended to `chat.images`)."""
     if content is None:
-        return ""
+        return serving_pb2.ChatMessage(role=role)
     if isinstance(content, str):
-        return content
-    texts = []
+        return serving_pb2.ChatMessage(role=role, content=content)
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+        if kind == "image_url":
+            chat.image_fields.append(f"{where}.content[{j}].image_url")
+            chat.images.append(openai_image(part, f"{where}.content[{j}]"))
+            parts.append(serving_pb2.ChatPart(image=len(chat.images) - 1))
+        elif kind == "text" and isinstance(part.get("text"), str) and set(part) <= TEXT_KEYS:
+            parts.append(serving_pb2.ChatPart(text=part["text"]))
+        else:
             raise HttpError.invalid(
                 f"{where}.content[{j}]",
-                f"only text parts ({{'type': 'text', 'text': ...}}) are served, got type {kind!r}",
+                "expected a text part ({'type': 'text', 'text': ...}) or an image_url part, "
+                f"got type {kind!r}",
             )
-        texts.append(part["text"])
-    return "\n".join(texts)
+    if not any(p.WhichOneof("part") == "image" for p in parts):
+        return serving_pb2.ChatMessage(role=role, content="\n".join(p.text for p in parts))
+    return serving_pb2.ChatMessage(role=role, parts=parts)
 
 
 def completion_request(

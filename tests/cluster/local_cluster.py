@@ -30,7 +30,7 @@ from cluster.worker_links import WorkerLinks
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2_grpc
 from worker.engine import Engine, EngineConfig
 from worker.event_loop import EventLoopThread
-from worker.grpc_server import INTERNAL_MESSAGE_BYTES, GrpcServer, ServerLimits, start_server
+from worker.grpc_server import GrpcServer, ServerLimits, internal_message_bytes, start_server
 from worker.loader import LoadedModel
 from worker.servicer import WorkerServicer
 
@@ -88,7 +88,7 @@ class LocalCluster:
         engine.start()
         servicer = WorkerServicer(engine, name, self.loaded.path)
         register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
-        limits = ServerLimits(max_message_bytes=INTERNAL_MESSAGE_BYTES)
+        limits = ServerLimits(internal_message_bytes(config.max_images, config.max_image_bytes))
         server = self.loop.run(start_server(register, "127.0.0.1", 0, limits))
         self.engines[name], self.workers[name] = engine, server
         self.loop.run(self.links.attach(name, f"127.0.0.1:{server.port}"))

@@ -104,11 +104,32 @@ BAD = {
     ),
     "n 0": Bad({"n": 0}, 400, "n: must be in", "n"),
     "stop_token_ids": Bad({"stop_token_ids": [-3]}, 400, "stop_token_ids", "stop_token_ids"),
-    "image part": Bad(
+    "image for a text model": Bad(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE]}]},
         400,
-        "messages[0].content[1]: only text parts",
-        "messages[0].content[1]",
+        "messages[0].content[1].image_url: this model has no vision encoder",
+        "messages[0].content[1].image_url",
+    ),
+    "remote image": Bad(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+                    ],
+                }
+            ]
+        },
+        400,
+        "the server fetches nothing; send a data URL",
+        "messages[0].content[0].image_url",
+    ),
+    "audio part": Bad(
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+        400,
+        "messages[0].content[0]: expected a text part",
+        "messages[0].content[0]",
     ),
     "no messages": Bad({"messages": []}, 400, "messages: is empty", "messages"),
     "tool role": Bad(
