@@ -22,7 +22,7 @@ from worker.checkpoint import CheckpointError, load_checkpoint
 from worker.config import ModelConfig
 from worker.default_model import converted_dir, default_model_dir
 from worker.image_processor import ImageProcessor
-from worker.image_prompt import PROCESSOR_FILES
+from worker.image_prompt import IMAGE_TOKEN, PROCESSOR_FILES
 from worker.model import CausalLM
 from worker.tokenizer import Tokenizer
 from worker.vision import Vision
@@ -103,6 +103,12 @@ def _load_vision_model(
     tower.load_weights(checkpoint.vision_state)
     tower = tower.to(device=device, dtype=weights_dtype).eval()
     vision = Vision(checkpoint.spec, ImageProcessor(checkpoint.processor), tower)
-    return LoadedModel(
-        model, _tokenizer(path), config.text, model_revision(path), path, vision=vision
-    )
+    tokenizer = _tokenizer(path)
+    if tokenizer is not None:
+        image_id = tokenizer.token_to_id(IMAGE_TOKEN)
+        if image_id != checkpoint.spec.image_token_id:  # every image would be refused
+            raise CheckpointError(
+                f"{path / 'config.json'}: image_token_id is {checkpoint.spec.image_token_id}, "
+                f"but the tokenizer's {IMAGE_TOKEN} is {image_id}"
+            )
+    return LoadedModel(model, tokenizer, config.text, model_revision(path), path, vision=vision)

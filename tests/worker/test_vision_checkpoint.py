@@ -163,6 +163,11 @@ def test_bad_config_is_refused(checkpoint: Path) -> None:
     _edit_json(checkpoint, "config.json", scale_factor=2, image_token_id=10_000)
     with pytest.raises(CheckpointError, match="image_token_id 10000 is outside"):
         load_model(checkpoint)
+    _edit_json(checkpoint, "config.json", image_token_id=3)  # in the vocabulary, not <image>
+    with pytest.raises(
+        CheckpointError, match="image_token_id is 3, but the tokenizer's <image> is"
+    ):
+        load_model(checkpoint)
 
 
 def test_text_loader_points_a_vision_checkpoint_to_load_model(pristine: Path) -> None:

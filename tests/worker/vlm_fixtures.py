@@ -198,7 +198,7 @@ def smolvlm_256m_config() -> Any:
         text_config=text,
         vision_config=vision,
         scale_factor=4,
-        image_token_id=49190,
+        image_token_id=TEXT_VOCAB + 1,  # the tiny tokenizer's <image> (SmolVLM's own is 49190)
         tie_word_embeddings=False,
     )
 
