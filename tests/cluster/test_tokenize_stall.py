@@ -1,13 +1,16 @@
 """Large text prompts do not stall the router for everyone else.
 
-The router tokenises on a thread (the tokenizer releases the GIL), and a text far longer than
-the context is refused by its head (worker/validation.py). So while prompts of the largest
-allowed size arrive one after another, small requests keep their time to first token: nine in
-ten grow by less than 50 ms. (One in ten may not: the full suite shares this machine's two cores
-with other processes, and a lone request once took 390 ms in CI while every other took 12.)
-Tokenising on the event loop stalled every other call for the whole 0.6-0.8 s one such prompt
-takes. The router, the worker servers and the client all share this
-process and its two cores, as they would not in production.
+The router tokenises on a thread (the tokenizer releases the GIL; the test below this one checks
+the thread), and a text far longer than the context is refused by its head (worker/validation.py).
+So while prompts of the largest allowed size arrive one after another, small requests keep their
+time to first token: the median grows by less than 100 ms and nine in ten by less than 250 ms.
+Tokenising such a prompt in full on the event loop stalls every other call for the 0.6-0.8 s it
+takes: measured with both safeguards taken out, a single small request got through while three
+arrived, and this test failed. Either safeguard alone keeps the bounds (the head is tokenised
+in about a millisecond). The bounds leave room for what is not a stall: the full suite shares
+this machine's two cores with other processes (a lone request once took 390 ms in CI while every
+other took 12, and under load two of 19 grew by 52-54 ms). The router, the worker servers and
+the client all share this process and its two cores, as they would not in production.
 """
 
 from __future__ import annotations
@@ -81,7 +84,9 @@ def test_small_requests_keep_their_ttft_while_maximal_prompts_arrive(tiny: Loade
             f"{len(big):,} characters arrived: median {1000 * statistics.median(during):.1f} ms, "
             f"max {1000 * max(during):.1f} ms over {len(during)} requests"
         )
-        slow = sorted(round(1000 * (t - before)) for t in during if t - before >= 0.050)
+        growth = sorted(round(1000 * (t - before)) for t in during)
+        assert statistics.median(growth) < 100, f"TTFT grew by {growth} ms"
+        slow = [g for g in growth if g >= 250]
         assert len(slow) <= len(during) // 10, f"TTFT grew by {slow} ms in {len(during)} requests"
         cluster.wait_idle()
     finally:
