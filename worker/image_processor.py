@@ -21,7 +21,6 @@ tokens were laid out from that. Imports torch and Pillow; no model, no network.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from worker.image_prompt import MAX_IMAGE_SIDE, _rescale_to_max_len, _scale_below
+from worker.image_prompt import longest_edge_size, whole_tiles
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 RESAMPLE = {
@@ -118,12 +117,12 @@ class ImageProcessor:
         c, t = self.config, self.config.tile_size
         image = image.convert("RGB")
         if c.do_resize:
-            h, w = _rescale_to_max_len(image.height, image.width, c.longest_edge)
-            h, w = _scale_below(h, w, MAX_IMAGE_SIDE)
-            image = self._resize(image, w, h)
+            image = self._resize(
+                image, *longest_edge_size(image.width, image.height, c.longest_edge)
+            )
         if not c.do_image_splitting:
             return [self._resize(image, t, t)]
-        w, h = _whole_tiles(image.width, image.height, t)
+        w, h = whole_tiles(image.width, image.height, t)
         image = self._resize(image, w, h)
         if h <= t and w <= t:
             return [image]
@@ -148,15 +147,3 @@ class ImageProcessor:
 
     def _resize(self, image: Image.Image, width: int, height: int) -> Image.Image:
         return image.resize((width, height), resample=self._resample)
-
-
-def _whole_tiles(width: int, height: int, tile: int) -> tuple[int, int]:
-    """transformers' `resize_for_vision_encoder` size: both sides up to whole tiles."""
-    aspect = width / height
-    if width >= height:
-        width = math.ceil(width / tile) * tile
-        height = math.ceil(int(width / aspect) / tile) * tile
-    else:
-        height = math.ceil(height / tile) * tile
-        width = math.ceil(int(height * aspect) / tile) * tile
-    return width, height

@@ -88,19 +88,9 @@ class ImagePromptSpec:
 
     def resized(self, width: int, height: int) -> tuple[int, int]:
         """The (width, height) the processor resizes an image to before tiling."""
-        h, w = _rescale_to_max_len(height, width, self.longest_edge)
-        h, w = _scale_below(h, w, MAX_IMAGE_SIDE)
         if not self.do_image_splitting:
             return self.tile_size, self.tile_size
-        t = self.tile_size
-        aspect = w / h
-        if w >= h:
-            w = math.ceil(w / t) * t
-            h = math.ceil(int(w / aspect) / t) * t
-        else:
-            h = math.ceil(h / t) * t
-            w = math.ceil(int(h * aspect) / t) * t
-        return w, h
+        return whole_tiles(*longest_edge_size(width, height, self.longest_edge), self.tile_size)
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """(rows, cols) of tiles for an image of this size; (0, 0): the global image alone."""
@@ -238,6 +228,26 @@ def cache_tokens(
         pos = start + spec.image_seq_len
     out.extend(ids[pos:])
     return out
+
+
+def longest_edge_size(width: int, height: int, longest_edge: int) -> tuple[int, int]:
+    """The (width, height) transformers' Idefics3 processor resizes an image to first: its
+    longest side to `longest_edge` (up or down), the other kept in proportion, at most 4096."""
+    h, w = _rescale_to_max_len(height, width, longest_edge)
+    h, w = _scale_below(h, w, MAX_IMAGE_SIDE)
+    return w, h
+
+
+def whole_tiles(width: int, height: int, tile: int) -> tuple[int, int]:
+    """transformers' `resize_for_vision_encoder` size: both sides up to whole tiles."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return width, height
 
 
 def _rescale_to_max_len(height: int, width: int, max_len: int) -> tuple[int, int]:
