@@ -356,7 +356,7 @@ class GGUFCheckpoint:
         )
 
 
-class _CheckedReader(gguf.GGUFReader):  # type: ignore[misc]
+class _CheckedReader(gguf.GGUFReader):
     """gguf's reader, but a tensor whose data runs past the end of the file is named (gguf's own
     reader fails on it with a bare numpy reshape error)."""
 
