@@ -67,7 +67,7 @@ def apply_weight_format(
     """Convert `model` in place to `fmt` (module docstring) and return it."""
     check_weight_format(fmt)
     given = dict(quantized or {})
-    names = set(linear_names(model)) | {HEAD, EMBED}
+    names = {f"{name}.weight" for name in linear_names(model)} | {HEAD, EMBED}
     unknown = sorted(set(given) - names)
     if unknown:
         raise ValueError(f"quantized weights for tensors the model does not have: {unknown}")
