@@ -113,12 +113,16 @@ def permute_rows(weight: QuantizedWeight, order: torch.Tensor) -> QuantizedWeigh
     )
 
 
+EMBED = "model.embed_tokens.weight"
+
+
 @dataclass
 class GGUFWeights:
     """A GGUF's weights for one weight format: the linear layers it stores natively in that format
-    as `QuantizedWeight`s, everything else dequantised to float32. Hugging Face names; a tied
-    head, when the embedding table is stored natively, is `lm_head.weight` in `quantized` (and the
-    table itself stays in `state_dict`: embeddings are looked up, not multiplied)."""
+    as `QuantizedWeight`s, everything else dequantised to float32, by Hugging Face name. A tied
+    head whose table is stored natively is `model.embed_tokens.weight` in `quantized` (the head's
+    weight; worker/weight_formats.py's convention) and also, float, in `state_dict` (the table:
+    embeddings are looked up, not multiplied)."""
 
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
@@ -133,23 +137,22 @@ def is_linear(name: str) -> bool:
 def native_weights(
     reader: Any, config: ModelConfig, fmt: WeightFormat
 ) -> dict[str, QuantizedWeight]:
-    """Every linear weight of an open GGUF whose block type is `fmt` natively, repacked and, for
-    q / k, unpermuted like the float weights (values, scales and zeros: rows move whole)."""
+    """Every linear weight of an open GGUF (a tied head's table included) whose block type is
+    `fmt` natively, repacked and, for q / k, unpermuted like the float weights (values, scales
+    and zeros together: rows move whole)."""
     if fmt not in QUANTIZED:
         return {}
     found: dict[str, QuantizedWeight] = {}
     for reader_tensor in reader.tensors:
         name = hf_name(reader_tensor.name)
-        if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
-            name = "lm_head.weight"
-        if not is_linear(name) or native_format(reader_tensor.tensor_type) != fmt:
+        head = is_linear(name) or (name == EMBED and config.tie_word_embeddings)
+        if not head or native_format(reader_tensor.tensor_type) != fmt:
             continue
         weight = repack(reader_tensor)
         heads = rotary_heads(reader_tensor.name, config)
         if heads is not None:
-            weight = permute_rows(
-                weight, unpermute_rotary_rows(torch.arange(weight.shape[0]), heads)
-            )
+            rows = unpermute_rotary_rows(torch.arange(weight.shape[0]), heads)
+            weight = permute_rows(weight, rows)
         found[name] = weight
     return found
 
@@ -161,12 +164,11 @@ def read_gguf_weights(path: Path, fmt: WeightFormat) -> GGUFWeights:
     reader = open_gguf(path)
     config = config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
     quantized = native_weights(reader, config, fmt)
-    state = dequantised_tensors(reader, config, skip=frozenset(quantized))
-    tied_head = config.tie_word_embeddings and "lm_head.weight" in quantized  # is the embedding
+    state = dequantised_tensors(reader, config, skip=frozenset(quantized) - {EMBED})
     stand_ins = {
         name: torch.empty(weight.shape, device="meta")
         for name, weight in quantized.items()
-        if not (tied_head and name == "lm_head.weight")
+        if name != EMBED
     }
     validate_state_dict(config, {**stand_ins, **state}, source=str(path))
     return GGUFWeights(config, state, quantized)
