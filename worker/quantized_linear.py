@@ -43,6 +43,9 @@ from torch import nn
 from worker.quantized_weights import OFFSET, QuantizedWeight, quantize
 
 LinearFormat = Literal["bf16", "int8", "int4"]
+INT4_CPU_ROWS = 16
+"""torch's CPU int4pack takes a multiple of 16 output rows: others are padded (level 8, scale 0,
+zero 0: weights of 0) and the padding's outputs cut off."""
 LINEAR_FORMATS: tuple[LinearFormat, ...] = ("bf16", "int8", "int4")
 MEASURED = """(filled in from benchmarks/linear_formats_bench.py)"""
 
@@ -100,7 +103,10 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("q", qw.q.contiguous())
             self.register_buffer("scales", scales.reshape(-1).contiguous())
         elif device.type == "cpu":
-            self.register_buffer("packed", pack_int4_cpu(qw.q))
+            pad = -self.out_features % INT4_CPU_ROWS  # the kernel takes whole blocks of rows
+            q = nn.functional.pad(qw.q, (0, 0, 0, pad), value=OFFSET["int4"])
+            scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (scales, zeros))
+            self.register_buffer("packed", pack_int4_cpu(q))
             self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1))
         else:
             self.register_buffer("packed", pack_nibbles(qw.q))
@@ -132,9 +138,10 @@ class QuantizedLinear(nn.Module):
         if self.device_type == "cpu":
             if self.format == "int8":
                 return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
             )
+            return y if y.shape[1] == self.out_features else y[:, : self.out_features]
         from kernels.quant_matmul import quant_matmul  # noqa: PLC0415 - triton only on GPU
 
         if self.format == "int8":
@@ -150,9 +157,9 @@ class QuantizedLinear(nn.Module):
         if self.format == "int8":
             return self.q.to(dtype) * self.scales[:, None].to(dtype)
         if self.device_type == "cpu":
-            q = unpack_int4_cpu(self.packed, out, inp)
-            scales = self.scales_and_zeros[..., 0].t()
-            zeros = self.scales_and_zeros[..., 1].t()
+            q = unpack_int4_cpu(self.packed, inp)[:out]
+            scales = self.scales_and_zeros[:, :out, 0].t()
+            zeros = self.scales_and_zeros[:, :out, 1].t()
         else:
             q, scales, zeros = unpack_nibbles(self.packed), self.scales, self.zeros
         w = (q.reshape(out, inp // g, g).to(dtype) - OFFSET["int4"]) * scales[..., None].to(dtype)
@@ -192,9 +199,10 @@ def pack_int4_cpu(q: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def unpack_int4_cpu(packed: torch.Tensor, out: int, inp: int) -> torch.Tensor:
-    """The values 0..15 [out, in] of a CPU int4pack tensor, recovered by multiplying the identity
-    (exact: one weight per output, scale 1, zero 8 cancels OFFSET) in column blocks."""
+def unpack_int4_cpu(packed: torch.Tensor, inp: int) -> torch.Tensor:
+    """The values 0..15 [rows, in] of a CPU int4pack tensor, recovered by multiplying the
+    identity (exact: one weight per output, scale 1, zero 8 cancels OFFSET)."""
+    out = packed.shape[0]
     eye = torch.eye(inp, dtype=torch.bfloat16)
     ones = torch.stack([torch.ones(inp // 32, out), torch.full((inp // 32, out), 8.0)], -1).to(
         torch.bfloat16

@@ -67,10 +67,15 @@ def apply_weight_format(
     """Convert `model` in place to `fmt` (module docstring) and return it."""
     check_weight_format(fmt)
     given = dict(quantized or {})
-    names = {f"{name}.weight" for name in linear_names(model)} | {HEAD, EMBED}
+    names = {f"{name}.weight" for name in linear_names(model)} | {EMBED}
+    if model.lm_head is not None:
+        names.add(HEAD)
     unknown = sorted(set(given) - names)
     if unknown:
         raise ValueError(f"quantized weights for tensors the model does not have: {unknown}")
+    done = next((m for m in model.modules() if isinstance(m, QuantizedLinear)), None)
+    if done is not None:
+        raise ValueError(f"the model already holds {done.format} layers: load it again instead")
     if fmt == "float32":
         if given:
             raise ValueError("weights 'float32' keeps the float weights; got quantized ones too")
@@ -82,14 +87,13 @@ def apply_weight_format(
         source = given.get(f"{name}.weight", linear.weight.detach())
         setattr(parent, attr, _pack(source, linear_fmt, linear.bias, group_size, device))
     embed = model.model.embed_tokens
-    table = dequantize(given[EMBED]) if EMBED in given else embed.weight.detach()
-    embed.weight = nn.Parameter(table.to(device, torch.bfloat16).contiguous(), requires_grad=False)
+    head_source: torch.Tensor | QuantizedWeight
     if isinstance(model.lm_head, nn.Linear):
         head_source = given.get(HEAD, model.lm_head.weight.detach())
-    elif model.lm_head is not None:
-        raise ValueError(f"the model's head is already a {type(model.lm_head).__name__}")
-    else:
+    else:  # tied: quantized from the table as loaded, before it is rounded to bf16
         head_source = given.get(EMBED, embed.weight.detach())
+    table = dequantize(given[EMBED]) if EMBED in given else embed.weight.detach()
+    embed.weight = nn.Parameter(table.to(device, torch.bfloat16).contiguous(), requires_grad=False)
     if fmt == "bf16" and model.lm_head is None:
         model.lm_head = QuantizedLinear(embed.weight.detach(), "bf16")  # shares the table
     else:
@@ -103,11 +107,14 @@ def linear_names(model: CausalLM) -> list[str]:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer the model holds (a tensor shared twice counts once)."""
-    seen: dict[int, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    """Bytes of the model's weights: every parameter and every QuantizedLinear buffer (packed
+    values, scales, zeros), a storage shared by two counted once; not the RoPE tables."""
+    tensors: list[torch.Tensor] = list(model.parameters())
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            tensors += list(module.buffers())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def _projections(model: CausalLM) -> list[tuple[str, nn.Module, str]]:
