@@ -94,7 +94,7 @@ def random_adapter(
 
 def build_stacks(model: CausalLM, slots: int, rank: int, modules: tuple[str, ...]) -> LoraStacks:
     weight = model.model.embed_tokens.weight
-    stacks = LoraStacks(model.config, slots, rank, weight.device, weight.dtype)
+    stacks = LoraStacks(model.config, slots, rank, weight.device, model.dtype)
     for slot in range(slots):
         stacks.load(slot, random_adapter(model.config, slot, rank, modules))
     return stacks

@@ -1,7 +1,7 @@
 """The cluster's configuration: frozen sections built once from a YAML file (or the defaults).
 
     model:    source ("default" = SmolLM2-135M-Instruct, a checkpoint dir, a .gguf), device,
-              LoRA adapters every worker loads at start
+              dtype, weight format, LoRA adapters every worker loads at start
     engine:   the worker engine (pages, page size, batching limits, context, LoRA slots, image
               limits and the vision encoder's cache)
     workers:  how many (default: one per GPU, else 2 CPU workers), CPUs each, bind host
@@ -38,6 +38,9 @@ MAX_ADAPTER_NAME_CHARS = 128
 """An adapter's name is part of every cache key of its namespace and of the OpenAI `model`."""
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_ENCODER_CACHE_BYTES = 64 << 20
+WEIGHT_FORMATS = ("float32", "bf16", "int8", "int4")
+"""worker/quantized_weights.py's WEIGHT_FORMATS, spelled out: this module must not import torch
+(the router loads it); a test holds the two equal."""
 
 
 class ConfigError(ValueError):
@@ -74,6 +77,10 @@ class ModelSection:
     """"auto" (CUDA when the node has GPUs, else CPU), "cpu" or "cuda"."""
     dtype: str | None = _one_of(None, ("float32", "bfloat16", "float16", None))
     """float32, bfloat16, float16; default: bfloat16 on CUDA, the checkpoint's own on CPU."""
+    weights: str = _one_of("float32", WEIGHT_FORMATS)
+    """The linear layers' and output head's weight format (worker/weight_formats.py): float32
+    (as loaded, in `dtype`), bf16, int8 (per channel) or int4 (groups of 32). Activations stay
+    in `dtype` whatever the format."""
     served_name: str | None = None
     """The model's name in the OpenAI and Anthropic APIs (the `model` a request names, the id in
     /v1/models); default: SmolLM2-135M-Instruct for the default model, else the source's

@@ -23,6 +23,7 @@ from worker.grpc_server import GrpcServer, ServerLimits, internal_message_bytes,
 from worker.loader import load_model
 from worker.metrics import EngineCollector, serve_metrics
 from worker.servicer import WorkerServicer
+from worker.weight_formats import check_weight_format
 
 log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
@@ -50,6 +51,7 @@ class WorkerActor:
         host: str = "127.0.0.1",
         metrics_port: int | None = None,
         threads: int | None = None,
+        weights: str = "float32",
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -60,7 +62,8 @@ class WorkerActor:
         self.name = name
         if dtype is None and device == "cuda":
             dtype = "bfloat16"
-        loaded = load_model(model_source, DTYPES[dtype] if dtype else None, device)
+        fmt = check_weight_format(weights, "model.weights")
+        loaded = load_model(model_source, DTYPES[dtype] if dtype else None, device, fmt)
         self.checkpoint = loaded.path
         config = EngineConfig(**{**engine, "model_revision": loaded.revision})
         self.engine = Engine(

@@ -5,9 +5,14 @@ checkpoint directory (worker/default_model.py). A `.gguf` file is converted the 
 directory whose config.json is an Idefics3 / SmolVLM model (`model_type: "idefics3"`) loads as
 its text model plus a `Vision` (worker/vision.py); every other model has `vision` None. The
 model revision, part of every cache block hash, is a digest of the checkpoint's config, its
-image processor's settings (when it has them) and its weight files (names and sizes), so two
-workers serving the same files agree on it and a changed checkpoint never shares cache
+image processor's settings (when it has them), its weight files (names and sizes) and the weight
+format when it is not float32, so two workers serving the same files in the same format agree
+on it, and a changed checkpoint or format (other weights: other K/V) never shares cache
 identity with the old one.
+
+`weights` puts the linear layers and the head into a weight format after the model is placed
+(worker/weight_formats.py: float32 as loaded, bf16, int8, int4); `dtype` is the activations'
+(and float weights') dtype, as before.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from worker.default_model import converted_dir, default_model_dir
 from worker.image_processor import ImageProcessor
 from worker.image_prompt import IMAGE_TOKEN, PROCESSOR_FILES
 from worker.model import CausalLM
+from worker.quantized_weights import WeightFormat
 from worker.tokenizer import Tokenizer
 from worker.vision import Vision
 from worker.vision_checkpoint import is_vision_checkpoint, load_vlm_checkpoint
 from worker.vision_model import VisionTower
+from worker.weight_formats import apply_weight_format, check_weight_format
 
 DEFAULT = "default"
 
@@ -57,16 +64,19 @@ def checkpoint_dir(source: str | Path) -> Path:
     return path
 
 
-def model_revision(path: Path) -> str:
+def model_revision(path: Path, weights: WeightFormat = "float32") -> str:
     """`<dir name>@<12 hex>`: a digest of config.json, the image processor's files when there
-    are any, and the weight files' names and sizes."""
+    are any, the weight files' names and sizes, and `weights` unless float32 (so float32
+    revisions are what they were before weight formats existed)."""
     digest = hashlib.blake2b(digest_size=6)
+    if weights != "float32":
+        digest.update(f"weights:{weights}".encode())
     digest.update((path / "config.json").read_bytes())
     for name in PROCESSOR_FILES:
         if (path / name).is_file():
             digest.update(name.encode() + b":" + (path / name).read_bytes())
-    for weights in sorted(path.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    for file in sorted(path.glob("*.safetensors")):
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
     return f"{path.name}@{digest.hexdigest()}"
 
 
@@ -74,15 +84,23 @@ def load_model(
     source: str | Path = DEFAULT,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    weights: WeightFormat = "float32",
 ) -> LoadedModel:
+    """The model at `source` on `device`, activations in `dtype` (None: as stored), its linear
+    layers and head in the weight format `weights`."""
+    weights = check_weight_format(weights)
     path = checkpoint_dir(source)
     if is_vision_checkpoint(path):
-        return _load_vision_model(path, dtype, device)
+        return _load_vision_model(path, dtype, device, weights)
     config, state = load_checkpoint(path, dtype)
     model = CausalLM(config)
     model.load_weights(state)
-    model = model.to(device=device, dtype=state["model.embed_tokens.weight"].dtype).eval()
-    return LoadedModel(model, _tokenizer(path), config, model_revision(path), path)
+    stored = state["model.embed_tokens.weight"].dtype
+    del state  # the model holds copies; the float weights apply_weight_format replaces go too
+    model = model.to(device=device, dtype=stored).eval()
+    apply_weight_format(model, weights)
+    revision = model_revision(path, weights)
+    return LoadedModel(model, _tokenizer(path), config, revision, path)
 
 
 def _tokenizer(path: Path) -> Tokenizer | None:
@@ -90,7 +108,7 @@ def _tokenizer(path: Path) -> Tokenizer | None:
 
 
 def _load_vision_model(
-    path: Path, dtype: torch.dtype | None, device: torch.device | str
+    path: Path, dtype: torch.dtype | None, device: torch.device | str, weights: WeightFormat
 ) -> LoadedModel:
     """An Idefics3 directory: the text CausalLM and the Vision, in the weights' dtype."""
     checkpoint = load_vlm_checkpoint(path, dtype)
@@ -99,6 +117,7 @@ def _load_vision_model(
     model = CausalLM(config.text)
     model.load_weights(checkpoint.text_state)
     model = model.to(device=device, dtype=weights_dtype).eval()
+    apply_weight_format(model, weights)
     tower = VisionTower(config)
     tower.load_weights(checkpoint.vision_state)
     tower = tower.to(device=device, dtype=weights_dtype).eval()
@@ -111,4 +130,5 @@ def _load_vision_model(
                 f"{path / 'config.json'}: image_token_id is {checkpoint.spec.image_token_id}, "
                 f"but the tokenizer's {IMAGE_TOKEN} is {image_id}"
             )
-    return LoadedModel(model, tokenizer, config.text, model_revision(path), path, vision=vision)
+    revision = model_revision(path, weights)
+    return LoadedModel(model, tokenizer, config.text, revision, path, vision=vision)

@@ -39,7 +39,7 @@ def adapter_slots(
     weight = model.model.embed_tokens.weight
     stacks = None
     if max_loras:
-        stacks = LoraStacks(model.config, max_loras, max_rank, weight.device, weight.dtype)
+        stacks = LoraStacks(model.config, max_loras, max_rank, weight.device, model.dtype)
     return AdapterSlots(max_loras, max_rank, stacks), stacks
 
 

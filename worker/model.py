@@ -211,7 +211,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Decoder(config)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: nn.Module | None = None
+        """A separate head (nn.Linear, or worker/quantized_linear.py's QuantizedLinear once a
+        weight format gives a tied head its own copy); None: logits use the embedding table."""
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -223,7 +225,7 @@ class CausalLM(nn.Module):
         With `lora`, rows in adapter segments get their adapter's terms."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.model.embed_tokens(batch.input_ids).to(self.dtype)  # a bf16 table: upcast
         if batch.embed_rows is not None and batch.embeds is not None:  # image positions
             x[batch.embed_rows] = batch.embeds.to(x.dtype)
         step = Step(batch, *self.model.rotary.lookup(batch.positions))
@@ -236,8 +238,15 @@ class CausalLM(nn.Module):
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, step, cache)
         x = self.model.norm(x[batch.logits_indices])
-        head = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return (x @ head.t()).float()
+        if self.lm_head is not None:
+            logits: torch.Tensor = self.lm_head(x)
+            return logits.float()
+        return (x @ self.model.embed_tokens.weight.t()).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (and KV cache's) dtype: the norms', which no weight format changes."""
+        return self.model.norm.weight.dtype
 
     def allocate_kv(
         self, num_pages: int, page_size: int, device: torch.device | str | None = None
@@ -250,7 +259,7 @@ class CausalLM(nn.Module):
                 page_size,
                 self.config.num_kv_heads,
                 self.config.head_dim,
-                weight.dtype,
+                self.dtype,
                 device if device is not None else weight.device,
             )
             for _ in range(self.config.num_layers)

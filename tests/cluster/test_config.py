@@ -22,6 +22,7 @@ from cluster.config import ClusterConfig, ConfigError, ModelSection, build, engi
         ("router: {policy: fastest}", "router.policy: 'fastest' is not one of ['cache_aware'"),
         ("model: {device: gpu}", "model.device: 'gpu' is not one of ['auto', 'cpu', 'cuda']"),
         ("model: {dtype: fp8}", "model.dtype: 'fp8' is not one of"),
+        ("model: {weights: q4_0}", "model.weights: 'q4_0' is not one of ['bf16', 'float32'"),
         ("workers: {count: 0}", "workers.count: must be at least 1, got 0"),
         ("workers: {cpus_per_worker: -1}", "workers.cpus_per_worker: must be at least 0"),
         ("engine: {num_pages: 0}", "engine.num_pages: must be at least 1, got 0"),
@@ -40,6 +41,19 @@ def test_a_value_out_of_range_is_refused_naming_its_key(
     with pytest.raises(ConfigError) as err:
         ClusterConfig.load(path)
     assert str(err.value).startswith(f"{path}.") and expected in str(err.value)
+
+
+def test_the_weight_formats_are_the_loaders(tmp_path: Path) -> None:
+    """cluster/config.py spells the formats out (the router must not import torch)."""
+    from cluster.config import WEIGHT_FORMATS
+    from worker.quantized_weights import WEIGHT_FORMATS as LOADER_FORMATS
+
+    assert WEIGHT_FORMATS == LOADER_FORMATS
+    path = tmp_path / "radixmesh.yaml"
+    for fmt in WEIGHT_FORMATS:
+        path.write_text(f"model: {{weights: {fmt}}}\n")
+        assert ClusterConfig.load(path).model.weights == fmt
+    assert ModelSection().weights == "float32"
 
 
 def test_the_edges_of_each_range_load(tmp_path: Path) -> None:

@@ -1,0 +1,165 @@
+"""QuantizedLinear: each format multiplies by exactly the matrix it says it holds
+(`reference_weight`), that matrix is the quantization the format promises of the float weight,
+the packed buffers hold the levels given to them, the layer is a drop-in for nn.Linear (bias,
+leading dimensions, x's dtype out), it holds the bytes the format promises, and bad inputs are
+refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.worker.helpers import relative_error
+from worker.quantized_linear import LINEAR_FORMATS, QuantizedLinear, unpack_int4_cpu
+from worker.quantized_weights import OFFSET, QuantizedWeight, quantize
+
+BF16_EPS = 2.0**-8
+"""bf16 keeps 8 significant bits: rounding moves a value by at most this, relatively."""
+SHAPES = [(48, 96), (32, 64), (72, 128)]
+"""32 rows: a tiny k_proj; 72: not a multiple of the CPU int4 kernel's 16 rows (padded)."""
+
+
+def weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out, inp, generator=gen) / inp**0.5
+
+
+def activations(rows: int, inp: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(rows, inp, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fmt", LINEAR_FORMATS)
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_each_format_multiplies_by_its_reference_weight(
+    fmt: str, out: int, inp: int, rows: int
+) -> None:
+    """Against x (rounded to bf16, as the layer feeds the kernels) @ reference_weight in float64:
+    the only other error allowed is the product's rounding to bf16."""
+    layer = QuantizedLinear(weight(out, inp), fmt)  # type: ignore[arg-type]
+    x = activations(rows, inp)
+    y = layer(x)
+    oracle = x.to(torch.bfloat16).double() @ layer.reference_weight().double().t()
+    assert y.dtype == torch.float32 and y.shape == (rows, out)
+    assert relative_error(y.double(), oracle) < BF16_EPS
+
+
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_bf16_holds_the_weight_rounded_to_bf16(out: int, inp: int) -> None:
+    w = weight(out, inp)
+    layer = QuantizedLinear(w, "bf16")
+    assert torch.equal(layer.reference_weight(), w.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_int8_is_symmetric_per_channel_within_half_a_step(out: int, inp: int) -> None:
+    """|W - W'| <= half a step (row max / 127) plus the bf16 rounding of the scale."""
+    w = weight(out, inp)
+    layer = QuantizedLinear(w, "int8")
+    row_max = w.abs().amax(1, keepdim=True)
+    step = row_max / 127
+    bound = step / 2 + row_max * BF16_EPS + 1e-7
+    assert bool(((layer.reference_weight() - w).abs() <= bound).all())
+    assert layer.q.dtype == torch.int8 and layer.scales.shape == (out,)
+    assert int(layer.q.abs().amax(1).min()) >= 126, "each row's largest weight uses the range"
+
+
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_int4_holds_the_levels_of_round_to_nearest_groups(out: int, inp: int) -> None:
+    """The CPU int4pack buffer unpacks to quantize()'s levels, and the layer's matrix is
+    worker/quantized_weights.py's formula with bf16 scales and zeros: within half a group's step
+    (plus that rounding) of the float weight."""
+    w = weight(out, inp)
+    layer = QuantizedLinear(w, "int4")
+    qw = quantize(w, "int4")
+    assert torch.equal(unpack_int4_cpu(layer.packed, inp)[:out], qw.q)
+    s, z = qw.scales.to(torch.bfloat16).float(), qw.zeros.to(torch.bfloat16).float()
+    g = qw.group_size
+    expected = (qw.q.float().reshape(out, -1, g) - OFFSET["int4"]) * s[..., None] + z[..., None]
+    assert torch.equal(layer.reference_weight(), expected.reshape(out, inp))
+    step = qw.scales.repeat_interleave(g, 1)
+    rounding = (8 * step + qw.zeros.abs().repeat_interleave(g, 1)) * BF16_EPS
+    assert bool(((layer.reference_weight() - w).abs() <= step / 2 + rounding + 1e-7).all())
+
+
+def test_a_given_int4_weight_is_packed_as_it_is() -> None:
+    """A QuantizedWeight (e.g. GGUF blocks) keeps its levels, scales, zeros and group."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (40, 128), generator=gen, dtype=torch.uint8)
+    scales, zeros = torch.rand(40, 2, generator=gen), torch.randn(40, 2, generator=gen)
+    qw = QuantizedWeight("int4", q, scales, zeros, 64)
+    layer = QuantizedLinear(qw, "int4")
+    assert layer.group_size == 64
+    assert torch.equal(unpack_int4_cpu(layer.packed, 128)[:40], q)
+    x = activations(3, 128)
+    oracle = x.to(torch.bfloat16).double() @ layer.reference_weight().double().t()
+    assert relative_error(layer(x).double(), oracle) < BF16_EPS
+
+
+def test_a_grouped_int8_weight_is_requantized_per_channel() -> None:
+    w = weight(24, 96)
+    grouped = quantize(w, "int8")  # GGUF Q8_0's form: groups of 32
+    layer = QuantizedLinear(grouped, "int8")
+    assert layer.scales.shape == (24,) and layer.group_size == 96
+    assert relative_error(layer.reference_weight(), w) < 0.01
+
+
+def test_a_drop_in_for_nn_linear() -> None:
+    """Bias, leading dimensions, and x's dtype out, as nn.Linear."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True)
+    for fmt in LINEAR_FORMATS:
+        layer = QuantizedLinear.from_linear(linear, fmt)
+        assert (layer.in_features, layer.out_features) == (64, 48)
+        x = torch.randn(2, 3, 64)
+        y = layer(x)
+        assert y.shape == (2, 3, 48) and y.dtype == torch.float32
+        flat = layer(x.reshape(6, 64)).reshape(2, 3, 48)
+        assert torch.equal(y, flat)
+        no_bias = y - linear.bias.detach()
+        oracle = x.to(torch.bfloat16).double() @ layer.reference_weight().double().t()
+        assert relative_error(no_bias.double(), oracle) < BF16_EPS
+        assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+        assert relative_error(y, linear(x).detach()) < {"bf16": 0.01, "int8": 0.02}.get(fmt, 0.2)
+
+
+def test_each_format_holds_the_bytes_it_promises() -> None:
+    out, inp = 96, 256
+    w = weight(out, inp)
+    sizes = {fmt: QuantizedLinear(w, fmt).nbytes for fmt in LINEAR_FORMATS}
+    assert sizes["bf16"] == out * inp * 2
+    assert sizes["int8"] == out * inp + out * 2  # values + a bf16 scale per row
+    assert sizes["int4"] == out * inp // 2 + out * (inp // 32) * 2 * 2  # + bf16 scale and zero
+    padded = QuantizedLinear(weight(90, inp), "int4").nbytes  # 90 rows held as 96
+    assert padded == sizes["int4"]
+
+
+def test_bad_inputs_are_refused_by_name() -> None:
+    w = weight(8, 64)
+    with pytest.raises(ValueError, match=r"format must be one of .*'int3'"):
+        QuantizedLinear(w, "int3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"weight must be \[out, in\]"):
+        QuantizedLinear(w[None], "int4")
+    with pytest.raises(ValueError, match="a int8 QuantizedWeight cannot be packed as int4"):
+        QuantizedLinear(quantize(w, "int8"), "int4")
+    with pytest.raises(ValueError, match="do not split into groups of 32"):
+        QuantizedLinear(weight(8, 48), "int4")
+
+
+def test_a_layer_called_on_another_device_says_to_pack_it_there() -> None:
+    layer = QuantizedLinear(weight(8, 64), "int4")
+    with pytest.raises(RuntimeError, match="packed for cpu, called on meta"):
+        layer(torch.empty(1, 64, device="meta"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", LINEAR_FORMATS)
+def test_cuda_layers_multiply_by_the_same_matrix_as_cpu_layers(fmt: str) -> None:
+    w = weight(1536, 576)
+    cpu = QuantizedLinear(w, fmt)  # type: ignore[arg-type]
+    cuda = QuantizedLinear(w.cuda(), fmt)  # type: ignore[arg-type]
+    assert torch.equal(cuda.reference_weight().cpu(), cpu.reference_weight())
+    x = activations(7, 576).to(torch.bfloat16)
+    oracle = x.double() @ cpu.reference_weight().double().t()
+    assert relative_error(cuda(x.cuda()).cpu().double(), oracle) < BF16_EPS

@@ -1,0 +1,248 @@
+"""Weight formats on whole models: what apply_weight_format replaces (a tied head gets its own
+copy, the table stays a bf16 lookup), a quantized model computes exactly with the weights it
+holds (logits against its dequantized float twin) and stays near float32 (a bound per format),
+the cache changes nothing within a format (engine, greedy), LoRA adds its terms on a quantized
+base, load_model(weights=...) gives each format its own cache identity, and bad names are
+refused naming the field."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.worker import test_engine_equivalence as equivalence
+from tests.worker.helpers import no_cache_greedy, recorded_engine, relative_error
+from tests.worker.test_lora_model import ATTENTION, generate, random_adapter, stacks_with
+from worker.config import ModelConfig
+from worker.loader import load_model, model_revision
+from worker.model import CausalLM
+from worker.model_runner import Chunk, ModelRunner
+from worker.quantized_linear import QuantizedLinear, unpack_int4_cpu
+from worker.quantized_weights import QuantizedWeight, WeightFormat, dequantize, quantize
+from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, build_tiny_checkpoint, tiny_model
+from worker.weight_formats import apply_weight_format, linear_names, weight_bytes
+
+FORMATS: list[WeightFormat] = ["bf16", "int8", "int4"]
+CONFIGS = [TINY_CONFIG, TINY_QWEN3_CONFIG]
+IDS = ["llama", "qwen3-tied"]
+PROJECTIONS = 7  # q k v o gate up down
+FLOAT32_BOUND = {"bf16": 0.05, "int8": 0.1, "int4": 0.75}
+"""Largest relative error norm of the tiny models' logits against float32, per format. Measured
+on 20 prompts x 2 seeds x 2 configs: bf16 0.007-0.023, int8 0.015-0.051, int4 0.17-0.48 (random
+Gaussian weights with 64 hidden units are int4's worst case: nothing like a trained model's
+outliers-plus-bulk, and every error compounds; SmolLM2's quality is benchmarks/weights_quality.py's
+to measure). The bounds are about twice the worst seen: a broken format (wrong zero, wrong
+group, transposed nibbles) lands far beyond them, near 1."""
+TWIN_BOUND = 0.03
+"""Against the model's own dequantized weights in float32, the only differences are the
+activations' rounding to bf16 at each linear (measured up to 0.016)."""
+
+
+def prompt(seed: int, length: int = 32) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(length)]
+
+
+def last_logits(model: CausalLM, ids: list[int]) -> torch.Tensor:
+    runner = ModelRunner(model, num_pages=len(ids) + 2, page_size=1)
+    return runner.run([Chunk(ids, 0, list(range(1, len(ids) + 1)), True)])[0]
+
+
+def dequantized_twin(model: CausalLM) -> CausalLM:
+    """A float32 CausalLM holding exactly the matrices `model`'s layers multiply by."""
+    twin = CausalLM(model.config)
+    state: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            state[f"{name}.weight"] = module.reference_weight()
+            if module.bias is not None:
+                state[f"{name}.bias"] = module.bias.float()
+    for name, parameter in model.named_parameters():
+        state.setdefault(name, parameter.detach().float())
+    if twin.lm_head is None:  # a tied config: the quantized head is no longer the table
+        twin.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    missing, unexpected = twin.load_state_dict(state, strict=True)
+    assert not missing and not unexpected
+    return twin.eval()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_projections_and_the_head_are_replaced_and_the_table_is_bf16(
+    config: ModelConfig, fmt: str
+) -> None:
+    model = apply_weight_format(tiny_model(config), fmt)  # type: ignore[arg-type]
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == PROJECTIONS * config.num_layers + 1
+    assert {layer.format for layer in layers} == {fmt}
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.dtype == torch.float32, "activations keep the model's dtype"
+    assert not [m for m in model.modules() if type(m) is nn.Linear], "a float linear is left"
+    table = tiny_model(config).model.embed_tokens.weight.detach()
+    assert torch.equal(model.model.embed_tokens.weight, table.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_tied_head_gets_its_own_quantized_copy_of_the_table(fmt: str) -> None:
+    float_model = tiny_model(TINY_QWEN3_CONFIG)
+    table = float_model.model.embed_tokens.weight.detach().clone()
+    model = apply_weight_format(float_model, fmt)  # type: ignore[arg-type]
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == fmt
+    head = model.lm_head.reference_weight()
+    assert relative_error(head, table) < {"int8": 0.01, "int4": 0.15}[fmt]
+    assert not torch.equal(head, table.to(torch.bfloat16).float()), "the head is quantized"
+
+
+def test_a_tied_bf16_head_shares_the_bf16_table() -> None:
+    model = apply_weight_format(tiny_model(TINY_QWEN3_CONFIG), "bf16")
+    assert isinstance(model.lm_head, QuantizedLinear)
+    table = model.model.embed_tokens.weight
+    assert model.lm_head.weight.data_ptr() == table.data_ptr()
+    untied = apply_weight_format(tiny_model(TINY_CONFIG), "bf16")
+    assert isinstance(untied.lm_head, QuantizedLinear)
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_float32_changes_nothing() -> None:
+    model = tiny_model(TINY_CONFIG)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    assert apply_weight_format(model, "float32") is model
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_logits_match_the_dequantized_twin_and_stay_near_float32(
+    config: ModelConfig, fmt: str
+) -> None:
+    reference = tiny_model(config, seed=11)
+    model = apply_weight_format(tiny_model(config, seed=11), fmt)  # type: ignore[arg-type]
+    twin = dequantized_twin(model)
+    for seed in range(3):
+        ids = prompt(seed)
+        got = last_logits(model, ids)
+        assert relative_error(got, last_logits(twin, ids)) < TWIN_BOUND
+        assert relative_error(got, last_logits(reference, ids)) < FLOAT32_BOUND[fmt]
+
+
+def test_formats_hold_fewer_bytes_in_order() -> None:
+    """Each format's bytes: the bf16 table, the float32 norms, and its layers' buffers."""
+    sizes: dict[str, int] = {
+        fmt: weight_bytes(apply_weight_format(tiny_model(), fmt)) for fmt in FORMATS
+    }
+    sizes["float32"] = weight_bytes(tiny_model())
+    assert sizes["float32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
+    config = TINY_CONFIG
+    hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
+    matrices = [(config.q_size, hidden), (config.kv_size, hidden), (config.kv_size, hidden)]
+    matrices += [(hidden, config.q_size), (inter, hidden), (inter, hidden), (hidden, inter)]
+    matrices = matrices * config.num_layers + [(vocab, hidden)]
+    promised = {
+        "bf16": lambda out, inp: out * inp * 2,
+        "int8": lambda out, inp: out * inp + out * 2,  # + a bf16 scale per row
+        "int4": lambda out, inp: out * inp // 2 + out * (inp // 32) * 4,  # + bf16 scale, zero
+    }
+    fixed = vocab * hidden * 2 + (2 * config.num_layers + 1) * hidden * 4  # table, norms
+    for fmt, size in promised.items():
+        assert sizes[fmt] == fixed + sum(size(out, inp) for out, inp in matrices), fmt
+
+
+SCENARIOS = ["paged-page16", "prefix-hit", "full-prompt-hit-page1", "chunk-7", "crowded-batch"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_cache_changes_nothing_within_a_format(config: ModelConfig, fmt: str) -> None:
+    """The engine, cold and after cache hits, in several chunkings and batches, against the
+    no-cache oracle of the same quantized model: the same greedy tokens, and the same logits
+    (int8 / int4: to float32 noise, in practice bit for bit; bf16's matmul may round a sum that
+    its blocking reorders to the neighbouring bf16 value, so to bf16 noise)."""
+    model = apply_weight_format(tiny_model(config, seed=11), fmt)  # type: ignore[arg-type]
+    tokens, logits = no_cache_greedy(model, equivalence.PROMPT, equivalence.STEPS)
+    bound = 2e-2 if fmt == "bf16" else 1e-5
+    for scenario in SCENARIOS:
+        engine_config, run = equivalence.SCENARIOS[scenario]
+        engine, recorder = recorded_engine(model, engine_config)
+        run(engine, recorder.outputs.append)
+        assert recorder.tokens("target") == tokens, scenario
+        first = recorder.logits[("target", 0, len(equivalence.PROMPT))]
+        assert relative_error(first, logits) < bound, scenario
+        if "hit" in scenario:
+            assert recorder.final("target").cached_prompt_tokens > 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_lora_adds_its_terms_on_a_quantized_base(fmt: str) -> None:
+    """An adapter on the quantized model equals the adapter merged into the dequantized twin,
+    prefill and decode, and moves the logits far more than that difference."""
+    model = apply_weight_format(tiny_model(TINY_CONFIG, seed=3), fmt)  # type: ignore[arg-type]
+    adapter = random_adapter(TINY_CONFIG, "a", rank=6, seed=1)
+    twin = dequantized_twin(model)
+    with torch.no_grad():
+        for (layer, module), (a, b) in adapter.weights.items():
+            block = twin.model.layers[layer]
+            parent = block.self_attn if module in ATTENTION else block.mlp
+            getattr(parent, module).weight += adapter.scaling * b @ a
+    stacks = stacks_with(TINY_CONFIG, {1: adapter})
+    ids = prompt(5, 21)
+    with_adapter = generate(ModelRunner(model, 16, 4, lora=stacks), ids, 1, 3)
+    merged = generate(ModelRunner(twin, 16, 4), ids, -1, 3)
+    base = generate(ModelRunner(model, 16, 4), ids, -1, 3)
+    for got, want, plain in zip(with_adapter, merged, base, strict=True):
+        error = relative_error(got, want)
+        assert error < TWIN_BOUND
+        assert relative_error(plain, want) > 10 * error, "the adapter changed nothing"
+
+
+def test_given_quantized_weights_are_used_as_they_are() -> None:
+    """A GGUF-style int4 weight for one projection and for the tied table: packed with its own
+    levels and group, the table dequantized from it, the head quantized from it too."""
+    config = TINY_QWEN3_CONFIG
+    gen = torch.Generator().manual_seed(9)
+    out, inp = config.q_size, config.hidden_size
+    q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
+    given = QuantizedWeight("int4", q, torch.rand(out, 1, generator=gen), torch.zeros(out, 1), 64)
+    table = quantize(torch.randn(config.vocab_size, inp, generator=gen) * 0.1, "int8")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    quantized = {name: given, "model.embed_tokens.weight": table}
+    model = apply_weight_format(tiny_model(config), "int4", quantized)
+    layer = model.get_submodule("model.layers.1.self_attn.q_proj")
+    assert isinstance(layer, QuantizedLinear) and layer.group_size == 64
+    assert torch.equal(unpack_int4_cpu(layer.packed, inp)[:out], q)
+    assert torch.equal(model.model.embed_tokens.weight, dequantize(table).to(torch.bfloat16))
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == "int8"
+
+
+def test_bad_requests_are_refused_naming_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="weights: 'fp8' is not one of float32, bf16, int8, int4"):
+        apply_weight_format(tiny_model(), "fp8")  # type: ignore[arg-type]
+    weight = quantize(torch.randn(64, 64), "int4")
+    with pytest.raises(ValueError, match=r"tensors the model does not have: \['nope.weight'\]"):
+        apply_weight_format(tiny_model(), "int4", {"nope.weight": weight})
+    with pytest.raises(ValueError, match="float32' keeps the float weights"):
+        apply_weight_format(
+            tiny_model(), "float32", {f"{linear_names(tiny_model())[0]}.weight": weight}
+        )
+    model = apply_weight_format(tiny_model(), "int4")
+    with pytest.raises(ValueError, match="already holds int4 layers"):
+        apply_weight_format(model, "int8")
+
+
+def test_load_model_gives_each_format_its_own_revision(tmp_path: Path) -> None:
+    path = build_tiny_checkpoint(tmp_path / "tiny")
+    revisions = {}
+    for fmt in ["float32", *FORMATS]:
+        loaded = load_model(path, weights=fmt)
+        revisions[fmt] = loaded.revision
+        assert isinstance(loaded.model.lm_head, QuantizedLinear) == (fmt != "float32")
+    assert len(set(revisions.values())) == 4
+    assert revisions["float32"] == model_revision(path), "float32 keeps its old revision"
+    with pytest.raises(ValueError, match="weights: 'q4_0' is not one of"):
+        load_model(path, weights="q4_0")  # type: ignore[arg-type]
