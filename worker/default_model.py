@@ -76,6 +76,18 @@ def _is_current(directory: Path, identity: dict[str, object]) -> bool:
         return False
 
 
+def conversion_source(directory: Path) -> Path | None:
+    """The GGUF file a checkpoint directory was converted from, if the directory is a current
+    conversion of it (its marker matches the file's size and mtime); None otherwise."""
+    try:
+        identity = json.loads((Path(directory) / MARKER).read_text())
+        source = Path(identity["source"])
+        current = source.is_file() and identity == _source_identity(source)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return source if current else None
+
+
 def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """The checkpoint directory converted from `gguf_path`, converting it first if needed.
 
@@ -89,7 +101,7 @@ def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     if _is_current(target, identity):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(target.parent / f".{target.name}.lock"):
+    with exclusive(target.parent / f".{target.name}.lock"):
         if _is_current(target, identity):  # another process converted it while we waited
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -103,8 +115,8 @@ def converted_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """One converter per target across processes (workers starting together on one host)."""
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """One writer per target across processes (workers starting together on one host)."""
     with lock_path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:

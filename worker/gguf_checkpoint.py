@@ -213,16 +213,28 @@ def _tensor(reader_tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _state_dict(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
+def rotary_heads(gguf_name: str, config: ModelConfig) -> int | None:
+    """The head count whose rows llama.cpp permuted in this tensor (q: query heads, k: KV heads),
+    None for a tensor it left alone."""
+    if ".attn_q." in gguf_name:
+        return config.num_heads
+    if ".attn_k." in gguf_name:
+        return config.num_kv_heads
+    return None
+
+
+def dequantised_tensors(
+    reader: Any, config: ModelConfig, skip: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """Every tensor but those named (HF names) in `skip`, dequantised and unpermuted."""
     state: dict[str, torch.Tensor] = {}
     for reader_tensor in reader.tensors:
         name = hf_name(reader_tensor.name)
+        if name in skip:
+            continue
         tensor = _tensor(reader_tensor)
-        if ".attn_q." in reader_tensor.name:
-            tensor = unpermute_rotary_rows(tensor, config.num_heads)
-        elif ".attn_k." in reader_tensor.name:
-            tensor = unpermute_rotary_rows(tensor, config.num_kv_heads)
-        state[name] = tensor
+        heads = rotary_heads(reader_tensor.name, config)
+        state[name] = tensor if heads is None else unpermute_rotary_rows(tensor, heads)
     return state
 
 
@@ -344,17 +356,44 @@ class GGUFCheckpoint:
         )
 
 
-def read_gguf(path: Path) -> GGUFCheckpoint:
-    """Read and dequantise a llama-architecture GGUF file (about 5 s for SmolLM2-135M on a CPU)."""
+class _CheckedReader(gguf.GGUFReader):
+    """gguf's reader, but a tensor whose data runs past the end of the file is named (gguf's own
+    reader fails on it with a bare numpy reshape error)."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        for tensor_field in fields:
+            _, name, _, dims, raw_dtype, offset = tensor_field.parts
+            qtype = gguf.GGMLQuantizationType(int(raw_dtype[0]))
+            block_size, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            n_bytes = int(np.prod(dims)) * block_bytes // block_size
+            end = int(start_offs) + int(offset[0]) + n_bytes
+            if end > len(self.data):
+                raise GGUFError(
+                    f"tensor {bytes(name).decode('utf-8', 'replace')} ({qtype.name}, "
+                    f"{n_bytes} bytes) ends at byte {end}, past the end of the file "
+                    f"({len(self.data)} bytes): the file is truncated"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: Path) -> Any:
+    """An open `gguf.GGUFReader` (about 5 s for SmolLM2: it parses the 49k-token vocabulary)."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"GGUF file {path} is missing")
     try:
-        reader = gguf.GGUFReader(path)
+        return _CheckedReader(path)
     except (ValueError, OSError) as error:
+        if isinstance(error, GGUFError):
+            raise
         raise GGUFError(f"{path} is not a readable GGUF file: {error}") from error
+
+
+def read_gguf(path: Path) -> GGUFCheckpoint:
+    """Read and dequantise a llama-architecture GGUF file (about 5 s for SmolLM2-135M on a CPU)."""
+    reader = open_gguf(path)
     meta = read_metadata(reader)
     config = config_from_metadata(meta, {t.name for t in reader.tensors})
-    state = _state_dict(reader, config)
+    state = dequantised_tensors(reader, config)
     validate_state_dict(config, state, source=str(path))
     return GGUFCheckpoint(config, state, build_tokenizer(meta), tokenizer_config(meta))

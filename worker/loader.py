@@ -12,7 +12,10 @@ identity with the old one.
 
 `weights` puts the linear layers and the head into a weight format after the model is placed
 (worker/weight_formats.py: float32 as loaded, bf16, int8, int4); `dtype` is the activations'
-(and float weights') dtype, as before.
+(and float weights') dtype, as before. A checkpoint converted from a GGUF (the default model, a
+.gguf source) gets the file's own blocks for the tensors it stores in that format (Q4_0 / Q4_1
+for int4, Q8_0 for int8), cached beside the checkpoint (worker/quantized_cache.py); the rest
+are quantized from the float weights.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from worker.default_model import converted_dir, default_model_dir
 from worker.image_processor import ImageProcessor
 from worker.image_prompt import IMAGE_TOKEN, PROCESSOR_FILES
 from worker.model import CausalLM
+from worker.quantized_cache import native_quantized
 from worker.quantized_weights import WeightFormat
 from worker.tokenizer import Tokenizer
 from worker.vision import Vision
@@ -98,7 +102,7 @@ def load_model(
     stored = state["model.embed_tokens.weight"].dtype
     del state  # the model holds copies; the float weights apply_weight_format replaces go too
     model = model.to(device=device, dtype=stored).eval()
-    apply_weight_format(model, weights)
+    apply_weight_format(model, weights, native_quantized(path, weights))
     revision = model_revision(path, weights)
     return LoadedModel(model, _tokenizer(path), config, revision, path)
 

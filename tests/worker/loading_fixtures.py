@@ -75,10 +75,17 @@ def _tokenizer_metadata(writer: gguf.GGUFWriter, vocab_size: int) -> None:
 
 
 def write_tiny_gguf(
-    path: Path, qtype: Q = Q.Q8_0, config: ModelConfig = TINY_CONFIG, seed: int = 0
+    path: Path,
+    qtype: Q = Q.Q8_0,
+    config: ModelConfig = TINY_CONFIG,
+    seed: int = 0,
+    embed_qtype: Q | None = None,
+    replace: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a llama GGUF of the tiny model; return the HF-named float32 weights a faithful
-    reader must produce (each matrix quantised with `qtype` and dequantised, unpermuted)."""
+    reader must produce (each matrix quantised with `qtype` and dequantised, unpermuted).
+    `embed_qtype` stores the embedding table in another type (SmolLM2's file: Q4_1 matrices, a
+    Q8_0 table); `replace` swaps in HF-named tensors of its own (a misshapen one, say)."""
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -91,7 +98,8 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(config.rope_theta)
     _tokenizer_metadata(writer, config.vocab_size)
     expected: dict[str, torch.Tensor] = {}
-    for name, tensor in tiny_state_dict(config, seed).items():
+    tensors = {**tiny_state_dict(config, seed), **(replace or {})}
+    for name, tensor in tensors.items():
         array = tensor.numpy()
         if tensor.ndim == 1:
             writer.add_tensor(gguf_name(name), array)
@@ -101,10 +109,11 @@ def write_tiny_gguf(
             array = llama_cpp_permute(array, config.num_heads)
         elif name.endswith("k_proj.weight"):
             array = llama_cpp_permute(array, config.num_kv_heads)
-        packed = gguf.quants.quantize(array, qtype)
-        writer.add_tensor(gguf_name(name), packed, raw_dtype=qtype)
+        stored = embed_qtype if name == "model.embed_tokens.weight" and embed_qtype else qtype
+        packed = gguf.quants.quantize(array, stored)
+        writer.add_tensor(gguf_name(name), packed, raw_dtype=stored)
         # What the reader must produce: the quantisation error, but in Hugging Face's row order.
-        roundtrip = gguf.quants.dequantize(packed, qtype).reshape(array.shape)
+        roundtrip = gguf.quants.dequantize(packed, stored).reshape(array.shape)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             roundtrip = np.ascontiguousarray(roundtrip)
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
