@@ -12,10 +12,24 @@ For each model (SmolLM2-135M-Instruct, and a bigger random CPU-sized config):
   the device, and cached on the host tier (its pages demoted between requests and promoted back
   by the next one, a real copy of every layer's K and V), as ratios to cold: issue 15's target
   is host hit <= 25 % of cold. On a CPU both tiers are host memory, so the promotion is a copy
-  within RAM, not a PCIe transfer.
+  within RAM, not a PCIe transfer;
+- with `--sections cold`: cold TTFT of prompts of each of --cold-lens tokens;
+- with `--sections chats`: two conversations of --chat-turns turns each, interleaved (A1 B1 A2
+  B2 ...), every turn's prompt the whole conversation so far (a shared system prompt, then
+  user and assistant turns of fixed token counts, random ids: TTFT does not read them); the TTFT
+  of each turn and their sum. The engine's prefix cache serves each turn's history.
+
+`--weights float32 bf16 int8 int4` repeats everything per weight format (benchmarks/
+weights_axis.py: `load_model(..., weights=fmt)`), reporting the weights' size beside it.
+`--against llama.cpp` runs the cold, decode and chats sections on llama.cpp too, on the same
+GGUF file (SmolLM2 only; benchmarks/llama_cpp_side.py, through llama-cpp-python when it is
+installed, else one line saying it was skipped), same token ids, same thread count, and reports
+radixmesh / llama.cpp for each.
 
 Prints one JSON object (and --output) and a report in seed 003's shape. Medians of --repeats.
-Run: `python benchmarks/prefill_bench.py [--models smollm2 big] [--prompt-len 1024]`.
+Run: `python benchmarks/prefill_bench.py [--models smollm2 big] [--prompt-len 1024]`; issue 19's
+table: `python benchmarks/prefill_bench.py --models smollm2 --weights float32 bf16 int8 int4
+--sections cold decode chats --against llama.cpp --no-transformers --no-uncached --threads 2`.
 """
 
 from __future__ import annotations
@@ -36,29 +50,23 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks import llama_cpp_side
+from benchmarks.weights_axis import BIG, load_for_bench, weight_bytes
 from worker.config import ModelConfig
+from worker.default_model import default_gguf_path, default_model_dir
 from worker.engine import Engine, EngineConfig
-from worker.loader import load_model
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
+from worker.quantized_weights import WEIGHT_FORMATS
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling_params import SamplingParams
-from worker.tiny_model import TINY_CONFIG, tiny_model
 
 console = Console(stderr=True)
 HOST_TARGET = 0.25
 """Issue 15: TTFT of a prompt served from the host tier <= this fraction of recomputing it."""
-SECTIONS = ("ttft", "decode", "host-tier")
-BIG = ModelConfig(
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_layers=8,
-    num_heads=16,
-    num_kv_heads=4,
-    head_dim=64,
-    max_position_embeddings=4096,
-)
+SECTIONS = ("ttft", "decode", "host-tier", "cold", "chats")
+AGAINST = ("llama.cpp",)
+__all__ = ["BIG", "first_token_seconds", "main", "prefill_flops"]
 
 
 def prefill_flops(config: ModelConfig, start: int, end: int) -> float:
@@ -271,27 +279,141 @@ def _latency(steps: list[float]) -> dict:
     }
 
 
-def bench_model(name: str, args: argparse.Namespace) -> dict:
-    generator = torch.Generator().manual_seed(0)
-    if name == "smollm2":
-        loaded = load_model("default")
-        model, path = loaded.model, loaded.path
-    else:
-        config = BIG if name == "big" else TINY_CONFIG
-        model = tiny_model(config, seed=0)
-        path = None
+def cold_ttfts(model: CausalLM, prompt: list[int], lengths: list[int], repeats: int) -> dict:
+    """Cold TTFT (median of `repeats`, cache cleared before each) of the first L tokens of
+    `prompt`, for each L in `lengths`."""
+    engine = _engine(model, None, max(lengths))
+    first_token_seconds(engine, prompt[:64], "warmup")
+    ms = {}
+    for length in lengths:
+        times = []
+        for r in range(repeats):
+            engine.cache.tree.clear()
+            times.append(first_token_seconds(engine, prompt[:length], f"cold{length}-{r}")[0])
+        ms[str(length)] = 1000 * statistics.median(times)
+    return {"ttft_ms": ms}
+
+
+def chat_turns(vocab: int, args: argparse.Namespace) -> list[list[int]]:
+    """The prompts of two interleaved conversations (A1 B1 A2 B2 ...), each the conversation so
+    far: a system prompt both share, then per turn a user message and (before the next turn) an
+    assistant reply, of fixed token counts, random ids (seeded)."""
+    generator = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+    system = ids(args.chat_system_tokens)
+    history = [list(system), list(system)]
+    turns = []
+    for _ in range(args.chat_turns):
+        for chat in history:
+            chat.extend(ids(args.chat_user_tokens))
+            turns.append(list(chat))
+            chat.extend(ids(args.chat_reply_tokens))
+    return turns
+
+
+def chats(model: CausalLM, turns: list[list[int]]) -> dict:
+    """TTFT of each turn through one engine (its prefix cache holding both histories)."""
+    engine = _engine(model, None, 2 * max(len(t) for t in turns))
+    first_token_seconds(engine, turns[0][:64], "warmup")
+    engine.cache.tree.clear()
+    seconds, cached = [], []
+    for i, prompt in enumerate(turns):
+        elapsed, hit = first_token_seconds(engine, prompt, f"turn{i}")
+        seconds.append(elapsed)
+        cached.append(hit)
+    return {
+        "turn_tokens": [len(t) for t in turns],
+        "cached_tokens": cached,
+        "ttft_ms": [1000 * t for t in seconds],
+        "sum_ttft_s": sum(seconds),
+    }
+
+
+def bench_prompt(vocab: int, args: argparse.Namespace) -> list[int]:
+    """The random prompt every section cuts its prompts from (seeded: the same on each side)."""
+    length = max(args.prompt_len, *args.cold_lens)
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def bench_model(name: str, weights: str, args: argparse.Namespace) -> dict:
+    model = load_for_bench(name, weights)
+    path = default_model_dir() if name == "smollm2" else None
     vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist()
-    result: dict = {"model": name, "parameters": sum(p.numel() for p in model.parameters())}
+    prompt = bench_prompt(vocab, args)
+    result: dict = {
+        "model": name,
+        "weights": weights,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weight_mb": weight_bytes(model) / 1e6,
+    }
     if "ttft" in args.sections:
-        console.print(f"[bold]{name}[/]: TTFT, {args.prompt_len}-token prompt")
-        result["ttft"] = ttft(model, prompt, args.fractions, args.repeats)
+        console.print(f"[bold]{name}[/] ({weights}): TTFT, {args.prompt_len}-token prompt")
+        result["ttft"] = ttft(model, prompt[: args.prompt_len], args.fractions, args.repeats)
     if "host-tier" in args.sections:
-        console.print(f"[bold]{name}[/]: host tier, {args.prompt_len}-token prompt")
-        result["host_tier"] = host_tier(model, prompt, args.repeats)
+        console.print(f"[bold]{name}[/] ({weights}): host tier, {args.prompt_len}-token prompt")
+        result["host_tier"] = host_tier(model, prompt[: args.prompt_len], args.repeats)
+    if "cold" in args.sections:
+        console.print(f"[bold]{name}[/] ({weights}): cold TTFT, {args.cold_lens} tokens")
+        result["cold"] = cold_ttfts(model, prompt, args.cold_lens, args.repeats)
     if "decode" in args.sections:
-        result["decode"] = decode(name, model, path, prompt, args)
+        result["decode"] = decode(name, model, path, prompt[: args.prompt_len], args)
+    if "chats" in args.sections:
+        console.print(f"[bold]{name}[/] ({weights}): two interleaved {args.chat_turns}-turn chats")
+        result["chats"] = chats(model, chat_turns(vocab, args))
     return result
+
+
+def against_llama_cpp(name: str, args: argparse.Namespace) -> dict:
+    """The cold, decode and chats sections on llama.cpp, same GGUF and token ids; or why not."""
+    if name != "smollm2":
+        return {"skipped": f"{name} has no GGUF file (only smollm2 does)"}
+    why = llama_cpp_side.unavailable()
+    if why is not None:
+        return {"skipped": why}
+    vocab = load_for_bench(name, "float32").config.vocab_size
+    prompt = bench_prompt(vocab, args)  # the same token ids as our side's
+    turns = chat_turns(vocab, args)
+    n_ctx = max(*(len(t) for t in turns), *args.cold_lens, 1024) + 256
+    llm = llama_cpp_side.LlamaCpp(default_gguf_path(), torch.get_num_threads(), n_ctx)
+    result: dict = {"llama_cpp_python": llm.version, "gguf": default_gguf_path().name}
+    llm.cold_ttft(prompt[:64])  # warm-up
+    if "cold" in args.sections:
+        console.print(f"[bold]llama.cpp[/]: cold TTFT, {args.cold_lens} tokens")
+        result["cold"] = {
+            "ttft_ms": {
+                str(n): 1000
+                * statistics.median(llm.cold_ttft(prompt[:n]) for _ in range(args.repeats))
+                for n in args.cold_lens
+            }
+        }
+    if "decode" in args.sections:
+        console.print(f"[bold]llama.cpp[/]: decode, {args.decode_tokens} tokens")
+        out = llm.decode(prompt[: args.decode_prompt_len], args.decode_tokens)
+        result["decode"] = {"tokens_per_s": out["tokens_per_s"], "tokens": out["tokens"]}
+    if "chats" in args.sections:
+        console.print(f"[bold]llama.cpp[/]: two interleaved {args.chat_turns}-turn chats")
+        seconds = llm.chat_ttfts(turns)
+        result["chats"] = {"ttft_ms": [1000 * t for t in seconds], "sum_ttft_s": sum(seconds)}
+    return result
+
+
+def compared(ours: dict, theirs: dict) -> dict:
+    """radixmesh / llama.cpp for each measure both sides have (time ratios: < 1 is faster)."""
+    ratios: dict = {}
+    if "cold" in ours and "cold" in theirs:
+        mine, other = ours["cold"]["ttft_ms"], theirs["cold"]["ttft_ms"]
+        ratios["cold_ttft"] = {n: mine[n] / other[n] for n in mine if n in other}
+    if "decode" in ours and "decode" in theirs:
+        ratios["decode_tokens_per_s"] = (
+            ours["decode"]["with_cache"]["tokens_per_s"] / theirs["decode"]["tokens_per_s"]
+        )
+        ratios["same_decode_tokens"] = ours["decode"].get("tokens") == theirs["decode"]["tokens"]
+    if "chats" in ours and "chats" in theirs:
+        ratios["chats_sum_ttft"] = ours["chats"]["sum_ttft_s"] / theirs["chats"]["sum_ttft_s"]
+    return ratios
 
 
 def decode(
@@ -300,15 +422,17 @@ def decode(
     short = prompt[: args.decode_prompt_len]
     console.print(f"[bold]{name}[/]: decode, {args.decode_tokens} tokens")
     cached = decode_with_cache(model, short, args.decode_tokens)
-    uncached = decode_without_cache(model, short, args.decode_tokens)
-    assert cached["tokens"] == uncached["tokens"], "cache and no-cache decodes disagree"
     result = {
         "prompt_tokens": len(short),
         "new_tokens": args.decode_tokens,
         "with_cache": {k: v for k, v in cached.items() if k != "tokens"},
-        "without_cache": {k: v for k, v in uncached.items() if k != "tokens"},
-        "speedup": cached["tokens_per_s"] / uncached["tokens_per_s"],
+        "tokens": cached["tokens"],
     }
+    if not args.no_uncached:
+        uncached = decode_without_cache(model, short, args.decode_tokens)
+        assert cached["tokens"] == uncached["tokens"], "cache and no-cache decodes disagree"
+        result["without_cache"] = {k: v for k, v in uncached.items() if k != "tokens"}
+        result["speedup"] = cached["tokens_per_s"] / uncached["tokens_per_s"]
     if path is not None and not args.no_transformers:
         reference = decode_transformers(path, short, args.decode_tokens)
         result["transformers_generate"] = {
@@ -322,7 +446,8 @@ def decode(
 def report(result: dict) -> None:
     lines = [
         f"=== Prefix-cache benchmark: {result['model']} ({result['parameters'] / 1e6:.1f} M) ===",
-        "Dtype:            float32 (CPU, torch reference attention)",
+        f"Weights:          {result['weights']} ({result['weight_mb']:.0f} MB), activations "
+        "float32 (CPU, torch SDPA attention)",
     ]
     if "decode" in result:
         mb = result["decode"]["with_cache"]["kv_cache_mb"]
@@ -331,9 +456,46 @@ def report(result: dict) -> None:
         lines += _ttft_lines(result["ttft"])
     if "decode" in result:
         lines += _decode_lines(result["decode"])
+    if "cold" in result:
+        cold = ", ".join(f"{n}: {ms:.0f} ms" for n, ms in result["cold"]["ttft_ms"].items())
+        lines += ["", f"Cold TTFT:          {cold}"]
+    if "chats" in result:
+        c = result["chats"]
+        lines.append(
+            f"Interleaved chats:  {len(c['ttft_ms'])} turns, sum of TTFTs {c['sum_ttft_s']:.2f} s"
+        )
     console.print("\n".join(lines) + "\n")
     if "host_tier" in result:
         console.print(host_tier_table(result["host_tier"]))
+
+
+def against_table(results: list[dict], theirs: dict) -> Table:
+    """Issue 19's table: each weight format's measures next to llama.cpp's."""
+    table = Table(title=f"radixmesh vs llama.cpp ({theirs.get('gguf', '')}), same run")
+    table.add_column("measure")
+    table.add_column("llama.cpp", justify="right")
+    for r in results:
+        table.add_column(f"{r['weights']} ({r['weight_mb']:.0f} MB)", justify="right")
+    if "decode" in theirs:
+        cells = [
+            f"{r['decode']['with_cache']['tokens_per_s']:.1f} "
+            f"({r['against']['decode_tokens_per_s']:.2f}x)"
+            for r in results
+        ]
+        table.add_row("decode tok/s", f"{theirs['decode']['tokens_per_s']:.1f}", *cells)
+    for n, ms in theirs.get("cold", {}).get("ttft_ms", {}).items():
+        cells = [
+            f"{r['cold']['ttft_ms'][n] / 1000:.2f} s ({r['against']['cold_ttft'][n]:.2f}x)"
+            for r in results
+        ]
+        table.add_row(f"cold TTFT {n}", f"{ms / 1000:.2f} s", *cells)
+    if "chats" in theirs:
+        cells = [
+            f"{r['chats']['sum_ttft_s']:.2f} s ({r['against']['chats_sum_ttft']:.2f}x)"
+            for r in results
+        ]
+        table.add_row("chats, sum of TTFTs", f"{theirs['chats']['sum_ttft_s']:.2f} s", *cells)
+    return table
 
 
 def _ttft_lines(t: dict) -> list[str]:
@@ -352,17 +514,27 @@ def _ttft_lines(t: dict) -> list[str]:
 
 
 def _decode_lines(d: dict) -> list[str]:
-    w, wo = d["with_cache"], d["without_cache"]
+    w = d["with_cache"]
+    step = w["step_ms"]
     lines = [
         "",
         f"--- Decode: {d['new_tokens']} tokens after a {d['prompt_tokens']}-token prompt ---",
-        f"Decode throughput:  {wo['tokens_per_s']:.1f} -> {w['tokens_per_s']:.1f} tok/s "
-        f"({d['speedup']:.1f}x with the cache)",
-        f"Per-step latency:   mean {w['step_ms']['mean']:.1f} ms "
-        f"(was {wo['step_ms']['mean']:.1f}), p50 {w['step_ms']['p50']:.1f}, "
-        f"p95 {w['step_ms']['p95']:.1f}, p99 {w['step_ms']['p99']:.1f}, "
-        f"min {w['step_ms']['min']:.1f}, max {w['step_ms']['max']:.1f}",
     ]
+    if "without_cache" in d:
+        wo = d["without_cache"]
+        lines += [
+            f"Decode throughput:  {wo['tokens_per_s']:.1f} -> {w['tokens_per_s']:.1f} tok/s "
+            f"({d['speedup']:.1f}x with the cache)",
+            f"Per-step latency:   mean {step['mean']:.1f} ms (was {wo['step_ms']['mean']:.1f}), "
+            f"p50 {step['p50']:.1f}, p95 {step['p95']:.1f}, p99 {step['p99']:.1f}, "
+            f"min {step['min']:.1f}, max {step['max']:.1f}",
+        ]
+    else:
+        lines += [
+            f"Decode throughput:  {w['tokens_per_s']:.1f} tok/s",
+            f"Per-step latency:   mean {step['mean']:.1f} ms, p50 {step['p50']:.1f}, "
+            f"p95 {step['p95']:.1f}, min {step['min']:.1f}, max {step['max']:.1f}",
+        ]
     if "transformers_generate" in d:
         hf = d["transformers_generate"]
         lines.append(
@@ -419,6 +591,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument(
+        "--no-uncached", action="store_true", help="skip decode's recompute-everything baseline"
+    )
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        choices=WEIGHT_FORMATS,
+        default=["float32"],
+        help="weight formats to measure, one after the other (worker/weight_formats.py)",
+    )
+    parser.add_argument(
+        "--against",
+        choices=AGAINST,
+        default=None,
+        help="also run the cold / decode / chats sections on llama.cpp, same GGUF (smollm2)",
+    )
+    parser.add_argument("--cold-lens", type=int, nargs="+", default=[256, 1024, 1999])
+    parser.add_argument("--chat-turns", type=int, default=5)
+    parser.add_argument("--chat-system-tokens", type=int, default=64)
+    parser.add_argument("--chat-user-tokens", type=int, default=128)
+    parser.add_argument("--chat-reply-tokens", type=int, default=160)
     parser.add_argument("--output", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -427,11 +620,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = {"torch_threads": torch.get_num_threads(), "models": []}
+    results: dict = {"torch_threads": torch.get_num_threads(), "models": []}
     for name in args.models:
-        result = bench_model(name, args)
-        results["models"].append(result)
-        report(result)
+        mine = []
+        for weights in args.weights:
+            result = bench_model(name, weights, args)
+            results["models"].append(result)
+            mine.append(result)
+            report(result)
+        if args.against is None:
+            continue
+        theirs = against_llama_cpp(name, args)
+        results.setdefault("llama_cpp", {})[name] = theirs
+        if "skipped" in theirs:
+            console.print(f"llama.cpp comparison skipped: {theirs['skipped']}")
+            continue
+        for result in mine:
+            result["against"] = compared(result, theirs)
+        console.print(against_table(mine, theirs))
+    for result in results["models"]:
+        result.get("decode", {}).pop("tokens", None)
+    for theirs in results.get("llama_cpp", {}).values():
+        theirs.get("decode", {}).pop("tokens", None)
     print(json.dumps(results))
     if args.output is not None:
         args.output.write_text(json.dumps(results, indent=2))

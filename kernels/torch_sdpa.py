@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from kernels.layout import softmax_scale_or_default
-from kernels.reference import _regions_by_sequence, gather_kv, gather_kv_padded, prefix_lm_mask
+from kernels.layout import cdiv, softmax_scale_or_default
+from kernels.reference import _regions_by_sequence, gather_kv, prefix_lm_mask
 
 __all__ = ["append_prefill_attention", "decode_attention", "write_kv"]
 
@@ -87,12 +87,14 @@ def decode_attention(
     softmax_scale: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All sequences in one SDPA call over their pages gathered up to the longest one."""
+    """All sequences in one SDPA call over their pages gathered up to the longest one.
+
+    The pages are gathered with one `index_select` of whole pages per cache (a contiguous copy),
+    not advanced indexing: a third of the time on a decode step's few pages, same values."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     longest = int(seq_lens.max())
-    k, v = gather_kv_padded(k_cache, v_cache, page_table[: q.shape[0]], longest)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [batch, kv_heads, longest, head_dim]
+    k, v = _gather_pages(k_cache, v_cache, page_table[: q.shape[0]], longest)
     mask = None
     if bool((seq_lens != longest).any()):
         valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]
@@ -109,3 +111,16 @@ def decode_attention(
     )
     out.copy_(attended[:, :, 0, :])
     return out
+
+
+def _gather_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, longest: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, kv_heads, longest, head_dim] views of every row's pages copied out in order (page
+    ids past a row's own are clamped into range: the caller masks what they hold)."""
+    batch, page_size = page_table.shape[0], k_cache.shape[1]
+    pages = page_table[:, : cdiv(longest, page_size)].reshape(-1).to(torch.int64)
+    pages = pages.clamp(0, k_cache.shape[0] - 1)
+    k = k_cache.index_select(0, pages).view(batch, -1, *k_cache.shape[2:])[:, :longest]
+    v = v_cache.index_select(0, pages).view(batch, -1, *v_cache.shape[2:])[:, :longest]
+    return k.transpose(1, 2), v.transpose(1, 2)

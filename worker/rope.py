@@ -49,7 +49,7 @@ def _llama3(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 class RotaryEmbedding(torch.nn.Module):
     cos: torch.Tensor
-    sin: torch.Tensor
+    signed_sin: torch.Tensor
 
     def __init__(
         self, head_dim: int, theta: float, scaling: RopeScaling, max_positions: int
@@ -58,34 +58,38 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim = head_dim
         self.inv = inv_frequencies(head_dim, theta, scaling, max_positions)
         self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.register_buffer("signed_sin", torch.empty(0), persistent=False)
         self._extend(max_positions)
 
     def _extend(self, positions: int) -> None:
         angles = torch.outer(torch.arange(positions, dtype=torch.float32), self.inv)
-        angles = torch.cat([angles, angles], dim=-1)
         device = self.cos.device
-        self.cos = angles.cos().to(device)
-        self.sin = angles.sin().to(device)
+        self.cos = torch.cat([angles, angles], dim=-1).cos().to(device)
+        sin = angles.sin()
+        self.signed_sin = torch.cat([-sin, sin], dim=-1).to(device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] of the tokens' positions: once per step, shared by every layer."""
+        """cos, signed sin [T, 1, D] of the tokens' positions (see `rotate`): once per step,
+        shared by every layer."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if needed > self.cos.shape[0]:
             self._extend(max(needed, 2 * self.cos.shape[0]))
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        return self.cos[positions][:, None, :], self.signed_sin[positions][:, None, :]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hk, D] by their tokens' positions [T]."""
-        cos, sin = self.lookup(positions)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
+        cos, signed_sin = self.lookup(positions)
+        return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, in float32, back in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    out = x.float() * cos + rotated.float() * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's x * cos + rotate_half(x) * sin, in float32, back in x's dtype.
+
+    rotate_half(x) = cat(-x2, x1) is roll(x, D/2) with its first half negated, so with the sign
+    kept in the table (signed_sin = cat(-sin1, sin2)) it is one roll: the same products, bit for
+    bit, in four ops instead of nine (a decode step runs this 60 times)."""
+    x32 = x.float()
+    out = x32 * cos + x32.roll(x.shape[-1] // 2, -1) * signed_sin
     return out.to(x.dtype)

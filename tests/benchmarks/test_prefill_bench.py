@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -44,3 +45,59 @@ def test_host_tier_section_serves_the_prompt_from_promoted_pages(capsys) -> None
     assert host["same_first_token"]
     assert len(host["ttft_ms"]["host"]) == 2 and host["host_hit_ratio"] > 0
     assert host["within_target"] == (host["host_hit_ratio"] <= host["target_ratio"])
+
+
+def test_weights_axis_measures_each_format_in_turn(capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["--models", "tiny", "--weights", "float32", "int8", "int4", "--repeats", "1"]
+    argv += ["--sections", "cold", "decode", "--cold-lens", "16", "40", "--no-uncached"]
+    assert main([*argv, "--decode-tokens", "4", "--decode-prompt-len", "8"]) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["models"]
+    assert [r["weights"] for r in results] == ["float32", "int8", "int4"]
+    sizes = [r["weight_mb"] for r in results]
+    assert sizes == sorted(sizes, reverse=True)  # fewer bytes a weight, fewer bytes in all
+    for result in results:
+        assert list(result["cold"]["ttft_ms"]) == ["16", "40"]
+        assert result["decode"]["new_tokens"] == 4 and "without_cache" not in result["decode"]
+        assert "tokens" not in result["decode"]  # compared, then dropped from the output
+
+
+def test_interleaved_chats_hit_their_own_history() -> None:
+    """Each turn extends its own conversation's last prompt; the two share only the system
+    prompt; the engine serves every later turn's history from the cache (whole pages)."""
+    from benchmarks.prefill_bench import chat_turns, chats, parse_args
+    from worker.tiny_model import tiny_model
+
+    args = parse_args(["--chat-turns", "3", "--chat-system-tokens", "16"])
+    args.chat_user_tokens, args.chat_reply_tokens = 10, 22
+    turns = chat_turns(TINY_CONFIG.vocab_size, args)
+    assert len(turns) == 6
+    a, b = turns[0::2], turns[1::2]
+    for chat in (a, b):
+        for earlier, later in itertools.pairwise(chat):
+            assert later[: len(earlier)] == earlier
+            assert len(later) == len(earlier) + 22 + 10
+    assert a[0][:16] == b[0][:16] and a[0][16:] != b[0][16:]
+    result = chats(tiny_model(TINY_CONFIG, seed=0), turns)
+    assert result["cached_tokens"][:2] == [0, 16]  # B1 finds the shared system prompt's page
+    assert result["cached_tokens"][2:] == [16 * (len(t) // 16) for t in turns[:-2]]
+    assert result["sum_ttft_s"] == pytest.approx(sum(result["ttft_ms"]) / 1000)
+
+
+def test_against_llama_cpp_skips_in_one_line_without_it(
+    capsys,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # what an absent module imports as
+    from benchmarks import llama_cpp_side
+
+    assert "llama-cpp-python is not installed" in (llama_cpp_side.unavailable() or "")
+    argv = ["--models", "tiny", "--sections", "cold", "--cold-lens", "16", "--repeats", "1"]
+    assert main([*argv, "--against", "llama.cpp"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["llama_cpp"]["tiny"] == {"skipped": "tiny has no GGUF file (only smollm2 does)"}
+    skipped = [line for line in captured.err.splitlines() if "skipped" in line]
+    assert skipped == ["llama.cpp comparison skipped: tiny has no GGUF file (only smollm2 does)"]
+    assert "against" not in out["models"][0]

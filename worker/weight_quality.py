@@ -1,0 +1,76 @@
+"""Which weight formats keep a model's quality: the threshold, what was measured, the refusal.
+
+Imports nothing but the standard library (cluster/config.py may call it in the router process).
+
+The measure (benchmarks/weights_quality.py): the mean log-likelihood per token of a fixed
+held-in text (benchmarks/data/held_in_text.txt) under the model in a weight format, against the
+same checkpoint's float32 weights, as a relative perplexity increase exp(dNLL) - 1.
+
+The threshold, MAX_PERPLEXITY_INCREASE = 2 %. A weight format here is a serving choice, not a
+model choice: the float32 reference is the checkpoint as its author shipped it, and whatever the
+format adds is loss the operator did not ask for. The yardstick is llama.cpp's own perplexity
+scoreboard for LLaMA-3-8B (github.com/ggml-org/llama.cpp/pull/6936, wikitext-2, against f16
+6.7684): q8_0 +0.004 %, q6_K +0.5 %, q5_K_M +0.9 %, q5_1 +1.8 %, q4_K_M +2.2 %. q4_K_M is the
+4-bit format llama.cpp recommends and most GGUF users run, so +2 % is the most loss the common
+practice treats as acceptable for a 4-bit model, and anything under it is no worse than the
+lightest 4-bit quantization people choose on purpose. It is also far above this text's
+measurement noise (the paired standard error of the increase over its ~3,600 tokens is
+reported beside each number, ~0.1 % here), so a verdict never flips on noise. Perplexity is
+the cross-check of choice because it averages every token's probability; greedy agreement
+(reported beside it) is too coarse to set a threshold on: one early flip changes every later
+token.
+
+MEASURED holds the numbers for the checkpoints measured here, keyed by checkpoint directory name
+(the part of the model revision before '@'); `check_format_quality` refuses a format whose
+measured increase is past the threshold. A checkpoint that was never measured is not refused
+(there is nothing to go on): measure it with `python benchmarks/weights_quality.py --source DIR`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PERPLEXITY_INCREASE = 0.02
+"""Relative perplexity increase over float32 on the held-in text a format may cost (see above)."""
+DEFAULT_CHECKPOINT = "SmolLM2-135M-Instruct.Q4_1"
+"""The default model's converted directory name (worker/default_model.py)."""
+
+
+@dataclass(frozen=True)
+class FormatQuality:
+    """One format on one checkpoint, against its float32 weights (benchmarks/weights_quality.py)."""
+
+    perplexity_increase: float
+    """exp(mean NLL of the format - mean NLL of float32) - 1 on the held-in text."""
+    identical_token_share: float
+    """Share of 20 prompts x 32 greedy tokens equal to float32's, position by position."""
+
+
+MEASURED: dict[str, dict[str, FormatQuality]] = {
+    DEFAULT_CHECKPOINT: {},
+}
+"""checkpoint directory name -> weight format -> what was measured (filled from the benchmark)."""
+
+
+class WeightFormatRefused(ValueError):
+    """A weight format measured to lose more than MAX_PERPLEXITY_INCREASE on this checkpoint."""
+
+
+def acceptable(perplexity_increase: float) -> bool:
+    """Whether a measured relative perplexity increase keeps quality (<= the threshold)."""
+    return perplexity_increase <= MAX_PERPLEXITY_INCREASE
+
+
+def check_format_quality(checkpoint: str, weights: str) -> None:
+    """Refuse `weights` for `checkpoint` (a checkpoint directory name) when it was measured past
+    the threshold; formats and checkpoints never measured pass."""
+    measured = MEASURED.get(checkpoint, {}).get(weights)
+    if measured is None or acceptable(measured.perplexity_increase):
+        return
+    keeps = sorted(f for f, q in MEASURED[checkpoint].items() if acceptable(q.perplexity_increase))
+    raise WeightFormatRefused(
+        f"weights {weights!r} on {checkpoint}: perplexity "
+        f"{measured.perplexity_increase:+.1%} over float32 on the held-in text, past the "
+        f"{MAX_PERPLEXITY_INCREASE:.0%} a format may cost (worker/weight_quality.py); formats "
+        f"measured within it: {', '.join(['float32', *keeps])}"
+    )
