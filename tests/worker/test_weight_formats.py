@@ -21,7 +21,7 @@ from worker.config import ModelConfig
 from worker.loader import load_model, model_revision
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
-from worker.quantized_linear import QuantizedLinear, unpack_int4_cpu
+from worker.quantized_linear import INT4_CPU_ROWS, QuantizedLinear, int4pack_levels
 from worker.quantized_weights import QuantizedWeight, WeightFormat, dequantize, quantize
 from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, build_tiny_checkpoint, tiny_model
 from worker.weight_formats import apply_weight_format, linear_names, weight_bytes
@@ -132,8 +132,13 @@ def test_logits_match_the_dequantized_twin_and_stay_near_float32(
         assert relative_error(got, last_logits(reference, ids)) < FLOAT32_BOUND[fmt]
 
 
+def padded(rows: int) -> int:
+    return -(-rows // INT4_CPU_ROWS) * INT4_CPU_ROWS
+
+
 def test_formats_hold_fewer_bytes_in_order() -> None:
-    """Each format's bytes: the bf16 table, the float32 norms, and its layers' buffers."""
+    """Each format's bytes: the bf16 table, the float32 norms, and its layers' buffers (CPU
+    int4 rows padded to whole blocks: the tiny model's 32-row k/v, not SmolLM2's)."""
     sizes: dict[str, int] = {
         fmt: weight_bytes(apply_weight_format(tiny_model(), fmt)) for fmt in FORMATS
     }
@@ -147,7 +152,7 @@ def test_formats_hold_fewer_bytes_in_order() -> None:
     promised = {
         "bf16": lambda out, inp: out * inp * 2,
         "int8": lambda out, inp: out * inp + out * 2,  # + a bf16 scale per row
-        "int4": lambda out, inp: out * inp // 2 + out * (inp // 32) * 4,  # + bf16 scale, zero
+        "int4": lambda out, inp: padded(out) * (inp // 2 + inp // 32 * 4),  # + scale, zero
     }
     fixed = vocab * hidden * 2 + (2 * config.num_layers + 1) * hidden * 4  # table, norms
     for fmt, size in promised.items():
@@ -161,12 +166,14 @@ SCENARIOS = ["paged-page16", "prefix-hit", "full-prompt-hit-page1", "chunk-7", "
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_cache_changes_nothing_within_a_format(config: ModelConfig, fmt: str) -> None:
     """The engine, cold and after cache hits, in several chunkings and batches, against the
-    no-cache oracle of the same quantized model: the same greedy tokens, and the same logits
-    (int8 / int4: to float32 noise, in practice bit for bit; bf16's matmul may round a sum that
-    its blocking reorders to the neighbouring bf16 value, so to bf16 noise)."""
+    no-cache oracle of the same quantized model: the same greedy tokens, and logits equal up to
+    the bf16 rounding of the linears' outputs. A row goes through the format's decode kernel in
+    a small batch and through float32 GEMM in one of FLOAT32_ROWS rows or more (prefill): the
+    same sums in another order, which can round to the neighbouring bf16 value (seen: up to
+    5e-3 here; 0 when both runs take the same paths)."""
     model = apply_weight_format(tiny_model(config, seed=11), fmt)  # type: ignore[arg-type]
     tokens, logits = no_cache_greedy(model, equivalence.PROMPT, equivalence.STEPS)
-    bound = 2e-2 if fmt == "bf16" else 1e-5
+    bound = 2e-2
     for scenario in SCENARIOS:
         engine_config, run = equivalence.SCENARIOS[scenario]
         engine, recorder = recorded_engine(model, engine_config)
@@ -215,7 +222,7 @@ def test_given_quantized_weights_are_used_as_they_are() -> None:
     model = apply_weight_format(tiny_model(config), "int4", quantized)
     layer = model.get_submodule("model.layers.1.self_attn.q_proj")
     assert isinstance(layer, QuantizedLinear) and layer.group_size == 64
-    assert torch.equal(unpack_int4_cpu(layer.packed, inp)[:out], q)
+    assert torch.equal(int4pack_levels(layer.packed, inp)[:out], q)
     assert torch.equal(model.model.embed_tokens.weight, dequantize(table).to(torch.bfloat16))
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == "int8"
 
