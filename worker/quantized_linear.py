@@ -79,7 +79,7 @@ INT4_CPU_ROWS = 64
 """torch's CPU int4pack lays rows out in blocks of 64 (AVX-512) or 32 (AVX2, scalar), a last
 partial block differently: rows are padded to a multiple of 64 (level 8, scale 0, zero 0:
 weights of 0; the padding's outputs are cut off), so every block has the one layout that
-`int4pack_order` finds."""
+`int4pack_layout` finds."""
 LINEAR_FORMATS: tuple[LinearFormat, ...] = ("bf16", "int8", "int4")
 FLOAT32_ROWS: dict[str, int] = {"bf16": 4, "int8": 64, "int4": 64}
 """From this many rows on (prefill chunks, big decode batches), a CPU layer dequantizes its
@@ -148,7 +148,7 @@ class QuantizedLinear(nn.Module):
             scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (scales, zeros))
             self.register_buffer("packed", pack_int4_cpu(q))
             self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1))
-            int4pack_order(self.in_features)  # found now (~0.3 s per width), not in a prefill
+            int4pack_layout(self.in_features)  # found now (~0.3 s per width), not in a prefill
         else:
             self.register_buffer("packed", pack_nibbles(qw.q))
             self.register_buffer("scales", scales.contiguous())
@@ -261,28 +261,50 @@ def pack_int4_cpu(q: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def int4pack_order(inp: int) -> torch.Tensor:
-    """The gather that reads a block of INT4_CPU_ROWS rows x `inp` columns of torch's CPU
-    int4pack in row-major order: level [row, column] is the block's nibble number
-    order[row * inp + column] (nibbles counted byte by byte, low nibble first). Found by packing
-    the flat indices themselves, four bits at a time, and inverting where they landed, so it
-    holds for whatever layout this CPU's build uses (AVX-512, AVX2 and the scalar code lay
-    blocks out differently)."""
+def int4pack_layout(inp: int) -> int | torch.Tensor:
+    """How torch's CPU int4pack lays out a block of INT4_CPU_ROWS rows x `inp` columns, found by
+    packing the flat indices themselves, four bits at a time, and reading where they landed:
+
+    - an int r when the block is the layout torch's AVX-512 (r = 64) and AVX2 (r = 32) code
+      writes: per r rows, for each column k, r/2 bytes whose byte j holds row j in its low
+      nibble and row j + r/2 in its high one (read back by one permute);
+    - else the gather order: level [row, column] is nibble order[row * inp + column] of the
+      block (nibbles counted byte by byte, low first), whatever the build did."""
+    landed = int4pack_probe(inp)
+    index = torch.arange(landed.numel(), dtype=torch.int64)
+    for rows in (64, 32):
+        blocked = index.view(INT4_CPU_ROWS // rows, 2, rows // 2, inp)
+        if torch.equal(landed, blocked.permute(0, 3, 2, 1).reshape(-1)):
+            return rows
+    return torch.argsort(landed)
+
+
+def int4pack_probe(inp: int) -> torch.Tensor:
+    """For each nibble of a packed block of INT4_CPU_ROWS x `inp` levels (byte by byte, low
+    nibble first), the flat index row * inp + column of the level that landed there."""
     size = INT4_CPU_ROWS * inp
     index = torch.arange(size, dtype=torch.int64)
-    order = torch.zeros(size, dtype=torch.int64)
+    landed = torch.zeros(size, dtype=torch.int64)
     for shift in range(0, max(size - 1, 1).bit_length(), 4):
         digits = ((index >> shift) & 15).reshape(INT4_CPU_ROWS, inp)
-        order |= _nibbles(pack_int4_cpu(digits)).reshape(-1).long() << shift
-    return torch.argsort(order)
+        landed |= _nibbles(pack_int4_cpu(digits)).reshape(-1).long() << shift
+    return landed
 
 
-def int4pack_levels(packed: torch.Tensor, inp: int) -> torch.Tensor:
+def int4pack_levels(
+    packed: torch.Tensor, inp: int, layout: int | torch.Tensor | None = None
+) -> torch.Tensor:
     """The levels 0..15 [rows, in] (uint8) a CPU int4pack tensor holds (rows: a multiple of
-    INT4_CPU_ROWS, as QuantizedLinear pads them)."""
+    INT4_CPU_ROWS, as QuantizedLinear pads them); `layout` as int4pack_layout returns it
+    (default: this build's)."""
     rows = packed.shape[0]
-    blocks = _nibbles(packed).reshape(rows // INT4_CPU_ROWS, INT4_CPU_ROWS * inp)
-    return blocks.index_select(1, int4pack_order(inp)).reshape(rows, inp)
+    layout = int4pack_layout(inp) if layout is None else layout
+    nibbles = _nibbles(packed)
+    if isinstance(layout, int):
+        blocks = nibbles.view(rows // layout, inp, layout // 2, 2)
+        return blocks.permute(0, 3, 2, 1).reshape(rows, inp)
+    blocks = nibbles.reshape(rows // INT4_CPU_ROWS, INT4_CPU_ROWS * inp)
+    return blocks.index_select(1, layout).reshape(rows, inp)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,9 @@ from worker.quantized_linear import (
     INT4_CPU_ROWS,
     LINEAR_FORMATS,
     QuantizedLinear,
+    int4pack_layout,
     int4pack_levels,
+    int4pack_probe,
     pack_int4_cpu,
 )
 from worker.quantized_weights import OFFSET, QuantizedWeight, quantize
@@ -71,6 +73,11 @@ def test_the_int4pack_layout_found_by_probing_is_the_kernels(inp: int) -> None:
     packed = pack_int4_cpu(q)
     assert torch.equal(int4pack_oracle(packed, inp), q)
     assert torch.equal(int4pack_levels(packed, inp), q)
+    expected = {"AVX2": 32, "AVX512": 64}.get(torch.backends.cpu.get_cpu_capability())
+    if expected is not None:  # torch's vectorised builds: the one-permute layouts
+        assert int4pack_layout(inp) == expected
+    gather = torch.argsort(int4pack_probe(inp))  # the path a build of another layout takes
+    assert torch.equal(int4pack_levels(packed, inp, gather), q)
 
 
 @pytest.mark.parametrize(("out", "inp"), SHAPES)
