@@ -55,12 +55,15 @@ come from memory as in decode; medians of 5 alternating rounds, ms):
 
 So decode (one row) takes each format's kernel, and from FLOAT32_ROWS rows on a CPU layer
 dequantizes to float32 and runs float32 GEMM (bf16: from 4 rows; int8 / int4: from 64). Whole
-SmolLM2-135M, one thread, same conditions (a decode step at 128 tokens of context / a cold
-256-token prefill): float32 74.9 ms / 901 ms; bf16 62.1 / 1056 (6315 with the bf16 matmul);
-int8 84.5 / 1328 (2113 with its kernel); int4 48.8 / 1531 (1708 with its kernel). Per decode
-step the linears took float32 48.9 ms (538 MB: 11 GB/s), bf16 34.6, int8 30.7 (134 MB: the
-int8 kernel is compute-bound on AVX2, 4.4 GB/s), int4 21.5 (84 MB) (torch profiler). Remeasure
-at 2 threads on a quiet machine before reading speed-ups off these.
+SmolLM2-135M (head bf16, worker/weight_formats.py), one thread, same conditions, one run
+alternating the formats (a decode step at 128 tokens of context / a cold 256-token prefill,
+with the decode kernel alone in brackets): float32 70.8 ms / 869 ms; bf16 61.5 / 1117 (6042);
+int8 55.0 / 1283 (1709); int4 48.4 / 1286 (1847). Per decode step the linears took float32
+48.9 ms (538 MB read: 11 GB/s), bf16 34.6, int8 30.7 (134 MB: the int8 kernel is
+compute-bound on AVX2, 4.4 GB/s), int4 21.5 (84 MB, its head int4 then) (torch profiler); the
+rest of a step is the same in every format. At 2 threads (OMP_WAIT_POLICY=PASSIVE) the same
+machine gave float32 86.8 ms and int4 65.9 ms a step, slower than 1 thread: remeasure on a quiet
+machine before reading 2-thread speed-ups off these.
 """
 
 from __future__ import annotations
