@@ -8,14 +8,19 @@ dtype (activations stay in the model's dtype; only the weight is smaller).
 
 A layer is packed once, for the device its weight is on, into one of these layouts:
 
-    format  device  buffers                                        multiply
+    format  device  buffers                                        multiply (decode)
     bf16    any     weight [out, in] bf16                          F.linear in bf16
-    int4    cpu     packed [out, in/2] uint8 (torch's int4pack),   aten._weight_int4pack_mm_for_cpu
-                    scales_and_zeros [in/g, out, 2] bf16
+    int4    cpu     packed [out', in/2] uint8 (torch's int4pack,   aten._weight_int4pack_mm_for_cpu
+                    out' = out padded to 64), scales_and_zeros
+                    [in/g, out', 2] bf16
     int4    cuda    packed [out, in/2] uint8 (low nibble: even     kernels.quant_matmul (Triton,
                     column), scales / zeros [out, in/g] bf16       dequantizes in registers)
     int8    cpu     q [out, in] int8, scales [out] bf16            aten._weight_int8pack_mm
     int8    cuda    the same                                       kernels.quant_matmul
+
+On the CPU, a call of FLOAT32_ROWS rows or more (a prefill chunk) dequantizes the weight to
+float32 for that call and runs float32 GEMM instead (`float32_matmul`): faster there, and no
+float copy is kept.
 
 int4: W[o, i] = (q[o, i] - 8) * scales[o, i // g] + zeros[o, i // g] (worker/quantized_weights.py)
 in groups of g = 32 inputs, scales and zeros rounded to bf16 (the form torch's CPU int4 kernel
@@ -28,12 +33,42 @@ to x's dtype). Moving a packed layer to another device
 is refused at its first forward (pack it again on the new device: worker/weight_formats.py does
 the packing after the model is placed).
 
-Measured (2 threads on a shared 2-core AMD EPYC with AVX2, no AVX-512 / AMX; medians of
-alternating runs, torch 2.13): see MEASURED below; the choices follow from it.
+Measured (benchmarks/linear_formats_bench.py; a 2-core AMD EPYC VM, AVX2, no AVX-512 / AMX,
+32 MB L3, shared with other jobs at a load of 2-5; torch 2.13; 1 thread, because at 2 threads
+the other jobs made every parallel op wait for a time slice: a float32 decode step took 284 ms
+at 2 threads against 75 ms at 1; each candidate cycles through 128 MB of copies so that weights
+come from memory as in decode; medians of 5 alternating rounds, ms):
+
+    candidate                 head 49152x576      mlp 1536x576
+                              1 token  256        1 token  256
+    float32 F.linear           17.7    283        0.36     6.0
+    bf16 F.linear              10.5   1778        0.24    48.2
+    bf16 -> float32, GEMM     134.1    368        0.31     6.3
+    int4 kernel (int4pack)      6.7    462        0.15    12.8
+    int4 -> bf16, bf16 mm     279.5   2043        1.31    49.5
+    int4 -> float32, GEMM     505.9    782        0.82     7.2
+    int8 kernel (int8pack)     10.5    756        0.21    11.6
+    int8 kernel, float32 x     43.6  11124        0.91   245
+    int8 -> bf16, mm, scale    71.8   1937        0.40    49.9
+    int8 -> float32, GEMM     250.0    558        0.39     7.2
+    int8 grouped -> bf16, mm  282.2   2152        1.44    50.9
+
+So decode (one row) takes each format's kernel, and from FLOAT32_ROWS rows on a CPU layer
+dequantizes to float32 and runs float32 GEMM (bf16: from 4 rows; int8 / int4: from 64). Whole
+SmolLM2-135M (head bf16, worker/weight_formats.py), one thread, same conditions, one run
+alternating the formats (a decode step at 128 tokens of context / a cold 256-token prefill,
+with the decode kernel alone in brackets): float32 70.8 ms / 869 ms; bf16 61.5 / 1117 (6042);
+int8 55.0 / 1283 (1709); int4 48.4 / 1286 (1847). Per decode step the linears took float32
+48.9 ms (538 MB read: 11 GB/s), bf16 34.6, int8 30.7 (134 MB: the int8 kernel is
+compute-bound on AVX2, 4.4 GB/s), int4 21.5 (84 MB, its head int4 then) (torch profiler); the
+rest of a step is the same in every format. At 2 threads (OMP_WAIT_POLICY=PASSIVE) the same
+machine gave float32 86.8 ms and int4 65.9 ms a step, slower than 1 thread: remeasure on a quiet
+machine before reading 2-thread speed-ups off these.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Literal
 
 import torch
@@ -43,11 +78,19 @@ from torch import nn
 from worker.quantized_weights import OFFSET, QuantizedWeight, quantize
 
 LinearFormat = Literal["bf16", "int8", "int4"]
-INT4_CPU_ROWS = 16
-"""torch's CPU int4pack takes a multiple of 16 output rows: others are padded (level 8, scale 0,
-zero 0: weights of 0) and the padding's outputs cut off."""
+INT4_CPU_ROWS = 64
+"""torch's CPU int4pack lays rows out in blocks of 64 (AVX-512) or 32 (AVX2, scalar), a last
+partial block differently: rows are padded to a multiple of 64 (level 8, scale 0, zero 0:
+weights of 0; the padding's outputs are cut off), so every block has the one layout that
+`int4pack_layout` finds."""
 LINEAR_FORMATS: tuple[LinearFormat, ...] = ("bf16", "int8", "int4")
-MEASURED = """(filled in from benchmarks/linear_formats_bench.py)"""
+FLOAT32_ROWS: dict[str, int] = {"bf16": 4, "int8": 64, "int4": 64}
+"""From this many rows on (prefill chunks, big decode batches), a CPU layer dequantizes its
+weight to float32 and runs float32 GEMM instead of its decode kernel (module docstring): no
+bf16 GEMM (no AVX512-BF16 / AMX), so torch's bf16 matmul costs about one matrix-vector product
+per row; the int4 / int8 kernels are GEMV-shaped too, about 2x float32 GEMM per row; the
+dequantization costs a few passes over the matrix, which many rows repay. The numerics stay the
+decode kernels' (x rounded to bf16, products summed in float32, the sum rounded to bf16)."""
 
 
 class QuantizedLinear(nn.Module):
@@ -108,6 +151,7 @@ class QuantizedLinear(nn.Module):
             scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (scales, zeros))
             self.register_buffer("packed", pack_int4_cpu(q))
             self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1))
+            int4pack_layout(self.in_features)  # found now (~0.3 s per width), not in a prefill
         else:
             self.register_buffer("packed", pack_nibbles(qw.q))
             self.register_buffer("scales", scales.contiguous())
@@ -133,37 +177,57 @@ class QuantizedLinear(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] @ W.T in bf16 (the kernels' output), or x's dtype on the GPU."""
+        if self.device_type == "cpu":
+            if x.shape[0] >= FLOAT32_ROWS[self.format]:
+                return self.float32_matmul(x)
+            return self.kernel_matmul(x)
         if self.format == "bf16":
             return F.linear(x.to(torch.bfloat16), self.weight)
-        if self.device_type == "cpu":
-            if self.format == "int8":
-                return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scales)
-            y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
-            )
-            return y if y.shape[1] == self.out_features else y[:, : self.out_features]
         from kernels.quant_matmul import quant_matmul  # noqa: PLC0415 - triton only on GPU
 
         if self.format == "int8":
             return quant_matmul(x, self.q, self.scales[:, None], None, "int8", self.in_features)
         return quant_matmul(x, self.packed, self.scales, self.zeros, "int4", self.group_size)
 
+    def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The CPU decode path: the format's own kernel, reading the packed weight."""
+        x16 = x.to(torch.bfloat16)
+        if self.format == "bf16":
+            return F.linear(x16, self.weight)
+        if self.format == "int8":
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x16, self.q, self.scales)
+            return y
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x16, self.packed, self.group_size, self.scales_and_zeros
+        )
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features]
+
+    def float32_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The CPU prefill path: the same sums (bf16 x bf16 products are exact in float32),
+        from the weight dequantized to float32, by float32 GEMM; rounded to bf16 as the
+        kernels round."""
+        x32 = x.to(torch.bfloat16).float()
+        return F.linear(x32, self.reference_weight(torch.float32)).to(torch.bfloat16)
+
     def reference_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [out, in] matrix this layer multiplies by, dequantized in `dtype` (the reference
-        every path is tested against; the CPU int8 and prefill paths multiply by it)."""
+        every path is tested against; the CPU prefill path multiplies by it)."""
         if self.format == "bf16":
             return self.weight.to(dtype)
-        out, inp, g = self.out_features, self.in_features, self.group_size
         if self.format == "int8":
             return self.q.to(dtype) * self.scales[:, None].to(dtype)
+        out, inp, g = self.out_features, self.in_features, self.group_size
         if self.device_type == "cpu":
-            q = unpack_int4_cpu(self.packed, inp)[:out]
-            scales = self.scales_and_zeros[:, :out, 0].t()
-            zeros = self.scales_and_zeros[:, :out, 1].t()
+            q = int4pack_levels(self.packed, inp)
+            scales = self.scales_and_zeros[..., 0].t()
+            zeros = self.scales_and_zeros[..., 1].t()
         else:
             q, scales, zeros = unpack_nibbles(self.packed), self.scales, self.zeros
-        w = (q.reshape(out, inp // g, g).to(dtype) - OFFSET["int4"]) * scales[..., None].to(dtype)
-        return (w + zeros[..., None].to(dtype)).reshape(out, inp)
+        rows = q.shape[0]
+        w = q.reshape(rows, inp // g, g).to(dtype).sub_(OFFSET["int4"])
+        w = w.mul_(scales[..., None].to(dtype)).add_(zeros[..., None].to(dtype))
+        return w.reshape(rows, inp)[:out]
 
     @property
     def nbytes(self) -> int:
@@ -199,16 +263,56 @@ def pack_int4_cpu(q: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def unpack_int4_cpu(packed: torch.Tensor, inp: int) -> torch.Tensor:
-    """The values 0..15 [rows, in] of a CPU int4pack tensor, recovered by multiplying the
-    identity (exact: one weight per output, scale 1, zero 8 cancels OFFSET)."""
-    out = packed.shape[0]
-    eye = torch.eye(inp, dtype=torch.bfloat16)
-    ones = torch.stack([torch.ones(inp // 32, out), torch.full((inp // 32, out), 8.0)], -1).to(
-        torch.bfloat16
-    )
-    values = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, ones)
-    return values.t().round().to(torch.uint8)
+@cache
+def int4pack_layout(inp: int) -> int | torch.Tensor:
+    """How torch's CPU int4pack lays out a block of INT4_CPU_ROWS rows x `inp` columns, found by
+    packing the flat indices themselves, four bits at a time, and reading where they landed:
+
+    - an int r when the block is the layout torch's AVX-512 (r = 64) and AVX2 (r = 32) code
+      writes: per r rows, for each column k, r/2 bytes whose byte j holds row j in its low
+      nibble and row j + r/2 in its high one (read back by one permute);
+    - else the gather order: level [row, column] is nibble order[row * inp + column] of the
+      block (nibbles counted byte by byte, low first), whatever the build did."""
+    landed = int4pack_probe(inp)
+    index = torch.arange(landed.numel(), dtype=torch.int64)
+    for rows in (64, 32):
+        blocked = index.view(INT4_CPU_ROWS // rows, 2, rows // 2, inp)
+        if torch.equal(landed, blocked.permute(0, 3, 2, 1).reshape(-1)):
+            return rows
+    return torch.argsort(landed)
+
+
+def int4pack_probe(inp: int) -> torch.Tensor:
+    """For each nibble of a packed block of INT4_CPU_ROWS x `inp` levels (byte by byte, low
+    nibble first), the flat index row * inp + column of the level that landed there."""
+    size = INT4_CPU_ROWS * inp
+    index = torch.arange(size, dtype=torch.int64)
+    landed = torch.zeros(size, dtype=torch.int64)
+    for shift in range(0, max(size - 1, 1).bit_length(), 4):
+        digits = ((index >> shift) & 15).reshape(INT4_CPU_ROWS, inp)
+        landed |= _nibbles(pack_int4_cpu(digits)).reshape(-1).long() << shift
+    return landed
+
+
+def int4pack_levels(
+    packed: torch.Tensor, inp: int, layout: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """The levels 0..15 [rows, in] (uint8) a CPU int4pack tensor holds (rows: a multiple of
+    INT4_CPU_ROWS, as QuantizedLinear pads them); `layout` as int4pack_layout returns it
+    (default: this build's)."""
+    rows = packed.shape[0]
+    layout = int4pack_layout(inp) if layout is None else layout
+    nibbles = _nibbles(packed)
+    if isinstance(layout, int):
+        blocks = nibbles.view(rows // layout, inp, layout // 2, 2)
+        return blocks.permute(0, 3, 2, 1).reshape(rows, inp)
+    blocks = nibbles.reshape(rows // INT4_CPU_ROWS, INT4_CPU_ROWS * inp)
+    return blocks.index_select(1, layout).reshape(rows, inp)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., n, 2]: low nibble, high nibble."""
+    return torch.stack([packed & 15, packed >> 4], -1)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -218,4 +322,4 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     out, half = packed.shape
-    return torch.stack([packed & 15, packed >> 4], -1).reshape(out, 2 * half)
+    return _nibbles(packed).reshape(out, 2 * half)

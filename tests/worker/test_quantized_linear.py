@@ -11,13 +11,33 @@ import torch
 from torch import nn
 
 from tests.worker.helpers import relative_error
-from worker.quantized_linear import LINEAR_FORMATS, QuantizedLinear, unpack_int4_cpu
+from worker.quantized_linear import (
+    FLOAT32_ROWS,
+    INT4_CPU_ROWS,
+    LINEAR_FORMATS,
+    QuantizedLinear,
+    int4pack_layout,
+    int4pack_levels,
+    int4pack_probe,
+    pack_int4_cpu,
+)
 from worker.quantized_weights import OFFSET, QuantizedWeight, quantize
 
 BF16_EPS = 2.0**-8
 """bf16 keeps 8 significant bits: rounding moves a value by at most this, relatively."""
 SHAPES = [(48, 96), (32, 64), (72, 128)]
 """32 rows: a tiny k_proj; 72: not a multiple of the CPU int4 kernel's 16 rows (padded)."""
+
+
+def int4pack_oracle(packed: torch.Tensor, inp: int) -> torch.Tensor:
+    """The levels of a CPU int4pack tensor, read by torch's own kernel: multiplying the identity
+    with scale 1 and zero 8 gives level - 8 + 8 for each weight, exactly (layout-blind)."""
+    rows = packed.shape[0]
+    eye = torch.eye(inp, dtype=torch.bfloat16)
+    ones = torch.ones(inp // 32, rows)
+    scales_and_zeros = torch.stack([ones, 8 * ones], -1).to(torch.bfloat16)
+    levels = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, scales_and_zeros)
+    return levels.t().round().to(torch.uint8)
 
 
 def weight(out: int, inp: int, seed: int = 0) -> torch.Tensor:
@@ -31,7 +51,7 @@ def activations(rows: int, inp: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", LINEAR_FORMATS)
 @pytest.mark.parametrize(("out", "inp"), SHAPES)
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 5, 40, 70])
 def test_each_format_multiplies_by_its_reference_weight(
     fmt: str, out: int, inp: int, rows: int
 ) -> None:
@@ -43,6 +63,21 @@ def test_each_format_multiplies_by_its_reference_weight(
     oracle = x.to(torch.bfloat16).double() @ layer.reference_weight().double().t()
     assert y.dtype == torch.float32 and y.shape == (rows, out)
     assert relative_error(y.double(), oracle) < BF16_EPS
+
+
+@pytest.mark.parametrize("inp", [64, 576, 1536])
+def test_the_int4pack_layout_found_by_probing_is_the_kernels(inp: int) -> None:
+    """int4pack_levels (a gather by the probed order) reads what torch's kernel reads."""
+    gen = torch.Generator().manual_seed(inp)
+    q = torch.randint(0, 16, (2 * INT4_CPU_ROWS, inp), generator=gen, dtype=torch.uint8)
+    packed = pack_int4_cpu(q)
+    assert torch.equal(int4pack_oracle(packed, inp), q)
+    assert torch.equal(int4pack_levels(packed, inp), q)
+    expected = {"AVX2": 32, "AVX512": 64}.get(torch.backends.cpu.get_cpu_capability())
+    if expected is not None:  # torch's vectorised builds: the one-permute layouts
+        assert int4pack_layout(inp) == expected
+    gather = torch.argsort(int4pack_probe(inp))  # the path a build of another layout takes
+    assert torch.equal(int4pack_levels(packed, inp, gather), q)
 
 
 @pytest.mark.parametrize(("out", "inp"), SHAPES)
@@ -73,7 +108,7 @@ def test_int4_holds_the_levels_of_round_to_nearest_groups(out: int, inp: int) ->
     w = weight(out, inp)
     layer = QuantizedLinear(w, "int4")
     qw = quantize(w, "int4")
-    assert torch.equal(unpack_int4_cpu(layer.packed, inp)[:out], qw.q)
+    assert torch.equal(int4pack_levels(layer.packed, inp)[:out], qw.q)
     s, z = qw.scales.to(torch.bfloat16).float(), qw.zeros.to(torch.bfloat16).float()
     g = qw.group_size
     expected = (qw.q.float().reshape(out, -1, g) - OFFSET["int4"]) * s[..., None] + z[..., None]
@@ -91,7 +126,7 @@ def test_a_given_int4_weight_is_packed_as_it_is() -> None:
     qw = QuantizedWeight("int4", q, scales, zeros, 64)
     layer = QuantizedLinear(qw, "int4")
     assert layer.group_size == 64
-    assert torch.equal(unpack_int4_cpu(layer.packed, 128)[:40], q)
+    assert torch.equal(int4pack_levels(layer.packed, 128)[:40], q)
     x = activations(3, 128)
     oracle = x.to(torch.bfloat16).double() @ layer.reference_weight().double().t()
     assert relative_error(layer(x).double(), oracle) < BF16_EPS
@@ -125,14 +160,14 @@ def test_a_drop_in_for_nn_linear() -> None:
 
 
 def test_each_format_holds_the_bytes_it_promises() -> None:
-    out, inp = 96, 256
+    out, inp = 128, 256
     w = weight(out, inp)
-    sizes = {fmt: QuantizedLinear(w, fmt).nbytes for fmt in LINEAR_FORMATS}
+    sizes = {fmt: QuantizedLinear(w, fmt).nbytes for fmt in LINEAR_FORMATS}  # whole blocks
     assert sizes["bf16"] == out * inp * 2
     assert sizes["int8"] == out * inp + out * 2  # values + a bf16 scale per row
     assert sizes["int4"] == out * inp // 2 + out * (inp // 32) * 2 * 2  # + bf16 scale and zero
-    padded = QuantizedLinear(weight(90, inp), "int4").nbytes  # 90 rows held as 96
-    assert padded == sizes["int4"]
+    padded = QuantizedLinear(weight(70, inp), "int4").nbytes  # 70 rows held as 128
+    assert padded == 128 * inp // 2 + 128 * (inp // 32) * 2 * 2
 
 
 def test_bad_inputs_are_refused_by_name() -> None:
@@ -163,3 +198,18 @@ def test_cuda_layers_multiply_by_the_same_matrix_as_cpu_layers(fmt: str) -> None
     x = activations(7, 576).to(torch.bfloat16)
     oracle = x.double() @ cpu.reference_weight().double().t()
     assert relative_error(cuda(x.cuda()).cpu().double(), oracle) < BF16_EPS
+
+
+@pytest.mark.parametrize("fmt", LINEAR_FORMATS)
+def test_rows_agree_whichever_cpu_path_they_take(fmt: str) -> None:
+    """A decode row (the format's kernel) and the same row inside a prefill chunk (float32 GEMM
+    on the dequantized weight, past FLOAT32_ROWS) compute the same sums: equal up to one bf16
+    rounding step of the result."""
+    layer = QuantizedLinear(weight(96, 128), fmt)  # type: ignore[arg-type]
+    x = activations(FLOAT32_ROWS[fmt] + 4, 128)
+    chunk = layer(x)
+    assert torch.equal(chunk, layer.float32_matmul(x).float())
+    for row in range(3):
+        alone = layer(x[row : row + 1])
+        assert torch.equal(alone, layer.kernel_matmul(x[row : row + 1]).float())
+        assert bool(((alone - chunk[row]).abs() <= chunk[row].abs() * BF16_EPS + 1e-6).all())
