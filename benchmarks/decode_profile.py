@@ -44,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.weights_axis import load_for_bench
 from worker.engine import Engine, EngineConfig
+from worker.model import CausalLM
 from worker.request import GenerateRequest
 from worker.sampling_params import SamplingParams
 
@@ -82,9 +83,7 @@ def _subtree_category(event: Any) -> str:
     return "other"
 
 
-def decoding_engine(
-    model: torch.nn.Module, context: int, steps: int
-) -> tuple[Engine, Callable[[], None]]:
+def decoding_engine(model: CausalLM, context: int, steps: int) -> tuple[Engine, Callable[[], None]]:
     """An engine decoding one greedy request after a `context`-token prompt, and a step function."""
     length = context + 2 * steps + 64
     config = EngineConfig(
@@ -95,8 +94,8 @@ def decoding_engine(
         max_prefill_chunk=context + 16,
         max_model_len=length,
     )
-    engine = Engine(model, None, config)  # type: ignore[arg-type]
-    vocab = model.config.vocab_size  # type: ignore[union-attr]
+    engine = Engine(model, None, config)
+    vocab = model.config.vocab_size
     prompt = tuple(int(t) for t in torch.randint(3, vocab, (context,), generator=_seeded()))
     sampling = SamplingParams(max_tokens=2 * steps + 32, temperature=0.0, ignore_eos=True)
     engine.submit(GenerateRequest("decode", prompt, sampling=sampling), lambda _: None)
@@ -113,7 +112,7 @@ def _seeded() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def profile_decode(model: torch.nn.Module, context: int, steps: int) -> dict[str, Any]:
+def profile_decode(model: CausalLM, context: int, steps: int) -> dict[str, Any]:
     engine, step = decoding_engine(model, context, steps)
     runner, forward_times = engine.runner, list[float]()
     run = runner.run

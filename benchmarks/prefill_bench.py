@@ -347,6 +347,7 @@ def bench_model(name: str, weights: str, args: argparse.Namespace) -> dict:
         "model": name,
         "weights": weights,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": vocab,
         "weight_mb": weight_bytes(model) / 1e6,
     }
     if "ttft" in args.sections:
@@ -366,38 +367,30 @@ def bench_model(name: str, weights: str, args: argparse.Namespace) -> dict:
     return result
 
 
-def against_llama_cpp(name: str, args: argparse.Namespace) -> dict:
+def against_llama_cpp(name: str, vocab: int, args: argparse.Namespace) -> dict:
     """The cold, decode and chats sections on llama.cpp, same GGUF and token ids; or why not."""
     if name != "smollm2":
         return {"skipped": f"{name} has no GGUF file (only smollm2 does)"}
     why = llama_cpp_side.unavailable()
     if why is not None:
         return {"skipped": why}
-    vocab = load_for_bench(name, "float32").config.vocab_size
     prompt = bench_prompt(vocab, args)  # the same token ids as our side's
     turns = chat_turns(vocab, args)
-    n_ctx = max(*(len(t) for t in turns), *args.cold_lens, 1024) + 256
-    llm = llama_cpp_side.LlamaCpp(default_gguf_path(), torch.get_num_threads(), n_ctx)
-    result: dict = {"llama_cpp_python": llm.version, "gguf": default_gguf_path().name}
-    llm.cold_ttft(prompt[:64])  # warm-up
+    job: dict = {
+        "gguf": str(default_gguf_path()),
+        "threads": torch.get_num_threads(),
+        "n_ctx": max(*(len(t) for t in turns), *args.cold_lens, 1024) + 256,
+        "repeats": args.repeats,
+    }
     if "cold" in args.sections:
-        console.print(f"[bold]llama.cpp[/]: cold TTFT, {args.cold_lens} tokens")
-        result["cold"] = {
-            "ttft_ms": {
-                str(n): 1000
-                * statistics.median(llm.cold_ttft(prompt[:n]) for _ in range(args.repeats))
-                for n in args.cold_lens
-            }
-        }
+        job["cold"] = [prompt[:n] for n in args.cold_lens]
     if "decode" in args.sections:
-        console.print(f"[bold]llama.cpp[/]: decode, {args.decode_tokens} tokens")
-        out = llm.decode(prompt[: args.decode_prompt_len], args.decode_tokens)
-        result["decode"] = {"tokens_per_s": out["tokens_per_s"], "tokens": out["tokens"]}
+        short = prompt[: args.decode_prompt_len]
+        job["decode"] = {"prompt": short, "new_tokens": args.decode_tokens}
     if "chats" in args.sections:
-        console.print(f"[bold]llama.cpp[/]: two interleaved {args.chat_turns}-turn chats")
-        seconds = llm.chat_ttfts(turns)
-        result["chats"] = {"ttft_ms": [1000 * t for t in seconds], "sum_ttft_s": sum(seconds)}
-    return result
+        job["chats"] = turns
+    console.print(f"[bold]llama.cpp[/]: {', '.join(k for k in SECTIONS if k in job)}")
+    return llama_cpp_side.measure_in_subprocess(job)
 
 
 def compared(ours: dict, theirs: dict) -> dict:
@@ -630,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             report(result)
         if args.against is None:
             continue
-        theirs = against_llama_cpp(name, args)
+        theirs = against_llama_cpp(name, mine[0]["vocab_size"], args)
         results.setdefault("llama_cpp", {})[name] = theirs
         if "skipped" in theirs:
             console.print(f"llama.cpp comparison skipped: {theirs['skipped']}")

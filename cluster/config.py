@@ -31,6 +31,7 @@ from router.policies import POLICIES
 from worker.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS
+from worker.weight_quality import DEFAULT_CHECKPOINT, WeightFormatRefused, check_format_quality
 
 T = TypeVar("T")
 ANY_TENANT = "*"
@@ -104,6 +105,18 @@ class ModelSection:
             if not adapter.path:
                 raise ConfigError(f"adapters[{i}].path: must not be empty")
             seen.add(adapter.name)
+        try:  # a weight format measured to lose too much on this checkpoint is refused here
+            check_format_quality(self.checkpoint_name, self.weights)
+        except WeightFormatRefused as err:
+            raise ConfigError(f"weights: {err}") from None
+
+    @property
+    def checkpoint_name(self) -> str:
+        """The name worker/weight_quality.py's measurements know the checkpoint by: its
+        directory's name (a .gguf is converted into a directory named after the file)."""
+        if self.source == "default":
+            return DEFAULT_CHECKPOINT
+        return (Path(self.source.rstrip("/")).name or self.source).removesuffix(".gguf")
 
     @property
     def name(self) -> str:

@@ -51,7 +51,7 @@ def test_the_weight_formats_are_the_loaders(tmp_path: Path) -> None:
     assert WEIGHT_FORMATS == LOADER_FORMATS
     path = tmp_path / "radixmesh.yaml"
     for fmt in WEIGHT_FORMATS:
-        path.write_text(f"model: {{weights: {fmt}}}\n")
+        path.write_text(f"model: {{source: /models/unmeasured, weights: {fmt}}}\n")
         assert ClusterConfig.load(path).model.weights == fmt
     assert ModelSection().weights == "float32"
 

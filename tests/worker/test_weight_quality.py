@@ -64,3 +64,29 @@ def test_it_imports_no_torch() -> None:
     code = f"import sys; import {weight_quality.__name__}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_default_checkpoint_is_named_as_the_default_model_converts_it() -> None:
+    from pathlib import Path
+
+    from worker.default_model import GGUF_NAME
+
+    assert Path(GGUF_NAME).stem == DEFAULT_CHECKPOINT
+
+
+def test_a_cluster_config_with_a_refused_format_does_not_load(
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    from cluster.config import ClusterConfig, ConfigError
+
+    table = {"int8": FormatQuality(perplexity_increase=0.05, identical_token_share=0.3)}
+    monkeypatch.setitem(MEASURED, "my-model", table)
+    path = tmp_path / "radixmesh.yaml"
+    for source in ("/models/my-model", "/models/my-model/", "/models/my-model.gguf"):
+        path.write_text(f"model: {{source: {source}, weights: int8}}\n")
+        refused = r"model\.weights: weight format 'int8' on my-model: perplexity"
+        with pytest.raises(ConfigError, match=refused):
+            ClusterConfig.load(path)
+        path.write_text(f"model: {{source: {source}, weights: bf16}}\n")
+        assert ClusterConfig.load(path).model.weights == "bf16"
