@@ -6,7 +6,8 @@ materialising the float32 matrix. The same in_features / out_features / bias as 
 it replaces; `forward(x)` takes [..., in] in any float dtype and returns [..., out] in x's
 dtype (activations stay in the model's dtype; only the weight is smaller).
 
-A layer is packed once, for the device its weight is on, into one of these layouts:
+A layer is packed once, for the device its weight is on (`triton`: CUDA), into one of these
+layouts:
 
     format  device  buffers                                        multiply (decode)
     bf16    any     weight [out, in] bf16                          F.linear in bf16
@@ -109,11 +110,14 @@ class QuantizedLinear(nn.Module):
         fmt: LinearFormat,
         bias: torch.Tensor | None = None,
         group_size: int = 32,
+        triton: bool | None = None,
     ) -> None:
         """Pack `weight` ([out, in] float, or an already quantized one) as `fmt` for the device
         it is on. A float weight is quantized round-to-nearest (int4 in groups of `group_size`);
         a QuantizedWeight is packed as it is for int4 (it must be int4), quantized again per
-        channel for int8, dequantized for bf16."""
+        channel for int8, dequantized for bf16. `triton` (default: the weight is on CUDA)
+        packs for the Triton kernel; forced on CPU tensors it runs under TRITON_INTERPRET=1
+        (the tests)."""
         super().__init__()
         if fmt not in LINEAR_FORMATS:
             raise ValueError(f"QuantizedLinear format must be one of {LINEAR_FORMATS}: {fmt!r}")
@@ -128,6 +132,7 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = (int(d) for d in _shape(weight))
         self.format: LinearFormat = fmt
         self.device_type = device.type
+        self.triton = device.type == "cuda" if triton is None else triton
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
         if fmt == "bf16":
             self.group_size = 0
@@ -145,7 +150,7 @@ class QuantizedLinear(nn.Module):
         if fmt == "int8":
             self.register_buffer("q", qw.q.contiguous())
             self.register_buffer("scales", scales.reshape(-1).contiguous())
-        elif device.type == "cpu":
+        elif not self.triton:
             pad = -self.out_features % INT4_CPU_ROWS  # the kernel takes whole blocks of rows
             q = nn.functional.pad(qw.q, (0, 0, 0, pad), value=OFFSET["int4"])
             scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (scales, zeros))
@@ -178,7 +183,7 @@ class QuantizedLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T in bf16 (the kernels' output), or x's dtype on the GPU."""
-        if self.device_type == "cpu":
+        if not self.triton:
             if x.shape[0] >= FLOAT32_ROWS[self.format]:
                 return self.float32_matmul(x)
             return self.kernel_matmul(x)
@@ -187,8 +192,11 @@ class QuantizedLinear(nn.Module):
         from kernels.quant_matmul import quant_matmul  # noqa: PLC0415 - triton only on GPU
 
         if self.format == "int8":
-            return quant_matmul(x, self.q, self.scales[:, None], None, "int8", self.in_features)
-        return quant_matmul(x, self.packed, self.scales, self.zeros, "int4", self.group_size)
+            q, scales, zeros, group = self.q, self.scales[:, None], None, self.in_features
+        else:
+            q, scales, zeros, group = self.packed, self.scales, self.zeros, self.group_size
+        forced = None if x.is_cuda else "triton"  # CPU tensors: the interpreter (tests)
+        return quant_matmul(x, q, scales, zeros, self.format, group, backend=forced)
 
     def kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The CPU decode path: the format's own kernel, reading the packed weight."""
@@ -218,7 +226,7 @@ class QuantizedLinear(nn.Module):
         if self.format == "int8":
             return self.q.to(dtype) * self.scales[:, None].to(dtype)
         out, inp, g = self.out_features, self.in_features, self.group_size
-        if self.device_type == "cpu":
+        if not self.triton:
             q = int4pack_levels(self.packed, inp)
             scales = self.scales_and_zeros[..., 0].t()
             zeros = self.scales_and_zeros[..., 1].t()
@@ -239,7 +247,7 @@ class QuantizedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={self.format}{group}, "
-            f"device={self.device_type}"
+            f"device={self.device_type}, triton={self.triton}"
         )
 
 

@@ -106,6 +106,34 @@ def test_triton_blocks_rows_and_takes_strided_x(triton_device: torch.device) -> 
     assert_close(y.cpu(), oracle, seed, "quant_matmul", "block_m=16, strided x")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_a_quantized_linear_packed_for_triton_multiplies_like_the_cpu_one(
+    triton_device: torch.device, fmt: str
+) -> None:
+    """worker/quantized_linear.py's GPU layout and wiring, interpreted here: the same matrix as
+    the CPU layout holds, and the product through the Triton kernel (which takes x in its own
+    dtype; bf16 is a bf16 matmul, x rounded to bf16)."""
+    from worker.quantized_linear import QuantizedLinear
+
+    seed = fresh_seed()
+    gen = generator(seed)
+    w = torch.randn(72, 128, generator=gen) / 128**0.5
+    bias = torch.randn(72, generator=gen)
+    cpu = QuantizedLinear(w, fmt, bias)  # type: ignore[arg-type]
+    gpu = QuantizedLinear(w.to(triton_device), fmt, bias.to(triton_device), triton=True)  # type: ignore[arg-type]
+    assert gpu.triton and not cpu.triton
+    assert torch.equal(gpu.reference_weight().cpu(), cpu.reference_weight())
+    x = torch.randn(5, 128, generator=generator(seed + 1))
+    y = gpu(x.to(triton_device))
+    assert y.dtype == torch.float32
+    rows = x.to(torch.bfloat16) if fmt == "bf16" else x
+    oracle = rows.double() @ cpu.reference_weight().double().t() + bias.double()
+    if fmt == "bf16":  # the product rounded to bf16 as well
+        oracle = oracle.to(torch.bfloat16)
+        y = y.to(torch.bfloat16)
+    assert_close(y.cpu(), oracle.to(y.dtype), seed, "quant_matmul", f"QuantizedLinear {fmt}")
+
+
 def test_an_empty_batch_gives_an_empty_result(triton_device: torch.device) -> None:
     values, scales, z, _ = make_weight(0, "int4", 8, 32, 32)
     x = torch.empty(0, 32)
