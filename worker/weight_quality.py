@@ -16,9 +16,9 @@ matrix) +2.2 %. q4_K_M is the 4-bit format llama.cpp recommends and most GGUF us
 loses less than the best-calibrated 4-bit file people choose on purpose. It is also well above
 this text's measurement noise (the paired standard error of the increase over its 3,575 tokens
 is reported beside each number: 0.08-0.28 % here), so no verdict below rests on noise.
-Perplexity is the cross-check of choice because it averages every token's probability; greedy agreement
-(reported beside it) is too coarse to set a threshold on: one early flip changes every later
-token.
+Perplexity is the cross-check of choice because it averages every token's probability; greedy
+agreement (reported beside it) is too coarse to set a threshold on: one early flip changes every
+later token.
 
 MEASURED holds the numbers for the checkpoints measured here, keyed by checkpoint directory name
 (the part of the model revision before '@'); `check_format_quality` refuses a format whose
