@@ -51,7 +51,7 @@ from worker.tokenizer import Tokenizer
 from worker.weight_formats import check_weight_format, weight_bytes
 from worker.weight_quality import MAX_PERPLEXITY_INCREASE, acceptable
 
-console = Console(stderr=True)
+console = Console(stderr=True, width=160)
 HELD_IN = Path(__file__).resolve().parent / "data" / "held_in_text.txt"
 PAGE_SIZE = 16
 PROMPTS = (

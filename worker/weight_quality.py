@@ -14,12 +14,11 @@ scoreboard for LLaMA-3-8B (github.com/ggml-org/llama.cpp/pull/6936, wikitext-2, 
 matrix) +2.2 %. q4_K_M is the 4-bit format llama.cpp recommends and most GGUF users run, so
 +2 % is about the most loss common practice accepts from a 4-bit model, and a format under it
 loses less than the best-calibrated 4-bit file people choose on purpose. It is also well above
-this text's measurement noise (the paired standard error of the increase over its 3,575
-tokens is reported beside each number: 0.08-0.28 % here), so no verdict below rests on noise.
-Perplexity is
-the cross-check of choice because it averages every token's probability; greedy agreement
-(reported beside it) is too coarse to set a threshold on: one early flip changes every later
-token.
+this text's measurement noise (the paired standard error of the increase over its 3,575 tokens
+is reported beside each number: 0.08-0.28 % here), so no verdict below rests on noise.
+Perplexity is the cross-check of choice because it averages every token's probability; greedy
+agreement (reported beside it) is too coarse to set a threshold on: one early flip changes every
+later token.
 
 MEASURED holds the numbers for the checkpoints measured here, keyed by checkpoint directory name
 (the part of the model revision before '@'); `check_format_quality` refuses a format whose

@@ -347,9 +347,16 @@ def check_layers_hold_the_blocks(model: CausalLM, native: dict[str, QuantizedWei
     its scales and zeros as the kernel keeps them (bf16), so within 2^-8 of each |(q-8) d| + |z|."""
     modules = dict(model.named_modules())
     for name, weight in native.items():
-        layer = modules[
-            "lm_head" if name == "model.embed_tokens.weight" else name[: -len(".weight")]
-        ]
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):  # the head is bf16
+            head = modules["lm_head"] if name == "lm_head.weight" else None  # (HEAD_FORMAT)
+            if head is None:  # tied: the bf16 table itself
+                values = model.model.embed_tokens.weight
+            else:
+                assert isinstance(head, QuantizedLinear) and head.format == "bf16", name
+                values = head.reference_weight(torch.bfloat16)
+            assert torch.equal(values, dequantize(weight).to(torch.bfloat16)), name
+            continue
+        layer = modules[name[: -len(".weight")]]
         assert isinstance(layer, QuantizedLinear) and layer.format == weight.format == "int4", name
         g = weight.group_size
         q = weight.q.float().reshape(*weight.shape[:1], -1, g) - 8
@@ -362,10 +369,11 @@ def check_layers_hold_the_blocks(model: CausalLM, native: dict[str, QuantizedWei
 def test_int4_from_the_blocks_is_the_float32_model_up_to_bf16(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qtype: Any
 ) -> None:
-    """load_model(file.gguf, weights="int4") multiplies by the file's own blocks: every matrix of
-    the tiny model (head included) holds exactly the values the float32 load of the same file
-    holds, so the logits differ only by bf16 rounding: of the activations fed to each matmul, of
-    the block scales and zeros, and of the embedding table. The bf16 model (every weight and the
+    """load_model(file.gguf, weights="int4") multiplies by the file's own blocks: every projection
+    of the tiny model holds exactly the values the float32 load of the same file holds (the
+    tied head is the bf16 table, as in every format), so the logits differ only by bf16
+    rounding: of the activations fed to each matmul, of the block scales and zeros, and of the
+    embedding table. The bf16 model (every weight and the
     same activations rounded to bf16) carries the same kind and amount of rounding, measured in
     the same run: the int4 error must stay within twice it (observed ~1.1x), and far below the
     error the file's quantization itself carries (against the unquantized weights: ~30x)."""
