@@ -305,9 +305,13 @@ def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file:
         "--working-dir", str(ROOT), "--no-wait", "--",
         "radixmesh", "serve", "--config", str(config_file),
     ]  # fmt: skip
-    submitted = subprocess.run(
-        submit, env=env, timeout=180, capture_output=True, text=True, check=False
-    )
+    for _ in range(30):  # the head's job agent registers after the dashboard answers
+        submitted = subprocess.run(
+            submit, env=env, timeout=180, capture_output=True, text=True, check=False
+        )
+        if "No available agent to submit job" not in submitted.stderr:
+            break
+        time.sleep(2)  # Ray's own advice: "please try again later"
     assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-3000:]
     target = endpoint(config_file)
     try:
