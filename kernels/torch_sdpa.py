@@ -13,6 +13,8 @@ before the call (SDPA adds the mask to the scores, and NaN + -inf is NaN; 0 x Na
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -31,13 +33,23 @@ def write_kv(
 ) -> None:
     """`index_copy_` into the flattened slots (a third of the reference's boolean-mask cost);
     tokens with a negative slot (padding) are dropped first, only when there are any."""
+    slots, keep = _STEP_MEMO.lookup(("slots", slot_mapping), (), lambda: _slots(slot_mapping))
+    if keep is not None:
+        k, v = k[keep], v[keep]
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def _slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots as int64 without the padding's, and the mask of the tokens kept (None: all)."""
     slots = slot_mapping.to(torch.int64)
     padding = slots < 0
-    if bool(padding.any()):
-        keep = ~padding
-        slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    if not bool(padding.any()):
+        return slots, None
+    keep = ~padding
+    return slots[keep], keep
 
 
 def append_prefill_attention(
@@ -92,35 +104,75 @@ def decode_attention(
     The pages are gathered with one `index_select` of whole pages per cache (a contiguous copy),
     not advanced indexing: a third of the time on a decode step's few pages, same values."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out = torch.empty_like(q) if out is None else out
-    longest = int(seq_lens.max())
-    k, v = _gather_pages(k_cache, v_cache, page_table[: q.shape[0]], longest)
+    batch, (num_pages, page_size) = q.shape[0], k_cache.shape[:2]
+    pages, longest, valid = _STEP_MEMO.lookup(
+        ("decode", page_table, seq_lens),
+        (batch, num_pages, page_size),
+        lambda: _decode_plan(page_table[:batch], seq_lens, num_pages, page_size),
+    )
+    k = k_cache.index_select(0, pages).view(batch, -1, *k_cache.shape[2:])[:, :longest]
+    v = v_cache.index_select(0, pages).view(batch, -1, *v_cache.shape[2:])[:, :longest]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     mask = None
-    if bool((seq_lens != longest).any()):
-        valid = torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None]
+    if valid is not None:
         k = k.masked_fill(~valid[:, None, :, None], 0.0)
         v = v.masked_fill(~valid[:, None, :, None], 0.0)
         mask = valid[:, None, None, :]
-    attended = sdpa(
-        q[:, :, None, :],
-        k.to(q.dtype),
-        v.to(q.dtype),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    attended = sdpa(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    if out is None:
+        return attended[:, :, 0, :]
     out.copy_(attended[:, :, 0, :])
     return out
 
 
-def _gather_pages(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, longest: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[batch, kv_heads, longest, head_dim] views of every row's pages copied out in order (page
-    ids past a row's own are clamped into range: the caller masks what they hold)."""
-    batch, page_size = page_table.shape[0], k_cache.shape[1]
+def _decode_plan(
+    page_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """What every layer of a decode step shares: each row's pages up to the longest row (ids
+    past a row's own clamped into range: `valid` masks what they hold) as one int64 index,
+    the longest length, and which [row, position] are real (None: every row is the longest).
+    The pages are copied out with one `index_select` of whole pages per cache (a contiguous
+    copy), not advanced indexing: a third of the time on a decode step's few pages."""
+    longest = int(seq_lens.max())
     pages = page_table[:, : cdiv(longest, page_size)].reshape(-1).to(torch.int64)
-    pages = pages.clamp(0, k_cache.shape[0] - 1)
-    k = k_cache.index_select(0, pages).view(batch, -1, *k_cache.shape[2:])[:, :longest]
-    v = v_cache.index_select(0, pages).view(batch, -1, *v_cache.shape[2:])[:, :longest]
-    return k.transpose(1, 2), v.transpose(1, 2)
+    pages = pages.clamp(0, num_pages - 1)
+    valid = None
+    if bool((seq_lens != longest).any()):
+        valid = torch.arange(longest, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    return pages, longest, valid
+
+
+class _StepMemo:
+    """The last value computed from a step's batch tensors, for the layers after the first.
+
+    Every layer of a forward pass passes the same `page_table`, `seq_lens` and `slot_mapping`
+    objects; what is derived from them alone (int64 slots, the page index, the mask) is the same
+    for all of them, so it is computed once a step instead of once a layer (about 20 small ops a
+    layer fewer on a decode step). A hit needs the very same tensor objects (held here, so their
+    ids cannot be reused), unmodified since (their version counters, which every in-place write,
+    through any view, bumps), and the same `extra` key. One entry per kind; entries are replaced
+    whole, so a reader never sees half of one."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[Any, ...]] = {}
+
+    def lookup(self, tensors: tuple[Any, ...], extra: tuple[int, ...], compute: Any) -> Any:
+        kind, sources = tensors[0], tensors[1:]
+        versions = tuple(t._version for t in sources)
+        entry = self.entries.get(kind)
+        if (
+            entry is not None
+            and len(entry[0]) == len(sources)
+            and all(a is b for a, b in zip(entry[0], sources, strict=True))
+            and entry[1] == versions
+            and entry[2] == extra
+        ):
+            return entry[3]
+        value = compute()
+        self.entries[kind] = (sources, versions, extra, value)
+        return value
+
+
+_STEP_MEMO = _StepMemo()

@@ -13,6 +13,9 @@ With LoRA stacks and a batch cut into adapter segments, each group of projection
 `Step.lora`: one shrink and one expand over the segments for the group (`kernels.lora`, on the
 packed stacks of worker/lora_weights.py); groups no adapter of the step targets, and steps
 without segments, run exactly as without stacks.
+With a quantized weight format, q/k/v and gate/up are each multiplied as one matrix
+(`qkv_proj`, `gate_up_proj`: worker/fused_projections.py), and where q and k lie side by side
+in the fused output (no LoRA on them this step, no QK-norm) they are rotated as one tensor.
 Parameter names are Hugging Face's, so `load_state_dict` takes an HF Llama/Qwen state dict.
 The model holds no KV and no request state; never call it from two threads at once.
 """
@@ -30,6 +33,7 @@ import kernels
 from kernels.lora import lora_expand, lora_shrink
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
+from worker.fused_projections import FusedProjections
 from worker.lora_weights import LoraStacks
 from worker.rope import RotaryEmbedding, rotate
 
@@ -148,16 +152,37 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj: FusedProjections | None = None
+        """q/k/v multiplied as one (a weight format sets it: worker/fused_projections.py)."""
 
     def forward(self, x: torch.Tensor, step: Step, cache: KvCache) -> torch.Tensor:
         tokens, layer = x.shape[0], self.layer
-        q, k, v = step.lora(layer, "qkv", x, self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = q.view(tokens, self.num_heads, -1)
-        k, v = k.view(tokens, self.num_kv_heads, -1), v.view(tokens, self.num_kv_heads, -1)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            qkv = self.qkv_proj(x)
+            q, k, v = self.qkv_proj.split(qkv)
+            if self.qkv_proj.adjacent and self.q_norm is None and "qkv" not in step.lora_groups:
+                # q and k side by side are one [tokens, heads + kv_heads, dim]: one rotation
+                qk = rotate(
+                    qkv[:, : q.shape[1] + k.shape[1]].view(tokens, heads + kv_heads, -1),
+                    step.cos,
+                    step.sin,
+                )
+                step.write_kv(cache, qk[:, heads:], v.view(tokens, kv_heads, -1))
+                return self._attend(qk[:, :heads], step, cache)
+        q, k, v = step.lora(layer, "qkv", x, q, k, v)
+        q = q.view(tokens, heads, -1)
+        k, v = k.view(tokens, kv_heads, -1), v.view(tokens, kv_heads, -1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
         step.write_kv(cache, k, v)
+        return self._attend(q, step, cache)
+
+    def _attend(self, q: torch.Tensor, step: Step, cache: KvCache) -> torch.Tensor:
+        tokens, layer = q.shape[0], self.layer
         out = step.attention(q, cache).reshape(tokens, self.num_heads * self.head_dim)
         return step.lora(layer, "o_proj", out, self.o_proj(out))[0]
 
@@ -169,10 +194,16 @@ class Mlp(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: FusedProjections | None = None
+        """gate/up multiplied as one (a quantized weight format sets it)."""
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         layer = self.layer
-        gate, up = step.lora(layer, "gate_up", x, self.gate_proj(x), self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate, up = step.lora(layer, "gate_up", x, gate, up)
         h = nn.functional.silu(gate) * up
         return step.lora(layer, "down_proj", h, self.down_proj(h))[0]
 

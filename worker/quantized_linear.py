@@ -69,6 +69,7 @@ machine before reading 2-thread speed-ups off these.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from typing import Literal
 
@@ -163,6 +164,53 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("zeros", zeros.contiguous())
 
     @classmethod
+    def concat(cls, parts: Sequence[QuantizedLinear]) -> QuantizedLinear:
+        """One layer whose rows are `parts`' rows in order (each part's padded rows for the CPU
+        int4 layout, so every part starts on a whole block), for parts of one format, group
+        size, input width and device. Its buffers are new; each part's buffers become views
+        of them (a part's CPU int4 scales a strided view), so memory is not doubled and a part
+        called alone still multiplies by its own rows. Biases: all or none."""
+        first = parts[0]
+        kinds = {(p.format, p.group_size, p.in_features, p.device_type, p.triton) for p in parts}
+        if len(parts) < 2 or len(kinds) != 1:
+            raise ValueError(f"concat takes two or more layers of one kind, got {sorted(kinds)}")
+        if len({p.bias is None for p in parts}) != 1:
+            raise ValueError("concat takes layers that all have a bias or none")
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.format, fused.group_size = first.format, first.group_size
+        fused.in_features = first.in_features
+        fused.device_type, fused.triton = first.device_type, first.triton
+        names = [name for name, _ in first.named_buffers()]
+        dims = {name: 1 if name == "scales_and_zeros" else 0 for name in names}
+        for name in names:
+            fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts], dims[name]))
+        fused.out_features = int(fused.rows)
+        fused.bias = None
+        biases = [p.bias for p in parts if p.bias is not None]
+        if biases:
+            padded = [
+                nn.functional.pad(b, (0, p.rows - p.out_features))
+                for b, p in zip(biases, parts, strict=True)
+            ]
+            fused.bias = nn.Parameter(torch.cat(padded), False)
+        row = 0
+        for part in parts:
+            for name in names:
+                setattr(part, name, getattr(fused, name).narrow(dims[name], row, part.rows))
+            if part.bias is not None and fused.bias is not None:
+                part.bias = nn.Parameter(fused.bias[row : row + part.out_features], False)
+            row += part.rows
+        return fused
+
+    @property
+    def rows(self) -> int:
+        """Rows of the weight as held: out_features, padded to a whole block for CPU int4."""
+        if self.format == "bf16":
+            return int(self.weight.shape[0])
+        return int(self.q.shape[0] if self.format == "int8" else self.packed.shape[0])
+
+    @classmethod
     def from_linear(
         cls, linear: nn.Linear, fmt: LinearFormat, group_size: int = 32
     ) -> QuantizedLinear:
@@ -174,12 +222,12 @@ class QuantizedLinear(nn.Module):
                 f"this {self.format} layer was packed for {self.device_type}, called on "
                 f"{x.device.type} tensors: apply the weight format after moving the model"
             )
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y = self._matmul(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+        y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T in bf16 (the kernels' output), or x's dtype on the GPU."""
@@ -206,8 +254,11 @@ class QuantizedLinear(nn.Module):
         if self.format == "int8":
             y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x16, self.q, self.scales)
             return y
+        scales_and_zeros = self.scales_and_zeros  # a strided view once concat made this a part
+        if not scales_and_zeros.is_contiguous():
+            scales_and_zeros = scales_and_zeros.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x16, self.packed, self.group_size, self.scales_and_zeros
+            x16, self.packed, self.group_size, scales_and_zeros
         )
         return y if y.shape[1] == self.out_features else y[:, : self.out_features]
 

@@ -22,6 +22,10 @@ mix); with fmt bf16 it is dequantized. The table is the dequantized
 "model.embed_tokens.weight" in bf16; the head (that, for a tied model) takes the head's format,
 dequantized and quantized again if it differs.
 
+Last, each layer's q/k/v and gate/up are fused (worker/fused_projections.py: `qkv_proj`,
+`gate_up_proj`, one matrix each whose buffers the parts become views of), so a decode step
+makes four calls a layer instead of seven; float32 keeps its nn.Linear layers apart.
+
 LoRA stacks (worker/lora_weights.py) read shapes from the config and add their terms to the
 projections' outputs, which stay in the activations' dtype: adapters work unchanged on a
 quantized base.
@@ -34,6 +38,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from worker.fused_projections import fuse_projections
 from worker.model import CausalLM
 from worker.quantized_linear import LINEAR_FORMATS, LinearFormat, QuantizedLinear
 from worker.quantized_weights import (
@@ -113,6 +118,7 @@ def apply_weight_format(
         model.lm_head = QuantizedLinear(embed.weight.detach(), "bf16")  # shares the table
     else:
         model.lm_head = _pack(head_source, head_fmt, None, group_size, device, keep=False)
+    fuse_projections(model)
     return model
 
 

@@ -219,3 +219,24 @@ def test_cuda_matches_the_reference_at_smollm_shapes(
     y = quant_matmul(*on(torch.device("cuda"), x, values, scales, z), fmt, group)
     reference = quant_matmul_reference(x, values, scales, z, fmt, group)
     assert_close(y.cpu(), reference, seed, "quant_matmul", f"{fmt} {out}x{inp} x{rows}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_fused_triton_layers_give_each_part(triton_device: torch.device, fmt: str) -> None:
+    """worker/fused_projections.py on the Triton layout: parts of 72, 40 and 40 rows fused into
+    one layer give each part's outputs (each column is the same dot product)."""
+    from worker.fused_projections import FusedProjections
+    from worker.quantized_linear import QuantizedLinear
+
+    seed = fresh_seed()
+    gen = generator(seed)
+    parts = [
+        QuantizedLinear(torch.randn(out, 64, generator=gen).to(triton_device), fmt, triton=True)  # type: ignore[arg-type]
+        for out in (72, 40, 40)
+    ]
+    x = torch.randn(3, 64, generator=generator(seed + 1)).to(triton_device)
+    alone = [part(x) for part in parts]
+    fused = FusedProjections(parts)
+    assert fused.adjacent
+    for got, want in zip(fused.split(fused(x)), alone, strict=True):
+        assert_close(got.cpu(), want.cpu(), seed, "quant_matmul", f"fused {fmt}")

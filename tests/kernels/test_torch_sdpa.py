@@ -79,3 +79,36 @@ def test_write_kv_matches_reference_and_skips_padding() -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
     assert int(torch.isfinite(ours[0]).sum()) == 3 * 2 * 8
+
+
+def test_what_a_step_shares_is_recomputed_when_its_tensors_change() -> None:
+    """The per-step memo (page index, mask, int64 slots) is reused only for the very same,
+    unmodified tensors: a page table or lengths changed in place, or equal values in new
+    tensors, give the reference's answer for what they now hold."""
+    seed = fresh_seed()
+    batch = decode_batch(seed, 4, 2, torch.float32, CPU)
+    args = (batch.q, batch.k_cache, batch.v_cache)
+
+    def check(detail: str) -> None:
+        out = decode_attention(*args, batch.page_table, batch.seq_lens_k, backend="torch_sdpa")
+        assert_close(out, decode_oracle(batch), seed, "decode(torch_sdpa)", detail)
+
+    check("first call")
+    check("same tensors again")
+    batch.page_table[0, 0] = batch.page_table[3, 0]  # in place: the version moves
+    check("a page changed in place")
+    batch.seq_lens_k[3] -= 1
+    check("a length shortened in place")
+    batch.page_table = batch.page_table.clone()
+    batch.seq_lens_k = batch.seq_lens_k.clone()
+    check("new tensors, equal values")
+
+    k_cache, v_cache = empty_kv_cache(8, 4, 2, 16, torch.float32)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    slots = torch.tensor([5, -1, 9], dtype=torch.int32)
+    write_kv(k_cache, v_cache, k, v, slots, backend="torch_sdpa")
+    slots[1] = 20  # in place: now the second token is written too
+    write_kv(k_cache, v_cache, k * 2, v * 2, slots, backend="torch_sdpa")
+    flat = k_cache.view(-1, 2, 16)
+    assert torch.equal(flat[5], k[0] * 2) and torch.equal(flat[20], k[1] * 2)
+    assert torch.equal(flat[9], k[2] * 2)

@@ -18,6 +18,7 @@ from tests.worker import test_engine_equivalence as equivalence
 from tests.worker.helpers import no_cache_greedy, recorded_engine, relative_error
 from tests.worker.test_lora_model import ATTENTION, random_adapter, stacks_with
 from worker.config import ModelConfig
+from worker.fused_projections import FusedProjections
 from worker.loader import load_model, model_revision
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
@@ -30,6 +31,7 @@ FORMATS: list[WeightFormat] = ["bf16", "int8", "int4"]
 CONFIGS = [TINY_CONFIG, TINY_QWEN3_CONFIG]
 IDS = ["llama", "qwen3-tied"]
 PROJECTIONS = 7  # q k v o gate up down
+FUSED_SUFFIXES = ("qkv_proj.linear", "gate_up_proj.linear")
 FLOAT32_BOUND = {"bf16": 0.05, "int8": 0.1, "int4": 0.75}
 """Largest relative error norm of the tiny models' logits against float32, per format. Measured
 on 20 prompts x 2 seeds x 2 configs: bf16 0.007-0.023, int8 0.015-0.051, int4 0.17-0.48 (random
@@ -58,6 +60,8 @@ def dequantized_twin(model: CausalLM) -> CausalLM:
     state: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
+            if name.endswith(FUSED_SUFFIXES):  # the fused q/k/v and gate/up: the parts hold it
+                continue
             state[f"{name}.weight"] = module.reference_weight()
             if module.bias is not None:
                 state[f"{name}.bias"] = module.bias.float()
@@ -76,8 +80,12 @@ def test_projections_and_the_head_are_replaced_and_the_table_is_bf16(
     config: ModelConfig, fmt: WeightFormat
 ) -> None:
     model = apply_weight_format(tiny_model(config), fmt)
-    layers = [m for m in model.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == PROJECTIONS * config.num_layers
+    modules = dict(model.model.named_modules())
+    layers = [m for n, m in modules.items() if isinstance(m, QuantizedLinear)]
+    fused = [n for n, m in modules.items() if isinstance(m, FusedProjections)]
+    assert len(layers) == (PROJECTIONS + 2) * config.num_layers, "7 parts and 2 fused per layer"
+    names = sorted(n.rsplit(".", 1)[1] for n in fused)
+    assert names == sorted(["qkv_proj", "gate_up_proj"] * config.num_layers)
     assert {layer.format for layer in layers} == {fmt}
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == "bf16"
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
