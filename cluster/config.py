@@ -31,7 +31,13 @@ from router.policies import POLICIES
 from worker.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS
-from worker.weight_quality import DEFAULT_CHECKPOINT, WeightFormatRefused, check_format_quality
+from worker.weight_quality import (
+    AUTO,
+    DEFAULT_CHECKPOINT,
+    WeightFormatRefused,
+    auto_weight_format,
+    check_format_quality,
+)
 
 T = TypeVar("T")
 ANY_TENANT = "*"
@@ -78,10 +84,12 @@ class ModelSection:
     """"auto" (CUDA when the node has GPUs, else CPU), "cpu" or "cuda"."""
     dtype: str | None = _one_of(None, ("float32", "bfloat16", "float16", None))
     """float32, bfloat16, float16; default: bfloat16 on CUDA, the checkpoint's own on CPU."""
-    weights: str = _one_of("float32", WEIGHT_FORMATS)
+    weights: str = _one_of(AUTO, (AUTO, *WEIGHT_FORMATS))
     """The linear layers' and output head's weight format (worker/weight_formats.py): float32
     (as loaded, in `dtype`), bf16, int8 (per channel) or int4 (groups of 32). Activations stay
-    in `dtype` whatever the format."""
+    in `dtype` whatever the format. "auto": on a CPU the fastest-decoding format measured to
+    keep quality on the checkpoint (int4 for the default model), else float32
+    (worker/weight_quality.py's `auto_weight_format`; `weights_for` resolves it)."""
     served_name: str | None = None
     """The model's name in the OpenAI and Anthropic APIs (the `model` a request names, the id in
     /v1/models); default: SmolLM2-135M-Instruct for the default model, else the source's
@@ -106,9 +114,17 @@ class ModelSection:
                 raise ConfigError(f"adapters[{i}].path: must not be empty")
             seen.add(adapter.name)
         try:  # a weight format measured to lose too much on this checkpoint is refused here
-            check_format_quality(self.checkpoint_name, self.weights)
+            if self.weights != AUTO:
+                check_format_quality(self.checkpoint_name, self.weights)
         except WeightFormatRefused as err:
             raise ConfigError(f"weights: {err}") from None
+
+    def weights_for(self, device: str) -> str:
+        """The weight format a worker on `device` ("cpu" or "cuda") loads: `weights`, with
+        "auto" resolved for this checkpoint and device."""
+        if self.weights == AUTO:
+            return auto_weight_format(self.checkpoint_name, device)
+        return self.weights
 
     @property
     def checkpoint_name(self) -> str:

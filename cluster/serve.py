@@ -73,7 +73,7 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
                 config.workers.host,
                 port,
                 max(1, int(config.workers.cpus_per_worker)),
-                weights=config.model.weights,
+                weights=config.model.weights_for(device),
             )
         )
     return handles

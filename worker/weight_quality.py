@@ -69,6 +69,28 @@ Measure again whenever what a format does to a layer changes: the numbers belong
 definitions."""
 
 
+AUTO = "auto"
+AUTO_CPU_ORDER = ("int4", "int8", "bf16")
+"""What `weights: auto` tries on a CPU, fastest decode first (docs/models.md, SmolLM2 at 2
+threads: int4 about 31 tokens/s, int8 21, bf16 19, float32 18)."""
+
+
+def auto_weight_format(checkpoint: str, device: str) -> str:
+    """The weight format `model.weights: auto` serves `checkpoint` (a directory name) in on
+    `device` ("cpu" or "cuda"): on a CPU the fastest-decoding format measured to keep quality
+    on this checkpoint, else float32. float32 on CUDA, where the quantized kernels have run only
+    under Triton's interpreter, and for a checkpoint never measured, where what round-to-nearest
+    quantization costs is unknown (decode is faster in every format; a silent loss of quality
+    is not what a default may buy)."""
+    if device != "cpu":
+        return "float32"
+    measured = MEASURED.get(checkpoint, {})
+    keeps = [
+        f for f in AUTO_CPU_ORDER if f in measured and acceptable(measured[f].perplexity_increase)
+    ]
+    return keeps[0] if keeps else "float32"
+
+
 class WeightFormatRefused(ValueError):
     """A weight format measured to lose more than MAX_PERPLEXITY_INCREASE on this checkpoint."""
 

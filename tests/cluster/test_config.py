@@ -22,7 +22,7 @@ from cluster.config import ClusterConfig, ConfigError, ModelSection, build, engi
         ("router: {policy: fastest}", "router.policy: 'fastest' is not one of ['cache_aware'"),
         ("model: {device: gpu}", "model.device: 'gpu' is not one of ['auto', 'cpu', 'cuda']"),
         ("model: {dtype: fp8}", "model.dtype: 'fp8' is not one of"),
-        ("model: {weights: q4_0}", "model.weights: 'q4_0' is not one of ['bf16', 'float32'"),
+        ("model: {weights: q4_0}", "model.weights: 'q4_0' is not one of ['auto', 'bf16'"),
         ("workers: {count: 0}", "workers.count: must be at least 1, got 0"),
         ("workers: {cpus_per_worker: -1}", "workers.cpus_per_worker: must be at least 0"),
         ("engine: {num_pages: 0}", "engine.num_pages: must be at least 1, got 0"),
@@ -53,7 +53,34 @@ def test_the_weight_formats_are_the_loaders(tmp_path: Path) -> None:
     for fmt in WEIGHT_FORMATS:
         path.write_text(f"model: {{source: /models/unmeasured, weights: {fmt}}}\n")
         assert ClusterConfig.load(path).model.weights == fmt
-    assert ModelSection().weights == "float32"
+    assert ModelSection().weights == "auto"
+
+
+def test_auto_weights_are_the_fastest_format_measured_to_keep_quality_on_a_cpu() -> None:
+    """weights: auto is int4 for the default model on a CPU (measured +0.07 %), float32 on CUDA
+    and for a checkpoint never measured; a format measured past the threshold is skipped; an
+    explicit format is served as written."""
+    from worker import weight_quality
+    from worker.weight_quality import FormatQuality
+
+    default = ModelSection()
+    assert default.weights_for("cpu") == "int4"
+    assert default.weights_for("cuda") == "float32"
+    assert ModelSection(source="/models/unmeasured").weights_for("cpu") == "float32"
+    assert ModelSection(weights="bf16").weights_for("cpu") == "bf16"
+    assert ModelSection(weights="int8").weights_for("cuda") == "int8"
+    measured = weight_quality.MEASURED
+    saved = dict(measured)
+    try:
+        bad = FormatQuality(perplexity_increase=0.05, identical_token_share=0.3)
+        good = FormatQuality(perplexity_increase=0.001, identical_token_share=0.9)
+        measured["lossy"] = {"int4": bad, "bf16": good}
+        assert ModelSection(source="/models/lossy").weights_for("cpu") == "bf16"
+        measured["lossy"] = {"int4": bad}
+        assert ModelSection(source="/models/lossy").weights_for("cpu") == "float32"
+    finally:
+        measured.clear()
+        measured.update(saved)
 
 
 def test_the_edges_of_each_range_load(tmp_path: Path) -> None:

@@ -251,7 +251,7 @@ def test_gpu_workers_ask_for_their_gpus_and_the_model_volume() -> None:
     cfg = config(manifests)
     assert cfg["model"] | {"dtype": None} == {
         "device": "cuda", "source": "/models/Qwen2.5-7B-Instruct", "dtype": None,
-        "weights": "float32", "served_name": "Qwen2.5-7B-Instruct", "adapters": [],
+        "weights": "auto", "served_name": "Qwen2.5-7B-Instruct", "adapters": [],
     }  # fmt: skip
     assert cfg["workers"]["count"] == 8
     # The head pod sees no GPU and gets the CUDA image like the workers.
