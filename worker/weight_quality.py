@@ -70,9 +70,10 @@ definitions."""
 
 
 AUTO = "auto"
-AUTO_CPU_ORDER = ("int4", "int8", "bf16")
-"""What `weights: auto` tries on a CPU, fastest decode first (docs/models.md, SmolLM2 at 2
-threads: int4 about 31 tokens/s, int8 21, bf16 19, float32 18)."""
+AUTO_CPU_ORDER = ("int4", "bf16", "int8")
+"""What `weights: auto` tries on a CPU, fastest decode first (docs/models.md, SmolLM2, 2
+threads, one run: int4 34.2 tokens/s, bf16 31.2, int8 30.4, float32 18.3; docs/decisions.md 51
+weighs int4's slower prefill)."""
 
 
 def auto_weight_format(checkpoint: str, device: str) -> str:
