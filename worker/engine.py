@@ -74,6 +74,9 @@ from worker.validation import DEFAULT_MAX_PROMPT_CHARS, RequestLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+ENCODER_WAIT_S = 0.05
+"""How long a step with nothing runnable but chunks waiting for the vision encoder blocks for it
+before stepping again (new requests are taken between waits)."""
 
 
 class TokenizerLike(Protocol):
@@ -214,8 +217,11 @@ class Engine:
             vision.spec if vision is not None else None,
             config.image_limits(),
         )
+        self._wake = threading.Event()
         self.embedder = (
-            ImageEmbedder(vision, config.encoder_cache_bytes) if vision is not None else None
+            ImageEmbedder(vision, config.encoder_cache_bytes, self._wake.set)
+            if vision is not None
+            else None
         )
         eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         self.eos_token_ids = frozenset(eos)
@@ -252,7 +258,6 @@ class Engine:
         self._active_ids: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._wake = threading.Event()
         self._finished = 0
         self._prompt_tokens = self._cached_tokens = self._generated = 0
         self.store: KvStore | None = None
@@ -387,6 +392,8 @@ class Engine:
                 )
                 return
             self._thread = None
+        if self.embedder is not None:
+            self.embedder.close()
         if self.store is not None:
             began = time.perf_counter()
             try:
@@ -510,21 +517,40 @@ class Engine:
     def _chunks(
         self, plan: list[tuple[SampleState, int]]
     ) -> tuple[list[tuple[SampleState, int]], list[Chunk]]:
-        """The step's chunks; a request whose images cannot be encoded ends here, alone."""
-        chunks: list[Chunk | None] = []
-        for sample, take in plan:
-            try:
-                chunks.append(self._chunk(sample, take))
-            except Exception as err:
-                log.exception("encoding the images of %s failed", sample.request.request_id)
-                self._abort(sample.request, FINISH_ERROR, f"image encoder failed: {err}")
-                chunks.append(None)
+        """The step's chunks. A sample whose images are still being encoded (on the encoder's
+        thread: worker/image_inputs.py) sits this step out; when no sample can run, the step
+        waits up to ENCODER_WAIT_S for the encoder first. A request whose images cannot be
+        encoded ends here, alone."""
+        runnable = [self._images_ready(sample, take) for sample, take in plan]
+        waiting = [item for item, ready in zip(plan, runnable, strict=True) if ready is False]
+        if waiting and not any(runnable):
+            assert self.embedder is not None
+            held = [images for s, _ in waiting if (images := s.request.images) is not None]
+            self.embedder.wait(held, ENCODER_WAIT_S)
+            runnable = [
+                ready or (ready is False and self._images_ready(*item))
+                for item, ready in zip(plan, runnable, strict=True)
+            ]
         kept = [
-            (item, chunk)
-            for item, chunk in zip(plan, chunks, strict=True)
-            if chunk is not None and item[0].phase is Phase.RUNNING
+            item
+            for item, ready in zip(plan, runnable, strict=True)
+            if ready and item[0].phase is Phase.RUNNING
         ]
-        return [item for item, _ in kept], [chunk for _, chunk in kept if chunk is not None]
+        return kept, [self._chunk(sample, take) for sample, take in kept]
+
+    def _images_ready(self, sample: SampleState, take: int) -> bool | None:
+        """Whether the images the sample's next chunk covers are encoded (True without any);
+        None when encoding them failed, which ends the request."""
+        images = sample.request.images
+        if images is None or sample.computed >= images.end:
+            return True
+        assert self.embedder is not None
+        try:
+            return self.embedder.ready(images, sample.computed, sample.computed + take)
+        except Exception as err:
+            log.exception("encoding the images of %s failed", sample.request.request_id)
+            self._abort(sample.request, FINISH_ERROR, f"image encoder failed: {err}")
+            return None
 
     def _chunk(self, sample: SampleState, take: int) -> Chunk:
         assert sample.seq is not None

@@ -16,12 +16,19 @@ A chunk of prefill [start, end) that covers image positions gets their embedding
 which a cached prefix covering the image never is. Its output is held by the request while it
 prefills (an image split over chunks is encoded once) and kept in the `EncoderCache`, so an
 image whose KV was evicted, or a cached prefix ending inside an image, costs no second run.
+
+The encoder runs on a thread of its own (`ImageEmbedder.ready` starts it), not on the engine's:
+encoding a frame takes seconds on a CPU (1.8 s for SmolVLM-256M's 512-pixel tile here), and on
+the engine thread every other stream's decode would wait that long. A chunk whose images are
+still being encoded sits out the steps until they are done; the engine waits for the encoder
+only when nothing else can run.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,6 +69,8 @@ class RequestImages:
     """What keeps one tenant's encoder outputs from another's (the tenant)."""
     encoded: dict[int, torch.Tensor] = field(default_factory=dict)
     """Encoder outputs by image index, held while the request prefills."""
+    encoding: dict[int, Future[tuple[torch.Tensor, float]]] = field(default_factory=dict)
+    """Encoder runs under way on the encoder thread, by image index: (output, seconds)."""
 
     @property
     def end(self) -> int:
@@ -101,6 +110,10 @@ def place(
     )
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class EncoderStats:
     runs: int = 0
@@ -113,49 +126,99 @@ class EncoderStats:
 
 class ImageEmbedder:
     """Embeddings of a chunk's image positions, from the held outputs, the encoder cache or the
-    encoder, in that order."""
+    encoder (on its own thread), in that order. Engine thread, but for the encoder runs."""
 
-    def __init__(self, encoder: ImageEncoder, cache_bytes: int) -> None:
+    def __init__(
+        self, encoder: ImageEncoder, cache_bytes: int, on_encoded: Callable[[], None] = _nothing
+    ) -> None:
+        """`on_encoded` is called on the encoder thread after each run (the engine wakes)."""
         self.encoder = encoder
         self.cache = EncoderCache(cache_bytes)
         self.stats = EncoderStats()
+        self.on_encoded = on_encoded
+        self._thread: ThreadPoolExecutor | None = None
+        self._running: dict[tuple[object, int], Future[tuple[torch.Tensor, float]]] = {}
+        """Runs under way by (tenant, image): a second request of the same image shares one."""
+
+    def ready(self, request: RequestImages, start: int, end: int) -> bool:
+        """Whether every image the chunk [start, end) covers has its output held, taking it
+        from the encoder cache or a finished run; starts the runs still needed. A failed run
+        raises its error here (the engine ends that request alone)."""
+        ready = True
+        for image, _, _, _ in request.rows(start, end):
+            ready = self._collect(request, image) and ready
+        return ready
+
+    def wait(self, requests: Sequence[RequestImages], timeout: float) -> None:
+        """Block until one of `requests`' encoder runs finishes, or `timeout` seconds."""
+        running = [f for r in requests for f in r.encoding.values()]
+        if running:
+            wait(running, timeout, return_when=FIRST_COMPLETED)
 
     def chunk_embeds(
         self, request: RequestImages, start: int, end: int
     ) -> tuple[list[int], torch.Tensor | None]:
         """(chunk rows, [rows, hidden] embeddings) of the image positions in [start, end);
-        ([], None) when there are none."""
+        ([], None) when there are none. Every image they cover must be `ready`."""
         stretches = request.rows(start, end)
         if not stretches:
             return [], None
         offsets: list[int] = []
         pieces = []
         for image, first, chunk_row, count in stretches:
-            output = self._output(request, image)
+            output = request.encoded[image]
             offsets.extend(range(chunk_row, chunk_row + count))
             pieces.append(output[first : first + count])
         return offsets, torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
-    def _output(self, request: RequestImages, index: int) -> torch.Tensor:
-        held = request.encoded.get(index)
-        if held is not None:
-            return held
+    def close(self) -> None:
+        """Stop the encoder thread (a run under way finishes; nobody reads it)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
+        self._running.clear()
+
+    def _collect(self, request: RequestImages, index: int) -> bool:
+        if index in request.encoded:
+            return True
         image = request.images[index]
         key = (request.salt, image.content_hash)
-        output = self.cache.get(key)
-        if output is not None:
-            self.stats.cache_hits += 1
-        else:
-            began = time.perf_counter()
-            output = self.encoder.encode(image)
-            self.stats.seconds += time.perf_counter() - began
+        run = request.encoding.get(index)
+        if run is None:
+            output = self.cache.get(key)
+            if output is not None:
+                self.stats.cache_hits += 1
+                request.encoded[index] = output
+                return True
+            run = self._running.get(key)  # the same image of the same tenant, under way
+            if run is None:
+                if self._thread is None:
+                    self._thread = ThreadPoolExecutor(1, thread_name_prefix="vision-encoder")
+                run = self._running[key] = self._thread.submit(self._encode, image)
+            request.encoding[index] = run
+        if not run.done():
+            return False
+        del request.encoding[index]
+        first = self._running.get(key) is run
+        if first:
+            del self._running[key]
+        output, seconds = run.result()  # raises the run's error
+        tiles = len([r for r in request.runs if r[1] == index])
+        if output.shape[0] != tiles * request.seq_len:
+            raise RuntimeError(
+                f"the vision encoder gave {output.shape[0]} rows for an image of {tiles} "
+                f"tiles of {request.seq_len} positions"
+            )
+        if first:
+            self.stats.seconds += seconds
             self.stats.runs += 1
-            tiles = len([r for r in request.runs if r[1] == index])
-            if output.shape[0] != tiles * request.seq_len:
-                raise RuntimeError(
-                    f"the vision encoder gave {output.shape[0]} rows for an image of {tiles} "
-                    f"tiles of {request.seq_len} positions"
-                )
             self.cache.put(key, output)
         request.encoded[index] = output
-        return output
+        return True
+
+    def _encode(self, image: CheckedImage) -> tuple[torch.Tensor, float]:
+        began = time.perf_counter()
+        try:
+            return self.encoder.encode(image), time.perf_counter() - began
+        finally:
+            self.on_encoded()

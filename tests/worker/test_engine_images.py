@@ -14,6 +14,7 @@ chunks is encoded once.
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -326,3 +327,59 @@ def test_an_images_kv_saved_on_disk_serves_it_after_a_restart(
     assert again == tokens and final.cached_prompt_tokens >= restarted.image_end(request)
     assert restarted.engine.stats().encoder_runs == 0
     restarted.engine.stop()
+
+
+class GatedVision:
+    """The checkpoint's vision model behind a gate the test opens (a slow encoder, on cue);
+    refuses to wait past GATE_S, so an engine that encodes on its own thread fails fast."""
+
+    GATE_S = 5.0
+
+    def __init__(self, vision: Any) -> None:
+        self.vision = vision
+        self.spec = vision.spec
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.threads: set[str] = set()
+
+    def encode(self, image: CheckedImage) -> torch.Tensor:
+        self.threads.add(threading.current_thread().name)
+        self.entered.set()
+        if not self.gate.wait(self.GATE_S):
+            raise RuntimeError("the encoder was held past the test's gate")
+        return self.vision.encode(image)
+
+
+def test_other_streams_decode_while_an_image_is_encoded(loaded: LoadedModel) -> None:
+    """The encoder runs off the engine thread: while an image request's encoder is held, a text
+    request keeps decoding, step after step; once released, the image request gives the tokens
+    an engine with an ungated encoder gives, and every page is accounted for."""
+    gated = GatedVision(loaded.vision)
+    config = EngineConfig(num_pages=256, page_size=4, block_size=4)
+    engine = Engine(loaded.model, loaded.tokenizer, config, vision=gated)
+    outputs: list[RequestOutput] = []
+    story = ({"role": "user", "content": "Tell me a long story."},)
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.submit(GenerateRequest("text", messages=story, sampling=sampling), outputs.append)
+    engine.submit(chat("image", first_turn()), outputs.append)
+    for _ in range(12):
+        assert engine.step()
+    assert gated.entered.is_set(), "the image's encoder never started"
+    assert threading.current_thread().name not in gated.threads, "encoded on the engine's thread"
+    decoded = sum(len(o.token_ids) for o in outputs if o.request_id == "text")
+    assert decoded >= 10, f"the text request decoded {decoded} tokens while the encoder was held"
+    assert not [o for o in outputs if o.request_id == "image"], "the image request ran early"
+    gated.gate.set()
+    drain(engine)
+    image = [o for o in outputs if o.request_id == "image"]
+    assert image[-1].finish_reason == "length", image[-1].error
+    reference = Served(loaded)
+    reference.engine.submit(chat("image", first_turn()), reference.outputs.append)
+    drain(reference.engine)
+    assert [t for o in image for t in o.token_ids] == [
+        t for o in reference.outputs for t in o.token_ids
+    ]
+    assert engine.stats().encoder_runs == 1
+    assert not engine.cache.live and engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)
+    engine.stop()
