@@ -101,10 +101,14 @@ def test_a_model_gives_the_same_logits_fused_or_not(fmt: LinearFormat, config: M
     fused = apply_weight_format(tiny_model(config), fmt)
     separate = apply_weight_format(tiny_model(config), fmt)
     unfused_twin(separate)
-    stacks = stacks_with(config, {1: random_adapter(config, "a", rank=4, seed=2)})
+    adapters = {
+        1: random_adapter(config, "all", rank=4, seed=2),
+        2: random_adapter(config, "some", rank=4, modules=("v_proj", "up_proj"), seed=3),
+    }  # "some": one part of each fused group, its terms added in place into the fused output
+    stacks = stacks_with(config, adapters)
     for length in (20, 140):
         ids, follow = prompt(length, length), prompt(length + 1, 3)
-        for slot in (-1, 1):
+        for slot in (-1, 1, 2):
             got, want = (
                 forced(ModelRunner(model, 48, 4, lora=stacks), ids, follow, slot)
                 for model in (fused, separate)
