@@ -81,7 +81,14 @@ class WorkerActor:
             self.metrics_port = serve_metrics(
                 EngineCollector(self.engine, name), host, metrics_port
             )
-        log.info("worker %s serving on %s (pid %d)", name, self.address(), os.getpid())
+        log.info(
+            "worker %s serving %s (weights %s) on %s (pid %d)",
+            name,
+            loaded.path.name,
+            fmt,
+            self.address(),
+            os.getpid(),
+        )
 
     def address(self) -> str:
         return f"{self.host}:{self.server.port}"
