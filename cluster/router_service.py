@@ -176,12 +176,25 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             vision.limits if vision else None,
         )
 
+    async def count_prompt(
+        self,
+        request: serving_pb2.GenerateRequest,
+        caller: Caller,
+        image_fields: Sequence[str] = (),
+    ) -> list[int]:
+        """The prompt ids `request` would be served with, its images placed and expanded, after
+        the checks a request gets (ServingError naming the field), without serving it or
+        touching the text index (token counting: Anthropic's count_tokens, vLLM's /tokenize)."""
+        prepared = await self._prepare(request, caller, True, image_fields, index_text=False)
+        return list(prepared.token_ids)
+
     async def _prepare(
         self,
         request: serving_pb2.GenerateRequest,
         caller: Caller,
         fill_context: bool,
         image_fields: Sequence[str],
+        index_text: bool = True,
     ) -> PreparedRequest:
         limits = self.request_limits()
         if limits is None or not self.links.links:
@@ -193,7 +206,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             if request.WhichOneof("prompt") == "token_ids" and not request.images:
                 return prepare(*args, None, adapters)  # nothing to tokenise or decode
             texts = None
-            if not request.images:  # an image prompt bypasses the text index
+            if index_text and not request.images:  # an image prompt bypasses the text index
                 texts = await self._text_prompts()
                 await self._answers_joined(request, caller, adapters)
             return await asyncio.to_thread(prepare, *args, texts, adapters, image_fields)

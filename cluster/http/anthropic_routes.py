@@ -1,5 +1,5 @@
 """POST /v1/messages (Anthropic's Messages API, text and image content, streamed or not) and
-/v1/messages/count_tokens (text), over the same serving core as everything else.
+/v1/messages/count_tokens (text and images), over the same serving core as everything else.
 
 Image blocks carry base64 files (cluster/http/image_parts.py); each goes to
 GenerateRequest.images, placed by a ChatPart where it was, and is named by its block when
@@ -75,14 +75,19 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         return JSONResponse(reply.model_dump(), headers=counts.served_by())
 
     async def count_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
-        api.caller(request)
+        caller = api.caller(request)
         api.check_model(body.model)
         for name in ("tools", "tool_choice", "thinking"):
             if getattr(body, name) is not None:
                 raise HttpError.invalid(name, REFUSED[name][0])
         chat = chat_prompt(body)
-        if chat.images:
-            raise HttpError.invalid(chat.image_fields[0], "images are not counted here; send text")
+        if chat.images:  # placed and expanded as a request would be: what usage will report
+            message = serving_pb2.GenerateRequest(
+                chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images
+            )
+            message.namespace.tenant = api.tenant(request)
+            ids = await api.count_prompt(message, caller, chat.image_fields)
+            return TokenCount(input_tokens=len(ids))
         text = await api.render(chat.messages)
         return TokenCount(input_tokens=len(await api.encode(text, False, "messages")))
 

@@ -270,21 +270,50 @@ class HttpApi:
 
     # -- vLLM's tokenizer endpoints ----------------------------------------------------------------
     async def tokenize(self, body: TokenizeRequest, request: Request) -> TokenizeResponse:
-        self.caller(request)
+        caller = self.caller(request)
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise HttpError.invalid("prompt", "give exactly one of prompt and messages")
         if body.prompt is not None:
             text, name = body.prompt, "prompt"
             special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await self.encode(text, special, name)
         else:
-            chat = openai_params.chat_messages(body.messages or [])
-            text, name = await self.render(chat, body.add_generation_prompt), "messages"
-            special = bool(body.add_special_tokens)  # the template wrote them (vLLM's default)
-        ids = await self.encode(text, special, name)
+            chat = openai_params.chat_prompt(body.messages or [])
+            if chat.images:
+                ids = await self.image_prompt_ids(body, chat, caller, self.tenant(request))
+            else:
+                text = await self.render(chat.messages, body.add_generation_prompt)
+                special = bool(body.add_special_tokens)  # the template wrote them (vLLM's)
+                ids = await self.encode(text, special, "messages")
         limits = self.service.request_limits()
         max_model_len = limits.max_model_len if limits else 0
         return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+
+    async def image_prompt_ids(
+        self, body: TokenizeRequest, chat: openai_params.ChatPrompt, caller: Caller, tenant: str
+    ) -> list[int]:
+        """The ids a chat request with images is served with (each image's placeholder expanded
+        into its tiles' image tokens), as a request would be rendered: with the generation
+        prompt and no extra special tokens, so other settings are refused by name."""
+        if not body.add_generation_prompt:
+            raise HttpError.invalid("add_generation_prompt", "with images it must be true")
+        if body.add_special_tokens:
+            raise HttpError.invalid("add_special_tokens", "with images it must be false")
+        message = serving_pb2.GenerateRequest(
+            chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images
+        )
+        message.namespace.tenant = tenant
+        return await self.count_prompt(message, caller, chat.image_fields)
+
+    async def count_prompt(
+        self, message: serving_pb2.GenerateRequest, caller: Caller, image_fields: Sequence[str]
+    ) -> list[int]:
+        """The prompt ids `message` would be served with (router_service.count_prompt)."""
+        try:
+            return await self.service.count_prompt(message, caller, image_fields)
+        except ServingError as err:
+            raise HttpError.of(err) from err
 
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         self.caller(request)

@@ -91,14 +91,6 @@ class ChatPrompt:
     """The part each image came in, for refusals ("messages[0].content[1].image_url")."""
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[serving_pb2.ChatMessage]:
-    """The conversation of a text-only request (/tokenize): an image part is refused."""
-    chat = chat_prompt(messages)
-    if chat.images:
-        raise HttpError.invalid(chat.image_fields[0], "images are not counted here; send text")
-    return chat.messages
-
-
 def chat_prompt(messages: list[ChatMessage]) -> ChatPrompt:
     chat = ChatPrompt()
     for i, each in enumerate(messages):

@@ -78,15 +78,21 @@ def user_turn(*images: bytes, text: str = QUESTION) -> dict[str, Any]:
     return {"role": "user", "content": [*map(image_part, images), {"type": "text", "text": text}]}
 
 
-def image_span(cluster: LocalCluster, messages: list[dict[str, Any]]) -> tuple[int, int]:
-    """[first, last + 1) of the image positions in the prompt the router makes of `messages`."""
+def served_ids(cluster: LocalCluster, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt ids the router makes of chat `messages` (images placed and expanded)."""
     body = ChatCompletionRequest(model=MODEL, messages=messages)
     message, fields = openai_params.chat_request(body, "span", "")
     limits = cluster.service.request_limits()
+    assert limits is not None
+    return list(prepare(message, cluster.links.tokenizer, limits, image_fields=fields).token_ids)
+
+
+def image_span(cluster: LocalCluster, messages: list[dict[str, Any]]) -> tuple[int, int]:
+    """[first, last + 1) of the image positions in the prompt the router makes of `messages`."""
+    limits = cluster.service.request_limits()
     assert limits is not None and limits.image_spec is not None
-    prepared = prepare(message, cluster.links.tokenizer, limits, image_fields=fields)
     token = limits.image_spec.image_token_id
-    places = [i for i, t in enumerate(prepared.token_ids) if t == token]
+    places = [i for i, t in enumerate(served_ids(cluster, messages)) if t == token]
     return places[0], places[-1] + 1
 
 
@@ -144,16 +150,15 @@ def test_another_image_of_the_same_size_predicts_no_hit_past_the_text(
     assert_no_leak(cluster)
 
 
+def anthropic_block(image: bytes) -> dict[str, Any]:
+    """An Anthropic base64 image block of a PNG file."""
+    data = base64.b64encode(image).decode()
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+
+
 def test_anthropic_image_blocks_and_a_cached_follow_up(cluster: LocalCluster) -> None:
     image = png_bytes(40, 48, 21)
-    block = {
-        "type": "image",
-        "source": {
-            "type": "base64",
-            "media_type": "image/png",
-            "data": base64.b64encode(image).decode(),
-        },
-    }
+    block = anthropic_block(image)
     turn1: list[Any] = [{"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}]
     with anthropic.Anthropic(base_url=cluster.http_url, api_key="none", max_retries=0) as sdk:
         first = sdk.messages.create(
@@ -325,15 +330,55 @@ def test_a_stream_whose_worker_dies_continues_with_its_image(cluster: LocalClust
     client.close()
 
 
-def test_tokenize_counts_a_vision_models_text_chat_as_it_is_served(
+def test_tokenize_counts_a_vision_models_chat_as_it_is_served(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
     """SmolVLM's template renders only content parts: /tokenize must hand it parts, as serving
-    does, or a text message renders empty. Images are not counted there: refused by name."""
-    messages = [{"role": "user", "content": "Count these words, please."}]
+    does, or a text message renders empty. With images, the count and the ids are the served
+    prompt's, each image expanded into its tiles' image tokens; a broken image, or a setting the
+    served rendering cannot honour, is refused by name."""
+    tokenize = f"{cluster.http_url}/tokenize"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Count these words, please."}]
     served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
-    counted = httpx.post(f"{cluster.http_url}/tokenize", json={"messages": messages}).json()
+    counted = httpx.post(tokenize, json={"messages": messages}).json()
     assert counted["count"] == served.usage.prompt_tokens
-    with_image = httpx.post(f"{cluster.http_url}/tokenize", json={"messages": [user_turn(b"x")]})
-    assert with_image.status_code == 400
-    assert with_image.json()["error"]["param"] == "messages[0].content[0].image_url"
+    for images in ([png_bytes(40, 48, 21)], [png_bytes(64, 30, 22), png_bytes(20, 20, 23)]):
+        turn = [user_turn(*images)]
+        served = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=1)  # type: ignore[arg-type]
+        counted = httpx.post(tokenize, json={"messages": turn}).json()
+        assert counted["count"] == served.usage.prompt_tokens == len(counted["tokens"])
+        assert counted["tokens"] == served_ids(cluster, turn)
+        spec = cluster.service.request_limits().image_spec  # type: ignore[union-attr]
+        assert spec is not None
+        expanded = counted["tokens"].count(spec.image_token_id)
+        assert expanded >= len(images) * spec.image_seq_len  # each image: its tiles' runs
+        assert expanded % spec.image_seq_len == 0
+    broken = httpx.post(tokenize, json={"messages": [user_turn(b"x")]})
+    assert broken.status_code == 400
+    assert broken.json()["error"]["param"] == "messages[0].content[0].image_url"
+    bare = {"messages": [user_turn(png_bytes(40, 48, 21))], "add_generation_prompt": False}
+    refused = httpx.post(tokenize, json=bare)
+    assert (
+        refused.status_code == 400 and refused.json()["error"]["param"] == "add_generation_prompt"
+    )
+    assert_no_leak(cluster)
+
+
+def test_anthropic_count_tokens_counts_image_blocks_as_served(cluster: LocalCluster) -> None:
+    """count_tokens with an image block (the real SDK): the input tokens a /v1/messages request
+    of the same content reports; a broken block is a 400 naming it."""
+    image = png_bytes(40, 48, 24)
+    block = anthropic_block(image)
+    turn: list[Any] = [{"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}]
+    with anthropic.Anthropic(base_url=cluster.http_url, api_key="none", max_retries=0) as sdk:
+        counted = sdk.messages.count_tokens(model=MODEL, messages=turn)
+        served = sdk.messages.create(model=MODEL, max_tokens=1, messages=turn)
+        assert counted.input_tokens == (
+            served.usage.input_tokens + (served.usage.cache_read_input_tokens or 0)
+        )
+        assert counted.input_tokens == len(served_ids(cluster, [user_turn(image)]))
+        bad = {**block, "source": {**block["source"], "data": base64.b64encode(b"x").decode()}}
+        with pytest.raises(anthropic.BadRequestError) as err:
+            sdk.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [bad]}])
+        assert "messages[0].content[0].source" in str(err.value)
+    assert_no_leak(cluster)
