@@ -87,8 +87,8 @@ class ModelSection:
     weights: str = _one_of(AUTO, (AUTO, *WEIGHT_FORMATS))
     """The linear layers' and output head's weight format (worker/weight_formats.py): float32
     (as loaded, in `dtype`), bf16, int8 (per channel) or int4 (groups of 32). Activations stay
-    in `dtype` whatever the format. "auto": on a CPU the fastest-decoding format measured to
-    keep quality on the checkpoint (int4 for the default model), else float32
+    in `dtype` whatever the format. "auto": on a CPU the first format of bf16, int4, int8
+    measured to keep quality on the checkpoint (bf16 for the default model), else float32
     (worker/weight_quality.py's `auto_weight_format`; `weights_for` resolves it)."""
     served_name: str | None = None
     """The model's name in the OpenAI and Anthropic APIs (the `model` a request names, the id in

@@ -86,6 +86,17 @@ partial block differently: rows are padded to a multiple of 64 (level 8, scale 0
 weights of 0; the padding's outputs are cut off), so every block has the one layout that
 `int4pack_layout` finds."""
 LINEAR_FORMATS: tuple[LinearFormat, ...] = ("bf16", "int8", "int4")
+HEAD_FLOAT32_ROWS = 32
+"""The output head's FLOAT32_ROWS: its float32 path dequantizes a 49,152 x 576 table (113 MB in
+float32) each call, 68-112 ms on this CPU for 1-64 rows, while the bf16 kernel costs about
+3.5 ms a row; they cross between 24 and 32 rows (2 threads). With the projections' 4, a batch
+of 4 decodes spent 88 ms a step on the head instead of 14."""
+HEAD_EXACT_TOP = 64
+"""Logits the head recomputes exactly in float32 after its bf16 kernel: the top ones by the
+kernel's. The kernel rounds its output to bf16, whose step at a logit of 25 is 0.125: SmolLM2's
+first answer token to "What is the capital of France?" ("The" 25.325 against "L" 25.243 in
+float32) became a tie at 25.0 and greedy decoding answered "L'Etoile, ...". The true maximum is
+within one rounding step of the kernel's, so it is always among these."""
 FLOAT32_ROWS: dict[str, int] = {"bf16": 4, "int8": 64, "int4": 64}
 """From this many rows on (prefill chunks, big decode batches), a CPU layer dequantizes its
 weight to float32 and runs float32 GEMM instead of its decode kernel (module docstring): no
@@ -135,6 +146,10 @@ class QuantizedLinear(nn.Module):
         self.device_type = device.type
         self.triton = device.type == "cuda" if triton is None else triton
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+        self.float32_rows = FLOAT32_ROWS[fmt]
+        self.is_head = False
+        self.exact_top = 0
+        """Logits recomputed exactly after the kernel (`as_head`); 0: none."""
         if fmt == "bf16":
             self.group_size = 0
             self.register_buffer("weight", _float(weight).to(torch.bfloat16).contiguous())
@@ -181,6 +196,7 @@ class QuantizedLinear(nn.Module):
         fused.format, fused.group_size = first.format, first.group_size
         fused.in_features = first.in_features
         fused.device_type, fused.triton = first.device_type, first.triton
+        fused.float32_rows, fused.is_head, fused.exact_top = first.float32_rows, False, 0
         names = [name for name, _ in first.named_buffers()]
         dims = {name: 1 if name == "scales_and_zeros" else 0 for name in names}
         for name in names:
@@ -202,6 +218,15 @@ class QuantizedLinear(nn.Module):
                 part.bias = nn.Parameter(fused.bias[row : row + part.out_features], False)
             row += part.rows
         return fused
+
+    def as_head(self) -> QuantizedLinear:
+        """This layer as the output head, which gives logits, not activations (on the CPU: the
+        GPU path is unchanged): the float32 path from HEAD_FLOAT32_ROWS rows, without rounding
+        its output to bf16, and below it the kernel with its HEAD_EXACT_TOP largest logits
+        recomputed exactly (bf16 and int8 heads; an int4 head keeps the kernel's)."""
+        self.float32_rows, self.is_head = HEAD_FLOAT32_ROWS, True
+        self.exact_top = HEAD_EXACT_TOP if self.format in ("bf16", "int8") else 0
+        return self
 
     @property
     def rows(self) -> int:
@@ -232,8 +257,10 @@ class QuantizedLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T in bf16 (the kernels' output), or x's dtype on the GPU."""
         if not self.triton:
-            if x.shape[0] >= FLOAT32_ROWS[self.format]:
+            if x.shape[0] >= self.float32_rows:
                 return self.float32_matmul(x)
+            if self.exact_top:
+                return self.exact_top_logits(x, self.kernel_matmul(x))
             return self.kernel_matmul(x)
         if self.format == "bf16":
             return F.linear(x.to(torch.bfloat16), self.weight)
@@ -262,6 +289,17 @@ class QuantizedLinear(nn.Module):
         )
         return y if y.shape[1] == self.out_features else y[:, : self.out_features]
 
+    def exact_top_logits(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the kernel's bf16 logits of x) in float32, its `exact_top` largest per row
+        replaced by x (float32) times their weight rows, summed in float32."""
+        top = y.topk(min(self.exact_top, self.out_features), dim=-1).indices
+        if self.format == "bf16":
+            rows = self.weight[top].float()
+        else:
+            rows = self.q[top].float() * self.scales[top].float()[..., None]
+        exact = torch.einsum("mki,mi->mk", rows, x.float())
+        return y.float().scatter_(1, top, exact)
+
     def float32_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The CPU prefill path: the same sums (bf16 x bf16 products are exact in float32),
         from the weight dequantized to float32, by float32 GEMM; rounded to bf16 as the
@@ -269,6 +307,8 @@ class QuantizedLinear(nn.Module):
         (tests/worker/test_weight_formats.py): without them a 1,999-token int4 prefill of
         SmolLM2 ran about 4 % faster, and greedy tokens of the tiny bf16 model changed between
         a cold prefill and a cached one."""
+        if self.is_head:  # logits: x as it is, the sums as they are (`as_head`)
+            return F.linear(x.float(), self.reference_weight(torch.float32))
         x32 = x.to(torch.bfloat16).float()
         return F.linear(x32, self.reference_weight(torch.float32)).to(torch.bfloat16)
 

@@ -115,9 +115,10 @@ def apply_weight_format(
     table = dequantize(given[EMBED]) if EMBED in given else embed.weight.detach()
     embed.weight = nn.Parameter(table.to(device, torch.bfloat16).contiguous(), requires_grad=False)
     if head_fmt == "bf16" and model.lm_head is None:
-        model.lm_head = QuantizedLinear(embed.weight.detach(), "bf16")  # shares the table
+        model.lm_head = QuantizedLinear(embed.weight.detach(), "bf16").as_head()  # the table
     else:
         model.lm_head = _pack(head_source, head_fmt, None, group_size, device, keep=False)
+        model.lm_head.as_head()
     fuse_projections(model)
     return model
 

@@ -56,15 +56,15 @@ def test_the_weight_formats_are_the_loaders(tmp_path: Path) -> None:
     assert ModelSection().weights == "auto"
 
 
-def test_auto_weights_are_the_fastest_format_measured_to_keep_quality_on_a_cpu() -> None:
-    """weights: auto is int4 for the default model on a CPU (measured +0.07 %), float32 on CUDA
-    and for a checkpoint never measured; a format measured past the threshold is skipped; an
-    explicit format is served as written."""
+def test_auto_weights_are_the_first_format_measured_to_keep_quality_on_a_cpu() -> None:
+    """weights: auto is bf16 for the default model on a CPU (measured +0.01 %), float32 on CUDA
+    and for a checkpoint never measured; a format measured past the threshold is skipped for
+    the next in AUTO_CPU_ORDER; an explicit format is served as written."""
     from worker import weight_quality
     from worker.weight_quality import FormatQuality
 
     default = ModelSection()
-    assert default.weights_for("cpu") == "int4"
+    assert default.weights_for("cpu") == "bf16"
     assert default.weights_for("cuda") == "float32"
     assert ModelSection(source="/models/unmeasured").weights_for("cpu") == "float32"
     assert ModelSection(weights="bf16").weights_for("cpu") == "bf16"
@@ -74,9 +74,9 @@ def test_auto_weights_are_the_fastest_format_measured_to_keep_quality_on_a_cpu()
     try:
         bad = FormatQuality(perplexity_increase=0.05, identical_token_share=0.3)
         good = FormatQuality(perplexity_increase=0.001, identical_token_share=0.9)
-        measured["lossy"] = {"int4": bad, "bf16": good}
-        assert ModelSection(source="/models/lossy").weights_for("cpu") == "bf16"
-        measured["lossy"] = {"int4": bad}
+        measured["lossy"] = {"bf16": bad, "int4": good, "int8": good}
+        assert ModelSection(source="/models/lossy").weights_for("cpu") == "int4"
+        measured["lossy"] = {"bf16": bad, "int4": bad}
         assert ModelSection(source="/models/lossy").weights_for("cpu") == "float32"
     finally:
         measured.clear()

@@ -1,0 +1,80 @@
+"""The output head as a QuantizedLinear (`as_head`): its logits are not rounded to bf16. The
+largest HEAD_EXACT_TOP of a kernel call are x (float32) times their weight rows summed in
+float32, so a near-tie that bf16 rounding would make a tie (and greedy decoding would break by
+token id) keeps its order; from HEAD_FLOAT32_ROWS rows on the head takes the float32 path,
+unrounded; the projections keep their bf16 roundings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.quantized_linear import (
+    HEAD_EXACT_TOP,
+    HEAD_FLOAT32_ROWS,
+    LinearFormat,
+    QuantizedLinear,
+)
+from worker.tiny_model import TINY_CONFIG, tiny_model
+from worker.weight_formats import apply_weight_format
+
+VOCAB, HIDDEN = 512, 64
+
+
+def table(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5
+
+
+def exact(head: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ head.reference_weight().double().t()).float()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_near_tie_the_kernel_rounds_to_a_tie_keeps_its_order(fmt: LinearFormat) -> None:
+    """Two rows whose logits differ by less than a bf16 step: the kernel's bf16 output ties
+    them, and its argmax is the lower id; the head's is the larger exact logit."""
+    w = table(1) * 0.01
+    w[7], w[300] = 0.0, 0.0
+    w[7, 0] = w[300, 0] = 25.0
+    w[300, 1] = 25.0 / 127  # one int8 step of the row: held exactly by both formats
+    x = torch.zeros(1, HIDDEN)
+    x[0, 0], x[0, 1] = 1.0, 0.02  # logits 25.0 and 25.004: one bf16 value (its step: 0.125)
+    plain = QuantizedLinear(w, fmt)
+    head = QuantizedLinear(w, fmt).as_head()
+    want = exact(head, x)
+    assert int(want.argmax()) == 300
+    kernel = plain(x)
+    assert kernel[0, 7] == kernel[0, 300], "the setup: bf16 rounding ties the two"
+    got = head(x)
+    assert got.dtype == torch.float32 and int(got.argmax()) == 300
+    top = want.topk(HEAD_EXACT_TOP, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, top), want.gather(1, top), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_the_head_path_turns_at_its_own_row_count_and_is_unrounded(fmt: LinearFormat) -> None:
+    head = QuantizedLinear(table(2), fmt).as_head()
+    assert head.float32_rows == HEAD_FLOAT32_ROWS
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, HEAD_FLOAT32_ROWS - 1, HEAD_FLOAT32_ROWS):
+        x = torch.randn(rows, HIDDEN, generator=gen)
+        got, want = head(x), exact(head, x)
+        if rows >= HEAD_FLOAT32_ROWS or fmt != "int4":  # the leaders are exact (the kernel's
+            # top HEAD_EXACT_TOP are; its ranking differs from the exact one only near the edge)
+            top = want.topk(8, dim=-1).indices
+            torch.testing.assert_close(
+                got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-5
+            )
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+        if rows >= HEAD_FLOAT32_ROWS:  # the float32 path: every logit unrounded
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert not torch.equal(got, got.to(torch.bfloat16).float())
+
+
+def test_a_formatted_model_has_a_head_and_its_projections_are_not_heads() -> None:
+    for fmt in ("bf16", "int8", "int4"):
+        model = apply_weight_format(tiny_model(TINY_CONFIG), fmt)  # type: ignore[arg-type]
+        assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.is_head
+        layers = [m for m in model.model.modules() if isinstance(m, QuantizedLinear)]
+        assert layers and not any(m.is_head or m.exact_top for m in layers)
