@@ -62,18 +62,20 @@ def measure(model: CausalLM, context: int, steps: int, rounds: int) -> dict[str,
         raise SystemExit("the model has no fused projections (float32 keeps nn.Linear)")
     _, step = decoding_engine(model, context, (steps + 3) * len(VARIANTS) * rounds)
     medians: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for _ in range(rounds):
-        for variant in VARIANTS:
-            set_variant(model, fused, variant)
-            for _ in range(3):
-                step()
-            times = []
-            for _ in range(steps):
-                began = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - began)
-            medians[variant].append(1000 * statistics.median(times))
-    set_variant(model, fused, "both")
+    try:
+        for _ in range(rounds):
+            for variant in VARIANTS:
+                set_variant(model, fused, variant)
+                for _ in range(3):
+                    step()
+                times = []
+                for _ in range(steps):
+                    began = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - began)
+                medians[variant].append(1000 * statistics.median(times))
+    finally:
+        set_variant(model, fused, "both")
     return {v: statistics.median(m) for v, m in medians.items()}
 
 

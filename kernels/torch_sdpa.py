@@ -152,7 +152,8 @@ class _StepMemo:
     for all of them, so it is computed once a step instead of once a layer (about 20 small ops a
     layer fewer on a decode step). A hit needs the very same tensor objects (held here, so their
     ids cannot be reused), unmodified since (their version counters, which every in-place write,
-    through any view, bumps), and the same `extra` key. One entry per kind; entries are replaced
+    through any view, bumps), and the same `extra` key; tensors made under inference mode have
+    no version counter and are never memoised. One entry per kind; entries are replaced
     whole, so a reader never sees half of one."""
 
     def __init__(self) -> None:
@@ -160,6 +161,8 @@ class _StepMemo:
 
     def lookup(self, tensors: tuple[Any, ...], extra: tuple[int, ...], compute: Any) -> Any:
         kind, sources = tensors[0], tensors[1:]
+        if any(t.is_inference() for t in sources):  # no version counter to trust: recompute
+            return compute()
         versions = tuple(t._version for t in sources)
         entry = self.entries.get(kind)
         if (

@@ -480,9 +480,15 @@ class Engine:
     def step(self) -> bool:
         """Run one step; False when there was nothing to do."""
         self._drain_inbox()
-        plan = self.scheduler.schedule()
+        awaiting = self._awaiting_images()
+        plan = self.scheduler.schedule(awaiting)
         if self.scheduler.refused:
             self._end_refused()
+        if not plan and awaiting:  # only the encoder has work: wait for it, a while
+            assert self.embedder is not None
+            held = [images for s in awaiting if (images := s.request.images) is not None]
+            self.embedder.wait(held, ENCODER_WAIT_S)
+            return True
         if not plan:
             if self.config.debug_checks and not self.scheduler.has_work():
                 check_sequence_cache(self.cache)
@@ -537,6 +543,19 @@ class Engine:
             if ready and item[0].phase is Phase.RUNNING
         ]
         return kept, [self._chunk(sample, take) for sample, take in kept]
+
+    def _awaiting_images(self) -> set[SampleState]:
+        """Running samples whose next chunk covers images still being encoded (their runs
+        started): the scheduler leaves them out, so they take no budget from the others. A
+        request whose images cannot be encoded ends here."""
+        awaiting: set[SampleState] = set()
+        if self.embedder is None:
+            return awaiting
+        chunk = self.config.max_prefill_chunk
+        for sample in list(self.scheduler.running):
+            if self._images_ready(sample, min(sample.pending, chunk)) is False:
+                awaiting.add(sample)
+        return awaiting
 
     def _images_ready(self, sample: SampleState, take: int) -> bool | None:
         """Whether the images the sample's next chunk covers are encoded (True without any);
@@ -700,6 +719,8 @@ class Engine:
             self._cached_tokens += request.cached_prompt_tokens
 
     def _abort(self, request: RequestState, reason: str, error: str | None = None) -> None:
+        if request.images is not None and self.embedder is not None:
+            self.embedder.release(request.images)
         for sample in request.samples:
             if sample.phase is not Phase.FINISHED:
                 self._finish_sample(sample, reason)

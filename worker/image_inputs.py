@@ -110,6 +110,10 @@ def place(
     )
 
 
+EncoderRun = Future[tuple[torch.Tensor, float]]
+"""An encoder run on the encoder's thread: (output, seconds)."""
+
+
 def _nothing() -> None:
     pass
 
@@ -138,7 +142,10 @@ class ImageEmbedder:
         self.on_encoded = on_encoded
         self._thread: ThreadPoolExecutor | None = None
         self._running: dict[tuple[object, int], Future[tuple[torch.Tensor, float]]] = {}
-        """Runs under way by (tenant, image): a second request of the same image shares one."""
+        """Runs not yet swept, by (tenant, image): a second request of the same image shares
+        one."""
+        self._holders: dict[tuple[object, int], int] = {}
+        """Requests waiting for each run in `_running`."""
 
     def ready(self, request: RequestImages, start: int, end: int) -> bool:
         """Whether every image the chunk [start, end) covers has its output held, taking it
@@ -177,6 +184,16 @@ class ImageEmbedder:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None
         self._running.clear()
+        self._holders.clear()
+
+    def release(self, request: RequestImages) -> None:
+        """`request` ended before collecting its runs (aborted, cancelled): a run no other
+        request waits for is cancelled if it has not started; one under way finishes into the
+        encoder cache."""
+        for index, run in list(request.encoding.items()):
+            self._drop_holder((request.salt, request.images[index].content_hash), run)
+        request.encoding.clear()
+        self._sweep()
 
     def _collect(self, request: RequestImages, index: int) -> bool:
         if index in request.encoded:
@@ -185,6 +202,7 @@ class ImageEmbedder:
         key = (request.salt, image.content_hash)
         run = request.encoding.get(index)
         if run is None:
+            self._sweep()
             output = self.cache.get(key)
             if output is not None:
                 self.stats.cache_hits += 1
@@ -195,26 +213,46 @@ class ImageEmbedder:
                 if self._thread is None:
                     self._thread = ThreadPoolExecutor(1, thread_name_prefix="vision-encoder")
                 run = self._running[key] = self._thread.submit(self._encode, image)
+            self._holders[key] = self._holders.get(key, 0) + 1
             request.encoding[index] = run
         if not run.done():
             return False
         del request.encoding[index]
-        first = self._running.get(key) is run
-        if first:
-            del self._running[key]
-        output, seconds = run.result()  # raises the run's error
+        self._drop_holder(key, run)
+        self._sweep()
+        output, _ = run.result()  # raises the run's error
         tiles = len([r for r in request.runs if r[1] == index])
         if output.shape[0] != tiles * request.seq_len:
             raise RuntimeError(
                 f"the vision encoder gave {output.shape[0]} rows for an image of {tiles} "
                 f"tiles of {request.seq_len} positions"
             )
-        if first:
-            self.stats.seconds += seconds
-            self.stats.runs += 1
-            self.cache.put(key, output)
         request.encoded[index] = output
         return True
+
+    def _drop_holder(self, key: tuple[object, int], run: EncoderRun) -> None:
+        left = self._holders.get(key, 0) - 1
+        if left > 0:
+            self._holders[key] = left
+            return
+        self._holders.pop(key, None)
+        if self._running.get(key) is run and run.cancel():  # queued, and nobody waits for it
+            del self._running[key]
+
+    def _sweep(self) -> None:
+        """Finished runs leave `_running`: an output goes into the encoder cache (counted as a
+        run), a failure is dropped (its holders read it from their futures; a later request
+        for the image runs the encoder again)."""
+        for key, run in list(self._running.items()):
+            if not run.done():
+                continue
+            del self._running[key]
+            if run.cancelled() or run.exception() is not None:
+                continue
+            output, seconds = run.result()
+            self.stats.runs += 1
+            self.stats.seconds += seconds
+            self.cache.put(key, output)
 
     def _encode(self, image: CheckedImage) -> tuple[torch.Tensor, float]:
         began = time.perf_counter()

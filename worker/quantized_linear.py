@@ -255,7 +255,8 @@ class QuantizedLinear(nn.Module):
         y = self._matmul(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        y = y.to(x.dtype)
+        if not self.is_head:  # logits keep what the head computed them in (float32 on a CPU)
+            y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:

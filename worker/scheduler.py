@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 
@@ -98,12 +98,16 @@ class Scheduler:
         elif sample.phase is Phase.WAITING:
             self.waiting.remove(sample)
 
-    def schedule(self) -> list[tuple[SampleState, int]]:
-        """The (sample, tokens to compute) of the next step, in a stable order."""
+    def schedule(self, skip: Collection[SampleState] = ()) -> list[tuple[SampleState, int]]:
+        """The (sample, tokens to compute) of the next step, in a stable order. Running samples
+        in `skip` (waiting for their images' encoder) sit the step out: no budget, no pages."""
         budget, plan = self.config.token_budget, []
         i = 0
         while i < len(self.running) and budget > 0:
             sample = self.running[i]
+            if sample in skip:
+                i += 1
+                continue
             take = min(sample.pending, budget, self.config.max_prefill_chunk)
             if not self._make_room(sample, sample.computed + take):
                 continue  # `sample` itself was preempted; the list shifted under i

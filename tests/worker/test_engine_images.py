@@ -341,33 +341,53 @@ class GatedVision:
         self.gate = threading.Event()
         self.entered = threading.Event()
         self.threads: set[str] = set()
+        self.encoded: list[int] = []
 
     def encode(self, image: CheckedImage) -> torch.Tensor:
         self.threads.add(threading.current_thread().name)
+        self.encoded.append(image.content_hash)
         self.entered.set()
         if not self.gate.wait(self.GATE_S):
             raise RuntimeError("the encoder was held past the test's gate")
         return self.vision.encode(image)
 
 
-def test_other_streams_decode_while_an_image_is_encoded(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("image_first", [False, True], ids=["text first", "image first"])
+def test_other_streams_decode_while_an_image_is_encoded(
+    loaded: LoadedModel, image_first: bool
+) -> None:
     """The encoder runs off the engine thread: while an image request's encoder is held, a text
-    request keeps decoding, step after step; once released, the image request gives the tokens
-    an engine with an ungated encoder gives, and every page is accounted for."""
+    request keeps decoding, step after step, whichever came first (a waiting image chunk takes
+    none of the step's budget: here the budget is one chunk); once released, the image request
+    gives the tokens an engine with an ungated encoder gives, and every page is accounted
+    for."""
     gated = GatedVision(loaded.vision)
-    config = EngineConfig(num_pages=256, page_size=4, block_size=4)
+    config = EngineConfig(
+        num_pages=256, page_size=4, block_size=4, token_budget=16, max_prefill_chunk=16
+    )
     engine = Engine(loaded.model, loaded.tokenizer, config, vision=gated)
     outputs: list[RequestOutput] = []
     story = ({"role": "user", "content": "Tell me a long story."},)
     sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    engine.submit(GenerateRequest("text", messages=story, sampling=sampling), outputs.append)
-    engine.submit(chat("image", first_turn()), outputs.append)
-    for _ in range(12):
+    text = GenerateRequest("text", messages=story, sampling=sampling)
+    image = chat("image", first_turn())
+    measure = Engine(loaded.model, loaded.tokenizer, config, vision=loaded.vision)
+    assert measure.submit(image, lambda _: None) > 16, "the image prompt fills a step's budget"
+    for request in (image, text) if image_first else (text, image):
+        engine.submit(request, outputs.append)
+
+    def decoded() -> int:
+        return sum(len(o.token_ids) for o in outputs if o.request_id == "text")
+
+    for _ in range(30):
         assert engine.step()
+        if decoded() >= 10:
+            break
     assert gated.entered.is_set(), "the image's encoder never started"
     assert threading.current_thread().name not in gated.threads, "encoded on the engine's thread"
-    decoded = sum(len(o.token_ids) for o in outputs if o.request_id == "text")
-    assert decoded >= 10, f"the text request decoded {decoded} tokens while the encoder was held"
+    assert decoded() >= 10, (
+        f"the text request decoded {decoded()} tokens while the encoder was held"
+    )
     assert not [o for o in outputs if o.request_id == "image"], "the image request ran early"
     gated.gate.set()
     drain(engine)
@@ -381,5 +401,30 @@ def test_other_streams_decode_while_an_image_is_encoded(loaded: LoadedModel) -> 
     ]
     assert engine.stats().encoder_runs == 1
     assert not engine.cache.live and engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)
+    engine.stop()
+
+
+def test_an_aborted_requests_queued_encoder_run_is_cancelled(loaded: LoadedModel) -> None:
+    """Two image requests: the first one's run holds the encoder; the second, queued behind it,
+    is aborted: its run never happens, and nothing is left waiting for it."""
+    gated = GatedVision(loaded.vision)
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(num_pages=256), vision=gated)
+    outputs: list[RequestOutput] = []
+    other = png_bytes(50, 30, seed=31)
+    engine.submit(chat("first", first_turn()), outputs.append)
+    engine.submit(replace(chat("second", first_turn()), images=(other,)), outputs.append)
+    for _ in range(3):
+        engine.step()
+    assert gated.entered.is_set()
+    engine.abort("second")
+    engine.step()
+    assert [o.finish_reason for o in outputs if o.request_id == "second"] == ["abort"]
+    gated.gate.set()
+    drain(engine)
+    assert gated.encoded == [content_hash(IMAGE)], "the aborted request's image was encoded"
+    assert engine.stats().encoder_runs == 1
+    assert engine.embedder is not None and not engine.embedder._running
+    assert not engine.embedder._holders
     check_sequence_cache(engine.cache)
     engine.stop()
