@@ -170,17 +170,19 @@ def test_openai_text_only_parts_are_joined_as_before_and_other_parts_refused() -
     assert err.param == "messages[0].content[0]" and "input_audio" in err.message
 
 
-def test_tokenize_refuses_image_parts_by_name() -> None:
-    body = ChatCompletionRequest(
-        model="m",
-        messages=[
-            {
-                "role": "user",
-                "content": [{"type": "image_url", "image_url": {"url": data_url(encoded("PNG"))}}],
-            }
-        ],
-    )
-    err = refusal(openai_params.chat_messages, body.messages)
+def test_tokenize_takes_image_parts_and_refuses_a_bad_one_by_name() -> None:
+    """/tokenize reads chat messages as a request does (openai_params.chat_prompt): an image
+    part's file joins the prompt's images, named by its part; a bad data URL is a 400 naming
+    the part. (The count itself: tests/cluster/test_vision_serving.py.)"""
+    png = encoded("PNG")
+    image = {"type": "image_url", "image_url": {"url": data_url(png)}}
+    text = {"type": "text", "text": "What is it?"}
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [text, image]}])
+    chat = openai_params.chat_prompt(body.messages)
+    assert chat.images == [png] and chat.image_fields == ["messages[0].content[1].image_url"]
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}
+    broken = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [bad]}])
+    err = refusal(openai_params.chat_prompt, broken.messages)
     assert err.param == "messages[0].content[0].image_url"
 
 
