@@ -105,7 +105,7 @@ def decode_attention(
     not advanced indexing: a third of the time on a decode step's few pages, same values."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     batch, (num_pages, page_size) = q.shape[0], k_cache.shape[:2]
-    pages, longest, valid = _STEP_MEMO.lookup(
+    pages, longest, masks = _STEP_MEMO.lookup(
         ("decode", page_table, seq_lens),
         (batch, num_pages, page_size),
         lambda: _decode_plan(page_table[:batch], seq_lens, num_pages, page_size),
@@ -114,10 +114,9 @@ def decode_attention(
     v = v_cache.index_select(0, pages).view(batch, -1, *v_cache.shape[2:])[:, :longest]
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     mask = None
-    if valid is not None:
-        k = k.masked_fill(~valid[:, None, :, None], 0.0)
-        v = v.masked_fill(~valid[:, None, :, None], 0.0)
-        mask = valid[:, None, None, :]
+    if masks is not None:
+        padding, mask = masks
+        k, v = k.masked_fill(padding, 0.0), v.masked_fill(padding, 0.0)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     attended = sdpa(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -129,19 +128,19 @@ def decode_attention(
 
 def _decode_plan(
     page_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int
-) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+) -> tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor] | None]:
     """What every layer of a decode step shares: each row's pages up to the longest row (ids
-    past a row's own clamped into range: `valid` masks what they hold) as one int64 index,
-    the longest length, and which [row, position] are real (None: every row is the longest).
-    The pages are copied out with one `index_select` of whole pages per cache (a contiguous
-    copy), not advanced indexing: a third of the time on a decode step's few pages."""
+    past a row's own clamped into range: the masks hide what they hold) as one int64 index, the
+    longest length, and, when rows differ in length, the padding positions to zero in the
+    gathered [batch, heads, longest, dim] K/V and SDPA's [batch, 1, 1, longest] mask of real
+    ones (None: every row is the longest)."""
     longest = int(seq_lens.max())
     pages = page_table[:, : cdiv(longest, page_size)].reshape(-1).to(torch.int64)
     pages = pages.clamp(0, num_pages - 1)
-    valid = None
-    if bool((seq_lens != longest).any()):
-        valid = torch.arange(longest, device=seq_lens.device)[None, :] < seq_lens[:, None]
-    return pages, longest, valid
+    if not bool((seq_lens != longest).any()):
+        return pages, longest, None
+    valid = torch.arange(longest, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    return pages, longest, (~valid[:, None, :, None], valid[:, None, None, :])
 
 
 class _StepMemo:

@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -485,9 +485,7 @@ class Engine:
         if self.scheduler.refused:
             self._end_refused()
         if not plan and awaiting:  # only the encoder has work: wait for it, a while
-            assert self.embedder is not None
-            held = [images for s in awaiting if (images := s.request.images) is not None]
-            self.embedder.wait(held, ENCODER_WAIT_S)
+            self._wait_for_images(awaiting)
             return True
         if not plan:
             if self.config.debug_checks and not self.scheduler.has_work():
@@ -528,11 +526,9 @@ class Engine:
         waits up to ENCODER_WAIT_S for the encoder first. A request whose images cannot be
         encoded ends here, alone."""
         runnable = [self._images_ready(sample, take) for sample, take in plan]
-        waiting = [item for item, ready in zip(plan, runnable, strict=True) if ready is False]
+        waiting = [s for (s, _), ready in zip(plan, runnable, strict=True) if ready is False]
         if waiting and not any(runnable):
-            assert self.embedder is not None
-            held = [images for s, _ in waiting if (images := s.request.images) is not None]
-            self.embedder.wait(held, ENCODER_WAIT_S)
+            self._wait_for_images(waiting)
             runnable = [
                 ready or (ready is False and self._images_ready(*item))
                 for item, ready in zip(plan, runnable, strict=True)
@@ -543,6 +539,12 @@ class Engine:
             if ready and item[0].phase is Phase.RUNNING
         ]
         return kept, [self._chunk(sample, take) for sample, take in kept]
+
+    def _wait_for_images(self, samples: Iterable[SampleState]) -> None:
+        """Block until one of `samples`' encoder runs ends, at most ENCODER_WAIT_S."""
+        assert self.embedder is not None
+        held = [images for s in samples if (images := s.request.images) is not None]
+        self.embedder.wait(held, ENCODER_WAIT_S)
 
     def _awaiting_images(self) -> set[SampleState]:
         """Running samples whose next chunk covers images still being encoded (their runs

@@ -58,12 +58,10 @@ def fuse_projections(model: nn.Module) -> int:
         )
         for parent, name, attrs in groups:
             parts = [getattr(parent, attr) for attr in attrs]
-            if all(isinstance(p, QuantizedLinear) for p in parts) and _one_kind(parts):
+            if (
+                all(isinstance(p, QuantizedLinear) for p in parts)
+                and len({p.kind for p in parts}) == 1
+            ):
                 setattr(parent, name, FusedProjections(parts))
                 fused += 1
     return fused
-
-
-def _one_kind(parts: list[QuantizedLinear]) -> bool:
-    kinds = {(p.format, p.group_size, p.in_features, p.device_type, p.triton) for p in parts}
-    return len(kinds) == 1 and len({p.bias is None for p in parts}) == 1

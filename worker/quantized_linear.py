@@ -190,11 +190,12 @@ class QuantizedLinear(nn.Module):
         of them (a part's CPU int4 scales a strided view), so memory is not doubled and a part
         called alone still multiplies by its own rows. Biases: all or none."""
         first = parts[0]
-        kinds = {(p.format, p.group_size, p.in_features, p.device_type, p.triton) for p in parts}
+        kinds = {p.kind for p in parts}
         if len(parts) < 2 or len(kinds) != 1:
-            raise ValueError(f"concat takes two or more layers of one kind, got {sorted(kinds)}")
-        if len({p.bias is None for p in parts}) != 1:
-            raise ValueError("concat takes layers that all have a bias or none")
+            raise ValueError(
+                "concat takes two or more layers of one kind (format, group, inputs, device, "
+                f"triton, bias or none), got {sorted(kinds, key=str)}"
+            )
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.format, fused.group_size = first.format, first.group_size
@@ -231,6 +232,19 @@ class QuantizedLinear(nn.Module):
         self.float32_rows, self.is_head = HEAD_FLOAT32_ROWS, True
         self.exact_top = HEAD_EXACT_TOP if self.format in ("bf16", "int8") else 0
         return self
+
+    @property
+    def kind(self) -> tuple[object, ...]:
+        """What layers must share to be concatenated: format, group size, input width, device,
+        kernel, and whether they have a bias."""
+        return (
+            self.format,
+            self.group_size,
+            self.in_features,
+            self.device_type,
+            self.triton,
+            self.bias is None,
+        )
 
     @property
     def rows(self) -> int:

@@ -82,11 +82,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
                 raise HttpError.invalid(name, REFUSED[name][0])
         chat = chat_prompt(body)
         if chat.images:  # placed and expanded as a request would be: what usage will report
-            message = serving_pb2.GenerateRequest(
-                chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images
-            )
-            message.namespace.tenant = api.tenant(request)
-            ids = await api.count_prompt(message, caller, chat.image_fields)
+            ids = await api.chat_prompt_ids(chat, caller, api.tenant(request))
             return TokenCount(input_tokens=len(ids))
         text = await api.render(chat.messages)
         return TokenCount(input_tokens=len(await api.encode(text, False, "messages")))

@@ -300,18 +300,19 @@ class HttpApi:
             raise HttpError.invalid("add_generation_prompt", "with images it must be true")
         if body.add_special_tokens:
             raise HttpError.invalid("add_special_tokens", "with images it must be false")
+        return await self.chat_prompt_ids(chat, caller, tenant)
+
+    async def chat_prompt_ids(
+        self, chat: openai_params.ChatPrompt, caller: Caller, tenant: str
+    ) -> list[int]:
+        """The prompt ids a chat request of `chat` (images included) would be served with
+        (router_service.count_prompt: the request's own checks, refusals named)."""
         message = serving_pb2.GenerateRequest(
             chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images
         )
         message.namespace.tenant = tenant
-        return await self.count_prompt(message, caller, chat.image_fields)
-
-    async def count_prompt(
-        self, message: serving_pb2.GenerateRequest, caller: Caller, image_fields: Sequence[str]
-    ) -> list[int]:
-        """The prompt ids `message` would be served with (router_service.count_prompt)."""
         try:
-            return await self.service.count_prompt(message, caller, image_fields)
+            return await self.service.count_prompt(message, caller, chat.image_fields)
         except ServingError as err:
             raise HttpError.of(err) from err
 
