@@ -141,14 +141,14 @@ class BlockHasher:
         end = len(chain) * size
         if not chain or end > len(keys):
             return False
-        head = as_keys(keys[:end])
+        head = as_keys(keys)[:end]
         if has_typed_keys(head):
             return False
-        if self.extend([], head, namespace, size) != [chain[0]]:
+        if xxh3_64_intdigest(pack_keys(head[:size]), self.namespace_seed(namespace)) != chain[0]:
             return False
-        if len(chain) == 1:
-            return True
-        return self.extend([chain[-2]], head[-2 * size :], namespace)[-1] == chain[-1]
+        return len(chain) == 1 or (
+            xxh3_64_intdigest(pack_keys(head[end - size :]), chain[-2]) == chain[-1]
+        )
 
     def hashes(self, keys: Sequence[CacheKey], namespace: CacheNamespace) -> list[int]:
         """Hashes of every complete block of `keys`, from the first."""

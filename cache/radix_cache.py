@@ -52,7 +52,8 @@ def as_pages(pages: Sequence[int]) -> PageIds:
 
 def _no_device_child(node: Node) -> bool:
     """Whether no child of `node` is on the device (a device node eviction may demote)."""
-    return all(child.tier != DEVICE for child in node.children.values())
+    children = node.children
+    return not children or all(child.tier != DEVICE for child in children.values())
 
 
 def common_prefix(node_keys: Keys, keys: Keys, at: int) -> int:

@@ -36,6 +36,7 @@ private page (a `PageCopy` the worker performs before its next forward pass).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -140,7 +141,23 @@ class SequenceCache:
         (`BlockHasher.accepts`); otherwise it is ignored. Raises `OutOfPages` / `OutOfSlots` having
         changed nothing (beyond LRU order).
         """
-        keys = to_cache_keys(tokens)
+        return self._start(to_cache_keys(tokens), namespace, reserve, block_hashes)
+
+    def start_keys(
+        self,
+        keys: Keys,
+        namespace: CacheNamespace = DEFAULT_NAMESPACE,
+        reserve: int = 0,
+        block_hashes: Sequence[int] = (),
+    ) -> CachedSequence:
+        """`start` from keys made earlier by `to_cache_keys` (the worker makes a prompt's keys
+        once, on the thread that submits it, so its engine thread converts nothing). The
+        sequence keeps a copy: it extends its keys as tokens are generated."""
+        return self._start(array("Q", keys), namespace, reserve, block_hashes)
+
+    def _start(
+        self, keys: Keys, namespace: CacheNamespace, reserve: int, block_hashes: Sequence[int]
+    ) -> CachedSequence:
         n, ps = len(keys), self.page_size
         if n == 0:
             raise SequenceError("empty prompt: a sequence needs at least one position")

@@ -454,7 +454,7 @@ class Engine:
         costs a file read on this thread; a failed read is logged and recomputed)."""
         assert self.store is not None
         try:
-            self.store.extend(self, sample.cache_tokens(), sample.request.request.namespace)
+            self.store.extend(self, sample.cache_keys(), sample.request.request.namespace)
         except Exception:  # the cache on disk must never fail a request
             log.exception("reading saved KV for %s failed", sample.request.request.request_id)
 

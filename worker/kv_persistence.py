@@ -40,7 +40,6 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -55,9 +54,8 @@ from cache import (
     IDENTITY_SCHEME_VERSION,
     CacheError,
     CacheNamespace,
-    CacheToken,
+    Keys,
     Node,
-    to_cache_keys,
 )
 
 if TYPE_CHECKING:
@@ -349,14 +347,12 @@ class KvStore:
             parent = node.name
         return path
 
-    def extend(
-        self, engine: Engine, tokens: Sequence[CacheToken], namespace: CacheNamespace
-    ) -> int:
-        """Before a start (engine thread): insert the saved nodes that continue `tokens` past
-        what the tree holds in either tier. Returns the positions read from disk."""
+    def extend(self, engine: Engine, keys: Keys, namespace: CacheNamespace) -> int:
+        """Before a start (engine thread): insert the saved nodes that continue `keys` (a
+        sample's cache keys) past what the tree holds in either tier. Returns the positions
+        read from disk."""
         if not self._children:
             return 0
-        keys = to_cache_keys(tokens)
         path = self.lookup(keys, namespace)
         if not path:
             return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
-from cache import CachedSequence, CacheToken
+from cache import CachedSequence, Keys, to_cache_keys
 from worker.image_inputs import RequestImages
 from worker.lora_adapter import LoraAdapter
 from worker.request import GenerateRequest, RequestOutput
@@ -68,10 +68,13 @@ class SampleState:
     def pending(self) -> int:
         return len(self.tokens) - self.computed
 
-    def cache_tokens(self) -> list[CacheToken] | list[int]:
-        """What the cache keys this sample's positions by."""
-        images = self.request.images
-        return self.tokens if images is None else images.cache_tokens(self.tokens)
+    def cache_keys(self) -> Keys:
+        """The cache keys of this sample's positions: the prompt's, made when it was submitted,
+        then those of the tokens generated since (text ids, converted here)."""
+        keys = self.request.prompt_keys
+        if len(self.tokens) == len(keys):
+            return keys
+        return keys + to_cache_keys(self.tokens[len(keys) :])
 
     @property
     def block_hashes(self) -> tuple[int, ...]:
@@ -100,10 +103,16 @@ class RequestState:
     stops: StopStrings = field(init=False)
     """The request's stop strings, compiled (in the submitting thread: never on the engine's)."""
     stop_token_ids: frozenset[int] = field(init=False)
+    prompt_keys: Keys = field(init=False)
+    """The prompt's cache keys (one per position; an image's positions keyed by the image),
+    made in the submitting thread so that the engine thread's admission converts nothing."""
 
     def __post_init__(self) -> None:
         self.stops = compile_stops(self.request.sampling.stop)
         self.stop_token_ids = frozenset(self.request.sampling.stop_token_ids)
+        images = self.images
+        prompt = self.prompt_ids if images is None else images.cache_tokens(self.prompt_ids)
+        self.prompt_keys = to_cache_keys(prompt)
 
     def rebind(self, adapter: LoraAdapter) -> None:
         """Run with `adapter` instead (its name's new weights; only before any sample ran)."""

@@ -186,8 +186,8 @@ class Scheduler:
             sample.disk_checked = True
             self.from_disk(sample)
         try:
-            seq = self.cache.start(
-                sample.cache_tokens(),
+            seq = self.cache.start_keys(
+                sample.cache_keys(),
                 request.namespace,
                 reserve=len(sample.tokens),
                 block_hashes=sample.block_hashes,

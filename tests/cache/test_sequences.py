@@ -16,6 +16,7 @@ from cache import (
     PageCopy,
     SequenceCache,
     SequenceError,
+    to_cache_keys,
 )
 from cache.integrity import check_sequence_cache
 from cache.page_pool import PRIVATE
@@ -264,3 +265,24 @@ def test_a_prompt_with_an_image_hashes_itself() -> None:
     cache.finish(seq, len(seq.keys))
     assert cache.stats.given_blocks == 0
     assert _published_blocks(cache) == set(cache.hasher.hashes(seq.keys, DEFAULT_NAMESPACE))
+
+
+def test_start_keys_takes_keys_made_earlier_and_keeps_its_own_copy() -> None:
+    """The worker makes a prompt's keys once, when the request is submitted, and starts every
+    admission of its samples from them: a sequence must extend a copy, never the caller's."""
+    cache = make(num_pages=256, page_size=4)
+    tokens = [*range(100, 108), ImageToken(5, 8), *range(108, 120)]
+    keys = to_cache_keys(tokens)
+    first = cache.start_keys(keys)
+    assert first.keys == keys and first.keys is not keys
+    cache.commit(first, len(keys))
+    cache.append(first, [7])
+    assert len(keys) == 28 and len(first.keys) == 29
+    cache.finish(first)
+    again = cache.start_keys(keys)  # typed keys (the image's) are taken as they are
+    by_tokens = cache.start(tokens)
+    assert again.reused == by_tokens.reused == 27
+    assert cache.table.row(again.slot)[:6] == cache.table.row(by_tokens.slot)[:6]
+    cache.abort(again)
+    cache.abort(by_tokens)
+    check_sequence_cache(cache)

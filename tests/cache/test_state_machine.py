@@ -404,14 +404,23 @@ def _moved_both_ways() -> bool:
     return bool(MOVED["demoted"] and MOVED["promoted"] and MOVED["host_reads"])
 
 
+def _run_until_moved(machine: type[CacheMachine], examples: int, runs: int = 3) -> None:
+    """`_run` until one run has moved pages both ways (at most `runs` runs): an unseeded run
+    of 90 examples now and then draws no promotion at all (seen once in about 50 runs of the
+    page-4 machine)."""
+    for _ in range(runs):
+        assert _run(machine, examples) >= 5000
+        if _moved_both_ways():
+            return
+    raise AssertionError(f"no run of {runs} moved pages both ways: {MOVED}")
+
+
 def test_random_operations_with_a_host_tier_page_size_1() -> None:
-    assert _run(TieredMachine, 90) >= 5000
-    assert _moved_both_ways(), MOVED
+    _run_until_moved(TieredMachine, 90)
 
 
 def test_random_operations_with_a_host_tier_page_size_4() -> None:
-    assert _run(TieredPage4Machine, 90) >= 5000
-    assert _moved_both_ways(), MOVED
+    _run_until_moved(TieredPage4Machine, 90)
 
 
 def test_random_operations_with_a_host_tier_page_size_16() -> None:
