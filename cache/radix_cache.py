@@ -464,7 +464,7 @@ class RadixCache:
     def evict(self, needed_pages: int) -> int:
         """Free at least `needed_pages` device pages if unlocked ones allow (demoting them to
         the host when there is one); returns the device pages freed."""
-        freed, removed = 0, list[int]()
+        freed, removed, dropped = 0, list[int](), list[PageIds]()
         while freed < needed_pages:
             victim = self._pop_victim()
             if victim is None:
@@ -472,7 +472,13 @@ class RadixCache:
             surplus = len(victim.pages) - (needed_pages - freed)
             if surplus > 0:  # keep the head, evict only the pages still needed
                 self._split(victim, surplus * self.page_size)
-            freed += self._demote(victim, removed) or self._drop_subtree(victim, removed)
+            freed += self._demote(victim, removed) or self._drop_subtree(victim, removed, dropped)
+        if dropped:  # one checked move for every dropped node: the pool's cost is per call
+            pages = dropped[-1] if len(dropped) == 1 else array("i")
+            if len(dropped) > 1:
+                for chunk in reversed(dropped):  # the free stack as node-by-node moves leave it
+                    pages.extend(chunk)
+            self.pool.uncache(pages)
         self._publish(KvEventKind.REMOVED, removed)
         self.evicted_pages += freed
         return freed
@@ -524,7 +530,7 @@ class RadixCache:
             if surplus > 0:
                 self._split(victim, surplus * self.page_size)
             self.host_evicted_pages += len(victim.pages)
-            self._remove_leaf(victim, removed)
+            self._remove_leaf(victim, removed, [])  # a host leaf: no device pages
         self._publish(KvEventKind.REMOVED, removed)  # the drops came first
         pages = host.allocate(count)
         host.claim(pages)
@@ -539,30 +545,35 @@ class RadixCache:
             self._requeue(node.parent)
         return count
 
-    def _drop_subtree(self, node: Node, removed: list[int]) -> int:
+    def _drop_subtree(self, node: Node, removed: list[int], dropped: list[PageIds]) -> int:
         """Remove device node `node` and everything below it (all on the host: `node` has no
-        device child); returns the device pages freed."""
-        below = []
-        stack = list(node.children.values())
-        while stack:
-            child = stack.pop()
-            below.append(child)
-            stack.extend(child.children.values())
-        for child in reversed(below):  # children after their parents: leaves come first
-            self.host_evicted_pages += len(child.pages)
-            self._remove_leaf(child, removed, settle=False)
-        return self._remove_leaf(node, removed)
+        device child); returns the device pages freed, which are appended to `dropped` for the
+        caller to return to the pool."""
+        if node.children:
+            below = []
+            stack = list(node.children.values())
+            while stack:
+                child = stack.pop()
+                below.append(child)
+                stack.extend(child.children.values())
+            for child in reversed(below):  # children after their parents: leaves come first
+                self.host_evicted_pages += len(child.pages)
+                self._remove_leaf(child, removed, dropped, settle=False)
+        return self._remove_leaf(node, removed, dropped)
 
-    def _remove_leaf(self, leaf: Node, removed: list[int], settle: bool = True) -> int:
-        """Take leaf `leaf` out of the tree and free its pages; `settle`: then requeue, merge or
-        prune its parent as its new shape requires."""
+    def _remove_leaf(
+        self, leaf: Node, removed: list[int], dropped: list[PageIds], settle: bool = True
+    ) -> int:
+        """Take leaf `leaf` out of the tree, free its host pages or append its device pages to
+        `dropped` (the caller frees those); `settle`: then requeue, merge or prune its parent as
+        its new shape requires."""
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
         del parent.children[self._key(leaf.keys, 0)]
         leaf.parent = None
         count = len(leaf.pages)
         if leaf.tier == DEVICE:
-            self.pool.uncache(leaf.pages)
+            dropped.append(leaf.pages)
             self.cached_pages -= count
         else:
             assert self.host_pool is not None
