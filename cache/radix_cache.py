@@ -470,6 +470,9 @@ class RadixCache:
             if victim is None:
                 break
             surplus = len(victim.pages) - (needed_pages - freed)
+            if surplus > 0 and self.host_pool is None:  # a leaf: keep its head, drop the rest
+                freed += self._trim(victim, surplus, removed, dropped)
+                continue
             if surplus > 0:  # keep the head, evict only the pages still needed
                 self._split(victim, surplus * self.page_size)
             freed += self._demote(victim, removed) or self._drop_subtree(victim, removed, dropped)
@@ -482,6 +485,21 @@ class RadixCache:
         self._publish(KvEventKind.REMOVED, removed)
         self.evicted_pages += freed
         return freed
+
+    def _trim(self, leaf: Node, keep: int, removed: list[int], dropped: list[PageIds]) -> int:
+        """Cut device leaf `leaf` down to its first `keep` pages in place (what splitting it
+        and removing the tail would leave, without the extra node); the tail's pages are
+        appended to `dropped` for the caller to free. Returns the pages cut."""
+        assert not leaf.children and leaf.lock_ref == 0 and 0 < keep < len(leaf.pages)
+        cut = keep * self.page_size
+        tail = leaf.pages[keep:]
+        nb = self._block_count(leaf.start, leaf.start + cut) if self.hasher else 0
+        removed.extend(leaf.blocks[nb:])
+        leaf.keys, leaf.pages, leaf.blocks = leaf.keys[:cut], leaf.pages[:keep], leaf.blocks[:nb]
+        dropped.append(tail)
+        self.cached_pages -= len(tail)
+        self._requeue(leaf)
+        return len(tail)
 
     def _pop_victim(self) -> Node | None:
         """The least recently used device node with no child on the device, unlocked."""

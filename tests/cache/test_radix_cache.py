@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cache import BlockSetIndex, CacheConfig, ImageToken, LengthMismatch, to_cache_keys
+from cache import (
+    BlockSetIndex,
+    CacheConfig,
+    ImageToken,
+    KvEvent,
+    KvEventKind,
+    LengthMismatch,
+    to_cache_keys,
+)
 from tests.cache.helpers import make_stack
 
 
@@ -67,6 +75,27 @@ def test_eviction_trims_only_the_tail_it_needs() -> None:
     assert s.tree.evict(3) == 3
     assert s.tree.match(seq).length == 7
     assert s.tree.evict(0) == 0
+    s.check()
+
+
+def test_a_trimmed_leaf_keeps_its_head_and_frees_and_unpublishes_only_its_tail() -> None:
+    """Eviction cuts the tail off its last victim in place: the head keeps its pages, its
+    blocks and its place; the tail's pages go back to the pool (reused first) and exactly the
+    tail's blocks are published as removed."""
+    s = make_stack(num_pages=16, page_size=4)
+    events: list[KvEvent] = []
+    s.events.subscribe(events.append)
+    keys = list(range(100, 140))
+    pages = s.table.allocate_pages(10)
+    s.tree.insert(keys, pages)
+    (stored,) = events
+    leaf, count = s.tree.match(keys).last_node, s.tree.node_count
+    assert s.tree.evict(3) == 3
+    assert s.tree.match(keys).last_node is leaf and s.tree.node_count == count
+    assert leaf.pages == pages[:7] and leaf.blocks == stored.block_hashes[:7]
+    assert events[-1].kind is KvEventKind.REMOVED
+    assert events[-1].block_hashes == stored.block_hashes[7:]
+    assert s.table.allocate_pages(3) == pages[7:]  # the freed tail, most recently freed first
     s.check()
 
 
