@@ -13,12 +13,12 @@ Each request runs the loop a scheduler runs for it, one request in flight:
 radixmesh runs `cache.RadixCache` over `cache.PagePool` with block hashing on (as the worker
 always runs it). As the worker's engine thread does, it receives the prompt's cache keys made
 before the loop (the worker makes them on the thread that submits the request:
-`RequestState.prompt_keys`) and converts the output's ids in the loop (as the engine converts
-each token it generates), and it takes the prompt's block hashes from the router when they
-check out (`BlockHasher.accepts`), hashing only the blocks past them (the output's). SGLang runs
-its `RadixCache` over its `TokenToKVPoolAllocator` (page 1) or `PagedTokenToKVPoolAllocator`,
-CPU tensors, KV events off (its default), and receives its ids as `array("q")`, as its
-scheduler does. Both see the same requests and the same capacity in tokens.
+`RequestState.prompt_keys`) and the output's keys made as its tokens were generated, and it
+takes the prompt's block hashes from the router when they check out (`BlockHasher.accepts`),
+hashing only the blocks past them (the output's). SGLang runs its `RadixCache` over its
+`TokenToKVPoolAllocator` (page 1) or `PagedTokenToKVPoolAllocator`, CPU tensors, KV events off
+(its default), and receives prompt and output ids as `array("q")`, as its scheduler holds them.
+Both see the same requests and the same capacity in tokens.
 
 Memory is measured in a separate, untimed pass: the tracemalloc peak of the run, plus for SGLang
 the bytes of the CPU tensors it holds when the run ends with the cache full (torch's allocator is
@@ -104,16 +104,17 @@ class Radixmesh:
     def prepare(self, req: Request) -> Any:
         """The worker's engine thread receives the prompt's cache keys, made when the request
         was submitted (`RequestState.prompt_keys`, on the submitting thread), and the prompt's
-        block hashes, which the router computed to route it. The output's ids are converted
-        in the loop, as the engine converts each token it generates."""
+        block hashes, which the router computed to route it. The output's keys are made as
+        its tokens are generated (`SequenceCache.append`, one a decode step), before the
+        sequence is cached: SGLang's side likewise gets its output ids ready."""
         keys = to_cache_keys(req.prompt)
-        return keys, req.output, self.hasher.hashes(keys, DEFAULT_NAMESPACE)
+        return keys, to_cache_keys(req.output), self.hasher.hashes(keys, DEFAULT_NAMESPACE)
 
     def serve(self, prepared: Any) -> int:
         """One request through the loop; returns the prompt tokens served from the cache."""
         ps, pool, tree = self.page_size, self.pool, self.tree
         prompt, output, routed = prepared
-        keys = prompt + to_cache_keys(output)
+        keys = prompt + output
         match = tree.match(keys[: len(prompt) - 1], DEFAULT_NAMESPACE)
         chain = match.block_hashes  # as SequenceCache.start takes the router's when it checks
         if len(routed) > len(chain) and self.hasher.accepts(routed, keys, DEFAULT_NAMESPACE):

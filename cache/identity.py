@@ -141,13 +141,13 @@ class BlockHasher:
         end = len(chain) * size
         if not chain or end > len(keys):
             return False
-        head = as_keys(keys)[:end]
-        if has_typed_keys(head):
+        keys = as_keys(keys)
+        if has_typed_keys(keys, end):
             return False
-        if xxh3_64_intdigest(pack_keys(head[:size]), self.namespace_seed(namespace)) != chain[0]:
+        if xxh3_64_intdigest(pack_keys(keys[:size]), self.namespace_seed(namespace)) != chain[0]:
             return False
         return len(chain) == 1 or (
-            xxh3_64_intdigest(pack_keys(head[end - size :]), chain[-2]) == chain[-1]
+            xxh3_64_intdigest(pack_keys(keys[end - size : end]), chain[-2]) == chain[-1]
         )
 
     def hashes(self, keys: Sequence[CacheKey], namespace: CacheNamespace) -> list[int]:

@@ -9,10 +9,11 @@ PRIVATE pages belong to one sequence; CACHED pages to one radix-tree node. Page 
 (the null page that padded page-table entries point at) and never changes state. The pool knows
 nothing of trees or sequences; it makes double frees and leaks impossible to miss.
 
-Bookkeeping is in typed arrays, five bytes a page: a state byte per page (a bytearray, with a
-numpy view of the same bytes) and the free stack (int32). A move of many pages is checked and
-applied by numpy over the whole batch; a move of a few pages stays in plain Python, where
-numpy's fixed cost per call would dominate.
+Bookkeeping is in typed arrays, seven bytes a page: a state byte per page (a bytearray, with a
+numpy view of the same bytes), the free stack (int32) and a scratch stamp per page (uint16) for
+the repeated-page check. A move of many pages is checked and applied by numpy over the whole
+batch; a move of a few pages stays in plain Python, where numpy's fixed cost per call would
+dominate.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ MAX_PAGES: Final = 2**31 - 1
 """Page ids are C ints (int32) on the free stack and in the batches numpy checks."""
 SMALL_MOVE: Final = 32
 """Moves of fewer pages than this run in plain Python: numpy costs a few microseconds a call."""
+_STAMPS = np.arange(1 << 16, dtype=np.uint16)
+"""Stamps for the repeated-page check of moves of up to 65,536 pages (larger ones sort)."""
 
 PageArray = npt.NDArray[np.intc]
 PageIds: TypeAlias = "array[int]"
@@ -60,6 +63,7 @@ class PagePool:
         # is likely still in L2). Initially pages 1, 2, 3, ... come out in that order.
         self._free: PageArray = np.arange(num_pages - 1, 0, -1, dtype=np.intc)
         self._num_free = num_pages - 1
+        self._stamp = np.zeros(num_pages, dtype=np.uint16)  # scratch: see _distinct
         self.num_private = 0
         self.num_cached = 0
 
@@ -74,8 +78,8 @@ class PagePool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the per-page bookkeeping (state bytes and free stack): 5 a page."""
-        return len(self._state) + self._free.nbytes
+        """Bytes of the per-page bookkeeping (state bytes, free stack, stamps): 7 a page."""
+        return len(self._state) + self._free.nbytes + self._stamp.nbytes
 
     def state(self, page: int) -> int:
         if not 0 <= page < self.num_pages:
@@ -154,22 +158,36 @@ class PagePool:
     def _move_many(self, batch: PageArray, src: int, dst: int) -> bool:
         """`_move` over an int32 array: False, changing nothing, if any page may not move.
 
-        The batch is widened to intp once: `take` and index assignment with native indices cost
-        about half what they do with int32 ones (and `put` costs three times as much).
+        The batch is widened to intp once, read as unsigned so that a negative id lands past
+        the pool's end: `take` then refuses every id out of range, and page 0 (reserved) is in
+        no state a move leaves. `take` and index assignment with native indices cost about half
+        what they do with int32 ones (and `put` costs three times as much).
         """
-        ordered = batch.copy()
-        ordered.sort()
+        index = batch.view(np.uint32).astype(np.intp)
         states = self._states
-        if ordered[0] <= 0 or ordered[-1] >= self.num_pages:
-            return False
-        index = batch.astype(np.intp)
-        if (src != dst and b"\x01" in (ordered[1:] == ordered[:-1]).tobytes()) or states.take(
-            index
-        ).tobytes().count(src) != len(batch):
+        try:
+            if states.take(index).tobytes().count(src) != len(batch):
+                return False
+        except IndexError:
             return False
         if src != dst:
+            if not self._distinct(index):
+                return False
             states[index] = dst
         return True
+
+    def _distinct(self, index: npt.NDArray[np.intp]) -> bool:
+        """Whether no page is listed twice, in two C passes and no sort: stamp each listed
+        page's scratch slot with its position in the list, then read the stamps back. A page
+        listed twice keeps only its later stamp, so its earlier position reads the wrong one.
+        A batch longer than the stamps go is sorted instead."""
+        count = len(index)
+        if count > len(_STAMPS):
+            ordered = np.sort(index)
+            return b"\x01" not in (ordered[1:] == ordered[:-1]).tobytes()
+        stamps = _STAMPS[:count]
+        self._stamp[index] = stamps
+        return self._stamp.take(index).tobytes() == stamps.tobytes()
 
     def _bad_move(self, pages: Iterable[int], src: int, dst: int) -> InvalidPageState:
         pages = list(pages)

@@ -162,14 +162,17 @@ _NUMPY_FROM = 2048
 """Keys from which numpy's min (a fixed ~2 us a call) beats slicing out their top bytes."""
 
 
-def has_typed_keys(keys: Keys) -> bool:
-    """Whether any key has the top bit set (a typed key, or an id of 2^63 or more). Below
-    `_NUMPY_FROM` keys, the most significant byte of each key (every 8th byte from the 8th in
-    little-endian order) is sliced out and checked for a byte of 128 or more by `isascii`;
-    above, one numpy pass over the array's memory."""
-    if len(keys) < _NUMPY_FROM and _LITTLE_ENDIAN:
-        return not keys.tobytes()[7::8].isascii()
-    return bool(keys) and np.frombuffer(keys, dtype=np.int64).min() < 0
+def has_typed_keys(keys: Keys, end: int | None = None) -> bool:
+    """Whether any key of `keys[:end]` has the top bit set (a typed key, or an id of 2^63 or
+    more). Below `_NUMPY_FROM` keys, the most significant byte of each key (every 8th byte from
+    the 8th in little-endian order) is sliced out and checked for a byte of 128 or more by
+    `isascii`; above, one numpy pass over the array's memory, copying nothing."""
+    count = len(keys) if end is None else min(end, len(keys))
+    if count <= 0:
+        return False
+    if count < _NUMPY_FROM and _LITTLE_ENDIAN:
+        return not keys.tobytes()[7 : 8 * count : 8].isascii()
+    return bool(np.minimum.reduce(np.frombuffer(keys, dtype=np.int64, count=count)) < 0)
 
 
 def to_cache_keys(tokens: Iterable[CacheToken]) -> Keys:

@@ -3,6 +3,8 @@ errors."""
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -17,7 +19,7 @@ from cache import (
     UnknownTokenType,
     to_cache_keys,
 )
-from cache.tokens import COORD, IMAGE, SIZE, TEXT_ID_LIMIT, typed_key
+from cache.tokens import COORD, IMAGE, SIZE, TEXT_ID_LIMIT, has_typed_keys, typed_key
 
 
 def test_plain_ids_are_their_own_keys() -> None:
@@ -145,3 +147,20 @@ def test_negative_ids_are_refused_from_lists_and_arrays_alike() -> None:
         to_cache_keys([TEXT_ID_LIMIT])  # fits the array, refused by the range check
     with pytest.raises(InvalidToken, match="below 2"):
         to_cache_keys([1 << 64])
+
+
+@given(
+    st.integers(0, 5000),
+    st.one_of(st.none(), st.integers(0, 5000)),
+    st.one_of(st.none(), st.integers(0, 5000)),
+)
+def test_has_typed_keys_finds_a_top_bit_anywhere_before_the_end(
+    length: int, typed_at: int | None, end: int | None
+) -> None:
+    """Both ways of looking (the keys' top bytes below 2,048 keys, numpy above) agree with a
+    plain scan, wherever the typed key sits and wherever `end` cuts."""
+    keys = array("Q", range(7, 7 + length))
+    if typed_at is not None and typed_at < length:
+        keys[typed_at] = typed_key(COORD, typed_at % 1024)
+    want = any(k >= TEXT_ID_LIMIT for k in keys[:end])
+    assert has_typed_keys(keys, end) is want
