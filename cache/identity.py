@@ -141,6 +141,7 @@ class BlockHasher:
         end = len(chain) * size
         if not chain or end > len(keys):
             return False
+        keys = keys if isinstance(keys, array) else as_keys(keys[:end])  # only the head is read
         keys = as_keys(keys)
         if has_typed_keys(keys, end):
             return False

@@ -232,7 +232,10 @@ class PagePool:
         self.num_cached -= len(moved)
 
     def require(self, pages: Iterable[int], state: int) -> None:
-        """Raise `InvalidPageState` unless every page is in `state` (nothing changes)."""
+        """Raise `InvalidPageState` unless every page is in `state` (nothing changes): free,
+        private or cached (page 0's reserved state is no state a page can be required in)."""
+        if state not in (FREE, PRIVATE, CACHED):
+            raise ValueError(f"require takes free, private or cached, got {state!r}")
         self._move(pages, state, state)
 
     def check(self) -> None:

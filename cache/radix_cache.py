@@ -476,15 +476,22 @@ class RadixCache:
             if surplus > 0:  # keep the head, evict only the pages still needed
                 self._split(victim, surplus * self.page_size)
             freed += self._demote(victim, removed) or self._drop_subtree(victim, removed, dropped)
-        if dropped:  # one checked move for every dropped node: the pool's cost is per call
-            pages = dropped[-1] if len(dropped) == 1 else array("i")
-            if len(dropped) > 1:
-                for chunk in reversed(dropped):  # the free stack as node-by-node moves leave it
-                    pages.extend(chunk)
-            self.pool.uncache(pages)
+        self._free_dropped(dropped)
         self._publish(KvEventKind.REMOVED, removed)
         self.evicted_pages += freed
         return freed
+
+    def _free_dropped(self, dropped: list[PageIds]) -> None:
+        """Return the device pages of the nodes an eviction dropped to the pool in one checked
+        move (the pool's cost is per call), the last node's on top of the free stack as moves
+        node by node would leave them (demoted nodes' pages, freed as they go, end up below)."""
+        if not dropped:
+            return
+        pages = dropped[0] if len(dropped) == 1 else array("i")
+        if len(dropped) > 1:
+            for chunk in reversed(dropped):
+                pages.extend(chunk)
+        self.pool.uncache(pages)
 
     def _trim(self, leaf: Node, keep: int, removed: list[int], dropped: list[PageIds]) -> int:
         """Cut device leaf `leaf` down to its first `keep` pages in place (what splitting it
@@ -548,7 +555,8 @@ class RadixCache:
             if surplus > 0:
                 self._split(victim, surplus * self.page_size)
             self.host_evicted_pages += len(victim.pages)
-            self._remove_leaf(victim, removed, [])  # a host leaf: no device pages
+            assert victim.tier == HOST  # no device pages to collect
+            self._remove_leaf(victim, removed, [])
         self._publish(KvEventKind.REMOVED, removed)  # the drops came first
         pages = host.allocate(count)
         host.claim(pages)

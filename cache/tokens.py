@@ -163,15 +163,19 @@ _NUMPY_FROM = 2048
 
 
 def has_typed_keys(keys: Keys, end: int | None = None) -> bool:
-    """Whether any key of `keys[:end]` has the top bit set (a typed key, or an id of 2^63 or
-    more). Below `_NUMPY_FROM` keys, the most significant byte of each key (every 8th byte from
-    the 8th in little-endian order) is sliced out and checked for a byte of 128 or more by
-    `isascii`; above, one numpy pass over the array's memory, copying nothing."""
+    """Whether any of the first `end` keys (all of them: None) has the top bit set (a typed
+    key, or an id of 2^63 or more). Below `_NUMPY_FROM` keys, the most significant byte of each
+    key (every 8th byte from the 8th in little-endian order) is sliced out and checked for a
+    byte of 128 or more by `isascii`; above, one numpy pass over the array's memory, copying
+    nothing."""
+    if end is not None and end < 0:
+        raise ValueError(f"end counts keys from the first: got {end}")
     count = len(keys) if end is None else min(end, len(keys))
-    if count <= 0:
+    if count == 0:
         return False
     if count < _NUMPY_FROM and _LITTLE_ENDIAN:
-        return not keys.tobytes()[7 : 8 * count : 8].isascii()
+        head = keys if count == len(keys) else keys[:count]
+        return not head.tobytes()[7::8].isascii()
     return bool(np.minimum.reduce(np.frombuffer(keys, dtype=np.int64, count=count)) < 0)
 
 

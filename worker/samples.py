@@ -9,8 +9,10 @@ A sample is what holds a cache sequence and generates tokens. Its positions:
 Samples 1..n-1 of a request are UNBORN until sample 0's prompt is complete; then they fork
 from it and share its prompt pages.
 
-A vision prompt's sample starts the cache with its cache tokens (worker/image_inputs.py: one
-ImageToken per run of image positions) instead of its ids, and never with the router's block
+A request's prompt keys are made once, on the thread that submits it (`prompt_keys`); a
+sample starts the cache from them and the keys of the tokens it generated since (`cache_keys`).
+A vision prompt's keys come from its cache tokens (worker/image_inputs.py: one ImageToken per
+run of image positions) instead of its ids, and its samples never start with the router's block
 hashes (they cannot stand for image keys; `BlockHasher.accepts` refuses typed keys anyway).
 """
 
@@ -70,7 +72,9 @@ class SampleState:
 
     def cache_keys(self) -> Keys:
         """The cache keys of this sample's positions: the prompt's, made when it was submitted,
-        then those of the tokens generated since (text ids, converted here)."""
+        then those of the tokens generated since (text ids, converted here). With nothing
+        generated this is the request's own `prompt_keys`, shared by its samples: read it,
+        never change it (`SequenceCache.start_keys` copies it)."""
         keys = self.request.prompt_keys
         if len(self.tokens) == len(keys):
             return keys

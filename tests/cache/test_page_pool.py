@@ -200,16 +200,25 @@ def test_a_page_listed_twice_anywhere_is_refused(
     pool.check()
 
 
-def test_a_move_longer_than_the_stamps_checks_repeats_by_sorting() -> None:
-    pool = PagePool(70_002, 1)
-    pages = pool.allocate(70_001)
-    with pytest.raises(InvalidPageState, match="page 3 is listed twice"):
-        pool.claim([*pages, 3])
-    assert pool.num_private == 70_001
+@pytest.mark.parametrize("count", [65_535, 65_536, 65_537, 70_001])
+def test_moves_around_the_stamps_limit_find_a_repeat_at_either_end(count: int) -> None:
+    """Up to 65,536 pages the stamps check repeats; past that the batch is sorted."""
+    pool = PagePool(count + 1, 1)
+    pages = pool.allocate(count)
+    for bad in ([*pages, pages[0]], [pages[-1], *pages]):
+        with pytest.raises(InvalidPageState, match="listed twice"):
+            pool.claim(bad)
+        assert pool.num_private == count and pool.num_cached == 0
     pool.claim(pages)
     pool.uncache(pages)
-    assert pool.num_free == 70_001
+    assert pool.num_free == count
     pool.check()
+
+
+def test_require_takes_only_states_a_page_can_be_in() -> None:
+    pool = PagePool(64, 1)
+    with pytest.raises(ValueError, match="free, private or cached"):
+        pool.require(list(range(40)), RESERVED)
 
 
 @pytest.mark.parametrize(("num_pages", "page_size"), [(1, 1), (8, 3), (8, 0)])

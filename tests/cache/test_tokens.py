@@ -164,3 +164,8 @@ def test_has_typed_keys_finds_a_top_bit_anywhere_before_the_end(
         keys[typed_at] = typed_key(COORD, typed_at % 1024)
     want = any(k >= TEXT_ID_LIMIT for k in keys[:end])
     assert has_typed_keys(keys, end) is want
+
+
+def test_has_typed_keys_counts_end_from_the_first_key() -> None:
+    with pytest.raises(ValueError, match="from the first"):
+        has_typed_keys(array("Q", [typed_key(COORD, 1)]), -1)
