@@ -228,9 +228,8 @@ class QuantizedLinear(nn.Module):
         """This layer as the output head, which gives logits, not activations (on the CPU: the
         GPU path is unchanged): the float32 path from HEAD_FLOAT32_ROWS rows, without rounding
         its output to bf16, and below it the kernel with its HEAD_EXACT_TOP largest logits
-        recomputed exactly (bf16 and int8 heads; an int4 head keeps the kernel's)."""
-        self.float32_rows, self.is_head = HEAD_FLOAT32_ROWS, True
-        self.exact_top = HEAD_EXACT_TOP if self.format in ("bf16", "int8") else 0
+        recomputed exactly."""
+        self.float32_rows, self.is_head, self.exact_top = HEAD_FLOAT32_ROWS, True, HEAD_EXACT_TOP
         return self
 
     @property
@@ -314,10 +313,22 @@ class QuantizedLinear(nn.Module):
         top = y.topk(min(self.exact_top, self.out_features), dim=-1).indices
         if self.format == "bf16":
             rows = self.weight[top].float()
-        else:
+        elif self.format == "int8":
             rows = self.q[top].float() * self.scales[top].float()[..., None]
+        else:
+            rows = self._int4_rows(top)
         exact = torch.einsum("mki,mi->mk", rows, x.float())
         return y.float().scatter_(1, top, exact)
+
+    def _int4_rows(self, top: torch.Tensor) -> torch.Tensor:
+        """The weight rows `top` ([m, k] row ids) of a CPU int4 layer, dequantized to float32
+        ([m, k, in]) as `reference_weight` dequantizes them."""
+        inp, g = self.in_features, self.group_size
+        levels = int4pack_rows(self.packed, inp, top).float().sub_(OFFSET["int4"])
+        per_group = self.scales_and_zeros[:, top].permute(1, 2, 0, 3)  # [m, k, in / g, 2]
+        w = levels.view(*top.shape, inp // g, g)
+        w = w.mul_(per_group[..., 0:1].float()).add_(per_group[..., 1:2].float())
+        return w.view(*top.shape, inp)
 
     def float32_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The CPU prefill path: the same sums (bf16 x bf16 products are exact in float32),
@@ -429,6 +440,25 @@ def int4pack_levels(
         return blocks.permute(0, 3, 2, 1).reshape(rows, inp)
     blocks = nibbles.reshape(rows // INT4_CPU_ROWS, INT4_CPU_ROWS * inp)
     return blocks.index_select(1, layout).reshape(rows, inp)
+
+
+def int4pack_rows(
+    packed: torch.Tensor, inp: int, rows: torch.Tensor, layout: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """The levels 0..15 [*rows.shape, in] (uint8) of the given rows of a CPU int4pack tensor,
+    read without unpacking the others (what `int4pack_levels(...)[rows]` gives)."""
+    layout = int4pack_layout(inp) if layout is None else layout
+    if isinstance(layout, int):  # per block of `layout` rows, byte [k, j]: rows j and j + half
+        half = layout // 2
+        within = rows % layout
+        found = packed.view(-1, inp, half)[rows // layout, :, within % half]
+        high = (within >= half)[..., None]
+    else:  # nibble order[r * inp + k] of the row's block holds its level k
+        nibble = layout.view(INT4_CPU_ROWS, inp)[rows % INT4_CPU_ROWS]
+        blocks = packed.view(-1, INT4_CPU_ROWS * inp // 2)
+        found = blocks[(rows // INT4_CPU_ROWS)[..., None], nibble // 2]
+        high = nibble % 2 == 1
+    return torch.where(high, found >> 4, found & 15)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -30,16 +30,25 @@ def exact(head: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return (x.double() @ head.reference_weight().double().t()).float()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_a_near_tie_the_kernel_rounds_to_a_tie_keeps_its_order(fmt: LinearFormat) -> None:
+@pytest.mark.parametrize(
+    ("fmt", "column", "value"),
+    [
+        ("bf16", 1, 25.0 / 127),  # one int8 step of the row: held exactly by bf16 and int8
+        ("int8", 1, 25.0 / 127),
+        ("int4", 32, 1.0),  # alone in its group of 32 besides zeros: int4 holds it exactly
+    ],
+)
+def test_a_near_tie_the_kernel_rounds_to_a_tie_keeps_its_order(
+    fmt: LinearFormat, column: int, value: float
+) -> None:
     """Two rows whose logits differ by less than a bf16 step: the kernel's bf16 output ties
     them, and its argmax is the lower id; the head's is the larger exact logit."""
     w = table(1) * 0.01
     w[7], w[300] = 0.0, 0.0
     w[7, 0] = w[300, 0] = 25.0
-    w[300, 1] = 25.0 / 127  # one int8 step of the row: held exactly by both formats
+    w[300, column] = value
     x = torch.zeros(1, HIDDEN)
-    x[0, 0], x[0, 1] = 1.0, 0.02  # logits 25.0 and 25.004: one bf16 value (its step: 0.125)
+    x[0, 0], x[0, column] = 1.0, 0.004 / value  # logits 25.0 and 25.004: one bf16 value
     plain = QuantizedLinear(w, fmt)
     head = QuantizedLinear(w, fmt).as_head()
     want = exact(head, x)
@@ -60,13 +69,11 @@ def test_the_head_path_turns_at_its_own_row_count_and_is_unrounded(fmt: LinearFo
     for rows in (1, HEAD_FLOAT32_ROWS - 1, HEAD_FLOAT32_ROWS):
         x = torch.randn(rows, HIDDEN, generator=gen)
         got, want = head(x), exact(head, x)
-        if rows >= HEAD_FLOAT32_ROWS or fmt != "int4":  # the leaders are exact (the kernel's
-            # top HEAD_EXACT_TOP are; its ranking differs from the exact one only near the edge)
-            top = want.topk(8, dim=-1).indices
-            torch.testing.assert_close(
-                got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-5
-            )
-            assert torch.equal(got.argmax(-1), want.argmax(-1))
+        # the leaders are exact (the kernel's top HEAD_EXACT_TOP are; its ranking differs
+        # from the exact one only near the edge)
+        top = want.topk(8, dim=-1).indices
+        torch.testing.assert_close(got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
         if rows >= HEAD_FLOAT32_ROWS:  # the float32 path: every logit unrounded
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert not torch.equal(got, got.to(torch.bfloat16).float())

@@ -19,6 +19,7 @@ from worker.quantized_linear import (
     int4pack_layout,
     int4pack_levels,
     int4pack_probe,
+    int4pack_rows,
     pack_int4_cpu,
 )
 from worker.quantized_weights import OFFSET, QuantizedWeight, quantize
@@ -78,6 +79,9 @@ def test_the_int4pack_layout_found_by_probing_is_the_kernels(inp: int) -> None:
         assert int4pack_layout(inp) == expected
     gather = torch.argsort(int4pack_probe(inp))  # the path a build of another layout takes
     assert torch.equal(int4pack_levels(packed, inp, gather), q)
+    rows = torch.randint(0, 2 * INT4_CPU_ROWS, (3, 9), generator=gen)
+    for layout in (None, gather):  # a few rows read alone (the head's exact leaders)
+        assert torch.equal(int4pack_rows(packed, inp, rows, layout), q[rows])
 
 
 @pytest.mark.parametrize(("out", "inp"), SHAPES)
