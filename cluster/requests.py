@@ -97,13 +97,17 @@ def prepare(
     text_prompts: TextPrompts | None = None,
     adapters: Mapping[str, str] | None = None,
     image_fields: Sequence[str] = (),
+    counting: bool = False,
 ) -> PreparedRequest:
     """Raises InvalidRequest (naming the field) or TenantRefused. With `fill_context`, a request
     that gives no max_tokens may generate up to the end of the context (OpenAI's default) instead
     of the proto's default of 16. With `text_prompts`, a text or chat prompt is tokenised
     through the router's text index, in the mode the request asks for. `adapters`: the
     adapters the healthy workers hold, name -> identity (None: none). `image_fields`: what
-    refusals call each of `message.images` (default "images[k]")."""
+    refusals call each of `message.images` (default "images[k]"). `counting`: the prompt is
+    only counted (vLLM's /tokenize, Anthropic's count_tokens), so neither its length against
+    the context nor the sampling parameters are checked: a count may exceed the context, as a
+    text prompt's does."""
     request_id = message.request_id or uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(request_id):
         raise InvalidRequest("request_id", "1-128 characters of [A-Za-z0-9._:-]")
@@ -136,7 +140,8 @@ def prepare(
     if fill_context and not message.sampling.HasField("max_tokens"):
         room = max(1, limits.max_model_len - len(ids))
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))
-    validation.validate(request, ids, limits)
+    if not counting:
+        validation.validate(request, ids, limits)
     sampling = request.sampling
     if sampling.seed is None and not sampling.greedy:
         sampling = replace(sampling, seed=secrets.randbits(63))

@@ -185,7 +185,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         """The prompt ids `request` would be served with, its images placed and expanded, after
         the checks a request gets (ServingError naming the field), without serving it or
         touching the text index (token counting: Anthropic's count_tokens, vLLM's /tokenize)."""
-        prepared = await self._prepare(request, caller, True, image_fields, index_text=False)
+        prepared = await self._prepare(
+            request, caller, True, image_fields, index_text=False, counting=True
+        )
         return list(prepared.token_ids)
 
     async def _prepare(
@@ -195,6 +197,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         fill_context: bool,
         image_fields: Sequence[str],
         index_text: bool = True,
+        counting: bool = False,
     ) -> PreparedRequest:
         limits = self.request_limits()
         if limits is None or not self.links.links:
@@ -204,12 +207,13 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         args = (request, tokenizer, limits, tenant, fill_context)
         try:
             if request.WhichOneof("prompt") == "token_ids" and not request.images:
-                return prepare(*args, None, adapters)  # nothing to tokenise or decode
+                # nothing to tokenise or decode
+                return prepare(*args, None, adapters, counting=counting)
             texts = None
             if index_text and not request.images:  # an image prompt bypasses the text index
                 texts = await self._text_prompts()
                 await self._answers_joined(request, caller, adapters)
-            return await asyncio.to_thread(prepare, *args, texts, adapters, image_fields)
+            return await asyncio.to_thread(prepare, *args, texts, adapters, image_fields, counting)
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
             raise self._error(code, str(err), isinstance(err, PromptTooLarge)) from err

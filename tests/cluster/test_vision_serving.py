@@ -78,13 +78,17 @@ def user_turn(*images: bytes, text: str = QUESTION) -> dict[str, Any]:
     return {"role": "user", "content": [*map(image_part, images), {"type": "text", "text": text}]}
 
 
-def served_ids(cluster: LocalCluster, messages: list[dict[str, Any]]) -> list[int]:
+def served_ids(
+    cluster: LocalCluster, messages: list[dict[str, Any]], counting: bool = False
+) -> list[int]:
     """The prompt ids the router makes of chat `messages` (images placed and expanded)."""
     body = ChatCompletionRequest(model=MODEL, messages=messages)
     message, fields = openai_params.chat_request(body, "span", "")
     limits = cluster.service.request_limits()
     assert limits is not None
-    return list(prepare(message, cluster.links.tokenizer, limits, image_fields=fields).token_ids)
+    tokenizer = cluster.links.tokenizer
+    prepared = prepare(message, tokenizer, limits, image_fields=fields, counting=counting)
+    return list(prepared.token_ids)
 
 
 def image_span(cluster: LocalCluster, messages: list[dict[str, Any]]) -> tuple[int, int]:
@@ -353,6 +357,13 @@ def test_tokenize_counts_a_vision_models_chat_as_it_is_served(
         expanded = counted["tokens"].count(spec.image_token_id)
         assert expanded >= len(images) * spec.image_seq_len  # each image: its tiles' runs
         assert expanded % spec.image_seq_len == 0
+    # a count may exceed the context, as a text prompt's does; serving it is refused
+    long = [user_turn(png_bytes(40, 48, 21), text="word " * 600)]
+    counted = httpx.post(tokenize, json={"messages": long}).json()
+    assert counted["count"] > counted["max_model_len"] == ENGINE.max_model_len
+    assert counted["tokens"] == served_ids(cluster, long, counting=True)
+    with pytest.raises(openai.BadRequestError, match="leave no room"):
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=1)  # type: ignore[arg-type]
     broken = httpx.post(tokenize, json={"messages": [user_turn(b"x")]})
     assert broken.status_code == 400
     assert broken.json()["error"]["param"] == "messages[0].content[0].image_url"
@@ -377,6 +388,8 @@ def test_anthropic_count_tokens_counts_image_blocks_as_served(cluster: LocalClus
             served.usage.input_tokens + (served.usage.cache_read_input_tokens or 0)
         )
         assert counted.input_tokens == len(served_ids(cluster, [user_turn(image)]))
+        long = [{"role": "user", "content": [block, {"type": "text", "text": "word " * 600}]}]
+        assert sdk.messages.count_tokens(model=MODEL, messages=long).input_tokens > 512
         bad = {**block, "source": {**block["source"], "data": base64.b64encode(b"x").decode()}}
         with pytest.raises(anthropic.BadRequestError) as err:
             sdk.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": [bad]}])
