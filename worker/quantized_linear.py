@@ -19,9 +19,9 @@ layouts:
     int8    cpu     q [out, in] int8, scales [out] bf16            aten._weight_int8pack_mm
     int8    cuda    the same                                       kernels.quant_matmul
 
-On the CPU, a call of FLOAT32_ROWS rows or more (a prefill chunk) dequantizes the weight to
-float32 for that call and runs float32 GEMM instead (`float32_matmul`): faster there, and no
-float copy is kept.
+On the CPU, a bf16 or int8 call of FLOAT32_ROWS rows or more (a prefill chunk) dequantizes the
+weight to float32 for that call and runs float32 GEMM instead (`float32_matmul`): faster there,
+and no float copy is kept. int4 keeps its kernel at every row count (FLOAT32_ROWS).
 
 int4: W[o, i] = (q[o, i] - 8) * scales[o, i // g] + zeros[o, i // g] (worker/quantized_weights.py)
 in groups of g = 32 inputs, scales and zeros rounded to bf16 (the form torch's CPU int4 kernel
@@ -55,7 +55,9 @@ come from memory as in decode; medians of 5 alternating rounds, ms):
     int8 grouped -> bf16, mm  282.2   2152        1.44    50.9
 
 So decode (one row) takes each format's kernel, and from FLOAT32_ROWS rows on a CPU layer
-dequantizes to float32 and runs float32 GEMM (bf16: from 8 rows; int8 / int4: from 64). Whole
+dequantizes to float32 and runs float32 GEMM (bf16: from 8 rows; int8: from 64). int4's kernel
+row above (12.8 against 7.2 ms at 256 tokens) was not borne out when measured again on whole
+layers (FLOAT32_ROWS): int4 now keeps its kernel. Whole
 SmolLM2-135M (head bf16, worker/weight_formats.py), one thread, same conditions, one run
 alternating the formats (a decode step at 128 tokens of context / a cold 256-token prefill,
 with the decode kernel alone in brackets): float32 70.8 ms / 869 ms; bf16 61.5 / 1117 (6042);
@@ -69,6 +71,7 @@ machine before reading 2-thread speed-ups off these.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from functools import cache
 from typing import Literal
@@ -97,17 +100,23 @@ kernel's. The kernel rounds its output to bf16, whose step at a logit of 25 is 0
 first answer token to "What is the capital of France?" ("The" 25.325 against "L" 25.243 in
 float32) became a tie at 25.0 and greedy decoding answered "L'Etoile, ...". The true maximum is
 within one rounding step of the kernel's, so it is always among these."""
-FLOAT32_ROWS: dict[str, int] = {"bf16": 8, "int8": 64, "int4": 64}
+KERNEL_ONLY = sys.maxsize
+"""The FLOAT32_ROWS of a format whose kernel is the faster at every row count."""
+FLOAT32_ROWS: dict[str, int] = {"bf16": 8, "int8": 64, "int4": KERNEL_ONLY}
 """From this many rows on (prefill chunks, big decode batches), a CPU layer dequantizes its
 weight to float32 and runs float32 GEMM instead of its decode kernel (module docstring): no
 bf16 GEMM (no AVX512-BF16 / AMX), so torch's bf16 matmul costs about one matrix-vector product
-per row; the int4 / int8 kernels are GEMV-shaped too, about 2x float32 GEMM per row; the
+per row; the int8 kernel is GEMV-shaped too, about 2x float32 GEMM per row; the
 dequantization costs a few passes over the matrix, which many rows repay. The numerics stay the
 decode kernels' (x rounded to bf16, products summed in float32, the sum rounded to bf16).
 Measured on whole SmolLM2 decode steps of a batch (2 threads, fused projections, 2026-11-25),
 step ms with the float32 path from N rows against the kernel: bf16 at 4 sequences 144 against
-87, at 8 126 against 147, so 8 (it was 4, from single layers at 1 thread); int4 at 4 sequences
-246 against 49, at 16 291 against 136, so 64 stays."""
+87, at 8 126 against 147, so 8 (it was 4, from single layers at 1 thread). int4 takes its
+kernel at every row count: at 2 threads it beat the float32 path in every measurement, decode
+batches (4 sequences 49 against 246 ms a step, 16: 136 against 291) and whole prefills alike
+(one SmolLM2 layer's four multiplies: 0.40x the float32 path's time at 64 rows, 0.74x at 256,
+0.94x at 2,048; 1 thread: 0.47x to 1.01x; a 256-token cold prefill 0.41 s against 0.51 s), and
+a row's result then never depends on the rows beside it (docs/models.md)."""
 
 
 class QuantizedLinear(nn.Module):

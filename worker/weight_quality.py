@@ -74,12 +74,13 @@ AUTO = "auto"
 AUTO_CPU_ORDER = ("bf16", "int4", "int8")
 """What `weights: auto` tries on a CPU, in order (docs/decisions.md 51). SmolLM2, 2 threads, one
 run: bf16 decodes 31.2 tokens/s against float32's 18.3 with float32's TTFT, and answered 7 of 7
-plain questions token for token as float32 does; int4 decodes 34.2 but prefills about 25 %
-slower (each pass dequantizes the layers) and answered 2 of the 7 otherwise ("What is the
-capital of France?": "L'Etoile, la Marseillaise, ...", as llama.cpp does on the same Q4_1
-file; float32 and bf16: "The capital of France is Paris."), a near-tie its roundings flip. On
-the 20 prompts of benchmarks/weights_quality.py the two agree with float32 about equally (int4
-17 identical, bf16 16)."""
+plain questions token for token as float32 does; int4 answered 2 of the 7 otherwise ("What is
+the capital of France?": "L'Etoile, la Marseillaise, ...", as llama.cpp does on the same Q4_1
+file; float32 and bf16: "The capital of France is Paris."), a near-tie its roundings flip. int4
+is the faster (since it prefills with its kernel: 56.4 against bf16's 25.5 tokens/s, TTFT the
+same or shorter); bf16 is first for the answers. On the 20 prompts of
+benchmarks/weights_quality.py the two agree with float32 about equally (int4 17 identical, bf16
+16)."""
 
 
 def auto_weight_format(checkpoint: str, device: str) -> str:
