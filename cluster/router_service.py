@@ -183,8 +183,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         image_fields: Sequence[str] = (),
     ) -> list[int]:
         """The prompt ids `request` would be served with, its images placed and expanded, after
-        the checks a request gets (ServingError naming the field), without serving it or
-        touching the text index (token counting: Anthropic's count_tokens, vLLM's /tokenize)."""
+        the checks a request gets but those of its length against the context and of its
+        sampling (a count may exceed the context; ServingError naming the field), without
+        serving it or touching the text index (token counting: Anthropic's count_tokens, vLLM's
+        /tokenize)."""
         prepared = await self._prepare(
             request, caller, True, image_fields, index_text=False, counting=True
         )

@@ -21,7 +21,8 @@ layouts:
 
 On the CPU, a bf16 or int8 call of FLOAT32_ROWS rows or more (a prefill chunk) dequantizes the
 weight to float32 for that call and runs float32 GEMM instead (`float32_matmul`): faster there,
-and no float copy is kept. int4 keeps its kernel at every row count (FLOAT32_ROWS).
+and no float copy is kept. int4 does so too under torch's AVX2 kernels, and keeps its kernel at
+every row count under its AVX-512 ones (FLOAT32_ROWS).
 
 int4: W[o, i] = (q[o, i] - 8) * scales[o, i // g] + zeros[o, i // g] (worker/quantized_weights.py)
 in groups of g = 32 inputs, scales and zeros rounded to bf16 (the form torch's CPU int4 kernel
@@ -55,9 +56,9 @@ come from memory as in decode; medians of 5 alternating rounds, ms):
     int8 grouped -> bf16, mm  282.2   2152        1.44    50.9
 
 So decode (one row) takes each format's kernel, and from FLOAT32_ROWS rows on a CPU layer
-dequantizes to float32 and runs float32 GEMM (bf16: from 8 rows; int8: from 64). int4's kernel
-row above (12.8 against 7.2 ms at 256 tokens) was not borne out when measured again on whole
-layers (FLOAT32_ROWS): int4 now keeps its kernel. Whole
+dequantizes to float32 and runs float32 GEMM (bf16: from 8 rows; int8: from 64; int4: from 64
+with torch's AVX2 kernels, as this table shows, never with its AVX-512 ones, which a later
+host runs: FLOAT32_ROWS). Whole
 SmolLM2-135M (head bf16, worker/weight_formats.py), one thread, same conditions, one run
 alternating the formats (a decode step at 128 tokens of context / a cold 256-token prefill,
 with the decode kernel alone in brackets): float32 70.8 ms / 869 ms; bf16 61.5 / 1117 (6042);
@@ -102,7 +103,20 @@ float32) became a tie at 25.0 and greedy decoding answered "L'Etoile, ...". The 
 within one rounding step of the kernel's, so it is always among these."""
 KERNEL_ONLY = sys.maxsize
 """The FLOAT32_ROWS of a format whose kernel is the faster at every row count."""
-FLOAT32_ROWS: dict[str, int] = {"bf16": 8, "int8": 64, "int4": KERNEL_ONLY}
+
+
+def int4_float32_rows(capability: str) -> int:
+    """int4's FLOAT32_ROWS under torch's CPU kernels of `capability`
+    (`torch.backends.cpu.get_cpu_capability()`): its kernel at every row count with the AVX-512
+    kernels, from 64 rows otherwise (FLOAT32_ROWS says why)."""
+    return KERNEL_ONLY if capability == "AVX512" else 64
+
+
+FLOAT32_ROWS: dict[str, int] = {
+    "bf16": 8,
+    "int8": 64,
+    "int4": int4_float32_rows(torch.backends.cpu.get_cpu_capability()),
+}
 """From this many rows on (prefill chunks, big decode batches), a CPU layer dequantizes its
 weight to float32 and runs float32 GEMM instead of its decode kernel (module docstring): no
 bf16 GEMM (no AVX512-BF16 / AMX), so torch's bf16 matmul costs about one matrix-vector product
@@ -111,12 +125,16 @@ dequantization costs a few passes over the matrix, which many rows repay. The nu
 decode kernels' (x rounded to bf16, products summed in float32, the sum rounded to bf16).
 Measured on whole SmolLM2 decode steps of a batch (2 threads, fused projections, 2026-11-25),
 step ms with the float32 path from N rows against the kernel: bf16 at 4 sequences 144 against
-87, at 8 126 against 147, so 8 (it was 4, from single layers at 1 thread). int4 takes its
-kernel at every row count: at 2 threads it beat the float32 path in every measurement, decode
-batches (4 sequences 49 against 246 ms a step, 16: 136 against 291) and whole prefills alike
-(one SmolLM2 layer's four multiplies: 0.40x the float32 path's time at 64 rows, 0.74x at 256,
-0.94x at 2,048; 1 thread: 0.47x to 1.01x; a 256-token cold prefill 0.41 s against 0.51 s), and
-a row's result then never depends on the rows beside it (docs/models.md)."""
+87, at 8 126 against 147, so 8 (it was 4, from single layers at 1 thread). int4 depends on the
+kernels torch runs (`int4_float32_rows`). With its AVX-512 kernels (the host of later sessions)
+the int4 kernel beat the float32 path at every row count measured, decode batches (4 sequences
+49 against 246 ms a step, 16: 136 against 291) and prefill chunks alike (one SmolLM2 layer's
+four multiplies: 0.40x the float32 path's time at 64 rows, 0.74x at 256, 0.94x at 2,048; 1
+thread: 0.47x to 1.01x; a 256-token cold prefill 0.41 s against 0.51 s), so it keeps its
+kernel, and a row's result then never depends on the rows beside it (docs/models.md). With
+its AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2` on that host, and the table above on an AVX2 host)
+the float32 path wins from about 96-256 rows (1 thread: 1.04x at 96 rows, 1.37x at 256), so
+64 stays there."""
 
 
 class QuantizedLinear(nn.Module):

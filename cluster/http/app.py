@@ -306,7 +306,8 @@ class HttpApi:
         self, chat: openai_params.ChatPrompt, caller: Caller, tenant: str
     ) -> list[int]:
         """The prompt ids a chat request of `chat` (images included) would be served with
-        (router_service.count_prompt: the request's own checks, refusals named)."""
+        (router_service.count_prompt: the request's own checks but the context's, refusals
+        named)."""
         message = serving_pb2.GenerateRequest(
             chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images
         )

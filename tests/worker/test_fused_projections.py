@@ -94,7 +94,8 @@ def unfused_twin(model: nn.Module) -> None:
 @pytest.mark.parametrize("config", [TINY_CONFIG, TINY_QWEN3_CONFIG], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_model_gives_the_same_logits_fused_or_not(fmt: LinearFormat, config: ModelConfig) -> None:
-    """Prefill in two chunks (below and above FLOAT32_ROWS rows each), then decode steps, with
+    """Prefill in two chunks (below and above FLOAT32_ROWS rows each, where the format has a
+    float32 path), then decode steps, with
     and without a LoRA adapter on every projection: fused and unfused logits equal bit for bit
     (q and k rotated as one tensor where the fused layout allows it: Llama, no LoRA)."""
     assert fuse_projections(tiny_model(config)) == 0, "float32 nn.Linear layers stay apart"

@@ -17,6 +17,7 @@ from worker.quantized_linear import (
     KERNEL_ONLY,
     LINEAR_FORMATS,
     QuantizedLinear,
+    int4_float32_rows,
     int4pack_layout,
     int4pack_levels,
     int4pack_probe,
@@ -83,6 +84,15 @@ def test_the_int4pack_layout_found_by_probing_is_the_kernels(inp: int) -> None:
     rows = torch.randint(0, 2 * INT4_CPU_ROWS, (3, 9), generator=gen)
     for layout in (None, gather):  # a few rows read alone (the head's exact leaders)
         assert torch.equal(int4pack_rows(packed, inp, rows, layout), q[rows])
+    noise = torch.randint(0, 256, packed.shape, generator=gen, dtype=torch.uint8)
+    for layout in (32, 64, gather):  # both one-permute layouts, whichever this build writes
+        levels = int4pack_levels(noise, inp, layout)
+        assert torch.equal(int4pack_rows(noise, inp, rows, layout), levels[rows])
+
+
+def test_int4_keeps_its_kernel_only_under_avx512_kernels() -> None:
+    assert int4_float32_rows("AVX512") == KERNEL_ONLY
+    assert int4_float32_rows("AVX2") == int4_float32_rows("DEFAULT") == 64
 
 
 @pytest.mark.parametrize(("out", "inp"), SHAPES)

@@ -179,9 +179,10 @@ def test_the_cache_changes_nothing_within_a_format(config: ModelConfig, fmt: Wei
     """The engine, cold and after cache hits, in several chunkings and batches, against the
     no-cache oracle of the same quantized model: the same greedy tokens, and logits equal up to
     the bf16 rounding of the linears' outputs. A row goes through the format's decode kernel in
-    a small batch and through float32 GEMM in one of FLOAT32_ROWS rows or more (prefill): the
-    same sums in another order, which can round to the neighbouring bf16 value (seen: up to
-    5e-3 here; 0 when both runs take the same paths)."""
+    a small batch and through float32 GEMM in one of FLOAT32_ROWS rows or more (prefill; int4
+    under torch's AVX-512 kernels never): the same sums in another order, which can round to
+    the neighbouring bf16 value (seen: up to 5e-3 here; 0 when both runs take the same
+    paths)."""
     model = apply_weight_format(tiny_model(config, seed=11), fmt)
     tokens, logits = no_cache_greedy(model, equivalence.PROMPT, equivalence.STEPS)
     bound = 2e-2
