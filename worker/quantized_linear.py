@@ -19,10 +19,10 @@ layouts:
     int8    cpu     q [out, in] int8, scales [out] bf16            aten._weight_int8pack_mm
     int8    cuda    the same                                       kernels.quant_matmul
 
-On the CPU, a bf16 or int8 call of FLOAT32_ROWS rows or more (a prefill chunk) dequantizes the
-weight to float32 for that call and runs float32 GEMM instead (`float32_matmul`): faster there,
-and no float copy is kept. int4 does so too under torch's AVX2 kernels, and keeps its kernel at
-every row count under its AVX-512 ones (FLOAT32_ROWS).
+On the CPU, a call of FLOAT32_ROWS rows or more (a prefill chunk) dequantizes the weight to
+float32 for that call and runs float32 GEMM instead (`float32_matmul`) where that is the faster,
+and no float copy is kept: int8 always, bf16 on a CPU without AVX512-BF16, int4 under torch's
+AVX2 kernels (FLOAT32_ROWS).
 
 int4: W[o, i] = (q[o, i] - 8) * scales[o, i // g] + zeros[o, i // g] (worker/quantized_weights.py)
 in groups of g = 32 inputs, scales and zeros rounded to bf16 (the form torch's CPU int4 kernel
@@ -112,8 +112,20 @@ def int4_float32_rows(capability: str) -> int:
     return KERNEL_ONLY if capability == "AVX512" else 64
 
 
+def bf16_float32_rows(avx512_bf16: bool) -> int:
+    """bf16's FLOAT32_ROWS on a CPU with or without AVX512-BF16 (native bf16 dot products, which
+    torch's bf16 matmul then uses through oneDNN): its kernel at every row count with them, from
+    8 rows without (FLOAT32_ROWS says why)."""
+    return KERNEL_ONLY if avx512_bf16 else 8
+
+
+def _has_avx512_bf16() -> bool:
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private; absent: assume not
+    return bool(probe()) if probe is not None else False
+
+
 FLOAT32_ROWS: dict[str, int] = {
-    "bf16": 8,
+    "bf16": bf16_float32_rows(_has_avx512_bf16()),
     "int8": 64,
     "int4": int4_float32_rows(torch.backends.cpu.get_cpu_capability()),
 }
@@ -125,7 +137,12 @@ dequantization costs a few passes over the matrix, which many rows repay. The nu
 decode kernels' (x rounded to bf16, products summed in float32, the sum rounded to bf16).
 Measured on whole SmolLM2 decode steps of a batch (2 threads, fused projections, 2026-11-25),
 step ms with the float32 path from N rows against the kernel: bf16 at 4 sequences 144 against
-87, at 8 126 against 147, so 8 (it was 4, from single layers at 1 thread). int4 depends on the
+87, at 8 126 against 147, so 8 (it was 4, from single layers at 1 thread). That host had no
+AVX512-BF16; on the later host, which has it, torch's bf16 matmul runs native bf16 dot products
+and beat the float32 path at every row count (one SmolLM2 layer's four multiplies, alternated,
+medians of 5: 0.27x-0.52x its time from 1 to 2,048 rows at 2 threads, 0.38x-0.60x at 1; a
+cold 256-token bf16 prefill 0.22 s against 0.42 s, 1,024 tokens 1.37 against 1.92 s), so bf16
+keeps its kernel there (`bf16_float32_rows`). int4 depends on the
 kernels torch runs (`int4_float32_rows`). With its AVX-512 kernels (the host of later sessions)
 the int4 kernel beat the float32 path at every row count measured, decode batches (4 sequences
 49 against 246 ms a step, 16: 136 against 291) and prefill chunks alike (one SmolLM2 layer's

@@ -17,6 +17,7 @@ from worker.quantized_linear import (
     KERNEL_ONLY,
     LINEAR_FORMATS,
     QuantizedLinear,
+    bf16_float32_rows,
     int4_float32_rows,
     int4pack_layout,
     int4pack_levels,
@@ -90,9 +91,10 @@ def test_the_int4pack_layout_found_by_probing_is_the_kernels(inp: int) -> None:
         assert torch.equal(int4pack_rows(noise, inp, rows, layout), levels[rows])
 
 
-def test_int4_keeps_its_kernel_only_under_avx512_kernels() -> None:
+def test_the_float32_path_is_kept_only_where_it_is_the_faster() -> None:
     assert int4_float32_rows("AVX512") == KERNEL_ONLY
     assert int4_float32_rows("AVX2") == int4_float32_rows("DEFAULT") == 64
+    assert bf16_float32_rows(True) == KERNEL_ONLY and bf16_float32_rows(False) == 8
 
 
 @pytest.mark.parametrize(("out", "inp"), SHAPES)
