@@ -56,9 +56,9 @@ come from memory as in decode; medians of 5 alternating rounds, ms):
     int8 grouped -> bf16, mm  282.2   2152        1.44    50.9
 
 So decode (one row) takes each format's kernel, and from FLOAT32_ROWS rows on a CPU layer
-dequantizes to float32 and runs float32 GEMM (bf16: from 8 rows; int8: from 64; int4: from 64
-with torch's AVX2 kernels, as this table shows, never with its AVX-512 ones, which a later
-host runs: FLOAT32_ROWS). Whole
+dequantizes to float32 and runs float32 GEMM (bf16: from 8 rows on a CPU without AVX512-BF16,
+like this one, never with it; int8: from 64; int4: from 64 with torch's AVX2 kernels, as this
+table shows, never with its AVX-512 ones, which a later host runs: FLOAT32_ROWS). Whole
 SmolLM2-135M (head bf16, worker/weight_formats.py), one thread, same conditions, one run
 alternating the formats (a decode step at 128 tokens of context / a cold 256-token prefill,
 with the decode kernel alone in brackets): float32 70.8 ms / 869 ms; bf16 61.5 / 1117 (6042);
@@ -120,8 +120,10 @@ def bf16_float32_rows(avx512_bf16: bool) -> int:
 
 
 def _has_avx512_bf16() -> bool:
+    """Whether the CPU has AVX512-BF16 and torch multiplies bf16 through oneDNN, which uses it."""
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # private; absent: assume not
-    return bool(probe()) if probe is not None else False
+    onednn = bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+    return probe is not None and bool(probe()) and onednn
 
 
 FLOAT32_ROWS: dict[str, int] = {
@@ -141,8 +143,10 @@ step ms with the float32 path from N rows against the kernel: bf16 at 4 sequence
 AVX512-BF16; on the later host, which has it, torch's bf16 matmul runs native bf16 dot products
 and beat the float32 path at every row count (one SmolLM2 layer's four multiplies, alternated,
 medians of 5: 0.27x-0.52x its time from 1 to 2,048 rows at 2 threads, 0.38x-0.60x at 1; a
-cold 256-token bf16 prefill 0.22 s against 0.42 s, 1,024 tokens 1.37 against 1.92 s), so bf16
-keeps its kernel there (`bf16_float32_rows`). int4 depends on the
+cold 256-token bf16 prefill 0.22 s against 0.42 s, 1,024 tokens 1.37 against 1.92 s, whole
+prefills alternated 4 times in one process), so bf16 keeps its kernel there
+(`bf16_float32_rows`), as long as torch multiplies through oneDNN (without it, a bf16 matmul
+took 22.7 ms where the float32 path took 4.5). int4 depends on the
 kernels torch runs (`int4_float32_rows`). With its AVX-512 kernels (the host of later sessions)
 the int4 kernel beat the float32 path at every row count measured, decode batches (4 sequences
 49 against 246 ms a step, 16: 136 against 291) and prefill chunks alike (one SmolLM2 layer's

@@ -78,16 +78,17 @@ to a layer changes: the numbers belong to the definitions."""
 AUTO = "auto"
 AUTO_CPU_ORDER = ("bf16", "int4", "int8")
 """What `weights: auto` tries on a CPU, in order (docs/decisions.md 51). SmolLM2, 2 threads, one
-run: bf16 decodes 31.2 tokens/s against float32's 18.3 with float32's TTFT, and answered 7 of 7
+run: bf16 decodes 31.2 tokens/s against float32's 18.3 with float32's TTFT (then; shorter since
+on an AVX512-BF16 CPU), and answered 7 of 7
 plain questions token for token as float32 does (6 of 7 within 24 tokens since it keeps its
 kernel on an AVX512-BF16 CPU, the France question among the 6); int4 answered 2 of the 7
 otherwise (3 since; "What is the capital of France?": "L'Etoile, la Marseillaise, ...", as
 llama.cpp does on the same Q4_1 file; float32 and bf16: "The capital of France is Paris."), a
 near-tie its roundings flip. On an AVX-512 CPU with AVX512-BF16 (one run, eighth session) bf16
-has the shortest TTFT (0.26 s at 256 tokens against int4's 0.44) and int4 the fastest decode
+has the shorter TTFT (0.26 s at 256 tokens against int4's 0.44) and int4 the fastest decode
 (43.2 against 25.9 tokens/s); bf16 is first for the answers. On the 20 prompts of
 benchmarks/weights_quality.py the two agree with float32 about equally (int4 17 identical then,
-14 since it prefills with its kernel; bf16 16)."""
+14 since it prefills with its kernel; bf16 16 then, 14 since)."""
 
 
 def auto_weight_format(checkpoint: str, device: str) -> str:

@@ -221,8 +221,9 @@ def test_cuda_layers_multiply_by_the_same_matrix_as_cpu_layers(fmt: str) -> None
 def test_rows_agree_whichever_cpu_path_they_take(fmt: str) -> None:
     """A decode row (the format's kernel) and the same row inside a prefill chunk (float32 GEMM
     on the dequantized weight, past FLOAT32_ROWS) compute the same sums: equal up to one bf16
-    rounding step of the result. A format whose kernel takes every row count (int4) gives a row
-    the same bits alone and in a chunk."""
+    rounding step of the result. int4, where its kernel takes every row count, gives a row the
+    same bits alone and in a chunk (bf16's oneDNN kernel does not promise that: a one-row call
+    over 1,152 inputs or more sums in another order)."""
     layer = QuantizedLinear(weight(96, 128), fmt)  # type: ignore[arg-type]
     kernel_only = FLOAT32_ROWS[fmt] == KERNEL_ONLY
     x = activations((300 if kernel_only else FLOAT32_ROWS[fmt]) + 4, 128)
@@ -233,5 +234,5 @@ def test_rows_agree_whichever_cpu_path_they_take(fmt: str) -> None:
         alone = layer(x[row : row + 1])
         assert torch.equal(alone, layer.kernel_matmul(x[row : row + 1]).float())
         assert bool(((alone - chunk[row]).abs() <= chunk[row].abs() * BF16_EPS + 1e-6).all())
-        if kernel_only:
+        if kernel_only and fmt == "int4":
             assert torch.equal(alone[0], chunk[row])

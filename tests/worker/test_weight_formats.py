@@ -180,7 +180,9 @@ def test_the_cache_changes_nothing_within_a_format(config: ModelConfig, fmt: Wei
     no-cache oracle of the same quantized model: the same greedy tokens, and logits equal up to
     the bf16 rounding of the linears' outputs. A row goes through the format's decode kernel in
     a small batch and through float32 GEMM in one of FLOAT32_ROWS rows or more (prefill; int4
-    under torch's AVX-512 kernels never): the same sums in another order, which can round to
+    under torch's AVX-512 kernels and bf16 with AVX512-BF16 never, though a one-row bf16 call
+    over 1,152 inputs or more sums in another order than a batch): the same sums in another
+    order, which can round to
     the neighbouring bf16 value (seen: up to 5e-3 here; 0 when both runs take the same
     paths)."""
     model = apply_weight_format(tiny_model(config, seed=11), fmt)
