@@ -141,8 +141,7 @@ class BlockHasher:
         end = len(chain) * size
         if not chain or end > len(keys):
             return False
-        keys = keys if isinstance(keys, array) else as_keys(keys[:end])  # only the head is read
-        keys = as_keys(keys)
+        keys = as_keys(keys if isinstance(keys, array) else keys[:end])  # only the head is read
         if has_typed_keys(keys, end):
             return False
         if xxh3_64_intdigest(pack_keys(keys[:size]), self.namespace_seed(namespace)) != chain[0]:

@@ -485,13 +485,13 @@ class RadixCache:
         """Return the device pages of the nodes an eviction dropped to the pool in one checked
         move (the pool's cost is per call), the last node's on top of the free stack as moves
         node by node would leave them (demoted nodes' pages, freed as they go, end up below)."""
-        if not dropped:
-            return
-        pages = dropped[0] if len(dropped) == 1 else array("i")
-        if len(dropped) > 1:
+        if len(dropped) == 1:
+            self.pool.uncache(dropped[0])
+        elif dropped:
+            pages = array("i")
             for chunk in reversed(dropped):
                 pages.extend(chunk)
-        self.pool.uncache(pages)
+            self.pool.uncache(pages)
 
     def _trim(self, leaf: Node, keep: int, removed: list[int], dropped: list[PageIds]) -> int:
         """Cut device leaf `leaf` down to its first `keep` pages in place (what splitting it

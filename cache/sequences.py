@@ -152,7 +152,13 @@ class SequenceCache:
     ) -> CachedSequence:
         """`start` from keys made earlier by `to_cache_keys` (the worker makes a prompt's keys
         once, on the thread that submits it, so its engine thread converts nothing). The
-        sequence keeps a copy: it extends its keys as tokens are generated."""
+        sequence keeps a copy: it extends its keys as tokens are generated. Raises `TypeError`
+        for anything but an `array("Q")` (tokens go to `start`, which checks them)."""
+        if type(keys) is not array or keys.typecode != "Q":
+            raise TypeError(
+                f"start_keys takes the array('Q') to_cache_keys makes, got {type(keys).__name__}; "
+                "give tokens to start"
+            )
         return self._start(array("Q", keys), namespace, reserve, block_hashes)
 
     def _start(

@@ -215,7 +215,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             if index_text and not request.images:  # an image prompt bypasses the text index
                 texts = await self._text_prompts()
                 await self._answers_joined(request, caller, adapters)
-            return await asyncio.to_thread(prepare, *args, texts, adapters, image_fields, counting)
+            return await asyncio.to_thread(
+                prepare, *args, texts, adapters, image_fields, counting=counting
+            )
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
             raise self._error(code, str(err), isinstance(err, PromptTooLarge)) from err

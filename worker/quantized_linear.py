@@ -371,12 +371,10 @@ class QuantizedLinear(nn.Module):
     def _int4_rows(self, top: torch.Tensor) -> torch.Tensor:
         """The weight rows `top` ([m, k] row ids) of a CPU int4 layer, dequantized to float32
         ([m, k, in]) as `reference_weight` dequantizes them."""
-        inp, g = self.in_features, self.group_size
-        levels = int4pack_rows(self.packed, inp, top).float().sub_(OFFSET["int4"])
-        per_group = self.scales_and_zeros[:, top].permute(1, 2, 0, 3)  # [m, k, in / g, 2]
-        w = levels.view(*top.shape, inp // g, g)
-        w = w.mul_(per_group[..., 0:1].float()).add_(per_group[..., 1:2].float())
-        return w.view(*top.shape, inp)
+        levels = int4pack_rows(self.packed, self.in_features, top)
+        per_group = self.scales_and_zeros[:, top]  # [in / g, m, k, 2]
+        scales, zeros = per_group[..., 0].movedim(0, -1), per_group[..., 1].movedim(0, -1)
+        return int4_values(levels, scales, zeros, self.group_size, torch.float32)
 
     def float32_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The CPU prefill path: the same sums (bf16 x bf16 products are exact in float32),
@@ -398,16 +396,13 @@ class QuantizedLinear(nn.Module):
         if self.format == "int8":
             return self.q.to(dtype) * self.scales[:, None].to(dtype)
         out, inp, g = self.out_features, self.in_features, self.group_size
-        if not self.triton:
+        if not self.triton:  # levels [rows, in], scales and zeros [rows, in / g]
             q = int4pack_levels(self.packed, inp)
             scales = self.scales_and_zeros[..., 0].t()
             zeros = self.scales_and_zeros[..., 1].t()
         else:
             q, scales, zeros = unpack_nibbles(self.packed), self.scales, self.zeros
-        rows = q.shape[0]
-        w = q.reshape(rows, inp // g, g).to(dtype).sub_(OFFSET["int4"])
-        w = w.mul_(scales[..., None].to(dtype)).add_(zeros[..., None].to(dtype))
-        return w.reshape(rows, inp)[:out]
+        return int4_values(q, scales, zeros, g, dtype)[:out]
 
     @property
     def nbytes(self) -> int:
@@ -488,6 +483,17 @@ def int4pack_levels(
         return blocks.permute(0, 3, 2, 1).reshape(rows, inp)
     blocks = nibbles.reshape(rows // INT4_CPU_ROWS, INT4_CPU_ROWS * inp)
     return blocks.index_select(1, layout).reshape(rows, inp)
+
+
+def int4_values(
+    levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """int4 weights [..., in] in `dtype` from their levels 0..15 [..., in] and their groups'
+    scales and zeros [..., in / group]: (level - 8) * scale + zero."""
+    *lead, inp = levels.shape
+    w = levels.reshape(*lead, inp // group, group).to(dtype).sub_(OFFSET["int4"])
+    w = w.mul_(scales[..., None].to(dtype)).add_(zeros[..., None].to(dtype))
+    return w.reshape(*lead, inp)
 
 
 def int4pack_rows(

@@ -285,4 +285,6 @@ def test_start_keys_takes_keys_made_earlier_and_keeps_its_own_copy() -> None:
     assert cache.table.row(again.slot)[:6] == cache.table.row(by_tokens.slot)[:6]
     cache.abort(again)
     cache.abort(by_tokens)
+    with pytest.raises(TypeError, match="give tokens to start"):
+        cache.start_keys([1, 2, 3])  # type: ignore[arg-type]
     check_sequence_cache(cache)
