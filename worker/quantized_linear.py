@@ -91,8 +91,9 @@ weights of 0; the padding's outputs are cut off), so every block has the one lay
 `int4pack_layout` finds."""
 LINEAR_FORMATS: tuple[LinearFormat, ...] = ("bf16", "int8", "int4")
 HEAD_FLOAT32_ROWS = 32
-"""The output head's FLOAT32_ROWS: its float32 path dequantizes a 49,152 x 576 table (113 MB in
-float32) each call, 68-112 ms on this CPU for 1-64 rows, while the bf16 kernel costs about
+"""The output head's FLOAT32_ROWS where its format's kernel is not the faster at every row count
+(`head_float32_rows`): its float32 path dequantizes a 49,152 x 576 table (113 MB in float32)
+each call, 68-112 ms on an AVX2 CPU for 1-64 rows, while the bf16 kernel there costs about
 3.5 ms a row; they cross between 24 and 32 rows (2 threads). With the projections' 4, a batch
 of 4 decodes spent 88 ms a step on the head instead of 14."""
 HEAD_EXACT_TOP = 64
@@ -101,6 +102,10 @@ kernel's. The kernel rounds its output to bf16, whose step at a logit of 25 is 0
 first answer token to "What is the capital of France?" ("The" 25.325 against "L" 25.243 in
 float32) became a tie at 25.0 and greedy decoding answered "L'Etoile, ...". The true maximum is
 within one rounding step of the kernel's, so it is always among these."""
+EXACT_ROWS_PER_PASS = 64
+"""Rows whose top logits `exact_top_logits` recomputes at once: their weight rows in float32 take
+64 x 64 x in x 4 bytes (9.4 MB for SmolLM2), where 256 rows at once (38 MB, and its product as
+big again) took 12-16 ms against 1-2 ms in passes of 64."""
 KERNEL_ONLY = sys.maxsize
 """The FLOAT32_ROWS of a format whose kernel is the faster at every row count."""
 
@@ -156,6 +161,18 @@ kernel, and a row's result then never depends on the rows beside it (docs/models
 its AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2` on that host, and the table above on an AVX2 host)
 the float32 path wins from about 96-256 rows (1 thread: 1.04x at 96 rows, 1.37x at 256), so
 64 stays there."""
+
+
+def head_float32_rows(fmt: LinearFormat) -> int:
+    """The output head's FLOAT32_ROWS: its kernel at every row count where the format's kernel
+    is the faster at every row count on this CPU (bf16 with AVX512-BF16, int4 with torch's
+    AVX-512 kernels), else HEAD_FLOAT32_ROWS. On an AVX512-BF16 host, SmolLM2's bf16 head with
+    its exact top took 5.5 / 11.7 / 21.5 / 32.6 / 79.9 / 178 ms at 8 / 32 / 64 / 128 / 256 /
+    512 rows against the float32 path's 45 / 53 / 63 / 87 / 142 / 251 (2 threads, medians of
+    5); an int4 head 4.9 to 147 ms against 82 to 163 up to 256 rows. Where the kernel is taken
+    at every count, a row's logits no longer depend on how many rows share the call."""
+    rows = FLOAT32_ROWS[fmt]
+    return KERNEL_ONLY if rows == KERNEL_ONLY else HEAD_FLOAT32_ROWS
 
 
 class QuantizedLinear(nn.Module):
@@ -274,10 +291,11 @@ class QuantizedLinear(nn.Module):
 
     def as_head(self) -> QuantizedLinear:
         """This layer as the output head, which gives logits, not activations (on the CPU: the
-        GPU path is unchanged): the float32 path from HEAD_FLOAT32_ROWS rows, without rounding
-        its output to bf16, and below it the kernel with its HEAD_EXACT_TOP largest logits
-        recomputed exactly."""
-        self.float32_rows, self.is_head, self.exact_top = HEAD_FLOAT32_ROWS, True, HEAD_EXACT_TOP
+        GPU path is unchanged): the kernel with its HEAD_EXACT_TOP largest logits recomputed
+        exactly, and from `head_float32_rows` rows (never, where the format's kernel is the
+        faster at every row count) the float32 path, without rounding its output to bf16."""
+        self.float32_rows = head_float32_rows(self.format)
+        self.is_head, self.exact_top = True, HEAD_EXACT_TOP
         return self
 
     @property
@@ -357,16 +375,24 @@ class QuantizedLinear(nn.Module):
 
     def exact_top_logits(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the kernel's bf16 logits of x) in float32, its `exact_top` largest per row
-        replaced by x (float32) times their weight rows, summed in float32."""
+        replaced by x (float32) times their weight rows, summed in float32 by `vecdot`, a
+        product and a sum along each row: a row's sums then never depend on the rows beside it
+        (`einsum`'s batched product summed a row alone in another order than in a batch)."""
         top = y.topk(min(self.exact_top, self.out_features), dim=-1).indices
+        logits, x32 = y.float(), x.float()
+        for start in range(0, x.shape[0], EXACT_ROWS_PER_PASS):
+            part = slice(start, start + EXACT_ROWS_PER_PASS)
+            rows = self._weight_rows(top[part])
+            logits[part].scatter_(1, top[part], torch.linalg.vecdot(rows, x32[part, None, :]))
+        return logits
+
+    def _weight_rows(self, top: torch.Tensor) -> torch.Tensor:
+        """The weight rows `top` ([m, k] row ids), dequantized to float32 ([m, k, in])."""
         if self.format == "bf16":
-            rows = self.weight[top].float()
-        elif self.format == "int8":
-            rows = self.q[top].float() * self.scales[top].float()[..., None]
-        else:
-            rows = self._int4_rows(top)
-        exact = torch.einsum("mki,mi->mk", rows, x.float())
-        return y.float().scatter_(1, top, exact)
+            return self.weight[top].float()
+        if self.format == "int8":
+            return self.q[top].float() * self.scales[top].float()[..., None]
+        return self._int4_rows(top)
 
     def _int4_rows(self, top: torch.Tensor) -> torch.Tensor:
         """The weight rows `top` ([m, k] row ids) of a CPU int4 layer, dequantized to float32

@@ -1,8 +1,10 @@
 """The output head as a QuantizedLinear (`as_head`): its logits are not rounded to bf16. The
 largest HEAD_EXACT_TOP of a kernel call are x (float32) times their weight rows summed in
 float32, so a near-tie that bf16 rounding would make a tie (and greedy decoding would break by
-token id) keeps its order; from HEAD_FLOAT32_ROWS rows on the head takes the float32 path,
-unrounded; the projections keep their bf16 roundings."""
+token id) keeps its order. Where its format's kernel is the faster at every row count
+(`head_float32_rows`) the head keeps it at every row count, and a row's logits do not depend on
+the rows beside it; elsewhere it takes the float32 path, unrounded, from HEAD_FLOAT32_ROWS rows.
+The projections keep their bf16 roundings."""
 
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ import pytest
 import torch
 
 from worker.quantized_linear import (
+    FLOAT32_ROWS,
     HEAD_EXACT_TOP,
     HEAD_FLOAT32_ROWS,
+    KERNEL_ONLY,
     LinearFormat,
     QuantizedLinear,
+    head_float32_rows,
 )
 from worker.tiny_model import TINY_CONFIG, tiny_model
 from worker.weight_formats import apply_weight_format
@@ -62,11 +67,26 @@ def test_a_near_tie_the_kernel_rounds_to_a_tie_keeps_its_order(
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_the_head_path_turns_at_its_own_row_count_and_is_unrounded(fmt: LinearFormat) -> None:
+def test_the_head_keeps_its_kernel_where_the_format_does_and_turns_at_32_elsewhere(
+    fmt: LinearFormat,
+) -> None:
     head = QuantizedLinear(table(2), fmt).as_head()
-    assert head.float32_rows == HEAD_FLOAT32_ROWS
+    assert head.float32_rows == head_float32_rows(fmt)
+    if FLOAT32_ROWS[fmt] == KERNEL_ONLY:
+        assert head_float32_rows(fmt) == KERNEL_ONLY
+    else:
+        assert head_float32_rows(fmt) == HEAD_FLOAT32_ROWS
+
+
+@pytest.mark.parametrize("rule", [HEAD_FLOAT32_ROWS, KERNEL_ONLY], ids=["turns", "kernel-only"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_the_head_is_unrounded_where_it_counts_on_either_rule(fmt: LinearFormat, rule: int) -> None:
+    """Both rules a CPU may get (`head_float32_rows`): the leaders exact below and past 32
+    rows; every logit unrounded on the float32 path."""
+    head = QuantizedLinear(table(2), fmt).as_head()
+    head.float32_rows = rule
     gen = torch.Generator().manual_seed(3)
-    for rows in (1, HEAD_FLOAT32_ROWS - 1, HEAD_FLOAT32_ROWS):
+    for rows in (1, HEAD_FLOAT32_ROWS - 1, HEAD_FLOAT32_ROWS, 40):
         x = torch.randn(rows, HIDDEN, generator=gen)
         got, want = head(x), exact(head, x)
         # the leaders are exact (the kernel's top HEAD_EXACT_TOP are; its ranking differs
@@ -74,9 +94,29 @@ def test_the_head_path_turns_at_its_own_row_count_and_is_unrounded(fmt: LinearFo
         top = want.topk(8, dim=-1).indices
         torch.testing.assert_close(got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-5)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-        if rows >= HEAD_FLOAT32_ROWS:  # the float32 path: every logit unrounded
+        if rows >= rule:  # the float32 path: every logit unrounded
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert not torch.equal(got, got.to(torch.bfloat16).float())
+        else:  # the kernel: all but the recomputed top are its bf16 output
+            unrounded = (got != got.to(torch.bfloat16).float()).sum(-1)
+            assert int(unrounded.max()) <= HEAD_EXACT_TOP
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_a_kernel_only_heads_logits_of_a_row_do_not_depend_on_the_batch(
+    fmt: LinearFormat,
+) -> None:
+    """With its kernel at every row count, a sequence decoding alone and the same sequence in
+    a step of 40 get the same logits, bit for bit (on the float32 path from 32 rows they would
+    not: the tail rounded alone, unrounded in the batch)."""
+    head = QuantizedLinear(table(4), fmt).as_head()
+    head.float32_rows = KERNEL_ONLY
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(5))
+    batch = head(x)
+    for row in (0, 17, 39):
+        assert torch.equal(head(x[row : row + 1])[0], batch[row])
+    head.float32_rows = HEAD_FLOAT32_ROWS
+    assert not torch.equal(head(x[:1])[0], head(x)[0])
 
 
 def test_a_formatted_model_has_a_head_and_its_projections_are_not_heads() -> None:
