@@ -39,15 +39,18 @@ def test_cpu_tensors_run_on_the_cpu_path(operation: str) -> None:
     assert choose_backend(operation, batch.k_cache, backend="reference") == "reference"
 
 
-def test_a_forced_backend_that_cannot_run_is_refused_by_name() -> None:
+def test_a_forced_backend_that_cannot_run_is_refused_by_name(triton_device: torch.device) -> None:
     cache = small_batch().k_cache
     with pytest.raises(KernelInputError) as error:
         choose_backend("decode_attention", cache, backend="flash")
     assert error.value.argument == "backend"
     with pytest.raises(KernelInputError, match="not one of"):
         choose_backend("write_kv", cache, backend="flash")
-    with pytest.raises(KernelInputError, match="float64"):
-        choose_backend("decode_attention", cache.double(), backend="triton")
+    with pytest.raises(KernelInputError, match="float64"):  # where triton could run otherwise
+        choose_backend("decode_attention", cache.to(triton_device).double(), backend="triton")
+    if triton_device.type == "cuda":  # CPU tensors beside a GPU: not the interpreter's
+        with pytest.raises(KernelInputError, match="needs CUDA tensors"):
+            choose_backend("decode_attention", cache, backend="triton")
 
 
 def test_flash_is_optional_and_says_why_it_does_not_fit() -> None:

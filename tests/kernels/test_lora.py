@@ -302,14 +302,19 @@ def test_check_values_false_skips_only_the_value_checks() -> None:
         lora_shrink(x, a, starts, slots[:1], check_values=False)
 
 
-def test_cpu_tensors_run_on_the_cpu_path_and_a_forced_backend_is_checked() -> None:
+def test_cpu_tensors_run_on_the_cpu_path_and_a_forced_backend_is_checked(
+    triton_device: torch.device,
+) -> None:
     x = torch.zeros(2, 8)
     assert choose_lora_backend(x) == "torch"
     assert choose_lora_backend(x.double()) == "torch"
     assert choose_lora_backend(x.bfloat16()) == "torch"
     assert choose_lora_backend(x, backend="reference") == "reference"
-    with pytest.raises(KernelInputError, match="float64"):
-        choose_lora_backend(x.double(), backend="triton")
+    with pytest.raises(KernelInputError, match="float64"):  # where triton could run otherwise
+        choose_lora_backend(x.to(triton_device).double(), backend="triton")
+    if triton_device.type == "cuda":  # CPU tensors beside a GPU: not the interpreter's
+        with pytest.raises(KernelInputError, match="needs CUDA tensors"):
+            choose_lora_backend(x, backend="triton")
     with pytest.raises(KernelInputError, match="not one of"):
         choose_lora_backend(x, backend="flash")
 

@@ -72,25 +72,58 @@ def test_the_reference_dequantizes_as_the_layout_says(fmt: str, group: int, zero
     assert torch.equal(got.double(), dense(q, scales, z, fmt, group)), f"seed {seed}"
 
 
+@pytest.mark.parametrize("rows", [3, 1], ids=["tiles", "one-row"])
 @pytest.mark.parametrize("dtype", X_DTYPES, ids=str)
 @pytest.mark.parametrize(
     ("fmt", "group", "zeros"),
     [("int4", 32, True), ("int4", 64, False), ("int8", 32, True), ("int8", 128, False)],
 )
 def test_triton_matches_the_reference(
-    triton_device: torch.device, dtype: torch.dtype, fmt: str, group: int, zeros: bool
+    triton_device: torch.device, dtype: torch.dtype, fmt: str, group: int, zeros: bool, rows: int
 ) -> None:
     """72 outputs (a partial column block), 128 inputs (two K tiles), 3 rows (a partial row
-    block); int8 with G = K is the per-channel form QuantizedLinear uses."""
+    block), or one row (the row kernel: a partial K tile of groups); int8 with G = K is the
+    per-channel form QuantizedLinear uses."""
     seed = fresh_seed()
     values, scales, z, q = make_weight(seed, fmt, 72, 128, group, zeros)
-    x = torch.randn(3, 128, generator=generator(seed + 1)).to(dtype)
+    x = torch.randn(rows, 128, generator=generator(seed + 1)).to(dtype)
     y = quant_matmul(*on(triton_device, x, values, scales, z), fmt, group, backend="triton")
-    assert y.dtype == dtype and y.shape == (3, 72)
+    assert y.dtype == dtype and y.shape == (rows, 72)
     oracle = (x.double() @ dense(q, scales, z, fmt, group).t()).to(dtype)
     assert_close(y.cpu(), oracle, seed, "quant_matmul", f"{fmt} g{group}")
     reference = quant_matmul_reference(x, values, scales, z, fmt, group)
     assert_close(reference, oracle, seed, "quant_matmul_reference", f"{fmt} g{group}")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "inp", "group", "block_k", "split"),
+    [
+        ("int4", 320, 32, 64, 3),  # K split over 3 programs, the last tile partial
+        ("int4", 256, 64, 128, 2),
+        ("int8", 192, 192, 256, 1),  # per channel, K not a multiple of the tile
+        ("int8", 384, 192, 64, 3),  # tiles inside groups of 192
+    ],
+)
+def test_the_row_kernel_splits_k_and_keeps_groups_whole(
+    triton_device: torch.device, fmt: str, inp: int, group: int, block_k: int, split: int
+) -> None:
+    """One row of a strided x by `quant_gemv` with K cut into `split` parts whose partial sums
+    add up; `gemv_block_k` never gives a tile that straddles groups (48 has none: the tile
+    kernel runs)."""
+    from kernels.triton_quant_matmul import GEMV_BLOCK_N, gemv_block_k, gemv_split, quant_gemv
+
+    seed = fresh_seed()
+    values, scales, z, q = make_weight(seed, fmt, 40, inp, group, fmt == "int4")
+    wide = torch.randn(1, inp + 16, generator=generator(seed + 1))
+    x = wide[:, 8 : 8 + inp]
+    programs = split * -(-40 // GEMV_BLOCK_N)
+    assert -(-inp // gemv_split(inp, 40, block_k, programs)) == split
+    operands = on(triton_device, x, values, scales, z)
+    y = quant_gemv(*operands, fmt, group, block_k, programs)
+    oracle = (x.double() @ dense(q, scales, z, fmt, group).t()).float()
+    assert_close(y.cpu(), oracle, seed, "quant_matmul", f"row kernel {fmt} split {split}")
+    assert gemv_block_k(inp, group) is not None
+    assert gemv_block_k(96, 48) is None and gemv_block_k(4096, 4096) == 256
 
 
 def test_triton_blocks_rows_and_takes_strided_x(triton_device: torch.device) -> None:
@@ -112,15 +145,24 @@ def test_a_quantized_linear_packed_for_triton_multiplies_like_the_cpu_one(
 ) -> None:
     """worker/quantized_linear.py's GPU layout and wiring, interpreted here: the same matrix as
     the CPU layout holds, and the product through the Triton kernel (which takes x in its own
-    dtype; bf16 is a bf16 matmul, x rounded to bf16)."""
+    dtype; bf16 is a bf16 matmul, x rounded to bf16). int4 is quantized once and both layers
+    pack that: quantizing on a GPU rounds some float32 scales one ulp away from the CPU's (185
+    of 288 on an H100), which bf16 rounding can carry into the matrix."""
     from worker.quantized_linear import QuantizedLinear
+    from worker.quantized_weights import QuantizedWeight, quantize
 
     seed = fresh_seed()
     gen = generator(seed)
     w = torch.randn(72, 128, generator=gen) / 128**0.5
     bias = torch.randn(72, generator=gen)
-    cpu = QuantizedLinear(w, fmt, bias)  # type: ignore[arg-type]
-    gpu = QuantizedLinear(w.to(triton_device), fmt, bias.to(triton_device), triton=True)  # type: ignore[arg-type]
+    source: torch.Tensor | QuantizedWeight = w
+    on_device: torch.Tensor | QuantizedWeight = w.to(triton_device)
+    if fmt == "int4":
+        source = quantize(w, "int4", 32)
+        q, scales, zeros = (t.to(triton_device) for t in (source.q, source.scales, source.zeros))
+        on_device = QuantizedWeight("int4", q, scales, zeros, 32)
+    cpu = QuantizedLinear(source, fmt, bias)  # type: ignore[arg-type]
+    gpu = QuantizedLinear(on_device, fmt, bias.to(triton_device), triton=True)  # type: ignore[arg-type]
     assert gpu.triton and not cpu.triton
     assert torch.equal(gpu.reference_weight().cpu(), cpu.reference_weight())
     x = torch.randn(5, 128, generator=generator(seed + 1))

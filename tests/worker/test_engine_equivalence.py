@@ -120,23 +120,47 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("config", [LLAMA, QWEN3], ids=["llama-gqa", "qwen3-qknorm"])
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_engine_matches_the_no_cache_oracle(config: ModelConfig, scenario: str) -> None:
-    model = model_for(config)
+def oracle(config: ModelConfig) -> tuple[list[int], torch.Tensor]:
+    """The no-cache oracle's greedy tokens and first logits, on the CPU."""
     if config.architecture not in ORACLE:
-        ORACLE[config.architecture] = no_cache_greedy(model, PROMPT, STEPS)
-    expected_tokens, expected_logits = ORACLE[config.architecture]
+        ORACLE[config.architecture] = no_cache_greedy(model_for(config), PROMPT, STEPS)
+    return ORACLE[config.architecture]
+
+
+def check_scenario(model: CausalLM, config: ModelConfig, scenario: str) -> None:
+    expected_tokens, expected_logits = oracle(config)
     engine_cfg, run = SCENARIOS[scenario]
     engine, recorder = recorded_engine(model, engine_cfg)
     run(engine, recorder.outputs.append)
     got = [t for o in recorder.outputs if o.request_id == "target" for t in o.token_ids]
     assert got == expected_tokens
-    first = recorder.logits[("target", 0, len(PROMPT))]
+    first = recorder.logits[("target", 0, len(PROMPT))].cpu()
     assert relative_error(first, expected_logits) < 1e-5
     if "hit" in scenario:
         assert recorder.final("target").cached_prompt_tokens > 0
     assert engine.cache.pool.num_private == 0
+
+
+@pytest.mark.parametrize("config", [LLAMA, QWEN3], ids=["llama-gqa", "qwen3-qknorm"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_engine_matches_the_no_cache_oracle(config: ModelConfig, scenario: str) -> None:
+    check_scenario(model_for(config), config, scenario)
+
+
+CUDA_MODELS: dict[str, CausalLM] = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [LLAMA, QWEN3], ids=["llama-gqa", "qwen3-qknorm"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_the_engine_on_cuda_matches_the_cpu_oracle(config: ModelConfig, scenario: str) -> None:
+    """Every scenario with the model on a GPU: the Triton kernels compiled (prefill, decode, KV
+    write), the host tier pinned, against the oracle computed on the CPU (float32 both ways;
+    torch keeps TF32 off for float32 matmuls by default)."""
+    key = config.architecture
+    if key not in CUDA_MODELS:
+        CUDA_MODELS[key] = tiny_model(config, seed=11).to("cuda")
+    check_scenario(CUDA_MODELS[key], config, scenario)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
