@@ -6,9 +6,15 @@ the GPU machine) is put in each weight format (`apply_weight_format` after movin
 GPU: int4 / int8 layers then multiply through kernels/triton_quant_matmul.py, bf16 through
 cuBLAS) and decodes greedily after a 64-token prompt, one request and a batch of 16. The
 figure is the median engine step (the whole step: scheduling, the forward pass, sampling, the
-cache), synchronised, after warm-up steps. Prints a table on stderr and one JSON object on
-stdout; exits 2 with a message without CUDA.
-Run: `python benchmarks/gpu_decode_bench.py [--steps 40]`.
+cache), synchronised, after warm-up steps.
+
+`--host-tier N` also times issue 15's host tier on the GPU: TTFT of an N-token prompt cold, as a
+whole-prompt hit on the device, and as a whole-prompt hit on the host tier (pinned CPU memory:
+every page demoted between requests, promoted back inside the measured TTFT), alternating
+(`prefill_bench.host_tier`), for the SmolLM2-shaped model and a Llama-3.2-1B-shaped one (16
+layers, GQA 32:8, head 64: 32 KB of bf16 KV a token), both in bf16. Prints tables on stderr and
+one JSON object on stdout; exits 2 with a message without CUDA.
+Run: `python benchmarks/gpu_decode_bench.py [--steps 40] [--host-tier 1024]`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -51,6 +58,17 @@ SMOLLM2_SHAPED = ModelConfig(
     tie_word_embeddings=True,
     bos_token_id=1,
     eos_token_ids=(2,),
+)
+LLAMA_1B_SHAPED = replace(
+    SMOLLM2_SHAPED,
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
 )
 CONTEXT = 64
 
@@ -98,15 +116,50 @@ def measure(fmt: str, batch: int, steps: int) -> dict[str, object]:
     }
 
 
+def host_tier_rows(prompt_tokens: int, repeats: int) -> list[dict[str, object]]:
+    """`prefill_bench.host_tier` on the GPU for each shaped model in bf16."""
+    from benchmarks.prefill_bench import host_tier  # only this section needs it
+
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for name, config in (("smollm2-135m", SMOLLM2_SHAPED), ("llama-3.2-1b", LLAMA_1B_SHAPED)):
+        model = tiny_model(config, seed=0).to("cuda", torch.bfloat16)
+        prompt = [
+            int(t) for t in torch.randint(3, config.vocab_size, (prompt_tokens,), generator=gen)
+        ]
+        result = host_tier(model, prompt, repeats)
+        rows.append({"model": name} | result)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--weights", nargs="+", default=list(WEIGHT_FORMATS))
+    parser.add_argument("--host-tier", type=int, default=0, help="prompt tokens (0: skip)")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         console.print("needs a CUDA device: nothing was measured")
         return 2
+    tiers = host_tier_rows(args.host_tier, args.repeats) if args.host_tier else []
+    if tiers:
+        table = Table(title=f"host tier on {torch.cuda.get_device_name()}, {args.host_tier} tokens")
+        for column in ("model", "cold ms", "device hit ms", "host hit ms", "host / cold", "MB"):
+            table.add_column(column, justify="right")
+        for t in tiers:
+            table.add_row(
+                str(t["model"]),
+                f"{t['cold_ttft_ms']:.1f}",
+                f"{t['device_hit_ttft_ms']:.1f}",
+                f"{t['host_hit_ttft_ms']:.1f}",
+                f"{t['host_hit_ratio']:.3f}",
+                f"{t['promoted_mb']:.0f}",
+            )
+        console.print(table)
     rows = [measure(f, b, args.steps) for f in args.weights for b in args.batches]
     out = Table(title=f"decode on {torch.cuda.get_device_name()}, SmolLM2-shaped, {CONTEXT} tokens")
     for column in ("weights", "MB", "batch", "step ms", "tokens/s"):
@@ -120,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['tokens_per_s']:.0f}",
         )
     console.print(out)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}))
+    print(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows, "host_tier": tiers}))
     return 0
 
 

@@ -3,14 +3,19 @@ request, with the same outputs as a cold run, and the numbers show in stats and 
 
 from __future__ import annotations
 
+import itertools
 import random
+from array import array
 
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA, drain, greedy, recorded_engine
 from worker.engine import EngineConfig
 from worker.metrics import EngineCollector
+from worker.model_runner import page_runs
 from worker.servicer import worker_stats
 from worker.tiny_model import tiny_model
 
@@ -66,3 +71,14 @@ def test_stats_and_metrics_report_the_host_tier() -> None:
     assert 'radixmesh_worker_promoted_pages_total{worker="w"} 16.0' in text
     assert 'radixmesh_worker_host_hit_tokens_total{worker="w"} 64.0' in text
     assert f'radixmesh_worker_host_pages{{worker="w"}} {127:.1f}' in text
+
+
+@given(st.lists(st.integers(0, 40), max_size=60))
+def test_page_runs_cover_the_pages_in_order_as_runs_of_consecutive_ids(pages: list[int]) -> None:
+    """What a promotion copies to the GPU run by run (`ModelRunner._copy_tier`)."""
+    runs = page_runs(array("i", pages))
+    rebuilt = [page for _, start, count in runs for page in range(start, start + count)]
+    assert rebuilt == pages
+    assert [at for at, _, _ in runs] == [sum(c for _, _, c in runs[:i]) for i in range(len(runs))]
+    for (_, start, count), (_, following, _) in itertools.pairwise(runs):
+        assert start + count != following, "two runs that could have been one"
