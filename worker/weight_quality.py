@@ -98,10 +98,11 @@ benchmarks/weights_quality.py the two agree with float32 about equally (int4 17 
 def auto_weight_format(checkpoint: str, device: str) -> str:
     """The weight format `model.weights: auto` serves `checkpoint` (a directory name) in on
     `device` ("cpu" or "cuda"): on a CPU the first of AUTO_CPU_ORDER measured to keep quality
-    on this checkpoint, else float32. float32 on CUDA, where the quantized kernels have run only
-    under Triton's interpreter, and for a checkpoint never measured, where what round-to-nearest
-    quantization costs is unknown (decode is faster in every format; a silent loss of quality
-    is not what a default may buy)."""
+    on this checkpoint, else float32. float32 on CUDA, where the quantized kernels beat cuBLAS's
+    bf16 only for a lone row (on an H100; from 2 rows their tile kernel is 2-6x slower, and a
+    small model's step is launch-bound: docs/models.md), and for a checkpoint never measured,
+    where what round-to-nearest quantization costs is unknown (decode is faster in every format
+    on a CPU; a silent loss of quality is not what a default may buy)."""
     if device != "cpu":
         return "float32"
     measured = MEASURED.get(checkpoint, {})
