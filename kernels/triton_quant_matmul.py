@@ -27,12 +27,14 @@ per SM, and sums each group before scaling it:
                                + zero[n, g]  * sum_{k in g} x[k]
 
 in float32 (the weight is never rounded to x's dtype, so a row's products are at least as exact
-as the tile kernel's); the splits' partial sums [SPLIT, N] are added by one torch sum. Measured
-on an H100 (one row, bf16 x, copies cycled past L2, medians; benchmarks/quant_matmul_gpu_bench.py):
-int4 Llama-3-8B gate_up 28,672 x 4,096 217 -> 63 us, down 321 -> 43 us, the head 128,256 x
-4,096 827 -> 187 us (58 % of the copy bandwidth); int8 head 589 -> 193 us (91 %). At 4 rows the
-row kernel re-reads the weight once a row and was no faster overall, so rows > 1 keep the tile
-kernel.
+as the tile kernel's, and a row alone and the same row in a batch differ in the last bits for
+bf16 / fp16 x); the splits' partial sums [SPLIT, N] are added by one torch sum. Measured on an
+H100 (bf16 x, copies cycled past L2, GPU time of CUDA-graph replays, medians;
+benchmarks/quant_matmul_gpu_bench.py; the tile kernel's 16-row time is its one-row time, one row
+block either way): int4 Llama-3-8B gate_up 28,672 x 4,096 216 -> 55 us, down 315 -> 36 us, the
+head 128,256 x 4,096 832 -> 184 us (60 % of the copy bandwidth); int8 head 584 -> 191 us (92 %).
+At 4 rows the row kernel re-reads the weight once a row and was no faster overall in the
+sweep, so rows > 1 keep the tile kernel.
 
 Triton reads parameter annotations as its own types, so the @triton.jit functions carry none;
 the Python launcher is typed.
@@ -109,7 +111,7 @@ def _quant_gemv_kernel(
     n_ok = offs_n < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     # groups in a K tile: several (BLOCK_K % GROUP == 0), or the tile lies inside one
-    GROUPS: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1
+    GROUPS: tl.constexpr = BLOCK_K // GROUP if BLOCK_K % GROUP == 0 else 1
     PER_GROUP: tl.constexpr = GROUP // 2 if INT4 else GROUP  # columns of a group in a tile
     k_start = pid_k * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
@@ -162,8 +164,8 @@ def gemv_block_k(k: int, group_size: int) -> int | None:
     sweep) or the largest tile that keeps each tile's groups whole, None if none does (then
     the tile kernel runs). A tile may hold whole groups (a power-of-two group dividing it) or lie
     inside one group (the group a multiple of the tile, or one group a row: int8 per channel)."""
-    for block_k in (256, 128, 64):
-        whole = block_k % group_size == 0 and group_size & (group_size - 1) == 0
+    for block_k in (256, 128, 64):  # a group of 1 would split int4's bytes: never whole
+        whole = block_k % group_size == 0 and group_size >= 2 and group_size & (group_size - 1) == 0
         if whole or group_size % block_k == 0 or group_size == k:
             return block_k
     return None
@@ -225,7 +227,7 @@ def quant_matmul(
     the row kernel where `gemv_block_k` finds a tile, unless `block_m` asks for the tile kernel."""
     m, k = x.shape
     n = values.shape[0]
-    if m == 1 and n and block_m is None:
+    if m == 1 and n and k and block_m is None:
         block_k = gemv_block_k(k, group_size)
         if block_k is not None:
             return quant_gemv(

@@ -167,9 +167,10 @@ def head_float32_rows(fmt: LinearFormat) -> int:
     """The output head's FLOAT32_ROWS: its kernel at every row count where the format's kernel
     is the faster at every row count on this CPU (bf16 with AVX512-BF16, int4 with torch's
     AVX-512 kernels), else HEAD_FLOAT32_ROWS. On an AVX512-BF16 host, SmolLM2's bf16 head with
-    its exact top took 5.5 / 11.7 / 21.5 / 32.6 / 79.9 / 178 ms at 8 / 32 / 64 / 128 / 256 /
-    512 rows against the float32 path's 45 / 53 / 63 / 87 / 142 / 251 (2 threads, medians of
-    5); an int4 head 4.9 to 147 ms against 82 to 163 up to 256 rows. Where the kernel is taken
+    its exact top (summed by `vecdot`) took 5.4 / 13.9 / 25.4 / 31.1 / 66.6 / 144 ms at 8 / 32 /
+    64 / 128 / 256 / 512 rows against the float32 path's 45 / 53 / 62 / 83 / 131 / 217 (2
+    threads, medians of 5); an int4 head (exact top by einsum then) 4.9 to 147 ms against 82 to
+    163 up to 256 rows. Where the kernel is taken
     at every count, a row's logits no longer depend on how many rows share the call."""
     rows = FLOAT32_ROWS[fmt]
     return KERNEL_ONLY if rows == KERNEL_ONLY else HEAD_FLOAT32_ROWS

@@ -98,7 +98,7 @@ def test_triton_matches_the_reference(
 @pytest.mark.parametrize(
     ("fmt", "inp", "group", "block_k", "split"),
     [
-        ("int4", 320, 32, 64, 3),  # K split over 3 programs, the last tile partial
+        ("int4", 320, 32, 64, 3),  # 5 tiles over 3 programs: the last has one tile past K
         ("int4", 256, 64, 128, 2),
         ("int8", 192, 192, 256, 1),  # per channel, K not a multiple of the tile
         ("int8", 384, 192, 64, 3),  # tiles inside groups of 192
@@ -107,15 +107,16 @@ def test_triton_matches_the_reference(
 def test_the_row_kernel_splits_k_and_keeps_groups_whole(
     triton_device: torch.device, fmt: str, inp: int, group: int, block_k: int, split: int
 ) -> None:
-    """One row of a strided x by `quant_gemv` with K cut into `split` parts whose partial sums
-    add up; `gemv_block_k` never gives a tile that straddles groups (48 has none: the tile
-    kernel runs)."""
+    """One row of a strided x (every other column of a wider tensor) by `quant_gemv` with K cut
+    into `split` parts whose partial sums add up; `gemv_block_k` never gives a tile that
+    straddles groups (groups of 48 in 96 inputs have none: the tile kernel runs)."""
     from kernels.triton_quant_matmul import GEMV_BLOCK_N, gemv_block_k, gemv_split, quant_gemv
 
     seed = fresh_seed()
     values, scales, z, q = make_weight(seed, fmt, 40, inp, group, fmt == "int4")
-    wide = torch.randn(1, inp + 16, generator=generator(seed + 1))
-    x = wide[:, 8 : 8 + inp]
+    wide = torch.randn(1, 2 * inp, generator=generator(seed + 1))
+    x = wide[:, ::2]
+    assert x.stride(1) == 2
     programs = split * -(-40 // GEMV_BLOCK_N)
     assert -(-inp // gemv_split(inp, 40, block_k, programs)) == split
     operands = on(triton_device, x, values, scales, z)
@@ -124,6 +125,41 @@ def test_the_row_kernel_splits_k_and_keeps_groups_whole(
     assert_close(y.cpu(), oracle, seed, "quant_matmul", f"row kernel {fmt} split {split}")
     assert gemv_block_k(inp, group) is not None
     assert gemv_block_k(96, 48) is None and gemv_block_k(4096, 4096) == 256
+
+
+@pytest.mark.parametrize(
+    ("fmt", "inp", "group"),
+    [
+        ("int8", 96, 96),  # one group a row, fewer inputs than a tile, not a power of two
+        ("int8", 48, 48),
+        ("int4", 96, 96),
+        ("int4", 40, 40),
+        ("int8", 64, 1),  # groups of 1: the tile kernel for int4, whose bytes hold two groups
+        ("int4", 64, 1),
+        ("int8", 64, 64),
+    ],
+)
+def test_one_row_of_any_valid_grouping_matches_the_reference(
+    triton_device: torch.device, fmt: str, inp: int, group: int
+) -> None:
+    """Whatever `gemv_block_k` picks for one row (the row kernel or the tile kernel), the
+    product is right; among them the one-group-a-row widths a tile of 256 does not divide."""
+    seed = fresh_seed()
+    values, scales, z, q = make_weight(seed, fmt, 24, inp, group, fmt == "int4")
+    x = torch.randn(1, inp, generator=generator(seed + 1))
+    y = quant_matmul(*on(triton_device, x, values, scales, z), fmt, group, backend="triton")
+    oracle = (x.double() @ dense(q, scales, z, fmt, group).t()).float()
+    assert_close(y.cpu(), oracle, seed, "quant_matmul", f"one row {fmt} {inp} g{group}")
+
+
+def test_one_row_of_no_inputs_is_zeros(triton_device: torch.device) -> None:
+    from kernels.triton_quant_matmul import quant_matmul as triton_quant_matmul
+
+    values = torch.zeros(5, 0, dtype=torch.int8)
+    scales = torch.ones(5, 0)
+    x = torch.zeros(1, 0)
+    y = triton_quant_matmul(*on(triton_device, x, values, scales, None), "int8", 64)
+    assert y.shape == (1, 5) and not bool(y.any())
 
 
 def test_triton_blocks_rows_and_takes_strided_x(triton_device: torch.device) -> None:
