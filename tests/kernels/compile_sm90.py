@@ -80,7 +80,7 @@ def kernel_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, 
     write = {"HEAD_DIM": 128, "ROW": 1024, "BLOCK_ROW": 1024, "BLOCK_T": 4}
     ptrs_w = {"K": "bf16", "V": "bf16", "KCache": "bf16", "VCache": "bf16", "SlotMapping": "i64"}
     specs.append(("write_kv", triton_write_kv._write_kv_kernel, ptrs_w, write, 4, 1))
-    return specs + lora_specs()
+    return specs + lora_specs() + quant_specs()
 
 
 def lora_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
@@ -108,6 +108,60 @@ def lora_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, in
             ),
             ("lora_expand_m16", kernel_e, h_b_y, expand | {"BLOCK_M": 16}),
             ("lora_expand_m64", kernel_e, h_b_y, expand | {"BLOCK_M": 64}),
+        ]
+    ]
+
+
+def quant_specs() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]]:
+    """The weight-only quantized matmul: the tile kernel (bf16 x, int4 in groups of 32 with
+    zeros, int8 per channel) and the one-row kernel at its launch config, for groups of 32, a
+    tile inside one group of 4,096 inputs, and one group a row of 96 (fewer than a tile)."""
+    from kernels import triton_quant_matmul as qm
+
+    tile: dict[str, Any] = {"BLOCK_M": 16, "BLOCK_N": qm.BLOCK_N, "BLOCK_K": qm.BLOCK_K}
+    tile |= {"PRECISION": "tf32", "HAS_ZEROS": True}
+    row: dict[str, Any] = {"BLOCK_N": qm.GEMV_BLOCK_N, "BLOCK_K": 256, "K_PER_SPLIT": 1024}
+    int4 = {"X": "bf16", "Values": "u8", "Scales": "bf16", "Zeros": "bf16"}
+    int8 = int4 | {"Values": "i8"}
+    tile_kernel, row_kernel = qm._quant_matmul_kernel, qm._quant_gemv_kernel
+    return [
+        (name, kernel, ptrs, constexprs, warps, 1)
+        for name, kernel, ptrs, constexprs, warps in [
+            (
+                "quant_tile_int4",
+                tile_kernel,
+                int4 | {"Y": "bf16"},
+                tile | {"GROUP": 32, "INT4": True},
+                4,
+            ),
+            (
+                "quant_tile_int8",
+                tile_kernel,
+                int8 | {"Y": "bf16"},
+                tile | {"GROUP": 4096, "INT4": False, "HAS_ZEROS": False},
+                4,
+            ),
+            (
+                "quant_row_int4_g32",
+                row_kernel,
+                int4 | {"Partial": "fp32"},
+                row | {"GROUP": 32, "INT4": True, "HAS_ZEROS": True},
+                qm.GEMV_WARPS,
+            ),
+            (
+                "quant_row_int8_g4096",
+                row_kernel,
+                int8 | {"Partial": "fp32"},
+                row | {"GROUP": 4096, "INT4": False, "HAS_ZEROS": False},
+                qm.GEMV_WARPS,
+            ),
+            (
+                "quant_row_int8_g96",
+                row_kernel,
+                int8 | {"Partial": "fp32"},
+                row | {"GROUP": 96, "INT4": False, "HAS_ZEROS": False, "K_PER_SPLIT": 256},
+                qm.GEMV_WARPS,
+            ),
         ]
     ]
 
