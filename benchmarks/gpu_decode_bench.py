@@ -36,6 +36,7 @@ from rich.table import Table
 
 from worker.config import ModelConfig
 from worker.engine import Engine, EngineConfig
+from worker.model import CausalLM
 from worker.quantized_weights import WEIGHT_FORMATS
 from worker.request import GenerateRequest
 from worker.sampling_params import SamplingParams
@@ -87,9 +88,13 @@ def step_ms(engine: Engine, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(fmt: str, batch: int, steps: int) -> dict[str, object]:
+def formatted(fmt: str) -> CausalLM:
+    """The SmolLM2-shaped model on the GPU in weight format `fmt`."""
     model = tiny_model(SMOLLM2_SHAPED, seed=0).to("cuda")
-    apply_weight_format(model, fmt)  # type: ignore[arg-type]
+    return apply_weight_format(model, fmt)  # type: ignore[arg-type]
+
+
+def measure(model: CausalLM, fmt: str, batch: int, steps: int) -> dict[str, object]:
     length = CONTEXT + steps + 64
     config = EngineConfig(
         num_pages=batch * (length // 16 + 2) + 8,
@@ -103,7 +108,8 @@ def measure(fmt: str, batch: int, steps: int) -> dict[str, object]:
     gen = torch.Generator().manual_seed(0)
     sampling = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        prompt = tuple(int(t) for t in torch.randint(3, 49152, (CONTEXT,), generator=gen))
+        ids = torch.randint(3, SMOLLM2_SHAPED.vocab_size, (CONTEXT,), generator=gen)
+        prompt = tuple(int(t) for t in ids)
         engine.submit(GenerateRequest(f"r{i}", prompt, sampling=sampling), lambda _: None)
     engine.step()  # the prefills: the token budget holds every prompt
     ms = step_ms(engine, steps)
@@ -160,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['promoted_mb']:.0f}",
             )
         console.print(table)
-    rows = [measure(f, b, args.steps) for f in args.weights for b in args.batches]
+    rows: list[dict[str, object]] = []
+    for fmt in args.weights:  # one model a format, one engine a batch size
+        model = formatted(fmt)
+        rows.extend(measure(model, fmt, batch, args.steps) for batch in args.batches)
+        del model
+        torch.cuda.empty_cache()
     out = Table(title=f"decode on {torch.cuda.get_device_name()}, SmolLM2-shaped, {CONTEXT} tokens")
     for column in ("weights", "MB", "batch", "step ms", "tokens/s"):
         out.add_column(column, justify="right")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from kernels.quant_matmul import quant_matmul
+from kernels.quant_matmul import quant_matmul, unpack_values
 
 console = Console(stderr=True)
 GROUP = 32
@@ -85,8 +85,9 @@ def operands(out: int, inp: int, copies: int) -> dict[str, list[tuple[torch.Tens
 def dequantized_int4(
     packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 ) -> torch.Tensor:
-    """The bf16 weight of an int4 operand (low nibble first, level - 8, times scale, plus zero)."""
-    levels = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    """The bf16 weight of an int4 operand (level - 8, times scale, plus zero), computed in bf16
+    as an on-the-fly dequantization would (`dequantize_reference` is float32)."""
+    levels = unpack_values(packed, "int4")
     w = (levels.to(torch.bfloat16) - 8).view(packed.shape[0], -1, GROUP)
     return (w * scales[..., None] + zeros[..., None]).view(packed.shape[0], -1)
 

@@ -44,6 +44,8 @@ the Python launcher is typed.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -159,6 +161,7 @@ GEMV_WARPS = 4
 GEMV_PROGRAMS_PER_SM = 4
 
 
+@cache
 def gemv_block_k(k: int, group_size: int) -> int | None:
     """The row kernel's K tile for these inputs: 256 (the best of 64 / 128 / 256 on the H100
     sweep) or the largest tile that keeps each tile's groups whole, None if none does (then
@@ -206,6 +209,7 @@ def quant_gemv(
     return total.to(x.dtype)[None, :]
 
 
+@cache
 def _programs(device: torch.device) -> int:
     """Programs the row kernel aims for: GEMV_PROGRAMS_PER_SM per SM (8 under the interpreter)."""
     if device.type != "cuda":

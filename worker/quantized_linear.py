@@ -170,8 +170,8 @@ def head_float32_rows(fmt: LinearFormat) -> int:
     its exact top (summed by `vecdot`) took 5.4 / 13.9 / 25.4 / 31.1 / 66.6 / 144 ms at 8 / 32 /
     64 / 128 / 256 / 512 rows against the float32 path's 45 / 53 / 62 / 83 / 131 / 217 (2
     threads, medians of 5); an int4 head (exact top by einsum then) 4.9 to 147 ms against 82 to
-    163 up to 256 rows. Where the kernel is taken
-    at every count, a row's logits no longer depend on how many rows share the call."""
+    163 up to 256 rows. Where the kernel is taken at every count, a row's logits no longer
+    depend on how many rows share the call."""
     rows = FLOAT32_ROWS[fmt]
     return KERNEL_ONLY if rows == KERNEL_ONLY else HEAD_FLOAT32_ROWS
 

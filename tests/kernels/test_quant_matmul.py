@@ -109,7 +109,7 @@ def test_the_row_kernel_splits_k_and_keeps_groups_whole(
 ) -> None:
     """One row of a strided x (every other column of a wider tensor) by `quant_gemv` with K cut
     into `split` parts whose partial sums add up; `gemv_block_k` never gives a tile that
-    straddles groups (groups of 48 in 96 inputs have none: the tile kernel runs)."""
+    straddles groups."""
     from kernels.triton_quant_matmul import GEMV_BLOCK_N, gemv_block_k, gemv_split, quant_gemv
 
     seed = fresh_seed()
@@ -124,7 +124,16 @@ def test_the_row_kernel_splits_k_and_keeps_groups_whole(
     oracle = (x.double() @ dense(q, scales, z, fmt, group).t()).float()
     assert_close(y.cpu(), oracle, seed, "quant_matmul", f"row kernel {fmt} split {split}")
     assert gemv_block_k(inp, group) is not None
-    assert gemv_block_k(96, 48) is None and gemv_block_k(4096, 4096) == 256
+
+
+def test_the_row_kernels_tile_keeps_groups_whole_or_declines() -> None:
+    from kernels.triton_quant_matmul import gemv_block_k
+
+    assert gemv_block_k(4096, 32) == 256  # eight whole groups a tile
+    assert gemv_block_k(4096, 4096) == 256 and gemv_block_k(96, 96) == 256  # one group a row
+    assert gemv_block_k(14336, 384) == 128  # tiles inside groups of 384
+    assert gemv_block_k(96, 48) is None  # 48 neither divides a tile nor is divided by one
+    assert gemv_block_k(64, 1) is None  # groups of 1 would split int4's bytes
 
 
 @pytest.mark.parametrize(
