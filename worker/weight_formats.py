@@ -7,9 +7,9 @@ model. What each format does to the parts:
 
     part                     float32   bf16 / int8 / int4
     q k v o gate up down     as is     bf16 matrices; int8 per channel; int4 groups of 32
-    output head              as is     HEAD_FORMAT (bf16): a tied head is the bf16 table itself,
-                                       an untied one a bf16 matrix; `head=` gives it its own
-                                       int8 / int4 copy instead
+    output head              as is     `head_format`: bf16 (a tied head is the bf16 table
+                                       itself, an untied one a bf16 matrix), int8 for int8 /
+                                       int4 on a CPU with int8 dot products; `head=` picks
     embedding table          as is     bf16 (a lookup reads one row a token: it is not what
                                        decode waits for)
     norms, biases, RoPE      as is (the model's dtype: the activations' dtype never changes)
@@ -40,7 +40,12 @@ from torch import nn
 
 from worker.fused_projections import fuse_projections
 from worker.model import CausalLM
-from worker.quantized_linear import LINEAR_FORMATS, LinearFormat, QuantizedLinear
+from worker.quantized_linear import (
+    INT8_DYNAMIC_HEAD,
+    LINEAR_FORMATS,
+    LinearFormat,
+    QuantizedLinear,
+)
 from worker.quantized_weights import (
     DEFAULT_GROUP,
     WEIGHT_FORMATS,
@@ -55,16 +60,27 @@ PROJECTIONS = {
 }
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
-HEAD_FORMAT: dict[str, LinearFormat] = {"bf16": "bf16", "int8": "bf16", "int4": "bf16"}
-"""The output head's format for each weight format: bf16 throughout, so a tied head is the bf16
-table itself, no copy. Measured on SmolLM2-135M (a 112-token passage, next-token perplexity
-against float32's 9.16; one thread): int4 layers with an int4 head 10.07 (+10 %, top-1 agreeing
-with float32 at 86.6 % of positions), with an int8 head 9.29 (98.2 %), with the bf16 table as
-head 9.20 (99.1 %); the head is the matrix quantization hurts most (llama.cpp's Q4 files keep it
-in Q8_0 / Q6_K: SmolLM2's Q4_1 file holds token_embd as Q8_0). Speed (head times one token,
-one thread): int4 6.7 ms, bf16 10.5, int8 10.5 (this CPU's int8 kernel is compute-bound), so
-an int8 copy would cost 28 MB for no speed; the bf16 table costs nothing more. `head=` on
-apply_weight_format picks another."""
+
+
+def head_format(fmt: WeightFormat, device: torch.device) -> LinearFormat:
+    """The output head's format for weight format `fmt` on `device`: bf16 for bf16 (a tied head
+    is then the bf16 table itself, no copy); int8 for int8 and int4 on a CPU whose int8 head
+    multiplies with integer dot products (`quantized_linear.INT8_DYNAMIC_HEAD`), bf16 elsewhere.
+
+    The head is the matrix quantization hurts most. Measured on SmolLM2-135M (a 112-token
+    passage, next-token perplexity against float32's 9.16; one thread): int4 layers with an
+    int4 head 10.07 (+10 %, top-1 agreeing with float32 at 86.6 % of positions), with an int8
+    head 9.29 (98.2 %), with the bf16 table as head 9.20 (99.1 %); llama.cpp's Q4 files keep it
+    in Q8_0 / Q6_K (SmolLM2's Q4_1 file holds token_embd as Q8_0). Since then every head
+    recomputes its 64 largest logits exactly, and an int8 head on a VNNI CPU reads 28 MB where
+    bf16 reads 57: on the held-in text (3,575 tokens, 2 threads) int4 with the int8 head cost
+    +0.31 % perplexity against +0.08 % with the bf16 head, greedy tokens as often the same (13
+    and 14 of 20 prompts whole), for a decode step 2 ms (12 %) shorter, 16.1 against 18.3 ms;
+    without VNNI the int8 head is no faster than bf16 (`_weight_int8pack_mm`, compute-bound),
+    so it is not worth its 28 MB there. `apply_weight_format(..., head=)` picks another."""
+    if fmt == "bf16" or device.type != "cpu" or not INT8_DYNAMIC_HEAD:
+        return "bf16"
+    return "int8"
 
 
 def check_weight_format(fmt: object, field: str = "weights") -> WeightFormat:
@@ -82,7 +98,7 @@ def apply_weight_format(
     head: LinearFormat | None = None,
 ) -> CausalLM:
     """Convert `model` in place to `fmt` (module docstring) and return it; `head` overrides
-    the output head's format (default: HEAD_FORMAT)."""
+    the output head's format (default: `head_format`)."""
     check_weight_format(fmt)
     given = dict(quantized or {})
     names = {f"{name}.weight" for name in linear_names(model)} | {EMBED}
@@ -98,10 +114,10 @@ def apply_weight_format(
         if given or head is not None:
             raise ValueError("weights 'float32' keeps the float weights and head as loaded")
         return model
-    head_fmt = HEAD_FORMAT[fmt] if head is None else head
+    device = model.model.embed_tokens.weight.device
+    head_fmt = head_format(fmt, device) if head is None else head
     if head_fmt not in LINEAR_FORMATS:
         raise ValueError(f"head: {head_fmt!r} is not one of {', '.join(LINEAR_FORMATS)}")
-    device = model.model.embed_tokens.weight.device
     for name, parent, attr in _projections(model):
         linear = getattr(parent, attr)
         source = given.get(f"{name}.weight", linear.weight.detach())

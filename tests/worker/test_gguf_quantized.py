@@ -20,6 +20,7 @@ from torch import nn
 
 from tests.worker.helpers import relative_error
 from tests.worker.loading_fixtures import Q, llama_cpp_permute, smollm2_dir, write_tiny_gguf
+from worker import weight_formats
 from worker.checkpoint import CheckpointError, load_checkpoint
 from worker.default_model import CACHE_ENV, converted_dir, default_gguf_path
 from worker.gguf_checkpoint import GGUFError, open_gguf
@@ -378,6 +379,7 @@ def test_int4_from_the_blocks_is_the_float32_model_up_to_bf16(
     the same run: the int4 error must stay within twice it (observed ~1.1x), and far below the
     error the file's quantization itself carries (against the unquantized weights: ~30x)."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(weight_formats, "INT8_DYNAMIC_HEAD", False)  # the projections' test
     write_tiny_gguf(tmp_path / "tiny.gguf", qtype)
     models = {
         fmt: load_model(tmp_path / "tiny.gguf", weights=fmt) for fmt in ("float32", "bf16", "int4")
@@ -398,13 +400,16 @@ def test_int4_from_the_blocks_is_the_float32_model_up_to_bf16(
 
 
 @pytest.mark.slow
-def test_smollm2_int4_from_the_blocks_is_the_float32_model_up_to_bf16() -> None:
+def test_smollm2_int4_from_the_blocks_is_the_float32_model_up_to_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The default model as int4: its 210 projections are the file's Q4_1 blocks (checked layer
     by layer); its head has no int4 blocks in the file (the tied table is Q8_0), so it is
     quantized at load, and the float32 reference gets that same head matrix. Then, as for the
     tiny model, the only difference left is bf16 rounding: within twice the bf16 model's error
     (observed ~1.0x: 1.1 % vs 1.1 %), and the greedy next token agrees almost everywhere."""
     directory = smollm2_dir()
+    monkeypatch.setattr(weight_formats, "INT8_DYNAMIC_HEAD", False)  # the bf16 head, as above
     int4 = load_model(directory, weights="int4")
     check_layers_hold_the_blocks(int4.model, native_quantized(directory, "int4"))
     float32 = load_model(directory, weights="float32").model

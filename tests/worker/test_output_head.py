@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker import quantized_linear
 from worker.quantized_linear import (
     FLOAT32_ROWS,
     HEAD_EXACT_TOP,
@@ -19,6 +20,7 @@ from worker.quantized_linear import (
     LinearFormat,
     QuantizedLinear,
     head_float32_rows,
+    int8_dynamic_matmul,
 )
 from worker.tiny_model import TINY_CONFIG, tiny_model
 from worker.weight_formats import apply_weight_format
@@ -35,16 +37,29 @@ def exact(head: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return (x.double() @ head.reference_weight().double().t()).float()
 
 
+HEADS = ["bf16", "int8", "int8-dynamic", "int4"]
+"""Head kinds: each format's kernel, and the int8 head of a CPU with int8 dot products."""
+
+
+def make_head(kind: str, weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> QuantizedLinear:
+    """A head of `kind`, whichever CPU this is (int8 kinds: `INT8_DYNAMIC_HEAD` set as named)."""
+    monkeypatch.setattr(quantized_linear, "INT8_DYNAMIC_HEAD", kind == "int8-dynamic")
+    head = QuantizedLinear(weight, kind.removesuffix("-dynamic")).as_head()  # type: ignore[arg-type]
+    assert head.dynamic_int8 == (kind == "int8-dynamic")
+    return head
+
+
 @pytest.mark.parametrize(
-    ("fmt", "column", "value"),
+    ("kind", "column", "value"),
     [
         ("bf16", 1, 25.0 / 127),  # one int8 step of the row: held exactly by bf16 and int8
         ("int8", 1, 25.0 / 127),
+        ("int8-dynamic", 1, 25.0 / 127),
         ("int4", 32, 1.0),  # alone in its group of 32 besides zeros: int4 holds it exactly
     ],
 )
 def test_a_near_tie_the_kernel_rounds_to_a_tie_keeps_its_order(
-    fmt: LinearFormat, column: int, value: float
+    kind: str, column: int, value: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two rows whose logits differ by less than a bf16 step: the kernel's bf16 output ties
     them, and its argmax is the lower id; the head's is the larger exact logit."""
@@ -54,8 +69,9 @@ def test_a_near_tie_the_kernel_rounds_to_a_tie_keeps_its_order(
     w[300, column] = value
     x = torch.zeros(1, HIDDEN)
     x[0, 0], x[0, column] = 1.0, 0.004 / value  # logits 25.0 and 25.004: one bf16 value
-    plain = QuantizedLinear(w, fmt)
-    head = QuantizedLinear(w, fmt).as_head()
+    fmt = kind.removesuffix("-dynamic")
+    plain = QuantizedLinear(w, fmt)  # type: ignore[arg-type]
+    head = make_head(kind, w, monkeypatch)
     want = exact(head, x)
     assert int(want.argmax()) == 300
     kernel = plain(x)
@@ -74,6 +90,7 @@ def test_the_head_keeps_its_kernel_where_the_format_does_and_turns_at_32_elsewhe
     row count (bf16 with AVX512-BF16, int4 with AVX-512 kernels) makes a kernel-only head; one
     that turns at some row count (8, 64) makes a head that turns at 32."""
     turning = HEAD_FLOAT32_ROWS
+    monkeypatch.setattr(quantized_linear, "INT8_DYNAMIC_HEAD", False)
     for projections, head_rows in ((KERNEL_ONLY, KERNEL_ONLY), (8, turning), (64, turning)):
         monkeypatch.setitem(FLOAT32_ROWS, fmt, projections)
         assert head_float32_rows(fmt) == head_rows
@@ -81,12 +98,28 @@ def test_the_head_keeps_its_kernel_where_the_format_does_and_turns_at_32_elsewhe
         assert head.float32_rows == head_rows
 
 
+def test_an_int8_head_with_int8_dot_products_keeps_them_at_every_row_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever the int8 projections' rule, the int8 head of a CPU with int8 dot products
+    multiplies by `int8_dynamic_matmul` at every row count; on CUDA an int8 head keeps the
+    Triton kernel (forced here onto the interpreter's path: not dynamic)."""
+    monkeypatch.setitem(FLOAT32_ROWS, "int8", 64)
+    head = make_head("int8-dynamic", table(2), monkeypatch)
+    assert head.float32_rows == KERNEL_ONLY
+    assert not QuantizedLinear(table(2), "int8", triton=True).as_head().dynamic_int8
+    assert not QuantizedLinear(table(2), "int8").dynamic_int8, "only a head"
+
+
 @pytest.mark.parametrize("rule", [HEAD_FLOAT32_ROWS, KERNEL_ONLY], ids=["turns", "kernel-only"])
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_the_head_is_unrounded_where_it_counts_on_either_rule(fmt: LinearFormat, rule: int) -> None:
+@pytest.mark.parametrize("kind", HEADS)
+def test_the_head_is_unrounded_where_it_counts_on_either_rule(
+    kind: str, rule: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both rules a CPU may get (`head_float32_rows`): the leaders exact below and past 32
-    rows; every logit unrounded on the float32 path."""
-    head = QuantizedLinear(table(2), fmt).as_head()
+    rows; every logit unrounded on the float32 path. The dynamic int8 kernel's logits are
+    float32 sums of exact integer sums, not bf16 values."""
+    head = make_head(kind, table(2), monkeypatch)
     head.float32_rows = rule
     gen = torch.Generator().manual_seed(3)
     for rows in (1, HEAD_FLOAT32_ROWS - 1, HEAD_FLOAT32_ROWS, 40):
@@ -100,19 +133,22 @@ def test_the_head_is_unrounded_where_it_counts_on_either_rule(fmt: LinearFormat,
         if rows >= rule:  # the float32 path: every logit unrounded
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert not torch.equal(got, got.to(torch.bfloat16).float())
+        elif head.dynamic_int8:  # float32, off by the activations' int8 rounding alone
+            torch.testing.assert_close(got, want, rtol=0.0, atol=0.05)
+            assert not torch.equal(got, got.to(torch.bfloat16).float())
         else:  # the kernel: all but the recomputed top are its bf16 output
             unrounded = (got != got.to(torch.bfloat16).float()).sum(-1)
             assert int(unrounded.max()) <= HEAD_EXACT_TOP
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("kind", HEADS)
 def test_a_kernel_only_heads_logits_of_a_row_do_not_depend_on_the_batch(
-    fmt: LinearFormat,
+    kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With its kernel at every row count, a sequence decoding alone and the same sequence in
     a step of 40 get the same logits, bit for bit (on the float32 path from 32 rows they would
     not: the tail rounded alone, unrounded in the batch)."""
-    head = QuantizedLinear(table(4), fmt).as_head()
+    head = make_head(kind, table(4), monkeypatch)
     head.float32_rows = KERNEL_ONLY
     x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(5))
     batch = head(x)
@@ -128,3 +164,23 @@ def test_a_formatted_model_has_a_head_and_its_projections_are_not_heads() -> Non
         assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.is_head
         layers = [m for m in model.model.modules() if isinstance(m, QuantizedLinear)]
         assert layers and not any(m.is_head or m.exact_top for m in layers)
+
+
+def test_int8_dynamic_matmul_sums_exactly_what_each_row_rounds_to() -> None:
+    """Each row of x is rounded to int8 steps of max|row| / 127 (half to even) and the products
+    are summed exactly: the result is that rounded x times the weight, to float32's precision,
+    within half a step per input of x times the weight; a zero row gives zeros; a row's result
+    does not depend on the rows beside it."""
+    gen = torch.Generator().manual_seed(6)
+    weight = QuantizedLinear(table(5), "int8")
+    q, scales = weight.q, weight.scales
+    x = torch.randn(5, HIDDEN, generator=gen) * torch.tensor([[1.0], [10.0], [0.01], [3.0], [0.0]])
+    got = int8_dynamic_matmul(x, q, scales)
+    step = x.abs().amax(1, keepdim=True) / 127
+    rounded = torch.round(x / step.clamp_min(1e-30)) * step
+    w = q.double() * scales.double()[:, None]
+    torch.testing.assert_close(got.double(), rounded.double() @ w.t(), rtol=1e-6, atol=1e-6)
+    bound = (step.double() / 2) @ w.abs().sum(1, keepdim=True).t() + 1e-6
+    assert ((got.double() - x.double() @ w.t()).abs() <= bound).all()
+    assert torch.equal(got[4], torch.zeros(VOCAB))
+    assert torch.equal(int8_dynamic_matmul(x[1:2], q, scales)[0], got[1])

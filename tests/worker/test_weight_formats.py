@@ -17,6 +17,7 @@ from torch import nn
 from tests.worker import test_engine_equivalence as equivalence
 from tests.worker.helpers import no_cache_greedy, recorded_engine, relative_error
 from tests.worker.test_lora_model import ATTENTION, random_adapter, stacks_with
+from worker import weight_formats
 from worker.config import ModelConfig
 from worker.fused_projections import FusedProjections
 from worker.loader import load_model, model_revision
@@ -25,9 +26,10 @@ from worker.model_runner import Chunk, ModelRunner
 from worker.quantized_linear import INT4_CPU_ROWS, LinearFormat, QuantizedLinear, int4pack_levels
 from worker.quantized_weights import QuantizedWeight, WeightFormat, dequantize, quantize
 from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, build_tiny_checkpoint, tiny_model
-from worker.weight_formats import apply_weight_format, linear_names, weight_bytes
+from worker.weight_formats import apply_weight_format, head_format, linear_names, weight_bytes
 
 FORMATS: list[WeightFormat] = ["bf16", "int8", "int4"]
+CPU = torch.device("cpu")
 CONFIGS = [TINY_CONFIG, TINY_QWEN3_CONFIG]
 IDS = ["llama", "qwen3-tied"]
 PROJECTIONS = 7  # q k v o gate up down
@@ -87,7 +89,8 @@ def test_projections_and_the_head_are_replaced_and_the_table_is_bf16(
     names = sorted(n.rsplit(".", 1)[1] for n in fused)
     assert names == sorted(["qkv_proj", "gate_up_proj"] * config.num_layers)
     assert {layer.format for layer in layers} == {fmt}
-    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == "bf16"
+    head = model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.format == head_format(fmt, CPU)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.dtype == torch.float32, "activations keep the model's dtype"
     assert not [m for m in model.modules() if type(m) is nn.Linear], "a float linear is left"
@@ -106,9 +109,28 @@ def test_a_tied_head_asked_to_be_quantized_gets_its_own_copy(fmt: LinearFormat) 
     assert not torch.equal(head, table.to(torch.bfloat16).float()), "the head is quantized"
 
 
+@pytest.mark.parametrize("int8_dots", [True, False], ids=["int8-dots", "no-int8-dots"])
+def test_the_head_is_int8_for_the_quantized_formats_only_on_a_cpu_with_int8_dot_products(
+    int8_dots: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`head_format`: bf16 for bf16 everywhere and for every format off a CPU whose int8 head
+    multiplies with integer dot products (and on CUDA); int8 for int8 and int4 on one."""
+    monkeypatch.setattr(weight_formats, "INT8_DYNAMIC_HEAD", int8_dots)
+    quantized = "int8" if int8_dots else "bf16"
+    assert head_format("bf16", CPU) == "bf16"
+    assert head_format("int8", CPU) == head_format("int4", CPU) == quantized
+    assert head_format("int4", torch.device("cuda")) == "bf16"
+    model = apply_weight_format(tiny_model(TINY_QWEN3_CONFIG), "int4")
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == quantized
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_tied_head_is_the_bf16_table_itself(fmt: WeightFormat) -> None:
-    """HEAD_FORMAT: no copy of the table for the head, whatever the format."""
+def test_a_tied_bf16_head_is_the_bf16_table_itself(
+    fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 head (`head_format`'s choice for bf16, and for every format where an int8 head
+    would be no faster): no copy of the table for the head."""
+    monkeypatch.setattr(weight_formats, "INT8_DYNAMIC_HEAD", False)
     model = apply_weight_format(tiny_model(TINY_QWEN3_CONFIG), fmt)
     assert isinstance(model.lm_head, QuantizedLinear)
     table = model.model.embed_tokens.weight
@@ -165,8 +187,9 @@ def test_formats_hold_fewer_bytes_in_order() -> None:
         "int4": lambda out, inp: padded(out) * (inp // 2 + inp // 32 * 4),  # + scale, zero
     }
     fixed = vocab * hidden * 2 + (2 * config.num_layers + 1) * hidden * 4  # table, norms
-    head = vocab * hidden * 2  # HEAD_FORMAT: bf16
-    for fmt, size in promised.items():
+    for fmt in FORMATS:
+        size = promised[fmt]
+        head = promised[head_format(fmt, CPU)](vocab, hidden)  # TINY_CONFIG's head is untied
         assert sizes[fmt] == fixed + head + sum(size(out, inp) for out, inp in matrices), fmt
 
 
@@ -251,7 +274,8 @@ def test_given_quantized_weights_are_used_as_they_are() -> None:
     assert isinstance(layer, QuantizedLinear) and layer.group_size == 64
     assert torch.equal(int4pack_levels(layer.packed, inp)[:out], q)
     assert torch.equal(model.model.embed_tokens.weight, dequantize(table).to(torch.bfloat16))
-    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == "bf16"
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert model.lm_head.format == head_format("int4", CPU)
     other = apply_weight_format(tiny_model(config), "int4", quantized, head="int4")
     assert isinstance(other.lm_head, QuantizedLinear) and other.lm_head.format == "int4"
     assert relative_error(other.lm_head.reference_weight(), dequantize(table)) < 0.15
