@@ -11,7 +11,8 @@ A step is timed three ways, each the median over --steps steps after a warm-up:
   slower: each op pays the profiler's bookkeeping, so shares are read from it, times from the
   unprofiled steps), grouped by what each op is for:
 
-      linear      the projections and the output head (mm / addmm / the int4 / int8 kernels)
+      linear      the projections and the output head (mm / addmm / the int4 / int8 kernels,
+                  _int_mm)
       attention   SDPA and the page gather (index_select)
       kv write    index_copy_ into the KV pages
       other       everything else: norms, RoPE, activations, residual adds, dtype casts, views
@@ -56,6 +57,7 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
         "aten::_weight_int4pack_mm_for_cpu",
         "aten::_weight_int4pack_mm",
         "aten::_weight_int8pack_mm",
+        "aten::_int_mm",
     ),
     "attention": (
         "aten::_scaled_dot_product_flash_attention_for_cpu",

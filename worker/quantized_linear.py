@@ -16,7 +16,9 @@ layouts:
                     [in/g, out', 2] bf16
     int4    cuda    packed [out, in/2] uint8 (low nibble: even     kernels.quant_matmul (Triton,
                     column), scales / zeros [out, in/g] bf16       dequantizes in registers)
-    int8    cpu     q [out, in] int8, scales [out] bf16            aten._weight_int8pack_mm
+    int8    cpu     q [out, in] int8, scales [out] bf16            aten._weight_int8pack_mm (a
+                                                                   head with int8 dot products:
+                                                                   int8_dynamic_matmul)
     int8    cuda    the same                                       kernels.quant_matmul
 
 On the CPU, a call of FLOAT32_ROWS rows or more (a prefill chunk) dequantizes the weight to
@@ -31,9 +33,10 @@ gpt-fast's int8 weight-only form, and the one `_weight_int8pack_mm` takes): a gr
 weight (GGUF Q8_0) is dequantized and quantized again per channel. Every device stores the same
 values, so `reference_weight()` is the one matrix every path computes with. Activations are cast
 to bf16 for the multiply (the CPU kernels take bf16; the product is rounded to bf16 and cast back
-to x's dtype). Moving a packed layer to another device
-is refused at its first forward (pack it again on the new device: worker/weight_formats.py does
-the packing after the model is placed).
+to x's dtype), except by an int8 head on a CPU with int8 dot products, which quantizes them to
+int8 per row and gives float32 logits (`int8_dynamic_matmul`). Moving a packed layer to another
+device is refused at its first forward (pack it again on the new device:
+worker/weight_formats.py does the packing after the model is placed).
 
 Measured (benchmarks/linear_formats_bench.py; a 2-core AMD EPYC VM, AVX2, no AVX-512 / AMX,
 32 MB L3, shared with other jobs at a load of 2-5; torch 2.13; 1 thread, because at 2 threads
@@ -101,7 +104,14 @@ HEAD_EXACT_TOP = 64
 kernel's. The kernel rounds its output to bf16, whose step at a logit of 25 is 0.125: SmolLM2's
 first answer token to "What is the capital of France?" ("The" 25.325 against "L" 25.243 in
 float32) became a tie at 25.0 and greedy decoding answered "L'Etoile, ...". The true maximum is
-within one rounding step of the kernel's, so it is always among these."""
+within one rounding step of the kernel's, so it is always among these. An int8 head with int8
+dot products (`int8_dynamic_matmul`) errs by its activations' rounding instead, which only
+bounds the error loosely (half a step times a row's sum of |w|: 7 logits at the median row of
+SmolLM2's held-in text, 20 at most): there the true maximum being among these is measured, not
+proven. Over 768 positions of that text it ranked within the kernel's top 3 every time (largest
+error 1.84 logits), and the greedy tokens were those of the exact logits at every position;
+the logits outside the top are noisier than the bf16 kernel's (mean KL from the exact
+distribution 5e-4 nats against 1.4e-5), which sampling sees and greedy decoding does not."""
 EXACT_ROWS_PER_PASS = 64
 """Rows whose top logits `exact_top_logits` recomputes at once: their weight rows in float32 take
 64 x 64 x in x 4 bytes (9.4 MB for SmolLM2), where 256 rows at once (38 MB, and its product as
@@ -168,8 +178,10 @@ def _has_int8_dot_products() -> bool:
     products (AVX-512 VNNI: four products a lane where a float32 FMA does one)."""
     probe = getattr(torch.cpu, "_is_vnni_supported", None)  # private; absent: assume not
     avx512 = getattr(torch.cpu, "_is_avx512_supported", None)
-    has_int_mm = hasattr(torch, "_int_mm")
-    return has_int_mm and probe is not None and avx512 is not None and bool(probe() and avx512())
+    onednn = bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+    if not hasattr(torch, "_int_mm") or probe is None or avx512 is None or not onednn:
+        return False
+    return bool(probe() and avx512())
 
 
 INT8_DYNAMIC_HEAD = _has_int8_dot_products()
@@ -194,7 +206,8 @@ def int8_dynamic_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) 
     x32 = x.float()
     step = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
     xq = torch.round(x32 / step).to(torch.int8)
-    sums = torch._int_mm(xq, q.t())
+    weight = q.t() if q.shape[1] > 1 else q.t().contiguous()  # _int_mm misreads strides (1, 1)
+    sums = torch._int_mm(xq, weight)
     return sums.float().mul_(scales.float()).mul_(step)
 
 
@@ -379,7 +392,8 @@ class QuantizedLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in] @ W.T in bf16 (the kernels' output), or x's dtype on the GPU."""
+        """x [rows, in] @ W.T in bf16 (the kernels' output; float32 from `int8_dynamic_matmul`
+        and the float32 path), or x's dtype on the GPU."""
         if not self.triton:
             if x.shape[0] >= self.float32_rows:
                 return self.float32_matmul(x)
@@ -417,8 +431,8 @@ class QuantizedLinear(nn.Module):
         return y if y.shape[1] == self.out_features else y[:, : self.out_features]
 
     def exact_top_logits(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y` (the kernel's bf16 logits of x) in float32, its `exact_top` largest per row
-        replaced by x (float32) times their weight rows, summed in float32 by `vecdot`, a
+        """`y` (the kernel's logits of x, bf16 or float32) in float32, its `exact_top` largest
+        per row replaced by x (float32) times their weight rows, summed in float32 by `vecdot`, a
         product and a sum along each row: a row's sums then never depend on the rows beside it
         (`einsum`'s batched product summed a row alone in another order than in a batch)."""
         top = y.topk(min(self.exact_top, self.out_features), dim=-1).indices

@@ -38,14 +38,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from worker import quantized_linear
 from worker.fused_projections import fuse_projections
 from worker.model import CausalLM
-from worker.quantized_linear import (
-    INT8_DYNAMIC_HEAD,
-    LINEAR_FORMATS,
-    LinearFormat,
-    QuantizedLinear,
-)
+from worker.quantized_linear import LINEAR_FORMATS, LinearFormat, QuantizedLinear
 from worker.quantized_weights import (
     DEFAULT_GROUP,
     WEIGHT_FORMATS,
@@ -78,7 +74,9 @@ def head_format(fmt: WeightFormat, device: torch.device) -> LinearFormat:
     and 14 of 20 prompts whole), for a decode step 2 ms (12 %) shorter, 16.1 against 18.3 ms;
     without VNNI the int8 head is no faster than bf16 (`_weight_int8pack_mm`, compute-bound),
     so it is not worth its 28 MB there. `apply_weight_format(..., head=)` picks another."""
-    if fmt == "bf16" or device.type != "cpu" or not INT8_DYNAMIC_HEAD:
+    if fmt == "float32":
+        raise ValueError("weights 'float32' keeps the head as loaded: it has no head format")
+    if fmt == "bf16" or device.type != "cpu" or not quantized_linear.INT8_DYNAMIC_HEAD:
         return "bf16"
     return "int8"
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from tests.worker.helpers import relative_error
 from tests.worker.loading_fixtures import Q, llama_cpp_permute, smollm2_dir, write_tiny_gguf
-from worker import weight_formats
+from worker import quantized_linear
 from worker.checkpoint import CheckpointError, load_checkpoint
 from worker.default_model import CACHE_ENV, converted_dir, default_gguf_path
 from worker.gguf_checkpoint import GGUFError, open_gguf
@@ -348,8 +348,8 @@ def check_layers_hold_the_blocks(model: CausalLM, native: dict[str, QuantizedWei
     its scales and zeros as the kernel keeps them (bf16), so within 2^-8 of each |(q-8) d| + |z|."""
     modules = dict(model.named_modules())
     for name, weight in native.items():
-        if name in ("lm_head.weight", "model.embed_tokens.weight"):  # the head is bf16
-            head = modules["lm_head"] if name == "lm_head.weight" else None  # (HEAD_FORMAT)
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):  # the head is bf16 here
+            head = modules["lm_head"] if name == "lm_head.weight" else None  # (no int8 dots)
             if head is None:  # tied: the bf16 table itself
                 values = model.model.embed_tokens.weight
             else:
@@ -372,14 +372,15 @@ def test_int4_from_the_blocks_is_the_float32_model_up_to_bf16(
 ) -> None:
     """load_model(file.gguf, weights="int4") multiplies by the file's own blocks: every projection
     of the tiny model holds exactly the values the float32 load of the same file holds (the
-    tied head is the bf16 table, as in every format), so the logits differ only by bf16
+    tied head is the bf16 table, the head off a CPU with int8 dot products, as here), so the
+    logits differ only by bf16
     rounding: of the activations fed to each matmul, of the block scales and zeros, and of the
     embedding table. The bf16 model (every weight and the
     same activations rounded to bf16) carries the same kind and amount of rounding, measured in
     the same run: the int4 error must stay within twice it (observed ~1.1x), and far below the
     error the file's quantization itself carries (against the unquantized weights: ~30x)."""
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(weight_formats, "INT8_DYNAMIC_HEAD", False)  # the projections' test
+    monkeypatch.setattr(quantized_linear, "INT8_DYNAMIC_HEAD", False)  # the projections' test
     write_tiny_gguf(tmp_path / "tiny.gguf", qtype)
     models = {
         fmt: load_model(tmp_path / "tiny.gguf", weights=fmt) for fmt in ("float32", "bf16", "int4")
@@ -409,7 +410,7 @@ def test_smollm2_int4_from_the_blocks_is_the_float32_model_up_to_bf16(
     tiny model, the only difference left is bf16 rounding: within twice the bf16 model's error
     (observed ~1.0x: 1.1 % vs 1.1 %), and the greedy next token agrees almost everywhere."""
     directory = smollm2_dir()
-    monkeypatch.setattr(weight_formats, "INT8_DYNAMIC_HEAD", False)  # the bf16 head, as above
+    monkeypatch.setattr(quantized_linear, "INT8_DYNAMIC_HEAD", False)  # the bf16 head, as above
     int4 = load_model(directory, weights="int4")
     check_layers_hold_the_blocks(int4.model, native_quantized(directory, "int4"))
     float32 = load_model(directory, weights="float32").model

@@ -17,7 +17,7 @@ from torch import nn
 from tests.worker import test_engine_equivalence as equivalence
 from tests.worker.helpers import no_cache_greedy, recorded_engine, relative_error
 from tests.worker.test_lora_model import ATTENTION, random_adapter, stacks_with
-from worker import weight_formats
+from worker import quantized_linear
 from worker.config import ModelConfig
 from worker.fused_projections import FusedProjections
 from worker.loader import load_model, model_revision
@@ -115,11 +115,13 @@ def test_the_head_is_int8_for_the_quantized_formats_only_on_a_cpu_with_int8_dot_
 ) -> None:
     """`head_format`: bf16 for bf16 everywhere and for every format off a CPU whose int8 head
     multiplies with integer dot products (and on CUDA); int8 for int8 and int4 on one."""
-    monkeypatch.setattr(weight_formats, "INT8_DYNAMIC_HEAD", int8_dots)
+    monkeypatch.setattr(quantized_linear, "INT8_DYNAMIC_HEAD", int8_dots)
     quantized = "int8" if int8_dots else "bf16"
     assert head_format("bf16", CPU) == "bf16"
     assert head_format("int8", CPU) == head_format("int4", CPU) == quantized
     assert head_format("int4", torch.device("cuda")) == "bf16"
+    with pytest.raises(ValueError, match="'float32' keeps the head as loaded"):
+        head_format("float32", CPU)
     model = apply_weight_format(tiny_model(TINY_QWEN3_CONFIG), "int4")
     assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.format == quantized
 
@@ -130,7 +132,7 @@ def test_a_tied_bf16_head_is_the_bf16_table_itself(
 ) -> None:
     """A bf16 head (`head_format`'s choice for bf16, and for every format where an int8 head
     would be no faster): no copy of the table for the head."""
-    monkeypatch.setattr(weight_formats, "INT8_DYNAMIC_HEAD", False)
+    monkeypatch.setattr(quantized_linear, "INT8_DYNAMIC_HEAD", False)
     model = apply_weight_format(tiny_model(TINY_QWEN3_CONFIG), fmt)
     assert isinstance(model.lm_head, QuantizedLinear)
     table = model.model.embed_tokens.weight
