@@ -4,7 +4,8 @@ multi-turn conversations, on the default model's tokenizer (SmolLM2-135M-Instruc
 A conversation is plain text: turn 1 is an opening text and a user message; every later turn is
 the previous prompt + the previous answer + a new user message, appended without a separator.
 The text is English from the repository's own docs (docs/*.md), seeded: it changes when they
-do, so compare numbers within one run (each comes with its same-run baseline). An answer's
+do, so compare numbers within one run (each comes with its same-run baseline); `paragraphs`
+gives another text (the tests pin one, so that a docs edit cannot move their workload). An answer's
 ids are what a model would emit: `tokenizer.encode(answer)`, except where a boundary kind says
 the model emitted its last newlines one by one.
 
@@ -172,7 +173,9 @@ def _turn(
     return Turn(message, answer, tuple(generated), boundary)
 
 
-def build_conversations(tokenizer: Tokenizer, sizes: Sizes, seed: int) -> list[Conversation]:
+def build_conversations(
+    tokenizer: Tokenizer, sizes: Sizes, seed: int, paragraphs: list[str] | None = None
+) -> list[Conversation]:
     """Seeded conversations, each turn with a boundary of BOUNDARIES drawn at random:
 
     trailing-space  the message ends with "Answer: ", the answer starts with a word (a full
@@ -187,7 +190,7 @@ def build_conversations(tokenizer: Tokenizer, sizes: Sizes, seed: int) -> list[C
     glued to the next message. Each conversation opens with a line of its own, so no two share
     a cached page."""
     rng = random.Random(seed)
-    source = TextSource(corpus(), rng)
+    source = TextSource(corpus() if paragraphs is None else paragraphs, rng)
     conversations = []
     for c in range(sizes.conversations):
         opening = f"Conversation {c} ({rng.getrandbits(48):012x}).\n"
@@ -345,8 +348,14 @@ def time_mode(
     return run
 
 
-def bench_time(tokenizer: Tokenizer, sizes: Sizes, seed: int, modes: Sequence[str]) -> dict:
-    conversations = build_conversations(tokenizer, sizes, seed)
+def bench_time(
+    tokenizer: Tokenizer,
+    sizes: Sizes,
+    seed: int,
+    modes: Sequence[str],
+    paragraphs: list[str] | None = None,
+) -> dict:
+    conversations = build_conversations(tokenizer, sizes, seed, paragraphs)
     runs = []
     with Progress(console=console, transient=True) as progress:
         for mode in modes:
@@ -463,8 +472,14 @@ def hit_mode(
     return run
 
 
-def bench_hits(tokenizer: Tokenizer, sizes: Sizes, seed: int, page_size: int) -> dict:
-    conversations = build_conversations(tokenizer, sizes, seed)
+def bench_hits(
+    tokenizer: Tokenizer,
+    sizes: Sizes,
+    seed: int,
+    page_size: int,
+    paragraphs: list[str] | None = None,
+) -> dict:
+    conversations = build_conversations(tokenizer, sizes, seed, paragraphs)
     runs = {}
     with Progress(console=console, transient=True) as progress:
         for mode in (OFF, *MODES, IDEAL):
