@@ -15,6 +15,8 @@ multiply by a weight kept in that format:
     int8 cvt bf16    q.to(bf16), bf16 matmul, times the per-channel scales (gpt-fast's form)
     int8 cvt f32     q.float() times the scales every call, float32 matmul
     int8 deq bf16    grouped int8 (group 32) dequantized to bf16 every call, then the matmul
+    int8 dynamic     x quantized to int8 per row, torch._int_mm (int8 dot products: VNNI), the
+                     int32 sums scaled (`int8_dynamic_matmul`, what an int8 head runs)
 
 Decode reads weights that left the caches since their last use (a model is far larger than
 the L3), so each candidate cycles through copies of its operands adding up to --cold-mb (128 MB,
@@ -41,7 +43,7 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
-from worker.quantized_linear import pack_int4_cpu
+from worker.quantized_linear import int8_dynamic_matmul, pack_int4_cpu
 from worker.quantized_weights import quantize
 
 SHAPES = {"head 49152x576": (49152, 576), "mlp 1536x576": (1536, 576)}
@@ -105,6 +107,7 @@ def candidates(out: int, inp: int, seed: int = 0) -> dict[str, Candidate]:
         "int8 cvt bf16": ((q8c.q, s8c.to(bf16)), int8_cvt),
         "int8 cvt f32": ((q8c.q, s8c[:, None]), lambda x, q, s: F.linear(x, q.float() * s)),
         "int8 deq bf16": ((q8g.q, q8g.scales.to(bf16)), int8_deq),
+        "int8 dynamic": ((q8c.q, s8c.to(bf16)), int8_dynamic_matmul),
     }
 
 

@@ -18,7 +18,7 @@ BOUND = {"float32": 1e-6, "bf16": 0.01, "int8": 0.02, "int4": 0.15}
 def test_every_candidate_computes_the_product() -> None:
     out, inp = 96, 128
     found = bench.candidates(out, inp, seed=3)
-    assert len(found) == 11
+    assert len(found) == 12
     w = torch.randn(out, inp, generator=torch.Generator().manual_seed(3)) / inp**0.5
     x = torch.randn(4, inp)
     want = F.linear(x, w)
@@ -41,4 +41,4 @@ def test_measure_reports_every_candidate(monkeypatch: pytest.MonkeyPatch) -> Non
     results = bench.measure(rounds=1, budget_s=0.0, cold_bytes=1 << 16)
     assert set(results) == {"small 64x64 x 1", "small 64x64 x 256"}
     for row in results.values():
-        assert len(row) == 11 and all(ms > 0 for ms in row.values())
+        assert len(row) == 12 and all(ms > 0 for ms in row.values())
