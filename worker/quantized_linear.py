@@ -189,9 +189,12 @@ INT8_DYNAMIC_HEAD = _has_int8_dot_products()
 quantized per row, integer dot products) instead of `_weight_int8pack_mm`, and so whether the
 quantized formats' head is int8 (worker/weight_formats.head_format). SmolLM2's head, 49,152 x
 576, times one token at 2 threads on an AVX-512 VNNI host: 1.37 ms with its exact top, against
-3.49 ms for the bf16 head (AVX512-BF16 dot products); `_int_mm` alone 1.5 / 1.8 / 4.2 / 9.5 /
-32 ms at 1 / 4 / 32 / 64 / 256 rows against bf16's 4.2 / 3.6 / 7.6 / 25 / 67, so it keeps its
-kernel at every row count. Not for the projections: the int4 kernel reads half the bytes and
+3.49 ms for the bf16 head (AVX512-BF16 dot products); `_int_mm` alone 1.5 / 1.8 / 4.2 ms at 1 /
+4 / 32 rows against bf16's `F.linear` 4.2 / 3.6 / 7.6 (one probe), and with the activations'
+quantization 57.8 ms at 256 rows against bf16's 54.5 and the float32 path's 113
+(`benchmarks/linear_formats_bench.py`, weights cycled past the caches). It beats the float32
+path, an int8 weight's only other way, at every row count measured, so it keeps its kernel at
+every row count. Not for the projections: the int4 kernel reads half the bytes and
 their few outputs do not repay quantizing the activations (qkv 27 against 49-64 us, down 39-53
 against 60)."""
 
@@ -208,7 +211,7 @@ def int8_dynamic_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) 
     xq = torch.round(x32 / step).to(torch.int8)
     weight = q.t() if q.shape[1] > 1 else q.t().contiguous()  # _int_mm misreads strides (1, 1)
     sums = torch._int_mm(xq, weight)
-    return sums.float().mul_(scales.float()).mul_(step)
+    return sums.float().mul_(scales).mul_(step)  # bf16 scales widen exactly
 
 
 def head_float32_rows(fmt: LinearFormat) -> int:

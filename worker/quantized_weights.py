@@ -56,6 +56,15 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return int(self.q.shape[0]), int(self.q.shape[1])
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight on `device` (itself when it is there already): the same values,
+        not quantized again there (a GPU rounds some float32 scales one ulp away from a CPU)."""
+        device = torch.device(device)
+        if self.q.device == device:
+            return self
+        q, scales, zeros = (t.to(device) for t in (self.q, self.scales, self.zeros))
+        return QuantizedWeight(self.format, q, scales, zeros, self.group_size)
+
 
 def quantize(
     weight: torch.Tensor, fmt: WeightFormat, group_size: int = DEFAULT_GROUP

@@ -70,8 +70,9 @@ def head_format(fmt: WeightFormat, device: torch.device) -> LinearFormat:
     in Q8_0 / Q6_K (SmolLM2's Q4_1 file holds token_embd as Q8_0). Since then every head
     recomputes its 64 largest logits exactly, and an int8 head on a VNNI CPU reads 28 MB where
     bf16 reads 57: on the held-in text (3,575 tokens, 2 threads) int4 with the int8 head cost
-    +0.31 % perplexity against +0.08 % with the bf16 head, greedy tokens as often the same (13
-    and 14 of 20 prompts whole), for a decode step 2 ms (12 %) shorter, 16.1 against 18.3 ms;
+    +0.30 % perplexity against +0.08 % with the bf16 head, greedy tokens as often the same (13
+    and 14 of 20 prompts whole), for decode 14-19 % faster (int4, three runs each way, each a
+    process of its own, alternated: 55.4-63.7 against 48.1-53.7 tokens/s);
     without VNNI the int8 head is no faster than bf16 (`_weight_int8pack_mm`, compute-bound),
     so it is not worth its 28 MB there. `apply_weight_format(..., head=)` picks another."""
     if fmt == "float32":
@@ -175,21 +176,9 @@ def _pack(
     format when `keep` and fmt is not bf16 (a projection: the file's choice); otherwise it is
     dequantized and takes `fmt` (the head's format is ours to choose)."""
     if isinstance(source, QuantizedWeight):
-        source = _to(source, device)
+        source = source.to(device)
         if keep and fmt != "bf16":
             return QuantizedLinear(source, source.format, bias)  # type: ignore[arg-type]
         if source.format != fmt:
             source = dequantize(source)
     return QuantizedLinear(source, fmt, bias, group_size)
-
-
-def _to(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:
-    if weight.q.device == device:
-        return weight
-    return QuantizedWeight(
-        weight.format,
-        weight.q.to(device),
-        weight.scales.to(device),
-        weight.zeros.to(device),
-        weight.group_size,
-    )

@@ -204,8 +204,7 @@ def test_a_quantized_linear_packed_for_triton_multiplies_like_the_cpu_one(
     on_device: torch.Tensor | QuantizedWeight = w.to(triton_device)
     if fmt == "int4":
         source = quantize(w, "int4", 32)
-        q, scales, zeros = (t.to(triton_device) for t in (source.q, source.scales, source.zeros))
-        on_device = QuantizedWeight("int4", q, scales, zeros, 32)
+        on_device = source.to(triton_device)
     cpu = QuantizedLinear(source, fmt, bias)  # type: ignore[arg-type]
     gpu = QuantizedLinear(on_device, fmt, bias.to(triton_device), triton=True)  # type: ignore[arg-type]
     assert gpu.triton and not cpu.triton

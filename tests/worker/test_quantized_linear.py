@@ -216,9 +216,7 @@ def test_cuda_layers_multiply_by_the_same_matrix_as_cpu_layers(fmt: str) -> None
     on_cuda: torch.Tensor | QuantizedWeight = w.cuda()
     if fmt == "int4":
         source = quantize(w, "int4", 32)
-        on_cuda = QuantizedWeight(
-            "int4", source.q.cuda(), source.scales.cuda(), source.zeros.cuda(), 32
-        )
+        on_cuda = source.to("cuda")
     cpu = QuantizedLinear(source, fmt)  # type: ignore[arg-type]
     cuda = QuantizedLinear(on_cuda, fmt)  # type: ignore[arg-type]
     assert torch.equal(cuda.reference_weight().cpu(), cpu.reference_weight())
@@ -247,3 +245,12 @@ def test_rows_agree_whichever_cpu_path_they_take(fmt: str) -> None:
         assert bool(((alone - chunk[row]).abs() <= chunk[row].abs() * BF16_EPS + 1e-6).all())
         if kernel_only and fmt == "int4":
             assert torch.equal(alone[0], chunk[row])
+
+
+def test_a_quantized_weight_moves_as_it_is() -> None:
+    """`QuantizedWeight.to`: the same values on the device asked for, itself where it is."""
+    qw = quantize(weight(64, 64), "int4", 32)
+    assert qw.to("cpu") is qw and qw.to(torch.device("cpu")) is qw
+    moved = qw.to("meta")
+    assert moved is not qw and moved.q.device.type == "meta" and moved.zeros.device.type == "meta"
+    assert (moved.format, moved.group_size, moved.shape) == (qw.format, qw.group_size, qw.shape)
