@@ -13,6 +13,13 @@ and after a restart, and the time to save and load a big cache.
 and, on the tiny model, the seconds to save and to load `--cache-tokens` cached tokens (a tree of
 conversations sharing a system prompt, through the same `KvStore` the engine uses).
 
+`--stall` measures what a disk hit costs the others: the engine runs on its thread, one request
+decodes, and turn 2 arrives while turn 1 is on disk alone (saved, then cleared from every tier).
+Reported: the longest gap between two of the decoding request's tokens from turn 2's arrival to
+its first token, against the median gap before it arrived, and turn 2's TTFT. Uses the engine's
+public calls only, so the same script measures a checkout from before disk reads moved off the
+engine thread (PYTHONPATH=that checkout).
+
 Medians of --repeats. Prints a table and one JSON object (and --output).
 Run: `python benchmarks/restart_bench.py [--model default] [--prompt-len 1024]`.
 """
@@ -20,12 +27,14 @@ Run: `python benchmarks/restart_bench.py [--model default] [--prompt-len 1024]`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -40,6 +49,8 @@ from worker.engine import Engine, EngineConfig
 from worker.kv_persistence import KvStore
 from worker.loader import load_model
 from worker.model import CausalLM
+from worker.request import GenerateRequest, RequestOutput
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import TINY_CONFIG, tiny_model
 
 console = Console(stderr=True)
@@ -104,6 +115,75 @@ def restart_ttft(model: CausalLM, length: int, repeats: int, seed: int) -> dict:
     }
 
 
+def disk_stall(model: CausalLM, length: int, repeats: int, seed: int) -> dict:
+    """Gaps between a decoding request's tokens while another request's disk hit is read."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    runs = []
+    for r in track(range(repeats), description="disk hit stall", console=console):
+        turn1 = [rng.randrange(1, vocab) for _ in range(length)]
+        turn2 = [*turn1, *(rng.randrange(1, vocab) for _ in range(24))]
+        other = [rng.randrange(1, vocab) for _ in range(32)]
+        with tempfile.TemporaryDirectory(prefix="radixmesh-stall-") as tmp:
+            engine = Engine(model, None, _config(len(turn2) + 256, Path(tmp)))
+            runs.append(_stall_once(engine, turn1, turn2, other, str(r)))
+    return {
+        "prompt_tokens": length,
+        "cached_tokens": runs[-1]["cached"],
+        "median_gap_ms": 1000 * statistics.median(run["before"] for run in runs),
+        "longest_gap_ms": 1000 * statistics.median(run["longest"] for run in runs),
+        "longest_gaps_ms": [round(1000 * run["longest"], 1) for run in runs],
+        "hit_ttft_ms": 1000 * statistics.median(run["ttft"] for run in runs),
+    }
+
+
+def _stall_once(
+    engine: Engine, turn1: list[int], turn2: list[int], other: list[int], tag: str
+) -> dict:
+    first_token_seconds(engine, turn1, f"turn1-{tag}")
+    first_token_seconds(engine, other, f"warm-{tag}")
+    assert engine.store is not None
+    engine.store.save(engine)
+    engine.cache.tree.clear()  # turn 1 is on disk alone
+    engine.runner.copy_pages(engine.cache.take_tier_copies())
+    stamps: list[float] = []  # the decoding request's tokens
+    answer: list[tuple[float, RequestOutput]] = []  # the disk hit's outputs
+
+    def decoded(output: RequestOutput) -> None:
+        if output.token_ids:
+            stamps.append(time.perf_counter())
+
+    decode = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.start()
+    try:
+        engine.submit(GenerateRequest(f"decoding{tag}", tuple(other), sampling=decode), decoded)
+        _wait(lambda: len(stamps) >= 12)
+        arrived = time.perf_counter()
+        hit = GenerateRequest(f"hit{tag}", tuple(turn2), sampling=one)
+        engine.submit(hit, lambda o: answer.append((time.perf_counter(), o)))
+        _wait(lambda: any(o.finished for _, o in answer))
+        _wait(lambda: len(stamps) >= 160)
+    finally:
+        engine.stop()
+    answered = answer[0][0]
+    gaps = [(a, b) for a, b in itertools.pairwise(stamps)]
+    return {
+        "before": statistics.median(b - a for a, b in gaps if b < arrived),
+        "longest": max(b - a for a, b in gaps if b > arrived and a < answered),
+        "ttft": answered - arrived,
+        "cached": next(o for _, o in answer if o.finished).cached_prompt_tokens,
+    }
+
+
+def _wait(done: Callable[[], bool], timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the engine did not get there in time")
+        time.sleep(0.001)
+
+
 def save_load(tokens: int, conversation: int, repeats: int, seed: int) -> dict:
     """Seconds to save and load `tokens` cached tokens of the tiny model."""
     model = tiny_model(TINY_CONFIG, seed=seed)
@@ -160,6 +240,14 @@ def report(result: dict) -> Table:
             f"save / load of the {r['prompt_tokens']}-token turn",
             f"{r['save_ms']:.1f} / {r['load_ms']:.1f} ms",
         )
+    if "stall" in result:
+        st = result["stall"]
+        table.add_row(
+            f"a token's gap while a {st['prompt_tokens']}-token disk hit is read "
+            f"({st['cached_tokens']} cached): median before / longest",
+            f"{st['median_gap_ms']:.1f} / {st['longest_gap_ms']:.1f} ms",
+        )
+        table.add_row("that disk hit's TTFT", f"{st['hit_ttft_ms']:.1f} ms")
     if "save_load" in result:
         s = result["save_load"]
         table.add_row(
@@ -179,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversation", type=int, default=2048, help="tokens per cached one")
     parser.add_argument("--skip-restart", action="store_true")
     parser.add_argument("--skip-save-load", action="store_true")
+    parser.add_argument("--stall", action="store_true", help="also measure a disk hit's stall")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -189,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model = load_model(args.model).model
         result["restart"] = restart_ttft(model, args.prompt_len, args.repeats, args.seed)
+    if args.stall:
+        stall_model = tiny_model(TINY_CONFIG, seed=args.seed) if args.model == "tiny" else None
+        if stall_model is None:
+            stall_model = load_model(args.model).model
+        result["stall"] = disk_stall(stall_model, args.prompt_len, args.repeats, args.seed)
     if not args.skip_save_load:
         result["save_load"] = save_load(
             args.cache_tokens, args.conversation, args.repeats, args.seed

@@ -41,6 +41,7 @@ from cache import CacheConfig, OutOfPages, OutOfSlots, SequenceCache
 from cache.integrity import check_sequence_cache
 from kernels.layout import cdiv
 from worker import validation
+from worker.disk_reads import DiskReads
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.image_inputs import ImageEmbedder, ImageEncoder, place
 from worker.images import (
@@ -70,6 +71,7 @@ from worker.sampling import Sampler
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.stop import StopChecker
+from worker.tier_costs import TierCosts
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS, RequestLimits
 
 log = logging.getLogger(__name__)
@@ -173,6 +175,9 @@ class EngineStats:
     host_evicted_pages: int
     host_hit_tokens: int
     disk_hit_tokens: int
+    """Prompt positions read back from the disk tier."""
+    disk_skipped_tokens: int
+    """Prompt positions found on disk and recomputed instead: that was priced faster."""
     preemptions: int
     requests_finished: int
     prompt_tokens: int
@@ -261,6 +266,9 @@ class Engine:
         self._finished = 0
         self._prompt_tokens = self._cached_tokens = self._generated = 0
         self.store: KvStore | None = None
+        self.tier_costs = TierCosts()
+        """What recomputing a position costs against reading it back from disk (learned)."""
+        self.disk_reads: DiskReads | None = None
         self.saver: BackgroundSaver | None = None
         self.loaded = LoadReport(0, 0, 0)
         if config.persist_dir is not None:
@@ -273,6 +281,7 @@ class Engine:
                 raise ValueError(f"persist_dir {config.persist_dir!r}: {directory} is not writable")
             self.store = KvStore(directory, config.persist_max_bytes)
             self.loaded = self.store.load(self)
+            self.disk_reads = DiskReads(self.store, self.tier_costs, self._wake.set)
             if config.persist_interval_s > 0:
                 self.saver = BackgroundSaver(self, self.store, config.persist_interval_s)
         self.observe_logits: Callable[[str, int, int, torch.Tensor], None] | None = None
@@ -394,6 +403,8 @@ class Engine:
             self._thread = None
         if self.embedder is not None:
             self.embedder.close()
+        if self.disk_reads is not None:
+            self.disk_reads.close()
         if self.store is not None:
             began = time.perf_counter()
             try:
@@ -421,6 +432,7 @@ class Engine:
             host_evicted_pages=tree.host_evicted_pages,
             host_hit_tokens=self.cache.stats.host_positions,
             disk_hit_tokens=self.store.disk_hit_tokens if self.store is not None else 0,
+            disk_skipped_tokens=self.tier_costs.skipped_positions,
             preemptions=self.scheduler.preemptions,
             requests_finished=self._finished,
             prompt_tokens=self._prompt_tokens,
@@ -449,14 +461,30 @@ class Engine:
             )
 
     # -- the engine thread ---------------------------------------------------------------------
-    def _from_disk(self, sample: SampleState) -> None:
-        """Read back saved KV that continues the sample's prompt past both tiers (a disk hit
-        costs a file read on this thread; a failed read is logged and recomputed)."""
-        assert self.store is not None
+    def _from_disk(self, sample: SampleState) -> bool:
+        """At admission: begin reading the saved KV that continues the sample's prompt past
+        both tiers, if reading pays (worker/disk_reads.py), and once it is read put it into
+        the cache. False while the read is in flight (the sample waits). A failed read is
+        logged and its positions recomputed."""
+        assert self.disk_reads is not None
+        reads, pending = self.disk_reads, sample.disk_read
         try:
-            self.store.extend(self, sample.cache_keys(), sample.request.request.namespace)
+            if pending is None:
+                if not sample.disk_checked:
+                    sample.disk_checked = True
+                    namespace = sample.request.request.namespace
+                    sample.disk_read = reads.begin(self, sample.cache_keys(), namespace)
+                return sample.disk_read is None
+            if not pending.done():
+                return False
+            sample.disk_read = None
+            reads.finish(self, pending)
         except Exception:  # the cache on disk must never fail a request
             log.exception("reading saved KV for %s failed", sample.request.request.request_id)
+            if sample.disk_read is not None:
+                reads.release(sample.disk_read)
+                sample.disk_read = None
+        return True
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -484,13 +512,8 @@ class Engine:
         plan = self.scheduler.schedule(awaiting)
         if self.scheduler.refused:
             self._end_refused()
-        if not plan and awaiting:  # only the encoder has work: wait for it, a while
-            self._wait_for_images(awaiting)
-            return True
         if not plan:
-            if self.config.debug_checks and not self.scheduler.has_work():
-                check_sequence_cache(self.cache)
-            return self.scheduler.has_work()
+            return self._nothing_planned(awaiting)
         if any(sample.lora_slot >= 0 for sample, _ in plan):
             plan.sort(key=lambda item: item[0].lora_slot)  # one adapter segment per slot
         plan, chunks = self._chunks(plan)
@@ -499,12 +522,24 @@ class Engine:
         try:
             # pages demoted while growing: read before this pass may write them again
             self.runner.copy_pages(self.cache.take_tier_copies())
+            began = time.perf_counter()
             logits = self.runner.run(chunks)
         except Exception as err:
             log.exception("forward pass failed; failing the %d samples of the step", len(plan))
             for sample, _ in plan:
                 self._abort(sample.request, FINISH_ERROR, f"forward pass failed: {err}")
             return True
+        self._sample_all(plan, chunks, logits)
+        # after sampling, which waits for the device: the pass's whole time
+        computed = sum(take for _, take in plan)
+        self.tier_costs.observe_pass(computed, time.perf_counter() - began)
+        return True
+
+    def _sample_all(
+        self, plan: list[tuple[SampleState, int]], chunks: list[Chunk], logits: torch.Tensor
+    ) -> None:
+        """Account each sample's computed positions; draw the next token of each that has a
+        row of logits (a chunk that ends its prompt, or a decode)."""
         rows = iter(logits)
         for (sample, take), chunk in zip(plan, chunks, strict=True):
             sample.computed += take
@@ -516,7 +551,20 @@ class Engine:
             except Exception as err:  # this request's outputs cannot be made: end it alone
                 log.exception("sampling or decoding for %s failed", sample.request.request_id)
                 self._abort(sample.request, FINISH_ERROR, f"{type(err).__name__}: {err}")
-        return True
+
+    def _nothing_planned(self, awaiting: set[SampleState]) -> bool:
+        """No sample can run this step. When only the image encoder or the disk reader has
+        work, wait for it a while (instead of spinning); False when there is no work."""
+        if awaiting:
+            self._wait_for_images(awaiting)
+            return True
+        if reading := self.scheduler.reading():
+            assert self.disk_reads is not None
+            self.disk_reads.wait([s.disk_read for s in reading if s.disk_read], ENCODER_WAIT_S)
+            return True
+        if self.config.debug_checks and not self.scheduler.has_work():
+            check_sequence_cache(self.cache)
+        return self.scheduler.has_work()
 
     def _chunks(
         self, plan: list[tuple[SampleState, int]]
@@ -701,6 +749,10 @@ class Engine:
     def _finish_sample(self, sample: SampleState, reason: str) -> None:
         if sample.phase in (Phase.RUNNING, Phase.WAITING):
             self.scheduler.remove(sample)
+        if sample.disk_read is not None:  # ended while its disk hit was read: let go of it
+            assert self.disk_reads is not None
+            self.disk_reads.release(sample.disk_read)
+            sample.disk_read = None
         if sample.seq is not None:
             if reason == FINISH_ERROR:
                 self.cache.abort(sample.seq)

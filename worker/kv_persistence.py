@@ -21,14 +21,14 @@ Disk use is bounded: the most recently used nodes are kept (a node only with its
 the next would pass `max_bytes`.
 
 While serving, the directory is also a disk tier: the store keeps a catalog of the nodes on
-disk (their namespace and keys, a few bytes a position), and `extend` (at admission, on the
-engine thread) reads the saved nodes that continue a prompt beyond what the device and host
-tiers hold, and inserts them, so a prefix evicted from both tiers but saved earlier is read
-back instead of recomputed. What is on disk is what the last save wrote.
+disk (their namespace and keys, a few bytes a position), and a prompt's saved nodes beyond what
+the device and host tiers hold (`wanted`) are read back (`read`, on worker/disk_reads.py's
+thread) and inserted (`attach_read`), so a prefix evicted from both tiers but saved earlier is
+read back instead of recomputed. What is on disk is what the last save wrote.
 
 Thread rules: `records` and `gather` run on the engine thread (or with the engine stopped);
 `write_node` and `write_manifest` on any one thread at a time; `load` before the engine starts;
-`extend` on the engine thread.
+`wanted` and `attach_read` on the engine thread; `read` on any.
 """
 
 from __future__ import annotations
@@ -156,11 +156,11 @@ class KvStore:
         """Node name -> its keys, for the files this store wrote or read."""
         self._children: dict[object, dict[bytes, DiskNode]] = {}
         """The catalog: a parent's name (or a namespace, for the first nodes) -> its listed
-        children by their first page of keys (cut to `page_size` by `extend`)."""
+        children by their first page of keys (cut to `page_size` by `lookup`)."""
         self._page = 1
         """Positions per page of what the catalog lists (from the identity saved or read)."""
         self.disk_hit_tokens = 0
-        """Prompt positions read back from disk by `extend`."""
+        """Prompt positions read back from disk by `attach_read`."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -347,26 +347,49 @@ class KvStore:
             parent = node.name
         return path
 
-    def extend(self, engine: Engine, keys: Keys, namespace: CacheNamespace) -> int:
-        """Before a start (engine thread): insert the saved nodes that continue `keys` (a
-        sample's cache keys) past what the tree holds in either tier. Returns the positions
-        read from disk."""
+    def wanted(
+        self, engine: Engine, keys: Keys, namespace: CacheNamespace
+    ) -> tuple[list[DiskNode], int]:
+        """The saved nodes that continue `keys` (a sample's cache keys) past what the tree
+        holds in either tier, and how many positions of `keys` the tiers hold (engine thread):
+        what a disk hit reads, and where its new positions begin."""
         if not self._children:
-            return 0
+            return [], 0
         path = self.lookup(keys, namespace)
         if not path:
-            return 0
+            return [], 0
+        held = self._held(engine, keys, namespace)
+        return [n for n in path if n.record.start + n.record.positions > held], held
+
+    @staticmethod
+    def _held(engine: Engine, keys: Keys, namespace: CacheNamespace) -> int:
         match = engine.cache.tree.match(keys, namespace)
-        have = match.length + match.host_length
+        return match.length + match.host_length
+
+    def read(self, record: NodeRecord, identity: StoreIdentity) -> dict[str, torch.Tensor] | None:
+        """A saved node's tensors, checked (any thread: it touches only the node's file); None
+        when the file is missing, damaged or does not fit (logged)."""
+        return self._read(record, identity.page_size, identity)
+
+    def attach_read(
+        self,
+        engine: Engine,
+        keys: Keys,
+        namespace: CacheNamespace,
+        tensors: dict[str, dict[str, torch.Tensor] | None],
+    ) -> int:
+        """Insert the saved nodes along `keys` whose tensors were read (`tensors` by node
+        name; None: the read failed), from the first one past what the tree holds now, up to
+        the first that is missing or failed (engine thread). Returns the positions added."""
+        have = self._held(engine, keys, namespace)
         read = 0
         prefix = array("Q")
-        ps, identity = engine.config.page_size, StoreIdentity.of(engine)
-        for node in path:
+        for node in self.lookup(keys, namespace):
             end = node.record.start + node.record.positions
             if end > have:
-                tensors = self._read(node.record, ps, identity)
+                got = tensors.get(node.name)
                 whole = keys[:end]
-                if tensors is None or not self._attach(engine, namespace, prefix, whole, tensors):
+                if got is None or not self._attach(engine, namespace, prefix, whole, got):
                     break
                 read += end - max(node.record.start, have)
             prefix = keys[:end]

@@ -60,6 +60,10 @@ class EngineCollector(Collector):
                 "Prompt positions read back from the saved cache on disk",
                 stats.disk_hit_tokens,
             ),
+            "radixmesh_worker_disk_skipped_tokens": (
+                "Prompt positions on disk recomputed instead: recomputing was priced faster",
+                stats.disk_skipped_tokens,
+            ),
             "radixmesh_worker_adapter_swaps": (
                 "LoRA adapters copied into a device slot",
                 stats.adapter_swaps,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cache import CachedSequence, Keys, to_cache_keys
 from worker.image_inputs import RequestImages
@@ -29,6 +29,9 @@ from worker.lora_adapter import LoraAdapter
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling import Sampler
 from worker.stop import StopChecker, StopStrings, compile_stops
+
+if TYPE_CHECKING:
+    from worker.disk_reads import PendingRead
 
 
 class TextDecoder(Protocol):
@@ -62,6 +65,8 @@ class SampleState:
     """Whether the tokens known at admission are all computed (and committed to the cache)."""
     disk_checked: bool = False
     """Whether the saved cache was searched for this sample's prompt (once, at admission)."""
+    disk_read: PendingRead | None = None
+    """Its disk hit being read (worker/disk_reads.py): it waits queued until the read ends."""
     lora_slot: int = -1
     """The adapter slot this sample pins while it runs (-1: none: the base model, or not
     running)."""

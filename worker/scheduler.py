@@ -41,6 +41,8 @@ class Admission(Enum):
     """Every adapter slot is pinned: it waits; base-model samples behind it may pass."""
     REFUSED = "refused"
     """Its adapter is gone: it can never run."""
+    READING = "reading"
+    """Its disk hit is being read: it waits; samples behind it may pass."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +65,15 @@ class Scheduler:
         cache: SequenceCache,
         config: SchedulerConfig,
         copy_pages: Callable[[list[TierCopy | PageCopy]], None],
-        from_disk: Callable[[SampleState], None] | None = None,
+        from_disk: Callable[[SampleState], bool] | None = None,
         adapters: AdapterSlots | None = None,
     ) -> None:
         self.cache = cache
         self.config = config
         self.copy_pages = copy_pages
         self.from_disk = from_disk
-        """Called once per sample before its first start: read saved KV that extends it."""
+        """Called before a sample's first start: begins reading saved KV that extends it, or
+        puts in the cache what was read; False while its read is in flight."""
         self.adapters = adapters
         self.waiting: deque[SampleState] = deque()
         self.running: list[SampleState] = []
@@ -126,6 +129,9 @@ class Scheduler:
             if admission is Admission.NO_ADAPTER_SLOT:
                 slots_busy, at = True, at + 1
                 continue
+            if admission is Admission.READING:
+                at += 1
+                continue
             if admission is Admission.REFUSED:  # stays queued until the engine ends it
                 self.refused.append(sample)
                 at += 1
@@ -136,6 +142,10 @@ class Scheduler:
             plan.append((sample, take))
             budget -= take
         return plan
+
+    def reading(self) -> list[SampleState]:
+        """Waiting samples whose disk hit is being read."""
+        return [s for s in self.waiting if s.disk_read is not None]
 
     def take_refused(self) -> list[SampleState]:
         refused, self.refused = self.refused, []
@@ -182,9 +192,8 @@ class Scheduler:
         if isinstance(slot, Admission):
             return slot
         request = sample.request.request
-        if self.from_disk is not None and not sample.disk_checked:
-            sample.disk_checked = True
-            self.from_disk(sample)
+        if self.from_disk is not None and not self.from_disk(sample):
+            return Admission.READING
         try:
             seq = self.cache.start_keys(
                 sample.cache_keys(),

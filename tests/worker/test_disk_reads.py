@@ -1,0 +1,161 @@
+"""The disk tier read off the engine thread and priced against recomputing: running requests
+keep decoding while a disk hit is read, a sample that ends mid-read leaves every page accounted
+for, samples wanting the same saved nodes share one read, and a hit priced slower than
+recomputing is recomputed (with the same outputs)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from cache import DEFAULT_NAMESPACE, to_cache_keys
+from cache.integrity import check_sequence_cache
+from tests.worker.helpers import greedy, relative_error
+from tests.worker.test_kv_persistence import TURNS, ask, config, model, serve
+from worker.engine import Engine
+from worker.kv_persistence import KvStore
+
+PAGE = 4
+PROMPT = [*TURNS[0], 5, 6]
+SAVED = len(TURNS[0]) // PAGE * PAGE  # what turn 1 left cached: its whole pages
+
+
+def saved_and_cleared(directory: Path, **overrides: object) -> Engine:
+    """An engine whose first turn is saved to disk and then gone from every tier."""
+    engine = Engine(model(), None, config(directory, **overrides), source="w0")
+    serve(engine, TURNS[:1])
+    assert engine.store is not None
+    engine.store.save(engine)  # as the background saver would, while serving
+    engine.cache.tree.clear()
+    engine.runner.copy_pages(engine.cache.take_tier_copies())
+    assert engine.cache.tree.node_count == 0
+    return engine
+
+
+def gate_reads(store: KvStore) -> tuple[threading.Event, list[str]]:
+    """Hold every disk read on the reader thread until the returned event is set; the list
+    gets each node read."""
+    gate, names = threading.Event(), []
+    read = store.read
+
+    def gated(record, identity):  # type: ignore[no-untyped-def]
+        assert gate.wait(10.0), "the test never opened the gate"
+        names.append(record.name)
+        return read(record, identity)
+
+    store.read = gated  # type: ignore[method-assign]
+    return gate, names
+
+
+def cold_answer(prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    tokens, _, logits = ask(Engine(model(), None, config(None), source="w0"), prompt)
+    return tokens, logits
+
+
+def test_requests_keep_decoding_while_a_disk_hit_is_read(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    assert engine.store is not None and engine.disk_reads is not None
+    gate, names = gate_reads(engine.store)
+    decoding: list[int] = []
+    engine.submit(greedy("decoding", TURNS[2][::-1], 24), lambda o: decoding.extend(o.token_ids))
+    outputs: list = []
+    engine.submit(greedy("hit", PROMPT, 6), outputs.append)
+    before = len(decoding)
+    for _ in range(8):
+        assert engine.step()
+    waiting = [s for s in engine.scheduler.waiting if s.request.request_id == "hit"]
+    assert waiting and waiting[0].disk_read is not None, "the hit waits for its read"
+    assert len(decoding) - before >= 6, "the running request decoded while the read was held"
+    assert not outputs and not names
+    gate.set()
+    while engine.step():
+        pass
+    final = next(o for o in outputs if o.finished)
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert final.cached_prompt_tokens == SAVED and engine.stats().disk_hit_tokens == SAVED
+    assert tokens == cold_answer(PROMPT)[0] and len(decoding) == 24
+    check_sequence_cache(engine.cache)
+
+
+def test_a_request_aborted_mid_read_leaves_every_page_accounted_for(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    assert engine.store is not None and engine.disk_reads is not None
+    gate, _ = gate_reads(engine.store)
+    outputs: list = []
+    engine.submit(greedy("aborted", PROMPT, 6), outputs.append)
+    engine.step()
+    assert engine.scheduler.reading(), "its read is in flight"
+    engine.abort("aborted")
+    engine.step()
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert not engine.scheduler.reading() and not engine.disk_reads._shared
+    gate.set()
+    while engine.step():
+        pass
+    check_sequence_cache(engine.cache)
+    assert engine.cache.pool.num_private == 0 and engine.cache.tree.node_count == 0
+    tokens, cached, logits = ask(engine, PROMPT)  # the engine serves, and reads the hit again
+    cold_tokens, cold_logits = cold_answer(PROMPT)
+    assert cached == SAVED and tokens == cold_tokens
+    assert relative_error(logits, cold_logits) < 1e-5
+    check_sequence_cache(engine.cache)
+
+
+def test_samples_wanting_the_same_saved_nodes_share_one_read(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    assert engine.store is not None and engine.disk_reads is not None
+    gate, names = gate_reads(engine.store)
+    wanted, held = engine.store.wanted(engine, to_cache_keys(PROMPT), DEFAULT_NAMESPACE)
+    assert wanted and held == 0
+    outputs: list = []
+    for i in range(3):
+        engine.submit(greedy(f"same{i}", PROMPT, 4), outputs.append)
+    engine.step()
+    assert len(engine.scheduler.reading()) == 3
+    gate.set()
+    while engine.step():
+        pass
+    assert sorted(names) == sorted(n.name for n in wanted), "each node was read once"
+    finals = [o for o in outputs if o.finished]
+    assert len(finals) == 3 and all(f.cached_prompt_tokens == SAVED for f in finals)
+    assert engine.stats().disk_hit_tokens == SAVED, "the other two hit what the first put back"
+    check_sequence_cache(engine.cache)
+
+
+def test_a_disk_hit_priced_slower_than_recomputing_is_recomputed(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    costs = engine.tier_costs
+    for tokens in range(1, 257, 4):  # passes whose positions cost a microsecond each
+        costs.observe_pass(tokens, 1e-3 + 1e-6 * tokens)
+    costs.observe_read(1, 1.0)  # and a disk that takes a second a position
+    assert costs.recompute_s is not None and costs.read_s is not None
+    tokens, cached, logits = ask(engine, PROMPT)
+    cold_tokens, cold_logits = cold_answer(PROMPT)
+    assert cached == 0 and engine.stats().disk_hit_tokens == 0
+    assert engine.stats().disk_skipped_tokens == SAVED
+    assert tokens == cold_tokens and relative_error(logits, cold_logits) < 1e-5
+
+    faster = saved_and_cleared(tmp_path / "faster")
+    for tokens in range(1, 257, 4):  # the same passes; a disk a thousand times faster
+        faster.tier_costs.observe_pass(tokens, 1e-3 + 1e-6 * tokens)
+    faster.tier_costs.observe_read(1000, 1e-6)
+    tokens, cached, _ = ask(faster, PROMPT)
+    assert cached == SAVED and faster.stats().disk_hit_tokens == SAVED
+    assert faster.stats().disk_skipped_tokens == 0 and tokens == cold_tokens
+    check_sequence_cache(engine.cache)
+    check_sequence_cache(faster.cache)
+
+
+def test_the_engine_learns_both_rates_from_what_it_serves(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    costs = engine.tier_costs
+    assert costs.read_s is None, "nothing was read yet"
+    ask(engine, PROMPT)
+    read_s = costs.read_s
+    assert read_s is not None and 0 < read_s < 1.0, "the read it made priced the disk"
+    serve(engine, [TURNS[1], TURNS[2]])
+    recompute_s = costs.recompute_s
+    assert recompute_s is not None and 0 < recompute_s < 1.0
+    assert costs.read_s == read_s, "passes do not move the read rate"

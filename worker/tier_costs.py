@@ -1,0 +1,115 @@
+"""`TierCosts`: what recomputing prompt positions costs this worker against reading them back
+from its disk tier, learned from its own forward passes and reads, so that a disk hit is read
+only when reading is the faster way to its KV.
+
+A read is not always faster. On this 2-core CPU, SmolLM2 prefills about 3 ms a token and its
+saved KV reads back at about 0.1 ms a position (47 MB a 1,024-token turn), so reading wins
+30-fold; on an H100 the same 1,024 tokens prefill in 20 ms, less than reading and checking
+their 47 MB takes (LMCache's users report such offload hits slower than recomputing). Both
+rates depend on the model, the device and the disk, so they are learned, not configured:
+
+    a pass:   seconds = overhead + tokens x recompute_s     a line through the engine's passes
+    a read:   seconds = positions x read_s                  a ratio over the reads
+
+Both are sums decayed by a half-life in observations (recent behaviour wins). The line's slope
+is the marginal cost of a token, what recomputing a prompt's cached stretch adds to a pass that
+runs anyway for the rest of the prompt; when the passes' token counts spread too little to fit
+a line (a worker that only decodes), the ratio seconds / tokens stands in (dearer per token:
+the overhead is in it). A read is priced at its positions x read_s and made when that is less
+than recomputing them. Until `min_passes` passes and one read were seen, reads are made (a read
+is how its rate is learned); while recomputing wins, every `probe_every`-th skipped read is
+made anyway, so a disk that became faster (its files now in the page cache) is noticed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TierCostsConfig:
+    half_life: int = 64
+    """Observations after which an old one weighs half."""
+    min_passes: int = 8
+    """Forward passes to see before recomputing is priced (reads are made until then)."""
+    min_spread_tokens: float = 16.0
+    """Standard deviation of the passes' token counts needed to fit a line."""
+    probe_every: int = 16
+    """While recomputing wins, one read in this many is made anyway (0: never)."""
+
+    def __post_init__(self) -> None:
+        if self.half_life < 1 or self.min_passes < 1 or self.probe_every < 0:
+            raise ValueError(
+                "need half_life >= 1, min_passes >= 1, probe_every >= 0; got "
+                f"{self.half_life}, {self.min_passes}, {self.probe_every}"
+            )
+        if not 0.0 <= self.min_spread_tokens < math.inf:
+            raise ValueError(f"min_spread_tokens must be finite and >= 0: {self.min_spread_tokens}")
+
+
+class TierCosts:
+    """Engine thread only."""
+
+    def __init__(self, config: TierCostsConfig | None = None) -> None:
+        self.config = config or TierCostsConfig()
+        self._decay = 0.5 ** (1.0 / self.config.half_life)
+        self._passes = [0.0] * 5  # decayed sums of 1, tokens, tokens^2, seconds, tokens x seconds
+        self._pass_count = 0
+        self._read_positions = 0.0  # decayed sums over the reads
+        self._read_seconds = 0.0
+        self._reads = 0
+        self._skips = 0
+        self.skipped_positions = 0
+        """Positions found on disk and recomputed because that was priced cheaper."""
+
+    def observe_pass(self, tokens: int, seconds: float) -> None:
+        """A forward pass computed `tokens` new positions in `seconds`."""
+        if tokens < 1 or not 0.0 <= seconds < math.inf:
+            return  # a non-finite value would stay in the decayed sums for good
+        x, y, d = float(tokens), seconds, self._decay
+        for i, value in enumerate((1.0, x, x * x, y, x * y)):
+            self._passes[i] = self._passes[i] * d + value
+        self._pass_count += 1
+
+    def observe_read(self, positions: int, seconds: float) -> None:
+        """`positions` were read back from disk and put into the cache in `seconds`."""
+        if positions < 1 or not 0.0 <= seconds < math.inf:
+            return
+        d = self._decay
+        self._read_positions = self._read_positions * d + positions
+        self._read_seconds = self._read_seconds * d + seconds
+        self._reads += 1
+
+    @property
+    def recompute_s(self) -> float | None:
+        """Seconds a recomputed position adds to a pass; None until `min_passes` were seen."""
+        if self._pass_count < self.config.min_passes:
+            return None
+        n, sx, sxx, sy, sxy = self._passes
+        variance = sxx / n - (sx / n) ** 2
+        if variance >= self.config.min_spread_tokens**2:
+            slope = (sxy / n - (sx / n) * (sy / n)) / variance
+            if slope > 0:
+                return slope
+        return sy / sx if sx > 0 else None
+
+    @property
+    def read_s(self) -> float | None:
+        """Seconds a position takes to read back from disk; None until one read was seen."""
+        if self._reads == 0 or self._read_positions <= 0:
+            return None
+        return self._read_seconds / self._read_positions
+
+    def read_pays(self, positions: int) -> bool:
+        """Whether to read `positions` saved positions back rather than recompute them (counts
+        the positions when not)."""
+        recompute, read = self.recompute_s, self.read_s
+        if recompute is None or read is None or read < recompute:
+            return True
+        self._skips += 1
+        probe = self.config.probe_every
+        if probe and self._skips % probe == 0:
+            return True
+        self.skipped_positions += positions
+        return False
