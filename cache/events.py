@@ -8,6 +8,11 @@ a gap in the numbers, so a consumer that missed an event asks for a snapshot ins
 With a host tier a block keeps its place in the set while its pages move: `demoted` says the
 blocks now live in host memory, `promoted` that they are back on the device. A consumer that
 knows nothing of tiers can treat both as no change.
+
+A worker that saves its cache to disk also says which blocks its saved files hold: `saved` and
+`unsaved` change a second set, `disk`, apart from the cache's own blocks (a block may be in
+both, or on disk alone after the cache dropped it). The saved nodes keep their parents, so the
+disk set is prefix-closed like the cache's. `cleared` empties the cache's set, not the disk's.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ class KvEventKind(Enum):
     CLEARED = "cleared"
     DEMOTED = "demoted"
     PROMOTED = "promoted"
+    SAVED = "saved"
+    UNSAVED = "unsaved"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +49,8 @@ class KvSnapshot:
     block_hashes: frozenset[int]
     host_block_hashes: frozenset[int] = frozenset()
     """The blocks of `block_hashes` whose pages are in the host tier."""
+    disk_block_hashes: frozenset[int] = frozenset()
+    """The blocks the source's saved files hold (in `block_hashes` or not)."""
 
 
 Subscriber = Callable[[KvEvent], None]
@@ -85,6 +94,8 @@ class BlockSetIndex:
         self.blocks: set[int] = set()
         self.host: set[int] = set()
         """The blocks of `blocks` in the host tier."""
+        self.disk: set[int] = set()
+        """The blocks the source's saved files hold (`saved` / `unsaved`; apart from `blocks`)."""
         self.in_sync = True
         """False after a gap: events are ignored until `load_snapshot`."""
 
@@ -111,6 +122,10 @@ class BlockSetIndex:
             self.host.update(event.block_hashes)
         elif kind is KvEventKind.PROMOTED:
             self.host.difference_update(event.block_hashes)
+        elif kind is KvEventKind.SAVED:
+            self.disk.update(event.block_hashes)
+        elif kind is KvEventKind.UNSAVED:
+            self.disk.difference_update(event.block_hashes)
         else:
             self.blocks.clear()
             self.host.clear()
@@ -121,5 +136,6 @@ class BlockSetIndex:
             raise ValueError(f"snapshot of {snapshot.source!r} loaded into {self.source!r}")
         self.blocks = set(snapshot.block_hashes)
         self.host = set(snapshot.host_block_hashes)
+        self.disk = set(snapshot.disk_block_hashes)
         self.seq = snapshot.seq
         self.in_sync = True

@@ -82,6 +82,10 @@ class RouterCollector(Collector):
                 "Tokens per second workers copy back from their host tier, as learned",
                 rates.host_rate or 0.0,
             ),
+            "radixmesh_router_learned_disk_tokens_per_second": (
+                "Tokens per second workers read back from their saved caches, as learned",
+                rates.disk_rate or 0.0,
+            ),
         }
         for name, (text, value) in gauges.items():
             gauge = GaugeMetricFamily(name, text)

@@ -339,6 +339,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                     len(response.token_ids),
                     response.cached_prompt_tokens,
                     response.host_cached_tokens,
+                    response.disk_cached_tokens,
                 )
                 if not answered:
                     answered = True

@@ -78,6 +78,7 @@ class StreamTiming:
         tokens: int,
         cached_prompt_tokens: int,
         host_cached_tokens: int = 0,
+        disk_cached_tokens: int = 0,
     ) -> None:
         """A message of sample `index` carrying `tokens` new tokens."""
         if index:  # sample 0 starts first; the others' messages fall between its steps
@@ -92,6 +93,7 @@ class StreamTiming:
                     dispatch.running_before,
                     now - dispatch.began,
                     host_cached_tokens,
+                    disk_cached_tokens,
                 )
                 self._observed()
         elif tokens > 0:

@@ -344,6 +344,7 @@ class WorkerLinks:
             message.seq,
             frozenset(message.block_hashes),
             frozenset(message.host_block_hashes),
+            frozenset(message.disk_block_hashes),
         )
         self.policy.load_snapshot(link.name, snapshot)
         link.snapshots_loaded += 1

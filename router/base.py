@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from cache import KvEvent, KvSnapshot
 from router.adapters import AdapterBook, WorkerAdapters
 from router.block_index import BlockIndex
-from router.config import RouterConfig, default_host_rate
+from router.config import RouterConfig, default_disk_rate, default_host_rate
 from router.errors import NoWorkers
 from router.interface import RouteDecision, RouteRequest, WorkerId, WorkerLoad
 from router.load import LoadBook
@@ -51,6 +51,8 @@ class BaseRouter:
         self.host_rate = config.host_rate or default_host_rate(config.prefill_rate)
         """Tokens per second copied back from a worker's host tier (a policy prices a host
         hit by it against recomputing)."""
+        self.disk_rate = config.disk_rate or default_disk_rate(config.prefill_rate)
+        """Tokens per second read back from a worker's saved cache (a disk hit's price)."""
         self.adapters = AdapterBook(config.adapter_swap_s)
         """The LoRA adapters each worker holds and has resident (router/adapters.py)."""
 
@@ -154,6 +156,8 @@ class BaseRouter:
         self.decode_s = rates.decode_s
         if rates.host_rate is not None:
             self.host_rate = rates.host_rate
+        if rates.disk_rate is not None:
+            self.disk_rate = rates.disk_rate
 
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.members.require(worker)

@@ -15,6 +15,9 @@ routes, and `best` the most any worker holds:
             + host(W) / host_rate              the part of cached(W) that W holds in its host
                                                tier, copied back before the prefill (only
                                                while some worker has one)
+            + disk(W) / disk_rate              the part of cached(W) that only W's saved cache
+                                               holds, read back before the prefill (only while
+                                               some worker has one)
             + swap(W)                          a LoRA request on a worker where its adapter
                                                is not resident: the worker's swap seconds
                                                (router/adapters.py; 0 where resident)
@@ -162,7 +165,7 @@ class CacheAware(BaseRouter):
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
             ttft_tail.add(best_ttft)
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
-        on_host = self.index.host_holders
+        tiers = self.index.host_holders or self.index.disk_holders
         adapter = request.namespace.adapter if self.adapter_swaps else None
         swap_s = self.adapters.swap_s
         low = float("inf")
@@ -171,8 +174,8 @@ class CacheAware(BaseRouter):
             cost = wait + own + extra * (best_cached - cached)
             if decode_s:
                 cost += decode_s * states[worker].running
-            if on_host and cached:
-                cost += self._host_tokens(worker, request.block_hashes, cached) / self.host_rate
+            if tiers and cached:
+                cost += self._tier_seconds(worker, request.block_hashes, cached)
             if adapter is not None:
                 cost += swap_s(worker, adapter)
             if reserved_of:
@@ -275,12 +278,17 @@ class CacheAware(BaseRouter):
             if len(out) == full:
                 break
 
-    def _host_tokens(self, worker: WorkerId, hashes: tuple[int, ...], cached: int) -> int:
-        """Of the `cached` leading tokens `worker` holds, those in its host tier."""
-        block = self.block_tokens
+    def _tier_seconds(self, worker: WorkerId, hashes: tuple[int, ...], cached: int) -> float:
+        """Seconds to bring back the `cached` leading tokens `worker` holds outside its device:
+        those in its host tier at `host_rate`, those only its disk holds at `disk_rate` (its
+        blocks on the chain: device, host, then disk alone)."""
+        block, index, bit = self.block_tokens, self.index, self.members.bit[worker]
         depth = min(-(-cached // block), len(hashes))
-        start = self.index.host_from(self.members.bit[worker], hashes, depth)
-        return max(0, cached - start * block)
+        disk_start = index.disk_from(bit, hashes, depth) if index.disk_holders else depth
+        host_start = index.host_from(bit, hashes, disk_start) if index.host_holders else disk_start
+        disk = max(0, cached - disk_start * block)
+        host = max(0, min(cached, disk_start * block) - host_start * block)
+        return host / self.host_rate + disk / self.disk_rate
 
     def _total_wait(self, now: float) -> float:
         """Seconds of queued prefill on all workers together, drained to `now`."""

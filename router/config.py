@@ -19,8 +19,18 @@ DEFAULT_SWAP_S = 0.05
 (a rank-16 adapter of a 7B model is ~40 MB: tens of milliseconds over PCIe)."""
 
 
+DISK_SPEEDUP = 4.0
+"""Until a router has learned it, a token read back from a worker's saved cache costs this many
+times less than a recomputed one (a 2-core CPU with SmolLM2 measured 30 times less; a fast GPU
+prefill can make it more than one: the worker then recomputes, and the router learns that)."""
+
+
 def default_host_rate(prefill_rate: float) -> float:
     return HOST_SPEEDUP * prefill_rate
+
+
+def default_disk_rate(prefill_rate: float) -> float:
+    return DISK_SPEEDUP * prefill_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +41,9 @@ class RouterConfig:
     host_rate: float | None = None
     """Tokens per second a worker copies back from its host tier, until learned; None:
     `default_host_rate(prefill_rate)`."""
+    disk_rate: float | None = None
+    """Tokens per second a worker reads back from its saved cache, until learned; None:
+    `default_disk_rate(prefill_rate)`."""
     """Tokens per routing block: the workers' `IdentityScheme.block_size`."""
     adapter_swap_s: float = DEFAULT_SWAP_S
     """Seconds a worker takes to bring an adapter into a slot, until it reports its own."""
@@ -40,8 +53,10 @@ class RouterConfig:
     """How long after its prefill a route still counts, while its `stored` event travels."""
 
     def __post_init__(self) -> None:
-        if self.host_rate is not None and not 0.0 < self.host_rate < math.inf:
-            raise ValueError(f"host_rate must be > 0 tokens/s and finite, got {self.host_rate}")
+        for name in ("host_rate", "disk_rate"):
+            rate = getattr(self, name)
+            if rate is not None and not 0.0 < rate < math.inf:
+                raise ValueError(f"{name} must be > 0 tokens/s and finite, got {rate}")
         if not 0.0 < self.prefill_rate < math.inf:  # NaN too: every cost would be NaN
             raise ValueError(
                 f"prefill_rate must be > 0 tokens/s and finite, got {self.prefill_rate}"

@@ -36,7 +36,9 @@ Host tiers: a first token whose prompt was partly copied back from a worker's ho
 that fit's prediction for its uncached tokens, over its host tokens, is the host tier's cost per
 token: `host_rate` is host tokens over those excess seconds, both decayed sums, once
 `min_samples` such first tokens were seen (the configured rate until then), within
-`max_factor` of the configured one.
+`max_factor` of the configured one. Saved caches the same way: a first token with `disk_tokens`
+read back from a worker's disk gives `disk_rate`, its excess less what its host tokens (if any)
+cost at the host rate of the moment.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from router.config import default_host_rate
+from router.config import default_disk_rate, default_host_rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +57,18 @@ class ServiceRates:
     """Seconds each running request adds to a new request's first token on its worker."""
     host_rate: float | None = None
     """Tokens per second copied back from a host tier; None: keep the configured rate."""
+    disk_rate: float | None = None
+    """Tokens per second read back from a saved cache; None: keep the configured rate."""
 
     def __post_init__(self) -> None:
         # a policy divides by the rate and multiplies the decode cost into every score: a
         # zero, negative or non-finite value would surface later as a crash or a NaN cost
-        host_bad = self.host_rate is not None and not 0.0 < self.host_rate < math.inf
+        tier_bad = any(
+            rate is not None and not 0.0 < rate < math.inf
+            for rate in (self.host_rate, self.disk_rate)
+        )
         if (
-            host_bad
+            tier_bad
             or not 0.0 < self.prefill_rate < math.inf
             or not 0.0 <= self.decode_s < math.inf
         ):
@@ -80,6 +87,7 @@ class ServiceModel:
         max_factor: float = 100.0,
         min_spread_tokens: float = 32.0,
         host_rate: float | None = None,
+        disk_rate: float | None = None,
     ) -> None:
         if (
             not 0.0 < prefill_rate < math.inf
@@ -95,6 +103,7 @@ class ServiceModel:
             )
         self.configured_rate = prefill_rate
         self.configured_host_rate = host_rate or default_host_rate(prefill_rate)
+        self.configured_disk_rate = disk_rate or default_disk_rate(prefill_rate)
         self.max_factor = max_factor
         self.min_samples = min_samples
         self.min_spread_tokens = min_spread_tokens
@@ -106,9 +115,8 @@ class ServiceModel:
         # through: running + 1) and x r, so the line can be fitted with any later decode_s
         self._first = [0.0] * 7
         self._first_tokens = 0
-        self._host_tokens = 0.0  # decayed sums of host tokens and their excess seconds
-        self._host_seconds = 0.0
-        self._host_samples = 0
+        self._host = _TierFit()
+        self._disk = _TierFit()
 
     def observe_step(self, running: int, seconds: float) -> None:
         """One decode step: `seconds` between two responses while `running` requests ran."""
@@ -120,15 +128,20 @@ class ServiceModel:
         self._steps += 1
 
     def observe_first_token(
-        self, uncached_tokens: int, running: int, seconds: float, host_tokens: int = 0
+        self,
+        uncached_tokens: int,
+        running: int,
+        seconds: float,
+        host_tokens: int = 0,
+        disk_tokens: int = 0,
     ) -> None:
         """A request dispatched to a worker with no prefill queued and `running` requests in
         flight (itself excluded) had its first token after `seconds`; `host_tokens` of its
-        cached prompt came back from the host tier."""
+        cached prompt came back from the host tier, `disk_tokens` from its saved cache."""
         if running < 0 or not 0.0 <= seconds < math.inf:
             return
-        if host_tokens > 0:
-            self._observe_host(max(uncached_tokens, 0), running, seconds, host_tokens)
+        if host_tokens > 0 or disk_tokens > 0:
+            self._observe_tiers(max(uncached_tokens, 0), running, seconds, host_tokens, disk_tokens)
             return
         if uncached_tokens < 1:
             return
@@ -167,16 +180,18 @@ class ServiceModel:
             return None
         return sx / sy
 
-    def _observe_host(self, uncached: int, running: int, seconds: float, host: int) -> None:
+    def _observe_tiers(
+        self, uncached: int, running: int, seconds: float, host: int, disk: int
+    ) -> None:
         fit = self._fit() if self._first_tokens >= self.min_samples else None
         if fit is None:  # no prefill fit to subtract yet
             return
         slope, intercept = fit
         excess = seconds - intercept - self.decode_s * (running + 1) - slope * uncached
-        d = self._decay
-        self._host_tokens = self._host_tokens * d + host
-        self._host_seconds = self._host_seconds * d + max(excess, 0.0)
-        self._host_samples += 1
+        if disk > 0:  # what its host tokens cost at the host rate of the moment is not disk's
+            self._disk.observe(disk, excess - host / self.host_rate, self._decay)
+        else:
+            self._host.observe(host, excess, self._decay)
 
     def _fit(self) -> tuple[float, float] | None:
         """(seconds per uncached token, seconds of overhead) of the first-token fit."""
@@ -190,13 +205,34 @@ class ServiceModel:
     @property
     def host_rate(self) -> float:
         """The learned host tier rate (tokens/s), clamped; the configured one until enough."""
-        configured = self.configured_host_rate
-        if self._host_samples < self.min_samples:
-            return configured
-        if self._host_seconds <= 0:
-            return configured * self.max_factor
-        rate = self._host_tokens / self._host_seconds
-        return min(max(rate, configured / self.max_factor), configured * self.max_factor)
+        return self._host.rate(self.configured_host_rate, self.min_samples, self.max_factor)
+
+    @property
+    def disk_rate(self) -> float:
+        """The learned saved-cache rate (tokens/s), clamped; the configured one until enough."""
+        return self._disk.rate(self.configured_disk_rate, self.min_samples, self.max_factor)
 
     def rates(self) -> ServiceRates:
-        return ServiceRates(self.prefill_rate, self.decode_s, self.host_rate)
+        return ServiceRates(self.prefill_rate, self.decode_s, self.host_rate, self.disk_rate)
+
+
+class _TierFit:
+    """Decayed sums of a tier's tokens and the seconds they took beyond the prefill fit."""
+
+    def __init__(self) -> None:
+        self.tokens = 0.0
+        self.seconds = 0.0
+        self.samples = 0
+
+    def observe(self, tokens: int, excess: float, decay: float) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + max(excess, 0.0)
+        self.samples += 1
+
+    def rate(self, configured: float, min_samples: int, max_factor: float) -> float:
+        if self.samples < min_samples:
+            return configured
+        if self.seconds <= 0:
+            return configured * max_factor
+        rate = self.tokens / self.seconds
+        return min(max(rate, configured / max_factor), configured * max_factor)

@@ -78,12 +78,12 @@ class DiskReads:
         wanted, held = self.store.wanted(engine, keys, namespace)
         if not wanted:
             return None
-        positions = wanted[-1].record.start + wanted[-1].record.positions - held
+        positions = wanted[-1][1] - held
         if not self.costs.read_pays(positions):
             return None
         pending = PendingRead(keys, namespace, positions)
         identity = StoreIdentity.of(engine)
-        for node in wanted:
+        for node, _ in wanted:
             pending.reads[node.name] = self._share(node, identity)
         return pending
 

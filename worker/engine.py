@@ -25,6 +25,7 @@ their embeddings, encoded lazily and kept in an encoder-output cache (`encoder_c
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import queue
@@ -37,7 +38,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-from cache import CacheConfig, OutOfPages, OutOfSlots, SequenceCache
+from cache import CacheConfig, KvEventKind, KvSnapshot, OutOfPages, OutOfSlots, SequenceCache
 from cache.integrity import check_sequence_cache
 from kernels.layout import cdiv
 from worker import validation
@@ -269,6 +270,8 @@ class Engine:
         self.tier_costs = TierCosts()
         """What recomputing a position costs against reading it back from disk (learned)."""
         self.disk_reads: DiskReads | None = None
+        self._disk_blocks: frozenset[int] = frozenset()
+        """The routing blocks the KV events have said are on disk (`saved` / `unsaved`)."""
         self.saver: BackgroundSaver | None = None
         self.loaded = LoadReport(0, 0, 0)
         if config.persist_dir is not None:
@@ -281,6 +284,7 @@ class Engine:
                 raise ValueError(f"persist_dir {config.persist_dir!r}: {directory} is not writable")
             self.store = KvStore(directory, config.persist_max_bytes)
             self.loaded = self.store.load(self)
+            self.publish_disk_blocks()
             self.disk_reads = DiskReads(self.store, self.tier_costs, self._wake.set)
             if config.persist_interval_s > 0:
                 self.saver = BackgroundSaver(self, self.store, config.persist_interval_s)
@@ -409,10 +413,27 @@ class Engine:
             began = time.perf_counter()
             try:
                 saved = self.store.save(self)
+                self.publish_disk_blocks()
             except OSError as err:  # a full or vanished disk must not fail the drain
                 log.error("could not save the KV cache to %s: %s", self.store.directory, err)
                 return
             log.info("saved %d cached nodes in %.2f s", saved, time.perf_counter() - began)
+
+    def publish_disk_blocks(self) -> None:
+        """Publish what the last save or load changed in the blocks on disk, as `saved` and
+        `unsaved` events (engine thread, or with the engine stopped)."""
+        if self.store is None:
+            return
+        now, before = self.store.disk_blocks, self._disk_blocks
+        self._disk_blocks = now
+        self.cache.events.publish(KvEventKind.UNSAVED, before - now)
+        self.cache.events.publish(KvEventKind.SAVED, now - before)
+
+    def kv_snapshot(self) -> KvSnapshot:
+        """The cache's blocks by tier, the blocks on disk among them, as of the last event
+        (engine thread)."""
+        snapshot = self.cache.tree.snapshot()
+        return dataclasses.replace(snapshot, disk_block_hashes=self._disk_blocks)
 
     def stats(self) -> EngineStats:
         pool, tree, host = self.cache.pool, self.cache.tree, self.cache.host_pool
@@ -478,7 +499,9 @@ class Engine:
             if not pending.done():
                 return False
             sample.disk_read = None
-            reads.finish(self, pending)
+            added = reads.finish(self, pending)
+            if not sample.request.admitted:
+                sample.request.disk_cached_tokens = max(sample.request.disk_cached_tokens, added)
         except Exception:  # the cache on disk must never fail a request
             log.exception("reading saved KV for %s failed", sample.request.request.request_id)
             if sample.disk_read is not None:
@@ -735,6 +758,7 @@ class Engine:
             prompt_tokens=request.prompt_tokens,
             cached_prompt_tokens=request.cached_prompt_tokens,
             host_cached_tokens=request.host_cached_tokens,
+            disk_cached_tokens=request.disk_cached_tokens,
             finished=reason is not None,
             finish_reason=reason,
             error=error,

@@ -105,6 +105,8 @@ class NodeRecord:
     last_access: int
     checksum: str = ""
     nbytes: int = 0
+    blocks: tuple[int, ...] = ()
+    """The routing blocks whose last position lies in the node (as the tree had them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,9 @@ class KvStore:
         self._page = 1
         """Positions per page of what the catalog lists (from the identity saved or read)."""
         self.disk_hit_tokens = 0
+        self.disk_blocks: frozenset[int] = frozenset()
+        """The routing blocks of the nodes the manifest lists (replaced whole, like the
+        catalog): what the worker's KV events say its disk holds."""
         """Prompt positions read back from disk by `attach_read`."""
 
     # -- saving --------------------------------------------------------------------------------
@@ -180,8 +185,11 @@ class KvStore:
             name = _node_name(parent, ns, node)
             nodes[name] = node
             records.append(
-                NodeRecord(name, parent, ns, node.start, len(node.keys), node.last_access)
-            )
+                NodeRecord(
+                    name, parent, ns, node.start, len(node.keys), node.last_access,
+                    blocks=tuple(node.blocks),
+                )
+            )  # fmt: skip
             for child in node.children.values():
                 count += 1
                 heapq.heappush(frontier, (-child.last_access, count, child, name, ns))
@@ -257,6 +265,7 @@ class KvStore:
             parent: object = record.parent if record.parent is not None else ns
             children.setdefault(parent, {})[keys[: 8 * self._page]] = node
         self._children = children
+        self.disk_blocks = frozenset(b for r in records if r.name in self._keys for b in r.blocks)
 
     def save(self, engine: Engine) -> int:
         """Everything at once, with the engine stopped (drain) or on its thread; returns the
@@ -283,6 +292,8 @@ class KvStore:
             manifest = json.loads(path.read_text())
             saved = StoreIdentity(**manifest["identity"])
             records = [NodeRecord(**r) for r in manifest["nodes"]]
+            for record in records:
+                record.blocks = tuple(int(b) for b in record.blocks)
         except (OSError, ValueError, TypeError, KeyError) as err:
             return self._refuse(f"its manifest is unreadable ({err})")
         if manifest.get("format") != FORMAT:
@@ -331,35 +342,44 @@ class KvStore:
         )  # fmt: skip
         return LoadReport(loaded, positions, dropped, seconds=seconds)
 
-    def lookup(self, keys: array[int], namespace: CacheNamespace) -> list[DiskNode]:
-        """The saved nodes along `keys` from the root, each whole and equal to its stretch of
-        `keys`."""
-        children = self._children
-        path: list[DiskNode] = []
+    def lookup(self, keys: array[int], namespace: CacheNamespace) -> list[tuple[DiskNode, int]]:
+        """The saved nodes along `keys` from the root, each with where its use ends: its own
+        end where `keys` holds all of it, else (the last) the end of the whole pages it
+        shares with `keys` (a prefix of a node's KV is the KV of that prefix)."""
+        children, ps = self._children, self._page
+        path: list[tuple[DiskNode, int]] = []
         parent: object = namespace
         at = 0
         while at < len(keys):
-            node = children.get(parent, {}).get(keys[at : at + self._page].tobytes())
-            if node is None or keys[at : at + len(node.keys)] != node.keys:
+            node = children.get(parent, {}).get(keys[at : at + ps].tobytes())
+            if node is None:
                 break
-            path.append(node)
-            at += len(node.keys)
-            parent = node.name
+            if keys[at : at + len(node.keys)] == node.keys:
+                path.append((node, at + len(node.keys)))
+                at += len(node.keys)
+                parent = node.name
+                continue
+            shared = ps  # the first page matched the catalog's key
+            while keys[at + shared : at + shared + ps] == node.keys[shared : shared + ps]:
+                shared += ps  # whole pages only; never past either end (a short slice differs)
+            path.append((node, at + shared))
+            break
         return path
 
     def wanted(
         self, engine: Engine, keys: Keys, namespace: CacheNamespace
-    ) -> tuple[list[DiskNode], int]:
+    ) -> tuple[list[tuple[DiskNode, int]], int]:
         """The saved nodes that continue `keys` (a sample's cache keys) past what the tree
-        holds in either tier, and how many positions of `keys` the tiers hold (engine thread):
-        what a disk hit reads, and where its new positions begin."""
+        holds in either tier, each with where its use ends (`lookup`), and how many positions
+        of `keys` the tiers hold (engine thread): what a disk hit reads, and where its new
+        positions begin."""
         if not self._children:
             return [], 0
         path = self.lookup(keys, namespace)
         if not path:
             return [], 0
         held = self._held(engine, keys, namespace)
-        return [n for n in path if n.record.start + n.record.positions > held], held
+        return [(node, end) for node, end in path if end > held], held
 
     @staticmethod
     def _held(engine: Engine, keys: Keys, namespace: CacheNamespace) -> int:
@@ -384,12 +404,16 @@ class KvStore:
         have = self._held(engine, keys, namespace)
         read = 0
         prefix = array("Q")
-        for node in self.lookup(keys, namespace):
-            end = node.record.start + node.record.positions
+        ps = engine.config.page_size
+        for node, end in self.lookup(keys, namespace):
             if end > have:
                 got = tensors.get(node.name)
-                whole = keys[:end]
-                if got is None or not self._attach(engine, namespace, prefix, whole, got):
+                if got is None:
+                    break
+                pages = (end - node.record.start) // ps
+                if pages < node.record.positions // ps:  # a prefix of the node's pages
+                    got = {"k": got["k"][:, :pages], "v": got["v"][:, :pages]}
+                if not self._attach(engine, namespace, prefix, keys[:end], got):
                     break
                 read += end - max(node.record.start, have)
             prefix = keys[:end]
@@ -522,4 +546,6 @@ class BackgroundSaver:
                 v = torch.cat([p[2] for p in parts], dim=1)
                 store.write_node(record.name, parts[0][0], k, v)
         self.saves += 1
-        return store.write_manifest(records, StoreIdentity.of(engine))
+        listed = store.write_manifest(records, StoreIdentity.of(engine))
+        engine.call(engine.publish_disk_blocks)  # the events go out on the engine thread
+        return listed

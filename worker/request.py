@@ -81,6 +81,8 @@ class RequestOutput:
     """Prompt positions whose KV came from the prefix cache (at the sample's first admission)."""
     host_cached_tokens: int = 0
     """Of `cached_prompt_tokens`, those copied back from the host tier."""
+    disk_cached_tokens: int = 0
+    """Of `cached_prompt_tokens`, those read back from the disk tier for this request."""
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

@@ -107,6 +107,8 @@ class RequestState:
     the client sent it: `prompt_tokens` at most)."""
     host_cached_tokens: int = 0
     """Of those, the positions that came back from the host tier."""
+    disk_cached_tokens: int = 0
+    """Of those, the positions read back from the disk tier for it."""
     admitted: bool = False
     forked: bool = False
     stops: StopStrings = field(init=False)

@@ -214,6 +214,10 @@ class Scheduler:
             sample.request.host_cached_tokens = min(
                 seq.host_reused, sample.request.cached_prompt_tokens
             )
+            sample.request.disk_cached_tokens = min(
+                sample.request.disk_cached_tokens,
+                sample.request.cached_prompt_tokens - sample.request.host_cached_tokens,
+            )
         return Admission.ADMITTED
 
     def _make_room(self, sample: SampleState, positions: int) -> bool:

@@ -144,12 +144,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetSnapshot(
         self, request: worker_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.KvSnapshot:
-        snapshot = await self._on_engine(self.engine.cache.tree.snapshot)
+        snapshot = await self._on_engine(self.engine.kv_snapshot)
         return worker_pb2.KvSnapshot(
             worker=self.name,
             seq=snapshot.seq,
             block_hashes=sorted(snapshot.block_hashes),
             host_block_hashes=sorted(snapshot.host_block_hashes),
+            disk_block_hashes=sorted(snapshot.disk_block_hashes),
         )
 
     async def GetLoad(

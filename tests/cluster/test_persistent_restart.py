@@ -36,3 +36,33 @@ def test_a_restarted_worker_hits_on_its_first_request(tiny: LoadedModel, tmp_pat
         assert second.predicted_cached_tokens > 0, "the router's index started cold"
     finally:
         cluster.close()
+
+
+def test_a_prefix_on_disk_alone_is_routed_to_and_read_back(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """The worker saved a conversation and then dropped it from its cache: its `saved` and
+    `cleared` events reach the router over the real stream, the router still predicts the hit,
+    and the worker reads it back from disk, saying so in its response."""
+    engine = replace(ENGINE, persist_dir=str(tmp_path), persist_interval_s=0.0)
+    cluster = start_cluster(tiny, workers=1, engine=engine)
+    try:
+        client = Client(cluster.target)
+        list(client.generate(text_request(CONVERSATION + "One?", max_tokens=4)))
+        cluster.wait_idle()
+        worker = cluster.engines["worker-0"]
+
+        def save_then_forget() -> None:
+            assert worker.store is not None
+            worker.store.save(worker)
+            worker.publish_disk_blocks()
+            worker.cache.tree.clear()
+            worker.runner.copy_pages(worker.cache.take_tier_copies())
+
+        worker.call(save_then_forget).result(timeout=30)
+        second = list(client.generate(text_request(CONVERSATION + "Two?", max_tokens=4)))[-1]
+        assert second.predicted_cached_tokens >= 64, "the router knew the disk held it"
+        assert second.cached_prompt_tokens >= 64, second
+        assert second.disk_cached_tokens == second.cached_prompt_tokens, second
+    finally:
+        cluster.close()

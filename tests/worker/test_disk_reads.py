@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from cache import DEFAULT_NAMESPACE, to_cache_keys
+from cache import DEFAULT_NAMESPACE, KvEvent, KvEventKind, to_cache_keys
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import greedy, relative_error
 from tests.worker.test_kv_persistence import TURNS, ask, config, model, serve
 from worker.engine import Engine
-from worker.kv_persistence import KvStore
+from worker.kv_persistence import BackgroundSaver, KvStore
 
 PAGE = 4
 PROMPT = [*TURNS[0], 5, 6]
@@ -117,7 +117,7 @@ def test_samples_wanting_the_same_saved_nodes_share_one_read(tmp_path: Path) -> 
     gate.set()
     while engine.step():
         pass
-    assert sorted(names) == sorted(n.name for n in wanted), "each node was read once"
+    assert sorted(names) == sorted(n.name for n, _ in wanted), "each node was read once"
     finals = [o for o in outputs if o.finished]
     assert len(finals) == 3 and all(f.cached_prompt_tokens == SAVED for f in finals)
     assert engine.stats().disk_hit_tokens == SAVED, "the other two hit what the first put back"
@@ -159,3 +159,73 @@ def test_the_engine_learns_both_rates_from_what_it_serves(tmp_path: Path) -> Non
     recompute_s = costs.recompute_s
     assert recompute_s is not None and 0 < recompute_s < 1.0
     assert costs.read_s == read_s, "passes do not move the read rate"
+
+
+def test_what_a_save_writes_is_published_as_saved_and_kept_in_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    events: list[KvEvent] = []
+    engine.cache.events.subscribe(events.append)
+    serve(engine, TURNS[:2])
+    assert engine.store is not None
+    cached = engine.kv_snapshot().block_hashes
+    assert cached and not engine.kv_snapshot().disk_block_hashes
+    saver = BackgroundSaver(engine, engine.store, 3600.0)
+    thread = threading.Thread(target=saver.save_once)
+    thread.start()  # its engine calls run between steps: step until it is done
+    while thread.is_alive():
+        engine.step()
+        thread.join(0.01)
+    engine.step()  # the publish it queued last
+    saved = [e for e in events if e.kind is KvEventKind.SAVED]
+    assert len(saved) == 1 and frozenset(saved[0].block_hashes) == cached
+    engine.cache.tree.clear()
+    snapshot = engine.kv_snapshot()
+    assert not snapshot.block_hashes and snapshot.disk_block_hashes == cached
+    assert snapshot.seq == engine.cache.events.seq
+    engine.stop()  # saves the (empty) cache: the disk loses what it held
+    unsaved = [e for e in events if e.kind is KvEventKind.UNSAVED]
+    assert len(unsaved) == 1 and frozenset(unsaved[0].block_hashes) == cached
+    assert not engine.kv_snapshot().disk_block_hashes
+
+
+def test_a_restarted_engine_says_what_its_disk_holds(tmp_path: Path) -> None:
+    first = Engine(model(), None, config(tmp_path), source="w0")
+    serve(first, TURNS)
+    cached = first.kv_snapshot().block_hashes
+    first.stop()
+    second = Engine(model(), None, config(tmp_path), source="w0")
+    snapshot = second.kv_snapshot()
+    assert snapshot.block_hashes == cached, "loaded into the cache"
+    assert snapshot.disk_block_hashes == cached, "and on disk"
+    assert snapshot.seq == second.cache.events.seq
+
+
+def test_a_disk_hit_says_how_many_of_its_tokens_came_from_disk(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    outputs: list = []
+    engine.submit(greedy("hit", PROMPT, 3), outputs.append)
+    while engine.step():
+        pass
+    final = next(o for o in outputs if o.finished)
+    assert final.cached_prompt_tokens == final.disk_cached_tokens == SAVED
+    outputs.clear()
+    engine.submit(greedy("again", PROMPT, 3), outputs.append)  # now a device hit
+    while engine.step():
+        pass
+    final = next(o for o in outputs if o.finished)
+    assert final.cached_prompt_tokens == SAVED and final.disk_cached_tokens == 0
+
+
+def test_a_prompt_that_shares_part_of_a_saved_node_reads_its_whole_pages(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    assert engine.store is not None
+    [(node, end)] = engine.store.lookup(to_cache_keys(TURNS[0]), DEFAULT_NAMESPACE)
+    assert end == node.record.positions == SAVED, "turn 1 was saved as one node"
+    prompt = [*TURNS[0][:45], 1, 2, 3, 4, 5]  # leaves it inside its 12th page
+    tokens, cached, logits = ask(engine, prompt)
+    cold_tokens, cold_logits = cold_answer(prompt)
+    assert cached == 44 and engine.stats().disk_hit_tokens == 44
+    assert tokens == cold_tokens and relative_error(logits, cold_logits) < 1e-5
+    check_sequence_cache(engine.cache)

@@ -185,7 +185,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ..., text_match: _Optional[_Union[TextMatch, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "predicted_cached_tokens", "worker", "logprobs", "stop_string", "host_cached_tokens")
+    __slots__ = ("request_id", "index", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "predicted_cached_tokens", "worker", "logprobs", "stop_string", "host_cached_tokens", "disk_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -212,7 +213,8 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     stop_string: str
     host_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_string: _Optional[str] = ..., host_cached_tokens: _Optional[int] = ...) -> None: ...
+    disk_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_string: _Optional[str] = ..., host_cached_tokens: _Optional[int] = ..., disk_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")

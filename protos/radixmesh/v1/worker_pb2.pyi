@@ -62,16 +62,18 @@ class GetSnapshotRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KvSnapshot(_message.Message):
-    __slots__ = ("worker", "seq", "block_hashes", "host_block_hashes")
+    __slots__ = ("worker", "seq", "block_hashes", "host_block_hashes", "disk_block_hashes")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker: str
     seq: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     host_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., host_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    disk_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., host_block_hashes: _Optional[_Iterable[int]] = ..., disk_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
