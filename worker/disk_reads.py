@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,11 @@ class PendingRead:
     namespace: CacheNamespace
     positions: int
     """Positions its nodes add past what the tiers held when it began."""
+    held: int
+    """Positions of `keys` the device and host tiers held when it began."""
+    tries: int = 1
+    """1 for a sample's first read; 2 for the one that replaces it when the tiers lost part of
+    what they held meanwhile (the last)."""
     reads: dict[str, NodeRead] = field(default_factory=dict)
 
     def done(self) -> bool:
@@ -67,30 +72,39 @@ class DiskReads:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
         self._shared: dict[str, tuple[NodeRead, int]] = {}
         """Node name -> its read and how many pending reads wait for it."""
-        self.reads = 0
-        """Node files read (a shared read counts once)."""
-        self.read_seconds = 0.0
-        """Seconds the reader thread spent reading, checking and parsing them."""
+        self.pending = 0
+        """Pending reads begun and not yet finished or released (the engine bounds them)."""
 
-    def begin(self, engine: Engine, keys: Keys, namespace: CacheNamespace) -> PendingRead | None:
+    def begin(
+        self, engine: Engine, keys: Keys, namespace: CacheNamespace, tries: int = 1
+    ) -> PendingRead | None:
         """Start reading the saved nodes that continue `keys` past both tiers (engine thread);
         None when there are none or recomputing them is priced faster."""
         wanted, held = self.store.wanted(engine, keys, namespace)
         if not wanted:
             return None
         positions = wanted[-1][1] - held
-        if not self.costs.read_pays(positions):
+        config = engine.config
+        chunk = min(config.token_budget, config.max_prefill_chunk)
+        if not self.costs.read_pays(positions, len(keys) - held - positions, chunk):
             return None
-        pending = PendingRead(keys, namespace, positions)
+        pending = PendingRead(keys, namespace, positions, held, tries)
         identity = StoreIdentity.of(engine)
-        for node, _ in wanted:
-            pending.reads[node.name] = self._share(node, identity)
+        try:
+            for node, _ in wanted:
+                pending.reads[node.name] = self._share(node, identity)
+        except BaseException:
+            self._let_go(pending)
+            raise
+        self.pending += 1
         return pending
 
-    def finish(self, engine: Engine, pending: PendingRead) -> int:
-        """Insert what `pending` read (engine thread, once `pending.done()`); returns the
-        positions added to the cache and lets go of its reads."""
+    def finish(self, engine: Engine, pending: PendingRead) -> tuple[int, bool]:
+        """Insert what `pending` read (engine thread, once `pending.done()`) and let go of its
+        reads. Returns the positions added to the cache, and whether the tiers lost part of
+        what they held of its prompt meanwhile (their positions were not read)."""
         began = time.perf_counter()
+        lost = self.store.held(engine, pending.keys, pending.namespace) < pending.held
         tensors: dict[str, dict[str, torch.Tensor] | None] = {}
         seconds = 0.0
         for name, future in pending.reads.items():
@@ -106,28 +120,30 @@ class DiskReads:
             self.release(pending)
         if added == pending.positions:  # a failed or partial read prices nothing
             self.costs.observe_read(added, seconds + time.perf_counter() - began)
-        return added
+        return added, lost
 
     def release(self, pending: PendingRead) -> None:
         """`pending`'s sample no longer waits for its reads (engine thread)."""
+        if pending.reads:
+            self.pending -= 1
+        self._let_go(pending)
+
+    def close(self) -> None:
+        """Stop reading: reads not begun are cancelled, one under way is not waited for."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _let_go(self, pending: PendingRead) -> None:
         for name in pending.reads:
-            future, waiting = self._shared[name]
+            shared = self._shared.get(name)
+            if shared is None:
+                continue
+            future, waiting = shared
             if waiting > 1:
                 self._shared[name] = (future, waiting - 1)
             else:
                 del self._shared[name]
                 future.cancel()  # not begun: never read; begun or done: its tensors go
         pending.reads.clear()
-
-    def wait(self, pending: Iterable[PendingRead], timeout: float) -> None:
-        """Block until one of the reads `pending` waits for ends, at most `timeout` seconds."""
-        futures = [f for p in pending for f in p.reads.values()]
-        if futures:
-            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._shared.clear()
 
     def _share(self, node: DiskNode, identity: StoreIdentity) -> NodeRead:
         shared = self._shared.get(node.name)
@@ -148,7 +164,4 @@ class DiskReads:
         except Exception:  # the cache on disk must never fail a request
             log.exception("reading saved node %s failed", node.name)
             tensors = None
-        seconds = time.perf_counter() - began
-        self.reads += 1
-        self.read_seconds += seconds
-        return tensors, seconds
+        return tensors, time.perf_counter() - began

@@ -42,7 +42,7 @@ from cache import CacheConfig, KvEventKind, KvSnapshot, OutOfPages, OutOfSlots, 
 from cache.integrity import check_sequence_cache
 from kernels.layout import cdiv
 from worker import validation
-from worker.disk_reads import DiskReads
+from worker.disk_reads import DiskReads, PendingRead
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.image_inputs import ImageEmbedder, ImageEncoder, place
 from worker.images import (
@@ -482,32 +482,50 @@ class Engine:
             )
 
     # -- the engine thread ---------------------------------------------------------------------
-    def _from_disk(self, sample: SampleState) -> bool:
+    def _from_disk(self, sample: SampleState) -> bool | None:
         """At admission: begin reading the saved KV that continues the sample's prompt past
         both tiers, if reading pays (worker/disk_reads.py), and once it is read put it into
-        the cache. False while the read is in flight (the sample waits). A failed read is
+        the cache. True: start the sample; False while its read is in flight (it waits; the
+        samples behind it may pass); None: no read may begin now (reads begun and samples
+        running fill `max_running`: it waits, and nothing behind it passes). A failed read is
         logged and its positions recomputed."""
         assert self.disk_reads is not None
         reads, pending = self.disk_reads, sample.disk_read
         try:
-            if pending is None:
-                if not sample.disk_checked:
-                    sample.disk_checked = True
-                    namespace = sample.request.request.namespace
-                    sample.disk_read = reads.begin(self, sample.cache_keys(), namespace)
-                return sample.disk_read is None
-            if not pending.done():
-                return False
-            sample.disk_read = None
-            added = reads.finish(self, pending)
-            if not sample.request.admitted:
-                sample.request.disk_cached_tokens = max(sample.request.disk_cached_tokens, added)
+            if pending is not None:
+                return self._finish_disk_read(sample, pending)
+            if sample.disk_checked:
+                return True
+            if len(self.scheduler.running) + reads.pending >= self.config.max_running:
+                return None  # each read holds its tensors until its sample starts
+            sample.disk_checked = True
+            namespace = sample.request.request.namespace
+            sample.disk_read = reads.begin(self, sample.cache_keys(), namespace)
+            return sample.disk_read is None
         except Exception:  # the cache on disk must never fail a request
             log.exception("reading saved KV for %s failed", sample.request.request.request_id)
             if sample.disk_read is not None:
                 reads.release(sample.disk_read)
                 sample.disk_read = None
-        return True
+            return True
+
+    def _finish_disk_read(self, sample: SampleState, pending: PendingRead) -> bool:
+        """Put what `pending` read into the cache once it is done (False until then). When the
+        tiers lost part of the prompt during the read, read what is missing, once."""
+        assert self.disk_reads is not None
+        if not pending.done():
+            return False
+        reads, namespace = self.disk_reads, sample.request.request.namespace
+        sample.disk_read = None
+        if pending.namespace != namespace:  # its adapter was replaced meanwhile
+            reads.release(pending)
+            return True
+        added, lost = reads.finish(self, pending)
+        if not sample.request.admitted:
+            sample.request.disk_cached_tokens = max(sample.request.disk_cached_tokens, added)
+        if lost and pending.tries == 1:
+            sample.disk_read = reads.begin(self, pending.keys, namespace, tries=2)
+        return sample.disk_read is None
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
@@ -581,9 +599,10 @@ class Engine:
         if awaiting:
             self._wait_for_images(awaiting)
             return True
-        if reading := self.scheduler.reading():
-            assert self.disk_reads is not None
-            self.disk_reads.wait([s.disk_read for s in reading if s.disk_read], ENCODER_WAIT_S)
+        if self.disk_reads is not None and self.disk_reads.pending:
+            # every read that ends sets _wake (so does a new request): no spinning meanwhile
+            self._wake.wait(ENCODER_WAIT_S)
+            self._wake.clear()
             return True
         if self.config.debug_checks and not self.scheduler.has_work():
             check_sequence_cache(self.cache)

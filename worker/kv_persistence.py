@@ -378,11 +378,12 @@ class KvStore:
         path = self.lookup(keys, namespace)
         if not path:
             return [], 0
-        held = self._held(engine, keys, namespace)
+        held = self.held(engine, keys, namespace)
         return [(node, end) for node, end in path if end > held], held
 
     @staticmethod
-    def _held(engine: Engine, keys: Keys, namespace: CacheNamespace) -> int:
+    def held(engine: Engine, keys: Keys, namespace: CacheNamespace) -> int:
+        """Positions of `keys` the device and host tiers hold (engine thread)."""
         match = engine.cache.tree.match(keys, namespace)
         return match.length + match.host_length
 
@@ -401,7 +402,7 @@ class KvStore:
         """Insert the saved nodes along `keys` whose tensors were read (`tensors` by node
         name; None: the read failed), from the first one past what the tree holds now, up to
         the first that is missing or failed (engine thread). Returns the positions added."""
-        have = self._held(engine, keys, namespace)
+        have = self.held(engine, keys, namespace)
         read = 0
         prefix = array("Q")
         ps = engine.config.page_size

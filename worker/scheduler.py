@@ -65,7 +65,7 @@ class Scheduler:
         cache: SequenceCache,
         config: SchedulerConfig,
         copy_pages: Callable[[list[TierCopy | PageCopy]], None],
-        from_disk: Callable[[SampleState], bool] | None = None,
+        from_disk: Callable[[SampleState], bool | None] | None = None,
         adapters: AdapterSlots | None = None,
     ) -> None:
         self.cache = cache
@@ -73,7 +73,8 @@ class Scheduler:
         self.copy_pages = copy_pages
         self.from_disk = from_disk
         """Called before a sample's first start: begins reading saved KV that extends it, or
-        puts in the cache what was read; False while its read is in flight."""
+        puts in the cache what was read; False while its read is in flight, None when no read
+        may begin now."""
         self.adapters = adapters
         self.waiting: deque[SampleState] = deque()
         self.running: list[SampleState] = []
@@ -188,12 +189,18 @@ class Scheduler:
         sample.lora_slot = -1
 
     def _admit(self, sample: SampleState) -> Admission:
+        if sample.disk_read is not None and not sample.disk_read.done():
+            return Admission.READING  # before its adapter takes a slot it cannot use yet
         slot = self._adapter_slot(sample)
         if isinstance(slot, Admission):
             return slot
         request = sample.request.request
-        if self.from_disk is not None and not self.from_disk(sample):
-            return Admission.READING
+        if self.from_disk is not None:
+            ready = self.from_disk(sample)
+            if ready is None:
+                return Admission.NO_ROOM
+            if not ready:
+                return Admission.READING
         try:
             seq = self.cache.start_keys(
                 sample.cache_keys(),

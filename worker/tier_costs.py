@@ -3,22 +3,28 @@ from its disk tier, learned from its own forward passes and reads, so that a dis
 only when reading is the faster way to its KV.
 
 A read is not always faster. On this 2-core CPU, SmolLM2 prefills about 3 ms a token and its
-saved KV reads back at about 0.1 ms a position (47 MB a 1,024-token turn), so reading wins
-30-fold; on an H100 the same 1,024 tokens prefill in 20 ms, less than reading and checking
-their 47 MB takes (LMCache's users report such offload hits slower than recomputing). Both
-rates depend on the model, the device and the disk, so they are learned, not configured:
+saved KV reads back at 0.03-0.05 ms a position (30-53 ms for the 47 MB of a 1,024-token turn),
+so reading wins 60-fold; on an H100 the same 1,024 tokens prefill in 20 ms, less than this
+machine takes to read and check those 47 MB (LMCache's users report offload hits slower than
+recomputing). Both rates depend on the model, the device and the disk, so they are learned,
+not configured:
 
-    a pass:   seconds = overhead + tokens x recompute_s     a line through the engine's passes
-    a read:   seconds = positions x read_s                  a ratio over the reads
+    a pass:   seconds = overhead + tokens x slope       a line through the engine's passes
+    a read:   seconds = positions x read_s              a ratio over the reads
 
-Both are sums decayed by a half-life in observations (recent behaviour wins). The line's slope
-is the marginal cost of a token, what recomputing a prompt's cached stretch adds to a pass that
-runs anyway for the rest of the prompt; when the passes' token counts spread too little to fit
-a line (a worker that only decodes), the ratio seconds / tokens stands in (dearer per token:
-the overhead is in it). A read is priced at its positions x read_s and made when that is less
-than recomputing them. Until `min_passes` passes and one read were seen, reads are made (a read
-is how its rate is learned); while recomputing wins, every `probe_every`-th skipped read is
-made anyway, so a disk that became faster (its files now in the page cache) is noticed.
+Both are sums decayed by a half-life in observations (recent behaviour wins). Recomputing p
+positions ahead of the prompt's r others costs p x slope plus the overhead of the passes it
+adds: with at most c tokens a pass, ceil((p + r) / c) - ceil(r / c) of them. When the passes'
+token counts spread too little to fit a line (a worker that only decodes), the ratio
+seconds / tokens stands in for the slope, with no overhead (dearer per token: the overhead is
+in it). A read is made when its positions x read_s are less than that. Until `min_passes`
+passes and one read were seen, reads are made (a read is how its rate is learned); while
+recomputing wins, every `probe_every`-th skipped read is made anyway, so a disk that became
+faster (its files now in the page cache) is noticed.
+
+A pass is timed from its start to its sampled tokens (on CUDA the sampling waits for the
+device), so the slope carries a little sampling and streaming per token; a read is timed on
+the reader thread plus its insert on the engine thread.
 """
 
 from __future__ import annotations
@@ -84,6 +90,11 @@ class TierCosts:
     @property
     def recompute_s(self) -> float | None:
         """Seconds a recomputed position adds to a pass; None until `min_passes` were seen."""
+        line = self._line()
+        return None if line is None else line[0]
+
+    def _line(self) -> tuple[float, float] | None:
+        """(seconds a position, seconds of overhead a pass), None until `min_passes`."""
         if self._pass_count < self.config.min_passes:
             return None
         n, sx, sxx, sy, sxy = self._passes
@@ -91,8 +102,18 @@ class TierCosts:
         if variance >= self.config.min_spread_tokens**2:
             slope = (sxy / n - (sx / n) * (sy / n)) / variance
             if slope > 0:
-                return slope
-        return sy / sx if sx > 0 else None
+                return slope, max(0.0, (sy - slope * sx) / n)
+        return (sy / sx, 0.0) if sx > 0 else None
+
+    def recompute_seconds(self, positions: int, rest: int, chunk: int) -> float | None:
+        """Seconds recomputing `positions` ahead of the `rest` of a prompt adds, passes of at
+        most `chunk` tokens; None until `min_passes` were seen."""
+        line = self._line()
+        if line is None:
+            return None
+        slope, overhead = line
+        passes = -(-(positions + rest) // chunk) - -(-rest // chunk)
+        return positions * slope + passes * overhead
 
     @property
     def read_s(self) -> float | None:
@@ -101,11 +122,12 @@ class TierCosts:
             return None
         return self._read_seconds / self._read_positions
 
-    def read_pays(self, positions: int) -> bool:
-        """Whether to read `positions` saved positions back rather than recompute them (counts
-        the positions when not)."""
-        recompute, read = self.recompute_s, self.read_s
-        if recompute is None or read is None or read < recompute:
+    def read_pays(self, positions: int, rest: int = 1, chunk: int = 1 << 30) -> bool:
+        """Whether to read `positions` saved positions back rather than recompute them ahead of
+        the `rest` of their prompt in passes of `chunk` tokens (counts the positions when
+        not)."""
+        recompute, read = self.recompute_seconds(positions, rest, max(chunk, 1)), self.read_s
+        if recompute is None or read is None or positions * read < recompute:
             return True
         self._skips += 1
         probe = self.config.probe_every

@@ -6,6 +6,7 @@ recomputing is recomputed (with the same outputs)."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -228,4 +229,106 @@ def test_a_prompt_that_shares_part_of_a_saved_node_reads_its_whole_pages(tmp_pat
     cold_tokens, cold_logits = cold_answer(prompt)
     assert cached == 44 and engine.stats().disk_hit_tokens == 44
     assert tokens == cold_tokens and relative_error(logits, cold_logits) < 1e-5
+    check_sequence_cache(engine.cache)
+
+
+def test_while_part_of_a_read_is_in_the_engine_waits_instead_of_spinning(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    serve(engine, TURNS[:2])  # the system prompt, then each turn's tail: two nodes a turn
+    assert engine.store is not None
+    engine.store.save(engine)
+    engine.cache.tree.clear()
+    prompt = [*TURNS[1], 5, 6]
+    wanted, _ = engine.store.wanted(engine, to_cache_keys(prompt), DEFAULT_NAMESPACE)
+    assert len(wanted) == 2
+    gate = threading.Event()
+    read = engine.store.read
+
+    def last_node_held(record, identity):  # type: ignore[no-untyped-def]
+        if record.name == wanted[-1][0].name:
+            assert gate.wait(10.0)
+        return read(record, identity)
+
+    engine.store.read = last_node_held  # type: ignore[method-assign]
+    outputs: list = []
+    engine.submit(greedy("hit", prompt, 3), outputs.append)
+    steps, began = 0, time.monotonic()
+    while time.monotonic() - began < 0.3:  # the first node is read, the second is held
+        assert engine.step()
+        steps += 1
+    assert steps < 30, f"{steps} steps in 0.3 s: the engine spun while the read was held"
+    gate.set()
+    while engine.step():
+        pass
+    final = next(o for o in outputs if o.finished)
+    assert final.cached_prompt_tokens == len(TURNS[1]) // PAGE * PAGE
+    check_sequence_cache(engine.cache)
+
+
+def test_reads_begun_and_samples_running_stay_within_max_running(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path, max_running=2), source="w0")
+    serve(engine, TURNS)
+    assert engine.store is not None and engine.disk_reads is not None
+    engine.store.save(engine)
+    engine.cache.tree.clear()
+    gate, _ = gate_reads(engine.store)
+    outputs: list = []
+    for i, turn in enumerate(TURNS):
+        engine.submit(greedy(f"hit{i}", [*turn, 5, 6], 3), outputs.append)
+    for _ in range(3):
+        engine.step()
+        assert len(engine.scheduler.running) + engine.disk_reads.pending <= 2
+    assert engine.disk_reads.pending == 2, "two reads under way, the third waits its turn"
+    gate.set()
+    while engine.step():
+        assert len(engine.scheduler.running) + engine.disk_reads.pending <= 2
+    finals = [o for o in outputs if o.finished]
+    assert len(finals) == 3 and all(f.cached_prompt_tokens > 0 for f in finals)
+    check_sequence_cache(engine.cache)
+
+
+def test_a_prefix_evicted_during_the_read_is_read_back_too(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    serve(engine, TURNS[:2])
+    assert engine.store is not None
+    engine.store.save(engine)
+    engine.cache.tree.clear()
+    serve(engine, [TURNS[0][:44]])  # the system prompt is back in the cache
+    prompt = [*TURNS[1], 5, 6]
+    _, held = engine.store.wanted(engine, to_cache_keys(prompt), DEFAULT_NAMESPACE)
+    assert held == 40
+    gate, _ = gate_reads(engine.store)
+    outputs: list = []
+    engine.submit(greedy("hit", prompt, 3), outputs.append)
+    engine.step()
+    assert engine.scheduler.reading()
+    engine.cache.tree.evict(engine.cache.tree.evictable_pages)  # the system prompt goes
+    engine.runner.copy_pages(engine.cache.take_tier_copies())
+    assert engine.store.held(engine, to_cache_keys(prompt), DEFAULT_NAMESPACE) == 0
+    gate.set()
+    while engine.step():
+        pass
+    final = next(o for o in outputs if o.finished)
+    assert final.cached_prompt_tokens == len(TURNS[1]) // PAGE * PAGE, "all of it, from disk"
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert tokens == cold_answer(prompt)[0][:3]
+    check_sequence_cache(engine.cache)
+
+
+def test_stopping_does_not_wait_for_a_read_under_way(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    assert engine.store is not None and engine.disk_reads is not None
+    gate, _ = gate_reads(engine.store)
+    outputs: list = []
+    engine.start()
+    engine.submit(greedy("hit", PROMPT, 3), outputs.append)
+    deadline = time.monotonic() + 5
+    while not engine.disk_reads.pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    began = time.monotonic()
+    engine.stop(timeout=2.0)
+    assert time.monotonic() - began < 1.5, "stop waited for the held read"
+    gate.set()
+    assert outputs and outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert engine.disk_reads.pending == 0
     check_sequence_cache(engine.cache)
