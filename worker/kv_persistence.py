@@ -162,6 +162,8 @@ class KvStore:
         self._page = 1
         """Positions per page of what the catalog lists (from the identity saved or read)."""
         self.disk_hit_tokens = 0
+        self._listed: dict[str, NodeRecord] = {}
+        """The records the current manifest lists, in its order."""
         self.disk_blocks: frozenset[int] = frozenset()
         """The routing blocks of the nodes the manifest lists (replaced whole, like the
         catalog): what the worker's KV events say its disk holds."""
@@ -223,13 +225,17 @@ class KvStore:
         self._keys[name] = keys
 
     def write_manifest(self, records: list[NodeRecord], identity: StoreIdentity) -> int:
-        """Name the written nodes (a node only with its parent, within `max_bytes`, most
-        recently used first) in a new manifest, atomically; delete files it does not name.
-        Returns the nodes it lists."""
+        """Name the written nodes (a node only with its parent, within `max_bytes`) in a new
+        manifest, atomically; delete files it does not name. First the tree's (`records`, most
+        recently used first), then those the last manifest listed that the tree no longer
+        holds, in their order: what both tiers evicted stays on disk until newer KV needs its
+        bytes. Returns the nodes it lists."""
         kept: list[dict[str, Any]] = []
         placed: set[str] = set()
         total = 0
-        for record in records:
+        in_tree = {record.name for record in records}
+        evicted = [r for name, r in self._listed.items() if name not in in_tree]
+        for record in [*records, *evicted]:
             on_disk = self.written.get(record.name)
             if on_disk is None or (record.parent is not None and record.parent not in placed):
                 continue
@@ -254,7 +260,9 @@ class KvStore:
         return len(kept)
 
     def _catalog(self, records: list[NodeRecord]) -> None:
-        """Rebuild the catalog from the manifest's records (parents first)."""
+        """Rebuild the catalog from the manifest's records (parents first). Where two listed
+        nodes start alike under one parent (the tree split a node after it was saved, and both
+        forms are on disk), the first listed, the tree's, is the one found."""
         children: dict[object, dict[bytes, DiskNode]] = {}  # replaced whole: readers need no lock
         for record in records:
             keys = self._keys.get(record.name)
@@ -263,8 +271,9 @@ class KvStore:
             ns = _namespace(record.namespace)
             node = DiskNode(record.name, record, ns, array("Q", keys))
             parent: object = record.parent if record.parent is not None else ns
-            children.setdefault(parent, {})[keys[: 8 * self._page]] = node
+            children.setdefault(parent, {}).setdefault(keys[: 8 * self._page], node)
         self._children = children
+        self._listed = {record.name: record for record in records}
         self.disk_blocks = frozenset(b for r in records if r.name in self._keys for b in r.blocks)
 
     def save(self, engine: Engine) -> int:

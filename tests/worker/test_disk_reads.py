@@ -185,7 +185,12 @@ def test_what_a_save_writes_is_published_as_saved_and_kept_in_the_snapshot(
     snapshot = engine.kv_snapshot()
     assert not snapshot.block_hashes and snapshot.disk_block_hashes == cached
     assert snapshot.seq == engine.cache.events.seq
-    engine.stop()  # saves the (empty) cache: the disk loses what it held
+    engine.store.save(engine)  # the cache is empty: what it evicted stays on disk
+    engine.publish_disk_blocks()
+    assert not [e for e in events if e.kind is KvEventKind.UNSAVED]
+    assert engine.kv_snapshot().disk_block_hashes == cached
+    engine.store.max_bytes = 1  # until newer KV needs the bytes (here: none may stay)
+    engine.stop()
     unsaved = [e for e in events if e.kind is KvEventKind.UNSAVED]
     assert len(unsaved) == 1 and frozenset(unsaved[0].block_hashes) == cached
     assert not engine.kv_snapshot().disk_block_hashes
@@ -332,3 +337,18 @@ def test_stopping_does_not_wait_for_a_read_under_way(tmp_path: Path) -> None:
     assert outputs and outputs[-1].finished and outputs[-1].finish_reason == "abort"
     assert engine.disk_reads.pending == 0
     check_sequence_cache(engine.cache)
+
+
+def test_what_both_tiers_evicted_stays_on_disk_across_saves(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    serve(engine, TURNS[:1])
+    assert engine.store is not None
+    engine.store.save(engine)
+    engine.cache.tree.clear()  # turn 1 is on disk alone
+    serve(engine, [TURNS[2][::-1]])  # other work, saved after it
+    engine.store.save(engine)
+    files = {p.stem for p in (tmp_path / "w0").glob("*.safetensors")}
+    assert len(files) == 2, "turn 1's node and the new one"
+    tokens, cached, _ = ask(engine, PROMPT)
+    assert cached == SAVED and engine.stats().disk_hit_tokens == SAVED
+    assert tokens == cold_answer(PROMPT)[0]
