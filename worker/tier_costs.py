@@ -39,16 +39,25 @@ class TierCostsConfig:
     """Observations after which an old one weighs half."""
     min_passes: int = 8
     """Forward passes to see before recomputing is priced (reads are made until then)."""
+    warmup_passes: int = 2
+    """A worker's first passes, left out: they pay one-time costs (lazy set-up, allocator
+    growth) that made the tiny model's first pass 100 times its later ones."""
     min_spread_tokens: float = 16.0
     """Standard deviation of the passes' token counts needed to fit a line."""
     probe_every: int = 16
     """While recomputing wins, one read in this many is made anyway (0: never)."""
 
     def __post_init__(self) -> None:
-        if self.half_life < 1 or self.min_passes < 1 or self.probe_every < 0:
+        if (
+            self.half_life < 1
+            or self.min_passes < 1
+            or self.probe_every < 0
+            or self.warmup_passes < 0
+        ):
             raise ValueError(
-                "need half_life >= 1, min_passes >= 1, probe_every >= 0; got "
-                f"{self.half_life}, {self.min_passes}, {self.probe_every}"
+                "need half_life >= 1, min_passes >= 1, probe_every >= 0, warmup_passes >= 0; "
+                f"got {self.half_life}, {self.min_passes}, {self.probe_every}, "
+                f"{self.warmup_passes}"
             )
         if not 0.0 <= self.min_spread_tokens < math.inf:
             raise ValueError(f"min_spread_tokens must be finite and >= 0: {self.min_spread_tokens}")
@@ -62,6 +71,7 @@ class TierCosts:
         self._decay = 0.5 ** (1.0 / self.config.half_life)
         self._passes = [0.0] * 5  # decayed sums of 1, tokens, tokens^2, seconds, tokens x seconds
         self._pass_count = 0
+        self._warmup = self.config.warmup_passes
         self._read_positions = 0.0  # decayed sums over the reads
         self._read_seconds = 0.0
         self._reads = 0
@@ -73,6 +83,9 @@ class TierCosts:
         """A forward pass computed `tokens` new positions in `seconds`."""
         if tokens < 1 or not 0.0 <= seconds < math.inf:
             return  # a non-finite value would stay in the decayed sums for good
+        if self._warmup:
+            self._warmup -= 1
+            return
         x, y, d = float(tokens), seconds, self._decay
         for i, value in enumerate((1.0, x, x * x, y, x * y)):
             self._passes[i] = self._passes[i] * d + value

@@ -29,7 +29,7 @@ def test_passes_that_barely_differ_fall_back_to_their_ratio() -> None:
 
 
 def test_nothing_is_priced_before_enough_passes_and_a_read() -> None:
-    costs = TierCosts(TierCostsConfig(min_passes=3))
+    costs = TierCosts(TierCostsConfig(min_passes=3, warmup_passes=0))
     costs.observe_read(100, 100.0)  # a very slow disk, but recomputing is not known yet
     assert costs.read_pays(100)
     costs.observe_pass(10, 0.01)
@@ -38,22 +38,44 @@ def test_nothing_is_priced_before_enough_passes_and_a_read() -> None:
     costs.observe_pass(30, 0.03)
     assert costs.recompute_s == pytest.approx(0.001)
     assert not costs.read_pays(100) and costs.skipped_positions == 100
-    fresh = TierCosts(TierCostsConfig(min_passes=1))
+    fresh = TierCosts(TierCostsConfig(min_passes=1, warmup_passes=0))
     fresh.observe_pass(10, 1.0)
     assert fresh.read_s is None and fresh.read_pays(5), "the first read teaches its rate"
 
 
 def test_a_cheaper_recompute_still_probes_the_disk_now_and_then() -> None:
-    costs = TierCosts(TierCostsConfig(min_passes=1, probe_every=4))
+    costs = TierCosts(TierCostsConfig(min_passes=1, probe_every=4, warmup_passes=0))
     costs.observe_pass(10, 0.01)
     costs.observe_read(10, 1.0)
     decisions = [costs.read_pays(8) for _ in range(12)]
     assert decisions == [False, False, False, True] * 3
     assert costs.skipped_positions == 9 * 8
-    never = TierCosts(TierCostsConfig(min_passes=1, probe_every=0))
+    never = TierCosts(TierCostsConfig(min_passes=1, probe_every=0, warmup_passes=0))
     never.observe_pass(10, 0.01)
     never.observe_read(10, 1.0)
     assert not any(never.read_pays(8) for _ in range(40))
+
+
+def test_a_workers_first_passes_are_left_out() -> None:
+    costs = TierCosts(TierCostsConfig(min_passes=2, warmup_passes=2))
+    costs.observe_pass(512, 2.0)  # lazy set-up, a first allocation: one-time costs
+    costs.observe_pass(64, 0.5)
+    assert costs.recompute_s is None
+    costs.observe_pass(100, 0.1)
+    costs.observe_pass(300, 0.3)
+    assert costs.recompute_s == pytest.approx(0.001)
+
+
+def test_the_passes_a_recompute_adds_are_priced_with_their_overhead() -> None:
+    costs = TierCosts(TierCostsConfig(min_passes=4, warmup_passes=0))
+    for tokens in (64, 128, 256, 512):
+        costs.observe_pass(tokens, 0.008 + 0.000004 * tokens)  # 8 ms a pass + 4 us a token
+    seconds = costs.recompute_seconds(1024, 24, 512)
+    assert seconds == pytest.approx(1024 * 0.000004 + 2 * 0.008), "two more passes of 512"
+    assert costs.recompute_seconds(100, 24, 512) == pytest.approx(100 * 0.000004)
+    costs.observe_read(1024, 0.010)  # a 10 ms read of 1,024 positions beats 20 ms of passes
+    assert costs.read_pays(1024, 24, 512)
+    assert not costs.read_pays(1024, 24, 1 << 30), "in one pass recomputing is 4 ms"
 
 
 def test_recent_observations_outweigh_old_ones() -> None:
@@ -86,7 +108,13 @@ def test_bad_observations_never_reach_the_rates(observations: list[tuple[int, fl
 
 @pytest.mark.parametrize(
     "fields",
-    [{"half_life": 0}, {"min_passes": 0}, {"probe_every": -1}, {"min_spread_tokens": math.nan}],
+    [
+        {"half_life": 0},
+        {"min_passes": 0},
+        {"probe_every": -1},
+        {"warmup_passes": -1},
+        {"min_spread_tokens": math.nan},
+    ],
 )
 def test_a_bad_config_is_refused_by_name(fields: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(fields))):
