@@ -64,5 +64,8 @@ def test_a_prefix_on_disk_alone_is_routed_to_and_read_back(
         assert second.predicted_cached_tokens >= 64, "the router knew the disk held it"
         assert second.cached_prompt_tokens >= 64, second
         assert second.disk_cached_tokens == second.cached_prompt_tokens, second
+        [stats] = client.stats().workers
+        assert stats.disk_hit_tokens == second.disk_cached_tokens
+        assert stats.disk_skipped_tokens == 0
     finally:
         cluster.close()
