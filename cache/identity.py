@@ -14,7 +14,8 @@ as tagged tuples; 2 (this one) hashes the packed keys with XXH3 seeded by the pa
 a block, and the keys hashed are the uint64 keys of cache/tokens.py. A router and workers of
 different versions refuse each other (the version is part of the scheme they exchange), so a
 cluster moves from 1 to 2 by restarting its router and workers on the new release together;
-nothing persists block hashes across restarts.
+a worker's saved cache keeps its nodes' block hashes in its manifest, and a manifest of another
+scheme version, model revision or block size is refused whole (worker/kv_persistence.py).
 """
 
 from __future__ import annotations

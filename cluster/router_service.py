@@ -96,7 +96,13 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.answers_joining: dict[CacheNamespace, set[asyncio.Task[None]]] = {}
         """Answers being added to the text index, by namespace."""
         # the rate the policies are built with (cluster/policies.py) stands until one is learned
-        self.timing = StreamTiming(lambda: self.links.policy, router_config(config).prefill_rate)
+        rates = router_config(config)
+        self.timing = StreamTiming(
+            lambda: self.links.policy,
+            rates.prefill_rate,
+            host_rate=rates.host_rate,
+            disk_rate=rates.disk_rate,
+        )
 
     # -- Generate ------------------------------------------------------------------------------
     async def Generate(

@@ -50,11 +50,14 @@ class StreamTiming:
         prefill_rate: float,
         every: int = 16,
         clock: Callable[[], float] = time.perf_counter,
+        host_rate: float | None = None,
+        disk_rate: float | None = None,
     ) -> None:
         """`policy_of`: the policy in use now (an admin call may switch it);
-        `prefill_rate`: the configured guess, which stands until enough was observed."""
+        `prefill_rate` (and the tiers' rates, None: a multiple of the prefill rate): the
+        configured guesses, which stand until enough was observed."""
         self._policy_of = policy_of
-        self.model = ServiceModel(prefill_rate)
+        self.model = ServiceModel(prefill_rate, host_rate=host_rate, disk_rate=disk_rate)
         self._every = every
         self._seen = 0
         self._taught: RoutingPolicy | None = None

@@ -288,7 +288,8 @@ class CacheAware(BaseRouter):
         host_start = index.host_from(bit, hashes, disk_start) if index.host_holders else disk_start
         disk = max(0, cached - disk_start * block)
         host = max(0, min(cached, disk_start * block) - host_start * block)
-        return host / self.host_rate + disk / self.disk_rate
+        # a worker recomputes what it would read slower (worker/tier_costs.py)
+        return host / self.host_rate + disk / max(self.disk_rate, self.prefill_rate)
 
     def _total_wait(self, now: float) -> float:
         """Seconds of queued prefill on all workers together, drained to `now`."""

@@ -38,13 +38,13 @@ class RouterConfig:
     prefill_rate: float = 8000.0
     """A worker's prefill speed in tokens/s: turns queued tokens into seconds of waiting."""
     block_tokens: int = 16
+    """Tokens per routing block: the workers' `IdentityScheme.block_size`."""
     host_rate: float | None = None
     """Tokens per second a worker copies back from its host tier, until learned; None:
     `default_host_rate(prefill_rate)`."""
     disk_rate: float | None = None
     """Tokens per second a worker reads back from its saved cache, until learned; None:
     `default_disk_rate(prefill_rate)`."""
-    """Tokens per routing block: the workers' `IdentityScheme.block_size`."""
     adapter_swap_s: float = DEFAULT_SWAP_S
     """Seconds a worker takes to bring an adapter into a slot, until it reports its own."""
     pending_ttl_s: float = 60.0

@@ -102,8 +102,8 @@ class ServiceModel:
                 f"{prefill_rate}, {half_life}, {min_samples}, {max_factor}, {min_spread_tokens}"
             )
         self.configured_rate = prefill_rate
-        self.configured_host_rate = host_rate or default_host_rate(prefill_rate)
-        self.configured_disk_rate = disk_rate or default_disk_rate(prefill_rate)
+        self._host_configured = host_rate
+        self._disk_configured = disk_rate
         self.max_factor = max_factor
         self.min_samples = min_samples
         self.min_spread_tokens = min_spread_tokens
@@ -201,6 +201,18 @@ class ServiceModel:
             return None
         slope = 1.0 / rate
         return slope, max(0.0, (sy - self.decode_s * sr - slope * sx) / n)
+
+    @property
+    def configured_host_rate(self) -> float:
+        """The configured host rate; unset, the default multiple of the prefill rate as now
+        learned (a guess fixed at the configured prefill rate would price a fast GPU's host
+        hits against a prefill 10 times slower than the one it has)."""
+        return self._host_configured or default_host_rate(self.prefill_rate)
+
+    @property
+    def configured_disk_rate(self) -> float:
+        """The configured disk rate; unset, the default multiple of the prefill rate now."""
+        return self._disk_configured or default_disk_rate(self.prefill_rate)
 
     @property
     def host_rate(self) -> float:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from xxhash import xxh3_128_hexdigest
@@ -117,6 +118,8 @@ class LoadReport:
     refused: str = ""
     """Why the whole directory was ignored ('' when it was read)."""
     seconds: float = 0.0
+    on_disk: int = 0
+    """Nodes kept on disk alone (listed, read back on demand): the tiers had no room."""
 
 
 def _namespace_fields(ns: CacheNamespace) -> dict[str, Any]:
@@ -156,18 +159,22 @@ class KvStore:
         """Node name -> (checksum, bytes) of the files this store knows are on disk."""
         self._keys: dict[str, bytes] = {}
         """Node name -> its keys, for the files this store wrote or read."""
-        self._children: dict[object, dict[bytes, DiskNode]] = {}
+        self._children: dict[object, dict[bytes, list[DiskNode]]] = {}
         """The catalog: a parent's name (or a namespace, for the first nodes) -> its listed
-        children by their first page of keys (cut to `page_size` by `lookup`)."""
+        children by their first page of keys (cut to `page_size` by `lookup`): usually one;
+        two when the tree cut a saved node (an eviction's trim, a split) and saved the head
+        anew while the whole one stays listed."""
         self._page = 1
         """Positions per page of what the catalog lists (from the identity saved or read)."""
         self.disk_hit_tokens = 0
+        """Prompt positions read back from disk by `attach_read`."""
         self._listed: dict[str, NodeRecord] = {}
         """The records the current manifest lists, in its order."""
+        self._bad: set[str] = set()
+        """Nodes whose file failed a read while serving (until a save writes them anew)."""
         self.disk_blocks: frozenset[int] = frozenset()
         """The routing blocks of the nodes the manifest lists (replaced whole, like the
         catalog): what the worker's KV events say its disk holds."""
-        """Prompt positions read back from disk by `attach_read`."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -223,6 +230,7 @@ class KvStore:
         os.replace(tmp, path)
         self.written[name] = (xxh3_128_hexdigest(data), len(data))
         self._keys[name] = keys
+        self._bad.discard(name)
 
     def write_manifest(self, records: list[NodeRecord], identity: StoreIdentity) -> int:
         """Name the written nodes (a node only with its parent, within `max_bytes`) in a new
@@ -238,6 +246,8 @@ class KvStore:
         for record in [*records, *evicted]:
             on_disk = self.written.get(record.name)
             if on_disk is None or (record.parent is not None and record.parent not in placed):
+                continue
+            if record.name in self._bad:
                 continue
             if total + on_disk[1] > self.max_bytes:
                 continue
@@ -260,10 +270,8 @@ class KvStore:
         return len(kept)
 
     def _catalog(self, records: list[NodeRecord]) -> None:
-        """Rebuild the catalog from the manifest's records (parents first). Where two listed
-        nodes start alike under one parent (the tree split a node after it was saved, and both
-        forms are on disk), the first listed, the tree's, is the one found."""
-        children: dict[object, dict[bytes, DiskNode]] = {}  # replaced whole: readers need no lock
+        """Rebuild the catalog from the manifest's records (parents first)."""
+        children: dict[object, dict[bytes, list[DiskNode]]] = {}  # replaced whole: no lock
         for record in records:
             keys = self._keys.get(record.name)
             if keys is None:
@@ -271,7 +279,7 @@ class KvStore:
             ns = _namespace(record.namespace)
             node = DiskNode(record.name, record, ns, array("Q", keys))
             parent: object = record.parent if record.parent is not None else ns
-            children.setdefault(parent, {}).setdefault(keys[: 8 * self._page], node)
+            children.setdefault(parent, {}).setdefault(keys[: 8 * self._page], []).append(node)
         self._children = children
         self._listed = {record.name: record for record in records}
         self.disk_blocks = frozenset(b for r in records if r.name in self._keys for b in r.blocks)
@@ -294,85 +302,84 @@ class KvStore:
         """Put the saved cache into `engine`'s cache (before it starts): most recently used
         nodes first, while the device and host tiers have room."""
         began = time.perf_counter()
-        path = self.directory / MANIFEST
-        if not path.exists():
-            return LoadReport(0, 0, 0)
-        try:
-            manifest = json.loads(path.read_text())
-            saved = StoreIdentity(**manifest["identity"])
-            records = [NodeRecord(**r) for r in manifest["nodes"]]
-            for record in records:
-                record.blocks = tuple(int(b) for b in record.blocks)
-        except (OSError, ValueError, TypeError, KeyError) as err:
-            return self._refuse(f"its manifest is unreadable ({err})")
-        if manifest.get("format") != FORMAT:
-            return self._refuse(f"format {manifest.get('format')!r}, this worker reads {FORMAT}")
         ours = StoreIdentity.of(engine)
-        diffs = [
-            f"{k} {getattr(saved, k)!r} (this worker: {getattr(ours, k)!r})"
-            for k in asdict(ours)
-            if getattr(saved, k) != getattr(ours, k)
-        ]
-        if diffs:
-            return self._refuse("it was saved with " + ", ".join(diffs))
+        records = self._manifest(ours)
+        if isinstance(records, LoadReport):
+            return records
         cache = engine.cache
         room = cache.pool.usable_pages + (cache.host_pool.usable_pages if cache.host_pool else 0)
         ps = engine.config.page_size
         keys_of: dict[str, array[int]] = {}
+        """The nodes put into the cache: their whole keys."""
+        listed: set[str] = set()
+        """Those and the ones kept on disk alone (no room, or a parent on disk alone)."""
         loaded = positions = dropped = 0
         for record in records:
-            if record.parent is not None and record.parent not in keys_of:
+            if record.parent is not None and record.parent not in listed:
                 dropped += 1  # its parent was dropped: nothing below it may be served
                 continue
-            pages = record.positions // ps
-            if pages > room - positions // ps:
-                dropped += 1
-                continue
-            tensors = self._read(record, ps, ours)
-            if tensors is None:
-                dropped += 1
-                continue
-            prefix = keys_of[record.parent] if record.parent is not None else array("Q")
-            keys = prefix + array("Q", tensors["keys"].numpy().tobytes())
-            if not self._attach(engine, _namespace(record.namespace), prefix, keys, tensors):
-                dropped += 1
-                continue
-            keys_of[record.name] = keys
+            own: bytes | None = None
+            fits = record.positions // ps <= room - positions // ps
+            if fits and (record.parent is None or record.parent in keys_of):
+                tensors = self._read(record, ps, ours)
+                if tensors is None:
+                    dropped += 1
+                    continue
+                own = tensors["keys"].numpy().tobytes()
+                prefix = keys_of[record.parent] if record.parent is not None else array("Q")
+                keys = prefix + array("Q", own)
+                if self._attach(engine, _namespace(record.namespace), prefix, keys, tensors):
+                    keys_of[record.name] = keys
+                    loaded += 1
+                    positions += record.positions
+            if own is None:  # on disk alone: its keys for the catalog; its KV checked when read
+                own = self._peek_keys(record)
+                if own is None:
+                    dropped += 1
+                    continue
+            listed.add(record.name)
             self.written[record.name] = (record.checksum, record.nbytes)
-            self._keys[record.name] = keys[len(prefix) :].tobytes()
-            loaded += 1
-            positions += record.positions
+            self._keys[record.name] = own
         self._page = ours.page_size
-        self._catalog([r for r in records if r.name in keys_of])
+        self._catalog([r for r in records if r.name in listed])
         seconds = time.perf_counter() - began
+        on_disk = len(listed) - loaded
         log.info(
-            "loaded %d cached nodes (%d positions) from %s in %.2f s; %d dropped",
-            loaded, positions, self.directory, seconds, dropped,
+            "loaded %d cached nodes (%d positions) from %s in %.2f s; %d kept on disk alone, "
+            "%d dropped",
+            loaded, positions, self.directory, seconds, on_disk, dropped,
         )  # fmt: skip
-        return LoadReport(loaded, positions, dropped, seconds=seconds)
+        return LoadReport(loaded, positions, dropped, seconds=seconds, on_disk=on_disk)
 
     def lookup(self, keys: array[int], namespace: CacheNamespace) -> list[tuple[DiskNode, int]]:
         """The saved nodes along `keys` from the root, each with where its use ends: its own
         end where `keys` holds all of it, else (the last) the end of the whole pages it
-        shares with `keys` (a prefix of a node's KV is the KV of that prefix)."""
-        children, ps = self._children, self._page
+        shares with `keys` (a prefix of a node's KV is the KV of that prefix). Where two
+        listed nodes start alike, the one that reaches further along `keys`."""
+        children, ps, bad = self._children, self._page, self._bad
         path: list[tuple[DiskNode, int]] = []
         parent: object = namespace
         at = 0
         while at < len(keys):
-            node = children.get(parent, {}).get(keys[at : at + ps].tobytes())
-            if node is None:
+            best, reach, whole = None, 0, False
+            for node in children.get(parent, {}).get(keys[at : at + ps].tobytes(), ()):
+                if node.name in bad:
+                    continue
+                if keys[at : at + len(node.keys)] == node.keys:
+                    shared, full = len(node.keys), True
+                else:
+                    shared, full = ps, False  # the first page matched the catalog's key
+                    while keys[at + shared : at + shared + ps] == node.keys[shared : shared + ps]:
+                        shared += ps  # whole pages only; a short slice at either end differs
+                if shared > reach or (shared == reach and full and not whole):
+                    best, reach, whole = node, shared, full
+            if best is None:
                 break
-            if keys[at : at + len(node.keys)] == node.keys:
-                path.append((node, at + len(node.keys)))
-                at += len(node.keys)
-                parent = node.name
-                continue
-            shared = ps  # the first page matched the catalog's key
-            while keys[at + shared : at + shared + ps] == node.keys[shared : shared + ps]:
-                shared += ps  # whole pages only; never past either end (a short slice differs)
-            path.append((node, at + shared))
-            break
+            path.append((best, at + reach))
+            if not whole:
+                break
+            at += reach
+            parent = best.name
         return path
 
     def wanted(
@@ -398,8 +405,12 @@ class KvStore:
 
     def read(self, record: NodeRecord, identity: StoreIdentity) -> dict[str, torch.Tensor] | None:
         """A saved node's tensors, checked (any thread: it touches only the node's file); None
-        when the file is missing, damaged or does not fit (logged)."""
-        return self._read(record, identity.page_size, identity)
+        when the file is missing, damaged or does not fit (logged; the node is not looked up
+        again, and the next save drops it)."""
+        tensors = self._read(record, identity.page_size, identity)
+        if tensors is None:
+            self._bad.add(record.name)
+        return tensors
 
     def attach_read(
         self,
@@ -429,6 +440,48 @@ class KvStore:
             prefix = keys[:end]
         self.disk_hit_tokens += read
         return read
+
+    def _manifest(self, ours: StoreIdentity) -> list[NodeRecord] | LoadReport:
+        """The manifest's records, or why none are loaded (none saved; refused)."""
+        path = self.directory / MANIFEST
+        if not path.exists():
+            return LoadReport(0, 0, 0)
+        try:
+            manifest = json.loads(path.read_text())
+            saved = StoreIdentity(**manifest["identity"])
+            records = [NodeRecord(**r) for r in manifest["nodes"]]
+            for record in records:
+                record.blocks = tuple(int(b) for b in record.blocks)
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            return self._refuse(f"its manifest is unreadable ({err})")
+        if manifest.get("format") != FORMAT:
+            return self._refuse(f"format {manifest.get('format')!r}, this worker reads {FORMAT}")
+        diffs = [
+            f"{k} {getattr(saved, k)!r} (this worker: {getattr(ours, k)!r})"
+            for k in asdict(ours)
+            if getattr(saved, k) != getattr(ours, k)
+        ]
+        if diffs:
+            return self._refuse("it was saved with " + ", ".join(diffs))
+        return records
+
+    def _peek_keys(self, record: NodeRecord) -> bytes | None:
+        """A saved node's keys, read without its KV (its checksum is checked when it is read);
+        None when the file is missing, not of its listed size, unreadable or does not fit."""
+        path = self.directory / f"{record.name}{SUFFIX}"
+        try:
+            if path.stat().st_size != record.nbytes:
+                log.warning("dropping cached node %s: not of its listed size", record.name)
+                return None
+            with safe_open(str(path), "pt") as f:
+                keys = f.get_tensor("keys")
+        except Exception as err:  # OSError, and safetensors' own error types
+            log.warning("dropping cached node %s: unreadable (%s)", record.name, err)
+            return None
+        if keys.dtype != torch.int64 or tuple(keys.shape) != (record.positions,):
+            log.warning("dropping cached node %s: its keys do not fit", record.name)
+            return None
+        return bytes(keys.numpy().tobytes())
 
     def _refuse(self, why: str) -> LoadReport:
         log.warning("not loading the KV cache in %s: %s; starting cold", self.directory, why)

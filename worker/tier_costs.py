@@ -125,6 +125,7 @@ class TierCosts:
         if line is None:
             return None
         slope, overhead = line
+        rest = max(rest, 1)  # the prompt's last position is computed whatever is read
         passes = -(-(positions + rest) // chunk) - -(-rest // chunk)
         return positions * slope + passes * overhead
 

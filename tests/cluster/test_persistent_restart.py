@@ -9,6 +9,7 @@ predicted that hit: no cold window after a restart.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,6 +61,11 @@ def test_a_prefix_on_disk_alone_is_routed_to_and_read_back(
             worker.runner.copy_pages(worker.cache.take_tier_copies())
 
         worker.call(save_then_forget).result(timeout=30)
+        index, seq = cluster.links.policy.index, worker.cache.events.seq
+        deadline = time.monotonic() + 10
+        while index._sets["worker-0"].seq < seq and time.monotonic() < deadline:
+            time.sleep(0.01)  # the saved and cleared events have reached the router
+        time.sleep(1.2)  # and the first request's route no longer counts (its 1 s of grace)
         second = list(client.generate(text_request(CONVERSATION + "Two?", max_tokens=4)))[-1]
         assert second.predicted_cached_tokens >= 64, "the router knew the disk held it"
         assert second.cached_prompt_tokens >= 64, second

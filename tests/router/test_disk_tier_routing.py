@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,6 +14,7 @@ from cache import KvEvent, KvEventKind, KvSnapshot
 from router.cache_aware import CacheAware
 from router.service_model import ServiceModel, ServiceRates
 from tests.router.helpers import CONFIG, RATE, Clock, Worker, prompt, request
+from tests.router.test_host_tier_routing import tiered
 
 HISTORY = prompt(21, 800)
 
@@ -77,27 +79,36 @@ def test_a_fast_disk_hit_beats_recomputing_elsewhere() -> None:
     assert decision.worker == "w1" and decision.predicted_cached_tokens == 800
 
 
-def test_a_disk_hit_slower_than_recomputing_is_not_preferred() -> None:
-    policy = cluster(disk_rate=RATE / 4)  # 800 tokens back in 3.2 s; recompute: 0.84 s
+def test_a_slow_disk_is_priced_as_recomputing_on_its_worker() -> None:
+    """The worker recomputes what it would read slower (worker/tier_costs.py): a disk hit
+    never costs more there than recomputing it."""
+    policy = cluster(disk_rate=RATE / 4)  # 800 tokens back in 3.2 s; recompute: 0.8 s
     on_disk_alone(policy)
-    assert policy.route(request("t", prompt(23, 840, HISTORY))).worker == "w0"
+    hashes = request("r", HISTORY).block_hashes
+    assert policy._tier_seconds("w1", hashes, 800) == 800 / RATE
+    assert policy.route(request("t", prompt(23, 840, HISTORY))).worker == "w1"
 
 
 def test_each_tier_of_one_worker_is_priced_at_its_own_rate() -> None:
     """Device, then host, then disk alone along one chain: only the host and disk parts cost
     a transfer, each at its rate."""
-    policy = cluster(disk_rate=RATE / 2, host_rate=2 * RATE)
-    holder = Worker("w1")
+    policy = cluster(disk_rate=2 * RATE, host_rate=4 * RATE)
+    holder = tiered("w1")
     holder.serve(HISTORY)
     saved(holder)
     holder.cache.tree.clear()
-    holder.serve(HISTORY[:400])  # the first half back in the cache (device)
+    holder.serve(HISTORY[:400])  # the first half back in the cache
+    holder.cache.tree.evict(holder.cache.tree.evictable_pages)  # to the host
+    holder.serve(HISTORY[:200])  # its first quarter back on the device
     holder.deliver(policy)
     hashes = request("r", HISTORY).block_hashes
     bit = policy.members.bit["w1"]
     assert policy.index.disk_from(bit, hashes, len(hashes)) == 100
-    assert policy._tier_seconds("w1", hashes, 800) == 400 / (RATE / 2)
-    assert policy._tier_seconds("w1", hashes, 300) == 0.0
+    assert policy.index.host_from(bit, hashes, 100) == 50
+    seconds = policy._tier_seconds("w1", hashes, 800)
+    assert seconds == pytest.approx(200 / (4 * RATE) + 400 / (2 * RATE))
+    assert policy._tier_seconds("w1", hashes, 300) == pytest.approx(100 / (4 * RATE))
+    assert policy._tier_seconds("w1", hashes, 150) == 0.0
 
 
 def test_calibration_sets_the_disk_rate() -> None:
@@ -166,3 +177,14 @@ def test_holders_are_always_the_cache_or_disk_blocks_of_each_worker(events: list
         assert held == cache | disk and alone == disk - cache
     policy.remove_worker("w1")
     assert not policy.index.holders and not policy.index.disk_holders
+
+
+def test_unconfigured_tier_rates_follow_the_learned_prefill_rate() -> None:
+    model = ServiceModel(RATE, min_samples=4)
+    for uncached in (100, 300, 500, 700, 900, 200):  # a worker 5 times the configured guess
+        model.observe_first_token(uncached, 0, 0.002 + uncached / (5 * RATE))
+    assert abs(model.prefill_rate - 5 * RATE) < 5.0
+    assert model.disk_rate == pytest.approx(4 * model.prefill_rate)
+    assert model.host_rate == pytest.approx(10 * model.prefill_rate)
+    configured = ServiceModel(RATE, min_samples=4, disk_rate=1234.0)
+    assert configured.disk_rate == 1234.0, "a configured rate stands until learned"

@@ -5,6 +5,7 @@ recomputing is recomputed (with the same outputs)."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -352,3 +353,57 @@ def test_what_both_tiers_evicted_stays_on_disk_across_saves(tmp_path: Path) -> N
     tokens, cached, _ = ask(engine, PROMPT)
     assert cached == SAVED and engine.stats().disk_hit_tokens == SAVED
     assert tokens == cold_answer(PROMPT)[0]
+
+
+def test_a_saved_node_the_tree_trimmed_is_still_read_whole(tmp_path: Path) -> None:
+    """The cache trims a saved node (an eviction); the next save writes the head anew and
+    keeps the whole one listed: a prompt over all of it reads the whole one."""
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    serve(engine, [TURNS[0]])
+    assert engine.store is not None
+    engine.store.save(engine)
+    engine.cache.tree.evict(3)  # no host tier: the leaf loses its last 3 pages
+    engine.runner.copy_pages(engine.cache.take_tier_copies())
+    engine.store.save(engine)
+    assert sorted(r.positions for r in engine.store._listed.values()) == [SAVED - 12, SAVED]
+    engine.cache.tree.clear()
+    tokens, cached, _ = ask(engine, PROMPT)
+    assert cached == SAVED, "the whole node, not the trimmed head"
+    assert tokens == cold_answer(PROMPT)[0]
+
+
+def test_a_restart_keeps_on_disk_what_the_tiers_cannot_hold(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 384) for _ in range(40)] for _ in range(3)]
+    engine = Engine(model(), None, config(tmp_path, num_pages=24), source="w0")
+    for prompt in prompts:  # three nodes of 10 pages, each evicted after its save
+        serve(engine, [prompt])
+        assert engine.store is not None
+        engine.store.save(engine)
+        engine.cache.tree.clear()
+    engine.stop()
+    assert len(list((tmp_path / "w0").glob("*.safetensors"))) == 3
+    restarted = Engine(model(), None, config(tmp_path, num_pages=24), source="w0")
+    assert restarted.loaded.nodes == 2 and restarted.loaded.on_disk == 1
+    assert restarted.loaded.dropped == 0
+    assert restarted.store is not None
+    restarted.store.save(restarted)
+    assert len(list((tmp_path / "w0").glob("*.safetensors"))) == 3, "the save kept its file"
+    restarted.cache.tree.clear()
+    for prompt in prompts:
+        assert ask(restarted, [*prompt, 1])[1] == 40, "each read back from disk"
+
+
+def test_a_file_that_fails_its_read_is_dropped_not_retried(tmp_path: Path) -> None:
+    engine = saved_and_cleared(tmp_path)
+    assert engine.store is not None
+    [path] = (tmp_path / "w0").glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one flipped bit
+    path.write_bytes(bytes(data))
+    assert ask(engine, PROMPT)[1] == 0, "recomputed, never served"
+    assert engine.store.lookup(to_cache_keys(PROMPT), DEFAULT_NAMESPACE) == [], "not again"
+    engine.cache.tree.clear()
+    engine.store.save(engine)  # the tree recomputed other keys: the bad node is not listed
+    engine.publish_disk_blocks()
+    assert not path.exists() and not engine.kv_snapshot().disk_block_hashes
