@@ -36,7 +36,9 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import math
 import os
+import struct
 import threading
 import time
 from array import array
@@ -45,6 +47,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_tensors
@@ -133,8 +136,44 @@ def _namespace(fields: dict[str, Any]) -> CacheNamespace:
 
 
 def _node_name(parent: str | None, ns: dict[str, Any], node: Node) -> str:
-    head = json.dumps([parent, ns, node.start], sort_keys=True).encode()
-    return xxh3_128_hexdigest(head + node.keys.tobytes())
+    return _name_of(parent, ns, node.start, node.keys.tobytes())
+
+
+def _name_of(parent: str | None, ns: dict[str, Any], start: int, keys: bytes) -> str:
+    head = json.dumps([parent, ns, start], sort_keys=True).encode()
+    return xxh3_128_hexdigest(head + keys)
+
+
+_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def _tensors_of(data: numpy.ndarray) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors file bytes `data`, as views of `data` (the format: an 8-byte
+    little-endian header length, a JSON header of dtype, shape and data offsets per tensor,
+    then the data). Written here because the library offers no view of a buffer already read:
+    `safetensors.torch.load(bytes)` copies while it holds the GIL (23-27 ms for 47 MB, a stall
+    of the engine thread), and `safe_open` maps the file, which a damaged disk or a truncation
+    after the checksum turns into a SIGBUS of the worker."""
+    (length,) = struct.unpack_from("<Q", data.data)
+    if not 0 < length <= len(data) - 8:
+        raise ValueError("bad header length")
+    header = json.loads(bytes(data[8 : 8 + length]))
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (first, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+        count = math.prod(shape)
+        if not 0 <= first <= end <= len(data) - 8 - length or end - first != count * dtype.itemsize:
+            raise ValueError(f"{name}: bad offsets")
+        at = 8 + length + first
+        tensors[name] = torch.from_numpy(data[at : at + end - first]).view(dtype).view(shape)
+    return tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,31 +393,37 @@ class KvStore:
         """The saved nodes along `keys` from the root, each with where its use ends: its own
         end where `keys` holds all of it, else (the last) the end of the whole pages it
         shares with `keys` (a prefix of a node's KV is the KV of that prefix). Where two
-        listed nodes start alike, the one that reaches further along `keys`."""
+        listed nodes start alike, the path that reaches furthest along `keys` counting what
+        lies below each (the trimmed head's children may pass the whole node's end)."""
         children, ps, bad = self._children, self._page, self._bad
-        path: list[tuple[DiskNode, int]] = []
-        parent: object = namespace
-        at = 0
-        while at < len(keys):
-            best, reach, whole = None, 0, False
+        # every listed node along `keys` (a whole match goes on into its children, a partial
+        # one ends there), then the furthest end among them, fewest nodes on a tie
+        Link = tuple[DiskNode, int, int, Any]  # node, its end, nodes up to it, the one above
+        best: Link | None = None
+        stack: list[tuple[object, int, Link | None]] = [(namespace, 0, None)]
+        while stack:
+            parent, at, above = stack.pop()
+            depth = 1 if above is None else above[2] + 1
             for node in children.get(parent, {}).get(keys[at : at + ps].tobytes(), ()):
                 if node.name in bad:
                     continue
                 if keys[at : at + len(node.keys)] == node.keys:
-                    shared, full = len(node.keys), True
+                    end, full = at + len(node.keys), True
                 else:
-                    shared, full = ps, False  # the first page matched the catalog's key
+                    shared = ps  # the first page matched the catalog's key
                     while keys[at + shared : at + shared + ps] == node.keys[shared : shared + ps]:
                         shared += ps  # whole pages only; a short slice at either end differs
-                if shared > reach or (shared == reach and full and not whole):
-                    best, reach, whole = node, shared, full
-            if best is None:
-                break
-            path.append((best, at + reach))
-            if not whole:
-                break
-            at += reach
-            parent = best.name
+                    end, full = at + shared, False
+                link = (node, end, depth, above)
+                if best is None or (end, -depth) > (best[1], -best[2]):
+                    best = link
+                if full and end < len(keys):
+                    stack.append((node.name, end, link))
+        path: list[tuple[DiskNode, int]] = []
+        while best is not None:
+            path.append((best[0], best[1]))
+            best = best[3]
+        path.reverse()
         return path
 
     def wanted(
@@ -480,7 +525,11 @@ class KvStore:
         if keys.dtype != torch.int64 or tuple(keys.shape) != (record.positions,):
             log.warning("dropping cached node %s: its keys do not fit", record.name)
             return None
-        return bytes(keys.numpy().tobytes())
+        own = bytes(keys.numpy().tobytes())
+        if _name_of(record.parent, record.namespace, record.start, own) != record.name:
+            log.warning("dropping cached node %s: its keys are not the ones named", record.name)
+            return None  # the name is a digest of the keys: a damaged key cannot be listed
+        return own
 
     def _refuse(self, why: str) -> LoadReport:
         log.warning("not loading the KV cache in %s: %s; starting cold", self.directory, why)
@@ -491,24 +540,22 @@ class KvStore:
     ) -> dict[str, torch.Tensor] | None:
         path = self.directory / f"{record.name}{SUFFIX}"
         try:
-            with path.open("rb") as file:
-                inode = os.fstat(file.fileno()).st_ino
-                data = file.read()
+            with path.open("rb", buffering=0) as file:
+                size = os.fstat(file.fileno()).st_size
+                data = numpy.empty(size, dtype=numpy.uint8)  # not zeroed first, as bytearray is
+                if file.readinto(data.data) != size:
+                    raise OSError("shorter than its size")
         except OSError as err:
             log.warning("dropping cached node %s: %s", record.name, err)
             return None
-        if xxh3_128_hexdigest(data) != record.checksum:
+        if xxh3_128_hexdigest(data.data) != record.checksum:
             log.warning("dropping cached node %s: its file fails its checksum", record.name)
             return None
         try:
-            # Mapped, not parsed from `data`: safetensors' `load` holds the GIL while it copies
-            # (26 ms for 47 MB here, a stall of the engine thread); files are replaced, never
-            # rewritten, so the same inode is the same bytes as the ones checked.
-            with safe_open(str(path), "pt") as f:
-                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-            if os.stat(path).st_ino != inode:
-                raise OSError("replaced while it was read")
-        except Exception as err:  # OSError, and safetensors' own error types
+            # views of the very bytes checksummed (no copy, no mapping of the file: nothing a
+            # concurrent save or a damaged disk can change or fault under them afterwards)
+            tensors = _tensors_of(data)
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:
             log.warning("dropping cached node %s: unreadable (%s)", record.name, err)
             return None
         pages = record.positions // ps

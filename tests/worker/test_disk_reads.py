@@ -5,7 +5,10 @@ recomputing is recomputed (with the same outputs)."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import struct
 import threading
 import time
 from pathlib import Path
@@ -17,7 +20,7 @@ from cache.integrity import check_sequence_cache
 from tests.worker.helpers import greedy, relative_error
 from tests.worker.test_kv_persistence import TURNS, ask, config, model, serve
 from worker.engine import Engine
-from worker.kv_persistence import BackgroundSaver, KvStore
+from worker.kv_persistence import BackgroundSaver, KvStore, StoreIdentity
 
 PAGE = 4
 PROMPT = [*TURNS[0], 5, 6]
@@ -407,3 +410,67 @@ def test_a_file_that_fails_its_read_is_dropped_not_retried(tmp_path: Path) -> No
     engine.store.save(engine)  # the tree recomputed other keys: the bad node is not listed
     engine.publish_disk_blocks()
     assert not path.exists() and not engine.kv_snapshot().disk_block_hashes
+
+
+def test_a_lookup_takes_the_head_whose_children_reach_further(tmp_path: Path) -> None:
+    """A saved node trimmed by the tree, the conversation continued past part of its tail:
+    the trimmed head and its new children reach further than the whole node's shared pages."""
+    rng = random.Random(3)
+    first = [rng.randrange(1, 384) for _ in range(40)]  # 10 pages
+    second = [*first[:32], *(rng.randrange(1, 384) for _ in range(24))]
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    assert engine.store is not None
+    serve(engine, [first])
+    engine.store.save(engine)
+    engine.cache.tree.evict(3)
+    engine.runner.copy_pages(engine.cache.take_tier_copies())
+    engine.store.save(engine)
+    serve(engine, [second])
+    engine.store.save(engine)
+    engine.cache.tree.clear()
+    tokens, cached, _ = ask(engine, [*second, 1])
+    assert cached == len(second), "all of it is on disk"
+    assert tokens == cold_answer([*second, 1])[0]
+
+
+def test_a_damaged_key_of_a_node_kept_on_disk_alone_is_not_listed(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 384) for _ in range(40)] for _ in range(3)]
+    engine = Engine(model(), None, config(tmp_path, num_pages=24), source="w0")
+    for prompt in prompts:
+        serve(engine, [prompt])
+        assert engine.store is not None
+        engine.store.save(engine)
+        engine.cache.tree.clear()
+    engine.stop()
+    probe = Engine(model(), None, config(tmp_path, num_pages=24), source="w0")
+    assert probe.store is not None
+    in_tree = {r.name for r in probe.store.records(probe)[0]}
+    [alone] = [n for n in probe.store._listed if n not in in_tree]
+    path = tmp_path / "w0" / f"{alone}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8 + struct.unpack("<Q", data[:8])[0] + 3] ^= 1  # a bit of its first key
+    path.write_bytes(bytes(data))
+    restarted = Engine(model(), None, config(tmp_path, num_pages=24), source="w0")
+    assert restarted.loaded.on_disk == 0 and restarted.loaded.dropped == 1
+    assert restarted.store is not None
+    assert alone not in restarted.store._listed, "nor announced: a lookup could never find it"
+
+
+def test_what_a_read_returns_does_not_depend_on_its_file_afterwards(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path), source="w0")
+    assert engine.store is not None
+    serve(engine, [[*range(1, 41)]])
+    engine.store.save(engine)
+    [record] = engine.store._listed.values()
+    got = engine.store.read(record, StoreIdentity.of(engine))
+    assert got is not None
+    before = got["v"].clone()
+    path = tmp_path / "w0" / f"{record.name}.safetensors"
+    with open(path, "r+b") as file:  # not something the store does; a damaged disk might
+        file.seek(-64, os.SEEK_END)
+        file.write(b"\xff" * 64)
+    assert got["v"].equal(before), "the tensors are the bytes checksummed"
+    os.truncate(path, 8)  # touching a mapping of it now would be SIGBUS
+    assert got["v"].equal(before)
+    shutil.rmtree(tmp_path / "w0")
