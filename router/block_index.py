@@ -90,7 +90,10 @@ class BlockIndex:
             if disk:
                 unmark(self.disk_holders, bit, hashes)
         elif kind is KvEventKind.REMOVED:
-            self._dropped(bit, hashes, disk)
+            if disk:
+                self._dropped(bit, hashes, disk)
+            else:
+                unmark(self.holders, bit, hashes)
             if self.host_holders:
                 unmark(self.host_holders, bit, hashes)
         elif kind is KvEventKind.DEMOTED:
