@@ -52,6 +52,8 @@ class PendingRead:
     """Positions its nodes add past what the tiers held when it began."""
     held: int
     """Positions of `keys` the device and host tiers held when it began."""
+    files: int
+    """Positions of the node files it reads (whole, though a hit may use part of the last)."""
     tries: int = 1
     """1 for a sample's first read; 2 for the one that replaces it when the tiers lost part of
     what they held meanwhile (the last)."""
@@ -84,11 +86,12 @@ class DiskReads:
         if not wanted:
             return None
         positions = wanted[-1][1] - held
+        files = sum(node.record.positions for node, _ in wanted)
         config = engine.config
         chunk = min(config.token_budget, config.max_prefill_chunk)
-        if not self.costs.read_pays(positions, len(keys) - held - positions, chunk):
+        if not self.costs.read_pays(positions, len(keys) - held - positions, chunk, files):
             return None
-        pending = PendingRead(keys, namespace, positions, held, tries)
+        pending = PendingRead(keys, namespace, positions, held, files, tries)
         identity = StoreIdentity.of(engine)
         try:
             for node, _ in wanted:
@@ -118,8 +121,8 @@ class DiskReads:
             added = self.store.attach_read(engine, pending.keys, pending.namespace, tensors)
         finally:
             self.release(pending)
-        if added == pending.positions:  # a failed or partial read prices nothing
-            self.costs.observe_read(added, seconds + time.perf_counter() - began)
+        if added == pending.positions:  # a failed or cut-short read prices nothing
+            self.costs.observe_read(pending.files, seconds + time.perf_counter() - began)
         return added, lost
 
     def release(self, pending: PendingRead) -> None:

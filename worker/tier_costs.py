@@ -17,7 +17,8 @@ positions ahead of the prompt's r others costs p x slope plus the overhead of th
 adds: with at most c tokens a pass, ceil((p + r) / c) - ceil(r / c) of them. When the passes'
 token counts spread too little to fit a line (a worker that only decodes), the ratio
 seconds / tokens stands in for the slope, with no overhead (dearer per token: the overhead is
-in it). A read is made when its positions x read_s are less than that. Until `min_passes`
+in it). A read is made when the positions of the files it reads (whole, though a hit may use
+part of the last) x read_s are less than that. Until `min_passes`
 passes and one read were seen, reads are made (a read is how its rate is learned); while
 recomputing wins, every `probe_every`-th skipped read is made anyway, so a disk that became
 faster (its files now in the page cache) is noticed.
@@ -92,7 +93,8 @@ class TierCosts:
         self._pass_count += 1
 
     def observe_read(self, positions: int, seconds: float) -> None:
-        """`positions` were read back from disk and put into the cache in `seconds`."""
+        """Files of `positions` positions were read back from disk, and what a hit used of
+        them put into the cache, in `seconds`."""
         if positions < 1 or not 0.0 <= seconds < math.inf:
             return
         d = self._decay
@@ -136,12 +138,16 @@ class TierCosts:
             return None
         return self._read_seconds / self._read_positions
 
-    def read_pays(self, positions: int, rest: int = 1, chunk: int = 1 << 30) -> bool:
+    def read_pays(
+        self, positions: int, rest: int = 1, chunk: int = 1 << 30, files: int | None = None
+    ) -> bool:
         """Whether to read `positions` saved positions back rather than recompute them ahead of
-        the `rest` of their prompt in passes of `chunk` tokens (counts the positions when
-        not)."""
+        the `rest` of their prompt in passes of `chunk` tokens, reading files of `files`
+        positions in all (default `positions`: a hit may use part of a file it reads whole).
+        Counts the positions when not."""
         recompute, read = self.recompute_seconds(positions, rest, max(chunk, 1)), self.read_s
-        if recompute is None or read is None or positions * read < recompute:
+        read_positions = positions if files is None else files
+        if recompute is None or read is None or read_positions * read < recompute:
             return True
         self._skips += 1
         probe = self.config.probe_every

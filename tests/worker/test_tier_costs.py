@@ -119,3 +119,11 @@ def test_bad_observations_never_reach_the_rates(observations: list[tuple[int, fl
 def test_a_bad_config_is_refused_by_name(fields: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(fields))):
         TierCostsConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_a_read_is_priced_by_the_files_it_reads_whole() -> None:
+    costs = TierCosts(TierCostsConfig(min_passes=1, warmup_passes=0))
+    costs.observe_pass(10, 0.010)  # 1 ms a position
+    costs.observe_read(100, 0.050)  # 0.5 ms a position of file
+    assert costs.read_pays(8, files=8), "8 positions read for 8 used: 4 ms against 8 ms"
+    assert not costs.read_pays(8, files=40), "a 40-position file for 8 of them: 20 ms"
