@@ -496,11 +496,12 @@ class Engine:
                 return self._finish_disk_read(sample, pending)
             if sample.disk_checked:
                 return True
-            if len(self.scheduler.running) + reads.pending >= self.config.max_running:
+            keys, namespace = sample.cache_keys(), sample.request.request.namespace
+            full = len(self.scheduler.running) + reads.pending >= self.config.max_running
+            if full and self.store is not None and self.store.wanted(self, keys, namespace)[0]:
                 return None  # each read holds its tensors until its sample starts
             sample.disk_checked = True
-            namespace = sample.request.request.namespace
-            sample.disk_read = reads.begin(self, sample.cache_keys(), namespace)
+            sample.disk_read = reads.begin(self, keys, namespace)
             return sample.disk_read is None
         except Exception:  # the cache on disk must never fail a request
             log.exception("reading saved KV for %s failed", sample.request.request.request_id)

@@ -159,6 +159,8 @@ def _tensors_of(data: numpy.ndarray) -> dict[str, torch.Tensor]:
     `safetensors.torch.load(bytes)` copies while it holds the GIL (23-27 ms for 47 MB, a stall
     of the engine thread), and `safe_open` maps the file, which a damaged disk or a truncation
     after the checksum turns into a SIGBUS of the worker."""
+    if len(data) < 8:
+        raise ValueError("shorter than a header")
     (length,) = struct.unpack_from("<Q", data.data)
     if not 0 < length <= len(data) - 8:
         raise ValueError("bad header length")

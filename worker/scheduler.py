@@ -144,10 +144,6 @@ class Scheduler:
             budget -= take
         return plan
 
-    def reading(self) -> list[SampleState]:
-        """Waiting samples whose disk hit is being read."""
-        return [s for s in self.waiting if s.disk_read is not None]
-
     def take_refused(self) -> list[SampleState]:
         refused, self.refused = self.refused, []
         return refused

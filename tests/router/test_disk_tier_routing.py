@@ -13,17 +13,10 @@ from hypothesis import strategies as st
 from cache import KvEvent, KvEventKind, KvSnapshot
 from router.cache_aware import CacheAware
 from router.service_model import ServiceModel, ServiceRates
-from tests.router.helpers import CONFIG, RATE, Clock, Worker, prompt, request
-from tests.router.test_host_tier_routing import tiered
+from tests.router.helpers import RATE, Worker, prompt, request
+from tests.router.test_host_tier_routing import cluster, tiered
 
 HISTORY = prompt(21, 800)
-
-
-def cluster(disk_rate: float | None = None, host_rate: float | None = None) -> CacheAware:
-    policy = CacheAware(replace(CONFIG, disk_rate=disk_rate, host_rate=host_rate), Clock())
-    for w in range(2):
-        policy.add_worker(f"w{w}", 100_000)
-    return policy
 
 
 def saved(worker: Worker) -> frozenset[int]:

@@ -22,8 +22,9 @@ def tiered(name: str) -> Worker:
     return worker
 
 
-def cluster(host_rate: float | None = None) -> CacheAware:
-    policy = CacheAware(replace(CONFIG, host_rate=host_rate), Clock())
+def cluster(**rates: float | None) -> CacheAware:
+    """Two workers; `rates`: RouterConfig's tier rates (host_rate, disk_rate)."""
+    policy = CacheAware(replace(CONFIG, **rates), Clock())
     for w in range(2):
         policy.add_worker(f"w{w}", 100_000)
     return policy

@@ -21,22 +21,38 @@ from tests.worker.helpers import greedy, relative_error
 from tests.worker.test_kv_persistence import TURNS, ask, config, model, serve
 from worker.engine import Engine
 from worker.kv_persistence import BackgroundSaver, KvStore, StoreIdentity
+from worker.request import RequestOutput
 
 PAGE = 4
 PROMPT = [*TURNS[0], 5, 6]
 SAVED = len(TURNS[0]) // PAGE * PAGE  # what turn 1 left cached: its whole pages
 
 
-def saved_and_cleared(directory: Path, **overrides: object) -> Engine:
-    """An engine whose first turn is saved to disk and then gone from every tier."""
+def saved_and_cleared(
+    directory: Path, turns: list[list[int]] = TURNS[:1], **overrides: object
+) -> Engine:
+    """An engine whose `turns` (the first, by default) are saved to disk and then gone from
+    every tier."""
     engine = Engine(model(), None, config(directory, **overrides), source="w0")
-    serve(engine, TURNS[:1])
+    serve(engine, turns)
     assert engine.store is not None
     engine.store.save(engine)  # as the background saver would, while serving
     engine.cache.tree.clear()
     engine.runner.copy_pages(engine.cache.take_tier_copies())
     assert engine.cache.tree.node_count == 0
     return engine
+
+
+def reading(engine: Engine) -> list:
+    """The waiting samples whose disk hit is being read."""
+    return [s for s in engine.scheduler.waiting if s.disk_read is not None]
+
+
+def drained(engine: Engine, outputs: list) -> tuple[RequestOutput, list[int]]:
+    """Step until idle; the finished output of `outputs` and every token they carried."""
+    while engine.step():
+        pass
+    return next(o for o in outputs if o.finished), [t for o in outputs for t in o.token_ids]
 
 
 def gate_reads(store: KvStore) -> tuple[threading.Event, list[str]]:
@@ -75,10 +91,7 @@ def test_requests_keep_decoding_while_a_disk_hit_is_read(tmp_path: Path) -> None
     assert len(decoding) - before >= 6, "the running request decoded while the read was held"
     assert not outputs and not names
     gate.set()
-    while engine.step():
-        pass
-    final = next(o for o in outputs if o.finished)
-    tokens = [t for o in outputs for t in o.token_ids]
+    final, tokens = drained(engine, outputs)
     assert final.cached_prompt_tokens == SAVED and engine.stats().disk_hit_tokens == SAVED
     assert tokens == cold_answer(PROMPT)[0] and len(decoding) == 24
     check_sequence_cache(engine.cache)
@@ -91,11 +104,11 @@ def test_a_request_aborted_mid_read_leaves_every_page_accounted_for(tmp_path: Pa
     outputs: list = []
     engine.submit(greedy("aborted", PROMPT, 6), outputs.append)
     engine.step()
-    assert engine.scheduler.reading(), "its read is in flight"
+    assert reading(engine), "its read is in flight"
     engine.abort("aborted")
     engine.step()
     assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
-    assert not engine.scheduler.reading() and not engine.disk_reads._shared
+    assert not reading(engine) and not engine.disk_reads._shared
     gate.set()
     while engine.step():
         pass
@@ -118,7 +131,7 @@ def test_samples_wanting_the_same_saved_nodes_share_one_read(tmp_path: Path) -> 
     for i in range(3):
         engine.submit(greedy(f"same{i}", PROMPT, 4), outputs.append)
     engine.step()
-    assert len(engine.scheduler.reading()) == 3
+    assert len(reading(engine)) == 3
     gate.set()
     while engine.step():
         pass
@@ -216,15 +229,11 @@ def test_a_disk_hit_says_how_many_of_its_tokens_came_from_disk(tmp_path: Path) -
     engine = saved_and_cleared(tmp_path)
     outputs: list = []
     engine.submit(greedy("hit", PROMPT, 3), outputs.append)
-    while engine.step():
-        pass
-    final = next(o for o in outputs if o.finished)
+    final, _ = drained(engine, outputs)
     assert final.cached_prompt_tokens == final.disk_cached_tokens == SAVED
     outputs.clear()
     engine.submit(greedy("again", PROMPT, 3), outputs.append)  # now a device hit
-    while engine.step():
-        pass
-    final = next(o for o in outputs if o.finished)
+    final, _ = drained(engine, outputs)
     assert final.cached_prompt_tokens == SAVED and final.disk_cached_tokens == 0
 
 
@@ -242,11 +251,8 @@ def test_a_prompt_that_shares_part_of_a_saved_node_reads_its_whole_pages(tmp_pat
 
 
 def test_while_part_of_a_read_is_in_the_engine_waits_instead_of_spinning(tmp_path: Path) -> None:
-    engine = Engine(model(), None, config(tmp_path), source="w0")
-    serve(engine, TURNS[:2])  # the system prompt, then each turn's tail: two nodes a turn
+    engine = saved_and_cleared(tmp_path, TURNS[:2])  # the system prompt, then each tail
     assert engine.store is not None
-    engine.store.save(engine)
-    engine.cache.tree.clear()
     prompt = [*TURNS[1], 5, 6]
     wanted, _ = engine.store.wanted(engine, to_cache_keys(prompt), DEFAULT_NAMESPACE)
     assert len(wanted) == 2
@@ -267,9 +273,7 @@ def test_while_part_of_a_read_is_in_the_engine_waits_instead_of_spinning(tmp_pat
         steps += 1
     assert steps < 30, f"{steps} steps in 0.3 s: the engine spun while the read was held"
     gate.set()
-    while engine.step():
-        pass
-    final = next(o for o in outputs if o.finished)
+    final, _ = drained(engine, outputs)
     assert final.cached_prompt_tokens == len(TURNS[1]) // PAGE * PAGE
     check_sequence_cache(engine.cache)
 
@@ -296,12 +300,30 @@ def test_reads_begun_and_samples_running_stay_within_max_running(tmp_path: Path)
     check_sequence_cache(engine.cache)
 
 
+def test_a_request_with_nothing_on_disk_runs_while_reads_fill_max_running(
+    tmp_path: Path,
+) -> None:
+    engine = saved_and_cleared(tmp_path, TURNS, max_running=2)
+    assert engine.disk_reads is not None and engine.store is not None
+    gate, _ = gate_reads(engine.store)
+    for i, turn in enumerate(TURNS[:2]):
+        engine.submit(greedy(f"hit{i}", [*turn, 5, 6], 3), lambda o: None)
+    engine.step()
+    assert engine.disk_reads.pending == 2, "both reads under way: max_running is reached"
+    fresh: list = []
+    engine.submit(greedy("fresh", TURNS[2][::-1], 3), fresh.append)
+    for _ in range(5):
+        engine.step()
+    assert fresh and fresh[-1].finished, "it needed no read, so it ran meanwhile"
+    gate.set()
+    while engine.step():
+        pass
+    check_sequence_cache(engine.cache)
+
+
 def test_a_prefix_evicted_during_the_read_is_read_back_too(tmp_path: Path) -> None:
-    engine = Engine(model(), None, config(tmp_path), source="w0")
-    serve(engine, TURNS[:2])
+    engine = saved_and_cleared(tmp_path, TURNS[:2])
     assert engine.store is not None
-    engine.store.save(engine)
-    engine.cache.tree.clear()
     serve(engine, [TURNS[0][:44]])  # the system prompt is back in the cache
     prompt = [*TURNS[1], 5, 6]
     _, held = engine.store.wanted(engine, to_cache_keys(prompt), DEFAULT_NAMESPACE)
@@ -310,16 +332,13 @@ def test_a_prefix_evicted_during_the_read_is_read_back_too(tmp_path: Path) -> No
     outputs: list = []
     engine.submit(greedy("hit", prompt, 3), outputs.append)
     engine.step()
-    assert engine.scheduler.reading()
+    assert reading(engine)
     engine.cache.tree.evict(engine.cache.tree.evictable_pages)  # the system prompt goes
     engine.runner.copy_pages(engine.cache.take_tier_copies())
     assert engine.store.held(engine, to_cache_keys(prompt), DEFAULT_NAMESPACE) == 0
     gate.set()
-    while engine.step():
-        pass
-    final = next(o for o in outputs if o.finished)
+    final, tokens = drained(engine, outputs)
     assert final.cached_prompt_tokens == len(TURNS[1]) // PAGE * PAGE, "all of it, from disk"
-    tokens = [t for o in outputs for t in o.token_ids]
     assert tokens == cold_answer(prompt)[0][:3]
     check_sequence_cache(engine.cache)
 
