@@ -21,8 +21,9 @@ DEFAULT_SWAP_S = 0.05
 
 DISK_SPEEDUP = 4.0
 """Until a router has learned it, a token read back from a worker's saved cache costs this many
-times less than a recomputed one (a 2-core CPU with SmolLM2 measured 30 times less; a fast GPU
-prefill can make it more than one: the worker then recomputes, and the router learns that)."""
+times less than a recomputed one (a 2-core CPU with SmolLM2 measured about 30 times less; a
+fast GPU prefill can make it more than one: the worker then recomputes, and the router prices
+a disk hit at most as recomputing it)."""
 
 
 def default_host_rate(prefill_rate: float) -> float:

@@ -2,10 +2,10 @@
 from its disk tier, learned from its own forward passes and reads, so that a disk hit is read
 only when reading is the faster way to its KV.
 
-A read is not always faster. On this 2-core CPU, SmolLM2 prefills about 3 ms a token and its
-saved KV reads back at 0.03-0.05 ms a position (30-53 ms for the 47 MB of a 1,024-token turn),
-so reading wins 60-fold; on an H100 the same 1,024 tokens prefill in 20 ms, less than this
-machine takes to read and check those 47 MB (LMCache's users report offload hits slower than
+A read is not always faster. On this 2-core CPU, as learned by an engine serving SmolLM2, a
+recomputed position costs 1.76 ms (plus 54 ms a pass) and a read-back one 0.055 ms (57 ms for
+the 47 MB of a 1,024-token turn), so reading wins about 30-fold; on the ninth session's H100 the
+same 1,024 tokens prefilled in 20 ms, less than this machine takes to read and check those 47 MB (LMCache's users report offload hits slower than
 recomputing). Both rates depend on the model, the device and the disk, so they are learned,
 not configured:
 
