@@ -4,10 +4,10 @@ only when reading is the faster way to its KV.
 
 A read is not always faster. On this 2-core CPU, as learned by an engine serving SmolLM2, a
 recomputed position costs 1.76 ms (plus 54 ms a pass) and a read-back one 0.055 ms (57 ms for
-the 47 MB of a 1,024-token turn), so reading wins about 30-fold; on the ninth session's H100 the
-same 1,024 tokens prefilled in 20 ms, less than this machine takes to read and check those 47 MB (LMCache's users report offload hits slower than
-recomputing). Both rates depend on the model, the device and the disk, so they are learned,
-not configured:
+the 47 MB of a 1,024-token turn), so reading wins about 30-fold; on the ninth session's H100
+the same 1,024 tokens prefilled in 20 ms, less than this machine takes to read and check those
+47 MB (LMCache's users report offload hits slower than recomputing). Both rates depend on
+the model, the device and the disk, so they are learned, not configured:
 
     a pass:   seconds = overhead + tokens x slope       a line through the engine's passes
     a read:   seconds = positions x read_s              a ratio over the reads
