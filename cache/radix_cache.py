@@ -20,6 +20,11 @@ Contract (every operation runs on the one scheduler thread; nothing here is thre
   big for the host is dropped with everything below it. `match` reports the host-resident part
   of a match separately; `promote` brings it back to the device. `insert` of positions the tree
   holds on the host takes the caller's device pages for them and frees the host copy.
+- With `on_drop` set, eviction calls it for each node it is about to take out of the tree
+  (still attached, its pages still its own). It returns the nodes whose KV the caller wants (the
+  dropped one, and any of its ancestors), each with a token; a `SpillCopy` of each one's pages
+  is queued in order with the tier copies, so the caller reads the KV (for a disk tier) before
+  the pages are reused or moved. `clear` and `drop_namespaces` call nothing.
 
 `evictable_pages` is kept incrementally (device pages cached minus locked), never by walking the
 tree. Every page range the tree gains or loses is published as block hashes when a publisher is
@@ -29,7 +34,7 @@ attached; a block keeps its place while its node moves between tiers.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from cache.errors import CacheError, LengthMismatch, LockUnderflow
@@ -39,7 +44,7 @@ from cache.lru_heap import LruHeap
 from cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from cache.page_pool import PRIVATE, PageIds, PagePool
 from cache.radix_node import InsertResult, MatchResult, Node
-from cache.tiers import DEVICE, HOST, TierCopy
+from cache.tiers import DEVICE, HOST, QueuedCopy, SpillCopy, TierCopy
 from cache.tokens import CacheKey, Keys, as_keys
 
 
@@ -79,6 +84,7 @@ class RadixCache:
         hasher: BlockHasher | None = None,
         publisher: KvEventPublisher | None = None,
         host_pool: PagePool | None = None,
+        on_drop: Callable[[Node], Iterable[tuple[Node, object]]] | None = None,
     ) -> None:
         if host_pool is not None and host_pool.page_size != pool.page_size:
             raise ValueError(
@@ -113,7 +119,12 @@ class RadixCache:
         """Host pages replaced by an insert's freshly computed device pages."""
         self.host_evicted_pages = 0
         """Host pages dropped to make room."""
-        self._copies: list[TierCopy] = []
+        self.on_drop = on_drop
+        """Called with each node eviction takes out of the tree; returns (node, token) pairs,
+        each queueing a `SpillCopy` of that node's pages (cache/tiers.py)."""
+        self.spilled_pages = 0
+        """Pages handed to `on_drop`'s caller by a `SpillCopy`."""
+        self._copies: list[QueuedCopy] = []
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -136,7 +147,7 @@ class RadixCache:
             self.publisher.publish(kind, blocks)
         blocks.clear()
 
-    def take_copies(self) -> list[TierCopy]:
+    def take_copies(self) -> list[QueuedCopy]:
         """The tier copies queued since the last call, in the order they must run."""
         copies, self._copies = self._copies, []
         return copies
@@ -470,7 +481,8 @@ class RadixCache:
             if victim is None:
                 break
             surplus = len(victim.pages) - (needed_pages - freed)
-            if surplus > 0 and self.host_pool is None:  # a leaf: keep its head, drop the rest
+            if surplus > 0 and self.host_pool is None and self.on_drop is None:
+                # a leaf: keep its head, drop the rest (in place: no node for the tail)
                 freed += self._trim(victim, surplus, removed, dropped)
                 continue
             if surplus > 0:  # keep the head, evict only the pages still needed
@@ -595,6 +607,8 @@ class RadixCache:
         its new shape requires."""
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
+        if self.on_drop is not None:
+            self._spill(leaf)
         del parent.children[self._key(leaf.keys, 0)]
         leaf.parent = None
         count = len(leaf.pages)
@@ -617,6 +631,14 @@ class RadixCache:
         else:
             self._requeue(parent)
         return count
+
+    def _spill(self, node: Node) -> None:
+        """Offer `node` (about to leave the tree, still attached) to `on_drop`; queue a
+        `SpillCopy` of the pages of each node it asks for."""
+        assert self.on_drop is not None
+        for kept, token in self.on_drop(node):
+            self._copies.append(SpillCopy(kept.tier, kept.pages, token))
+            self.spilled_pages += len(kept.pages)
 
     def _coalesce(self, parent: Node) -> None:
         """Merge `parent` into its only child unless someone holds a lock on `parent` itself or

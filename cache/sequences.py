@@ -16,8 +16,9 @@ sequence runs in them.
 
 With a host tier (`CacheConfig.host_pages`), `start` promotes the host-resident part of its
 match back to the device, and any allocation may demote evicted pages to the host. Those moves
-queue `TierCopy`s; `take_page_copies` hands them out ahead of the sequence's own copies and
-`take_tier_copies` alone: the worker performs them in order before its next forward pass.
+queue `TierCopy`s (and `SpillCopy`s of what eviction drops, with the tree's `on_drop`);
+`take_page_copies` hands them out ahead of the sequence's own copies and `take_tier_copies`
+alone: the worker performs them in order before its next forward pass.
 
 A sequence's page-table row always reads
 
@@ -50,7 +51,7 @@ from cache.page_pool import PagePool
 from cache.page_table import PageTable
 from cache.radix_cache import RadixCache
 from cache.radix_node import Node
-from cache.tiers import TierCopy
+from cache.tiers import QueuedCopy
 from cache.tokens import CacheToken, Keys, to_cache_keys
 
 
@@ -204,16 +205,16 @@ class SequenceCache:
         self.stats.host_positions += seq.host_reused
         return seq
 
-    def take_page_copies(self, seq: CachedSequence) -> list[TierCopy | PageCopy]:
+    def take_page_copies(self, seq: CachedSequence) -> list[QueuedCopy | PageCopy]:
         """The copies the worker must perform, in order, before computing this sequence's KV:
         every tier copy queued so far, then the sequence's own."""
-        copies: list[TierCopy | PageCopy] = []
+        copies: list[QueuedCopy | PageCopy] = []
         copies.extend(self.tree.take_copies())
         copies.extend(seq.page_copies)
         seq.page_copies = []
         return copies
 
-    def take_tier_copies(self) -> list[TierCopy]:
+    def take_tier_copies(self) -> list[QueuedCopy]:
         """The tier copies queued so far (demotions by `grow`, `fork`, ...), in order."""
         return self.tree.take_copies()
 

@@ -163,6 +163,9 @@ class EngineSection:
     persist_max_bytes: int = _at_least(8 << 30, 1)
     persist_interval_s: float = _at_least(60.0, 0)
     """Seconds between background saves; 0: only on drain."""
+    persist_evicted: bool = True
+    """With persist_dir: what eviction drops from the last tier that held it is written to disk
+    as it goes, not only what the saves find in the tree."""
     max_stop_strings: int = _at_least(MAX_STOP_STRINGS, 0)
     """Stop strings one request may give (OpenAI allows 4); more are refused by name."""
     max_stop_chars: int = _at_least(MAX_STOP_CHARS, 1)

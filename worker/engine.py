@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 import queue
 import threading
@@ -43,6 +44,7 @@ from cache.integrity import check_sequence_cache
 from kernels.layout import cdiv
 from worker import validation
 from worker.disk_reads import DiskReads, PendingRead
+from worker.disk_spill import DiskSpill
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.image_inputs import ImageEmbedder, ImageEncoder, place
 from worker.images import (
@@ -116,6 +118,9 @@ class EngineConfig:
     """Disk the saved cache may use; the least recently used nodes are left out beyond it."""
     persist_interval_s: float = 60.0
     """Seconds between background saves while serving; 0: save only on stop."""
+    persist_evicted: bool = True
+    """With `persist_dir`: what eviction drops from the last tier that held it is written to
+    disk as it goes (worker/disk_spill.py), not only what the saves find in the tree."""
     model_revision: str = ""
     debug_checks: bool = False
     """Run the cache's full integrity check whenever the engine goes idle."""
@@ -179,6 +184,10 @@ class EngineStats:
     """Prompt positions read back from the disk tier."""
     disk_skipped_tokens: int
     """Prompt positions found on disk and recomputed instead: that was priced faster."""
+    disk_spilled_pages: int
+    """Pages of nodes eviction dropped that were written to disk (`persist_evicted`)."""
+    disk_spill_skipped_pages: int
+    """Pages of dropped nodes not on disk that were not written: the write queue was full."""
     preemptions: int
     requests_finished: int
     prompt_tokens: int
@@ -273,6 +282,7 @@ class Engine:
         self._disk_blocks: frozenset[int] = frozenset()
         """The routing blocks the KV events have said are on disk (`saved` / `unsaved`)."""
         self.saver: BackgroundSaver | None = None
+        self.spill: DiskSpill | None = None
         self.loaded = LoadReport(0, 0, 0)
         if config.persist_dir is not None:
             directory = Path(config.persist_dir) / source
@@ -286,8 +296,13 @@ class Engine:
             self.loaded = self.store.load(self)
             self.publish_disk_blocks()
             self.disk_reads = DiskReads(self.store, self.tier_costs, self._wake.set)
-            if config.persist_interval_s > 0:
-                self.saver = BackgroundSaver(self, self.store, config.persist_interval_s)
+            if config.persist_evicted:
+                self.spill = DiskSpill(self, self.store)
+                self.cache.tree.on_drop = self.spill.on_drop
+                self.runner.spill = self.spill.take
+            if config.persist_interval_s > 0 or self.spill is not None:
+                interval = config.persist_interval_s or math.inf
+                self.saver = BackgroundSaver(self, self.store, interval, self.spill)
         self.observe_logits: Callable[[str, int, int, torch.Tensor], None] | None = None
         """Called on the engine thread with (request id, sample index, position, logits) before
         each token is drawn (tests and logprobs)."""
@@ -412,6 +427,9 @@ class Engine:
         if self.store is not None:
             began = time.perf_counter()
             try:
+                self.runner.copy_pages(self.cache.take_tier_copies())  # spills read their pages
+                if self.spill is not None:
+                    self.spill.write_queued()
                 saved = self.store.save(self)
                 self.publish_disk_blocks()
             except OSError as err:  # a full or vanished disk must not fail the drain
@@ -454,6 +472,8 @@ class Engine:
             host_hit_tokens=self.cache.stats.host_positions,
             disk_hit_tokens=self.store.disk_hit_tokens if self.store is not None else 0,
             disk_skipped_tokens=self.tier_costs.skipped_positions,
+            disk_spilled_pages=self.spill.spilled_pages if self.spill is not None else 0,
+            disk_spill_skipped_pages=self.spill.skipped_pages if self.spill is not None else 0,
             preemptions=self.scheduler.preemptions,
             requests_finished=self._finished,
             prompt_tokens=self._prompt_tokens,

@@ -62,6 +62,7 @@ from cache import (
 )
 
 if TYPE_CHECKING:
+    from worker.disk_spill import DiskSpill
     from worker.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -215,6 +216,9 @@ class KvStore:
         self.disk_blocks: frozenset[int] = frozenset()
         """The routing blocks of the nodes the manifest lists (replaced whole, like the
         catalog): what the worker's KV events say its disk holds."""
+        self._spilled: dict[str, NodeRecord] = {}
+        """Nodes eviction dropped that were written (worker/disk_spill.py) and not listed yet,
+        in the order they were dropped."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -272,29 +276,29 @@ class KvStore:
         self._keys[name] = keys
         self._bad.discard(name)
 
-    def write_manifest(self, records: list[NodeRecord], identity: StoreIdentity) -> int:
+    def write_spilled(
+        self, record: NodeRecord, keys: bytes, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write a node eviction dropped, or an ancestor of it (worker/disk_spill.py); the next
+        manifest lists it."""
+        self.write_node(record.name, keys, k, v)
+        self._spilled[record.name] = record
+
+    def write_manifest(self, records: list[NodeRecord] | None, identity: StoreIdentity) -> int:
         """Name the written nodes (a node only with its parent, within `max_bytes`) in a new
         manifest, atomically; delete files it does not name. First the tree's (`records`, most
-        recently used first), then those the last manifest listed that the tree no longer
-        holds, in their order: what both tiers evicted stays on disk until newer KV needs its
-        bytes. Returns the nodes it lists."""
-        kept: list[dict[str, Any]] = []
-        placed: set[str] = set()
-        total = 0
-        in_tree = {record.name for record in records}
+        recently used first; None: not walked, after spills), then the nodes eviction dropped
+        and spilled since, most recently dropped first, then those the last manifest listed
+        that the tree no longer holds, in their order: what both tiers evicted stays on disk
+        until newer KV needs its bytes. A node whose parent comes later waits for it. Returns
+        the nodes it lists."""
+        tree = records if records is not None else []
+        in_tree = {record.name for record in tree}
+        spilled = [r for r in reversed(self._spilled.values()) if r.name not in in_tree]
         evicted = [r for name, r in self._listed.items() if name not in in_tree]
-        for record in [*records, *evicted]:
-            on_disk = self.written.get(record.name)
-            if on_disk is None or (record.parent is not None and record.parent not in placed):
-                continue
-            if record.name in self._bad:
-                continue
-            if total + on_disk[1] > self.max_bytes:
-                continue
-            record.checksum, record.nbytes = on_disk
-            total += on_disk[1]
-            placed.add(record.name)
-            kept.append(asdict(record))
+        kept = self._place([*tree, *spilled, *evicted])
+        placed = {record["name"] for record in kept}
+        self._spilled = {}
         self.directory.mkdir(parents=True, exist_ok=True)
         manifest = {"format": FORMAT, "identity": asdict(identity), "nodes": kept}
         tmp = self.directory / f"{MANIFEST}.tmp"
@@ -308,6 +312,33 @@ class KvStore:
         self._page = identity.page_size
         self._catalog([NodeRecord(**r) for r in kept])
         return len(kept)
+
+    def _place(self, candidates: list[NodeRecord]) -> list[dict[str, Any]]:
+        """The written, unbroken `candidates` that fit `max_bytes` in this order of preference,
+        each after its parent (one whose parent comes later is placed right after it; one whose
+        parent is never placed is left out), as manifest entries."""
+        kept: list[dict[str, Any]] = []
+        placed: set[str] = set()
+        waiting: dict[str, list[NodeRecord]] = {}
+        total = 0
+        for candidate in candidates:
+            if candidate.parent is not None and candidate.parent not in placed:
+                waiting.setdefault(candidate.parent, []).append(candidate)
+                continue
+            stack = [candidate]
+            while stack:
+                record = stack.pop()
+                on_disk = self.written.get(record.name)
+                if on_disk is None or record.name in placed or record.name in self._bad:
+                    continue
+                if total + on_disk[1] > self.max_bytes:
+                    continue
+                record.checksum, record.nbytes = on_disk
+                total += on_disk[1]
+                placed.add(record.name)
+                kept.append(asdict(record))
+                stack.extend(reversed(waiting.pop(record.name, [])))
+        return kept
 
     def _catalog(self, records: list[NodeRecord]) -> None:
         """Rebuild the catalog from the manifest's records (parents first)."""
@@ -611,14 +642,23 @@ class KvStore:
 
 
 class BackgroundSaver:
-    """Saves the cache every `interval` seconds while the engine serves: the tree walk and
-    each copy of at most `max_bytes_per_call` of KV run on the engine thread between steps
-    (`Engine.call`), the files are written here."""
+    """Saves the cache every `interval` seconds while the engine serves (`math.inf`: never;
+    the drain saves): the tree walk and each copy of at most `max_bytes_per_call` of KV run on
+    the engine thread between steps (`Engine.call`), the files are written here. With `spill`
+    (worker/disk_spill.py) it also writes the nodes eviction drops as they come, and lists
+    them in the manifest at most every `list_interval` seconds."""
 
     def __init__(
-        self, engine: Engine, store: KvStore, interval: float, max_bytes_per_call: int = 4 << 20
+        self,
+        engine: Engine,
+        store: KvStore,
+        interval: float,
+        spill: DiskSpill | None = None,
+        max_bytes_per_call: int = 4 << 20,
+        list_interval: float = 0.5,
     ) -> None:
         self.engine, self.store, self.interval = engine, store, interval
+        self.spill, self.list_interval = spill, list_interval
         k = engine.runner.kv[0][0]
         page_bytes = 2 * len(engine.runner.kv) * k[0].numel() * k.element_size()
         self.pages_per_call = max(1, max_bytes_per_call // page_bytes)
@@ -631,15 +671,38 @@ class BackgroundSaver:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.spill is not None:
+            self.spill.wake()
         if self._thread.is_alive():
             self._thread.join()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        due = time.monotonic() + self.interval
+        while not self._stop.is_set():
+            left = due - time.monotonic()
             try:
-                self.save_once()
+                if left <= 0:
+                    self.save_once()
+                    due = time.monotonic() + self.interval
+                elif self.spill is None:
+                    self._stop.wait(left)
+                else:
+                    self.list_spills(min(left, 60.0))
             except Exception:  # a full disk, a stopped engine: log it, keep serving
                 log.exception("background save of the KV cache failed")
+
+    def list_spills(self, timeout: float) -> int:
+        """Write the nodes eviction dropped (waiting up to `timeout` s for the first), list
+        them, publish what that changed on disk, then rest `list_interval` s; returns the
+        nodes written."""
+        assert self.spill is not None
+        written = self.spill.write_queued(timeout)
+        if written:
+            engine = self.engine
+            self.store.write_manifest(None, StoreIdentity.of(engine))
+            engine.call(engine.publish_disk_blocks)  # the events go out on the engine thread
+            self._stop.wait(self.list_interval)
+        return written
 
     def save_once(self) -> int:
         """One pass: copy and write every node not on disk yet, then the manifest."""

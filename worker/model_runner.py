@@ -16,12 +16,13 @@ into `embed_rows` / `embeds`, which replace those rows' token embeddings.
 
 With a host tier it also owns the host KV tensors (CPU memory, pinned when the device is CUDA)
 and performs the cache's `TierCopy`s: a gather of whole pages per layer on one side, a scatter
-on the other, in the order the cache queued them.
+on the other, in the order the cache queued them. A `SpillCopy` (a node eviction dropped that
+the disk tier keeps) reads the node's pages to the CPU and hands them to `spill`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ import torch
 
 from cache import PageCopy
 from cache.page_pool import PageIds
-from cache.tiers import DEVICE, TierCopy
+from cache.tiers import DEVICE, QueuedCopy, SpillCopy, TierCopy
 from kernels.layout import cdiv
 from worker.batch import ForwardBatch
 from worker.lora_weights import LoraStacks
@@ -70,14 +71,21 @@ class ModelRunner:
         self.host_kv = model.allocate_kv(host_pages, page_size, "cpu") if host_pages else []
         if self.device.type == "cuda":
             self.host_kv = [(k.pin_memory(), v.pin_memory()) for k, v in self.host_kv]
+        self.spill: Callable[[object, torch.Tensor, torch.Tensor], None] | None = None
+        """Takes a `SpillCopy`'s token and the K and V of its pages (`read_pages`' shapes)."""
 
-    def copy_pages(self, copies: Sequence[PageCopy | TierCopy]) -> None:
+    def copy_pages(self, copies: Sequence[PageCopy | QueuedCopy]) -> None:
         """Perform the copies in order: a `PageCopy` copies KV slots [0, n) of page src into
-        page dst on the device; a `TierCopy` copies whole pages between the tiers. Every layer,
-        K and V."""
+        page dst on the device; a `TierCopy` copies whole pages between the tiers; a
+        `SpillCopy` reads whole pages for `spill`. Every layer, K and V."""
         for copy in copies:
             if isinstance(copy, TierCopy):
                 self._copy_tier(copy)
+                continue
+            if isinstance(copy, SpillCopy):
+                if self.spill is None:
+                    raise RuntimeError("a spill copy and no spill to take it")
+                self.spill(copy.token, *self.read_pages(copy.tier, copy.pages))
                 continue
             for k_cache, v_cache in self.kv:
                 k_cache[copy.dst, : copy.num_slots] = k_cache[copy.src, : copy.num_slots]

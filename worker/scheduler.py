@@ -26,7 +26,7 @@ from enum import Enum
 
 from cache import OutOfPages, OutOfSlots, SequenceCache
 from cache.sequences import PageCopy
-from cache.tiers import TierCopy
+from cache.tiers import QueuedCopy
 from worker.lora_slots import AdapterSlots
 from worker.samples import Phase, SampleState
 
@@ -64,7 +64,7 @@ class Scheduler:
         self,
         cache: SequenceCache,
         config: SchedulerConfig,
-        copy_pages: Callable[[list[TierCopy | PageCopy]], None],
+        copy_pages: Callable[[list[QueuedCopy | PageCopy]], None],
         from_disk: Callable[[SampleState], bool | None] | None = None,
         adapters: AdapterSlots | None = None,
     ) -> None:

@@ -23,7 +23,7 @@ from cache import (
 )
 from cache.integrity import check_sequence_cache, check_tree
 from cache.page_pool import CACHED, FREE
-from cache.tiers import DEVICE, HOST, TierCopy
+from cache.tiers import DEVICE, HOST, SpillCopy, TierCopy
 
 
 class Tiers:
@@ -230,3 +230,66 @@ def test_a_promotion_survives_its_own_eviction_merging_the_path() -> None:
         (DEVICE, HOST, 4),
         (HOST, DEVICE, 4),
     ]
+
+
+def spills(tree: RadixCache) -> list[tuple[list[int], int]]:
+    """Take every node the tree drops, and the path above it: records (keys, tier) of each."""
+    offered: list[tuple[list[int], int]] = []
+
+    def whole_path(node):  # type: ignore[no-untyped-def]
+        kept = []
+        while node.parent is not None:
+            offered.append((list(node.keys), node.tier))
+            kept.append((node, list(node.keys)))
+            node = node.parent
+        return kept
+
+    tree.on_drop = whole_path
+    return offered
+
+
+def test_a_host_drop_spills_its_pages_before_the_demotion_that_reuses_them() -> None:
+    t = Tiers(9, 9)  # 8 usable pages a tier
+    offered = spills(t.tree)
+    t.cache([1, 2, 3, 4])
+    t.cache([5, 6, 7, 8])
+    t.tree.match([5, 6, 7, 8])
+    t.tree.evict(8)
+    t.cache([9, 10, 11, 12])
+    t.tree.take_copies()
+    t.tree.evict(4)  # drops [1, 2, 3, 4] from the host, then demotes [9, 12] into its pages
+    t.check()
+    assert offered == [([1, 2, 3, 4], HOST)]
+    spill, demotion = t.tree.take_copies()
+    assert isinstance(spill, SpillCopy) and isinstance(demotion, TierCopy)
+    assert (spill.tier, spill.token) == (HOST, [1, 2, 3, 4])
+    assert set(spill.pages) == set(demotion.dst_pages), "the freed host pages, read first"
+    assert t.tree.spilled_pages == 4
+
+
+def test_without_a_host_a_spilling_tree_splits_off_the_tail_it_drops() -> None:
+    """Not trimmed in place: the dropped tail is a node of its own, offered with the path
+    above it (the kept head, the shared prefix)."""
+    device = PagePool(20, 1)
+    tree = RadixCache(device)
+    offered = spills(tree)
+    for keys in (list(range(1, 9)), [*range(1, 5), 50, 51, 52, 53]):  # a shared head of 4
+        pages = device.allocate(8)
+        device.free_private(pages[: len(tree.insert(keys, pages).existing_pages)])
+    assert tree.evict(2) == 2
+    check_tree(tree)
+    assert offered == [([7, 8], DEVICE), ([5, 6], DEVICE), ([1, 2, 3, 4], DEVICE)]
+    copies = tree.take_copies()
+    assert all(isinstance(c, SpillCopy) for c in copies)
+    assert [len(c.pages) for c in copies] == [2, 2, 4]  # type: ignore[union-attr]
+    assert tree.match([1, 2, 3, 4, 5, 6, 7]).length == 6, "the head of the tail stays"
+
+
+def test_clear_and_dropping_namespaces_spill_nothing() -> None:
+    t = Tiers(20, 8)
+    offered = spills(t.tree)
+    t.cache(list(range(1, 9)))
+    t.tree.drop_namespaces(lambda ns: True)
+    t.cache(list(range(1, 9)))
+    t.tree.clear()
+    assert offered == [] and t.tree.take_copies() == [] and t.tree.spilled_pages == 0

@@ -1,0 +1,144 @@
+"""The disk tier's write on eviction: a node the cache drops from the last tier that held it is
+written to the worker's cache directory (worker/kv_persistence.py) instead of vanishing.
+
+    eviction (engine thread) --on_drop(node)--> it and its unsaved ancestors, named as a save
+                                                names them; nothing if all are on disk
+      --SpillCopy, in order with the tier copies--> the runner reads its pages to the CPU
+      --queue--> the saver's thread writes the file and lists it in the manifest
+
+Without it the disk holds what the last save wrote: a prefix cached and evicted from both tiers
+between two saves (`persist_interval_s`, 60 s by default) was gone, as in LMCache or HiCache
+without a write-through policy. With it, what eviction drops is kept while `persist_max_bytes`
+allows, most recently dropped first after the tree's own nodes.
+
+Costs and bounds:
+- On the engine thread, `on_drop` names the node (a digest of its keys and of each ancestor's,
+  as `KvStore.records` does) and the runner copies its pages out: a memory copy of the size of
+  a demotion's, made before the pages can be reused.
+- What is queued and not yet written stays under `max_queued_bytes`; a node past it is dropped
+  as it was before (`skipped_pages`), so a slow disk never holds memory or the engine.
+- A node is read back along the catalog's paths from its namespace's root, so a spill writes
+  the dropped node's ancestors too where the store does not have them (they are still cached:
+  their pages are read in the same order, before any later move). Names chain through the
+  parents as the tree has them now; a later split of a parent names its parts anew, and the
+  whole parent already on disk keeps leading to what hangs below it.
+
+Thread rules: `on_drop` and `take` run on the engine thread; `write_queued` on the saver's
+thread (worker/kv_persistence.py, `BackgroundSaver`), or with the engine stopped.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from cache import Node
+from worker.kv_persistence import KvStore, NodeRecord, _namespace_fields, _node_name
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+
+
+@dataclass(frozen=True, slots=True)
+class Spilled:
+    """A dropped node on its way to disk: its record (named as a save would name it), its
+    keys, and the bytes its K and V take while queued."""
+
+    record: NodeRecord
+    keys: bytes
+    nbytes: int
+
+
+class DiskSpill:
+    """Writes the nodes eviction drops to `store`: wire `on_drop` to the cache's tree and
+    `take` to the runner's `spill`."""
+
+    def __init__(self, engine: Engine, store: KvStore, max_queued_bytes: int = 256 << 20) -> None:
+        self.store = store
+        self.max_queued_bytes = max_queued_bytes
+        k = engine.runner.kv[0][0]
+        self.page_bytes = 2 * len(engine.runner.kv) * k[0].numel() * k.element_size()
+        self.spilled_pages = 0
+        """Pages of dropped nodes written to disk."""
+        self.skipped_pages = 0
+        """Pages of dropped nodes not on disk and not written: the queue was full."""
+        self._queue: queue.SimpleQueue[tuple[Spilled, torch.Tensor, torch.Tensor] | None] = (
+            queue.SimpleQueue()
+        )
+        self._queued_bytes = 0
+        self._queued: set[str] = set()
+        """Names of the nodes queued and not yet written."""
+        self._lock = threading.Lock()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def on_drop(self, node: Node) -> list[tuple[Node, Spilled]]:
+        """What to write of `node`, which eviction is taking out of the tree (still attached),
+        and of its ancestors: each of them the store has not written and no spill has queued
+        yet, parents first, so the dropped node can be listed (and read back) at once. Nothing
+        when the store has all of it, or when the queue cannot take it all."""
+        path = []
+        root = node
+        while root.parent is not None:
+            path.append(root)
+            root = root.parent
+        assert root.namespace is not None
+        ns = _namespace_fields(root.namespace)
+        wanted: list[tuple[Node, NodeRecord]] = []
+        parent: str | None = None
+        for at in reversed(path):
+            name = _node_name(parent, ns, at)
+            if name not in self.store.written and name not in self._queued:
+                used, blocks = at.last_access, tuple(at.blocks)
+                record = NodeRecord(name, parent, ns, at.start, len(at.keys), used, blocks=blocks)
+                wanted.append((at, record))
+            parent = name
+        if not wanted or wanted[-1][0] is not node:
+            return []  # the dropped node is on disk or on its way
+        nbytes = sum(len(at.pages) for at, _ in wanted) * self.page_bytes
+        with self._lock:
+            if self._queued_bytes + nbytes > self.max_queued_bytes:
+                self.skipped_pages += len(node.pages)
+                return []
+            self._queued_bytes += nbytes
+            self._queued.update(record.name for _, record in wanted)
+        return [
+            (at, Spilled(record, at.keys.tobytes(), len(at.pages) * self.page_bytes))
+            for at, record in wanted
+        ]
+
+    def take(self, token: object, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The K and V of a spilled node's pages, read before they were reused: queue them."""
+        assert isinstance(token, Spilled)
+        self._queue.put((token, k, v))
+
+    # -- the saver's thread --------------------------------------------------------------------
+    def wake(self) -> None:
+        """Let a `write_queued` waiting for the first node return."""
+        self._queue.put(None)
+
+    def write_queued(self, timeout: float = 0.0) -> int:
+        """Write every queued node (waiting up to `timeout` s for the first); returns how many
+        were written. They are listed by the next `KvStore.write_manifest`."""
+        written = 0
+        block, wait = timeout > 0, timeout
+        while True:
+            try:
+                item = self._queue.get(block, wait)
+            except queue.Empty:
+                return written
+            block = False
+            if item is None:
+                continue
+            spilled, k, v = item
+            try:
+                self.store.write_spilled(spilled.record, spilled.keys, k, v)
+            finally:
+                with self._lock:
+                    self._queued_bytes -= spilled.nbytes
+                    self._queued.discard(spilled.record.name)
+            self.spilled_pages += k.shape[1]
+            written += 1
