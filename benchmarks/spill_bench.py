@@ -17,7 +17,8 @@ writes what eviction drops while the others are served):
 
 A turn starts when the one before it ends (`--think-s` adds a pause, a user's think time: on
 the tiny model turns take milliseconds, less than the saver's pause between two listings).
-Reported per engine: prompt tokens served from cache (and from disk), TTFT mean and p50 of
+Reported per engine: prompt tokens served from cache (and from disk; and those found on disk
+but recomputed, which the worker priced faster: worker/tier_costs.py), TTFT mean and p50 of
 turns after the first, the whole run's seconds, pages spilled. Prints a table and one JSON
 object (and --output).
 Run: `python benchmarks/spill_bench.py [--model default|tiny] [--conversations 6] [--turns 4]`.
@@ -139,6 +140,7 @@ def run(model: CausalLM, mode: str, args: argparse.Namespace, progress: Progress
         "cached_tokens": cached,
         "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "disk_hit_tokens": stats.disk_hit_tokens,
+        "disk_skipped_tokens": stats.disk_skipped_tokens,
         "spilled_pages": stats.disk_spilled_pages,
         "spill_skipped_pages": stats.disk_spill_skipped_pages,
         "ttft_mean_ms": 1000 * statistics.fmean(ttfts) if ttfts else 0.0,
@@ -149,13 +151,14 @@ def run(model: CausalLM, mode: str, args: argparse.Namespace, progress: Progress
 
 def report(result: dict) -> Table:
     table = Table(title="turns after the first: prompt tokens from cache, TTFT")
-    for column in ("engine", "hit rate", "from disk", "TTFT mean", "TTFT p50", "run", "spilled"):
+    columns = ("engine", "hit rate", "from disk / priced out", "TTFT mean", "TTFT p50", "run")
+    for column in (*columns, "spilled"):
         table.add_column(column, justify="right" if column != "engine" else "left")
     for row in result["runs"]:
         table.add_row(
             row["mode"],
             f"{row['hit_rate']:.3f}",
-            f"{row['disk_hit_tokens']:,}",
+            f"{row['disk_hit_tokens']:,} / {row['disk_skipped_tokens']:,}",
             f"{row['ttft_mean_ms']:.0f} ms",
             f"{row['ttft_p50_ms']:.0f} ms",
             f"{row['seconds']:.1f} s",

@@ -1,5 +1,5 @@
 """benchmarks/spill_bench.py on the tiny model: with what eviction drops written to disk, the
-turns hit what the tiers alone lost, read back from disk."""
+turns find on disk what the tiers alone lost."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def test_the_disk_tier_serves_what_both_tiers_evicted(capsys) -> None:  # type: 
     unbounded, tiers, disk = runs["unbounded"], runs["tiers"], runs["tiers + disk"]
     assert unbounded["hit_rate"] > tiers["hit_rate"], "the tiers must be too small to hold it"
     assert tiers["spilled_pages"] == tiers["disk_hit_tokens"] == 0
+    # the tiny model recomputes faster than it reads: most disk hits are priced out, but the
+    # first is read (worker/tier_costs.py reads until it has seen a read)
     assert disk["spilled_pages"] > 0 and disk["disk_hit_tokens"] > 0
-    assert disk["cached_tokens"] > tiers["cached_tokens"]
     assert disk["prompt_tokens"] == tiers["prompt_tokens"] == unbounded["prompt_tokens"]
