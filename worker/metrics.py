@@ -64,6 +64,14 @@ class EngineCollector(Collector):
                 "Prompt positions on disk recomputed instead: recomputing was priced faster",
                 stats.disk_skipped_tokens,
             ),
+            "radixmesh_worker_disk_spilled_pages": (
+                "Pages eviction dropped from the last tier that were written to disk",
+                stats.disk_spilled_pages,
+            ),
+            "radixmesh_worker_disk_spill_skipped_pages": (
+                "Pages eviction dropped that were not written to disk: the queue was full",
+                stats.disk_spill_skipped_pages,
+            ),
             "radixmesh_worker_adapter_swaps": (
                 "LoRA adapters copied into a device slot",
                 stats.adapter_swaps,
