@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from cache import DEFAULT_NAMESPACE, CacheNamespace
 from cache.integrity import check_sequence_cache
@@ -18,6 +19,8 @@ from tests.worker.helpers import relative_error
 from tests.worker.test_kv_persistence import ask, config, model, serve
 from worker.engine import Engine
 from worker.kv_persistence import MANIFEST
+from worker.metrics import EngineCollector
+from worker.servicer import worker_stats
 
 RNG = random.Random(15)
 FIRST = [RNG.randrange(1, 384) for _ in range(40)]
@@ -150,3 +153,20 @@ def test_spilling_keeps_every_page_accounted_for_under_pressure(
     )
     check_sequence_cache(restarted.cache)
     assert restarted.loaded.dropped == 0
+
+
+def test_stats_and_metrics_report_what_was_spilled(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path, **TIERS), source="w0")
+    evicted_everywhere(engine)
+    listed(engine)
+    stats = engine.stats()
+    wire = worker_stats(engine, "w")
+    assert (wire.disk_spilled_pages, wire.disk_spill_skipped_pages) == (
+        stats.disk_spilled_pages,
+        0,
+    )
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, "w"))
+    text = generate_latest(registry).decode()
+    line = f'radixmesh_worker_disk_spilled_pages_total{{worker="w"}} {stats.disk_spilled_pages:.1f}'
+    assert stats.disk_spilled_pages >= 10 and line in text
