@@ -20,6 +20,11 @@ at --capacity-fraction (default 5 %) of the distinct tokens, the same device tie
 tier --host-multiple (default 8) times larger, and an unbounded cache; the hit rate of each and
 its gap to the unbounded one (the target: within 5 % of it). A fourth run, one device pool as
 large as both tiers together, tells what the total capacity misses from what the tiering loses.
+A fifth adds the worker's disk tier as it keeps what eviction drops (worker/disk_spill.py):
+every block of a node dropped from the host, and of the nodes above it, is on disk (no bound:
+the disk's size is the distinct positions it holds, reported), and a prompt's hit reaches as
+far as its leading blocks are cached or on disk, as the worker reads them back before its
+prefill.
 
 `--against sglang` instead runs SGLang's Python RadixCache (fetched from its wheel at run time) and
 radixmesh's in one serving loop over 16 cells: benchmarks/against_sglang.py.
@@ -34,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -48,6 +54,7 @@ from benchmarks import against_sglang, workloads
 from benchmarks.simple_trie import SimpleTrie
 from benchmarks.workloads import Request
 from cache import CacheConfig, CachedSequence, CacheNamespace, OutOfPages, OutOfSlots, SequenceCache
+from cache.radix_node import Node
 from cache.tiers import TierCopy
 
 console = Console(stderr=True)
@@ -72,6 +79,10 @@ class TierCounters:
     """Prompt positions served from pages that `start` promoted."""
     copied_pages: int
     """Pages of the `TierCopy`s the loop drained (a worker would copy these)."""
+    disk_hit_tokens: int = 0
+    """Prompt positions found on the simulated disk beyond what the tiers held (with a disk)."""
+    disk_tokens: int = 0
+    """Distinct positions the simulated disk holds at the end: the blocks ever dropped."""
 
 
 @dataclass
@@ -124,9 +135,11 @@ def run_radixmesh(
     quiet: bool = False,
     host_capacity: int = 0,
     label: str = "radixmesh",
+    disk: bool = False,
 ) -> RunResult:
     """`host_capacity` (tokens): a host tier of that size; `start` promotes what a prompt finds
-    there, as the worker's does, and the loop drains the tier copies a worker would perform."""
+    there, as the worker's does, and the loop drains the tier copies a worker would perform.
+    `disk`: a disk tier keeping every block eviction drops (the module's docstring)."""
     if capacity is None:
         capacity = sum(len(r.prompt) + len(r.output) + page_size for r in requests)
     config = CacheConfig(
@@ -137,6 +150,10 @@ def run_radixmesh(
         host_pages=host_capacity // page_size + 1 if host_capacity else 0,
     )
     cache = SequenceCache(config)
+    on_disk: set[int] = set()
+    if disk:
+        cache.tree.on_drop = partial(_to_disk, on_disk)
+    disk_hits = 0
     namespaces: dict[str | None, CacheNamespace] = {}
     inflight: deque[tuple[CachedSequence, int]] = deque()
     start_ns: list[int] = []
@@ -147,19 +164,12 @@ def run_radixmesh(
     for req in _progress(requests, label, quiet):
         ns = namespaces.setdefault(req.tenant, CacheNamespace(tenant=req.tenant))
         total = len(req.prompt) + len(req.output)
-        seq = None
-        while seq is None:
-            try:
-                t0 = clock()
-                seq = cache.start(req.prompt, ns, reserve=total)
-                start_ns.append(clock() - t0)
-            except (OutOfPages, OutOfSlots):
-                if not inflight:
-                    break
-                cache.finish(*inflight.popleft())
+        seq = _start(cache, req.prompt, ns, total, inflight, start_ns)
         if seq is None:
             rejected += 1
             continue
+        if disk:
+            disk_hits += _disk_hit(cache, on_disk, req.prompt, ns, seq.reused)
         # a worker performs these (tier copies first) before its forward pass
         for copy in cache.take_page_copies(seq):
             if isinstance(copy, TierCopy):
@@ -187,10 +197,13 @@ def run_radixmesh(
             adopted_pages=tree.adopted_pages,
             host_hit_tokens=cache.stats.host_positions,
             copied_pages=copied,
+            disk_hit_tokens=disk_hits,
+            disk_tokens=len(on_disk) * config.block_size,
         )
+    reused = cache.stats.reused_positions + disk_hits
     return RunResult(
         requests_per_s=len(requests) / wall,
-        hit_rate=cache.stats.reused_positions / max(1, cache.stats.prompt_positions),
+        hit_rate=reused / max(1, cache.stats.prompt_positions),
         match_us_p50=_percentile(start_ns, 0.5),
         match_us_p99=_percentile(start_ns, 0.99),
         insert_us_p50=_percentile(commit_ns, 0.5),
@@ -203,6 +216,54 @@ def run_radixmesh(
         wall_s=wall,
         tiers=tiers,
     )
+
+
+def _start(
+    cache: SequenceCache,
+    prompt: list[int],
+    ns: CacheNamespace,
+    total: int,
+    inflight: deque[tuple[CachedSequence, int]],
+    start_ns: list[int],
+) -> CachedSequence | None:
+    """`cache.start`, finishing the oldest requests in flight while pages or slots run out;
+    None when nothing is left to finish. Each call's nanoseconds go to `start_ns`."""
+    clock = time.perf_counter_ns
+    while True:
+        try:
+            t0 = clock()
+            seq = cache.start(prompt, ns, reserve=total)
+            start_ns.append(clock() - t0)
+            return seq
+        except (OutOfPages, OutOfSlots):
+            if not inflight:
+                return None
+            cache.finish(*inflight.popleft())
+
+
+def _to_disk(on_disk: set[int], node: Node) -> list:
+    """The simulated disk keeps the blocks of a dropped node and of the nodes above it (the
+    worker writes the unsaved ones with it); nothing to copy here."""
+    while node.parent is not None:
+        on_disk.update(node.blocks)
+        node = node.parent
+    return []
+
+
+def _disk_hit(
+    cache: SequenceCache, on_disk: set[int], prompt: list[int], ns: CacheNamespace, reused: int
+) -> int:
+    """Positions of `prompt` past the `reused` ones that its leading blocks on the simulated
+    disk cover (whole pages, at most all but the last position, as a worker reads them)."""
+    if not on_disk:
+        return 0
+    block, page = cache.hasher.block_size, cache.pool.page_size
+    hashes = cache.hasher.hashes(prompt, ns)
+    depth = reused // block
+    while depth < len(hashes) and hashes[depth] in on_disk:
+        depth += 1
+    reach = min(depth * block, len(prompt) - 1) // page * page
+    return max(0, reach - reused)
 
 
 def run_simple_trie(
@@ -316,6 +377,9 @@ def bench_tiers(name: str, requests: list[Request], args: argparse.Namespace) ->
         "device_total": run_radixmesh(
             requests, (1 + args.host_multiple) * capacity, ps, window, False, quiet
         ),
+        "device_host_disk": run_radixmesh(
+            requests, capacity, ps, window, False, quiet, host, "radixmesh + host + disk", True
+        ),
     }
     best = runs["unbounded"].hit_rate
     configs = {}
@@ -339,6 +403,9 @@ def bench_tiers(name: str, requests: list[Request], args: argparse.Namespace) ->
         "configs": configs,
         "target_gap_pct": TIER_TARGET_PCT,
         "within_target": configs["device_host"]["gap_pct_of_unbounded"] <= TIER_TARGET_PCT,
+        "within_target_with_disk": (
+            configs["device_host_disk"]["gap_pct_of_unbounded"] <= TIER_TARGET_PCT
+        ),
     }
 
 
@@ -420,6 +487,7 @@ def tier_summary(rows: list[dict]) -> Table:
             "device_host": "device + host",
             "unbounded": "unbounded",
             "device_total": f"device x{1 + row['host_multiple']}",
+            "device_host_disk": "device + host + disk",
         }
         for key, label in names.items():
             run = row["configs"][key]

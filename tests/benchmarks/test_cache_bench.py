@@ -52,7 +52,9 @@ def test_a_pushed_out_prompt_comes_back_from_the_host_tier(page_size: int) -> No
     assert tiered.tiers.copied_pages == tiered.tiers.demoted_pages + tiered.tiers.promoted_pages
 
 
-def test_tiers_mode_runs_device_device_host_and_unbounded(tmp_path: Path, capsys) -> None:
+def test_tiers_mode_runs_device_device_host_unbounded_and_with_a_disk(
+    tmp_path: Path, capsys
+) -> None:
     out = tmp_path / "tiers.jsonl"
     argv = ["--tiers", "--quick", "--quiet", "--output", str(out)]
     assert main([*argv, "--workloads", "multi-turn", "system-prompts", "--page-size", "16"]) == 0
@@ -81,6 +83,20 @@ def test_tiers_mode_runs_device_device_host_and_unbounded(tmp_path: Path, capsys
         assert row["within_target"] == (tiered["gap_pct_of_unbounded"] <= 5)
         total = runs["device_total"]  # the reference: one pool as large as both tiers
         assert total["cached_tokens"] <= 9 * device and "tiers" not in total
+        disk = runs["device_host_disk"]  # the same tiers, what they drop kept on disk
+        assert tiered["hit_rate"] <= disk["hit_rate"] <= best["hit_rate"]
+        kept = disk["tiers"]
+        assert kept["demoted_pages"] == tiers["demoted_pages"], "the disk changes no tier move"
+        assert disk["hit_rate"] * row["prompt_tokens"] == pytest.approx(
+            tiered["hit_rate"] * row["prompt_tokens"] + kept["disk_hit_tokens"]
+        )
+        assert row["within_target_with_disk"] == (disk["gap_pct_of_unbounded"] <= 5)
+    multi_turn = printed[0]["configs"]  # every history comes back: from disk, past both tiers
+    assert multi_turn["device_host_disk"]["tiers"]["disk_hit_tokens"] > 0
+    assert (
+        0 < multi_turn["device_host_disk"]["tiers"]["disk_tokens"] <= printed[0]["distinct_tokens"]
+    )
+    assert not printed[0]["within_target"] and printed[0]["within_target_with_disk"]
     system_prompts = printed[1]["configs"]
     assert system_prompts["device_host"]["hit_rate"] > system_prompts["device_only"]["hit_rate"]
 
