@@ -156,7 +156,7 @@ def stats(args: argparse.Namespace, client: Client) -> int:
     table.add_column("worker", no_wrap=True)
     for column in ("ok", "reqs", "prompt", "cached", "gen", "run", "queue", "free pg",
                    "cached pg", "priv pg", "evicted", "preempt", "host pg", "down/up",
-                   "host hit", "disk hit/skip", "spilled"):  # fmt: skip
+                   "host hit", "disk hit/skip/spill"):  # fmt: skip
         table.add_column(column, justify="right", no_wrap=True)
     for w in response.workers:
         table.add_row(
@@ -166,8 +166,7 @@ def stats(args: argparse.Namespace, client: Client) -> int:
             str(w.evicted_pages), str(w.preemptions),
             f"{w.host_cached_pages}/{w.host_total_pages}" if w.host_total_pages else "-",
             f"{w.demoted_pages}/{w.promoted_pages}", str(w.host_hit_tokens),
-            f"{w.disk_hit_tokens}/{w.disk_skipped_tokens}",
-            f"{w.disk_spilled_pages}/{w.disk_spill_skipped_pages}",
+            f"{w.disk_hit_tokens}/{w.disk_skipped_tokens}/{w.disk_spilled_pages}",
         )  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     print(
