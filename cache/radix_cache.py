@@ -485,7 +485,9 @@ class RadixCache:
                 # a leaf: keep its head, drop the rest (in place: no node for the tail)
                 freed += self._trim(victim, surplus, removed, dropped)
                 continue
-            if surplus > 0:  # keep the head, evict only the pages still needed
+            if surplus > 0 and self.host_pool is not None:
+                # keep the head, demote only the pages still needed; without a host tier a
+                # spilling tree drops the whole leaf (`_spill`: why)
                 self._split(victim, surplus * self.page_size)
             freed += self._demote(victim, removed) or self._drop_subtree(victim, removed, dropped)
         self._free_dropped(dropped)
@@ -564,7 +566,7 @@ class RadixCache:
             if not self._host_victim(victim):
                 continue
             surplus = len(victim.pages) - (count - host.num_free)
-            if surplus > 0:
+            if surplus > 0 and self.on_drop is None:  # spilling: the whole leaf (`_spill`)
                 self._split(victim, surplus * self.page_size)
             self.host_evicted_pages += len(victim.pages)
             assert victim.tier == HOST  # no device pages to collect
@@ -634,7 +636,13 @@ class RadixCache:
 
     def _spill(self, node: Node) -> None:
         """Offer `node` (about to leave the tree, still attached) to `on_drop`; queue a
-        `SpillCopy` of the pages of each node it asks for."""
+        `SpillCopy` of the pages of each node it asks for.
+
+        While spilling, a leaf that eviction drops (from the host, or from a device without
+        one) goes whole, not split to free only the pages needed: the head a split keeps is a
+        new node, so the next drop of that leaf, a page at a time as decodes grow, would spill
+        it again as an ancestor (64 pages dropped one by one spilled 2,079). What goes beyond
+        the pages needed is on disk, not lost."""
         assert self.on_drop is not None
         for kept, token in self.on_drop(node):
             self._copies.append(SpillCopy(kept.tier, kept.pages, token))

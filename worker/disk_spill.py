@@ -99,8 +99,8 @@ class DiskSpill:
         if not wanted or wanted[-1][0] is not node:
             return []  # the dropped node is on disk or on its way
         nbytes = sum(len(at.pages) for at, _ in wanted) * self.page_bytes
-        with self._lock:
-            if self._queued_bytes + nbytes > self.max_queued_bytes:
+        with self._lock:  # an empty queue takes any one drop: a long prefix is no exception
+            if self._queued_bytes and self._queued_bytes + nbytes > self.max_queued_bytes:
                 self.skipped_pages += len(node.pages)
                 return []
             self._queued_bytes += nbytes
@@ -115,30 +115,45 @@ class DiskSpill:
         assert isinstance(token, Spilled)
         self._queue.put((token, k, v))
 
+    def lose(self, token: object) -> None:
+        """A spilled node whose pages were never read (the copies before it failed): let go of
+        what `on_drop` reserved for it."""
+        assert isinstance(token, Spilled)
+        self._release(token)
+
+    def _release(self, spilled: Spilled) -> None:
+        with self._lock:
+            self._queued_bytes -= spilled.nbytes
+            self._queued.discard(spilled.record.name)
+
     # -- the saver's thread --------------------------------------------------------------------
     def wake(self) -> None:
         """Let a `write_queued` waiting for the first node return."""
         self._queue.put(None)
 
     def write_queued(self, timeout: float = 0.0) -> int:
-        """Write every queued node (waiting up to `timeout` s for the first); returns how many
-        were written. They are listed by the next `KvStore.write_manifest`."""
-        written = 0
-        block, wait = timeout > 0, timeout
-        while True:
+        """Write the nodes queued by the time the first arrives (waiting up to `timeout` s for
+        it), not those queued meanwhile: under steady eviction the queue never empties, and
+        the caller must get to list them. Returns how many were written; the next
+        `KvStore.write_manifest` lists them. A write that fails loses its node and the rest of
+        the batch (their reservations let go); the error goes to the caller."""
+        try:
+            items = [self._queue.get(timeout > 0, timeout if timeout > 0 else None)]
+        except queue.Empty:
+            return 0
+        for _ in range(self._queue.qsize()):
             try:
-                item = self._queue.get(block, wait)
+                items.append(self._queue.get_nowait())
             except queue.Empty:
-                return written
-            block = False
-            if item is None:
-                continue
-            spilled, k, v = item
-            try:
+                break
+        nodes = [item for item in items if item is not None]
+        written = 0
+        try:
+            for spilled, k, v in nodes:
                 self.store.write_spilled(spilled.record, spilled.keys, k, v)
-            finally:
-                with self._lock:
-                    self._queued_bytes -= spilled.nbytes
-                    self._queued.discard(spilled.record.name)
-            self.spilled_pages += k.shape[1]
-            written += 1
+                self.spilled_pages += k.shape[1]
+                written += 1
+        finally:
+            for spilled, _, _ in nodes:
+                self._release(spilled)
+        return written

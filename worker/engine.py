@@ -300,6 +300,7 @@ class Engine:
                 self.spill = DiskSpill(self, self.store)
                 self.cache.tree.on_drop = self.spill.on_drop
                 self.runner.spill = self.spill.take
+                self.runner.spill_lost = self.spill.lose
             if config.persist_interval_s > 0 or self.spill is not None:
                 interval = config.persist_interval_s or math.inf
                 self.saver = BackgroundSaver(self, self.store, interval, self.spill)

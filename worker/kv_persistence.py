@@ -298,12 +298,14 @@ class KvStore:
         evicted = [r for name, r in self._listed.items() if name not in in_tree]
         kept = self._place([*tree, *spilled, *evicted])
         placed = {record["name"] for record in kept}
-        self._spilled = {}
         self.directory.mkdir(parents=True, exist_ok=True)
         manifest = {"format": FORMAT, "identity": asdict(identity), "nodes": kept}
         tmp = self.directory / f"{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest))
         os.replace(tmp, self.directory / MANIFEST)
+        self._spilled = {}  # listed or left out: not before the manifest is in place
+        for path in self.directory.glob("*.tmp"):  # a write that failed midway
+            path.unlink(missing_ok=True)
         for path in self.directory.glob(f"*{SUFFIX}"):
             if path.stem not in placed:
                 path.unlink(missing_ok=True)

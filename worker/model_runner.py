@@ -73,20 +73,31 @@ class ModelRunner:
             self.host_kv = [(k.pin_memory(), v.pin_memory()) for k, v in self.host_kv]
         self.spill: Callable[[object, torch.Tensor, torch.Tensor], None] | None = None
         """Takes a `SpillCopy`'s token and the K and V of its pages (`read_pages`' shapes)."""
+        self.spill_lost: Callable[[object], None] | None = None
+        """Takes the token of a `SpillCopy` never performed (a copy before it failed)."""
 
     def copy_pages(self, copies: Sequence[PageCopy | QueuedCopy]) -> None:
         """Perform the copies in order: a `PageCopy` copies KV slots [0, n) of page src into
         page dst on the device; a `TierCopy` copies whole pages between the tiers; a
         `SpillCopy` reads whole pages for `spill`. Every layer, K and V."""
-        for copy in copies:
-            if isinstance(copy, TierCopy):
-                self._copy_tier(copy)
-                continue
-            if isinstance(copy, SpillCopy):
-                if self.spill is None:
-                    raise RuntimeError("a spill copy and no spill to take it")
-                self.spill(copy.token, *self.read_pages(copy.tier, copy.pages))
-                continue
+        for done, copy in enumerate(copies):
+            try:
+                self._copy(copy)
+            except BaseException:
+                lost = [c.token for c in copies[done:] if isinstance(c, SpillCopy)]
+                if self.spill_lost is not None:
+                    for token in lost:
+                        self.spill_lost(token)
+                raise
+
+    def _copy(self, copy: PageCopy | QueuedCopy) -> None:
+        if isinstance(copy, TierCopy):
+            self._copy_tier(copy)
+        elif isinstance(copy, SpillCopy):
+            if self.spill is None:
+                raise RuntimeError("a spill copy and no spill to take it")
+            self.spill(copy.token, *self.read_pages(copy.tier, copy.pages))
+        else:
             for k_cache, v_cache in self.kv:
                 k_cache[copy.dst, : copy.num_slots] = k_cache[copy.src, : copy.num_slots]
                 v_cache[copy.dst, : copy.num_slots] = v_cache[copy.src, : copy.num_slots]

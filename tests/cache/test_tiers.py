@@ -267,22 +267,35 @@ def test_a_host_drop_spills_its_pages_before_the_demotion_that_reuses_them() -> 
     assert t.tree.spilled_pages == 4
 
 
-def test_without_a_host_a_spilling_tree_splits_off_the_tail_it_drops() -> None:
-    """Not trimmed in place: the dropped tail is a node of its own, offered with the path
-    above it (the kept head, the shared prefix)."""
+def test_a_spilling_tree_drops_whole_leaves_and_spills_each_page_once() -> None:
+    """Without a host: the dropped leaf goes whole (no trim, no split that would leave a new
+    head to spill again), with the unsaved path above it."""
     device = PagePool(20, 1)
     tree = RadixCache(device)
     offered = spills(tree)
     for keys in (list(range(1, 9)), [*range(1, 5), 50, 51, 52, 53]):  # a shared head of 4
         pages = device.allocate(8)
         device.free_private(pages[: len(tree.insert(keys, pages).existing_pages)])
-    assert tree.evict(2) == 2
+    assert tree.evict(2) == 4, "the whole least recently used leaf"
     check_tree(tree)
-    assert offered == [([7, 8], DEVICE), ([5, 6], DEVICE), ([1, 2, 3, 4], DEVICE)]
+    assert offered == [([5, 6, 7, 8], DEVICE), ([1, 2, 3, 4], DEVICE)]
     copies = tree.take_copies()
     assert all(isinstance(c, SpillCopy) for c in copies)
-    assert [len(c.pages) for c in copies] == [2, 2, 4]  # type: ignore[union-attr]
-    assert tree.match([1, 2, 3, 4, 5, 6, 7]).length == 6, "the head of the tail stays"
+    assert [len(c.pages) for c in copies] == [4, 4]  # type: ignore[union-attr]
+    assert tree.node_count == 1, "the head merged into the other leaf"
+
+
+def test_a_host_leaf_eaten_a_page_at_a_time_is_spilled_once() -> None:
+    t = Tiers(70, 70)
+    offered = spills(t.tree)
+    t.cache(list(range(1, 65)))  # one node of 64 pages
+    t.tree.evict(64)  # to the host, whole
+    for i in range(64):  # demotions needing one host page each
+        t.cache([1000 + i])
+        t.tree.evict(1)
+    t.check()
+    assert [len(keys) for keys, _ in offered][:1] == [64], "dropped whole, at the first need"
+    assert sum(len(c.pages) for c in t.tree.take_copies() if isinstance(c, SpillCopy)) <= 2 * 64
 
 
 def test_clear_and_dropping_namespaces_spill_nothing() -> None:

@@ -379,8 +379,9 @@ def test_what_both_tiers_evicted_stays_on_disk_across_saves(tmp_path: Path) -> N
 
 def test_a_saved_node_the_tree_trimmed_is_still_read_whole(tmp_path: Path) -> None:
     """The cache trims a saved node (an eviction); the next save writes the head anew and
-    keeps the whole one listed: a prompt over all of it reads the whole one."""
-    engine = Engine(model(), None, config(tmp_path), source="w0")
+    keeps the whole one listed: a prompt over all of it reads the whole one. (Without
+    `persist_evicted`: a spilling tree drops whole leaves and trims nothing.)"""
+    engine = Engine(model(), None, config(tmp_path, persist_evicted=False), source="w0")
     serve(engine, [TURNS[0]])
     assert engine.store is not None
     engine.store.save(engine)

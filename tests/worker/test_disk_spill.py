@@ -15,10 +15,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from cache import DEFAULT_NAMESPACE, CacheNamespace
 from cache.integrity import check_sequence_cache
+from cache.radix_cache import as_pages
+from cache.tiers import DEVICE, HOST, SpillCopy, TierCopy
 from tests.worker.helpers import relative_error
 from tests.worker.test_kv_persistence import ask, config, model, serve
 from worker.engine import Engine
-from worker.kv_persistence import MANIFEST
+from worker.kv_persistence import MANIFEST, StoreIdentity
 from worker.metrics import EngineCollector
 from worker.servicer import worker_stats
 
@@ -85,14 +87,15 @@ def test_a_drain_writes_what_is_still_queued_and_the_restart_reads_it(tmp_path: 
 def test_a_full_queue_drops_as_before_and_keeps_serving(tmp_path: Path) -> None:
     engine = Engine(model(), None, config(tmp_path, **TIERS), source="w0")
     assert engine.spill is not None
-    engine.spill.max_queued_bytes = engine.spill.page_bytes  # one page: no node fits
-    evicted_everywhere(engine)
-    assert listed(engine) == 0 and not list((tmp_path / "w0").glob("*.safetensors"))
+    engine.spill.max_queued_bytes = engine.spill.page_bytes  # one drop at a time, then full
+    evicted_everywhere(engine)  # nothing is written meanwhile: the first drop fills it
     stats = engine.stats()
-    assert stats.disk_spilled_pages == 0 and stats.disk_spill_skipped_pages >= 10
+    assert stats.disk_spill_skipped_pages > 0 and engine.spill._queued_bytes > 0
     check_sequence_cache(engine.cache)
-    tokens, cached, _ = ask(engine, [*FIRST, 5, 6])
-    assert cached == 0 and len(tokens) == 6
+    assert listed(engine) >= 1 and engine.spill._queued_bytes == 0
+    tokens, _, _ = ask(engine, [*FIRST, 5, 6])
+    assert len(tokens) == 6
+    check_sequence_cache(engine.cache)
 
 
 def test_a_spilled_node_never_serves_another_tenant(tmp_path: Path) -> None:
@@ -170,3 +173,71 @@ def test_stats_and_metrics_report_what_was_spilled(tmp_path: Path) -> None:
     text = generate_latest(registry).decode()
     line = f'radixmesh_worker_disk_spilled_pages_total{{worker="w"}} {stats.disk_spilled_pages:.1f}'
     assert stats.disk_spilled_pages >= 10 and line in text
+
+
+def queued_spills(tmp_path: Path) -> tuple[Engine, list]:
+    """An engine that dropped FIRST from its only tier, its spill copies taken, not performed."""
+    engine = Engine(model(), None, config(tmp_path, num_pages=24), source="w0")
+    serve(engine, [FIRST])
+    engine.cache.tree.evict(engine.cache.tree.evictable_pages)
+    copies = engine.cache.take_tier_copies()
+    assert copies and all(isinstance(c, SpillCopy) for c in copies)
+    return engine, copies
+
+
+def test_spill_copies_never_performed_let_go_of_what_they_reserved(tmp_path: Path) -> None:
+    engine, copies = queued_spills(tmp_path)
+    spill = engine.spill
+    assert spill is not None and spill._queued_bytes > 0 and spill._queued
+    broken = TierCopy(DEVICE, as_pages([1]), HOST, as_pages([1]))  # no host tier: raises
+    with pytest.raises(RuntimeError, match="host tier"):
+        engine.runner.copy_pages([broken, *copies])
+    assert spill._queued_bytes == 0 and not spill._queued, "the lost copies' reservations"
+    serve(engine, [FIRST])  # and the same node spills again the next time it is dropped
+    engine.cache.tree.evict(engine.cache.tree.evictable_pages)
+    assert engine.cache.take_tier_copies(), "refused as 'on its way' for good"
+
+
+def test_a_writer_under_steady_eviction_returns_to_list_what_it_wrote(tmp_path: Path) -> None:
+    engine, copies = queued_spills(tmp_path)
+    engine.runner.copy_pages(copies)
+    spill, store = engine.spill, engine.store
+    assert spill is not None and store is not None
+    write = store.write_spilled
+    again = list(spill._queue.get_nowait() for _ in range(spill._queue.qsize()))
+    for item in again:
+        spill._queue.put(item)
+
+    def producing(record, keys, k, v):  # type: ignore[no-untyped-def]
+        write(record, keys, k, v)
+        spill._queue.put(again[0])  # eviction keeps queueing while the writer writes
+
+    store.write_spilled = producing  # type: ignore[method-assign]
+    assert spill.write_queued() == len(again), "the batch queued when it began, no more"
+
+
+def test_a_manifest_that_fails_keeps_its_spills_for_the_next(tmp_path: Path) -> None:
+    engine, copies = queued_spills(tmp_path)
+    engine.runner.copy_pages(copies)
+    assert engine.spill is not None and engine.store is not None
+    blocker = tmp_path / "w0" / f"{MANIFEST}.tmp"
+    blocker.mkdir(parents=True)  # the manifest cannot be written
+    with pytest.raises(OSError):
+        listed(engine)
+    blocker.rmdir()
+    assert engine.saver is not None
+    engine.store.write_manifest(None, StoreIdentity.of(engine))
+    assert len(engine.store._listed) == len(copies), "the spills were listed at the retry"
+    engine.cache.tree.clear()
+    _, cached, _ = ask(engine, [*FIRST, 5, 6])
+    assert cached == len(FIRST)
+
+
+def test_an_empty_queue_takes_a_drop_bigger_than_its_bound(tmp_path: Path) -> None:
+    engine = Engine(model(), None, config(tmp_path, num_pages=24), source="w0")
+    assert engine.spill is not None
+    engine.spill.max_queued_bytes = engine.spill.page_bytes  # FIRST's node is 11 pages
+    serve(engine, [FIRST])
+    engine.cache.tree.evict(engine.cache.tree.evictable_pages)
+    engine.runner.copy_pages(engine.cache.take_tier_copies())
+    assert listed(engine) == 1 and engine.stats().disk_spill_skipped_pages == 0
