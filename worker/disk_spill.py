@@ -7,23 +7,25 @@ written to the worker's cache directory (worker/kv_persistence.py) instead of va
       --queue--> the saver's thread writes the file and lists it in the manifest
 
 Without it the disk holds what the last save wrote: a prefix cached and evicted from both tiers
-between two saves (`persist_interval_s`, 60 s by default) was gone, as in LMCache or HiCache
-without a write-through policy. With it, what eviction drops is kept while `persist_max_bytes`
-allows, most recently dropped first after the tree's own nodes.
+between two saves (`persist_interval_s`, 60 s by default) was gone. With it, what eviction
+drops is kept while `persist_max_bytes` allows (docs/decisions.md 58).
 
 Costs and bounds:
 - On the engine thread, `on_drop` names the node (a digest of its keys and of each ancestor's,
-  as `KvStore.records` does) and the runner copies its pages out: a memory copy of the size of
-  a demotion's, made before the pages can be reused.
-- What is queued and not yet written stays under `max_queued_bytes`; a node past it is dropped
-  as it was before (`skipped_pages`), so a slow disk never holds memory or the engine.
+  as `KvStore.records` does) and the runner copies its pages out before they can be reused: a
+  memory copy of the dropped leaf (a spilling tree drops leaves whole, so each page is copied
+  once) and, once, of the ancestors the store lacks.
+- What is queued and not yet written stays under `max_queued_bytes` (an empty queue takes any
+  one drop); a node past it is dropped as it was before (`skipped_pages`), so a slow disk
+  never holds memory or the engine. A `SpillCopy` that never runs gives back what its drop
+  reserved (`lose`).
 - A node is read back along the catalog's paths from its namespace's root, so a spill writes
   the dropped node's ancestors too where the store does not have them (they are still cached:
   their pages are read in the same order, before any later move). Names chain through the
   parents as the tree has them now; a later split of a parent names its parts anew, and the
   whole parent already on disk keeps leading to what hangs below it.
 
-Thread rules: `on_drop` and `take` run on the engine thread; `write_queued` on the saver's
+Thread rules: `on_drop`, `take` and `lose` run on the engine thread; `write_queued` on the saver's
 thread (worker/kv_persistence.py, `BackgroundSaver`), or with the engine stopped.
 """
 
