@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA
-from tests.worker.test_kv_persistence_properties import NAMESPACES, PS
+from tests.worker.test_kv_persistence_properties import NAMESPACES, PS, Drawn, insert_each
 from worker.engine import Engine, EngineConfig
 from worker.model import CausalLM
 from worker.tiny_model import tiny_model
@@ -49,34 +49,22 @@ def value(ns: int, keys: tuple[int, ...]) -> float:
     return float(hash((ns, keys)) % 100_003)
 
 
-def fill(target: Engine, drawn: list[tuple[int, list[int], list[int]]]) -> set:
-    """Insert each sequence (whole pages), writing `value` into the pages it brings; returns
-    every (namespace, prefix) cached on the way, at each page's end."""
-    cache, kv = target.cache, target.runner.kv
+def fill(target: Engine, drawn: Drawn) -> set:
+    """Insert each sequence, writing `value` into the pages it brings; returns every
+    (namespace, prefix) cached on the way, at each page's end."""
     cached = set()
-    for ns_index, prefix, tail in drawn:
-        keys = (prefix + tail)[: len(prefix + tail) // PS * PS]
-        if not keys:
-            continue
-        ns = NAMESPACES[ns_index]
-        match = cache.tree.match(keys, ns)
-        if match.host_node is not None:
-            match = cache.tree.promote(match)
-        cache.tree.lock(match.last_node)
-        fresh = cache.table.allocate_pages(len(keys) // PS - len(match.pages))
-        target.runner.copy_pages(cache.take_tier_copies())  # spills read before the writes
+
+    def valued_kv(ns_index: int, keys: list[int], first: int, fresh: list[int]) -> None:
         for i, page in enumerate(fresh):
             for slot in range(PS):
-                position = (len(match.pages) + i) * PS + slot
+                position = (first + i) * PS + slot
                 fill_value = value(ns_index, tuple(keys[: position + 1]))
-                for k, v in kv:
+                for k, v in target.runner.kv:
                     k[page, slot] = fill_value
                     v[page, slot] = -fill_value
-        result = cache.tree.insert(keys, match.pages + fresh, ns, from_node=match.last_node)
-        cache.pool.free_private(fresh[: len(result.existing_pages)])
-        cache.tree.unlock(match.last_node)
-        target.runner.copy_pages(cache.take_tier_copies())
         cached.update((ns_index, tuple(keys[:end])) for end in range(PS, len(keys) + 1, PS))
+
+    insert_each(target, drawn, valued_kv)
     return cached
 
 

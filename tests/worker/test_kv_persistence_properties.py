@@ -9,6 +9,7 @@ sequences and which file to damage.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,10 +48,18 @@ def engine(directory: Path, host_pages: int = 0) -> Engine:
     return Engine(MODEL[0], None, config, source="w")
 
 
-def fill(target: Engine, drawn: list[tuple[int, list[int], list[int]]], seed: int) -> None:
-    """Insert each sequence (whole pages) with random KV in the pages it brings."""
-    generator = torch.Generator().manual_seed(seed)
-    cache, kv = target.cache, target.runner.kv
+Drawn = list[tuple[int, list[int], list[int]]]
+"""(namespace index, shared prefix, tail) of each sequence."""
+
+
+def insert_each(
+    target: Engine, drawn: Drawn, write: Callable[[int, list[int], int, list[int]], None]
+) -> None:
+    """Insert each sequence (whole pages), as a worker's prefill would: match (promoting from
+    the host), lock, allocate (evicting), perform the queued copies, then `write(namespace
+    index, keys, first new page's index in the sequence, the new pages)` fills the KV, insert,
+    unlock."""
+    cache = target.cache
     for ns_index, prefix, tail in drawn:
         keys = (prefix + tail)[: len(prefix + tail) // PS * PS]
         if not keys:
@@ -62,14 +71,24 @@ def fill(target: Engine, drawn: list[tuple[int, list[int], list[int]]], seed: in
         cache.tree.lock(match.last_node)
         fresh = cache.table.allocate_pages(len(keys) // PS - len(match.pages))
         target.runner.copy_pages(cache.take_tier_copies())
-        index = torch.tensor(list(fresh), dtype=torch.long)
-        for k, v in kv:
-            k[index] = torch.randn(k[index].shape, generator=generator)
-            v[index] = torch.randn(v[index].shape, generator=generator)
+        write(ns_index, keys, len(match.pages), list(fresh))
         result = cache.tree.insert(keys, match.pages + fresh, ns, from_node=match.last_node)
         cache.pool.free_private(fresh[: len(result.existing_pages)])
         cache.tree.unlock(match.last_node)
         target.runner.copy_pages(cache.take_tier_copies())
+
+
+def fill(target: Engine, drawn: Drawn, seed: int) -> None:
+    """Insert each sequence with random KV in the pages it brings."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def random_kv(ns_index: int, keys: list[int], first: int, fresh: list[int]) -> None:
+        index = torch.tensor(fresh, dtype=torch.long)
+        for k, v in target.runner.kv:
+            k[index] = torch.randn(k[index].shape, generator=generator)
+            v[index] = torch.randn(v[index].shape, generator=generator)
+
+    insert_each(target, drawn, random_kv)
 
 
 def contents(target: Engine) -> dict[tuple[CacheNamespace, tuple[int, ...]], torch.Tensor]:
