@@ -10,7 +10,8 @@ Contract (every operation runs on the one scheduler thread; nothing here is thre
 - `lock` protects a node and its ancestors from eviction; `unlock` releases it and raises
   `LockUnderflow` (changing nothing) if there was no lock. Pages are valid only while locked.
 - `evict(n)` frees at least `n` pages if it can, least recently used leaves first, trimming only
-  the tail of the last leaf it needs; evicting 0 pages is always safe. Afterwards a parent left
+  the tail of the last leaf it needs (a spilling tree, below, takes that leaf whole); evicting
+  0 pages is always safe. Afterwards a parent left
   with one child is merged into that child, and an empty root is pruned.
 - With `page_size > 1`, nodes, matches and splits are whole pages.
 - `drop_namespaces` removes whole trees (an unloaded adapter's, on both tiers) at once; it
@@ -485,9 +486,9 @@ class RadixCache:
                 # a leaf: keep its head, drop the rest (in place: no node for the tail)
                 freed += self._trim(victim, surplus, removed, dropped)
                 continue
-            if surplus > 0 and self.host_pool is not None:
-                # keep the head, demote only the pages still needed; without a host tier a
-                # spilling tree drops the whole leaf (`_spill`: why)
+            if surplus > 0 and self.host_pool is not None and self.on_drop is None:
+                # keep the head, demote only the pages still needed; a spilling tree moves
+                # or drops the whole leaf (`_spill`: why)
                 self._split(victim, surplus * self.page_size)
             freed += self._demote(victim, removed) or self._drop_subtree(victim, removed, dropped)
         self._free_dropped(dropped)
@@ -638,11 +639,11 @@ class RadixCache:
         """Offer `node` (about to leave the tree, still attached) to `on_drop`; queue a
         `SpillCopy` of the pages of each node it asks for.
 
-        While spilling, a leaf that eviction drops (from the host, or from a device without
-        one) goes whole, not split to free only the pages needed: the head a split keeps is a
-        new node, so the next drop of that leaf, a page at a time as decodes grow, would spill
-        it again as an ancestor (64 pages dropped one by one spilled 2,079). What goes beyond
-        the pages needed is on disk, not lost."""
+        While spilling, eviction moves or drops a leaf whole (demoted, dropped from the host, or
+        from a device without one), not split to free only the pages needed: the head a split
+        keeps is a new node, so the next drop below it, a page at a time as decodes grow, would
+        spill it again as an ancestor (64 pages evicted one by one spilled 2,079, with a host
+        tier or without). What goes beyond the pages needed moves down a tier, or to disk."""
         assert self.on_drop is not None
         for kept, token in self.on_drop(node):
             self._copies.append(SpillCopy(kept.tier, kept.pages, token))

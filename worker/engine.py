@@ -429,14 +429,23 @@ class Engine:
             began = time.perf_counter()
             try:
                 self.runner.copy_pages(self.cache.take_tier_copies())  # spills read their pages
-                if self.spill is not None:
-                    self.spill.write_queued()
+                self._write_spills()
                 saved = self.store.save(self)
                 self.publish_disk_blocks()
             except OSError as err:  # a full or vanished disk must not fail the drain
                 log.error("could not save the KV cache to %s: %s", self.store.directory, err)
                 return
             log.info("saved %d cached nodes in %.2f s", saved, time.perf_counter() - began)
+
+    def _write_spills(self) -> None:
+        """Write what eviction dropped and the saver had not written (the drain); a failure is
+        logged and the save goes on without it."""
+        if self.spill is None:
+            return
+        try:
+            self.spill.write_queued()
+        except OSError as err:
+            log.error("could not write the KV eviction dropped to disk: %s", err)
 
     def publish_disk_blocks(self) -> None:
         """Publish what the last save or load changed in the blocks on disk, as `saved` and

@@ -306,3 +306,18 @@ def test_clear_and_dropping_namespaces_spill_nothing() -> None:
     t.cache(list(range(1, 9)))
     t.tree.clear()
     assert offered == [] and t.tree.take_copies() == [] and t.tree.spilled_pages == 0
+
+
+def test_a_device_leaf_eaten_a_page_at_a_time_over_a_host_is_spilled_once() -> None:
+    """With a host tier too: a demoted leaf goes whole, so no head left on the device is
+    renamed by a split and spilled again under each tail the host drops later."""
+    t = Tiers(70, 5)  # 4 usable host pages: the host drops most of what comes down
+    offered = spills(t.tree)
+    t.cache(list(range(1, 65)))  # one device node of 64 pages
+    for i in range(64):  # decodes growing a page each
+        t.cache([1000 + i])
+        t.tree.evict(1)
+        t.check()
+    spilled = sum(len(c.pages) for c in t.tree.take_copies() if isinstance(c, SpillCopy))
+    assert spilled <= 2 * 64 + 64, f"{spilled} pages spilled for at most 128 dropped"
+    assert offered, "the host dropped something"
