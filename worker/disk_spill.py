@@ -13,8 +13,8 @@ drops is kept while `persist_max_bytes` allows (docs/decisions.md 58).
 Costs and bounds:
 - On the engine thread, `on_drop` names the node (a digest of its keys and of each ancestor's,
   as `KvStore.records` does) and the runner copies its pages out before they can be reused: a
-  memory copy of the dropped leaf (a spilling tree drops leaves whole, so each page is copied
-  once) and, once, of the ancestors the store lacks.
+  memory copy of the dropped leaf (a spilling tree moves and drops leaves whole, so each page
+  is copied once) and, once, of the ancestors the store lacks.
 - What is queued and not yet written stays under `max_queued_bytes` (an empty queue takes any
   one drop); a node past it is dropped as it was before (`skipped_pages`), so a slow disk
   never holds memory or the engine. A `SpillCopy` that never runs gives back what its drop
