@@ -482,13 +482,11 @@ class RadixCache:
             if victim is None:
                 break
             surplus = len(victim.pages) - (needed_pages - freed)
-            if surplus > 0 and self.host_pool is None and self.on_drop is None:
-                # a leaf: keep its head, drop the rest (in place: no node for the tail)
-                freed += self._trim(victim, surplus, removed, dropped)
-                continue
-            if surplus > 0 and self.host_pool is not None and self.on_drop is None:
-                # keep the head, demote only the pages still needed; a spilling tree moves
-                # or drops the whole leaf (`_spill`: why)
+            if surplus > 0 and self.on_drop is None:  # keep the head, evict only what is needed
+                # (a spilling tree moves or drops the whole leaf: `_spill` says why)
+                if self.host_pool is None:  # a leaf: cut in place, no node for the tail
+                    freed += self._trim(victim, surplus, removed, dropped)
+                    continue
                 self._split(victim, surplus * self.page_size)
             freed += self._demote(victim, removed) or self._drop_subtree(victim, removed, dropped)
         self._free_dropped(dropped)
