@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA
-from tests.worker.test_kv_persistence_properties import NAMESPACES, PS, Drawn, insert_each
+from tests.worker.test_kv_persistence_properties import (
+    NAMESPACES,
+    PS,
+    Drawn,
+    cached_nodes,
+    insert_each,
+)
 from worker.engine import Engine, EngineConfig
 from worker.model import CausalLM
 from worker.tiny_model import tiny_model
@@ -72,22 +78,16 @@ def held(target: Engine) -> set:
     """Every (namespace, prefix at a page's end) the tree holds, checking each position's KV."""
     index_of = {ns: i for i, ns in enumerate(NAMESPACES)}
     out = set()
-    for ns, root in target.cache.tree.roots.items():
-        stack = [(child, ()) for child in root.children.values()]
-        while stack:
-            node, above = stack.pop()
-            keys = above + tuple(node.keys)
-            kv = target.runner.kv if node.tier == 0 else target.runner.host_kv
-            for j in range(len(node.keys)):
-                position = node.start + j
-                want = value(index_of[ns], keys[: position + 1])
-                page, slot = node.pages[j // PS], j % PS
-                for k, v in kv:
-                    assert torch.all(k[page, slot] == want), (ns, position)
-                    assert torch.all(v[page, slot] == -want), (ns, position)
-            starts = range(node.start + PS, node.start + len(node.keys) + 1, PS)
-            out.update((index_of[ns], keys[:end]) for end in starts)
-            stack.extend((child, keys) for child in node.children.values())
+    for ns, node, keys, kv in cached_nodes(target):
+        for j in range(len(node.keys)):
+            position = node.start + j
+            want = value(index_of[ns], keys[: position + 1])
+            page, slot = node.pages[j // PS], j % PS
+            for k, v in kv:
+                assert torch.all(k[page, slot] == want), (ns, position)
+                assert torch.all(v[page, slot] == -want), (ns, position)
+        starts = range(node.start + PS, node.start + len(node.keys) + 1, PS)
+        out.update((index_of[ns], keys[:end]) for end in starts)
     return out
 
 

@@ -9,14 +9,14 @@ sequences and which file to damage.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache import CacheNamespace
+from cache import CacheNamespace, Node
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA
 from worker.engine import Engine, EngineConfig
@@ -91,18 +91,24 @@ def fill(target: Engine, drawn: Drawn, seed: int) -> None:
     insert_each(target, drawn, random_kv)
 
 
-def contents(target: Engine) -> dict[tuple[CacheNamespace, tuple[int, ...]], torch.Tensor]:
-    """Every cached path (namespace, keys up to a node's end) -> the K of its last node."""
-    out = {}
+def cached_nodes(target: Engine) -> Iterator[tuple[CacheNamespace, Node, tuple[int, ...], list]]:
+    """Each cached node: its namespace, itself, the keys up to its end, its tier's (k, v)s."""
     for ns, root in target.cache.tree.roots.items():
-        stack = [(child, ()) for child in root.children.values()]
+        stack: list[tuple[Node, tuple[int, ...]]] = [(c, ()) for c in root.children.values()]
         while stack:
             node, above = stack.pop()
             keys = above + tuple(node.keys)
             kv = target.runner.kv if node.tier == 0 else target.runner.host_kv
-            index = torch.tensor(list(node.pages), dtype=torch.long)
-            out[(ns, keys)] = torch.stack([k[index] for k, _ in kv])
+            yield ns, node, keys, kv
             stack.extend((child, keys) for child in node.children.values())
+
+
+def contents(target: Engine) -> dict[tuple[CacheNamespace, tuple[int, ...]], torch.Tensor]:
+    """Every cached path (namespace, keys up to a node's end) -> the K of its last node."""
+    out = {}
+    for ns, node, keys, kv in cached_nodes(target):
+        index = torch.tensor(list(node.pages), dtype=torch.long)
+        out[(ns, keys)] = torch.stack([k[index] for k, _ in kv])
     return out
 
 
