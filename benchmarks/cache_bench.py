@@ -243,8 +243,9 @@ def _start(
 
 def _to_disk(on_disk: set[int], node: Node) -> list:
     """The simulated disk keeps the blocks of a dropped node and of the nodes above it (the
-    worker writes the unsaved ones with it); nothing to copy here."""
-    while node.parent is not None:
+    worker writes the unsaved ones with it); nothing to copy here. Blocks are chained hashes
+    of the prefix, so a node whose last block is there has its whole path there."""
+    while node.parent is not None and not (node.blocks and node.blocks[-1] in on_disk):
         on_disk.update(node.blocks)
         node = node.parent
     return []

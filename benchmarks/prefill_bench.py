@@ -180,7 +180,7 @@ def host_tier(model: CausalLM, prompt: list[int], repeats: int) -> dict:
         promoted.append(after.promoted_pages - middle.promoted_pages)
         host_hits.append(after.host_hit_tokens - middle.host_hit_tokens)
     ms = {path: 1000 * statistics.median(values) for path, values in times.items()}
-    per_page = sum(k[0].numel() * k.element_size() * 2 for k, _ in engine.runner.kv)
+    per_page = engine.runner.page_bytes
     return {
         "prompt_tokens": len(prompt),
         "page_size": engine.config.page_size,

@@ -65,7 +65,9 @@ def conversations(
     ]
 
 
-def _turn(engine: Engine, prompt: list[int], decode: int, request_id: str) -> tuple:
+def _turn(
+    engine: Engine, prompt: list[int], decode: int, request_id: str
+) -> tuple[list[int], int, float]:
     """Serve one turn on the running engine: (tokens decoded, cached prompt tokens, TTFT s)."""
     outputs: list[RequestOutput] = []
     done = threading.Event()

@@ -62,8 +62,7 @@ class DiskSpill:
     def __init__(self, engine: Engine, store: KvStore, max_queued_bytes: int = 256 << 20) -> None:
         self.store = store
         self.max_queued_bytes = max_queued_bytes
-        k = engine.runner.kv[0][0]
-        self.page_bytes = 2 * len(engine.runner.kv) * k[0].numel() * k.element_size()
+        self.page_bytes = engine.runner.page_bytes
         self.spilled_pages = 0
         """Pages of dropped nodes written to disk."""
         self.skipped_pages = 0
@@ -100,17 +99,18 @@ class DiskSpill:
             parent = name
         if not wanted or wanted[-1][0] is not node:
             return []  # the dropped node is on disk or on its way
-        nbytes = sum(len(at.pages) for at, _ in wanted) * self.page_bytes
+        spills = [
+            (at, Spilled(record, at.keys.tobytes(), len(at.pages) * self.page_bytes))
+            for at, record in wanted
+        ]
+        nbytes = sum(spilled.nbytes for _, spilled in spills)
         with self._lock:  # an empty queue takes any one drop: a long prefix is no exception
             if self._queued_bytes and self._queued_bytes + nbytes > self.max_queued_bytes:
                 self.skipped_pages += len(node.pages)
                 return []
             self._queued_bytes += nbytes
             self._queued.update(record.name for _, record in wanted)
-        return [
-            (at, Spilled(record, at.keys.tobytes(), len(at.pages) * self.page_bytes))
-            for at, record in wanted
-        ]
+        return spills
 
     def take(self, token: object, k: torch.Tensor, v: torch.Tensor) -> None:
         """The K and V of a spilled node's pages, read before they were reused: queue them."""

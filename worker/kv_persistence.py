@@ -663,9 +663,7 @@ class BackgroundSaver:
     ) -> None:
         self.engine, self.store, self.interval = engine, store, interval
         self.spill, self.list_interval = spill, list_interval
-        k = engine.runner.kv[0][0]
-        page_bytes = 2 * len(engine.runner.kv) * k[0].numel() * k.element_size()
-        self.pages_per_call = max(1, max_bytes_per_call // page_bytes)
+        self.pages_per_call = max(1, max_bytes_per_call // engine.runner.page_bytes)
         self.saves = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="radixmesh-kv-saver", daemon=True)

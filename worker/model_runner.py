@@ -102,6 +102,12 @@ class ModelRunner:
                 k_cache[copy.dst, : copy.num_slots] = k_cache[copy.src, : copy.num_slots]
                 v_cache[copy.dst, : copy.num_slots] = v_cache[copy.src, : copy.num_slots]
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page's K and V over every layer (the same in either tier)."""
+        k = self.kv[0][0]
+        return 2 * len(self.kv) * k[0].numel() * k.element_size()
+
     def tier_kv(self, tier: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (k, v) per layer of `tier`'s pages."""
         kv = self.kv if tier == DEVICE else self.host_kv
