@@ -93,7 +93,7 @@ def _engine(model: CausalLM, tokenizer: object, length: int, host_pages: int = 0
     return Engine(model, tokenizer, config)  # type: ignore[arg-type]
 
 
-def _first_token(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, RequestOutput]:
+def first_token(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, RequestOutput]:
     """Submit, step until the first token; returns (seconds, that output)."""
     outputs: list[RequestOutput] = []
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -109,7 +109,7 @@ def _first_token(engine: Engine, prompt: list[int], request_id: str) -> tuple[fl
 
 def first_token_seconds(engine: Engine, prompt: list[int], request_id: str) -> tuple[float, int]:
     """Submit, step until the first token; returns (seconds, cached prompt tokens)."""
-    elapsed, output = _first_token(engine, prompt, request_id)
+    elapsed, output = first_token(engine, prompt, request_id)
     return elapsed, output.cached_prompt_tokens
 
 
@@ -171,7 +171,7 @@ def host_tier(model: CausalLM, prompt: list[int], repeats: int) -> dict:
                 engine.runner.copy_pages(engine.cache.take_tier_copies())
                 middle = engine.stats()
                 demoted.append(middle.demoted_pages - before.demoted_pages)
-            seconds, output = _first_token(engine, prompt, f"{path}{r}")
+            seconds, output = first_token(engine, prompt, f"{path}{r}")
             times[path].append(seconds)
             tokens[path].append(output.token_ids[0])
             if path != "cold":

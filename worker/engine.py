@@ -53,6 +53,7 @@ from worker.images import (
     DEFAULT_MAX_IMAGES,
     ImageLimits,
 )
+from worker.kv_copies import MIN_STREAM_BYTES
 from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
 from worker.logprobs import token_logprob
 from worker.lora_serving import AdapterLifecycle, adapter_slots
@@ -111,6 +112,11 @@ class EngineConfig:
     block_size: int = 16
     host_pages: int = 0
     """Pages of the host tier (CPU memory; pinned on CUDA hosts); 0: evicted pages are gone."""
+    copy_stream: bool = True
+    """On CUDA, tier copies that move at least `copy_stream_min_bytes` run on a stream of their
+    own that the forward pass waits on layer by layer (worker/kv_copies.py); False: every copy on
+    the compute stream (to measure against)."""
+    copy_stream_min_bytes: int = MIN_STREAM_BYTES
     persist_dir: str | None = None
     """Where the cache persists (a directory per worker under it): loaded at start, saved in
     the background and on stop; None: the cache lives and dies with the process."""
@@ -258,7 +264,13 @@ class Engine:
         for name, path in config.adapters:
             self.lora.install(self.lora.read(name, path))
         self.runner = ModelRunner(
-            model, config.num_pages, config.page_size, config.host_pages, stacks
+            model,
+            config.num_pages,
+            config.page_size,
+            config.host_pages,
+            stacks,
+            config.copy_stream,
+            config.copy_stream_min_bytes,
         )
         self.scheduler = Scheduler(
             self.cache,

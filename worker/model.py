@@ -250,10 +250,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv_caches: list[KvCache], lora: LoraStacks | None = None
+        self,
+        batch: ForwardBatch,
+        kv_caches: list[KvCache],
+        lora: LoraStacks | None = None,
+        layer_ready: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Float32 logits [len(batch.logits_indices), vocab] of one step; writes its K/V.
-        With `lora`, rows in adapter segments get their adapter's terms."""
+        With `lora`, rows in adapter segments get their adapter's terms. `layer_ready(l)` is
+        called before layer l (the copy stream's wait: worker/kv_copies.py)."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
         x = self.model.embed_tokens(batch.input_ids).to(self.dtype)  # a bf16 table: upcast
@@ -266,7 +271,9 @@ class CausalLM(nn.Module):
             step.lora_stacks = lora
             slots = batch.lora_slots or tuple(batch.lora_seg_slots.tolist())
             step.lora_groups = lora.groups_in_use(slots)
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if layer_ready is not None:
+                layer_ready(i)
             x = layer(x, step, cache)
         x = self.model.norm(x[batch.logits_indices])
         if self.lm_head is not None:

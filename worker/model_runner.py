@@ -15,9 +15,12 @@ offsets in the chunk and one row each, from worker/image_inputs.py); the batch g
 into `embed_rows` / `embeds`, which replace those rows' token embeddings.
 
 With a host tier it also owns the host KV tensors (CPU memory, pinned when the device is CUDA)
-and performs the cache's `TierCopy`s: a gather of whole pages per layer on one side, a scatter
-on the other, in the order the cache queued them. A `SpillCopy` (a node eviction dropped that
-the disk tier keeps) reads the node's pages to the CPU and hands them to `spill`.
+and performs the cache's `TierCopy`s through a `KvCopier` (worker/kv_copies.py): layer by layer
+in the order the cache queued them, on CUDA on a copy stream whose per-layer events the forward
+pass waits on, so a promotion's later layers move while its first layers compute. A `SpillCopy`
+(a node eviction dropped that the disk tier keeps) reads the node's pages to the CPU and hands
+them to `spill`. Anything else that touches the KV (`read_pages`, `write_pages`) first waits for
+the copies issued before it.
 """
 
 from __future__ import annotations
@@ -25,14 +28,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from cache import PageCopy
 from cache.page_pool import PageIds
-from cache.tiers import DEVICE, QueuedCopy, SpillCopy, TierCopy
+from cache.tiers import DEVICE, QueuedCopy, SpillCopy
 from kernels.layout import cdiv
 from worker.batch import ForwardBatch
+from worker.kv_copies import MIN_STREAM_BYTES, KvCopier, page_index
 from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 
@@ -62,6 +65,8 @@ class ModelRunner:
         page_size: int,
         host_pages: int = 0,
         lora: LoraStacks | None = None,
+        copy_stream: bool = True,
+        copy_stream_min_bytes: int = MIN_STREAM_BYTES,
     ) -> None:
         self.model = model
         self.lora = lora
@@ -71,100 +76,57 @@ class ModelRunner:
         self.host_kv = model.allocate_kv(host_pages, page_size, "cpu") if host_pages else []
         if self.device.type == "cuda":
             self.host_kv = [(k.pin_memory(), v.pin_memory()) for k, v in self.host_kv]
+        self.copier = KvCopier(self.kv, self.host_kv, copy_stream, copy_stream_min_bytes)
         self.spill: Callable[[object, torch.Tensor, torch.Tensor], None] | None = None
         """Takes a `SpillCopy`'s token and the K and V of its pages (`read_pages`' shapes)."""
         self.spill_lost: Callable[[object], None] | None = None
         """Takes the token of a `SpillCopy` never performed (a copy before it failed)."""
 
     def copy_pages(self, copies: Sequence[PageCopy | QueuedCopy]) -> None:
-        """Perform the copies in order: a `PageCopy` copies KV slots [0, n) of page src into
-        page dst on the device; a `TierCopy` copies whole pages between the tiers; a
-        `SpillCopy` reads whole pages for `spill`. Every layer, K and V."""
-        for done, copy in enumerate(copies):
-            try:
-                self._copy(copy)
-            except BaseException:
-                lost = [c.token for c in copies[done:] if isinstance(c, SpillCopy)]
-                if self.spill_lost is not None:
-                    for token in lost:
-                        self.spill_lost(token)
-                raise
+        """Perform the copies in order (worker/kv_copies.py; on CUDA on the copy stream that
+        the next forward pass waits on layer by layer): a `PageCopy` copies KV slots [0, n) of
+        page src into page dst on the device; a `TierCopy` copies whole pages between the
+        tiers; a `SpillCopy` reads whole pages for `spill`. Every layer, K and V."""
+        spilled = 0
 
-    def _copy(self, copy: PageCopy | QueuedCopy) -> None:
-        if isinstance(copy, TierCopy):
-            self._copy_tier(copy)
-        elif isinstance(copy, SpillCopy):
+        def spill(copy: SpillCopy) -> None:
+            nonlocal spilled
             if self.spill is None:
                 raise RuntimeError("a spill copy and no spill to take it")
             self.spill(copy.token, *self.read_pages(copy.tier, copy.pages))
-        else:
-            for k_cache, v_cache in self.kv:
-                k_cache[copy.dst, : copy.num_slots] = k_cache[copy.src, : copy.num_slots]
-                v_cache[copy.dst, : copy.num_slots] = v_cache[copy.src, : copy.num_slots]
+            spilled += 1
+
+        try:
+            self.copier.perform(copies, spill)
+        except BaseException:
+            lost = [c.token for c in copies if isinstance(c, SpillCopy)][spilled:]
+            if self.spill_lost is not None:
+                for token in lost:
+                    self.spill_lost(token)
+            raise
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page's K and V over every layer (the same in either tier)."""
-        k = self.kv[0][0]
-        return 2 * len(self.kv) * k[0].numel() * k.element_size()
-
-    def tier_kv(self, tier: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (k, v) per layer of `tier`'s pages."""
-        kv = self.kv if tier == DEVICE else self.host_kv
-        if not kv:
-            raise RuntimeError("a copy to or from a host tier this runner does not have")
-        return kv
-
-    def _copy_tier(self, copy: TierCopy) -> None:
-        """Whole pages from one tier to the other, every layer's K and V. Across devices (a GPU
-        and its pinned host tier): a promotion copies each run of consecutive host pages of
-        each layer straight into a staging tensor on the GPU (pinned memory: the copies do not
-        make the CPU wait, and the stream orders them before the kernels that read the pages),
-        or, past MAX_PROMOTION_RUNS runs, gathers the pages into one pinned tensor and moves it
-        in one such transfer; a demotion gathers on the GPU and moves everything back in one
-        transfer, which waits; either side then scatters into its pages. On an H100 the earlier
-        way, a gather of each layer into pageable host memory and a transfer of it alone, added
-        7.8 ms to a 1,024-token prompt's host hit (34 MB, a Llama-3.2-1B-shaped model); a
-        gather into one pinned tensor and one transfer 5.7 ms; runs copied straight 1.9 ms."""
-        src, dst = self.tier_kv(copy.src_tier), self.tier_kv(copy.dst_tier)
-        src_device, dst_device = src[0][0].device, dst[0][0].device
-        src_index = _page_index(copy.src_pages, src_device)
-        dst_index = _page_index(copy.dst_pages, dst_device)
-        sources = [t for pair in src for t in pair]
-        targets = [t for pair in dst for t in pair]
-        if src_device == dst_device:
-            for source, target in zip(sources, targets, strict=True):
-                target.index_copy_(0, dst_index, source.index_select(0, src_index))
-            return
-        first = sources[0]
-        shape = (len(sources), len(copy.src_pages), *first.shape[1:])
-        runs = page_runs(copy.src_pages) if src_device.type == "cpu" else []
-        if runs and len(runs) <= MAX_PROMOTION_RUNS:  # runs of pinned pages straight to the GPU
-            moved = torch.empty(shape, dtype=first.dtype, device=dst_device)
-            for at, start, count in runs:
-                for i, source in enumerate(sources):
-                    moved[i, at : at + count].copy_(source[start : start + count], True)
-        else:  # one gather on the source side (pinned on the host), one transfer
-            host = src_device.type == "cpu"
-            staging = torch.empty(shape, dtype=first.dtype, device=src_device, pin_memory=host)
-            for i, source in enumerate(sources):
-                torch.index_select(source, 0, src_index, out=staging[i])
-            moved = staging.to(dst_device, non_blocking=host)  # a demotion waits for its copy
-        for i, target in enumerate(targets):
-            target.index_copy_(0, dst_index, moved[i])
+        return self.copier.page_bytes
 
     def read_pages(self, tier: int, pages: PageIds) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `pages` of `tier`, every layer, on the CPU: [layers, pages, page_size,
         kv_heads, head_dim] each."""
-        kv = self.tier_kv(tier)
-        index = _page_index(pages, kv[0][0].device)
+        kv = self.copier.tier_kv(tier)
+        if tier == DEVICE:
+            self.copier.join()
+        else:
+            self.copier.host_sync()
+        index = page_index(pages, kv[0][0].device)
         k = torch.stack([layer_k.index_select(0, index) for layer_k, _ in kv]).cpu()
         v = torch.stack([layer_v.index_select(0, index) for _, layer_v in kv]).cpu()
         return k, v
 
     def write_pages(self, pages: PageIds, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write `read_pages`-shaped K and V into device `pages`."""
-        index = _page_index(pages, self.device)
+        self.copier.join()
+        index = page_index(pages, self.device)
         for layer, (k_cache, v_cache) in enumerate(self.kv):
             k_cache.index_copy_(0, index, k[layer].to(self.device, k_cache.dtype))
             v_cache.index_copy_(0, index, v[layer].to(self.device, v_cache.dtype))
@@ -239,7 +201,12 @@ class ModelRunner:
 
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Compute the chunks' K/V; float32 logits for the sampling chunks, in chunk order."""
-        return self.model(self.build_batch(chunks), self.kv, self.lora)
+        batch = self.build_batch(chunks)
+        if not self.copier.pending:
+            return self.model(batch, self.kv, self.lora)
+        logits = self.model(batch, self.kv, self.lora, layer_ready=self.copier.layer_ready)
+        self.copier.forward_done()
+        return logits
 
 
 def _check_embeds(chunk: Chunk) -> None:
@@ -259,29 +226,3 @@ def _image_embeds(pieces: list[torch.Tensor], device: torch.device) -> torch.Ten
 
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
-
-
-MAX_PROMOTION_RUNS = 8
-"""Runs of host pages a promotion copies one by one (a copy call per run and per layer's K and
-V); more scattered pages are gathered on the host first. Chosen, not measured: the H100 runs of
-the ninth session saw only freshly demoted, consecutive pages."""
-
-
-def page_runs(pages: PageIds) -> list[tuple[int, int, int]]:
-    """(position in `pages`, first page, count) of each run of consecutive page ids (numpy over
-    the array in place: no Python step per page)."""
-    if not pages:
-        return []
-    ids = np.frombuffer(pages, dtype=np.int32)
-    at = np.flatnonzero(np.diff(ids) != 1) + 1
-    at = np.concatenate(([0], at))
-    counts = np.diff(np.concatenate((at, [len(ids)])))
-    return list(zip(at.tolist(), ids[at].tolist(), counts.tolist(), strict=True))
-
-
-def _page_index(pages: PageIds, device: torch.device) -> torch.Tensor:
-    """`pages` (an `array("i")`) as an int64 index tensor on `device` (read in place; an empty
-    array, which `frombuffer` refuses, gives an empty index)."""
-    if not pages:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.frombuffer(pages, dtype=torch.int32).to(device, torch.long)

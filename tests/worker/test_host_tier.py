@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA, drain, greedy, recorded_engine
 from worker.engine import EngineConfig
+from worker.kv_copies import page_runs
 from worker.metrics import EngineCollector
-from worker.model_runner import page_runs
 from worker.servicer import worker_stats
 from worker.tiny_model import tiny_model
 
@@ -75,7 +75,7 @@ def test_stats_and_metrics_report_the_host_tier() -> None:
 
 @given(st.lists(st.integers(0, 40), max_size=60))
 def test_page_runs_cover_the_pages_in_order_as_runs_of_consecutive_ids(pages: list[int]) -> None:
-    """What a promotion copies to the GPU run by run (`ModelRunner._copy_tier`)."""
+    """What a promotion copies to the GPU run by run (worker/kv_copies.py)."""
     runs = page_runs(array("i", pages))
     rebuilt = [page for _, start, count in runs for page in range(start, start + count)]
     assert rebuilt == pages
