@@ -138,6 +138,8 @@ def measure(
     for engine in engines.values():  # compile the kernels for these shapes, every path
         _hit(engine, prefix, prompt, "warmup", demote=True)
         _hit(engine, prefix, prompt, "warmup", demote=False)
+        engine.cache.tree.clear()
+        first_token(engine, prompt, "warmup-cold")
     times: dict[str, list[float]] = {path: [] for path in PATHS}
     firsts: dict[str, set[int]] = {path: set() for path in PATHS}
     cached_tokens: dict[str, int] = {}
