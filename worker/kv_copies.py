@@ -18,9 +18,10 @@ promotions of a short prompt) stay on the compute stream, after a `join`: there 
 events cost the CPU more than the overlap saves. Without the stream (the CPU, or `stream=False`
 to measure against) the same layer-major order runs on the current stream and nothing waits.
 
-Host memory written by the copy stream (a demotion's device-to-host transfer into pinned pages) is
-read by the CPU only after `host_sync`, which waits for the stream; device KV is touched outside
-the stream only after `join`, which makes the current stream wait for it.
+Host memory written by a demotion's device-to-host transfers (on either stream) is read by the
+CPU only after `host_sync`, which waits for the streams that wrote it; device KV is touched outside
+the copy stream only after `join`, which makes the current stream wait for it. A copy that fails
+part-way joins what was issued before it.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class KvCopier:
         """Bytes of one page's K and V over every layer (the same in either tier)."""
         self.pending = False
         """Copies were issued on the stream that the compute stream has not waited for yet."""
-        self.host_pending = False
-        """The stream may still be writing host pages."""
+        self.host_writers: list[torch.cuda.Stream] = []
+        """Streams that may still be writing host pages (a demotion's transfers)."""
 
     def perform(
         self,
@@ -108,15 +109,19 @@ class KvCopier:
         stream = self.stream if moved * self.page_bytes >= self.min_stream_bytes else None
         if stream is None:
             self.join()  # on the compute stream, after whatever the copy stream still has
-        with self._on(stream):
-            layers = [self._layer_copy(copy) for copy in copies]
-            for layer in range(len(self.kv)):
-                for copy_layer in layers:
-                    copy_layer(layer)
-                if stream is not None:
-                    self.ready[layer].record(stream)
-        if stream is not None:
+        else:
             self.pending = True
+        try:
+            with self._on(stream):
+                layers = [self._layer_copy(copy) for copy in copies]
+                for layer in range(len(self.kv)):
+                    for copy_layer in layers:
+                        copy_layer(layer)
+                    if stream is not None:
+                        self.ready[layer].record(stream)
+        except BaseException:
+            self.join()  # layers issued before the failure: no later event to wait for
+            raise
 
     @contextlib.contextmanager
     def _on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
@@ -130,7 +135,9 @@ class KvCopier:
             yield
 
     def layer_ready(self, layer: int) -> None:
-        """Make the compute stream wait for `layer`'s copies (the forward pass, before it)."""
+        """Make the compute stream wait for `layer`'s copies (the forward pass, before it). The
+        compute stream is the one current when the copies were issued: the engine issues them
+        and runs the pass on one thread, on its current stream."""
         if self.pending and self.compute is not None:
             self.compute.wait_event(self.ready[layer])
 
@@ -145,11 +152,11 @@ class KvCopier:
             self.pending = False
 
     def host_sync(self) -> None:
-        """Wait for the stream's writes into host pages (before the CPU reads them)."""
-        if self.host_pending:
-            stream = self.stream or torch.cuda.current_stream(self.device)
+        """Wait for every write into host pages issued so far, on whichever stream (before the
+        CPU reads them)."""
+        for stream in self.host_writers:
             stream.synchronize()
-            self.host_pending = False
+        self.host_writers.clear()
 
     def tier_kv(self, tier: int) -> KvPairs:
         """The (k, v) per layer of `tier`'s pages."""
@@ -224,7 +231,9 @@ class KvCopier:
                 if dst_index is None:
                     for at, start, count in runs:
                         target[start : start + count].copy_(gathered[at : at + count], True)
-                    self.host_pending = True
+                    writer = torch.cuda.current_stream(self.device)
+                    if writer not in self.host_writers:
+                        self.host_writers.append(writer)
                 else:  # the transfer makes the CPU wait for the stream: all before it is done
                     target.index_copy_(0, dst_index, gathered.cpu())
 

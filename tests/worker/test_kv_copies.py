@@ -159,8 +159,9 @@ ON_EACH_DEVICE = [
 
 @pytest.mark.parametrize(("device", "stream"), ON_EACH_DEVICE)
 def test_scattered_and_consecutive_pages_cross_over_in_order(device: str, stream: bool) -> None:
-    """More runs than MAX_COPY_RUNS take the other way across PCIe (a promotion gathers on the
-    host, a demotion scatters on the CPU); each copy here reads pages the one before it wrote."""
+    """Each copy here reads pages the one before it wrote. On a GPU, more runs than
+    MAX_COPY_RUNS take the other way across PCIe (a promotion gathers on the host, a demotion
+    scatters on the CPU); on the CPU both tiers are RAM and the queue checks the order alone."""
     n = MAX_COPY_RUNS + 1
     scattered = array("i", range(0, 2 * n, 2))
     copies = [
@@ -235,3 +236,62 @@ def test_on_a_gpu_the_copy_stream_changes_no_output_under_tier_churn() -> None:
             del chat[40:]
     assert runs["cpu"][1] > 0 and runs["cpu"][2] > 0, "the workload moved no pages"
     assert runs["on"] == runs["off"] == runs["cpu"]
+
+
+DELAY_CYCLES = 200_000_000
+"""About 0.1 s of `torch.cuda._sleep` on an H200: long enough that a read not ordered after the
+delayed work reads what was there before it."""
+
+
+def _no_spill(copy: SpillCopy) -> None:
+    raise AssertionError(f"no spill was queued: {copy}")
+
+
+def _gpu_copier(min_bytes: int) -> tuple[KvCopier, list, list]:
+    kv = _kv(LARGE, "cuda", seed=1)
+    host = _kv(LARGE, "pinned", seed=2)
+    return KvCopier(kv, host, stream=True, min_stream_bytes=min_bytes), kv, host
+
+
+@pytest.mark.gpu
+def test_a_small_demotion_on_the_compute_stream_is_synced_before_the_cpu_reads() -> None:
+    """Below the size floor a demotion's transfers go on the compute stream, while the copier
+    has a copy stream too: `host_sync` must wait for the stream that wrote."""
+    copier, kv, host = _gpu_copier(min_bytes=1 << 40)
+    want = kv[0][0][0:4].cpu()
+    torch.cuda._sleep(DELAY_CYCLES)  # the compute stream is busy; the copy stream idle
+    copier.perform(
+        [TierCopy(DEVICE, array("i", range(4)), HOST, array("i", range(8, 12)))], _no_spill
+    )
+    copier.host_sync()
+    assert torch.equal(host[0][0][8:12], want), "the CPU read host pages before they were written"
+
+
+@pytest.mark.gpu
+def test_the_copy_stream_reads_kv_only_after_the_compute_stream_wrote_it() -> None:
+    copier, kv, host = _gpu_copier(min_bytes=0)
+    torch.cuda._sleep(DELAY_CYCLES)
+    kv[0][0][3].fill_(7.0)  # a pass's KV write, queued behind the delay
+    copier.perform([TierCopy(DEVICE, array("i", [3]), HOST, array("i", [5]))], _no_spill)
+    copier.host_sync()
+    assert bool((host[0][0][5] == 7.0).all()), "the demotion read the page before the write"
+
+
+@pytest.mark.gpu
+def test_a_copy_failing_part_way_leaves_what_was_issued_joined() -> None:
+    """The second promotion names host pages past the tier's end: it fails at layer 0, after
+    the first promotion's layer 0 was issued on a delayed copy stream. The compute stream must
+    still see that layer's copy once the error is out."""
+    copier, kv, host = _gpu_copier(min_bytes=0)
+    assert copier.stream is not None
+    with torch.cuda.stream(copier.stream):
+        torch.cuda._sleep(DELAY_CYCLES)
+    good = TierCopy(HOST, array("i", range(4)), DEVICE, array("i", range(4)))
+    past_the_end = TierCopy(
+        HOST, array("i", range(LARGE.pages - 2, LARGE.pages + 2)), DEVICE, array("i", range(8, 12))
+    )
+    with pytest.raises(RuntimeError):
+        copier.perform([good, past_the_end], _no_spill)
+    assert not copier.pending
+    seen = kv[0][0][0:4].clone()  # on the compute stream
+    assert torch.equal(seen.cpu(), host[0][0][0:4]), "the compute stream read before the copy"
