@@ -157,6 +157,10 @@ class EngineSection:
     host_pages: int = _at_least(0, 0)
     """Pages of the host tier: evicted KV moves to CPU memory instead of vanishing, and a later
     match copies it back (0: off). Each page holds page_size positions of every layer."""
+    copy_stream_min_bytes: int = _at_least(64 << 20, 0)
+    """On CUDA, tier copies moving at least this many bytes run on a copy stream that the
+    forward pass waits on layer by layer; smaller ones on the compute stream (worker/
+    kv_copies.py's MIN_STREAM_BYTES, the same default)."""
     persist_dir: str | None = None
     """Where each worker saves its cache (a directory per worker under it) in the background
     and on drain, and loads it at start; null: no persistence."""

@@ -19,7 +19,7 @@ from cache import PageCopy
 from cache.tiers import DEVICE, HOST, SpillCopy, TierCopy
 from tests.worker.helpers import LLAMA, drain, greedy, recorded_engine
 from worker.engine import EngineConfig
-from worker.kv_copies import MAX_COPY_RUNS, KvCopier
+from worker.kv_copies import MAX_COPY_RUNS, MIN_STREAM_BYTES, KvCopier
 from worker.tiny_model import tiny_model
 
 
@@ -295,3 +295,10 @@ def test_a_copy_failing_part_way_leaves_what_was_issued_joined() -> None:
     assert not copier.pending
     seen = kv[0][0][0:4].clone()  # on the compute stream
     assert torch.equal(seen.cpu(), host[0][0][0:4]), "the compute stream read before the copy"
+
+
+def test_the_config_files_default_floor_is_the_copiers() -> None:
+    from cluster.config import EngineSection
+
+    assert EngineSection().copy_stream_min_bytes == MIN_STREAM_BYTES
+    assert EngineConfig().copy_stream_min_bytes == MIN_STREAM_BYTES
