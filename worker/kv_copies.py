@@ -52,9 +52,10 @@ MIN_STREAM_BYTES = 64 << 20
 """Copies moving fewer bytes between the tiers than this go on the compute stream. A launch-bound
 pass (as SmolLM2- and Llama-3.2-1B-shaped ones are on an H200: about 10-15 ms of kernel launches)
 already hides a short transfer queued ahead of it while the CPU launches its kernels, and the
-copy stream costs the CPU an event and a wait per layer: on the twelfth session's H200 it made
-24-34 MB promotions (0.4-0.6 ms of transfer) 0.6-0.9 ms slower and 189-268 MB ones (3.4-4.9
-ms) 1.9-2.6 ms faster. 64 MB (about 1.2 ms at the 55 GB/s measured there) lies between."""
+copy stream costs the CPU an event and a wait per layer. On the twelfth session's H200, over
+three runs, 24-34 MB promotions (0.4-0.8 ms of transfer) were 0.6-0.9 ms slower with the stream
+in one and within the spread in the others; 189-268 MB ones (3.4-4.9 ms) were 1.6-5.0 ms faster
+in 11 of 12 cells. 64 MB (about 1.2 ms at the 55 GB/s measured there) lies between."""
 
 
 class KvCopier:
