@@ -42,9 +42,9 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.gpu_decode_bench import LLAMA_1B_SHAPED, SMOLLM2_SHAPED
-from benchmarks.prefill_bench import first_token
+from benchmarks.prefill_bench import bench_engine, first_token
 from worker.config import ModelConfig
-from worker.engine import Engine, EngineConfig
+from worker.engine import Engine
 from worker.kv_copies import MIN_STREAM_BYTES
 from worker.model import CausalLM
 from worker.tiny_model import tiny_model
@@ -72,19 +72,14 @@ def parse_case(text: str) -> tuple[int, int]:
 
 def _engine(model: CausalLM, length: int, mode: str) -> Engine:
     copy_stream, min_bytes = MODES[mode]
-    pages = length // 16 + 16
-    config = EngineConfig(
-        num_pages=pages,
-        page_size=16,
-        max_running=2,
-        token_budget=length + 16,
-        max_prefill_chunk=length + 16,
-        max_model_len=length + 64,
-        host_pages=pages,
+    return bench_engine(
+        model,
+        None,
+        length,
+        host_pages=length // 16 + 16,
         copy_stream=copy_stream,
         copy_stream_min_bytes=min_bytes,
     )
-    return Engine(model, None, config)
 
 
 def _sync() -> None:

@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -80,7 +81,11 @@ def prefill_flops(config: ModelConfig, start: int, end: int) -> float:
     return per_token * tokens + attention + 2 * h * config.vocab_size
 
 
-def _engine(model: CausalLM, tokenizer: object, length: int, host_pages: int = 0) -> Engine:
+def bench_engine(
+    model: CausalLM, tokenizer: object, length: int, host_pages: int = 0, **overrides: Any
+) -> Engine:
+    """An engine that prefills a prompt of `length` in one pass; `overrides` set other fields
+    of its EngineConfig (benchmarks/copy_stream_bench.py: where tier copies go)."""
     config = EngineConfig(
         num_pages=2 * length // 16 + 64,
         page_size=16,
@@ -89,6 +94,7 @@ def _engine(model: CausalLM, tokenizer: object, length: int, host_pages: int = 0
         max_prefill_chunk=length + 16,
         max_model_len=length + 256,
         host_pages=host_pages,
+        **overrides,
     )
     return Engine(model, tokenizer, config)  # type: ignore[arg-type]
 
@@ -114,7 +120,7 @@ def first_token_seconds(engine: Engine, prompt: list[int], request_id: str) -> t
 
 
 def ttft(model: CausalLM, prompt: list[int], fractions: list[float], repeats: int) -> dict:
-    engine = _engine(model, None, len(prompt))
+    engine = bench_engine(model, None, len(prompt))
     first_token_seconds(engine, prompt[:64], "warmup")
     cold = []
     for r in range(repeats):
@@ -155,7 +161,7 @@ def host_tier(model: CausalLM, prompt: list[int], repeats: int) -> dict:
     The engine is driven by `step()` on this thread, so the cache may be touched between steps.
     """
     pages = 2 * len(prompt) // 16 + 64
-    engine = _engine(model, None, len(prompt), host_pages=pages)
+    engine = bench_engine(model, None, len(prompt), host_pages=pages)
     first_token_seconds(engine, prompt[:64], "warmup")
     tree = engine.cache.tree
     times: dict[str, list[float]] = {"cold": [], "device": [], "host": []}
@@ -205,7 +211,7 @@ def host_tier(model: CausalLM, prompt: list[int], repeats: int) -> dict:
 
 
 def decode_with_cache(model: CausalLM, prompt: list[int], new_tokens: int) -> dict:
-    engine = _engine(model, None, len(prompt) + new_tokens)
+    engine = bench_engine(model, None, len(prompt) + new_tokens)
     stamps: list[float] = []
     tokens: list[int] = []
     sampling = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -282,7 +288,7 @@ def _latency(steps: list[float]) -> dict:
 def cold_ttfts(model: CausalLM, prompt: list[int], lengths: list[int], repeats: int) -> dict:
     """Cold TTFT (median of `repeats`, cache cleared before each) of the first L tokens of
     `prompt`, for each L in `lengths`."""
-    engine = _engine(model, None, max(lengths))
+    engine = bench_engine(model, None, max(lengths))
     first_token_seconds(engine, prompt[:64], "warmup")
     ms = {}
     for length in lengths:
@@ -316,7 +322,7 @@ def chat_turns(vocab: int, args: argparse.Namespace) -> list[list[int]]:
 
 def chats(model: CausalLM, turns: list[list[int]]) -> dict:
     """TTFT of each turn through one engine (its prefix cache holding both histories)."""
-    engine = _engine(model, None, 2 * max(len(t) for t in turns))
+    engine = bench_engine(model, None, 2 * max(len(t) for t in turns))
     first_token_seconds(engine, turns[0][:64], "warmup")
     engine.cache.tree.clear()
     seconds, cached = [], []

@@ -87,6 +87,8 @@ class ModelRunner:
         the next forward pass waits on layer by layer): a `PageCopy` copies KV slots [0, n) of
         page src into page dst on the device; a `TierCopy` copies whole pages between the
         tiers; a `SpillCopy` reads whole pages for `spill`. Every layer, K and V."""
+        if not copies:  # most steps
+            return
         spilled = 0
 
         def spill(copy: SpillCopy) -> None:
