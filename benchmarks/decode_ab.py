@@ -1,11 +1,13 @@
 """Old against new for the decode step's fusions, alternated in one process: q/k/v and gate/up as
 one matrix each (worker/fused_projections.py, and q and k rotated as one tensor), and what every
 layer of a step shares computed once a step (kernels/torch_sdpa.py's `_STEP_MEMO`), each on and
-off, for one request decoding greedily.
+off, then both with the layers run as worker/decode_layers.py's flat loop ("flat"; the others
+go through the modules), for one request decoding greedily.
 
 Each round runs every variant for --steps steps (after 3 warm-up steps) in turn; a variant's
 figure is the median over rounds of its per-round median step time. Every variant computes the
-same bits (tests/worker/test_fused_projections.py, tests/kernels/test_torch_sdpa.py), so only
+same bits (tests/worker/test_fused_projections.py, tests/kernels/test_torch_sdpa.py,
+tests/worker/test_decode_layers.py), so only
 time is compared. Prints a table on stderr and one JSON object on stdout.
 Run: `python benchmarks/decode_ab.py [--weights int4] [--context 64 1024] [--threads 2]`
 (`--model tiny`: the seeded tiny model, for a quick check).
@@ -34,7 +36,7 @@ from kernels import torch_sdpa
 from worker.model import CausalLM
 
 console = Console(stderr=True)
-VARIANTS = ("neither", "fused", "memo", "both")
+VARIANTS = ("neither", "fused", "memo", "both", "flat")
 
 
 class _NoMemo:
@@ -46,11 +48,14 @@ class _NoMemo:
 
 
 def set_variant(model: CausalLM, fused: list[tuple[Any, Any]], variant: str) -> None:
-    on = variant in ("fused", "both")
+    on = variant in ("fused", "both", "flat")
     for layer, (qkv, gate_up) in zip(model.model.layers, fused, strict=True):
         layer.self_attn.qkv_proj = qkv if on else None
         layer.mlp.gate_up_proj = gate_up if on else None
-    torch_sdpa._STEP_MEMO = MEMO if variant in ("memo", "both") else _NoMemo()  # type: ignore[assignment]
+    model.forget_decode_layers()  # the loop reads the modules just set
+    model.flat_decode = variant == "flat"
+    memo = variant in ("memo", "both", "flat")
+    torch_sdpa._STEP_MEMO = MEMO if memo else _NoMemo()  # type: ignore[assignment]
 
 
 MEMO = torch_sdpa._STEP_MEMO
@@ -75,7 +80,7 @@ def measure(model: CausalLM, context: int, steps: int, rounds: int) -> dict[str,
                     times.append(time.perf_counter() - began)
                 medians[variant].append(1000 * statistics.median(times))
     finally:
-        set_variant(model, fused, "both")
+        set_variant(model, fused, "flat")
     return {v: statistics.median(m) for v, m in medians.items()}
 
 
@@ -96,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     for variant in VARIANTS:
         table.add_column(variant, justify="right")
     table.add_column("both / neither", justify="right")
+    table.add_column("flat / both", justify="right")
     for context, row in results.items():
-        ratio = row["both"] / row["neither"]
-        table.add_row(str(context), *(f"{row[v]:.1f}" for v in VARIANTS), f"{ratio:.2f}")
+        ratios = (row["both"] / row["neither"], row["flat"] / row["both"])
+        table.add_row(
+            str(context), *(f"{x:.1f}" for x in row.values()), *(f"{r:.2f}" for r in ratios)
+        )
     console.print(table)
     summary = {"model": args.model, "weights": args.weights, "threads": args.threads}
     print(json.dumps({**summary, "step_ms": results}))

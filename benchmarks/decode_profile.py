@@ -21,7 +21,8 @@ A step is timed three ways, each the median over --steps steps after a warm-up:
 `aten::t` and `aten::mm` it calls). `other` and the time no op accounts for (Python between
 ops: step_ms - the ops' total) is what fusing would save.
 Prints a table on stderr and one JSON object on stdout.
-Run: `python benchmarks/decode_profile.py [--model smollm2|tiny] [--weights bf16] [--context 1024]`.
+Run: `python benchmarks/decode_profile.py [--model smollm2|tiny] [--weights bf16] [--context 1024]
+[--module-path]` (`--module-path`: through the modules instead of the flat loop, for A/B runs).
 """
 
 from __future__ import annotations
@@ -191,6 +192,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--module-path",
+        action="store_true",
+        help="decode through the modules, not worker/decode_layers.py's flat loop (A/B runs)",
+    )
     return parser.parse_args(argv)
 
 
@@ -198,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_for_bench(args.model, args.weights)
+    model.flat_decode = not args.module_path
     result = {
         "model": args.model,
         "weights": args.weights,
+        "flat_decode": model.flat_decode and model.decode_layers() is not None,
         "torch_threads": torch.get_num_threads(),
         **profile_decode(model, args.context, args.steps),
     }

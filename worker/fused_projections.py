@@ -17,11 +17,15 @@ outputs, as views (a part padded to a whole int4 block loses its padding).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from worker.quantized_linear import QuantizedLinear
+
+if TYPE_CHECKING:
+    from worker.model import CausalLM
 
 
 class FusedProjections(nn.Module):
@@ -46,12 +50,12 @@ class FusedProjections(nn.Module):
         )
 
 
-def fuse_projections(model: nn.Module) -> int:
+def fuse_projections(model: CausalLM) -> int:
     """Give each decoder layer of `model` whose q/k/v (and gate/up) are QuantizedLinears of one
     kind a `qkv_proj` (`gate_up_proj`) fusing them; returns how many groups were fused. Parts
     of different kinds (a GGUF file mixing Q8_0 and Q4 in one layer) stay apart."""
     fused = 0
-    for layer in model.model.layers:  # type: ignore[union-attr]
+    for layer in model.model.layers:
         groups = (
             (layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
             (layer.mlp, "gate_up_proj", ("gate_proj", "up_proj")),
@@ -64,4 +68,5 @@ def fuse_projections(model: nn.Module) -> int:
             ):
                 setattr(parent, name, FusedProjections(parts))
                 fused += 1
+    model.forget_decode_layers()  # worker/decode_layers.py reads these modules
     return fused

@@ -33,6 +33,7 @@ import kernels
 from kernels.lora import lora_expand, lora_shrink
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
+from worker.decode_layers import DecodeLayers
 from worker.fused_projections import FusedProjections
 from worker.lora_weights import LoraStacks
 from worker.rope import RotaryEmbedding, rotate
@@ -247,6 +248,10 @@ class CausalLM(nn.Module):
         weight format gives a tied head its own copy); None: logits use the embedding table."""
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.flat_decode = True
+        """Run the CPU decode steps it applies to as worker/decode_layers.py's flat loop (the
+        same values, fewer ops); False: always through the modules (for comparisons)."""
+        self._decode_layers: list[DecodeLayers | None] = []  # [] until the first decode step
 
     @torch.inference_mode()
     def forward(
@@ -271,15 +276,29 @@ class CausalLM(nn.Module):
             step.lora_stacks = lora
             slots = batch.lora_slots or tuple(batch.lora_seg_slots.tolist())
             step.lora_groups = lora.groups_in_use(slots)
-        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            if layer_ready is not None:
-                layer_ready(i)
-            x = layer(x, step, cache)
+        flat = self.decode_layers() if self.flat_decode and DecodeLayers.applies(step) else None
+        if flat is not None:
+            x = flat.run(x, step, kv_caches, layer_ready)
+        else:
+            for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+                if layer_ready is not None:
+                    layer_ready(i)
+                x = layer(x, step, cache)
         x = self.model.norm(x[batch.logits_indices])
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(x)
             return logits.float()
         return (x @ self.model.embed_tokens.weight.t()).float()
+
+    def decode_layers(self) -> DecodeLayers | None:
+        """The flat decode loop over the layers as they are (None: not for these layers),
+        built on first use; `forget_decode_layers` after changing which modules they hold."""
+        if not self._decode_layers:
+            self._decode_layers.append(DecodeLayers.of(self))
+        return self._decode_layers[0]
+
+    def forget_decode_layers(self) -> None:
+        self._decode_layers.clear()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,167 @@
+"""A CPU decode step's decoder layers as one flat loop: the module path's arithmetic, fewer ops.
+
+On a CPU a decode step of a small model is bound by the cost of each op and module call, not
+by the arithmetic (docs/worker.md, "Where a decode step's time goes"). `DecodeLayers` holds
+each layer's norm weights and kernels, read once per model, and runs the layers as one loop,
+without the module calls (`DecoderLayer` -> `Attention` -> `FusedProjections` ->
+`QuantizedLinear`, about ten a layer) and without the casts that type promotion makes for free:
+
+    x -> rms_norm -> qkv kernel (bf16) -> RoPE on q and k (float32) -> write K/V -> attention
+      -> o kernel -> x + o -> rms_norm -> gate/up kernel -> silu(gate) * up -> down kernel
+      -> x + down
+
+A kernel's bf16 output meets float32 only in ops that promote it (`x + y`, `y * cos`,
+`silu(gate.float()) * up`), which upcast exactly as `y.to(float32)` did, so every value is the
+module path's bit for bit (tests/worker/test_decode_layers.py compares logits and K/V). Each
+linear multiplies through its own `QuantizedLinear._matmul`, so the kernel or the float32 path
+is chosen by the row count exactly as in `QuantizedLinear.forward`.
+
+It runs what it was written for, and the modules run the rest:
+- a CPU model whose layers all have fused q/k/v and gate/up projections (a quantized weight
+  format: worker/fused_projections.py), without bias or QK-norm, with float32 activations
+  (`DecodeLayers.of`: built on the first decode step, again after `fuse_projections`);
+- a decode step without LoRA terms (`DecodeLayers.applies`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.nn.functional as F
+
+from worker.fused_projections import FusedProjections
+from worker.quantized_linear import QuantizedLinear
+
+if TYPE_CHECKING:
+    from worker.model import CausalLM, DecoderLayer, KvCache, Step
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """What one decoder layer's decode step reads: norms, and each projection's `_matmul`."""
+
+    input_norm: torch.Tensor
+    qkv: Matmul
+    qkv_starts: tuple[int, ...]
+    """Where q, k and v begin in the fused output (a part padded to whole int4 blocks leaves a
+    gap after it: worker/fused_projections.py)."""
+    o: Matmul
+    post_norm: torch.Tensor
+    gate_up: Matmul
+    up_start: int
+    down: Matmul
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayers:
+    layers: tuple[LayerWeights, ...]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+    @classmethod
+    def of(cls, model: CausalLM) -> DecodeLayers | None:
+        """The flat loop over `model`'s layers, or None when it was not written for them."""
+        if model.dtype != torch.float32 or model.model.norm.weight.device.type != "cpu":
+            return None
+        layers = []
+        for layer in model.model.layers:
+            weights = _layer_weights(cast("DecoderLayer", layer))
+            if weights is None:
+                return None
+            layers.append(weights)
+        config = model.config
+        return cls(
+            tuple(layers),
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.rms_norm_eps,
+        )
+
+    @staticmethod
+    def applies(step: Step) -> bool:
+        """Whether the flat loop may run `step`: a decode step without LoRA terms."""
+        return step.batch.is_decode and not step.lora_groups
+
+    def run(
+        self,
+        x: torch.Tensor,
+        step: Step,
+        kv_caches: list[KvCache],
+        layer_ready: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """The layers over x [tokens, hidden] (float32); returns the last layer's output."""
+        tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        inter, eps, shape, cos, sin = self.intermediate, self.eps, x.shape[-1:], step.cos, step.sin
+        for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if layer_ready is not None:
+                layer_ready(i)
+            qkv = weights.qkv(F.rms_norm(x, shape, weights.input_norm, eps))
+            q_at, k_at, v_at = weights.qkv_starts
+            v = qkv[:, v_at : v_at + kv_heads * dim].view(tokens, kv_heads, dim)
+            if k_at == heads * dim:  # q and k side by side: one rotation
+                qk = _rotate(qkv[:, : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = _rotate(qkv[:, q_at : q_at + heads * dim].view(tokens, heads, dim), cos, sin)
+                k = _rotate(qkv[:, k_at : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
+            step.write_kv(cache, k, v.to(k.dtype))
+            x = x + weights.o(step.attention(q, cache).reshape(tokens, heads * dim))
+            gate_up = weights.gate_up(F.rms_norm(x, shape, weights.post_norm, eps))
+            up = weights.up_start
+            h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
+            x = x + weights.down(h)
+        return x
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """worker/rope.py's `rotate` of a kernel's output, in float32 by promotion (its bf16 values
+    upcast exactly, as `.float()` would)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def _layer_weights(layer: DecoderLayer) -> LayerWeights | None:
+    """What the loop reads of `layer`, or None when the loop was not written for it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up, o, down = attn.qkv_proj, mlp.gate_up_proj, attn.o_proj, mlp.down_proj
+    if not (
+        isinstance(qkv, FusedProjections)
+        and isinstance(gate_up, FusedProjections)
+        and isinstance(o, QuantizedLinear)
+        and isinstance(down, QuantizedLinear)
+        and attn.q_norm is None
+        and all(_plain(linear) for linear in (qkv.linear, gate_up.linear, o, down))
+    ):
+        return None
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(w.dtype != torch.float32 for w in norms):
+        return None
+    return LayerWeights(
+        norms[0],
+        qkv.linear._matmul,
+        qkv.starts,
+        o._matmul,
+        norms[1],
+        gate_up.linear._matmul,
+        gate_up.starts[1],
+        down._matmul,
+    )
+
+
+def _plain(linear: QuantizedLinear) -> bool:
+    """A CPU layer without bias whose `_matmul` gives its output (not the head's logits)."""
+    return (
+        linear.device_type == "cpu"
+        and not linear.triton
+        and linear.bias is None
+        and not linear.is_head
+    )
