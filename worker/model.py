@@ -251,7 +251,8 @@ class CausalLM(nn.Module):
         self.flat_decode = True
         """Run the CPU decode steps it applies to as worker/decode_layers.py's flat loop (the
         same values, fewer ops); False: always through the modules (for comparisons)."""
-        self._decode_layers: list[DecodeLayers | None] = []  # [] until the first decode step
+        self._decode_layers: tuple[tuple[torch.dtype, torch.device], DecodeLayers | None] | None
+        self._decode_layers = None  # (what it was built for, the loop) after a decode step
 
     @torch.inference_mode()
     def forward(
@@ -292,13 +293,15 @@ class CausalLM(nn.Module):
 
     def decode_layers(self) -> DecodeLayers | None:
         """The flat decode loop over the layers as they are (None: not for these layers),
-        built on first use; `forget_decode_layers` after changing which modules they hold."""
-        if not self._decode_layers:
-            self._decode_layers.append(DecodeLayers.of(self))
-        return self._decode_layers[0]
+        built on first use and again when the model's dtype or device changed;
+        `forget_decode_layers` after changing which modules the layers hold."""
+        built_for = (self.dtype, self.model.norm.weight.device)
+        if self._decode_layers is None or self._decode_layers[0] != built_for:
+            self._decode_layers = (built_for, DecodeLayers.of(self))
+        return self._decode_layers[1]
 
     def forget_decode_layers(self) -> None:
-        self._decode_layers.clear()
+        self._decode_layers = None
 
     @property
     def dtype(self) -> torch.dtype:

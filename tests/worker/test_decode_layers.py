@@ -4,6 +4,7 @@ runs where it applies, and leaves every other step to the modules."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,10 @@ from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, tiny_model
 from worker.weight_formats import apply_weight_format
 
 FORMATS: list[WeightFormat] = ["bf16", "int8", "int4"]
+PADDED_CONFIG = replace(TINY_CONFIG, num_heads=6, num_kv_heads=2, intermediate_size=96)
+"""q (96 rows) and gate (96) are not whole int4 blocks of 64 rows: in int4 they are padded, so q
+and k do not lie side by side (two rotations) and up does not start where gate ends."""
+CONFIGS = {"llama": TINY_CONFIG, "padded": PADDED_CONFIG}
 PAGE_SIZE = 4
 PAGES_PER_SEQUENCE = 8
 ROWS = (1, 5, 70)
@@ -62,19 +67,23 @@ def kv_copy(runner: ModelRunner) -> list[torch.Tensor]:
     return [t.clone() for layer in runner.kv for t in layer]
 
 
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_flat_loop_gives_the_module_paths_logits_and_kv_bit_for_bit(
-    fmt: WeightFormat, flat_runs: list[int]
+    config: str, fmt: WeightFormat, flat_runs: list[int]
 ) -> None:
-    """The same decode step through the modules, then through the flat loop (rewriting the
-    same slots): equal logits and equal K/V, for every row count."""
-    model = apply_weight_format(tiny_model(TINY_CONFIG, seed=11), fmt)
+    """The same decode step through the modules, then, from the K/V as it was before that
+    step, through the flat loop: equal logits and equal K/V, for every row count."""
+    model = apply_weight_format(tiny_model(CONFIGS[config], seed=11), fmt)
     runner, chunks = prefilled(model, max(ROWS))
     for rows in ROWS:
+        before = kv_copy(runner)
         model.flat_decode = False
         by_modules = runner.run(chunks[:rows]).clone()
         kv_by_modules = kv_copy(runner)
         assert not flat_runs
+        for cache, saved in zip((t for layer in runner.kv for t in layer), before, strict=True):
+            cache.copy_(saved)  # the step's slots hold what they held before it: not its K/V
         model.flat_decode = True
         flat = runner.run(chunks[:rows])
         assert len(flat_runs) == 1, "the flat loop did not run"
@@ -84,11 +93,14 @@ def test_the_flat_loop_gives_the_module_paths_logits_and_kv_bit_for_bit(
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), rows
 
 
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_greedy_decoding_is_the_same_both_ways(fmt: WeightFormat, flat_runs: list[int]) -> None:
+def test_greedy_decoding_is_the_same_both_ways(
+    config: str, fmt: WeightFormat, flat_runs: list[int]
+) -> None:
     """Two runners over one model, one decoding through the modules and one through the flat
     loop, each feeding back its own argmax for 12 steps: the same tokens and logits."""
-    model = apply_weight_format(tiny_model(TINY_CONFIG, seed=5), fmt)
+    model = apply_weight_format(tiny_model(CONFIGS[config], seed=5), fmt)
     outputs: dict[bool, tuple[list[list[int]], list[torch.Tensor]]] = {}
     for flat in (False, True):
         model.flat_decode = flat
@@ -115,8 +127,9 @@ def test_greedy_decoding_is_the_same_both_ways(fmt: WeightFormat, flat_runs: lis
     [
         (TINY_CONFIG, "float32", "no fused projections"),
         (TINY_QWEN3_CONFIG, "int4", "QK-norm"),
+        (replace(TINY_CONFIG, architecture="qwen2", attention_bias=True), "int4", "a bias"),
     ],
-    ids=["float32", "qwen3-qk-norm"],
+    ids=["float32", "qwen3-qk-norm", "qwen2-bias"],
 )
 def test_models_it_was_not_written_for_decode_through_the_modules(
     config: ModelConfig, fmt: WeightFormat, why: str, flat_runs: list[int]
@@ -158,3 +171,14 @@ def test_the_loop_is_rebuilt_when_a_weight_format_fuses_the_projections(
     assert len(flat_runs) == 1
     model.flat_decode = False
     assert torch.equal(runner.run(chunks), flat)
+
+
+def test_the_loop_is_dropped_when_the_activations_change_dtype(flat_runs: list[int]) -> None:
+    """Built for float32 activations, the loop is not used once the model is cast to bf16."""
+    model = apply_weight_format(tiny_model(TINY_CONFIG, seed=6), "int8")
+    assert model.decode_layers() is not None
+    model.to(torch.bfloat16)
+    assert model.decode_layers() is None
+    runner, chunks = prefilled(model, 2)
+    assert torch.isfinite(runner.run(chunks)).all()
+    assert not flat_runs
