@@ -13,8 +13,9 @@ without the module calls (`DecoderLayer` -> `Attention` -> `FusedProjections` ->
 A kernel's bf16 output meets float32 only in ops that promote it (`x + y`, `y * cos`,
 `silu(gate.float()) * up`), which upcast exactly as `y.to(float32)` did, so every value is the
 module path's bit for bit (tests/worker/test_decode_layers.py compares logits and K/V). Each
-linear multiplies through its own `QuantizedLinear._matmul`, so the kernel or the float32 path
-is chosen by the row count exactly as in `QuantizedLinear.forward`.
+linear multiplies through its own `QuantizedLinear.bound_matmul` (`_matmul`, an int4 kernel
+call's buffers looked up once), so the kernel or the float32 path is chosen by the row count
+exactly as in `QuantizedLinear.forward`.
 
 It runs what it was written for, and the modules run the rest:
 - a CPU model whose layers all have fused q/k/v and gate/up projections (a quantized weight
@@ -43,7 +44,7 @@ Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    """What one decoder layer's decode step reads: norms, and each projection's `_matmul`."""
+    """What one decoder layer's decode step reads: norms, and each projection's matmul."""
 
     input_norm: torch.Tensor
     qkv: Matmul
@@ -147,13 +148,13 @@ def _layer_weights(layer: DecoderLayer) -> LayerWeights | None:
         return None
     return LayerWeights(
         norms[0],
-        qkv.linear._matmul,
+        qkv.linear.bound_matmul(),
         qkv.starts,
-        o._matmul,
+        o.bound_matmul(),
         norms[1],
-        gate_up.linear._matmul,
+        gate_up.linear.bound_matmul(),
         gate_up.starts[1],
-        down._matmul,
+        down.bound_matmul(),
     )
 
 

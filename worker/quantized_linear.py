@@ -76,7 +76,7 @@ machine before reading 2-thread speed-ups off these.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Literal
 
@@ -393,6 +393,25 @@ class QuantizedLinear(nn.Module):
         if not self.is_head:  # logits keep what the head computed them in (float32 on a CPU)
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def bound_matmul(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`_matmul` with what a CPU int4 projection's kernel call reads looked up once
+        (worker/decode_layers.py calls it 120 times a step, where each lookup of a buffer and
+        each branch costs a few microseconds); any other layer's own `_matmul`."""
+        if self.triton or self.format != "int4" or self.dynamic_int8 or self.exact_top:
+            return self._matmul
+        packed, group, out = self.packed, self.group_size, self.out_features
+        scales_and_zeros = self.scales_and_zeros.contiguous()  # a part's is a strided view
+        rows, padded, fallback = self.float32_rows, self.rows != out, self._matmul
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+        def matmul(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] >= rows:
+                return fallback(x)
+            y: torch.Tensor = kernel(x.to(torch.bfloat16), packed, group, scales_and_zeros)
+            return y[:, :out] if padded else y
+
+        return matmul
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] @ W.T in bf16 (the kernels' output; float32 from `int8_dynamic_matmul`

@@ -247,6 +247,22 @@ def test_rows_agree_whichever_cpu_path_they_take(fmt: str) -> None:
             assert torch.equal(alone[0], chunk[row])
 
 
+@pytest.mark.parametrize("fmt", LINEAR_FORMATS)
+def test_bound_matmul_is_matmul(fmt: str) -> None:
+    """`bound_matmul` gives `_matmul`'s bits at every row count, for a padded layer (72 rows)
+    and for a part of a concatenated layer (its scales a strided view); formats other than
+    CPU int4 get `_matmul` itself."""
+    layers = [QuantizedLinear(weight(72, 128, seed), fmt) for seed in (1, 2)]  # type: ignore[arg-type]
+    fused = QuantizedLinear.concat(layers)
+    for layer in (*layers, fused):
+        bound = layer.bound_matmul()
+        if fmt != "int4":
+            assert bound == layer._matmul
+        for rows in (1, 5, 70):
+            x = activations(rows, 128, seed=rows)
+            assert torch.equal(bound(x), layer._matmul(x)), (fmt, rows)
+
+
 def test_a_quantized_weight_moves_as_it_is() -> None:
     """`QuantizedWeight.to`: the same values on the device asked for, itself where it is."""
     qw = quantize(weight(64, 64), "int4", 32)
