@@ -397,7 +397,9 @@ class QuantizedLinear(nn.Module):
     def bound_matmul(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """`_matmul` with what a CPU int4 projection's kernel call reads looked up once
         (worker/decode_layers.py calls it 120 times a step, where each lookup of a buffer and
-        each branch costs a few microseconds); any other layer's own `_matmul`."""
+        each branch costs a few microseconds); any other layer's own `_matmul`. It reads the
+        buffers themselves, so weights loaded into them in place are seen, except a part's
+        strided scales (`concat`), which it copies."""
         if self.triton or self.format != "int4" or self.dynamic_int8 or self.exact_top:
             return self._matmul
         packed, group, out = self.packed, self.group_size, self.out_features
