@@ -14,8 +14,9 @@ radixmesh runs `cache.RadixCache` over `cache.PagePool` with block hashing on (a
 always runs it). As the worker's engine thread does, it receives the prompt's cache keys made
 before the loop (the worker makes them on the thread that submits the request:
 `RequestState.prompt_keys`) and the output's keys made as its tokens were generated, and it
-takes the prompt's block hashes from the router when they check out (`BlockHasher.accepts`),
-hashing only the blocks past them (the output's). SGLang runs its `RadixCache` over its
+takes the prompt's block hashes from the router when they check out (`BlockHasher.accepts`,
+told the keys are text as the worker tells it: `to_cache_keys` checked the ids when it made
+them), hashing only the blocks past them (the output's). SGLang runs its `RadixCache` over its
 `TokenToKVPoolAllocator` (page 1) or `PagedTokenToKVPoolAllocator`, CPU tensors, KV events off
 (its default), and receives prompt and output ids as `array("q")`, as its scheduler holds them.
 Both see the same requests and the same capacity in tokens.
@@ -117,7 +118,12 @@ class Radixmesh:
         keys = prompt + output
         match = tree.match(keys[: len(prompt) - 1], DEFAULT_NAMESPACE)
         chain = match.block_hashes  # as SequenceCache.start takes the router's when it checks
-        if len(routed) > len(chain) and self.hasher.accepts(routed, keys, DEFAULT_NAMESPACE):
+        if len(routed) > len(chain) and self.hasher.accepts(
+            routed,
+            keys,
+            DEFAULT_NAMESPACE,
+            text=True,  # as the worker: keys made from ids
+        ):
             chain = list(routed)
         node = match.last_node
         tree.lock(node)

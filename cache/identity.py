@@ -131,19 +131,28 @@ class BlockHasher:
         return hashes
 
     def accepts(
-        self, chain: Sequence[int], keys: Sequence[CacheKey], namespace: CacheNamespace
+        self,
+        chain: Sequence[int],
+        keys: Sequence[CacheKey],
+        namespace: CacheNamespace,
+        *,
+        text: bool = False,
     ) -> bool:
         """Whether `chain`, computed elsewhere (the router hashes each prompt to route it), may
         stand for the hashes of the first `len(chain)` blocks of `keys`: those blocks are all
         text (the router hashes token ids and knows nothing of images), and the first and the
         last of them hash here as given, so a wrong namespace, scheme or token at either end
-        shows. A middle block is not rehashed: that would cost what taking the chain saves."""
+        shows. A middle block is not rehashed: that would cost what taking the chain saves.
+
+        `text`: the caller made `keys` from token ids with `to_cache_keys`, which refuses an id
+        with the top bit set, so none is typed and the scan for typed keys (a pass over every
+        key) is skipped."""
         size = self.block_size
         end = len(chain) * size
         if not chain or end > len(keys):
             return False
         keys = as_keys(keys if isinstance(keys, array) else keys[:end])  # only the head is read
-        if has_typed_keys(keys, end):
+        if not text and has_typed_keys(keys, end):
             return False
         if xxh3_64_intdigest(pack_keys(keys[:size]), self.namespace_seed(namespace)) != chain[0]:
             return False

@@ -150,20 +150,30 @@ class SequenceCache:
         namespace: CacheNamespace = DEFAULT_NAMESPACE,
         reserve: int = 0,
         block_hashes: Sequence[int] = (),
+        *,
+        text: bool = False,
     ) -> CachedSequence:
         """`start` from keys made earlier by `to_cache_keys` (the worker makes a prompt's keys
         once, on the thread that submits it, so its engine thread converts nothing). The
         sequence keeps a copy: it extends its keys as tokens are generated. Raises `TypeError`
-        for anything but an `array("Q")` (tokens go to `start`, which checks them)."""
+        for anything but an `array("Q")` (tokens go to `start`, which checks them).
+
+        `text`: every key was made from a token id (no image), so `block_hashes` is checked
+        without a scan for typed keys (`BlockHasher.accepts`)."""
         if type(keys) is not array or keys.typecode != "Q":
             raise TypeError(
                 f"start_keys takes the array('Q') to_cache_keys makes, got {type(keys).__name__}; "
                 "give tokens to start"
             )
-        return self._start(array("Q", keys), namespace, reserve, block_hashes)
+        return self._start(array("Q", keys), namespace, reserve, block_hashes, text)
 
     def _start(
-        self, keys: Keys, namespace: CacheNamespace, reserve: int, block_hashes: Sequence[int]
+        self,
+        keys: Keys,
+        namespace: CacheNamespace,
+        reserve: int,
+        block_hashes: Sequence[int],
+        text: bool = False,
     ) -> CachedSequence:
         n, ps = len(keys), self.page_size
         if n == 0:
@@ -193,7 +203,9 @@ class SequenceCache:
         if reuse > full * ps:
             copies.append(PageCopy(match.pages[full], fresh[0], reuse - full * ps))
         chain = match.block_hashes
-        if len(block_hashes) > len(chain) and self.hasher.accepts(block_hashes, keys, namespace):
+        if len(block_hashes) > len(chain) and self.hasher.accepts(
+            block_hashes, keys, namespace, text=text
+        ):
             chain = list(block_hashes)
             self.stats.given_blocks += len(chain)
         seq = CachedSequence(slot, namespace, keys, n, reuse, reuse, node, full, copies, chain)

@@ -203,6 +203,7 @@ class Scheduler:
                 request.namespace,
                 reserve=len(sample.tokens),
                 block_hashes=sample.block_hashes,
+                text=sample.request.images is None,  # keys from ids, which to_cache_keys checked
             )
         except (OutOfPages, OutOfSlots):
             return Admission.NO_ROOM

@@ -267,6 +267,29 @@ def test_a_prompt_with_an_image_hashes_itself() -> None:
     assert _published_blocks(cache) == set(cache.hasher.hashes(seq.keys, DEFAULT_NAMESPACE))
 
 
+def test_text_keys_skip_only_the_scan_for_typed_keys() -> None:
+    """The worker tells `start_keys` a prompt is text (its keys came from ids, which
+    `to_cache_keys` checked): the router's chain is then taken without a pass over every key,
+    and the end blocks are still hashed, so a chain that does not check out is still refused."""
+    prompt = list(range(100, 150))
+    cache = make(num_pages=256)
+    chain = cache.hasher.hashes(prompt, DEFAULT_NAMESPACE)
+    spoiled = [*chain[:-1], chain[-1] ^ 1]
+    seq = cache.start_keys(to_cache_keys(prompt), block_hashes=spoiled, text=True)
+    assert cache.stats.given_blocks == 0
+    cache.abort(seq)
+    # The flag is the caller's word, passed down to `accepts`: keys with an image's typed keys,
+    # offered their own chain (which checks out at both ends), are refused after the scan and
+    # taken without it.
+    keys = to_cache_keys([*prompt[:8], ImageToken(5, 8), *prompt[8:]])
+    own = cache.hasher.hashes(keys, DEFAULT_NAMESPACE)
+    for text, taken in ((False, 0), (True, len(own))):
+        seq = cache.start_keys(keys, block_hashes=own, text=text)
+        assert cache.stats.given_blocks == taken
+        cache.abort(seq)
+    check_sequence_cache(cache)
+
+
 def test_start_keys_takes_keys_made_earlier_and_keeps_its_own_copy() -> None:
     """The worker makes a prompt's keys once, when the request is submitted, and starts every
     admission of its samples from them: a sequence must extend a copy, never the caller's."""
