@@ -102,16 +102,24 @@ def decode_attention(
     """All sequences in one SDPA call over their pages gathered up to the longest one.
 
     The pages are gathered with one `index_select` of whole pages per cache (a contiguous copy),
-    not advanced indexing: a third of the time on a decode step's few pages, same values."""
+    not advanced indexing: a third of the time on a decode step's few pages, same values. A
+    lone sequence whose pages are consecutive ids (one decoding alone, its pages taken from
+    the free stack in order) is read in place instead: the cache's own pages, sliced, are the
+    tensor the gather would have copied, with the same shape and strides."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     batch, (num_pages, page_size) = q.shape[0], k_cache.shape[:2]
-    pages, longest, masks = _STEP_MEMO.lookup(
+    pages, longest, masks, first = _STEP_MEMO.lookup(
         ("decode", page_table, seq_lens),
         (batch, num_pages, page_size),
         lambda: _decode_plan(page_table[:batch], seq_lens, num_pages, page_size),
     )
-    k = k_cache.index_select(0, pages).view(batch, -1, *k_cache.shape[2:])[:, :longest]
-    v = v_cache.index_select(0, pages).view(batch, -1, *v_cache.shape[2:])[:, :longest]
+    if first is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+        end = first + pages.shape[0]
+        k = k_cache[first:end].view(1, -1, *k_cache.shape[2:])[:, :longest]
+        v = v_cache[first:end].view(1, -1, *v_cache.shape[2:])[:, :longest]
+    else:
+        k = k_cache.index_select(0, pages).view(batch, -1, *k_cache.shape[2:])[:, :longest]
+        v = v_cache.index_select(0, pages).view(batch, -1, *v_cache.shape[2:])[:, :longest]
     k, v = k.transpose(1, 2), v.transpose(1, 2)
     mask = None
     if masks is not None:
@@ -128,19 +136,23 @@ def decode_attention(
 
 def _decode_plan(
     page_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: int, page_size: int
-) -> tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor] | None]:
+) -> tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor] | None, int | None]:
     """What every layer of a decode step shares: each row's pages up to the longest row (ids
     past a row's own clamped into range: the masks hide what they hold) as one int64 index, the
-    longest length, and, when rows differ in length, the padding positions to zero in the
-    gathered [batch, heads, longest, dim] K/V and SDPA's [batch, 1, 1, longest] mask of real
-    ones (None: every row is the longest)."""
+    longest length, when rows differ in length the padding positions to zero in the gathered
+    [batch, heads, longest, dim] K/V and SDPA's [batch, 1, 1, longest] mask of real ones (None:
+    every row is the longest), and, for one row whose pages are consecutive ids, the first of
+    them (None: gather)."""
     longest = int(seq_lens.max())
     pages = page_table[:, : cdiv(longest, page_size)].reshape(-1).to(torch.int64)
     pages = pages.clamp(0, num_pages - 1)
     if not bool((seq_lens != longest).any()):
-        return pages, longest, None
+        first = None
+        if page_table.shape[0] == 1 and bool((pages.diff() == 1).all()):
+            first = int(pages[0])
+        return pages, longest, None, first
     valid = torch.arange(longest, device=seq_lens.device)[None, :] < seq_lens[:, None]
-    return pages, longest, (~valid[:, None, :, None], valid[:, None, None, :])
+    return pages, longest, (~valid[:, None, :, None], valid[:, None, None, :]), None
 
 
 class _StepMemo:
