@@ -113,7 +113,7 @@ def decode_attention(
         (batch, num_pages, page_size),
         lambda: _decode_plan(page_table[:batch], seq_lens, num_pages, page_size),
     )
-    if first is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+    if first is not None:  # the caches are contiguous (checked where the call was bound)
         end = first + pages.shape[0]
         k = k_cache[first:end].view(1, -1, *k_cache.shape[2:])[:, :longest]
         v = v_cache[first:end].view(1, -1, *v_cache.shape[2:])[:, :longest]
@@ -148,7 +148,7 @@ def _decode_plan(
     pages = pages.clamp(0, num_pages - 1)
     if not bool((seq_lens != longest).any()):
         first = None
-        if page_table.shape[0] == 1 and bool((pages.diff() == 1).all()):
+        if page_table.shape[0] == 1 and pages.numel() and bool((pages.diff() == 1).all()):
             first = int(pages[0])
         return pages, longest, None, first
     valid = torch.arange(longest, device=seq_lens.device)[None, :] < seq_lens[:, None]

@@ -55,6 +55,13 @@ def test_lifecycle_free_private_cached_free() -> None:
         (lambda pool, p: pool.claim([p[1], 0]), "reserved"),
         (lambda pool, p: pool.uncache([p[3], p[1]]), "is private, expected cached"),
         (lambda pool, p: pool.free_private([p[4]]), "is free"),
+        # one page alone (a move's commonest size: its own fast path)
+        (lambda pool, p: pool.claim([0]), "reserved"),
+        (lambda pool, p: pool.claim([-1]), "not a page of this pool"),
+        (lambda pool, p: pool.claim([8]), "not a page of this pool"),
+        (lambda pool, p: pool.claim([2.0]), "not a page of this pool"),
+        (lambda pool, p: pool.uncache([p[1]]), "is private, expected cached"),
+        (lambda pool, p: pool.claim([p[3]]), "is cached, expected private"),
     ],
 )
 def test_a_bad_transition_raises_and_changes_nothing(
@@ -235,3 +242,14 @@ def test_check_finds_a_corrupted_pool() -> None:
     with pytest.raises(AssertionError, match="free list"):
         pool.check()
     assert CACHED != PRIVATE
+
+
+def test_one_page_given_as_a_numpy_integer_moves(path: str) -> None:
+    """A page id that is a numpy integer, not an int, takes the general checks and moves."""
+    pool = PagePool(8, 1)
+    (page,) = pool.allocate(1)
+    pool.claim([np.int32(page)])
+    assert pool.state(page) == CACHED
+    pool.uncache(np.array([page], dtype=np.int64))
+    assert pool.state(page) == FREE and pool.num_free == 7
+    pool.check()

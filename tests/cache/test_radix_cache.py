@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cache import (
@@ -17,7 +17,7 @@ from cache import (
     LengthMismatch,
     to_cache_keys,
 )
-from cache.radix_cache import common_prefix
+from cache.radix_cache import _NUMPY_PREFIX_FROM, common_prefix
 from tests.cache.helpers import make_stack
 
 
@@ -191,12 +191,17 @@ def test_siblings_diverging_inside_a_page_own_distinct_blocks() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 700), st.integers(0, 700), st.integers(0, 700), st.integers(0, 40))
+@example(_NUMPY_PREFIX_FROM + 44, _NUMPY_PREFIX_FROM + 43, 0, 5)  # numpy: the last key differs
+@example(700, 0, 0, 40)  # numpy: the first key differs
+@example(700, 500, 300, 7)  # numpy: a difference, then agreement again
+@example(_NUMPY_PREFIX_FROM - 1, 200, 100, 3)  # bisection, just under the bar
 def test_common_prefix_is_the_first_difference_on_both_sides_of_the_numpy_bar(
     length: int, cut: int, after: int, at: int
 ) -> None:
     """A label of `length` keys against keys that agree for `cut` of them, then differ once
     and agree again for `after` (a difference a memcmp of the wrong span would miss): labels
-    on both sides of the 256 keys from which numpy, not bisection, finds the difference."""
+    on both sides of the `_NUMPY_PREFIX_FROM` keys from which numpy, not bisection, finds the
+    difference."""
     label = array("Q", range(1, length + 1))
     keys = array("Q", [0] * at) + label[:cut] + array("Q", [0]) + label[cut + 1 : cut + 1 + after]
     expected = 0

@@ -118,12 +118,12 @@ def test_what_a_step_shares_is_recomputed_when_its_tensors_change() -> None:
 @pytest.mark.parametrize("page_size", (1, 16))
 @pytest.mark.parametrize("length", (1, 17, 40))
 def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_with_the_gathers_bits(
-    page_size: int, length: int
+    page_size: int, length: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One sequence decoding alone on pages 3, 4, 5, ...: its K/V are the cache's own pages,
-    sliced, not gathered. The output must be the gather's bit for bit (the same pages moved to
-    scattered ids take the gather) and agree with the reference; the slots past its length
-    hold NaN, which neither path may read."""
+    sliced, not gathered (no `index_select`). The output must be the gather's bit for bit (the
+    same sequence twice in a batch takes the gather) and agree with the reference; the slots
+    past its length hold NaN, which neither path may read."""
     from kernels.torch_sdpa import _decode_plan
 
     seed = fresh_seed()
@@ -133,24 +133,33 @@ def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_with_the_gathers_
     shape = (num_pages, page_size, kv_heads, dim)
     k_cache = torch.full(shape, float("nan"))
     v_cache = torch.full(shape, float("nan"))
-    k_cache.view(-1, kv_heads, dim)[3 * page_size : 3 * page_size + length] = torch.randn(
-        length, kv_heads, dim, generator=gen
-    )
-    v_cache.view(-1, kv_heads, dim)[3 * page_size : 3 * page_size + length] = torch.randn(
-        length, kv_heads, dim, generator=gen
-    )
+    for cache in (k_cache, v_cache):
+        written = cache.view(-1, kv_heads, dim)[3 * page_size : 3 * page_size + length]
+        written.copy_(torch.randn(length, kv_heads, dim, generator=gen))
     q = torch.randn(1, kv_heads * group, dim, generator=gen)
     seq_lens = torch.tensor([length], dtype=torch.int32)
     in_order = torch.arange(3, 3 + n_pages, dtype=torch.int32)[None]
     scattered = torch.tensor([num_pages - 1 - i for i in range(n_pages)], dtype=torch.int32)[None]
     assert _decode_plan(in_order, seq_lens, num_pages, page_size)[3] == 3
     assert n_pages == 1 or _decode_plan(scattered, seq_lens, num_pages, page_size)[3] is None
-    moved_k, moved_v = k_cache.clone(), v_cache.clone()
-    moved_k[scattered[0].long()] = k_cache[in_order[0].long()]
-    moved_v[scattered[0].long()] = v_cache[in_order[0].long()]
+    assert _decode_plan(in_order, seq_lens * 0, num_pages, page_size)[3] is None  # no pages
+
+    gathers = []
+    index_select = torch.Tensor.index_select
+
+    def counted(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        gathers.append(self.shape)
+        return index_select(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.Tensor, "index_select", counted)
     in_place = decode_attention(q, k_cache, v_cache, in_order, seq_lens, backend="torch_sdpa")
-    gathered = decode_attention(q, moved_k, moved_v, scattered, seq_lens, backend="torch_sdpa")
-    assert torch.equal(in_place, gathered)
+    assert gathers == []
+    twice = decode_attention(
+        q.repeat(2, 1, 1), k_cache, v_cache, in_order.repeat(2, 1), seq_lens.repeat(2),
+        backend="torch_sdpa",
+    )  # fmt: skip
+    assert len(gathers) == 2
+    assert torch.equal(in_place[0], twice[0]) and torch.equal(in_place[0], twice[1])
     expected = reference.decode_attention(
         q.double(), k_cache.double(), v_cache.double(), in_order, seq_lens
     )
