@@ -9,6 +9,9 @@ from typing import Any
 # Before anything imports torch: OpenMP threads that spin while waiting make every small torch op
 # on a 2-core machine many times slower (a 0.05 s test took 6.4 s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Decode steps stay eager unless a test compiles them itself (worker/decode_graph.py: a compile
+# takes tens of seconds of CPU, in a thread of its own, and writes a package to a cache).
+os.environ.setdefault("RADIXMESH_COMPILED_DECODE", "0")
 
 import pytest
 from hypothesis import HealthCheck, settings

@@ -1,0 +1,147 @@
+"""worker/decode_graph.py: the compiled layer boundaries of a CPU int4 decode give the eager
+loop's logits and K/V bit for bit, are built once and then loaded from the disk cache, and leave
+the loop eager wherever they do not apply or their build fails."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.worker.test_decode_layers import kv_copy, prefilled
+from worker import decode_graph
+from worker.decode_graph import CACHE_ENV, ENABLE_ENV, BoundaryGraph
+from worker.decode_layers import DecodeLayers
+from worker.model import CausalLM
+from worker.model_runner import Chunk
+from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, tiny_model
+from worker.weight_formats import apply_weight_format
+
+THREE_LAYERS = replace(TINY_CONFIG, num_layers=3)
+"""Two boundaries: the build checks the first and the last."""
+
+
+@pytest.fixture(scope="module")
+def package_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the module: the first build compiles, the others load its package."""
+    return tmp_path_factory.mktemp("decode-graphs")
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch, package_dir: Path) -> Path:
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    monkeypatch.setenv(CACHE_ENV, str(package_dir))
+    return package_dir
+
+
+def built(model: CausalLM) -> BoundaryGraph:
+    layers = model.decode_layers()
+    assert layers is not None and layers.graph is not None
+    assert layers.graph.wait(600), "the build did not end"
+    return layers.graph
+
+
+def int4_model(seed: int) -> CausalLM:
+    return apply_weight_format(tiny_model(THREE_LAYERS, seed=seed), "int4")
+
+
+def test_compiled_boundaries_give_the_eager_loops_logits_and_kv_bit_for_bit(
+    compiled: Path,
+) -> None:
+    """Each of 8 greedy steps of one sequence runs eagerly, then, from the K/V as it was before
+    it, through the compiled boundaries: equal logits, equal K/V. Two rows stay eager."""
+    model = int4_model(seed=11)
+    graph = built(model)
+    assert graph.run is not None, graph.failure
+    assert list(compiled.glob("boundary-*.pt2")), "no package was kept"
+    run, calls = graph.run, []
+
+    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(1)
+        return run(inputs)
+
+    runner, chunks = prefilled(model, 2)
+    for _ in range(8):
+        before = kv_copy(runner)
+        graph.run = None
+        eager = runner.run(chunks[:1]).clone()
+        kv_eager = kv_copy(runner)
+        for cache, saved in zip((t for layer in runner.kv for t in layer), before, strict=True):
+            cache.copy_(saved)
+        graph.run = counted
+        got = runner.run(chunks[:1])
+        assert len(calls) == THREE_LAYERS.num_layers - 1, "the boundaries did not run compiled"
+        calls.clear()
+        assert torch.equal(got, eager), (got - eager).abs().max()
+        for ours, theirs in zip(kv_copy(runner), kv_eager, strict=True):
+            assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+        token = int(got.argmax(-1))
+        chunks[0] = Chunk([token], chunks[0].start + 1, chunks[0].pages, True)
+    runner.run(chunks)  # two rows: the eager loop
+    assert not calls
+
+
+def test_a_second_model_of_the_same_shape_loads_the_package_without_compiling(
+    compiled: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built(int4_model(seed=1))  # compiles, unless the test above already did
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    graph = built(int4_model(seed=2))  # other weights: inputs, not part of the package
+    assert graph.run is not None, graph.failure
+
+
+@pytest.mark.parametrize("broken", ["no compiler", "other bits"])
+def test_a_failed_or_inexact_build_leaves_the_loop_eager(
+    broken: str, compiled: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that raises (no C++ compiler, say), or whose package does not give the eager
+    ops' bits, is not used: the failure is kept and the loop decodes eagerly, as before."""
+
+    def no_compiler(*args: object) -> decode_graph.Run:
+        raise RuntimeError("no compiler")
+
+    def off_by_a_bit(*args: object) -> decode_graph.Run:
+        def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            x, q, k, v = decode_graph.Boundary(args[0])(*inputs)  # type: ignore[arg-type]
+            return [x.nextafter(x + 1), q, k, v]
+
+        return run
+
+    fake = no_compiler if broken == "no compiler" else off_by_a_bit
+    monkeypatch.setattr(decode_graph, "compile_boundary", fake)
+    model = int4_model(seed=3)
+    graph = built(model)
+    assert graph.run is None
+    assert graph.failure == (
+        "RuntimeError: no compiler"
+        if broken == "no compiler"
+        else "the compiled boundary does not give the eager loop's bits"
+    )
+    runner, chunks = prefilled(model, 1)
+    flat = runner.run(chunks).clone()
+    model.flat_decode = False
+    runner, chunks = prefilled(model, 1)
+    assert torch.equal(runner.run(chunks), flat)
+
+
+def test_it_is_built_only_where_it_was_written_for(
+    compiled: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other formats, QK-norm, one layer, or compiled decode turned off: no graph at all."""
+    for model in (
+        apply_weight_format(tiny_model(THREE_LAYERS, seed=4), "int8"),
+        apply_weight_format(tiny_model(THREE_LAYERS, seed=4), "bf16"),
+        apply_weight_format(tiny_model(TINY_QWEN3_CONFIG, seed=4), "int4"),
+        apply_weight_format(tiny_model(replace(TINY_CONFIG, num_layers=1), seed=4), "int4"),
+    ):
+        layers = model.decode_layers()
+        assert layers is None or layers.graph is None
+    monkeypatch.setenv(ENABLE_ENV, "0")
+    layers = DecodeLayers.of(int4_model(seed=4))
+    assert layers is not None and layers.graph is None
