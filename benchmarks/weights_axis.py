@@ -33,11 +33,19 @@ __all__ = ["BIG", "MODELS", "WEIGHT_FORMATS", "load_for_bench", "weight_bytes"]
 
 
 def load_for_bench(name: str, fmt: WeightFormat | str = "float32") -> CausalLM:
-    """Model `name` (one of MODELS) with its linear layers and head in weight format `fmt`."""
+    """Model `name` (one of MODELS) with its linear layers and head in weight format `fmt`,
+    its compiled decode graph built (worker/decode_graph.py; a benchmark measures the steady
+    state a server reaches seconds after it starts)."""
     weights = check_weight_format(fmt, "--weights")
     if name == "smollm2":
-        return load_model("default", weights=weights).model
-    if name not in MODELS:
+        model = load_model("default", weights=weights).model
+    elif name not in MODELS:
         raise ValueError(f"model {name!r} is not one of {', '.join(MODELS)}")
-    model = tiny_model(BIG if name == "big" else TINY_CONFIG, seed=0)
-    return apply_weight_format(model, weights)
+    else:
+        model = apply_weight_format(
+            tiny_model(BIG if name == "big" else TINY_CONFIG, seed=0), weights
+        )
+    layers = model.decode_layers()
+    if layers is not None and layers.graph is not None:
+        layers.graph.wait()
+    return model
