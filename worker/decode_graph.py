@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.default_model import cache_root
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
 
@@ -45,9 +46,6 @@ log = logging.getLogger(__name__)
 
 GRAPH_VERSION = 1
 """Part of a package's key: bump it when `Boundary` changes."""
-CACHE_ENV = "RADIXMESH_GRAPH_CACHE"
-"""Where packages are kept (default: `$XDG_CACHE_HOME/radixmesh/decode-graphs`, or
-`~/.cache/radixmesh/decode-graphs`)."""
 ENABLE_ENV = "RADIXMESH_COMPILED_DECODE"
 """`0` keeps every decode step eager (the default for tests: tests/conftest.py)."""
 
@@ -219,11 +217,9 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get(CACHE_ENV)
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "radixmesh" / "decode-graphs"
+    """Where packages are kept: `decode-graphs` in radixmesh's cache (`$RADIXMESH_CACHE_DIR`,
+    or ~/.cache/radixmesh, where the default model is converted)."""
+    return cache_root() / "decode-graphs"
 
 
 def _example(geometry: Geometry, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -12,8 +12,9 @@ import torch
 
 from tests.worker.test_decode_layers import kv_copy, prefilled
 from worker import decode_graph
-from worker.decode_graph import CACHE_ENV, ENABLE_ENV, BoundaryGraph
+from worker.decode_graph import ENABLE_ENV, BoundaryGraph
 from worker.decode_layers import DecodeLayers
+from worker.default_model import CACHE_ENV
 from worker.model import CausalLM
 from worker.model_runner import Chunk
 from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, tiny_model
@@ -26,7 +27,7 @@ THREE_LAYERS = replace(TINY_CONFIG, num_layers=3)
 @pytest.fixture(scope="module")
 def package_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache for the module: the first build compiles, the others load its package."""
-    return tmp_path_factory.mktemp("decode-graphs")
+    return tmp_path_factory.mktemp("radixmesh-cache")
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_compiled_boundaries_give_the_eager_loops_logits_and_kv_bit_for_bit(
     model = int4_model(seed=11)
     graph = built(model)
     assert graph.run is not None, graph.failure
-    assert list(compiled.glob("boundary-*.pt2")), "no package was kept"
+    assert list(compiled.glob("decode-graphs/boundary-*.pt2")), "no package was kept"
     run, calls = graph.run, []
 
     def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
