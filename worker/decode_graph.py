@@ -1,28 +1,31 @@
-"""The step between two attentions of a CPU int4 decode, compiled ahead of time: one graph for
-every layer boundary of the model, built in the background, used once it checks out.
+"""The stretches of a CPU int4 decode step between its norms and attentions, compiled ahead
+of time: two graphs for all layers of a model, built in the background, used once they check out.
 
-A decode step of one sequence spends about a third of each layer in ~25 small eager ops (norms,
-casts, RoPE, SiLU, residual adds), each a Python call and a dispatch. `torch.compile` of that
+A decode step of one sequence spends about a third of each layer in ~25 small eager ops (casts,
+slices, RoPE, SiLU, residual adds), each a Python call and a dispatch. `torch.compile` of that
 stretch gave nothing back (docs/worker.md: dynamo's lookup and the wrapper cost what fusion
-saved); AOTInductor has neither: `torch.export` the stretch from one layer's attention output to
-the next layer's rotated q and k, compile it with its four int4 kernels as calls into torch, and
-run the package's loader directly. The weights are inputs, so one package serves all boundaries
-of a model (and of every model of the same shape: it is kept on disk, keyed by what it was
-compiled for).
+saved); AOTInductor has neither: `torch.export` the stretch, compile it with its int4 kernels as
+calls into torch, and run the package's loader directly. The weights are inputs, so one package
+serves every layer of a model (and of every model of the same shape: it is kept on disk, keyed
+by what it was compiled for). Two graphs, with the norms between them left eager:
 
-    a, x -> x + o(a) -> rms_norm -> gate/up -> silu(gate) * up -> down -> x + down
-         -> (next layer) rms_norm -> qkv -> RoPE on q and k -> (x, q, k, v)
+    attention -> o, x + o (eager) -> rms_norm (eager)
+      -> [MLP graph]  gate/up -> silu(gate) * up -> down -> x + down
+      -> rms_norm (eager)
+      -> [QKV graph]  qkv -> RoPE on q and k -> (q, k, v) -> the next attention
 
-The same ops as worker/decode_layers.py's loop, in the same order. Inductor may still reorder a
-reduction, so a package is used only if it gives the loop's bits on probe inputs through two real
-boundaries of the model; otherwise, and while it compiles, and wherever it was not built for
-(more than one row, another format, a non-CPU model, no C++ compiler), the loop runs eagerly.
+The same ops as worker/decode_layers.py's loop, in the same order, so the same bits: inductor
+derives a norm's reduction from its parts and sums in its own order (71 of 300 random rows
+differed in the last bit, and over 100 SmolLM2 steps the logits drifted by up to 0.3), so the
+norms stay torch's own. A package is used only if it gives the loop's bits on probe inputs
+through the model's first and last layers; otherwise, and while it compiles, and wherever it
+was not built for (more than one row, another format, a non-CPU model, no C++ compiler), the
+loop runs eagerly.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
 import threading
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GRAPH_VERSION = 1
+GRAPH_VERSION = 2
 """Part of a package's key: bump it when `Boundary` changes."""
 ENABLE_ENV = "RADIXMESH_COMPILED_DECODE"
 """`0` keeps every decode step eager (the default for tests: tests/conftest.py)."""
@@ -69,8 +72,9 @@ class Geometry:
     """The true widths of o, gate/up, down and qkv (a kernel's output is padded past them)."""
 
 
-class Boundary(nn.Module):
-    """One layer boundary as plain tensor ops (what `torch.export` traces)."""
+class MlpBlock(nn.Module):
+    """x + down(silu(gate) * up) of the normed x, as plain tensor ops (what `torch.export`
+    traces); `DecodeLayers.run`'s MLP."""
 
     def __init__(self, geometry: Geometry) -> None:
         super().__init__()
@@ -78,44 +82,55 @@ class Boundary(nn.Module):
 
     def forward(
         self,
-        a: torch.Tensor,
+        normed: torch.Tensor,
         x: torch.Tensor,
-        o_packed: torch.Tensor,
-        o_scales: torch.Tensor,
-        post_norm: torch.Tensor,
         gate_up_packed: torch.Tensor,
         gate_up_scales: torch.Tensor,
         down_packed: torch.Tensor,
         down_scales: torch.Tensor,
-        input_norm: torch.Tensor,
+    ) -> torch.Tensor:
+        g, mm = self.g, torch.ops.aten._weight_int4pack_mm_for_cpu
+        _, gate_up_out, down_out, _ = g.outs
+        gate_up = mm(normed.to(torch.bfloat16), gate_up_packed, g.group, gate_up_scales)
+        gate_up = gate_up[:, :gate_up_out]
+        inter, up = g.intermediate, g.up_start
+        h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
+        return x + mm(h.to(torch.bfloat16), down_packed, g.group, down_scales)[:, :down_out]
+
+
+class QkvBlock(nn.Module):
+    """q, k and v of the normed x, q and k rotated, v in their dtype; `DecodeLayers.run`'s
+    q/k/v with q and k side by side."""
+
+    def __init__(self, geometry: Geometry) -> None:
+        super().__init__()
+        self.g = geometry
+
+    def forward(
+        self,
+        normed: torch.Tensor,
         qkv_packed: torch.Tensor,
         qkv_scales: torch.Tensor,
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g, mm = self.g, torch.ops.aten._weight_int4pack_mm_for_cpu
-        shape, (o_out, gate_up_out, down_out, qkv_out) = (g.hidden,), g.outs
-        x = x + mm(a.to(torch.bfloat16), o_packed, g.group, o_scales)[:, :o_out]
-        normed = F.rms_norm(x, shape, post_norm, g.eps).to(torch.bfloat16)
-        gate_up = mm(normed, gate_up_packed, g.group, gate_up_scales)[:, :gate_up_out]
-        inter, up = g.intermediate, g.up_start
-        h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
-        x = x + mm(h.to(torch.bfloat16), down_packed, g.group, down_scales)[:, :down_out]
-        normed = F.rms_norm(x, shape, input_norm, g.eps).to(torch.bfloat16)
-        qkv = mm(normed, qkv_packed, g.group, qkv_scales)[:, :qkv_out]
+        qkv = mm(normed.to(torch.bfloat16), qkv_packed, g.group, qkv_scales)[:, : g.outs[3]]
         dim, kv = g.head_dim, g.kv_heads * g.head_dim
         v = qkv[:, g.v_start : g.v_start + kv].view(1, g.kv_heads, dim)
         qk = qkv[:, : g.heads * dim + kv].view(1, -1, dim)
         qk = qk * cos + qk.roll(dim // 2, -1) * signed_sin  # decode_layers._rotate
-        return x, qk[:, : g.heads], qk[:, g.heads :], v.to(qk.dtype)
+        return qk[:, : g.heads], qk[:, g.heads :], v.to(qk.dtype)
 
 
 @dataclass(frozen=True)
-class BoundaryWeights:
-    """The inputs of every boundary after the first two (a, x) and before the last two."""
+class LayerInputs:
+    """What the two graphs read of each layer besides their activations."""
 
-    per_boundary: tuple[tuple[torch.Tensor, ...], ...]
-    """Boundary i (after layer i's attention, to layer i+1's q/k/v)."""
+    mlp: tuple[tuple[torch.Tensor, ...], ...]
+    """Layer i's gate/up and down, packed, and their scales."""
+    qkv: tuple[tuple[torch.Tensor, ...], ...]
+    """Layer i's fused q/k/v, packed, and its scales."""
 
 
 Four = tuple[QuantizedLinear, QuantizedLinear, QuantizedLinear, QuantizedLinear]
@@ -146,7 +161,7 @@ def _layer_parts(layer: DecoderLayer, q_width: int) -> _LayerParts | None:
     return _LayerParts(cast(Four, four), v_at, gate_up.starts[1], *(w.detach() for w in norms))
 
 
-def geometry_of(model: CausalLM) -> tuple[Geometry, BoundaryWeights] | None:
+def geometry_of(model: CausalLM) -> tuple[Geometry, LayerInputs] | None:
     """The boundaries' geometry and weights, or None when the graph was not written for them:
     a CPU model whose layers all hold plain int4 projections (fused q/k/v with q and k side by
     side, fused gate/up), without bias or QK-norm, float32 activations and norms, the kernel
@@ -179,25 +194,20 @@ def geometry_of(model: CausalLM) -> tuple[Geometry, BoundaryWeights] | None:
         config.rms_norm_eps,
         (o.out_features, gate_up.out_features, down.out_features, qkv.out_features),
     )
-    per_boundary = []
-    for here, after in itertools.pairwise(parts):
-        _, o, gate_up, down = here.four
-        qkv_next = after.four[0]
-        per_boundary.append(
+    mlp, qkv_inputs = [], []
+    for part in parts:
+        qkv, _, gate_up, down = part.four
+        # a part's scales are a strided view of the fused buffer: the graphs take them whole
+        mlp.append(
             (
-                o.packed,
-                o.scales_and_zeros.contiguous(),  # a part's scales are a strided view
-                here.post_norm,
                 gate_up.packed,
                 gate_up.scales_and_zeros.contiguous(),
                 down.packed,
                 down.scales_and_zeros.contiguous(),
-                after.input_norm,
-                qkv_next.packed,
-                qkv_next.scales_and_zeros.contiguous(),
             )
         )
-    return geometry, BoundaryWeights(tuple(per_boundary))
+        qkv_inputs.append((qkv.packed, qkv.scales_and_zeros.contiguous()))
+    return geometry, LayerInputs(tuple(mlp), tuple(qkv_inputs))
 
 
 def _plain_int4(linear: nn.Module) -> bool:
@@ -222,20 +232,27 @@ def cache_dir() -> Path:
     return cache_root() / "decode-graphs"
 
 
-def _example(geometry: Geometry, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
+def _examples(geometry: Geometry, inputs: LayerInputs, layer: int) -> dict[str, list[torch.Tensor]]:
+    """Probe inputs of both graphs with layer `layer`'s weights (also what they compile for)."""
+    gen = torch.Generator().manual_seed(layer)
     hidden, dim = geometry.hidden, geometry.head_dim
-    a = torch.randn(1, geometry.heads * dim, generator=gen)
-    x = torch.randn(1, hidden, generator=gen)
+    normed, x = torch.randn(2, 1, hidden, generator=gen)
     angle = torch.rand(1, 1, dim, generator=gen)
-    return [a, x, *weights, angle.cos(), angle.sin()]
+    return {
+        "mlp": [normed, x, *inputs.mlp[layer]],
+        "qkv": [normed, *inputs.qkv[layer], angle.cos(), angle.sin()],
+    }
 
 
-def package_key(geometry: Geometry, example: Sequence[torch.Tensor]) -> str:
-    """What a package was compiled for: torch, the CPU's kernels, the geometry, every input's
-    shape and dtype."""
+def _blocks(geometry: Geometry) -> dict[str, nn.Module]:
+    return {"mlp": MlpBlock(geometry), "qkv": QkvBlock(geometry)}
+
+
+def package_key(name: str, geometry: Geometry, example: Sequence[torch.Tensor]) -> str:
+    """What a package was compiled for: the graph, torch, the CPU's kernels, the geometry,
+    every input's shape and dtype."""
     parts = [
-        f"v{GRAPH_VERSION}",
+        f"{name}-v{GRAPH_VERSION}",
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
         repr(geometry),
@@ -244,13 +261,15 @@ def package_key(geometry: Geometry, example: Sequence[torch.Tensor]) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def compile_boundary(geometry: Geometry, example: list[torch.Tensor], directory: Path) -> Run:
-    """The boundary's package for `geometry`, loaded (compiled first unless `directory` holds
-    it); its loader's `run` over a flat list of inputs."""
+def compile_block(
+    name: str, block: nn.Module, geometry: Geometry, example: list[torch.Tensor], directory: Path
+) -> Run:
+    """Graph `name`'s package, loaded (compiled first unless `directory` holds it); its
+    loader's `run` over a flat list of inputs."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"boundary-{package_key(geometry, example)}.pt2"
+    path = directory / f"{name}-{package_key(name, geometry, example)}.pt2"
     if not path.exists():
-        exported = torch.export.export(Boundary(geometry), tuple(example))
+        exported = torch.export.export(block, tuple(example))
         partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.part.pt2")
         torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
         os.replace(partial, path)  # whole or absent: a reader never loads half a package
@@ -259,43 +278,49 @@ def compile_boundary(geometry: Geometry, example: list[torch.Tensor], directory:
     return run
 
 
-def checks_out(run: Run, geometry: Geometry, weights: BoundaryWeights) -> bool:
-    """Whether the package gives the eager ops' bits on probe inputs through the model's first
-    and last boundaries."""
-    boundary = Boundary(geometry)
-    for i in {0, len(weights.per_boundary) - 1}:
-        example = _example(geometry, weights.per_boundary[i])
-        with torch.inference_mode():
-            expected = boundary(*example)
-            got = run(list(example))
-        if len(got) != len(expected) or not all(
-            g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
-            for g, e in zip(got, expected, strict=False)
-        ):
-            return False
+def checks_out(runs: dict[str, Run], geometry: Geometry, inputs: LayerInputs) -> bool:
+    """Whether each package gives its eager ops' bits on probe inputs with the weights of the
+    model's first and last layers."""
+    blocks = _blocks(geometry)
+    for layer in {0, len(inputs.mlp) - 1}:
+        for name, example in _examples(geometry, inputs, layer).items():
+            with torch.inference_mode():
+                expected = blocks[name](*example)
+                got = runs[name](list(example))
+            if isinstance(expected, torch.Tensor):
+                expected = (expected,)
+            if len(got) != len(expected) or not all(
+                g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
+                for g, e in zip(got, expected, strict=False)
+            ):
+                return False
     return True
 
 
-class BoundaryGraph:
-    """The compiled boundaries of one model: `run` is None until the package is built, loaded
-    and checked (in a thread of its own), and stays None if any of that failed."""
+class DecodeGraph:
+    """The compiled graphs of one model: `mlp` and `qkv` are None until both packages are
+    built, loaded and checked (in a thread of its own), and stay None if any of that failed."""
 
-    def __init__(self, geometry: Geometry, weights: BoundaryWeights) -> None:
-        self.geometry, self.weights = geometry, weights
-        self.run: Run | None = None
+    def __init__(self, geometry: Geometry, inputs: LayerInputs) -> None:
+        self.geometry, self.inputs = geometry, inputs
+        self.mlp: Run | None = None
+        self.qkv: Run | None = None
         self.failure: str | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._build, name="decode-graph", daemon=True)
+        self._thread = threading.Thread(target=self._build, name="decode-graphs", daemon=True)
         self._thread.start()
 
     def _build(self) -> None:
         try:
-            example = _example(self.geometry, self.weights.per_boundary[0])
-            run = compile_boundary(self.geometry, example, cache_dir())
-            if checks_out(run, self.geometry, self.weights):
-                self.run = run
+            examples = _examples(self.geometry, self.inputs, 0)
+            runs = {
+                name: compile_block(name, block, self.geometry, examples[name], cache_dir())
+                for name, block in _blocks(self.geometry).items()
+            }
+            if checks_out(runs, self.geometry, self.inputs):
+                self.mlp, self.qkv = runs["mlp"], runs["qkv"]
             else:
-                self.failure = "the compiled boundary does not give the eager loop's bits"
+                self.failure = "a compiled graph does not give the eager loop's bits"
         except Exception as error:  # any failure leaves the eager loop running
             self.failure = f"{type(error).__name__}: {error}"
         finally:
@@ -308,12 +333,10 @@ class BoundaryGraph:
         return self._done.wait(timeout)
 
     @classmethod
-    def start(cls, model: CausalLM) -> BoundaryGraph | None:
-        """The graph for `model`, building; None where it was not written for the model, the
-        model has one layer, or compiled decode is off (`RADIXMESH_COMPILED_DECODE=0`)."""
+    def start(cls, model: CausalLM) -> DecodeGraph | None:
+        """The graphs for `model`, building; None where they were not written for the model,
+        or compiled decode is off (`RADIXMESH_COMPILED_DECODE=0`)."""
         if not enabled():
             return None
         found = geometry_of(model)
-        if found is None or not found[1].per_boundary:
-            return None
-        return cls(*found)
+        return None if found is None else cls(*found)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from worker.decode_graph import BoundaryGraph
+from worker.decode_graph import DecodeGraph
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
 
@@ -67,9 +67,9 @@ class DecodeLayers:
     head_dim: int
     intermediate: int
     eps: float
-    graph: BoundaryGraph | None = None
-    """The layer boundaries compiled ahead of time, for one row (worker/decode_graph.py): used
-    once built and checked, while the loop runs eagerly meanwhile."""
+    graph: DecodeGraph | None = None
+    """The MLP and q/k/v compiled ahead of time, for one row (worker/decode_graph.py): used
+    once built and checked; the loop runs eagerly meanwhile."""
 
     @classmethod
     def of(cls, model: CausalLM) -> DecodeLayers | None:
@@ -90,7 +90,7 @@ class DecodeLayers:
             config.head_dim,
             config.intermediate_size,
             config.rms_norm_eps,
-            BoundaryGraph.start(model),
+            DecodeGraph.start(model),
         )
 
     @staticmethod
@@ -107,7 +107,7 @@ class DecodeLayers:
     ) -> torch.Tensor:
         """The layers over x [tokens, hidden] (float32); returns the last layer's output."""
         graph = self.graph
-        if graph is not None and graph.run is not None and x.shape[0] == 1:
+        if graph is not None and graph.qkv is not None and x.shape[0] == 1:
             return self._run_compiled(graph, x, step, kv_caches, layer_ready)
         tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
         inter, eps, shape, cos, sin = self.intermediate, self.eps, x.shape[-1:], step.cos, step.sin
@@ -133,40 +133,28 @@ class DecodeLayers:
 
     def _run_compiled(
         self,
-        graph: BoundaryGraph,
+        graph: DecodeGraph,
         x: torch.Tensor,
         step: Step,
         kv_caches: list[KvCache],
         layer_ready: Callable[[int], None] | None,
     ) -> torch.Tensor:
-        """`run` for one row with the compiled boundaries: the first layer's q/k/v and the
-        last layer's MLP as the loop computes them, every attention eager, and between two
-        attentions one call of the package (the same ops: the graph checked out bit for bit)."""
-        run, boundaries = graph.run, graph.weights.per_boundary
-        assert run is not None
-        heads, kv_heads, dim, eps, cos, sin = (
-            self.heads, self.kv_heads, self.head_dim, self.eps, step.cos, step.sin,
-        )  # fmt: skip
-        first, last = self.layers[0], len(self.layers) - 1
-        qkv = first.qkv(F.rms_norm(x, x.shape[-1:], first.input_norm, eps))
-        v_at = first.qkv_starts[2]
-        v = qkv[:, v_at : v_at + kv_heads * dim].view(1, kv_heads, dim)
-        qk = _rotate(qkv[:, : heads * dim + kv_heads * dim].view(1, -1, dim), cos, sin)
-        q, k, v = qk[:, :heads], qk[:, heads:], v.to(qk.dtype)
-        for i, cache in enumerate(kv_caches):
+        """`run` for one row through the compiled graphs: each layer's q/k/v and MLP one call
+        each, its norms, attention and o projection eager (the same ops as the loop: the
+        graphs checked out bit for bit)."""
+        mlp, qkv, inputs = graph.mlp, graph.qkv, graph.inputs
+        assert mlp is not None and qkv is not None
+        eps, shape, cos, sin = self.eps, x.shape[-1:], step.cos, step.sin
+        width = self.heads * self.head_dim
+        for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer_ready is not None:
                 layer_ready(i)
+            normed = F.rms_norm(x, shape, weights.input_norm, eps)
+            q, k, v = qkv([normed, *inputs.qkv[i], cos, sin])
             step.write_kv(cache, k, v)
-            attended = step.attention(q, cache).reshape(1, heads * dim)
-            if i < last:
-                x, q, k, v = run([attended, x, *boundaries[i], cos, sin])
-                continue
-            weights = self.layers[i]
-            x = x + weights.o(attended)
-            gate_up = weights.gate_up(F.rms_norm(x, x.shape[-1:], weights.post_norm, eps))
-            up, inter = weights.up_start, self.intermediate
-            h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
-            x = x + weights.down(h)
+            x = x + weights.o(step.attention(q, cache).reshape(1, width))
+            normed = F.rms_norm(x, shape, weights.post_norm, eps)
+            (x,) = mlp([normed, x, *inputs.mlp[i]])
         return x
 
 

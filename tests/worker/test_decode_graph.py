@@ -1,4 +1,4 @@
-"""worker/decode_graph.py: the compiled layer boundaries of a CPU int4 decode give the eager
+"""worker/decode_graph.py: the compiled MLP and q/k/v graphs of a CPU int4 decode give the eager
 loop's logits and K/V bit for bit, are built once and then loaded from the disk cache, and leave
 the loop eager wherever they do not apply or their build fails."""
 
@@ -12,7 +12,7 @@ import torch
 
 from tests.worker.test_decode_layers import kv_copy, prefilled
 from worker import decode_graph
-from worker.decode_graph import ENABLE_ENV, BoundaryGraph
+from worker.decode_graph import ENABLE_ENV, DecodeGraph
 from worker.decode_layers import DecodeLayers
 from worker.default_model import CACHE_ENV
 from worker.model import CausalLM
@@ -21,7 +21,7 @@ from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, tiny_model
 from worker.weight_formats import apply_weight_format
 
 THREE_LAYERS = replace(TINY_CONFIG, num_layers=3)
-"""Two boundaries: the build checks the first and the last."""
+"""The build checks the graphs with the first layer's weights and the last one's."""
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def compiled(monkeypatch: pytest.MonkeyPatch, package_dir: Path) -> Path:
     return package_dir
 
 
-def built(model: CausalLM) -> BoundaryGraph:
+def built(model: CausalLM) -> DecodeGraph:
     layers = model.decode_layers()
     assert layers is not None and layers.graph is not None
     assert layers.graph.wait(600), "the build did not end"
@@ -48,32 +48,36 @@ def int4_model(seed: int) -> CausalLM:
     return apply_weight_format(tiny_model(THREE_LAYERS, seed=seed), "int4")
 
 
-def test_compiled_boundaries_give_the_eager_loops_logits_and_kv_bit_for_bit(
+def test_the_compiled_graphs_give_the_eager_loops_logits_and_kv_bit_for_bit(
     compiled: Path,
 ) -> None:
     """Each of 8 greedy steps of one sequence runs eagerly, then, from the K/V as it was before
-    it, through the compiled boundaries: equal logits, equal K/V. Two rows stay eager."""
+    it, through the compiled graphs (each layer's q/k/v and MLP one call each): equal logits,
+    equal K/V. Two rows stay eager."""
     model = int4_model(seed=11)
     graph = built(model)
-    assert graph.run is not None, graph.failure
-    assert list(compiled.glob("decode-graphs/boundary-*.pt2")), "no package was kept"
-    run, calls = graph.run, []
+    assert graph.mlp is not None and graph.qkv is not None, graph.failure
+    assert len(list(compiled.glob("decode-graphs/*.pt2"))) == 2, "the packages were not kept"
+    mlp, qkv, calls = graph.mlp, graph.qkv, []
 
-    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        calls.append(1)
-        return run(inputs)
+    def counted(run: decode_graph.Run) -> decode_graph.Run:
+        def call(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            calls.append(1)
+            return run(inputs)
+
+        return call
 
     runner, chunks = prefilled(model, 2)
     for _ in range(8):
         before = kv_copy(runner)
-        graph.run = None
+        graph.mlp = graph.qkv = None
         eager = runner.run(chunks[:1]).clone()
         kv_eager = kv_copy(runner)
         for cache, saved in zip((t for layer in runner.kv for t in layer), before, strict=True):
             cache.copy_(saved)
-        graph.run = counted
+        graph.mlp, graph.qkv = counted(mlp), counted(qkv)
         got = runner.run(chunks[:1])
-        assert len(calls) == THREE_LAYERS.num_layers - 1, "the boundaries did not run compiled"
+        assert len(calls) == 2 * THREE_LAYERS.num_layers, "the graphs did not run"
         calls.clear()
         assert torch.equal(got, eager), (got - eager).abs().max()
         for ours, theirs in zip(kv_copy(runner), kv_eager, strict=True):
@@ -93,8 +97,8 @@ def test_a_second_model_of_the_same_shape_loads_the_package_without_compiling(
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
-    graph = built(int4_model(seed=2))  # other weights: inputs, not part of the package
-    assert graph.run is not None, graph.failure
+    graph = built(int4_model(seed=2))  # other weights: inputs, not part of the packages
+    assert graph.qkv is not None, graph.failure
 
 
 @pytest.mark.parametrize("broken", ["no compiler", "other bits"])
@@ -107,22 +111,23 @@ def test_a_failed_or_inexact_build_leaves_the_loop_eager(
     def no_compiler(*args: object) -> decode_graph.Run:
         raise RuntimeError("no compiler")
 
-    def off_by_a_bit(*args: object) -> decode_graph.Run:
+    def off_by_a_bit(name: str, block: torch.nn.Module, *args: object) -> decode_graph.Run:
         def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            x, q, k, v = decode_graph.Boundary(args[0])(*inputs)  # type: ignore[arg-type]
-            return [x.nextafter(x + 1), q, k, v]
+            out = block(*inputs)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            return [outs[0].nextafter(outs[0] + 1), *outs[1:]]
 
         return run
 
     fake = no_compiler if broken == "no compiler" else off_by_a_bit
-    monkeypatch.setattr(decode_graph, "compile_boundary", fake)
+    monkeypatch.setattr(decode_graph, "compile_block", fake)
     model = int4_model(seed=3)
     graph = built(model)
-    assert graph.run is None
+    assert graph.mlp is None and graph.qkv is None
     assert graph.failure == (
         "RuntimeError: no compiler"
         if broken == "no compiler"
-        else "the compiled boundary does not give the eager loop's bits"
+        else "a compiled graph does not give the eager loop's bits"
     )
     runner, chunks = prefilled(model, 1)
     flat = runner.run(chunks).clone()
@@ -134,12 +139,11 @@ def test_a_failed_or_inexact_build_leaves_the_loop_eager(
 def test_it_is_built_only_where_it_was_written_for(
     compiled: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Other formats, QK-norm, one layer, or compiled decode turned off: no graph at all."""
+    """Other formats, QK-norm, or compiled decode turned off: no graph at all."""
     for model in (
         apply_weight_format(tiny_model(THREE_LAYERS, seed=4), "int8"),
         apply_weight_format(tiny_model(THREE_LAYERS, seed=4), "bf16"),
         apply_weight_format(tiny_model(TINY_QWEN3_CONFIG, seed=4), "int4"),
-        apply_weight_format(tiny_model(replace(TINY_CONFIG, num_layers=1), seed=4), "int4"),
     ):
         layers = model.decode_layers()
         assert layers is None or layers.graph is None
