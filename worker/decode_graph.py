@@ -25,6 +25,8 @@ loop runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor import cpp_builder, cpu_vec_isa
 
 from worker.default_model import cache_root
 from worker.fused_projections import FusedProjections
@@ -179,7 +182,8 @@ def geometry_of(model: CausalLM) -> tuple[Geometry, LayerInputs] | None:
         (p.v_start, p.up_start, *((m.packed.shape, m.scales_and_zeros.shape) for m in p.four))
         for p in parts
     }
-    if len(layouts) != 1:
+    groups = {m.group_size for p in parts for m in (p.four[0], p.four[2], p.four[3])}
+    if len(layouts) != 1 or len(groups) != 1:
         return None
     qkv, o, gate_up, down = first.four
     geometry = Geometry(
@@ -248,32 +252,61 @@ def _blocks(geometry: Geometry) -> dict[str, nn.Module]:
     return {"mlp": MlpBlock(geometry), "qkv": QkvBlock(geometry)}
 
 
+@functools.cache
+def _host() -> tuple[str, ...]:
+    """What the generated code depends on besides the graph: the vector ISA inductor picks, the
+    CPU's flags (it compiles for the host's own instructions) and the C++ compiler."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    compiler = cpp_builder.get_cpp_compiler()
+    return (
+        str(cpu_vec_isa.pick_vec_isa()),
+        hashlib.sha256(flags.encode()).hexdigest(),
+        cpp_builder.get_compiler_version_info(compiler),
+    )
+
+
 def package_key(name: str, geometry: Geometry, example: Sequence[torch.Tensor]) -> str:
-    """What a package was compiled for: the graph, torch, the CPU's kernels, the geometry,
+    """What a package was compiled for: the graph, torch, the host (`_host`), the geometry,
     every input's shape and dtype."""
     parts = [
         f"{name}-v{GRAPH_VERSION}",
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
+        *_host(),
         repr(geometry),
         *(f"{tuple(t.shape)}{t.dtype}" for t in example),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
+_COMPILING = threading.Lock()
+"""One build at a time in a process: `torch.export` and inductor are not thread-safe."""
+
+
 def compile_block(
-    name: str, block: nn.Module, geometry: Geometry, example: list[torch.Tensor], directory: Path
+    name: str,
+    block: nn.Module,
+    geometry: Geometry,
+    example: list[torch.Tensor],
+    directory: Path,
+    fresh: bool = False,
 ) -> Run:
-    """Graph `name`'s package, loaded (compiled first unless `directory` holds it); its
-    loader's `run` over a flat list of inputs."""
+    """Graph `name`'s package, loaded (compiled first unless `directory` holds it, or `fresh`:
+    compiled again over what it holds); its loader's `run` over a flat list of inputs."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}-{package_key(name, geometry, example)}.pt2"
-    if not path.exists():
-        exported = torch.export.export(block, tuple(example))
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.part.pt2")
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
-        os.replace(partial, path)  # whole or absent: a reader never loads half a package
-    runner = torch._inductor.aoti_load_package(str(path))
+    with _COMPILING:
+        if fresh or not path.exists():
+            exported = torch.export.export(block, tuple(example))
+            partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.part.pt2")
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+            with partial.open("rb") as written:
+                os.fsync(written.fileno())
+            os.replace(partial, path)  # whole or absent: a reader never loads half a package
+        runner = torch._inductor.aoti_load_package(str(path))
     run: Run = runner.loader.run
     return run
 
@@ -298,13 +331,13 @@ def checks_out(runs: dict[str, Run], geometry: Geometry, inputs: LayerInputs) ->
 
 
 class DecodeGraph:
-    """The compiled graphs of one model: `mlp` and `qkv` are None until both packages are
-    built, loaded and checked (in a thread of its own), and stay None if any of that failed."""
+    """The compiled graphs of one model: `runs` (the q/k/v graph's `run`, the MLP's) is None
+    until both packages are built, loaded and checked (in a thread of its own), and stays None
+    if any of that failed."""
 
     def __init__(self, geometry: Geometry, inputs: LayerInputs) -> None:
         self.geometry, self.inputs = geometry, inputs
-        self.mlp: Run | None = None
-        self.qkv: Run | None = None
+        self.runs: tuple[Run, Run] | None = None
         self.failure: str | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._build, name="decode-graphs", daemon=True)
@@ -312,21 +345,27 @@ class DecodeGraph:
 
     def _build(self) -> None:
         try:
-            examples = _examples(self.geometry, self.inputs, 0)
-            runs = {
-                name: compile_block(name, block, self.geometry, examples[name], cache_dir())
-                for name, block in _blocks(self.geometry).items()
-            }
-            if checks_out(runs, self.geometry, self.inputs):
-                self.mlp, self.qkv = runs["mlp"], runs["qkv"]
-            else:
+            for fresh in (False, True):  # a kept package that fails is compiled again, once
+                try:
+                    runs = self._compile(fresh)
+                except Exception as error:
+                    self.failure = f"{type(error).__name__}: {error}"
+                    continue
+                if checks_out(runs, self.geometry, self.inputs):
+                    self.runs, self.failure = (runs["qkv"], runs["mlp"]), None
+                    return
                 self.failure = "a compiled graph does not give the eager loop's bits"
-        except Exception as error:  # any failure leaves the eager loop running
-            self.failure = f"{type(error).__name__}: {error}"
         finally:
             if self.failure is not None:
                 log.warning("decode steps stay eager: %s", self.failure)
             self._done.set()
+
+    def _compile(self, fresh: bool) -> dict[str, Run]:
+        examples = _examples(self.geometry, self.inputs, 0)
+        return {
+            name: compile_block(name, block, self.geometry, examples[name], cache_dir(), fresh)
+            for name, block in _blocks(self.geometry).items()
+        }
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the build ended (benchmarks, tests); whether it did in `timeout`."""

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from worker.decode_graph import DecodeGraph
+from worker.decode_graph import DecodeGraph, LayerInputs, Run
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
 
@@ -107,8 +107,8 @@ class DecodeLayers:
     ) -> torch.Tensor:
         """The layers over x [tokens, hidden] (float32); returns the last layer's output."""
         graph = self.graph
-        if graph is not None and graph.qkv is not None and x.shape[0] == 1:
-            return self._run_compiled(graph, x, step, kv_caches, layer_ready)
+        if graph is not None and graph.runs is not None and x.shape[0] == 1:
+            return self._run_compiled(graph.runs, graph.inputs, x, step, kv_caches, layer_ready)
         tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
         inter, eps, shape, cos, sin = self.intermediate, self.eps, x.shape[-1:], step.cos, step.sin
         for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -133,7 +133,8 @@ class DecodeLayers:
 
     def _run_compiled(
         self,
-        graph: DecodeGraph,
+        runs: tuple[Run, Run],
+        inputs: LayerInputs,
         x: torch.Tensor,
         step: Step,
         kv_caches: list[KvCache],
@@ -142,8 +143,7 @@ class DecodeLayers:
         """`run` for one row through the compiled graphs: each layer's q/k/v and MLP one call
         each, its norms, attention and o projection eager (the same ops as the loop: the
         graphs checked out bit for bit)."""
-        mlp, qkv, inputs = graph.mlp, graph.qkv, graph.inputs
-        assert mlp is not None and qkv is not None
+        qkv, mlp = runs
         eps, shape, cos, sin = self.eps, x.shape[-1:], step.cos, step.sin
         width = self.heads * self.head_dim
         for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

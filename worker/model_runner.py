@@ -81,7 +81,8 @@ class ModelRunner:
         """Takes a `SpillCopy`'s token and the K and V of its pages (`read_pages`' shapes)."""
         self.spill_lost: Callable[[object], None] | None = None
         """Takes the token of a `SpillCopy` never performed (a copy before it failed)."""
-        model.decode_layers()  # a CPU int4 model starts building its decode graph now
+        if model.flat_decode:
+            model.decode_layers()  # a CPU int4 model starts building its decode graphs now
 
     def copy_pages(self, copies: Sequence[PageCopy | QueuedCopy]) -> None:
         """Perform the copies in order (worker/kv_copies.py; on CUDA on the copy stream that

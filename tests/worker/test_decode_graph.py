@@ -4,6 +4,7 @@ the loop eager wherever they do not apply or their build fails."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from worker.model_runner import Chunk
 from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, tiny_model
 from worker.weight_formats import apply_weight_format
 
+NO_COMPILER = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+"""Inductor compiles C++: without a compiler the build fails (tested below) and nothing is kept."""
+needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler to build a package")
 THREE_LAYERS = replace(TINY_CONFIG, num_layers=3)
 """The build checks the graphs with the first layer's weights and the last one's."""
 
@@ -48,6 +52,7 @@ def int4_model(seed: int) -> CausalLM:
     return apply_weight_format(tiny_model(THREE_LAYERS, seed=seed), "int4")
 
 
+@needs_compiler
 def test_the_compiled_graphs_give_the_eager_loops_logits_and_kv_bit_for_bit(
     compiled: Path,
 ) -> None:
@@ -56,9 +61,9 @@ def test_the_compiled_graphs_give_the_eager_loops_logits_and_kv_bit_for_bit(
     equal K/V. Two rows stay eager."""
     model = int4_model(seed=11)
     graph = built(model)
-    assert graph.mlp is not None and graph.qkv is not None, graph.failure
+    assert graph.runs is not None, graph.failure
     assert len(list(compiled.glob("decode-graphs/*.pt2"))) == 2, "the packages were not kept"
-    mlp, qkv, calls = graph.mlp, graph.qkv, []
+    (qkv, mlp), calls = graph.runs, []
 
     def counted(run: decode_graph.Run) -> decode_graph.Run:
         def call(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,12 +75,12 @@ def test_the_compiled_graphs_give_the_eager_loops_logits_and_kv_bit_for_bit(
     runner, chunks = prefilled(model, 2)
     for _ in range(8):
         before = kv_copy(runner)
-        graph.mlp = graph.qkv = None
+        graph.runs = None
         eager = runner.run(chunks[:1]).clone()
         kv_eager = kv_copy(runner)
         for cache, saved in zip((t for layer in runner.kv for t in layer), before, strict=True):
             cache.copy_(saved)
-        graph.mlp, graph.qkv = counted(mlp), counted(qkv)
+        graph.runs = counted(qkv), counted(mlp)
         got = runner.run(chunks[:1])
         assert len(calls) == 2 * THREE_LAYERS.num_layers, "the graphs did not run"
         calls.clear()
@@ -88,6 +93,7 @@ def test_the_compiled_graphs_give_the_eager_loops_logits_and_kv_bit_for_bit(
     assert not calls
 
 
+@needs_compiler
 def test_a_second_model_of_the_same_shape_loads_the_package_without_compiling(
     compiled: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -98,7 +104,7 @@ def test_a_second_model_of_the_same_shape_loads_the_package_without_compiling(
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
     graph = built(int4_model(seed=2))  # other weights: inputs, not part of the packages
-    assert graph.qkv is not None, graph.failure
+    assert graph.runs is not None, graph.failure
 
 
 @pytest.mark.parametrize("broken", ["no compiler", "other bits"])
@@ -123,7 +129,7 @@ def test_a_failed_or_inexact_build_leaves_the_loop_eager(
     monkeypatch.setattr(decode_graph, "compile_block", fake)
     model = int4_model(seed=3)
     graph = built(model)
-    assert graph.mlp is None and graph.qkv is None
+    assert graph.runs is None
     assert graph.failure == (
         "RuntimeError: no compiler"
         if broken == "no compiler"
@@ -150,3 +156,30 @@ def test_it_is_built_only_where_it_was_written_for(
     monkeypatch.setenv(ENABLE_ENV, "0")
     layers = DecodeLayers.of(int4_model(seed=4))
     assert layers is not None and layers.graph is None
+
+
+@needs_compiler
+def test_a_kept_package_that_does_not_check_out_is_compiled_again(
+    compiled: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package on disk that fails the probe (written by another build, or damaged) is not
+    trusted for good: the build compiles it again, once, and uses the new one."""
+    built(int4_model(seed=5))  # the packages are on disk
+    real, probes = decode_graph.checks_out, []
+
+    def first_fails(*args: object) -> bool:
+        probes.append(1)
+        return len(probes) > 1 and real(*args)  # type: ignore[arg-type]
+
+    compiles: list[bool] = []
+    compile_block = decode_graph.compile_block
+
+    def noted(*args: object) -> decode_graph.Run:
+        compiles.append(bool(args[5]))
+        return compile_block(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(decode_graph, "checks_out", first_fails)
+    monkeypatch.setattr(decode_graph, "compile_block", noted)
+    graph = built(int4_model(seed=6))
+    assert graph.runs is not None and graph.failure is None
+    assert compiles == [False, False, True, True]  # both loaded, then both compiled fresh
