@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._inductor import cpp_builder, cpu_vec_isa
 
 from worker.default_model import cache_root
 from worker.fused_projections import FusedProjections
@@ -256,6 +255,8 @@ def _blocks(geometry: Geometry) -> dict[str, nn.Module]:
 def _host() -> tuple[str, ...]:
     """What the generated code depends on besides the graph: the vector ISA inductor picks, the
     CPU's flags (it compiles for the host's own instructions) and the C++ compiler."""
+    from torch._inductor import cpp_builder, cpu_vec_isa  # noqa: PLC0415 - imports triton
+
     flags = ""
     with contextlib.suppress(OSError):
         cpuinfo = Path("/proc/cpuinfo").read_text()
