@@ -74,13 +74,16 @@ class Geometry:
     """The true widths of o, gate/up, down and qkv (a kernel's output is padded past them)."""
 
 
-class MlpBlock(nn.Module):
-    """x + down(silu(gate) * up) of the normed x, as plain tensor ops (what `torch.export`
-    traces); `DecodeLayers.run`'s MLP."""
+class _Block(nn.Module):
+    """A stretch of a decode step as plain tensor ops (what `torch.export` traces)."""
 
     def __init__(self, geometry: Geometry) -> None:
         super().__init__()
         self.g = geometry
+
+
+class MlpBlock(_Block):
+    """x + down(silu(gate) * up) of the normed x: `DecodeLayers.run`'s MLP."""
 
     def forward(
         self,
@@ -100,13 +103,9 @@ class MlpBlock(nn.Module):
         return x + mm(h.to(torch.bfloat16), down_packed, g.group, down_scales)[:, :down_out]
 
 
-class QkvBlock(nn.Module):
-    """q, k and v of the normed x, q and k rotated, v in their dtype; `DecodeLayers.run`'s
+class QkvBlock(_Block):
+    """q, k and v of the normed x, q and k rotated, v in their dtype: `DecodeLayers.run`'s
     q/k/v with q and k side by side."""
-
-    def __init__(self, geometry: Geometry) -> None:
-        super().__init__()
-        self.g = geometry
 
     def forward(
         self,
@@ -247,7 +246,7 @@ def _examples(geometry: Geometry, inputs: LayerInputs, layer: int) -> dict[str, 
     }
 
 
-def _blocks(geometry: Geometry) -> dict[str, nn.Module]:
+def _blocks(geometry: Geometry) -> dict[str, _Block]:
     return {"mlp": MlpBlock(geometry), "qkv": QkvBlock(geometry)}
 
 
