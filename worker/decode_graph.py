@@ -148,28 +148,25 @@ class _LayerParts:
 
 
 def _layer_parts(layer: DecoderLayer, q_width: int) -> _LayerParts | None:
+    """What the graphs read of a layer `DecodeLayers.of` took (fused q/k/v and gate/up, plain
+    CPU linears, no QK-norm, float32 norms: worker/decode_layers.py checks those), or None
+    unless its four projections are int4 with the kernel at one row and q and k side by side."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
-    if not (isinstance(qkv, FusedProjections) and isinstance(gate_up, FusedProjections)):
-        return None
+    qkv = cast(FusedProjections, attn.qkv_proj)
+    gate_up = cast(FusedProjections, mlp.gate_up_proj)
     four = (qkv.linear, attn.o_proj, gate_up.linear, mlp.down_proj)
-    if attn.q_norm is not None or not all(_plain_int4(m) for m in four):
-        return None
     q_at, k_at, v_at = qkv.starts
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if (q_at, k_at) != (0, q_width) or any(w.dtype != torch.float32 for w in norms):
+    if (q_at, k_at) != (0, q_width) or not all(_int4_at_one_row(m) for m in four):
         return None
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     return _LayerParts(cast(Four, four), v_at, gate_up.starts[1], *(w.detach() for w in norms))
 
 
 def geometry_of(model: CausalLM) -> tuple[Geometry, LayerInputs] | None:
-    """The boundaries' geometry and weights, or None when the graph was not written for them:
-    a CPU model whose layers all hold plain int4 projections (fused q/k/v with q and k side by
-    side, fused gate/up), without bias or QK-norm, float32 activations and norms, the kernel
-    at one row, and the same shapes in every layer."""
+    """The graphs' geometry and weights for a model `DecodeLayers.of` took (a CPU model with
+    float32 activations, its layers the flat loop's), or None unless every layer holds int4
+    projections (`_layer_parts`) of the same shapes and group size."""
     config = model.config
-    if model.dtype != torch.float32 or model.model.norm.weight.device.type != "cpu":
-        return None
     q_width = config.num_heads * config.head_dim
     found = [_layer_parts(cast("DecoderLayer", layer), q_width) for layer in model.model.layers]
     parts = [p for p in found if p is not None]
@@ -212,15 +209,9 @@ def geometry_of(model: CausalLM) -> tuple[Geometry, LayerInputs] | None:
     return geometry, LayerInputs(tuple(mlp), tuple(qkv_inputs))
 
 
-def _plain_int4(linear: nn.Module) -> bool:
+def _int4_at_one_row(linear: nn.Module) -> bool:
     return (
-        isinstance(linear, QuantizedLinear)
-        and linear.format == "int4"
-        and linear.device_type == "cpu"
-        and not linear.triton
-        and linear.bias is None
-        and not linear.is_head
-        and linear.float32_rows > 1
+        isinstance(linear, QuantizedLinear) and linear.format == "int4" and linear.float32_rows > 1
     )
 
 
@@ -373,8 +364,9 @@ class DecodeGraph:
 
     @classmethod
     def start(cls, model: CausalLM) -> DecodeGraph | None:
-        """The graphs for `model`, building; None where they were not written for the model,
-        or compiled decode is off (`RADIXMESH_COMPILED_DECODE=0`)."""
+        """The graphs for `model` (one `DecodeLayers.of` took: it calls this), building; None
+        where they were not written for it, or compiled decode is off
+        (`RADIXMESH_COMPILED_DECODE=0`)."""
         if not enabled():
             return None
         found = geometry_of(model)
