@@ -1,26 +1,27 @@
-"""The stretches of a CPU int4 decode step between its norms and attentions, compiled ahead
-of time: two graphs for all layers of a model, built in the background, used once they check out.
+"""The stretch of a CPU int4 decode step between two attentions, compiled ahead of time: one
+graph for every layer boundary of a model, built in the background, used once it checks out.
 
-A decode step of one sequence spends about a third of each layer in ~25 small eager ops (casts,
-slices, RoPE, SiLU, residual adds), each a Python call and a dispatch. `torch.compile` of that
-stretch gave nothing back (docs/worker.md: dynamo's lookup and the wrapper cost what fusion
-saved); AOTInductor has neither: `torch.export` the stretch, compile it with its int4 kernels as
-calls into torch, and run the package's loader directly. The weights are inputs, so one package
-serves every layer of a model (and of every model of the same shape: it is kept on disk, keyed
-by what it was compiled for). Two graphs, with the norms between them left eager:
+A decode step of one sequence spends about a third of each layer in ~25 small eager ops (norms,
+casts, slices, RoPE, SiLU, residual adds), each a Python call and a dispatch. `torch.compile` of
+that stretch gave nothing back (docs/worker.md: dynamo's lookup and the wrapper cost what fusion
+saved); AOTInductor has neither: `torch.export` the stretch from one layer's attention output to
+the next layer's rotated q and k, compile it with its four int4 kernels as calls into torch, and
+run the package's loader directly. The weights are inputs, so one package serves every boundary
+of a model (and of every model of the same shape: it is kept on disk, keyed by what it was
+compiled for), and the row count is a dynamic dimension, so it serves a decode batch of any size
+up to `MAX_ROWS`:
 
-    attention -> o, x + o (eager) -> rms_norm (eager)
-      -> [MLP graph]  gate/up -> silu(gate) * up -> down -> x + down
-      -> rms_norm (eager)
-      -> [QKV graph]  qkv -> RoPE on q and k -> (q, k, v) -> the next attention
+    attention -> x + o -> rms_norm -> gate/up -> silu(gate) * up -> down -> x + down
+      -> (the next layer) rms_norm -> qkv -> RoPE on q and k -> (x, q, k, v) -> attention
 
-The same ops as worker/decode_layers.py's loop, in the same order, so the same bits: inductor
-derives a norm's reduction from its parts and sums in its own order (71 of 300 random rows
-differed in the last bit, and over 100 SmolLM2 steps the logits drifted by up to 0.3), so the
-norms stay torch's own. A package is used only if it gives the loop's bits on probe inputs
-through the model's first and last layers; otherwise, and while it compiles, and wherever it
-was not built for (more than one row, another format, a non-CPU model, no C++ compiler), the
-loop runs eagerly.
+The same ops as worker/decode_layers.py's loop, in the same order, so the same bits: the norms
+are worker/rms_norm.py's tree of elementwise adds, which inductor cannot sum in an order of its
+own (torch's fused `rms_norm` here moved the logits by up to 0.3 over 100 steps), and each row's
+int4 products do not depend on the rows beside it. A package is used only if it gives the loop's
+bits on probe inputs of one and three rows through the model's first and last boundaries;
+otherwise, and while it compiles, and wherever it was not built for (a model of one layer,
+another format, a non-CPU model, no C++ compiler), the loop runs eagerly. The first layer's
+q/k/v and the last layer's MLP, outside any boundary, always run eagerly.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,18 +45,29 @@ from torch import nn
 from worker.default_model import cache_root
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
+from worker.rms_norm import rms_norm
 
 if TYPE_CHECKING:
     from worker.model import CausalLM, DecoderLayer
 
 log = logging.getLogger(__name__)
 
-GRAPH_VERSION = 2
+GRAPH_VERSION = 3
 """Part of a package's key: bump it when `Boundary` changes."""
 ENABLE_ENV = "RADIXMESH_COMPILED_DECODE"
 """`0` keeps every decode step eager (the default for tests: tests/conftest.py)."""
 
 Run = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+Inputs = tuple[tuple[torch.Tensor, ...], ...]
+"""Boundary i's weights (`boundary_inputs`): after layer i's attention, up to layer i + 1's."""
+MAX_ROWS = 1024
+"""The most rows (sequences in a decode batch) a package is compiled for; a bigger batch runs
+the loop eagerly (the same bits). A model whose int4 layers switch to their float32 path at
+fewer rows (`QuantizedLinear.float32_rows`: AVX2's kernels) uses it below that
+(`DecodeGraph.max_rows`)."""
+PROBE_ROWS = (1, 3)
+"""The row counts a package is checked at (it is exported at 2: torch.export fixes a dimension
+whose example is 1)."""
 
 
 @dataclass(frozen=True)
@@ -74,64 +87,45 @@ class Geometry:
     """The true widths of o, gate/up, down and qkv (a kernel's output is padded past them)."""
 
 
-class _Block(nn.Module):
-    """A stretch of a decode step as plain tensor ops (what `torch.export` traces)."""
+class Boundary(nn.Module):
+    """One layer boundary as plain tensor ops (what `torch.export` traces)."""
 
     def __init__(self, geometry: Geometry) -> None:
         super().__init__()
         self.g = geometry
 
-
-class MlpBlock(_Block):
-    """x + down(silu(gate) * up) of the normed x: `DecodeLayers.run`'s MLP."""
-
     def forward(
         self,
-        normed: torch.Tensor,
+        attended: torch.Tensor,
         x: torch.Tensor,
+        o_packed: torch.Tensor,
+        o_scales: torch.Tensor,
+        post_norm: torch.Tensor,
         gate_up_packed: torch.Tensor,
         gate_up_scales: torch.Tensor,
         down_packed: torch.Tensor,
         down_scales: torch.Tensor,
-    ) -> torch.Tensor:
-        g, mm = self.g, torch.ops.aten._weight_int4pack_mm_for_cpu
-        _, gate_up_out, down_out, _ = g.outs
-        gate_up = mm(normed.to(torch.bfloat16), gate_up_packed, g.group, gate_up_scales)
-        gate_up = gate_up[:, :gate_up_out]
-        inter, up = g.intermediate, g.up_start
-        h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
-        return x + mm(h.to(torch.bfloat16), down_packed, g.group, down_scales)[:, :down_out]
-
-
-class QkvBlock(_Block):
-    """q, k and v of the normed x, q and k rotated, v in their dtype: `DecodeLayers.run`'s
-    q/k/v with q and k side by side."""
-
-    def forward(
-        self,
-        normed: torch.Tensor,
+        input_norm: torch.Tensor,
         qkv_packed: torch.Tensor,
         qkv_scales: torch.Tensor,
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        g, mm = self.g, torch.ops.aten._weight_int4pack_mm_for_cpu
-        qkv = mm(normed.to(torch.bfloat16), qkv_packed, g.group, qkv_scales)[:, : g.outs[3]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        g, mm, rows = self.g, torch.ops.aten._weight_int4pack_mm_for_cpu, x.shape[0]
+        o_out, gate_up_out, down_out, qkv_out = g.outs
+        x = x + mm(attended.to(torch.bfloat16), o_packed, g.group, o_scales)[:, :o_out]
+        normed = rms_norm(x, post_norm, g.eps).to(torch.bfloat16)
+        gate_up = mm(normed, gate_up_packed, g.group, gate_up_scales)[:, :gate_up_out]
+        inter, up = g.intermediate, g.up_start
+        h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
+        x = x + mm(h.to(torch.bfloat16), down_packed, g.group, down_scales)[:, :down_out]
+        normed = rms_norm(x, input_norm, g.eps).to(torch.bfloat16)
+        qkv = mm(normed, qkv_packed, g.group, qkv_scales)[:, :qkv_out]
         dim, kv = g.head_dim, g.kv_heads * g.head_dim
-        v = qkv[:, g.v_start : g.v_start + kv].view(1, g.kv_heads, dim)
-        qk = qkv[:, : g.heads * dim + kv].view(1, -1, dim)
+        v = qkv[:, g.v_start : g.v_start + kv].view(rows, g.kv_heads, dim)
+        qk = qkv[:, : g.heads * dim + kv].view(rows, -1, dim)
         qk = qk * cos + qk.roll(dim // 2, -1) * signed_sin  # decode_layers._rotate
-        return qk[:, : g.heads], qk[:, g.heads :], v.to(qk.dtype)
-
-
-@dataclass(frozen=True)
-class LayerInputs:
-    """What the two graphs read of each layer besides their activations."""
-
-    mlp: tuple[tuple[torch.Tensor, ...], ...]
-    """Layer i's gate/up and down, packed, and their scales."""
-    qkv: tuple[tuple[torch.Tensor, ...], ...]
-    """Layer i's fused q/k/v, packed, and its scales."""
+        return x, qk[:, : g.heads], qk[:, g.heads :], v.to(qk.dtype)
 
 
 Four = tuple[QuantizedLinear, QuantizedLinear, QuantizedLinear, QuantizedLinear]
@@ -150,27 +144,28 @@ class _LayerParts:
 def _layer_parts(layer: DecoderLayer, q_width: int) -> _LayerParts | None:
     """What the graphs read of a layer `DecodeLayers.of` took (fused q/k/v and gate/up, plain
     CPU linears, no QK-norm, float32 norms: worker/decode_layers.py checks those), or None
-    unless its four projections are int4 with the kernel at one row and q and k side by side."""
+    unless its four projections are int4 with the kernel at one row at least and q and k side by
+    side."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = cast(FusedProjections, attn.qkv_proj)
     gate_up = cast(FusedProjections, mlp.gate_up_proj)
     four = (qkv.linear, attn.o_proj, gate_up.linear, mlp.down_proj)
     q_at, k_at, v_at = qkv.starts
-    if (q_at, k_at) != (0, q_width) or not all(_int4_at_one_row(m) for m in four):
+    if (q_at, k_at) != (0, q_width) or not all(_int4_kernel(m) for m in four):
         return None
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     return _LayerParts(cast(Four, four), v_at, gate_up.starts[1], *(w.detach() for w in norms))
 
 
-def geometry_of(model: CausalLM) -> tuple[Geometry, LayerInputs] | None:
+def geometry_of(model: CausalLM) -> tuple[Geometry, Inputs, int] | None:
     """The graphs' geometry and weights for a model `DecodeLayers.of` took (a CPU model with
-    float32 activations, its layers the flat loop's), or None unless every layer holds int4
-    projections (`_layer_parts`) of the same shapes and group size."""
+    float32 activations, its layers the flat loop's), or None unless it has two layers or more
+    and every layer holds int4 projections (`_layer_parts`) of the same shapes and group size."""
     config = model.config
     q_width = config.num_heads * config.head_dim
     found = [_layer_parts(cast("DecoderLayer", layer), q_width) for layer in model.model.layers]
     parts = [p for p in found if p is not None]
-    if len(parts) != len(found) or not parts:
+    if len(parts) != len(found) or len(parts) < 2:
         return None
     first = parts[0]
     layouts = {
@@ -193,23 +188,36 @@ def geometry_of(model: CausalLM) -> tuple[Geometry, LayerInputs] | None:
         config.rms_norm_eps,
         (o.out_features, gate_up.out_features, down.out_features, qkv.out_features),
     )
-    mlp, qkv_inputs = [], []
-    for part in parts:
-        qkv, _, gate_up, down = part.four
-        # a part's scales are a strided view of the fused buffer: the graphs take them whole
-        mlp.append(
+    rows = min(MAX_ROWS, *(m.float32_rows - 1 for p in parts for m in p.four))
+    return geometry, boundary_inputs(parts), rows
+
+
+def boundary_inputs(parts: Sequence[_LayerParts]) -> Inputs:
+    """What each boundary reads besides its activations: layer i's o, post-attention norm,
+    gate/up and down, then layer i + 1's input norm and q/k/v (packed, and the scales whole:
+    a fused part's are a strided view of its buffer)."""
+    inputs = []
+    for part, following in itertools.pairwise(parts):
+        _, o, gate_up, down = part.four
+        qkv = following.four[0]
+        inputs.append(
             (
+                o.packed,
+                o.scales_and_zeros.contiguous(),
+                part.post_norm,
                 gate_up.packed,
                 gate_up.scales_and_zeros.contiguous(),
                 down.packed,
                 down.scales_and_zeros.contiguous(),
+                following.input_norm,
+                qkv.packed,
+                qkv.scales_and_zeros.contiguous(),
             )
         )
-        qkv_inputs.append((qkv.packed, qkv.scales_and_zeros.contiguous()))
-    return geometry, LayerInputs(tuple(mlp), tuple(qkv_inputs))
+    return tuple(inputs)
 
 
-def _int4_at_one_row(linear: nn.Module) -> bool:
+def _int4_kernel(linear: nn.Module) -> bool:
     return (
         isinstance(linear, QuantizedLinear) and linear.format == "int4" and linear.float32_rows > 1
     )
@@ -225,20 +233,20 @@ def cache_dir() -> Path:
     return cache_root() / "decode-graphs"
 
 
-def _examples(geometry: Geometry, inputs: LayerInputs, layer: int) -> dict[str, list[torch.Tensor]]:
-    """Probe inputs of both graphs with layer `layer`'s weights (also what they compile for)."""
-    gen = torch.Generator().manual_seed(layer)
+def _example(geometry: Geometry, inputs: Inputs, boundary: int, rows: int) -> list[torch.Tensor]:
+    """Probe inputs of boundary `boundary` (also what the package is exported with)."""
+    gen = torch.Generator().manual_seed(boundary * 1000 + rows)
     hidden, dim = geometry.hidden, geometry.head_dim
-    normed, x = torch.randn(2, 1, hidden, generator=gen)
-    angle = torch.rand(1, 1, dim, generator=gen)
-    return {
-        "mlp": [normed, x, *inputs.mlp[layer]],
-        "qkv": [normed, *inputs.qkv[layer], angle.cos(), angle.sin()],
-    }
+    attended, x = torch.randn(2, rows, hidden, generator=gen)
+    angle = torch.rand(rows, 1, dim, generator=gen) * 100
+    return [attended, x, *inputs[boundary], angle.cos(), angle.sin()]
 
 
-def _blocks(geometry: Geometry) -> dict[str, _Block]:
-    return {"mlp": MlpBlock(geometry), "qkv": QkvBlock(geometry)}
+def _dynamic_rows(example: Sequence[torch.Tensor]) -> tuple[dict[int, Any] | None, ...]:
+    """The row dimension of the activations (the first two inputs, cos and sin) dynamic."""
+    rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
+    last = len(example) - 2
+    return tuple({0: rows} if i < 2 or i >= last else None for i in range(len(example)))
 
 
 @functools.cache
@@ -277,21 +285,18 @@ _COMPILING = threading.Lock()
 """One build at a time in a process: `torch.export` and inductor are not thread-safe."""
 
 
-def compile_block(
-    name: str,
-    block: nn.Module,
-    geometry: Geometry,
-    example: list[torch.Tensor],
-    directory: Path,
-    fresh: bool = False,
+def compile_boundary(
+    geometry: Geometry, example: list[torch.Tensor], directory: Path, fresh: bool = False
 ) -> Run:
-    """Graph `name`'s package, loaded (compiled first unless `directory` holds it, or `fresh`:
+    """The boundary's package, loaded (compiled first unless `directory` holds it, or `fresh`:
     compiled again over what it holds); its loader's `run` over a flat list of inputs."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}-{package_key(name, geometry, example)}.pt2"
+    path = directory / f"boundary-{package_key('boundary', geometry, example)}.pt2"
     with _COMPILING:
         if fresh or not path.exists():
-            exported = torch.export.export(block, tuple(example))
+            exported = torch.export.export(
+                Boundary(geometry), tuple(example), dynamic_shapes=_dynamic_rows(example)
+            )
             partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.part.pt2")
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
             with partial.open("rb") as written:
@@ -302,17 +307,16 @@ def compile_block(
     return run
 
 
-def checks_out(runs: dict[str, Run], geometry: Geometry, inputs: LayerInputs) -> bool:
-    """Whether each package gives its eager ops' bits on probe inputs with the weights of the
-    model's first and last layers."""
-    blocks = _blocks(geometry)
-    for layer in {0, len(inputs.mlp) - 1}:
-        for name, example in _examples(geometry, inputs, layer).items():
+def checks_out(run: Run, geometry: Geometry, inputs: Inputs) -> bool:
+    """Whether the package gives its eager ops' bits on probe inputs of `PROBE_ROWS` rows
+    through the model's first and last boundaries."""
+    boundary = Boundary(geometry)
+    for index in {0, len(inputs) - 1}:
+        for rows in PROBE_ROWS:
+            example = _example(geometry, inputs, index, rows)
             with torch.inference_mode():
-                expected = blocks[name](*example)
-                got = runs[name](list(example))
-            if isinstance(expected, torch.Tensor):
-                expected = (expected,)
+                expected = boundary(*example)
+                got = run(list(example))
             if len(got) != len(expected) or not all(
                 g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
                 for g, e in zip(got, expected, strict=False)
@@ -322,41 +326,36 @@ def checks_out(runs: dict[str, Run], geometry: Geometry, inputs: LayerInputs) ->
 
 
 class DecodeGraph:
-    """The compiled graphs of one model: `runs` (the q/k/v graph's `run`, the MLP's) is None
-    until both packages are built, loaded and checked (in a thread of its own), and stays None
-    if any of that failed."""
+    """The compiled boundary of one model: `run` is None until its package is built, loaded
+    and checked (in a thread of its own), and stays None if any of that failed. It runs steps
+    of up to `max_rows` rows: `MAX_ROWS`, or fewer where an int4 layer's float32 path takes over
+    before (the loop then runs that, and the graph would not)."""
 
-    def __init__(self, geometry: Geometry, inputs: LayerInputs) -> None:
-        self.geometry, self.inputs = geometry, inputs
-        self.runs: tuple[Run, Run] | None = None
+    def __init__(self, geometry: Geometry, inputs: Inputs, max_rows: int) -> None:
+        self.geometry, self.inputs, self.max_rows = geometry, inputs, max_rows
+        self.run: Run | None = None
         self.failure: str | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._build, name="decode-graphs", daemon=True)
+        self._thread = threading.Thread(target=self._build, name="decode-graph", daemon=True)
         self._thread.start()
 
     def _build(self) -> None:
+        example = _example(self.geometry, self.inputs, 0, 2)
         try:
             for fresh in (False, True):  # a kept package that fails is compiled again, once
                 try:
-                    runs = self._compile(fresh)
+                    run = compile_boundary(self.geometry, example, cache_dir(), fresh)
                 except Exception as error:
                     self.failure = f"{type(error).__name__}: {error}"
                     continue
-                if checks_out(runs, self.geometry, self.inputs):
-                    self.runs, self.failure = (runs["qkv"], runs["mlp"]), None
+                if checks_out(run, self.geometry, self.inputs):
+                    self.run, self.failure = run, None
                     return
-                self.failure = "a compiled graph does not give the eager loop's bits"
+                self.failure = "the compiled graph does not give the eager loop's bits"
         finally:
             if self.failure is not None:
                 log.warning("decode steps stay eager: %s", self.failure)
             self._done.set()
-
-    def _compile(self, fresh: bool) -> dict[str, Run]:
-        examples = _examples(self.geometry, self.inputs, 0)
-        return {
-            name: compile_block(name, block, self.geometry, examples[name], cache_dir(), fresh)
-            for name, block in _blocks(self.geometry).items()
-        }
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the build ended (benchmarks, tests); whether it did in `timeout`."""
@@ -364,8 +363,8 @@ class DecodeGraph:
 
     @classmethod
     def start(cls, model: CausalLM) -> DecodeGraph | None:
-        """The graphs for `model` (one `DecodeLayers.of` took: it calls this), building; None
-        where they were not written for it, or compiled decode is off
+        """The graph for `model` (one `DecodeLayers.of` took: it calls this), building; None
+        where it was not written for it, or compiled decode is off
         (`RADIXMESH_COMPILED_DECODE=0`)."""
         if not enabled():
             return None

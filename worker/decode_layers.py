@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from worker.decode_graph import DecodeGraph, LayerInputs, Run
+from worker.decode_graph import DecodeGraph
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
+from worker.rms_norm import rms_norm
 
 if TYPE_CHECKING:
     from worker.model import CausalLM, DecoderLayer, KvCache, Step
@@ -68,8 +69,8 @@ class DecodeLayers:
     intermediate: int
     eps: float
     graph: DecodeGraph | None = None
-    """The MLP and q/k/v compiled ahead of time, for one row (worker/decode_graph.py): used
-    once built and checked; the loop runs eagerly meanwhile."""
+    """The stretch between two attentions compiled ahead of time (worker/decode_graph.py):
+    used once built and checked; the loop runs eagerly meanwhile."""
 
     @classmethod
     def of(cls, model: CausalLM) -> DecodeLayers | None:
@@ -105,57 +106,52 @@ class DecodeLayers:
         kv_caches: list[KvCache],
         layer_ready: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """The layers over x [tokens, hidden] (float32); returns the last layer's output."""
+        """The layers over x [tokens, hidden] (float32); returns the last layer's output.
+
+        Between two attentions (o, the residual, the norm, the MLP, the residual, the next
+        layer's norm, q/k/v, RoPE) one call of the compiled graph once it is built and checked
+        (worker/decode_graph.py: the same ops, so the same bits), eager ops until then."""
         graph = self.graph
-        if graph is not None and graph.runs is not None and x.shape[0] == 1:
-            return self._run_compiled(graph.runs, graph.inputs, x, step, kv_caches, layer_ready)
-        tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        inter, eps, shape, cos, sin = self.intermediate, self.eps, x.shape[-1:], step.cos, step.sin
+        run = graph.run if graph is not None and x.shape[0] <= graph.max_rows else None
+        tokens, width, last = x.shape[0], self.heads * self.head_dim, len(self.layers) - 1
+        cos, sin = step.cos, step.sin
+        q, k, v = self._qkv(self.layers[0], x, cos, sin)
         for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer_ready is not None:
                 layer_ready(i)
-            qkv = weights.qkv(F.rms_norm(x, shape, weights.input_norm, eps))
-            q_at, k_at, v_at = weights.qkv_starts
-            v = qkv[:, v_at : v_at + kv_heads * dim].view(tokens, kv_heads, dim)
-            if k_at == heads * dim:  # q and k side by side: one rotation
-                qk = _rotate(qkv[:, : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
-                q, k = qk[:, :heads], qk[:, heads:]
-            else:
-                q = _rotate(qkv[:, q_at : q_at + heads * dim].view(tokens, heads, dim), cos, sin)
-                k = _rotate(qkv[:, k_at : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
-            step.write_kv(cache, k, v.to(k.dtype))
-            x = x + weights.o(step.attention(q, cache).reshape(tokens, heads * dim))
-            gate_up = weights.gate_up(F.rms_norm(x, shape, weights.post_norm, eps))
-            up = weights.up_start
-            h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
-            x = x + weights.down(h)
+            step.write_kv(cache, k, v)
+            attended = step.attention(q, cache).reshape(tokens, width)
+            if run is not None and i < last:
+                assert graph is not None
+                x, q, k, v = run([attended, x, *graph.inputs[i], cos, sin])
+                continue
+            x = self._mlp(weights, x + weights.o(attended))
+            if i < last:
+                q, k, v = self._qkv(self.layers[i + 1], x, cos, sin)
         return x
 
-    def _run_compiled(
-        self,
-        runs: tuple[Run, Run],
-        inputs: LayerInputs,
-        x: torch.Tensor,
-        step: Step,
-        kv_caches: list[KvCache],
-        layer_ready: Callable[[int], None] | None,
-    ) -> torch.Tensor:
-        """`run` for one row through the compiled graphs: each layer's q/k/v and MLP one call
-        each, its norms, attention and o projection eager (the same ops as the loop: the
-        graphs checked out bit for bit)."""
-        qkv, mlp = runs
-        eps, shape, cos, sin = self.eps, x.shape[-1:], step.cos, step.sin
-        width = self.heads * self.head_dim
-        for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if layer_ready is not None:
-                layer_ready(i)
-            normed = F.rms_norm(x, shape, weights.input_norm, eps)
-            q, k, v = qkv([normed, *inputs.qkv[i], cos, sin])
-            step.write_kv(cache, k, v)
-            x = x + weights.o(step.attention(q, cache).reshape(1, width))
-            normed = F.rms_norm(x, shape, weights.post_norm, eps)
-            (x,) = mlp([normed, x, *inputs.mlp[i]])
-        return x
+    def _qkv(
+        self, weights: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's q and k, rotated (float32), and v in their dtype, of x before its norm."""
+        tokens, heads, kv_heads, dim = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = weights.qkv(rms_norm(x, weights.input_norm, self.eps))
+        q_at, k_at, v_at = weights.qkv_starts
+        v = qkv[:, v_at : v_at + kv_heads * dim].view(tokens, kv_heads, dim)
+        if k_at == heads * dim:  # q and k side by side: one rotation
+            qk = _rotate(qkv[:, : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q = _rotate(qkv[:, q_at : q_at + heads * dim].view(tokens, heads, dim), cos, sin)
+            k = _rotate(qkv[:, k_at : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
+        return q, k, v.to(k.dtype)
+
+    def _mlp(self, weights: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """x + the MLP of x's norm."""
+        gate_up = weights.gate_up(rms_norm(x, weights.post_norm, self.eps))
+        inter, up = self.intermediate, weights.up_start
+        h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
+        return x + weights.down(h)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

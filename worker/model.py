@@ -36,6 +36,7 @@ from worker.config import ModelConfig
 from worker.decode_layers import DecodeLayers
 from worker.fused_projections import FusedProjections
 from worker.lora_weights import LoraStacks
+from worker.rms_norm import rms_norm
 from worker.rope import RotaryEmbedding, rotate
 
 KvCache = tuple[torch.Tensor, torch.Tensor]
@@ -132,9 +133,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Hugging Face's: normalised in float32, back in x's dtype, times the weight. torch's
-        fused rms_norm gives the same bits (one op where there were seven)."""
+        """Hugging Face's: normalised in float32, back in x's dtype, times the weight. On a CPU
+        in float32, with the sum of squares as a tree of adds (worker/rms_norm.py: the bits a
+        compiled decode graph reproduces); elsewhere torch's fused rms_norm, which gives
+        transformers' bits (one op where there were seven)."""
         if x.dtype == self.weight.dtype == torch.float32:
+            if x.device.type == "cpu":
+                return rms_norm(x, self.weight, self.eps)
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = nn.functional.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * normed.to(x.dtype)

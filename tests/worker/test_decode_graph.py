@@ -1,6 +1,6 @@
-"""worker/decode_graph.py: the compiled MLP and q/k/v graphs of a CPU int4 decode give the eager
-loop's logits and K/V bit for bit, are built once and then loaded from the disk cache, and leave
-the loop eager wherever they do not apply or their build fails."""
+"""worker/decode_graph.py: the compiled layer boundary of a CPU int4 decode gives the eager loop's
+logits and K/V bit for bit at one row and at two, is built once and then loaded from the disk
+cache, and leaves the loop eager wherever it does not apply or its build fails."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from tests.worker.test_decode_layers import kv_copy, prefilled
 from worker import decode_graph
+from worker.config import ModelConfig
 from worker.decode_graph import ENABLE_ENV, DecodeGraph
 from worker.decode_layers import DecodeLayers
 from worker.default_model import CACHE_ENV
@@ -25,7 +26,7 @@ NO_COMPILER = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 """Inductor compiles C++: without a compiler the build fails (tested below) and nothing is kept."""
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler to build a package")
 THREE_LAYERS = replace(TINY_CONFIG, num_layers=3)
-"""The build checks the graphs with the first layer's weights and the last one's."""
+"""Two boundaries: the build checks the first and the last."""
 
 
 @pytest.fixture(scope="module")
@@ -48,48 +49,50 @@ def built(model: CausalLM) -> DecodeGraph:
     return layers.graph
 
 
-def int4_model(seed: int) -> CausalLM:
-    return apply_weight_format(tiny_model(THREE_LAYERS, seed=seed), "int4")
+def int4_model(seed: int, config: ModelConfig = THREE_LAYERS) -> CausalLM:
+    return apply_weight_format(tiny_model(config, seed=seed), "int4")
 
 
 @needs_compiler
-def test_the_compiled_graphs_give_the_eager_loops_logits_and_kv_bit_for_bit(
-    compiled: Path,
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_compiled_boundary_gives_the_eager_loops_logits_and_kv_bit_for_bit(
+    compiled: Path, rows: int
 ) -> None:
-    """Each of 8 greedy steps of one sequence runs eagerly, then, from the K/V as it was before
-    it, through the compiled graphs (each layer's q/k/v and MLP one call each): equal logits,
-    equal K/V. Two rows stay eager."""
+    """Each of 8 greedy steps of `rows` sequences runs eagerly, then, from the K/V as it was
+    before it, through the compiled boundary (one call between two attentions): equal logits,
+    equal K/V."""
     model = int4_model(seed=11)
     graph = built(model)
-    assert graph.runs is not None, graph.failure
-    assert len(list(compiled.glob("decode-graphs/*.pt2"))) == 2, "the packages were not kept"
-    (qkv, mlp), calls = graph.runs, []
+    assert graph.run is not None, graph.failure
+    assert len(list(compiled.glob("decode-graphs/*.pt2"))) == 1, "the package was not kept"
+    run, calls = graph.run, []
 
-    def counted(run: decode_graph.Run) -> decode_graph.Run:
-        def call(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            calls.append(1)
-            return run(inputs)
+    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(1)
+        return run(inputs)
 
-        return call
-
-    runner, chunks = prefilled(model, 2)
+    runner, chunks = prefilled(model, rows)
     for _ in range(8):
         before = kv_copy(runner)
-        graph.runs = None
-        eager = runner.run(chunks[:1]).clone()
+        graph.run = None
+        eager = runner.run(chunks).clone()
         kv_eager = kv_copy(runner)
         for cache, saved in zip((t for layer in runner.kv for t in layer), before, strict=True):
             cache.copy_(saved)
-        graph.runs = counted(qkv), counted(mlp)
-        got = runner.run(chunks[:1])
-        assert len(calls) == 2 * THREE_LAYERS.num_layers, "the graphs did not run"
+        graph.run = counted
+        got = runner.run(chunks)
+        assert len(calls) == THREE_LAYERS.num_layers - 1, "the graph did not run"
         calls.clear()
         assert torch.equal(got, eager), (got - eager).abs().max()
         for ours, theirs in zip(kv_copy(runner), kv_eager, strict=True):
             assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
-        token = int(got.argmax(-1))
-        chunks[0] = Chunk([token], chunks[0].start + 1, chunks[0].pages, True)
-    runner.run(chunks)  # two rows: the eager loop
+        tokens = got.argmax(-1).tolist()
+        chunks = [
+            Chunk([token], chunk.start + 1, chunk.pages, True)
+            for chunk, token in zip(chunks, tokens, strict=True)
+        ]
+    graph.max_rows = rows - 1  # a batch past what it runs: the eager loop
+    runner.run(chunks)
     assert not calls
 
 
@@ -103,8 +106,8 @@ def test_a_second_model_of_the_same_shape_loads_the_package_without_compiling(
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
-    graph = built(int4_model(seed=2))  # other weights: inputs, not part of the packages
-    assert graph.runs is not None, graph.failure
+    graph = built(int4_model(seed=2))  # other weights: inputs, not part of the package
+    assert graph.run is not None, graph.failure
 
 
 @pytest.mark.parametrize("broken", ["no compiler", "other bits"])
@@ -117,23 +120,24 @@ def test_a_failed_or_inexact_build_leaves_the_loop_eager(
     def no_compiler(*args: object) -> decode_graph.Run:
         raise RuntimeError("no compiler")
 
-    def off_by_a_bit(name: str, block: torch.nn.Module, *args: object) -> decode_graph.Run:
+    def off_by_a_bit(geometry: decode_graph.Geometry, *args: object) -> decode_graph.Run:
+        boundary = decode_graph.Boundary(geometry)
+
         def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            out = block(*inputs)
-            outs = [out] if isinstance(out, torch.Tensor) else list(out)
-            return [outs[0].nextafter(outs[0] + 1), *outs[1:]]
+            x, *rest = boundary(*inputs)
+            return [x.nextafter(x + 1), *rest]
 
         return run
 
     fake = no_compiler if broken == "no compiler" else off_by_a_bit
-    monkeypatch.setattr(decode_graph, "compile_block", fake)
+    monkeypatch.setattr(decode_graph, "compile_boundary", fake)
     model = int4_model(seed=3)
     graph = built(model)
-    assert graph.runs is None
+    assert graph.run is None
     assert graph.failure == (
         "RuntimeError: no compiler"
         if broken == "no compiler"
-        else "a compiled graph does not give the eager loop's bits"
+        else "the compiled graph does not give the eager loop's bits"
     )
     runner, chunks = prefilled(model, 1)
     flat = runner.run(chunks).clone()
@@ -145,8 +149,10 @@ def test_a_failed_or_inexact_build_leaves_the_loop_eager(
 def test_it_is_built_only_where_it_was_written_for(
     compiled: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Other formats, QK-norm, or compiled decode turned off: no graph at all."""
+    """Other formats, QK-norm, one layer (no boundary), or compiled decode turned off: no graph
+    at all."""
     for model in (
+        int4_model(seed=4, config=replace(TINY_CONFIG, num_layers=1)),
         apply_weight_format(tiny_model(THREE_LAYERS, seed=4), "int8"),
         apply_weight_format(tiny_model(THREE_LAYERS, seed=4), "bf16"),
         apply_weight_format(tiny_model(TINY_QWEN3_CONFIG, seed=4), "int4"),
@@ -164,7 +170,7 @@ def test_a_kept_package_that_does_not_check_out_is_compiled_again(
 ) -> None:
     """A package on disk that fails the probe (written by another build, or damaged) is not
     trusted for good: the build compiles it again, once, and uses the new one."""
-    built(int4_model(seed=5))  # the packages are on disk
+    built(int4_model(seed=5))  # the package is on disk
     real, probes = decode_graph.checks_out, []
 
     def first_fails(*args: object) -> bool:
@@ -172,14 +178,14 @@ def test_a_kept_package_that_does_not_check_out_is_compiled_again(
         return len(probes) > 1 and real(*args)  # type: ignore[arg-type]
 
     compiles: list[bool] = []
-    compile_block = decode_graph.compile_block
+    compile_boundary = decode_graph.compile_boundary
 
     def noted(*args: object) -> decode_graph.Run:
-        compiles.append(bool(args[5]))
-        return compile_block(*args)  # type: ignore[arg-type]
+        compiles.append(bool(args[3]))
+        return compile_boundary(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(decode_graph, "checks_out", first_fails)
-    monkeypatch.setattr(decode_graph, "compile_block", noted)
+    monkeypatch.setattr(decode_graph, "compile_boundary", noted)
     graph = built(int4_model(seed=6))
-    assert graph.runs is not None and graph.failure is None
-    assert compiles == [False, False, True, True]  # both loaded, then both compiled fresh
+    assert graph.run is not None and graph.failure is None
+    assert compiles == [False, True]  # loaded, then compiled fresh
