@@ -12,14 +12,14 @@ A step is timed three ways, each the median over --steps steps after a warm-up:
   unprofiled steps), grouped by what each op is for:
 
       linear      the projections and the output head (mm / addmm / the int4 / int8 kernels,
-                  _int_mm)
+                  _int_mm, fbgemm's quantized::linear_dynamic)
       attention   SDPA and the page gather (index_select)
       kv write    index_copy_ into the KV pages
       other       everything else: norms, RoPE, activations, residual adds, dtype casts, views
 
-`ops per step` counts the ops called from Python (an `aten::linear` is one linear op, not the
-`aten::t` and `aten::mm` it calls). `other` and the time no op accounts for (Python between
-ops: step_ms - the ops' total) is what fusing would save.
+`ops per step` counts the aten and quantized ops called from Python (an `aten::linear` is one
+linear op, not the `aten::t` and `aten::mm` it calls). `other` and the time no op accounts
+for (Python between ops: step_ms - the ops' total) is what fusing would save.
 Prints a table on stderr and one JSON object on stdout.
 Run: `python benchmarks/decode_profile.py [--model smollm2|tiny] [--weights bf16] [--context 1024]
 [--module-path]` (`--module-path`: through the modules instead of the flat loop, for A/B runs).
@@ -59,6 +59,7 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
         "aten::_weight_int4pack_mm",
         "aten::_weight_int8pack_mm",
         "aten::_int_mm",
+        "quantized::linear_dynamic",  # the int8 head through fbgemm (worker/fbgemm_int8.py)
     ),
     "attention": (
         "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -154,7 +155,7 @@ def profile_decode(model: CausalLM, context: int, steps: int) -> dict[str, Any]:
         shares[name] = shares.get(name, 0.0) + row["self_ms_per_step"] / profiled_ms
     calls: dict[str, float] = {}  # ops called from Python (not the ones they call in turn)
     for event in prof.events():
-        if event.cpu_parent is None and event.name.startswith("aten::"):
+        if event.cpu_parent is None and event.name.startswith(("aten::", "quantized::")):
             name = _subtree_category(event)
             calls[name] = calls.get(name, 0.0) + 1 / profiled
     step_ms = 1000 * statistics.median(step_times)

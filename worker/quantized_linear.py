@@ -84,6 +84,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import fbgemm_int8
 from worker.quantized_weights import OFFSET, QuantizedWeight, quantize
 
 LinearFormat = Literal["bf16", "int8", "int4"]
@@ -199,18 +200,23 @@ their few outputs do not repay quantizing the activations (qkv 27 against 49-64 
 against 60)."""
 
 
-def int8_dynamic_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_dynamic_matmul(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fbgemm: object | None = None
+) -> torch.Tensor:
     """x [rows, in] @ (q * scales[:, None]).T in float32, for q [out, in] int8 and per-row
     `scales` [out]: each row of x is quantized to int8 symmetrically by its own largest
     magnitude (x ~ xq * s, s = max|x| / 127, rounded half to even), the int8 products are
-    summed exactly in int32 (`torch._int_mm`), and the sums are scaled in float32. llama.cpp
+    summed exactly in int32 (`torch._int_mm`, or fbgemm's GEMM over `fbgemm`, q prepacked by
+    worker/fbgemm_int8.py: the same sums, faster), and the sums are scaled in float32. llama.cpp
     multiplies its quantized matrices the same way (its activations in blocks of 32). The sums
     are exact, so a row's result never depends on the rows beside it."""
     x32 = x.float()
     step = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    xq = torch.round(x32 / step).to(torch.int8)
+    levels = torch.round(x32 / step)
+    if fbgemm is not None:
+        return fbgemm_int8.scaled_sums(levels, fbgemm).mul_(step)
     weight = q.t() if q.shape[1] > 1 else q.t().contiguous()  # _int_mm misreads strides (1, 1)
-    sums = torch._int_mm(xq, weight)
+    sums = torch._int_mm(levels.to(torch.int8), weight)
     return sums.float().mul_(scales).mul_(step)  # bf16 scales widen exactly
 
 
@@ -273,6 +279,9 @@ class QuantizedLinear(nn.Module):
         """Logits recomputed exactly after the kernel (`as_head`); 0: none."""
         self.dynamic_int8 = False
         """An int8 head on the CPU: `int8_dynamic_matmul` (INT8_DYNAMIC_HEAD, `as_head`)."""
+        self.fbgemm: object | None = None
+        """Its int8 weight prepacked for fbgemm (worker/fbgemm_int8.py), made by `as_head`: a
+        copy, so the head's `q` is not to be written in place after it (nothing does)."""
         if fmt == "bf16":
             self.group_size = 0
             self.register_buffer("weight", _float(weight).to(torch.bfloat16).contiguous())
@@ -321,7 +330,7 @@ class QuantizedLinear(nn.Module):
         fused.in_features = first.in_features
         fused.device_type, fused.triton = first.device_type, first.triton
         fused.float32_rows, fused.is_head, fused.exact_top = first.float32_rows, False, 0
-        fused.dynamic_int8 = False
+        fused.dynamic_int8, fused.fbgemm = False, None
         names = [name for name, _ in first.named_buffers()]
         dims = {name: 1 if name == "scales_and_zeros" else 0 for name in names}
         for name in names:
@@ -352,6 +361,8 @@ class QuantizedLinear(nn.Module):
         self.dynamic_int8 = self.format == "int8" and not self.triton and INT8_DYNAMIC_HEAD
         self.float32_rows = KERNEL_ONLY if self.dynamic_int8 else head_float32_rows(self.format)
         self.is_head, self.exact_top = True, HEAD_EXACT_TOP
+        if self.dynamic_int8:
+            self.fbgemm = fbgemm_int8.prepack(self.q, self.scales)
         return self
 
     @property
@@ -439,7 +450,7 @@ class QuantizedLinear(nn.Module):
         """The CPU decode path: the format's own kernel, reading the packed weight (an int8
         head's in float32: `int8_dynamic_matmul`)."""
         if self.dynamic_int8:
-            return int8_dynamic_matmul(x, self.q, self.scales)
+            return int8_dynamic_matmul(x, self.q, self.scales, self.fbgemm)
         x16 = x.to(torch.bfloat16)
         if self.format == "bf16":
             return F.linear(x16, self.weight)

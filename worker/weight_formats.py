@@ -38,7 +38,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from worker import quantized_linear
+from worker import fbgemm_int8, quantized_linear
 from worker.fused_projections import fuse_projections
 from worker.model import CausalLM
 from worker.quantized_linear import LINEAR_FORMATS, LinearFormat, QuantizedLinear
@@ -145,13 +145,17 @@ def linear_names(model: CausalLM) -> list[str]:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights: every parameter and every QuantizedLinear buffer (packed
-    values, scales, zeros), a storage shared by two counted once; not the RoPE tables."""
+    values, scales, zeros), a storage shared by two counted once, and an int8 head's copy in
+    fbgemm's layout (worker/fbgemm_int8.py); not the RoPE tables."""
     tensors: list[torch.Tensor] = list(model.parameters())
+    copies = 0
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             tensors += list(module.buffers())
+            if module.fbgemm is not None:
+                copies += fbgemm_int8.packed_bytes(module.q)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    return sum(storages.values()) + copies
 
 
 def _projections(model: CausalLM) -> list[tuple[str, nn.Module, str]]:
