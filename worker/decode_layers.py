@@ -39,6 +39,7 @@ from worker.quantized_linear import QuantizedLinear
 from worker.rms_norm import rms_norm
 
 if TYPE_CHECKING:
+    from kernels.torch_sdpa import LoneDecode
     from worker.model import CausalLM, DecoderLayer, KvCache, Step
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
@@ -108,19 +109,28 @@ class DecodeLayers:
     ) -> torch.Tensor:
         """The layers over x [tokens, hidden] (float32); returns the last layer's output.
 
-        Between two attentions (o, the residual, the norm, the MLP, the residual, the next
-        layer's norm, q/k/v, RoPE) one call of the compiled graph once it is built and checked
-        (worker/decode_graph.py: the same ops, so the same bits), eager ops until then."""
+        One sequence's K/V writes and attentions after the first layer's go through a plan made
+        once (`Step.lone_decode`) where its pages allow. Between two attentions (o, the
+        residual, the norm, the MLP, the residual, the next layer's norm, q/k/v, RoPE) one call
+        of the compiled graph once it is built and checked (worker/decode_graph.py: the same
+        ops, so the same bits), eager ops until then."""
         graph = self.graph
         run = graph.run if graph is not None and x.shape[0] <= graph.max_rows else None
         tokens, width, last = x.shape[0], self.heads * self.head_dim, len(self.layers) - 1
         cos, sin = step.cos, step.sin
         q, k, v = self._qkv(self.layers[0], x, cos, sin)
+        lone: LoneDecode | None = None
         for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer_ready is not None:
                 layer_ready(i)
-            step.write_kv(cache, k, v)
-            attended = step.attention(q, cache).reshape(tokens, width)
+            if lone is not None:
+                lone.write(*cache, k, v)
+                attended = lone.attend(q, *cache).reshape(tokens, width)
+            else:
+                step.write_kv(cache, k, v)
+                attended = step.attention(q, cache).reshape(tokens, width)
+                if i == 0 and tokens == 1:  # checked through the dispatch once: plan the rest
+                    lone = step.lone_decode(cache)
             if run is not None and i < last:
                 assert graph is not None
                 x, q, k, v = run([attended, x, *graph.inputs[i], cos, sin])

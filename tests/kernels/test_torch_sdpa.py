@@ -164,3 +164,52 @@ def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_with_the_gathers_
         q.double(), k_cache.double(), v_cache.double(), in_order, seq_lens
     )
     torch.testing.assert_close(in_place.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", (1, 17, 40))
+def test_a_lone_decode_planned_once_gives_write_kv_and_decode_attentions_bits(
+    length: int, dtype: torch.dtype
+) -> None:
+    """`LoneDecode`, planned once for a step's layers, writes the new token's K/V where
+    `write_kv` does and attends as `decode_attention` does, bit for bit, layer after layer;
+    it plans nothing for two sequences, scattered pages, a padding slot or a strided cache."""
+    from kernels.torch_sdpa import LoneDecode
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    page_size, kv_heads, group, dim = 16, 2, 3, 16
+    n_pages = -(-length // page_size)
+    num_pages = n_pages + 6
+    shape = (num_pages, page_size, kv_heads, dim)
+    pages = torch.arange(2, 2 + n_pages, dtype=torch.int32)[None]
+    seq_lens = torch.tensor([length], dtype=torch.int32)
+    slot = torch.tensor([2 * page_size + length - 1], dtype=torch.int32)
+    caches = []
+    for _ in range(3):  # three layers
+        k_cache = torch.full(shape, float("nan"), dtype=dtype)
+        v_cache = torch.full(shape, float("nan"), dtype=dtype)
+        for cache in (k_cache, v_cache):
+            cache.view(-1, kv_heads, dim)[2 * page_size : 2 * page_size + length - 1] = torch.randn(
+                length - 1, kv_heads, dim, generator=gen
+            )
+        caches.append((k_cache, v_cache))
+    lone = LoneDecode.plan(caches[0][0], pages, seq_lens, slot, dim)
+    assert lone is not None
+    for k_cache, v_cache in caches:
+        q = torch.randn(1, kv_heads * group, dim, generator=gen).to(dtype)
+        k, v = torch.randn(2, 1, kv_heads, dim, generator=gen).to(dtype)
+        theirs = k_cache.clone(), v_cache.clone()
+        write_kv(*theirs, k, v, slot, backend="torch_sdpa")
+        want = decode_attention(q, *theirs, pages, seq_lens, backend="torch_sdpa")
+        lone.write(k_cache, v_cache, k, v)
+        assert torch.equal(k_cache.nan_to_num(), theirs[0].nan_to_num())
+        assert torch.equal(v_cache.nan_to_num(), theirs[1].nan_to_num())
+        assert torch.equal(lone.attend(q, k_cache, v_cache), want)
+    k_cache = caches[0][0]
+    two = pages.repeat(2, 1), seq_lens.repeat(2), slot.repeat(2)
+    assert LoneDecode.plan(k_cache, *two, dim) is None
+    if n_pages > 1:
+        assert LoneDecode.plan(k_cache, pages.flip(-1), seq_lens, slot, dim) is None
+    assert LoneDecode.plan(k_cache, pages, seq_lens, slot * 0 - 1, dim) is None
+    strided = torch.empty(*shape[:3], 2 * dim, dtype=dtype)[..., :dim]
+    assert LoneDecode.plan(strided, pages, seq_lens, slot, dim) is None
