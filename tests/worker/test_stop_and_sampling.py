@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.sampling import Sampler, SamplingParams, sample_seed
+from worker.sampling import Sampler, SamplingParams, greedy, sample_seed
 from worker.stop import StopChecker
 
 
@@ -116,3 +116,20 @@ def test_seeds_are_stable_and_distinct_per_sample() -> None:
     assert sample_seed(7, 0) == sample_seed(7, 0)
     assert len({sample_seed(7, i) for i in range(16)}) == 16
     assert sample_seed(None, 0) != sample_seed(None, 0)
+
+
+@given(
+    size=st.integers(1, 70_000),
+    levels=st.integers(1, 5),
+    nans=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_greedy_is_argmax_with_its_ties_and_nans(
+    size: int, levels: int, nans: int, seed: int
+) -> None:
+    """The first of equal largest logits (few levels: many ties), the first NaN if any."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (size,), generator=gen).float()
+    for at in torch.randint(0, size, (nans,), generator=gen).tolist():
+        logits[at] = float("nan")
+    assert greedy(logits) == int(torch.argmax(logits))
