@@ -17,9 +17,11 @@ from kernels.dispatch import (
 from kernels.errors import KernelInputError
 from kernels.layout import empty_kv_cache, prefill_slot_mapping, slots_for_positions
 from kernels.lora import choose_lora_backend, lora_expand, lora_shrink
+from kernels.torch_sdpa import LoneDecode
 
 __all__ = [
     "KernelInputError",
+    "LoneDecode",
     "append_prefill_attention",
     "bind",
     "choose_backend",

@@ -9,7 +9,7 @@ the next layer's rotated q and k, compile it with its four int4 kernels as calls
 run the package's loader directly. The weights are inputs, so one package serves every boundary
 of a model (and of every model of the same shape: it is kept on disk, keyed by what it was
 compiled for), and the row count is a dynamic dimension, so it serves a decode batch of any size
-up to `MAX_ROWS`:
+up to `DecodeGraph.max_rows` (21 sequences for SmolLM2: `ELEMENTWISE_GRAIN`):
 
     attention -> x + o -> rms_norm -> gate/up -> silu(gate) * up -> down -> x + down
       -> (the next layer) rms_norm -> qkv -> RoPE on q and k -> (x, q, k, v) -> attention
@@ -18,7 +18,7 @@ The same ops as worker/decode_layers.py's loop, in the same order, so the same b
 are worker/rms_norm.py's tree of elementwise adds, which inductor cannot sum in an order of its
 own (torch's fused `rms_norm` here moved the logits by up to 0.3 over 100 steps), and each row's
 int4 products do not depend on the rows beside it. A package is used only if it gives the loop's
-bits on probe inputs of one and three rows through the model's first and last boundaries;
+bits on probe inputs of one to three rows through the model's first and last boundaries;
 otherwise, and while it compiles, and wherever it was not built for (a model of one layer,
 another format, a non-CPU model, no C++ compiler), the loop runs eagerly. The first layer's
 q/k/v and the last layer's MLP, outside any boundary, always run eagerly.
@@ -46,6 +46,7 @@ from worker.default_model import cache_root
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
 from worker.rms_norm import rms_norm
+from worker.rope import rotate_promoted
 
 if TYPE_CHECKING:
     from worker.model import CausalLM, DecoderLayer
@@ -62,10 +63,15 @@ Inputs = tuple[tuple[torch.Tensor, ...], ...]
 """Boundary i's weights (`boundary_inputs`): after layer i's attention, up to layer i + 1's."""
 MAX_ROWS = 1024
 """The most rows (sequences in a decode batch) a package is compiled for; a bigger batch runs
-the loop eagerly (the same bits). A model whose int4 layers switch to their float32 path at
-fewer rows (`QuantizedLinear.float32_rows`: AVX2's kernels) uses it below that
-(`DecodeGraph.max_rows`)."""
-PROBE_ROWS = (1, 3)
+the loop eagerly. A model runs it at fewer rows where an eager SiLU would split between threads
+(`ELEMENTWISE_GRAIN`) or its int4 layers switch to their float32 path
+(`QuantizedLinear.float32_rows`: AVX2's kernels): `DecodeGraph.max_rows`."""
+ELEMENTWISE_GRAIN = 32768
+"""torch's grain for splitting an elementwise op between threads (`at::internal::GRAIN_SIZE`):
+from that many elements an eager SiLU splits its [rows, intermediate] input into chunks, each
+ending in a scalar tail whose `exp` rounds unlike the vectorized one, at places set by the row
+and thread counts; inductor's code does not. A package runs fewer rows than that takes."""
+PROBE_ROWS = (1, 2, 3)
 """The row counts a package is checked at (it is exported at 2: torch.export fixes a dimension
 whose example is 1)."""
 
@@ -124,7 +130,7 @@ class Boundary(nn.Module):
         dim, kv = g.head_dim, g.kv_heads * g.head_dim
         v = qkv[:, g.v_start : g.v_start + kv].view(rows, g.kv_heads, dim)
         qk = qkv[:, : g.heads * dim + kv].view(rows, -1, dim)
-        qk = qk * cos + qk.roll(dim // 2, -1) * signed_sin  # decode_layers._rotate
+        qk = rotate_promoted(qk, cos, signed_sin)
         return x, qk[:, : g.heads], qk[:, g.heads :], v.to(qk.dtype)
 
 
@@ -188,7 +194,10 @@ def geometry_of(model: CausalLM) -> tuple[Geometry, Inputs, int] | None:
         config.rms_norm_eps,
         (o.out_features, gate_up.out_features, down.out_features, qkv.out_features),
     )
-    rows = min(MAX_ROWS, *(m.float32_rows - 1 for p in parts for m in p.four))
+    silu_rows = (ELEMENTWISE_GRAIN - 1) // config.intermediate_size
+    rows = min(MAX_ROWS, silu_rows, *(m.float32_rows - 1 for p in parts for m in p.four))
+    if rows < 1:
+        return None
     return geometry, boundary_inputs(parts), rows
 
 
@@ -328,8 +337,7 @@ def checks_out(run: Run, geometry: Geometry, inputs: Inputs) -> bool:
 class DecodeGraph:
     """The compiled boundary of one model: `run` is None until its package is built, loaded
     and checked (in a thread of its own), and stays None if any of that failed. It runs steps
-    of up to `max_rows` rows: `MAX_ROWS`, or fewer where an int4 layer's float32 path takes over
-    before (the loop then runs that, and the graph would not)."""
+    of up to `max_rows` rows (`MAX_ROWS` says which), where it gives the loop's bits."""
 
     def __init__(self, geometry: Geometry, inputs: Inputs, max_rows: int) -> None:
         self.geometry, self.inputs, self.max_rows = geometry, inputs, max_rows
@@ -345,10 +353,11 @@ class DecodeGraph:
             for fresh in (False, True):  # a kept package that fails is compiled again, once
                 try:
                     run = compile_boundary(self.geometry, example, cache_dir(), fresh)
+                    exact = checks_out(run, self.geometry, self.inputs)
                 except Exception as error:
                     self.failure = f"{type(error).__name__}: {error}"
                     continue
-                if checks_out(run, self.geometry, self.inputs):
+                if exact:
                     self.run, self.failure = run, None
                     return
                 self.failure = "the compiled graph does not give the eager loop's bits"

@@ -37,9 +37,10 @@ from worker.decode_graph import DecodeGraph
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
 from worker.rms_norm import rms_norm
+from worker.rope import rotate_promoted
 
 if TYPE_CHECKING:
-    from kernels.torch_sdpa import LoneDecode
+    from kernels import LoneDecode
     from worker.model import CausalLM, DecoderLayer, KvCache, Step
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
@@ -149,11 +150,12 @@ class DecodeLayers:
         q_at, k_at, v_at = weights.qkv_starts
         v = qkv[:, v_at : v_at + kv_heads * dim].view(tokens, kv_heads, dim)
         if k_at == heads * dim:  # q and k side by side: one rotation
-            qk = _rotate(qkv[:, : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
+            qk = rotate_promoted(qkv[:, : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
         else:
-            q = _rotate(qkv[:, q_at : q_at + heads * dim].view(tokens, heads, dim), cos, sin)
-            k = _rotate(qkv[:, k_at : k_at + kv_heads * dim].view(tokens, -1, dim), cos, sin)
+            q = qkv[:, q_at : q_at + heads * dim].view(tokens, heads, dim)
+            k = qkv[:, k_at : k_at + kv_heads * dim].view(tokens, -1, dim)
+            q, k = rotate_promoted(q, cos, sin), rotate_promoted(k, cos, sin)
         return q, k, v.to(k.dtype)
 
     def _mlp(self, weights: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -162,12 +164,6 @@ class DecodeLayers:
         inter, up = self.intermediate, weights.up_start
         h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
         return x + weights.down(h)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """worker/rope.py's `rotate` of a kernel's output, in float32 by promotion (its bf16 values
-    upcast exactly, as `.float()` would)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def _layer_weights(layer: DecoderLayer) -> LayerWeights | None:

@@ -98,10 +98,12 @@ def _extremes(width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _exact(packed: Any, q: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether fbgemm's scaled sums equal `_int_mm`'s on rows of random levels and of the
-    extremes (every level 127; alternately -127 and 127)."""
+    extremes (every level 127; alternately -127 and 127), together and the last alone."""
     width = q.shape[1]
     levels = torch.randint(-127, 128, (3, width), generator=torch.Generator().manual_seed(0))
     levels[1] = 127
     levels[2, ::2], levels[2, 1::2] = -127, 127
     sums = torch._int_mm(levels.to(torch.int8), q.t() if width > 1 else q.t().contiguous())
-    return torch.equal(scaled_sums(levels.float(), packed), sums.float().mul_(scales))
+    want = sums.float().mul_(scales)
+    alone = scaled_sums(levels[2:].float(), packed)  # one row: a lone sequence's decode
+    return torch.equal(scaled_sums(levels.float(), packed), want) and torch.equal(alone, want[2:])

@@ -31,7 +31,6 @@ from torch import nn
 
 import kernels
 from kernels.lora import lora_expand, lora_shrink
-from kernels.torch_sdpa import LoneDecode
 from worker.batch import ForwardBatch
 from worker.config import ModelConfig
 from worker.decode_layers import DecodeLayers
@@ -109,14 +108,14 @@ class Step:
         else:
             self.write(k_cache, v_cache, k, v, self.batch.slot_mapping)
 
-    def lone_decode(self, cache: KvCache) -> LoneDecode | None:
+    def lone_decode(self, cache: KvCache) -> kernels.LoneDecode | None:
         """A decode step of one sequence on a cache the CPU's torch SDPA path serves, planned
         once for the layers after the first (kernels/torch_sdpa.py: the same ops as
         `write_kv` and `attention`, without their per-layer lookups), or None."""
         b, k_cache = self.batch, cache[0]
         if not b.is_decode or kernels.choose_backend("decode_attention", k_cache) != "torch_sdpa":
             return None
-        return LoneDecode.plan(
+        return kernels.LoneDecode.plan(
             k_cache, b.page_table, b.seq_lens_k, b.slot_mapping, int(k_cache.shape[3])
         )
 

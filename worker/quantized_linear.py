@@ -207,13 +207,14 @@ def int8_dynamic_matmul(
     `scales` [out]: each row of x is quantized to int8 symmetrically by its own largest
     magnitude (x ~ xq * s, s = max|x| / 127, rounded half to even), the int8 products are
     summed exactly in int32 (`torch._int_mm`, or fbgemm's GEMM over `fbgemm`, q prepacked by
-    worker/fbgemm_int8.py: the same sums, faster), and the sums are scaled in float32. llama.cpp
-    multiplies its quantized matrices the same way (its activations in blocks of 32). The sums
-    are exact, so a row's result never depends on the rows beside it."""
+    worker/fbgemm_int8.py: the same sums, faster; not for rows with a NaN or an infinity, which
+    fbgemm's own range of the whole batch cannot take), and the sums are scaled in float32.
+    llama.cpp multiplies its quantized matrices the same way (its activations in blocks of 32).
+    The sums are exact, so a row's result never depends on the rows beside it."""
     x32 = x.float()
     step = x32.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
     levels = torch.round(x32 / step)
-    if fbgemm is not None:
+    if fbgemm is not None and bool(step.isfinite().all()):  # a NaN / inf row: _int_mm's NaNs
         return fbgemm_int8.scaled_sums(levels, fbgemm).mul_(step)
     weight = q.t() if q.shape[1] > 1 else q.t().contiguous()  # _int_mm misreads strides (1, 1)
     sums = torch._int_mm(levels.to(torch.int8), weight)

@@ -84,6 +84,12 @@ class RotaryEmbedding(torch.nn.Module):
         return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin)
 
 
+def rotate_promoted(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` of a bf16 kernel output in float32 by promotion (its values upcast exactly, as
+    `.float()` would), without the casts: the flat decode loop's and its compiled graph's."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Hugging Face's x * cos + rotate_half(x) * sin, in float32, back in x's dtype.
 

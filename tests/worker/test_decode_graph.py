@@ -65,6 +65,8 @@ def test_the_compiled_boundary_gives_the_eager_loops_logits_and_kv_bit_for_bit(
     graph = built(model)
     assert graph.run is not None, graph.failure
     assert len(list(compiled.glob("decode-graphs/*.pt2"))) == 1, "the package was not kept"
+    silu_rows = (decode_graph.ELEMENTWISE_GRAIN - 1) // THREE_LAYERS.intermediate_size
+    assert graph.max_rows == min(decode_graph.MAX_ROWS, silu_rows)
     run, calls = graph.run, []
 
     def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -46,7 +46,6 @@ def test_rmsnorm_in_float32_on_a_cpu_is_within_a_few_ulps_of_transformers(rows: 
         got, want = ours(x), theirs(x)
     ulps = ((got - want).abs() / torch.finfo(torch.float32).eps / want.abs()).max()
     assert float(ulps) <= 4.0, ulps
-    assert torch.equal(got, rms_norm(x, ours.weight.detach(), 1e-5))
 
 
 @given(

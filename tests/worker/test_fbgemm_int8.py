@@ -82,3 +82,18 @@ def test_an_int8_head_takes_fbgemm_where_it_checks_out_and_int_mm_where_not(
     assert refused.fbgemm is None
     assert torch.equal(refused(x), fast)
     assert QuantizedLinear(table, "int8").fbgemm is None, "only a head"
+
+
+@pytest.mark.parametrize(("rows", "row", "bad"), [(1, 0, "nan"), (3, 0, "inf"), (3, 2, "nan")])
+def test_a_row_with_a_nan_or_an_infinity_gets_int_mms_logits(rows: int, row: int, bad: str) -> None:
+    """fbgemm's own range of the batch cannot take a NaN or an infinity (it raises, or turns a
+    row of NaNs into infinities): such a step keeps `_int_mm`, whose bad row is NaN and whose
+    other rows are untouched."""
+    q, scales = weight(40, 24, seed=4)
+    packed = fbgemm_int8.prepack(q, scales)
+    x = torch.randn(rows, 24, generator=torch.Generator().manual_seed(5))
+    x[row, 3] = float(bad)
+    got = int8_dynamic_matmul(x, q, scales, packed)
+    want = int8_dynamic_matmul(x, q, scales)
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got[row].isnan().all())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())

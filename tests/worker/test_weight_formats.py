@@ -17,7 +17,7 @@ from torch import nn
 from tests.worker import test_engine_equivalence as equivalence
 from tests.worker.helpers import no_cache_greedy, recorded_engine, relative_error
 from tests.worker.test_lora_model import ATTENTION, random_adapter, stacks_with
-from worker import quantized_linear
+from worker import fbgemm_int8, quantized_linear
 from worker.config import ModelConfig
 from worker.fused_projections import FusedProjections
 from worker.loader import load_model, model_revision
@@ -192,10 +192,9 @@ def test_formats_hold_fewer_bytes_in_order() -> None:
     for fmt in FORMATS:
         size = promised[fmt]
         head = promised[head_format(fmt, CPU)](vocab, hidden)  # TINY_CONFIG's head is untied
-        if (
-            getattr(models[fmt].lm_head, "fbgemm", None) is not None
-        ):  # an int8 head's copy for fbgemm
-            head += vocab * (hidden + 2) + vocab * 8
+        lm_head = models[fmt].lm_head
+        if getattr(lm_head, "fbgemm", None) is not None:  # an int8 head's copy for fbgemm
+            head += fbgemm_int8.packed_bytes(lm_head.q)  # type: ignore[union-attr]
         assert sizes[fmt] == fixed + head + sum(size(out, inp) for out, inp in matrices), fmt
 
 
