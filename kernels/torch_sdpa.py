@@ -37,6 +37,13 @@ def write_kv(
     slots, keep = _STEP_MEMO.lookup(("slots", slot_mapping), (), lambda: _slots(slot_mapping))
     if keep is not None:
         k, v = k[keep], v[keep]
+    _copy_to_slots(k_cache, v_cache, k, v, slots)
+
+
+def _copy_to_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: Any
+) -> None:
+    """k[t], v[t] into int64 slot slots[t] of the flattened caches, in the caches' dtype."""
     if k.dtype != k_cache.dtype:
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
@@ -114,14 +121,13 @@ def decode_attention(
         (batch, num_pages, page_size),
         lambda: _decode_plan(page_table[:batch], seq_lens, num_pages, page_size),
     )
-    if first is not None:  # the caches are contiguous (checked where the call was bound)
+    if first is not None:
         end = first + pages.shape[0]
-        k = k_cache[first:end].view(1, -1, *k_cache.shape[2:])[:, :longest]
-        v = v_cache[first:end].view(1, -1, *v_cache.shape[2:])[:, :longest]
+        k, v = (_window(cache, first, end, longest) for cache in (k_cache, v_cache))
     else:
         k = k_cache.index_select(0, pages).view(batch, -1, *k_cache.shape[2:])[:, :longest]
         v = v_cache.index_select(0, pages).view(batch, -1, *v_cache.shape[2:])[:, :longest]
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
     mask = None
     if masks is not None:
         padding, mask = masks
@@ -157,7 +163,6 @@ class LoneDecode:
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
         slot_mapping: torch.Tensor,
-        head_dim: int,
     ) -> LoneDecode | None:
         """The plan of a decode step over `k_cache` (contiguous, as the bound calls require)
         whose one row's pages are consecutive and whose one slot is not padding, else None."""
@@ -172,34 +177,36 @@ class LoneDecode:
         slots, keep = _STEP_MEMO.lookup(("slots", slot_mapping), (), lambda: _slots(slot_mapping))
         if first is None or keep is not None:
             return None
-        scale = softmax_scale_or_default(None, head_dim)
+        scale = softmax_scale_or_default(None, k_cache.shape[3])
         return cls(slots, first, first + pages.shape[0], longest, scale)
 
     def write(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        if k.dtype != k_cache.dtype:
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, self.slots, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, self.slots, v)
+        _copy_to_slots(k_cache, v_cache, k, v, self.slots)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [1, q_heads, head_dim] over the sequence's keys: [1, q_heads, head_dim]. The keys
-        are `decode_attention`'s in-place window, [1, kv_heads, length, head_dim] with its
-        strides, made by one `as_strided` a cache instead of four views (-3 % a step)."""
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("a lone decode reads contiguous caches in place")
-        _, page_size, kv_heads, dim = k_cache.shape
-        row = kv_heads * dim
-        shape = (1, kv_heads, self.longest, dim)
-        strides = ((self.end - self.first) * page_size * row, dim, row, 1)
-        start = self.first * page_size * row
-        k = k_cache.as_strided(shape, strides, k_cache.storage_offset() + start)
-        v = v_cache.as_strided(shape, strides, v_cache.storage_offset() + start)
+        """q [1, q_heads, head_dim] over the sequence's keys (`decode_attention`'s in-place
+        window): [1, q_heads, head_dim]."""
+        k = _window(k_cache, self.first, self.end, self.longest)
+        v = _window(v_cache, self.first, self.end, self.longest)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         attended = sdpa(q.unsqueeze(2), k, v, scale=self.scale, enable_gqa=True)
         return attended.squeeze(2)
+
+
+def _window(cache: torch.Tensor, first: int, end: int, longest: int) -> torch.Tensor:
+    """Pages first..end - 1 of a contiguous cache as one sequence's [1, kv_heads, longest,
+    head_dim] keys or values, in place: the shape and strides of its gathered pages, sliced and
+    transposed, made by one `as_strided` (four views took 3 % of an int4 decode step). A
+    strided cache is refused, not read past."""
+    if not cache.is_contiguous():
+        raise ValueError("a sequence's pages are read in place only from a contiguous cache")
+    _, page_size, kv_heads, dim = cache.shape
+    row = kv_heads * dim
+    shape, strides = (1, kv_heads, longest, dim), ((end - first) * page_size * row, dim, row, 1)
+    return cache.as_strided(shape, strides, cache.storage_offset() + first * page_size * row)
 
 
 def _decode_plan(

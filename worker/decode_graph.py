@@ -277,10 +277,10 @@ def _host() -> tuple[str, ...]:
 
 
 def package_key(name: str, geometry: Geometry, example: Sequence[torch.Tensor]) -> str:
-    """What a package was compiled for: the graph, torch, the host (`_host`), the geometry,
-    every input's shape and dtype."""
+    """What a package was compiled for: the graph and its most rows, torch, the host (`_host`),
+    the geometry, every input's shape and dtype."""
     parts = [
-        f"{name}-v{GRAPH_VERSION}",
+        f"{name}-v{GRAPH_VERSION}-rows{MAX_ROWS}",
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
         *_host(),

@@ -115,9 +115,7 @@ class Step:
         b, k_cache = self.batch, cache[0]
         if not b.is_decode or kernels.choose_backend("decode_attention", k_cache) != "torch_sdpa":
             return None
-        return kernels.LoneDecode.plan(
-            k_cache, b.page_table, b.seq_lens_k, b.slot_mapping, int(k_cache.shape[3])
-        )
+        return kernels.LoneDecode.plan(k_cache, b.page_table, b.seq_lens_k, b.slot_mapping)
 
     def attention(self, q: torch.Tensor, cache: KvCache) -> torch.Tensor:
         b = self.batch

@@ -96,6 +96,4 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     rotate_half(x) = cat(-x2, x1) is roll(x, D/2) with its first half negated, so with the sign
     kept in the table (signed_sin = cat(-sin1, sin2)) it is one roll: the same products, bit for
     bit, in four ops instead of nine (a decode step runs this 60 times)."""
-    x32 = x.float()
-    out = x32 * cos + x32.roll(x.shape[-1] // 2, -1) * signed_sin
-    return out.to(x.dtype)
+    return rotate_promoted(x.float(), cos, signed_sin).to(x.dtype)

@@ -194,7 +194,7 @@ def test_a_lone_decode_planned_once_gives_write_kv_and_decode_attentions_bits(
                 length - 1, kv_heads, dim, generator=gen
             )
         caches.append((k_cache, v_cache))
-    lone = LoneDecode.plan(caches[0][0], pages, seq_lens, slot, dim)
+    lone = LoneDecode.plan(caches[0][0], pages, seq_lens, slot)
     assert lone is not None
     for k_cache, v_cache in caches:
         q = torch.randn(1, kv_heads * group, dim, generator=gen).to(dtype)
@@ -208,11 +208,11 @@ def test_a_lone_decode_planned_once_gives_write_kv_and_decode_attentions_bits(
         assert torch.equal(lone.attend(q, k_cache, v_cache), want)
     k_cache = caches[0][0]
     two = pages.repeat(2, 1), seq_lens.repeat(2), slot.repeat(2)
-    assert LoneDecode.plan(k_cache, *two, dim) is None
+    assert LoneDecode.plan(k_cache, *two) is None
     if n_pages > 1:
-        assert LoneDecode.plan(k_cache, pages.flip(-1), seq_lens, slot, dim) is None
-    assert LoneDecode.plan(k_cache, pages, seq_lens, slot * 0 - 1, dim) is None
+        assert LoneDecode.plan(k_cache, pages.flip(-1), seq_lens, slot) is None
+    assert LoneDecode.plan(k_cache, pages, seq_lens, slot * 0 - 1) is None
     strided = torch.empty(*shape[:3], 2 * dim, dtype=dtype)[..., :dim]
-    assert LoneDecode.plan(strided, pages, seq_lens, slot, dim) is None
+    assert LoneDecode.plan(strided, pages, seq_lens, slot) is None
     with pytest.raises(ValueError, match="contiguous"):
         lone.attend(q, k_cache, strided)
