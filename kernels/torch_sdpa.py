@@ -169,7 +169,7 @@ class LoneDecode:
         if seq_lens.shape[0] != 1 or slot_mapping.shape[0] != 1 or not k_cache.is_contiguous():
             return None
         num_pages, page_size = k_cache.shape[:2]
-        pages, longest, _, first = _STEP_MEMO.lookup(
+        _, longest, _, first = _STEP_MEMO.lookup(
             ("decode", page_table, seq_lens),
             (1, num_pages, page_size),
             lambda: _decode_plan(page_table[:1], seq_lens, num_pages, page_size),
@@ -177,8 +177,17 @@ class LoneDecode:
         slots, keep = _STEP_MEMO.lookup(("slots", slot_mapping), (), lambda: _slots(slot_mapping))
         if first is None or keep is not None:
             return None
-        scale = softmax_scale_or_default(None, k_cache.shape[3])
-        return cls(slots, first, first + pages.shape[0], longest, scale)
+        return cls.over(k_cache, slots, first, longest)
+
+    @classmethod
+    def over(
+        cls, k_cache: torch.Tensor, slots: torch.Tensor, first: int, longest: int
+    ) -> LoneDecode:
+        """The plan of a sequence of `longest` positions in the consecutive pages of `k_cache`
+        from page `first` on, writing its new K/V to int64 slots `slots` (what `plan` found;
+        also what worker/decode_graph.py's compiled layer traces, with symbolic ints)."""
+        end = first + cdiv(longest, k_cache.shape[1])
+        return cls(slots, first, end, longest, softmax_scale_or_default(None, k_cache.shape[3]))
 
     def write(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -22,6 +22,12 @@ bits on probe inputs of one to three rows through the model's first and last bou
 otherwise, and while it compiles, and wherever it was not built for (a model of one layer,
 another format, a non-CPU model, no C++ compiler), the loop runs eagerly. The first layer's
 q/k/v and the last layer's MLP, outside any boundary, always run eagerly.
+
+A decode step of one sequence (`kernels.LoneDecode`'s plan: its pages consecutive) has a second
+package, `LoneBoundary`: layer i's K/V write and attention in place on its caches, then boundary
+i, one call a layer instead of six. Its sequence's first page and length reach it as the lengths
+of stride-0 tensors (`carrier`), the caches' page count and page size are dynamic, and it is
+checked like the first, on probe sequences, outputs and caches, before it is used.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import LoneDecode
 from worker.default_model import cache_root
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
@@ -54,7 +61,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GRAPH_VERSION = 3
-"""Part of a package's key: bump it when `Boundary` changes."""
+"""Part of a package's key: bump it when `Boundary` or `LoneBoundary` (or what they call:
+`kernels.LoneDecode`) changes. A kept package that gives other bits is compiled again anyway."""
 ENABLE_ENV = "RADIXMESH_COMPILED_DECODE"
 """`0` keeps every decode step eager (the default for tests: tests/conftest.py)."""
 
@@ -71,6 +79,11 @@ ELEMENTWISE_GRAIN = 32768
 from that many elements an eager SiLU splits its [rows, intermediate] input into chunks, each
 ending in a scalar tail whose `exp` rounds unlike the vectorized one, at places set by the row
 and thread counts; inductor's code does not. A package runs fewer rows than that takes."""
+CARRIED = 2
+"""An int enters a package as the length of a stride-0 tensor (`carrier`: AOTInductor takes
+tensors only), `CARRIED` past the int, as torch.export fixes a dimension whose example is 0 or 1."""
+LONE_PROBES = ((16, 0, 2), (16, 2, 40), (16, 5, 77), (1, 3, 9))
+"""(page size, first page, length) of the sequences a lone package is checked on."""
 PROBE_ROWS = (1, 2, 3)
 """The row counts a package is checked at (it is exported at 2: torch.export fixes a dimension
 whose example is 1)."""
@@ -132,6 +145,40 @@ class Boundary(nn.Module):
         qk = qkv[:, : g.heads * dim + kv].view(rows, -1, dim)
         qk = rotate_promoted(qk, cos, signed_sin)
         return x, qk[:, : g.heads], qk[:, g.heads :], v.to(qk.dtype)
+
+
+class LoneBoundary(nn.Module):
+    """A decode step of one sequence at layer i: its K/V write and attention, in place on the
+    layer's caches (`kernels.LoneDecode`: what the loop runs for it), then boundary i. One call
+    a layer, where the loop makes six (-15 % an int4 SmolLM2 step).
+
+    `attention` is q, k, v (float32, rotated, one row), x, the layer's K and V caches
+    (float32 [pages, page size, kv_heads, head_dim], contiguous from the start of their
+    storage, any number of pages of any size), the int64 slot of the new K/V, and the first
+    page and the length of the sequence as `carrier`s; `boundary` is `Boundary`'s inputs after
+    `attended` and x."""
+
+    def __init__(self, geometry: Geometry) -> None:
+        super().__init__()
+        self.g = geometry
+        self.boundary = Boundary(geometry)
+
+    def forward(
+        self, attention: tuple[torch.Tensor, ...], boundary: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, x, k_cache, v_cache, slots, first, longest = attention
+        plan = LoneDecode.over(k_cache, slots, first.shape[0] - CARRIED, longest.shape[0] - CARRIED)
+        plan.write(k_cache, v_cache, k, v)
+        attended = plan.attend(q, k_cache, v_cache).reshape(1, self.g.heads * self.g.head_dim)
+        return self.boundary(attended, x, *boundary)
+
+
+_ONE = torch.empty(1)
+
+
+def carrier(n: int) -> torch.Tensor:
+    """n as a tensor a package reads the length of (`CARRIED`)."""
+    return _ONE.expand(n + CARRIED)
 
 
 Four = tuple[QuantizedLinear, QuantizedLinear, QuantizedLinear, QuantizedLinear]
@@ -251,6 +298,24 @@ def _example(geometry: Geometry, inputs: Inputs, boundary: int, rows: int) -> li
     return [attended, x, *inputs[boundary], angle.cos(), angle.sin()]
 
 
+def _lone_example(
+    geometry: Geometry, inputs: Inputs, boundary: int, page_size: int, first: int, length: int
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Probe inputs of `LoneBoundary` at boundary `boundary`: a sequence of `length` positions
+    from page `first` of random caches with two pages past it, its new K/V at its last slot."""
+    gen = torch.Generator().manual_seed(boundary * 1000 + first * 10 + length)
+    heads, kv_heads, dim = geometry.heads, geometry.kv_heads, geometry.head_dim
+    pages = first + -(length // -page_size) + 2
+    k_cache, v_cache = (torch.randn(pages, page_size, kv_heads, dim, generator=gen) for _ in "kv")
+    q = torch.randn(1, heads, dim, generator=gen)
+    k, v = torch.randn(2, 1, kv_heads, dim, generator=gen)
+    x = torch.randn(1, geometry.hidden, generator=gen)
+    slot = torch.tensor([first * page_size + length - 1])
+    angle = torch.rand(1, 1, dim, generator=gen) * 100
+    attention = (q, k, v, x, k_cache, v_cache, slot, carrier(first), carrier(length))
+    return attention, (*inputs[boundary], angle.cos(), angle.sin())
+
+
 def _dynamic_rows(example: Sequence[torch.Tensor]) -> tuple[dict[int, Any] | None, ...]:
     """The row dimension of the activations (the first two inputs, cos and sin) dynamic."""
     rows = torch.export.Dim("rows", min=1, max=MAX_ROWS)
@@ -294,18 +359,24 @@ _COMPILING = threading.Lock()
 """One build at a time in a process: `torch.export` and inductor are not thread-safe."""
 
 
-def compile_boundary(
-    geometry: Geometry, example: list[torch.Tensor], directory: Path, fresh: bool = False
+def compile_package(
+    name: str,
+    module: nn.Module,
+    example: tuple[Any, ...],
+    dynamic: tuple[Any, ...],
+    geometry: Geometry,
+    directory: Path,
+    fresh: bool = False,
 ) -> Run:
-    """The boundary's package, loaded (compiled first unless `directory` holds it, or `fresh`:
-    compiled again over what it holds); its loader's `run` over a flat list of inputs."""
+    """`module`'s package, exported at `example` with `dynamic` shapes, loaded (compiled first
+    unless `directory` holds it, or `fresh`: compiled again over what it holds); its loader's
+    `run` over a flat list of inputs."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"boundary-{package_key('boundary', geometry, example)}.pt2"
+    flat = torch.utils._pytree.tree_leaves(example)
+    path = directory / f"{name}-{package_key(name, geometry, flat)}.pt2"
     with _COMPILING:
         if fresh or not path.exists():
-            exported = torch.export.export(
-                Boundary(geometry), tuple(example), dynamic_shapes=_dynamic_rows(example)
-            )
+            exported = torch.export.export(module, example, dynamic_shapes=dynamic)
             partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.part.pt2")
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
             with partial.open("rb") as written:
@@ -314,6 +385,30 @@ def compile_boundary(
         runner = torch._inductor.aoti_load_package(str(path))
     run: Run = runner.loader.run
     return run
+
+
+def compile_boundary(
+    geometry: Geometry, example: list[torch.Tensor], directory: Path, fresh: bool = False
+) -> Run:
+    """The boundary's package (`compile_package`), its row count dynamic."""
+    module, dynamic = Boundary(geometry), _dynamic_rows(example)
+    return compile_package("boundary", module, tuple(example), dynamic, geometry, directory, fresh)
+
+
+def compile_lone(
+    geometry: Geometry, example: tuple[Any, ...], directory: Path, fresh: bool = False
+) -> Run:
+    """The lone sequence's layer (`LoneBoundary`, `compile_package`): its caches' pages and
+    page size, its first page and its length dynamic."""
+    big = 2**31 - 1
+    pages, page = torch.export.Dim("pages", min=2, max=big), torch.export.Dim("page", max=big)
+    cache = {0: pages, 1: page}
+    first = {0: torch.export.Dim("first", min=CARRIED, max=big)}
+    longest = {0: torch.export.Dim("longest", min=CARRIED + 2, max=big)}
+    attention = (None, None, None, None, cache, cache, None, first, longest)
+    dynamic = (attention, tuple(None for _ in example[1]))
+    module = LoneBoundary(geometry)
+    return compile_package("lone", module, example, dynamic, geometry, directory, fresh)
 
 
 def checks_out(run: Run, geometry: Geometry, inputs: Inputs) -> bool:
@@ -326,12 +421,33 @@ def checks_out(run: Run, geometry: Geometry, inputs: Inputs) -> bool:
             with torch.inference_mode():
                 expected = boundary(*example)
                 got = run(list(example))
-            if len(got) != len(expected) or not all(
-                g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
-                for g, e in zip(got, expected, strict=False)
-            ):
+            if not _same(got, expected):
                 return False
     return True
+
+
+def lone_checks_out(run: Run, geometry: Geometry, inputs: Inputs) -> bool:
+    """Whether the lone package gives its eager ops' outputs and caches bit for bit on probe
+    sequences (`LONE_PROBES`) through the model's first and last boundaries."""
+    layer = LoneBoundary(geometry)
+    for index in {0, len(inputs) - 1}:
+        for page_size, first, length in LONE_PROBES:
+            attention, boundary = _lone_example(geometry, inputs, index, page_size, first, length)
+            ours = list(attention)
+            ours[4:6] = (attention[4].clone(), attention[5].clone())
+            with torch.inference_mode():
+                expected = layer(attention, boundary)
+                got = run([*ours, *boundary])
+            if not (_same(got, expected) and _same(ours[4:6], attention[4:6])):
+                return False
+    return True
+
+
+def _same(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
+    return len(got) == len(expected) and all(
+        g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
+        for g, e in zip(got, expected, strict=False)
+    )
 
 
 class DecodeGraph:
@@ -343,28 +459,51 @@ class DecodeGraph:
         self.geometry, self.inputs, self.max_rows = geometry, inputs, max_rows
         self.run: Run | None = None
         self.failure: str | None = None
+        self.lone: Run | None = None
+        """`LoneBoundary`'s package: a decode step of one sequence, once built and checked
+        after `run` (None if that failed: `lone_failure`)."""
+        self.lone_failure: str | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._build, name="decode-graph", daemon=True)
         self._thread.start()
 
     def _build(self) -> None:
-        example = _example(self.geometry, self.inputs, 0, 2)
         try:
-            for fresh in (False, True):  # a kept package that fails is compiled again, once
-                try:
-                    run = compile_boundary(self.geometry, example, cache_dir(), fresh)
-                    exact = checks_out(run, self.geometry, self.inputs)
-                except Exception as error:
-                    self.failure = f"{type(error).__name__}: {error}"
-                    continue
-                if exact:
-                    self.run, self.failure = run, None
-                    return
-                self.failure = "the compiled graph does not give the eager loop's bits"
+            example = _example(self.geometry, self.inputs, 0, 2)
+            self.run, self.failure = self._built(
+                "decode steps",
+                lambda fresh: compile_boundary(self.geometry, example, cache_dir(), fresh),
+                checks_out,
+            )
+            if self.run is not None:
+                lone = _lone_example(self.geometry, self.inputs, 0, *LONE_PROBES[1])
+                self.lone, self.lone_failure = self._built(
+                    "one sequence's attentions",
+                    lambda fresh: compile_lone(self.geometry, lone, cache_dir(), fresh),
+                    lone_checks_out,
+                )
         finally:
-            if self.failure is not None:
-                log.warning("decode steps stay eager: %s", self.failure)
             self._done.set()
+
+    def _built(
+        self,
+        what: str,
+        compile: Callable[[bool], Run],
+        check: Callable[[Run, Geometry, Inputs], bool],
+    ) -> tuple[Run | None, str | None]:
+        """A package compiled (`compile(fresh)`) and checked, or None and why not (logged: which
+        decode steps `what` stay eager)."""
+        failure = None
+        for fresh in (False, True):  # a kept package that fails is compiled again, once
+            try:
+                run = compile(fresh)
+                if check(run, self.geometry, self.inputs):
+                    return run, None
+                failure = "the compiled graph does not give the eager loop's bits"
+            except Exception as error:
+                failure = f"{type(error).__name__}: {error}"
+        log.warning("%s stay eager: %s", what, failure)
+        return None, failure
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the build ended (benchmarks, tests); whether it did in `timeout`."""

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from worker.decode_graph import DecodeGraph
+from worker.decode_graph import DecodeGraph, carrier
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
 from worker.rms_norm import rms_norm
@@ -121,9 +121,14 @@ class DecodeLayers:
         cos, sin = step.cos, step.sin
         q, k, v = self._qkv(self.layers[0], x, cos, sin)
         lone: LoneDecode | None = None
+        planned: tuple[torch.Tensor, ...] = ()  # the compiled lone layer's slot, first, length
         for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer_ready is not None:
                 layer_ready(i)
+            if planned and i < last:
+                assert graph is not None and graph.lone is not None
+                x, q, k, v = graph.lone([q, k, v, x, *cache, *planned, *graph.inputs[i], cos, sin])
+                continue
             if lone is not None:
                 lone.write(*cache, k, v)
                 attended = lone.attend(q, *cache).reshape(tokens, width)
@@ -132,6 +137,7 @@ class DecodeLayers:
                 attended = step.attention(q, cache).reshape(tokens, width)
                 if i == 0 and tokens == 1:  # checked through the dispatch once: plan the rest
                     lone = step.lone_decode(cache)
+                    planned = _planned(lone, cache, graph)
             if run is not None and i < last:
                 assert graph is not None
                 x, q, k, v = run([attended, x, *graph.inputs[i], cos, sin])
@@ -164,6 +170,20 @@ class DecodeLayers:
         inter, up = self.intermediate, weights.up_start
         h = F.silu(gate_up[:, :inter].float()) * gate_up[:, up : up + inter]
         return x + weights.down(h)
+
+
+def _planned(
+    lone: LoneDecode | None, cache: KvCache, graph: DecodeGraph | None
+) -> tuple[torch.Tensor, ...]:
+    """What the compiled lone layer (`DecodeGraph.lone`) reads of a lone decode's plan besides
+    the layer's tensors, or () where it does not run it: no plan, no package, or a cache it was
+    not compiled for (contiguous from the start of its storage; a sequence of two positions at
+    least). Its float32 dtype is the activations', which `write_kv` checked at the first layer."""
+    if lone is None or graph is None or graph.lone is None or lone.longest < 2:
+        return ()
+    if any(not c.is_contiguous() or c.storage_offset() for c in cache):
+        return ()
+    return lone.slots, carrier(lone.first), carrier(lone.longest)
 
 
 def _layer_weights(layer: DecoderLayer) -> LayerWeights | None:

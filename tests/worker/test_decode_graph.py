@@ -5,8 +5,10 @@ cache, and leaves the loop eager wherever it does not apply or its build fails."
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,36 +56,44 @@ def int4_model(seed: int, config: ModelConfig = THREE_LAYERS) -> CausalLM:
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 2])
-def test_the_compiled_boundary_gives_the_eager_loops_logits_and_kv_bit_for_bit(
-    compiled: Path, rows: int
+@pytest.mark.parametrize(("rows", "page_size"), [(1, 4), (1, 1), (1, 16), (2, 4)])
+def test_the_compiled_layers_give_the_eager_loops_logits_and_kv_bit_for_bit(
+    compiled: Path, rows: int, page_size: int
 ) -> None:
     """Each of 8 greedy steps of `rows` sequences runs eagerly, then, from the K/V as it was
-    before it, through the compiled boundary (one call between two attentions): equal logits,
-    equal K/V."""
+    before it, through the compiled packages: equal logits, equal K/V. One sequence's layers
+    after the first run the lone package (its attention inside), a batch's the boundary."""
     model = int4_model(seed=11)
     graph = built(model)
     assert graph.run is not None, graph.failure
-    assert len(list(compiled.glob("decode-graphs/*.pt2"))) == 1, "the package was not kept"
+    assert graph.lone is not None, graph.lone_failure
+    kept = sorted(p.name.split("-")[0] for p in compiled.glob("decode-graphs/*.pt2"))
+    assert kept == ["boundary", "lone"], "the packages were not kept"
     silu_rows = (decode_graph.ELEMENTWISE_GRAIN - 1) // THREE_LAYERS.intermediate_size
     assert graph.max_rows == min(decode_graph.MAX_ROWS, silu_rows)
-    run, calls = graph.run, []
+    packages = {"run": graph.run, "lone": graph.lone}
+    calls: list[str] = []
 
-    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        calls.append(1)
-        return run(inputs)
+    def counted(name: str) -> decode_graph.Run:
+        def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            calls.append(name)
+            return packages[name](inputs)
 
-    runner, chunks = prefilled(model, rows)
+        return run
+
+    boundaries = THREE_LAYERS.num_layers - 1  # the last layer's MLP stays eager
+    expected = ["run"] * boundaries if rows > 1 else ["run"] + ["lone"] * (boundaries - 1)
+    runner, chunks = prefilled(model, rows, page_size=page_size)
     for _ in range(8):
         before = kv_copy(runner)
-        graph.run = None
+        graph.run = graph.lone = None
         eager = runner.run(chunks).clone()
         kv_eager = kv_copy(runner)
         for cache, saved in zip((t for layer in runner.kv for t in layer), before, strict=True):
             cache.copy_(saved)
-        graph.run = counted
+        graph.run, graph.lone = counted("run"), counted("lone")
         got = runner.run(chunks)
-        assert len(calls) == THREE_LAYERS.num_layers - 1, "the graph did not run"
+        assert calls == expected, "the packages did not run"
         calls.clear()
         assert torch.equal(got, eager), (got - eager).abs().max()
         for ours, theirs in zip(kv_copy(runner), kv_eager, strict=True):
@@ -95,7 +105,34 @@ def test_the_compiled_boundary_gives_the_eager_loops_logits_and_kv_bit_for_bit(
         ]
     graph.max_rows = rows - 1  # a batch past what it runs: the eager loop
     runner.run(chunks)
+    assert calls == (["lone"] * (boundaries - 1) if rows == 1 else [])
+
+
+@needs_compiler
+def test_the_lone_package_does_not_run_on_caches_that_are_views_into_a_buffer(
+    compiled: Path,
+) -> None:
+    """It was compiled for caches that start their storage: caches further into a buffer run
+    that step's attentions eagerly around the boundary package, with the same logits."""
+    model = int4_model(seed=12)
+    graph = built(model)
+    assert graph.lone is not None, graph.lone_failure
+    lone, calls = graph.lone, []
+
+    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(1)
+        return lone(inputs)
+
+    graph.lone = counted
+    runner, chunks = prefilled(model, 1)
+    expected = runner.run(chunks).clone()
+    assert calls, "the lone package did not run on the runner's own caches"
+    calls.clear()
+    padded = [torch.cat([torch.zeros_like(t[:1]), t]) for layer in runner.kv for t in layer]
+    runner.kv[:] = [(padded[2 * i][1:], padded[2 * i + 1][1:]) for i in range(len(runner.kv))]
+    got = runner.run(chunks)  # the same step again: the same K/V written, the same logits
     assert not calls
+    assert torch.equal(got, expected)
 
 
 @needs_compiler
@@ -118,34 +155,58 @@ def test_a_failed_or_inexact_build_leaves_the_loop_eager(
 ) -> None:
     """A build that raises (no C++ compiler, say), or whose package does not give the eager
     ops' bits, is not used: the failure is kept and the loop decodes eagerly, as before."""
-
-    def no_compiler(*args: object) -> decode_graph.Run:
-        raise RuntimeError("no compiler")
-
-    def off_by_a_bit(geometry: decode_graph.Geometry, *args: object) -> decode_graph.Run:
-        boundary = decode_graph.Boundary(geometry)
-
-        def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            x, *rest = boundary(*inputs)
-            return [x.nextafter(x + 1), *rest]
-
-        return run
-
-    fake = no_compiler if broken == "no compiler" else off_by_a_bit
+    fake = _no_compiler if broken == "no compiler" else _off_by_a_bit(decode_graph.Boundary)
     monkeypatch.setattr(decode_graph, "compile_boundary", fake)
     model = int4_model(seed=3)
     graph = built(model)
-    assert graph.run is None
-    assert graph.failure == (
-        "RuntimeError: no compiler"
-        if broken == "no compiler"
-        else "the compiled graph does not give the eager loop's bits"
-    )
+    assert graph.run is None and graph.lone is None
+    assert graph.failure == _failure(broken)
+    assert graph.lone_failure is None  # not tried without the boundary
     runner, chunks = prefilled(model, 1)
     flat = runner.run(chunks).clone()
     model.flat_decode = False
     runner, chunks = prefilled(model, 1)
     assert torch.equal(runner.run(chunks), flat)
+
+
+@needs_compiler
+@pytest.mark.parametrize("broken", ["no compiler", "other bits"])
+def test_a_failed_or_inexact_lone_build_leaves_the_boundary_running(
+    broken: str, compiled: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lone package failing leaves a lone sequence's attentions eager and the boundary
+    package running between them."""
+    fake = _no_compiler if broken == "no compiler" else _off_by_a_bit(decode_graph.LoneBoundary)
+    monkeypatch.setattr(decode_graph, "compile_lone", fake)
+    graph = built(int4_model(seed=3))
+    assert graph.run is not None and graph.failure is None
+    assert graph.lone is None and graph.lone_failure == _failure(broken)
+
+
+def _no_compiler(*args: object) -> decode_graph.Run:
+    raise RuntimeError("no compiler")
+
+
+def _off_by_a_bit(module: type[torch.nn.Module]) -> Callable[..., decode_graph.Run]:
+    """A build whose package is `module`'s eager ops with x one float32 step off."""
+
+    def build(geometry: decode_graph.Geometry, example: Any, *args: object) -> decode_graph.Run:
+        eager = module(geometry)
+        spec = torch.utils._pytree.tree_structure(tuple(example))
+
+        def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            x, *rest = eager(*torch.utils._pytree.tree_unflatten(inputs, spec))
+            return [x.nextafter(x + 1), *rest]
+
+        return run
+
+    return build
+
+
+def _failure(broken: str) -> str:
+    if broken == "no compiler":
+        return "RuntimeError: no compiler"
+    return "the compiled graph does not give the eager loop's bits"
 
 
 def test_it_is_built_only_where_it_was_written_for(

@@ -44,19 +44,22 @@ def flat_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield counted
 
 
-def prefilled(model: CausalLM, sequences: int, lora: object = None) -> tuple[ModelRunner, list]:
+def prefilled(
+    model: CausalLM, sequences: int, lora: object = None, page_size: int = PAGE_SIZE
+) -> tuple[ModelRunner, list]:
     """A runner whose `sequences` prompts (5 to 13 tokens) are prefilled, and one decode chunk
-    per sequence."""
+    per sequence (each sequence's pages consecutive)."""
+    per_sequence = PAGES_PER_SEQUENCE * PAGE_SIZE // page_size
     runner = ModelRunner(
         model,
-        sequences * PAGES_PER_SEQUENCE + 1,
-        PAGE_SIZE,
+        sequences * per_sequence + 1,
+        page_size,
         lora=lora,  # type: ignore[arg-type]
     )
     chunks = []
     for s in range(sequences):
         length = 5 + s % 9
-        pages = list(range(1 + s * PAGES_PER_SEQUENCE, 1 + (s + 1) * PAGES_PER_SEQUENCE))
+        pages = list(range(1 + s * per_sequence, 1 + (s + 1) * per_sequence))
         ids = [(7 * s + j) % 400 + 3 for j in range(length)]
         runner.run([Chunk(ids, 0, pages, True)])
         chunks.append(Chunk([11 + s], length, pages, True))
