@@ -24,7 +24,10 @@ weights_axis.py: `load_model(..., weights=fmt)`), reporting the weights' size be
 `--against llama.cpp` runs the cold, decode and chats sections on llama.cpp too, on the same
 GGUF file (SmolLM2 only; benchmarks/llama_cpp_side.py, through llama-cpp-python when it is
 installed, else one line saying it was skipped), same token ids, same thread count, and reports
-radixmesh / llama.cpp for each.
+radixmesh / llama.cpp for each. `--rounds N` then measures decode and the cold TTFTs N more
+times on each side, once each a round, alternating sides (who goes first alternates too), and
+reports each round's ratio with their median, min and max: on a machine whose speed drifts
+between phases, a ratio of two runs minutes apart measures the drift as well.
 
 Prints one JSON object (and --output) and a report in seed 003's shape. Medians of --repeats.
 Run: `python benchmarks/prefill_bench.py [--models smollm2 big] [--prompt-len 1024]`; issue 19's
@@ -373,6 +376,68 @@ def bench_model(name: str, weights: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def alternated_rounds(name: str, mine: list[dict], args: argparse.Namespace) -> dict:
+    """`--rounds`: each format's decode and cold TTFTs, and llama.cpp's, one measurement of
+    each a round, the side going first alternating round by round. Returns per side
+    {"decode": [tokens/s a round], "cold": {length: [ms a round]}} for what `args.sections`
+    holds of the two."""
+    prompt = bench_prompt(mine[0]["vocab_size"], args)
+    short = prompt[: args.decode_prompt_len]
+    models = {r["weights"]: load_for_bench(name, r["weights"]) for r in mine}
+    job: dict = {
+        "gguf": str(default_gguf_path()),
+        "threads": torch.get_num_threads(),
+        "n_ctx": max(*args.cold_lens, len(short) + args.decode_tokens, 1024) + 256,
+        "repeats": 1,
+    }
+    decode, cold = "decode" in args.sections, "cold" in args.sections
+    if decode:
+        job["decode"] = {"prompt": short, "new_tokens": args.decode_tokens}
+    if cold:
+        job["cold"] = [prompt[:n] for n in args.cold_lens]
+    sides = ["llama.cpp", *models]
+    rounds: dict = {
+        side: {"decode": [], "cold": {str(n): [] for n in args.cold_lens}} for side in sides
+    }
+    for r in range(args.rounds):
+        console.print(f"[bold]{name}[/]: round {r + 1} of {args.rounds}")
+        for side in sides if r % 2 else [*sides[1:], sides[0]]:
+            got = rounds[side]
+            if side == "llama.cpp":
+                theirs = llama_cpp_side.measure_in_subprocess(job)
+                measured = theirs.get("cold", {}).get("ttft_ms", {})
+                got["decode"] += [theirs["decode"]["tokens_per_s"]] if decode else []
+            else:
+                model = models[side]
+                measured = cold_ttfts(model, prompt, args.cold_lens, 1)["ttft_ms"] if cold else {}
+                if decode:
+                    got["decode"].append(
+                        decode_with_cache(model, short, args.decode_tokens)["tokens_per_s"]
+                    )
+            for n, ms in measured.items():
+                got["cold"][n].append(ms)
+    return rounds
+
+
+def rounds_ratios(rounds: dict, weights: str) -> dict:
+    """Each round's radixmesh / llama.cpp, with their median, min and max: decode tokens/s,
+    and each cold TTFT."""
+    ours, theirs = rounds[weights], rounds["llama.cpp"]
+    pairs = {"decode": (ours["decode"], theirs["decode"])}
+    pairs |= {f"cold {n}": (ms, theirs["cold"][n]) for n, ms in ours["cold"].items()}
+    ratios = {}
+    for measure, (a, b) in pairs.items():
+        if a:
+            each = [x / y for x, y in zip(a, b, strict=True)]
+            ratios[measure] = {
+                "ratios": each,
+                "median": statistics.median(each),
+                "min": min(each),
+                "max": max(each),
+            }
+    return ratios
+
+
 def against_llama_cpp(name: str, vocab: int, args: argparse.Namespace) -> dict:
     """The cold, decode and chats sections on llama.cpp, same GGUF and token ids; or why not."""
     if name != "smollm2":
@@ -482,6 +547,14 @@ def against_table(results: list[dict], theirs: dict) -> Table:
             for r in results
         ]
         table.add_row("decode tok/s", f"{theirs['decode']['tokens_per_s']:.1f}", *cells)
+    if "rounds" in theirs:
+        n = len(theirs["rounds"]["decode"]) or len(next(iter(theirs["rounds"]["cold"].values())))
+        for measure in results[0]["against"]["rounds"]:
+            table.add_row(
+                f"{measure}, {n} rounds alternated",
+                _rounds_theirs(theirs["rounds"], measure),
+                *(_rounds_cell(r, measure) for r in results),
+            )
     for n, ms in theirs.get("cold", {}).get("ttft_ms", {}).items():
         cells = [
             f"{r['cold']['ttft_ms'][n] / 1000:.2f} s ({r['against']['cold_ttft'][n]:.2f}x)"
@@ -495,6 +568,18 @@ def against_table(results: list[dict], theirs: dict) -> Table:
         ]
         table.add_row("chats, sum of TTFTs", f"{theirs['chats']['sum_ttft_s']:.2f} s", *cells)
     return table
+
+
+def _rounds_theirs(rounds: dict, measure: str) -> str:
+    if measure == "decode":
+        return f"{statistics.median(rounds['decode']):.1f} tok/s"
+    return f"{statistics.median(rounds['cold'][measure.split()[1]]) / 1000:.2f} s"
+
+
+def _rounds_cell(result: dict, measure: str) -> str:
+    ratio = result["against"]["rounds"][measure]
+    spread = f"({ratio['median']:.2f}x, {ratio['min']:.2f}-{ratio['max']:.2f})"
+    return f"{_rounds_theirs(result['rounds'], measure).split()[0]} {spread}"
 
 
 def _ttft_lines(t: dict) -> list[str]:
@@ -606,6 +691,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="also run the cold / decode / chats sections on llama.cpp, same GGUF (smollm2)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="with --against: measure decode and cold TTFT this many more times on each side, "
+        "alternating sides",
+    )
     parser.add_argument("--cold-lens", type=int, nargs="+", default=[256, 1024, 1999])
     parser.add_argument("--chat-turns", type=int, default=5)
     parser.add_argument("--chat-system-tokens", type=int, default=64)
@@ -636,6 +728,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for result in mine:
             result["against"] = compared(result, theirs)
+        if args.rounds and {"decode", "cold"} & set(args.sections):
+            rounds = alternated_rounds(name, mine, args)
+            theirs["rounds"] = rounds["llama.cpp"]
+            for result in mine:
+                result["rounds"] = rounds[result["weights"]]
+                result["against"]["rounds"] = rounds_ratios(rounds, result["weights"])
         console.print(against_table(mine, theirs))
     for result in results["models"]:
         result.get("decode", {}).pop("tokens", None)

@@ -101,3 +101,48 @@ def test_against_llama_cpp_skips_in_one_line_without_it(
     skipped = [line for line in captured.err.splitlines() if "skipped" in line]
     assert skipped == ["llama.cpp comparison skipped: tiny has no GGUF file (only smollm2 does)"]
     assert "against" not in out["models"][0]
+
+
+def test_rounds_alternate_the_sides_round_by_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round measures decode and the cold TTFTs once on each side, the side going first
+    alternating; llama.cpp's side stands in for llama-cpp-python (not a dependency:
+    test_llama_cpp_side.py runs it where it is installed), answering with how many
+    measurements it has seen."""
+    from benchmarks import llama_cpp_side, prefill_bench
+
+    order: list[str] = []
+
+    def theirs(job: dict) -> dict:
+        order.append("llama.cpp")
+        assert job["decode"]["new_tokens"] == 3 and len(job["decode"]["prompt"]) == 8
+        assert [len(p) for p in job["cold"]] == [16, 40] and job["repeats"] == 1
+        n = 10.0 * len(order)
+        return {"decode": {"tokens_per_s": n}, "cold": {"ttft_ms": {"16": n, "40": 2 * n}}}
+
+    real = prefill_bench.decode_with_cache
+
+    def ours(*args: object) -> dict:
+        order.append("ours")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llama_cpp_side, "measure_in_subprocess", theirs)
+    monkeypatch.setattr(prefill_bench, "decode_with_cache", ours)
+    argv = ["--rounds", "3", "--decode-tokens", "3", "--decode-prompt-len", "8"]
+    args = prefill_bench.parse_args(
+        [*argv, "--sections", "decode", "cold", "--cold-lens", "16", "40"]
+    )
+    mine = [{"weights": "int4", "vocab_size": TINY_CONFIG.vocab_size}]
+    rounds = prefill_bench.alternated_rounds("tiny", mine, args)
+    assert order == ["ours", "llama.cpp", "llama.cpp", "ours", "ours", "llama.cpp"]
+    assert rounds["llama.cpp"]["decode"] == [20.0, 30.0, 60.0]
+    assert rounds["llama.cpp"]["cold"] == {"16": [20.0, 30.0, 60.0], "40": [40.0, 60.0, 120.0]}
+    assert len(rounds["int4"]["decode"]) == 3
+    assert all(len(ms) == 3 and min(ms) > 0 for ms in rounds["int4"]["cold"].values())
+    ratios = prefill_bench.rounds_ratios(rounds, "int4")
+    assert list(ratios) == ["decode", "cold 16", "cold 40"]
+    expected = [
+        a / b for a, b in zip(rounds["int4"]["cold"]["40"], [40.0, 60.0, 120.0], strict=True)
+    ]
+    assert ratios["cold 40"]["ratios"] == expected
+    for ratio in ratios.values():
+        assert ratio["min"] <= ratio["median"] <= ratio["max"]
