@@ -579,7 +579,7 @@ def _rounds_theirs(rounds: dict, measure: str) -> str:
 def _rounds_cell(result: dict, measure: str) -> str:
     ratio = result["against"]["rounds"][measure]
     spread = f"({ratio['median']:.2f}x, {ratio['min']:.2f}-{ratio['max']:.2f})"
-    return f"{_rounds_theirs(result['rounds'], measure).split()[0]} {spread}"
+    return f"{_rounds_theirs(result['rounds'], measure).removesuffix(' tok/s')} {spread}"
 
 
 def _ttft_lines(t: dict) -> list[str]:
