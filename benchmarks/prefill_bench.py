@@ -378,23 +378,15 @@ def bench_model(name: str, weights: str, args: argparse.Namespace) -> dict:
 
 def alternated_rounds(name: str, mine: list[dict], args: argparse.Namespace) -> dict:
     """`--rounds`: each format's decode and cold TTFTs, and llama.cpp's, one measurement of
-    each a round, the side going first alternating round by round. Returns per side
-    {"decode": [tokens/s a round], "cold": {length: [ms a round]}} for what `args.sections`
-    holds of the two."""
+    each a round, the side going first alternating round by round (an even count puts each
+    side first equally often). Returns per side {"decode": [tokens/s a round], "cold":
+    {length: [ms a round]}} for what `args.sections` holds of the two. The table shows the
+    median of a side's rounds and the median (min-max) of the rounds' ratios."""
     prompt = bench_prompt(mine[0]["vocab_size"], args)
     short = prompt[: args.decode_prompt_len]
     models = {r["weights"]: load_for_bench(name, r["weights"]) for r in mine}
-    job: dict = {
-        "gguf": str(default_gguf_path()),
-        "threads": torch.get_num_threads(),
-        "n_ctx": max(*args.cold_lens, len(short) + args.decode_tokens, 1024) + 256,
-        "repeats": 1,
-    }
     decode, cold = "decode" in args.sections, "cold" in args.sections
-    if decode:
-        job["decode"] = {"prompt": short, "new_tokens": args.decode_tokens}
-    if cold:
-        job["cold"] = [prompt[:n] for n in args.cold_lens]
+    job = llama_job(mine[0]["vocab_size"], args, ["decode"] * decode + ["cold"] * cold, 1)
     sides = ["llama.cpp", *models]
     rounds: dict = {
         side: {"decode": [], "cold": {str(n): [] for n in args.cold_lens}} for side in sides
@@ -445,23 +437,31 @@ def against_llama_cpp(name: str, vocab: int, args: argparse.Namespace) -> dict:
     why = llama_cpp_side.unavailable()
     if why is not None:
         return {"skipped": why}
-    prompt = bench_prompt(vocab, args)  # the same token ids as our side's
+    job = llama_job(vocab, args, args.sections, args.repeats)
+    console.print(f"[bold]llama.cpp[/]: {', '.join(k for k in SECTIONS if k in job)}")
+    return llama_cpp_side.measure_in_subprocess(job)
+
+
+def llama_job(vocab: int, args: argparse.Namespace, sections: list[str], repeats: int) -> dict:
+    """llama.cpp's job for the cold, decode and chats sections among `sections`: our side's
+    token ids, a context that holds the longest of every section `args` asks for."""
+    prompt = bench_prompt(vocab, args)
     turns = chat_turns(vocab, args)
+    longest = max(*(len(t) for t in turns), *args.cold_lens, 1024)
     job: dict = {
         "gguf": str(default_gguf_path()),
         "threads": torch.get_num_threads(),
-        "n_ctx": max(*(len(t) for t in turns), *args.cold_lens, 1024) + 256,
-        "repeats": args.repeats,
+        "n_ctx": max(longest, args.decode_prompt_len + args.decode_tokens) + 256,
+        "repeats": repeats,
     }
-    if "cold" in args.sections:
+    if "cold" in sections:
         job["cold"] = [prompt[:n] for n in args.cold_lens]
-    if "decode" in args.sections:
+    if "decode" in sections:
         short = prompt[: args.decode_prompt_len]
         job["decode"] = {"prompt": short, "new_tokens": args.decode_tokens}
-    if "chats" in args.sections:
+    if "chats" in sections:
         job["chats"] = turns
-    console.print(f"[bold]llama.cpp[/]: {', '.join(k for k in SECTIONS if k in job)}")
-    return llama_cpp_side.measure_in_subprocess(job)
+    return job
 
 
 def compared(ours: dict, theirs: dict) -> dict:
@@ -704,7 +704,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chat-user-tokens", type=int, default=128)
     parser.add_argument("--chat-reply-tokens", type=int, default=160)
     parser.add_argument("--output", type=Path, default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rounds and (args.against is None or not {"decode", "cold"} & set(args.sections)):
+        parser.error("--rounds alternates the decode and cold sections with --against's")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

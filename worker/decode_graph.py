@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import itertools
 import logging
 import os
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import LoneDecode
+from kernels.layout import cdiv
 from worker.default_model import cache_root
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
@@ -153,10 +155,11 @@ class LoneBoundary(nn.Module):
     a layer, where the loop makes six (-15 % an int4 SmolLM2 step).
 
     `attention` is q, k, v (float32, rotated, one row), x, the layer's K and V caches
-    (float32 [pages, page size, kv_heads, head_dim], contiguous from the start of their
-    storage, any number of pages of any size), the int64 slot of the new K/V, and the first
-    page and the length of the sequence as `carrier`s; `boundary` is `Boundary`'s inputs after
-    `attended` and x."""
+    (float32 [pages, page size, kv_heads, head_dim], contiguous, two pages or more of any
+    size), the int64 slot of the new K/V, and the first page and the length of the sequence as
+    `carrier`s; `boundary` is `Boundary`'s inputs after `attended` and x. AOTInductor does not
+    check a package's inputs unless told to (`AOTI_RUNTIME_CHECK_INPUTS`): the loop passes only
+    what it was compiled for (worker/decode_layers.py `_planned`)."""
 
     def __init__(self, geometry: Geometry) -> None:
         super().__init__()
@@ -305,10 +308,11 @@ def _lone_example(
     from page `first` of random caches with two pages past it, its new K/V at its last slot."""
     gen = torch.Generator().manual_seed(boundary * 1000 + first * 10 + length)
     heads, kv_heads, dim = geometry.heads, geometry.kv_heads, geometry.head_dim
-    pages = first + -(length // -page_size) + 2
+    pages = first + cdiv(length, page_size) + 2
     k_cache, v_cache = (torch.randn(pages, page_size, kv_heads, dim, generator=gen) for _ in "kv")
-    q = torch.randn(1, heads, dim, generator=gen)
-    k, v = torch.randn(2, 1, kv_heads, dim, generator=gen)
+    qk = torch.randn(1, heads + kv_heads, dim, generator=gen)  # views, as the boundary gives them
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = torch.randn(1, kv_heads + 1, dim, generator=gen)[:, :kv_heads]
     x = torch.randn(1, geometry.hidden, generator=gen)
     slot = torch.tensor([first * page_size + length - 1])
     angle = torch.rand(1, 1, dim, generator=gen) * 100
@@ -341,16 +345,33 @@ def _host() -> tuple[str, ...]:
     )
 
 
-def package_key(name: str, geometry: Geometry, example: Sequence[torch.Tensor]) -> str:
-    """What a package was compiled for: the graph and its most rows, torch, the host (`_host`),
-    the geometry, every input's shape and dtype."""
+@functools.cache
+def _traced_sources() -> str:
+    """A digest of the files whose code the packages trace (this one, the K/V write and
+    attention of kernels/torch_sdpa.py, the norm, RoPE): a change to any of them compiles the
+    packages again rather than trusting the probes alone."""
+    digest = hashlib.sha256()
+    for function in (Boundary, LoneDecode, rms_norm, rotate_promoted):
+        source = inspect.getsourcefile(function)
+        digest.update(Path(source).read_bytes() if source else b"?")
+    return digest.hexdigest()
+
+
+def package_key(
+    name: str, geometry: Geometry, example: Sequence[torch.Tensor], dynamic: object = None
+) -> str:
+    """What a package was compiled for: the graph and its most rows, the code it traces, torch,
+    the host (`_host`), the geometry, every input's shape, strides and dtype, and which
+    dimensions are dynamic over what range."""
     parts = [
         f"{name}-v{GRAPH_VERSION}-rows{MAX_ROWS}",
+        _traced_sources(),
         torch.__version__,
         torch.backends.cpu.get_cpu_capability(),
         *_host(),
         repr(geometry),
-        *(f"{tuple(t.shape)}{t.dtype}" for t in example),
+        *(f"{tuple(t.shape)}{t.stride()}{t.dtype}" for t in example),
+        repr(dynamic),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
@@ -373,7 +394,7 @@ def compile_package(
     `run` over a flat list of inputs."""
     directory.mkdir(parents=True, exist_ok=True)
     flat = torch.utils._pytree.tree_leaves(example)
-    path = directory / f"{name}-{package_key(name, geometry, flat)}.pt2"
+    path = directory / f"{name}-{package_key(name, geometry, flat, dynamic)}.pt2"
     with _COMPILING:
         if fresh or not path.exists():
             exported = torch.export.export(module, example, dynamic_shapes=dynamic)
@@ -401,7 +422,8 @@ def compile_lone(
     """The lone sequence's layer (`LoneBoundary`, `compile_package`): its caches' pages and
     page size, its first page and its length dynamic."""
     big = 2**31 - 1
-    pages, page = torch.export.Dim("pages", min=2, max=big), torch.export.Dim("page", max=big)
+    pages = torch.export.Dim("pages", min=2, max=big)
+    page = torch.export.Dim("page", min=1, max=big)
     cache = {0: pages, 1: page}
     first = {0: torch.export.Dim("first", min=CARRIED, max=big)}
     longest = {0: torch.export.Dim("longest", min=CARRIED + 2, max=big)}
@@ -469,17 +491,23 @@ class DecodeGraph:
 
     def _build(self) -> None:
         try:
-            example = _example(self.geometry, self.inputs, 0, 2)
+            geometry, inputs, directory = self.geometry, self.inputs, cache_dir()
             self.run, self.failure = self._built(
                 "decode steps",
-                lambda fresh: compile_boundary(self.geometry, example, cache_dir(), fresh),
+                lambda fresh: compile_boundary(
+                    geometry, _example(geometry, inputs, 0, 2), directory, fresh
+                ),
                 checks_out,
             )
-            if self.run is not None:
-                lone = _lone_example(self.geometry, self.inputs, 0, *LONE_PROBES[1])
+            if self.run is not None and len(inputs) > 1:  # layers 1 to n - 2 run it
                 self.lone, self.lone_failure = self._built(
                     "one sequence's attentions",
-                    lambda fresh: compile_lone(self.geometry, lone, cache_dir(), fresh),
+                    lambda fresh: compile_lone(
+                        geometry,
+                        _lone_example(geometry, inputs, 0, *LONE_PROBES[1]),
+                        directory,
+                        fresh,
+                    ),
                     lone_checks_out,
                 )
         finally:

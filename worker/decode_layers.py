@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from worker.decode_graph import DecodeGraph, carrier
+from worker.decode_graph import DecodeGraph, Run, carrier
 from worker.fused_projections import FusedProjections
 from worker.quantized_linear import QuantizedLinear
 from worker.rms_norm import rms_norm
@@ -111,7 +111,9 @@ class DecodeLayers:
         """The layers over x [tokens, hidden] (float32); returns the last layer's output.
 
         One sequence's K/V writes and attentions after the first layer's go through a plan made
-        once (`Step.lone_decode`) where its pages allow. Between two attentions (o, the
+        once (`Step.lone_decode`) where its pages allow, and, once the lone package is built
+        (`DecodeGraph.lone`), inside it with the boundary that follows: one call a layer for
+        layers 1 to n - 2. Between two attentions (o, the
         residual, the norm, the MLP, the residual, the next layer's norm, q/k/v, RoPE) one call
         of the compiled graph once it is built and checked (worker/decode_graph.py: the same
         ops, so the same bits), eager ops until then."""
@@ -121,13 +123,14 @@ class DecodeLayers:
         cos, sin = step.cos, step.sin
         q, k, v = self._qkv(self.layers[0], x, cos, sin)
         lone: LoneDecode | None = None
-        planned: tuple[torch.Tensor, ...] = ()  # the compiled lone layer's slot, first, length
+        lone_run: Run | None = None  # the compiled lone layer, and its slot, first and length
+        planned: tuple[torch.Tensor, ...] = ()
         for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer_ready is not None:
                 layer_ready(i)
-            if planned and i < last:
-                assert graph is not None and graph.lone is not None
-                x, q, k, v = graph.lone([q, k, v, x, *cache, *planned, *graph.inputs[i], cos, sin])
+            if lone_run is not None and i < last:
+                assert graph is not None
+                x, q, k, v = lone_run([q, k, v, x, *cache, *planned, *graph.inputs[i], cos, sin])
                 continue
             if lone is not None:
                 lone.write(*cache, k, v)
@@ -137,7 +140,7 @@ class DecodeLayers:
                 attended = step.attention(q, cache).reshape(tokens, width)
                 if i == 0 and tokens == 1:  # checked through the dispatch once: plan the rest
                     lone = step.lone_decode(cache)
-                    planned = _planned(lone, cache, graph)
+                    lone_run, planned = _planned(lone, kv_caches, graph)
             if run is not None and i < last:
                 assert graph is not None
                 x, q, k, v = run([attended, x, *graph.inputs[i], cos, sin])
@@ -173,17 +176,35 @@ class DecodeLayers:
 
 
 def _planned(
-    lone: LoneDecode | None, cache: KvCache, graph: DecodeGraph | None
-) -> tuple[torch.Tensor, ...]:
-    """What the compiled lone layer (`DecodeGraph.lone`) reads of a lone decode's plan besides
-    the layer's tensors, or () where it does not run it: no plan, no package, or a cache it was
-    not compiled for (contiguous from the start of its storage; a sequence of two positions at
-    least). Its float32 dtype is the activations', which `write_kv` checked at the first layer."""
+    lone: LoneDecode | None, kv_caches: list[KvCache], graph: DecodeGraph | None
+) -> tuple[Run | None, tuple[torch.Tensor, ...]]:
+    """The compiled lone layer (`DecodeGraph.lone`) and what it reads of a lone decode's plan
+    besides each layer's tensors, or (None, ()) where it does not run the step: no plan, no
+    package, a sequence of fewer than two positions, or caches it was not compiled for
+    (`_fits`). The package checks none of its inputs, so this is what keeps it to them."""
     if lone is None or graph is None or graph.lone is None or lone.longest < 2:
-        return ()
-    if any(not c.is_contiguous() or c.storage_offset() for c in cache):
-        return ()
-    return lone.slots, carrier(lone.first), carrier(lone.longest)
+        return None, ()
+    if not _fits(kv_caches, lone):
+        return None, ()
+    return graph.lone, (lone.slots, carrier(lone.first), carrier(lone.longest))
+
+
+def _fits(kv_caches: list[KvCache], lone: LoneDecode) -> bool:
+    """Whether every layer's K and V cache is what the lone package was compiled for: float32,
+    contiguous from the start of its storage, two pages or more, all of one shape, holding the
+    sequence's pages. Layer 0's went through the checked calls; the others did not."""
+    k_cache = kv_caches[0][0]
+    shape = k_cache.shape
+    if shape[0] < 2 or lone.end > shape[0]:
+        return False
+    return all(
+        c.dtype == torch.float32
+        and c.shape == shape
+        and c.is_contiguous()
+        and not c.storage_offset()
+        for cache in kv_caches
+        for c in cache
+    )
 
 
 def _layer_weights(layer: DecoderLayer) -> LayerWeights | None:

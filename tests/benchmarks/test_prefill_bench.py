@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+from rich.console import Console
 
 from benchmarks.prefill_bench import BIG, main, prefill_flops
 from worker.tiny_model import TINY_CONFIG
@@ -128,9 +129,10 @@ def test_rounds_alternate_the_sides_round_by_round(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(llama_cpp_side, "measure_in_subprocess", theirs)
     monkeypatch.setattr(prefill_bench, "decode_with_cache", ours)
     argv = ["--rounds", "3", "--decode-tokens", "3", "--decode-prompt-len", "8"]
-    args = prefill_bench.parse_args(
-        [*argv, "--sections", "decode", "cold", "--cold-lens", "16", "40"]
-    )
+    argv += ["--sections", "decode", "cold", "--cold-lens", "16", "40"]
+    with pytest.raises(SystemExit):  # rounds alternate with llama.cpp's side: without, refused
+        prefill_bench.parse_args(argv)
+    args = prefill_bench.parse_args([*argv, "--against", "llama.cpp"])
     mine = [{"weights": "int4", "vocab_size": TINY_CONFIG.vocab_size}]
     rounds = prefill_bench.alternated_rounds("tiny", mine, args)
     assert order == ["ours", "llama.cpp", "llama.cpp", "ours", "ours", "llama.cpp"]
@@ -146,3 +148,15 @@ def test_rounds_alternate_the_sides_round_by_round(monkeypatch: pytest.MonkeyPat
     assert ratios["cold 40"]["ratios"] == expected
     for ratio in ratios.values():
         assert ratio["min"] <= ratio["median"] <= ratio["max"]
+    result = {"weights": "int4", "weight_mb": 1.0, "rounds": rounds["int4"]}
+    result["against"] = {"rounds": ratios}
+    console = Console(record=True, width=200)
+    console.print(prefill_bench.against_table([result], {"rounds": rounds["llama.cpp"]}))
+    rows = [line for line in console.export_text().splitlines() if line.count("│") >= 3]
+    lines = {line.split("│")[1].strip(): line for line in rows}
+    decode = ratios["decode"]
+    assert (
+        f"{decode['median']:.2f}x, {decode['min']:.2f}-{decode['max']:.2f}"
+        in lines["decode, 3 rounds alternated"]
+    )
+    assert "0.03 s" in lines["cold 16, 3 rounds alternated"]  # llama.cpp's median, 30 ms

@@ -29,6 +29,9 @@ NO_COMPILER = not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 needs_compiler = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler to build a package")
 THREE_LAYERS = replace(TINY_CONFIG, num_layers=3)
 """Two boundaries: the build checks the first and the last."""
+FOUR_LAYERS = replace(TINY_CONFIG, num_layers=4)
+"""Three boundaries: a lone sequence runs the lone package twice a step, one call's q, k and v
+feeding the next."""
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +66,13 @@ def test_the_compiled_layers_give_the_eager_loops_logits_and_kv_bit_for_bit(
     """Each of 8 greedy steps of `rows` sequences runs eagerly, then, from the K/V as it was
     before it, through the compiled packages: equal logits, equal K/V. One sequence's layers
     after the first run the lone package (its attention inside), a batch's the boundary."""
-    model = int4_model(seed=11)
+    model = int4_model(seed=11, config=FOUR_LAYERS)
     graph = built(model)
     assert graph.run is not None, graph.failure
     assert graph.lone is not None, graph.lone_failure
     kept = sorted(p.name.split("-")[0] for p in compiled.glob("decode-graphs/*.pt2"))
     assert kept == ["boundary", "lone"], "the packages were not kept"
-    silu_rows = (decode_graph.ELEMENTWISE_GRAIN - 1) // THREE_LAYERS.intermediate_size
+    silu_rows = (decode_graph.ELEMENTWISE_GRAIN - 1) // FOUR_LAYERS.intermediate_size
     assert graph.max_rows == min(decode_graph.MAX_ROWS, silu_rows)
     packages = {"run": graph.run, "lone": graph.lone}
     calls: list[str] = []
@@ -81,7 +84,7 @@ def test_the_compiled_layers_give_the_eager_loops_logits_and_kv_bit_for_bit(
 
         return run
 
-    boundaries = THREE_LAYERS.num_layers - 1  # the last layer's MLP stays eager
+    boundaries = FOUR_LAYERS.num_layers - 1  # the last layer's MLP stays eager
     expected = ["run"] * boundaries if rows > 1 else ["run"] + ["lone"] * (boundaries - 1)
     runner, chunks = prefilled(model, rows, page_size=page_size)
     for _ in range(8):
@@ -109,11 +112,13 @@ def test_the_compiled_layers_give_the_eager_loops_logits_and_kv_bit_for_bit(
 
 
 @needs_compiler
+@pytest.mark.parametrize("layers", ["every layer", "layer 1 only"])
 def test_the_lone_package_does_not_run_on_caches_that_are_views_into_a_buffer(
-    compiled: Path,
+    compiled: Path, layers: str
 ) -> None:
-    """It was compiled for caches that start their storage: caches further into a buffer run
-    that step's attentions eagerly around the boundary package, with the same logits."""
+    """It was compiled for caches that start their storage: caches further into a buffer, in
+    every layer or in one after the first (which the checked calls do not see), run that step's
+    attentions eagerly around the boundary package, with the same logits."""
     model = int4_model(seed=12)
     graph = built(model)
     assert graph.lone is not None, graph.lone_failure
@@ -128,8 +133,9 @@ def test_the_lone_package_does_not_run_on_caches_that_are_views_into_a_buffer(
     expected = runner.run(chunks).clone()
     assert calls, "the lone package did not run on the runner's own caches"
     calls.clear()
-    padded = [torch.cat([torch.zeros_like(t[:1]), t]) for layer in runner.kv for t in layer]
-    runner.kv[:] = [(padded[2 * i][1:], padded[2 * i + 1][1:]) for i in range(len(runner.kv))]
+    moved = range(len(runner.kv)) if layers == "every layer" else [1]  # 1: where it runs
+    for i in moved:
+        runner.kv[i] = tuple(torch.cat([torch.zeros_like(t[:1]), t])[1:] for t in runner.kv[i])
     got = runner.run(chunks)  # the same step again: the same K/V written, the same logits
     assert not calls
     assert torch.equal(got, expected)
@@ -170,17 +176,36 @@ def test_a_failed_or_inexact_build_leaves_the_loop_eager(
 
 
 @needs_compiler
-@pytest.mark.parametrize("broken", ["no compiler", "other bits"])
+@pytest.mark.parametrize("broken", ["no compiler", "other bits", "caches untouched"])
 def test_a_failed_or_inexact_lone_build_leaves_the_boundary_running(
     broken: str, compiled: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The lone package failing leaves a lone sequence's attentions eager and the boundary
-    package running between them."""
-    fake = _no_compiler if broken == "no compiler" else _off_by_a_bit(decode_graph.LoneBoundary)
-    monkeypatch.setattr(decode_graph, "compile_lone", fake)
-    graph = built(int4_model(seed=3))
+    """The lone package failing (no compiler; other bits out; the right outputs but its K/V
+    not written) leaves a lone sequence's attentions eager and the boundary package running
+    between them, with the eager loop's logits."""
+    fakes = {
+        "no compiler": _no_compiler,
+        "other bits": _off_by_a_bit(decode_graph.LoneBoundary),
+        "caches untouched": _on_copies_of_the_caches,
+    }
+    monkeypatch.setattr(decode_graph, "compile_lone", fakes[broken])
+    model = int4_model(seed=3, config=FOUR_LAYERS)
+    graph = built(model)
     assert graph.run is not None and graph.failure is None
     assert graph.lone is None and graph.lone_failure == _failure(broken)
+    run, calls = graph.run, []
+
+    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(1)
+        return run(inputs)
+
+    graph.run = counted
+    runner, chunks = prefilled(model, 1)
+    got = runner.run(chunks).clone()
+    assert len(calls) == FOUR_LAYERS.num_layers - 1, "the boundary did not run at each boundary"
+    graph.run = None
+    runner, chunks = prefilled(model, 1)
+    assert torch.equal(runner.run(chunks), got)
 
 
 def _no_compiler(*args: object) -> decode_graph.Run:
@@ -201,6 +226,21 @@ def _off_by_a_bit(module: type[torch.nn.Module]) -> Callable[..., decode_graph.R
         return run
 
     return build
+
+
+def _on_copies_of_the_caches(
+    geometry: decode_graph.Geometry, example: Any, *args: object
+) -> decode_graph.Run:
+    """A lone build whose package gives the right outputs from copies of the caches, leaving
+    the caches themselves unwritten."""
+    eager = decode_graph.LoneBoundary(geometry)
+
+    def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        copied = [*inputs[:4], inputs[4].clone(), inputs[5].clone(), *inputs[6:]]
+        attention, boundary = copied[:9], copied[9:]
+        return list(eager(tuple(attention), tuple(boundary)))
+
+    return run
 
 
 def _failure(broken: str) -> str:
