@@ -54,6 +54,16 @@ def built(model: CausalLM) -> DecodeGraph:
     return layers.graph
 
 
+def counting(run: decode_graph.Run, calls: list[str], name: str) -> decode_graph.Run:
+    """`run`, noting `name` in `calls` at each call."""
+
+    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(name)
+        return run(inputs)
+
+    return counted
+
+
 def int4_model(seed: int, config: ModelConfig = THREE_LAYERS) -> CausalLM:
     return apply_weight_format(tiny_model(config, seed=seed), "int4")
 
@@ -74,15 +84,8 @@ def test_the_compiled_layers_give_the_eager_loops_logits_and_kv_bit_for_bit(
     assert kept == ["boundary", "lone"], "the packages were not kept"
     silu_rows = (decode_graph.ELEMENTWISE_GRAIN - 1) // FOUR_LAYERS.intermediate_size
     assert graph.max_rows == min(decode_graph.MAX_ROWS, silu_rows)
-    packages = {"run": graph.run, "lone": graph.lone}
+    packages: dict[str, decode_graph.Run] = {"run": graph.run, "lone": graph.lone}
     calls: list[str] = []
-
-    def counted(name: str) -> decode_graph.Run:
-        def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            calls.append(name)
-            return packages[name](inputs)
-
-        return run
 
     boundaries = FOUR_LAYERS.num_layers - 1  # the last layer's MLP stays eager
     expected = ["run"] * boundaries if rows > 1 else ["run"] + ["lone"] * (boundaries - 1)
@@ -94,7 +97,8 @@ def test_the_compiled_layers_give_the_eager_loops_logits_and_kv_bit_for_bit(
         kv_eager = kv_copy(runner)
         for cache, saved in zip((t for layer in runner.kv for t in layer), before, strict=True):
             cache.copy_(saved)
-        graph.run, graph.lone = counted("run"), counted("lone")
+        graph.run = counting(packages["run"], calls, "run")
+        graph.lone = counting(packages["lone"], calls, "lone")
         got = runner.run(chunks)
         assert calls == expected, "the packages did not run"
         calls.clear()
@@ -122,13 +126,8 @@ def test_the_lone_package_does_not_run_on_caches_that_are_views_into_a_buffer(
     model = int4_model(seed=12)
     graph = built(model)
     assert graph.lone is not None, graph.lone_failure
-    lone, calls = graph.lone, []
-
-    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        calls.append(1)
-        return lone(inputs)
-
-    graph.lone = counted
+    calls: list[str] = []
+    graph.lone = counting(graph.lone, calls, "lone")
     runner, chunks = prefilled(model, 1)
     expected = runner.run(chunks).clone()
     assert calls, "the lone package did not run on the runner's own caches"
@@ -193,13 +192,8 @@ def test_a_failed_or_inexact_lone_build_leaves_the_boundary_running(
     graph = built(model)
     assert graph.run is not None and graph.failure is None
     assert graph.lone is None and graph.lone_failure == _failure(broken)
-    run, calls = graph.run, []
-
-    def counted(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        calls.append(1)
-        return run(inputs)
-
-    graph.run = counted
+    calls: list[str] = []
+    graph.run = counting(graph.run, calls, "run")
     runner, chunks = prefilled(model, 1)
     got = runner.run(chunks).clone()
     assert len(calls) == FOUR_LAYERS.num_layers - 1, "the boundary did not run at each boundary"
