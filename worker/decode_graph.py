@@ -158,8 +158,11 @@ class LoneBoundary(nn.Module):
     (float32 [pages, page size, kv_heads, head_dim], contiguous, two pages or more of any
     size), the int64 slot of the new K/V, and the first page and the length of the sequence as
     `carrier`s; `boundary` is `Boundary`'s inputs after `attended` and x. AOTInductor does not
-    check a package's inputs unless told to (`AOTI_RUNTIME_CHECK_INPUTS`): the loop passes only
-    what it was compiled for (worker/decode_layers.py `_planned`)."""
+    check a package's inputs unless told to (`AOTI_RUNTIME_CHECK_INPUTS=1`), so the loop passes
+    only what it was compiled for (worker/decode_layers.py `_planned`). Told to, it refuses a
+    dynamic size of 1 (one row, pages of one position), which inductor compiles for as 2 and up
+    whatever range export gives it; both packages then fail their probes and the loop stays
+    eager. Unchecked, the probes hold size 1 to the eager bits."""
 
     def __init__(self, geometry: Geometry) -> None:
         super().__init__()
@@ -312,7 +315,7 @@ def _lone_example(
     k_cache, v_cache = (torch.randn(pages, page_size, kv_heads, dim, generator=gen) for _ in "kv")
     qk = torch.randn(1, heads + kv_heads, dim, generator=gen)  # views, as the boundary gives them
     q, k = qk[:, :heads], qk[:, heads:]
-    v = torch.randn(1, kv_heads + 1, dim, generator=gen)[:, :kv_heads]
+    v = torch.randn(1, kv_heads, dim, generator=gen)
     x = torch.randn(1, geometry.hidden, generator=gen)
     slot = torch.tensor([first * page_size + length - 1])
     angle = torch.rand(1, 1, dim, generator=gen) * 100
