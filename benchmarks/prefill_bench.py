@@ -386,7 +386,8 @@ def alternated_rounds(name: str, mine: list[dict], args: argparse.Namespace) -> 
     short = prompt[: args.decode_prompt_len]
     models = {r["weights"]: load_for_bench(name, r["weights"]) for r in mine}
     decode, cold = "decode" in args.sections, "cold" in args.sections
-    job = llama_job(mine[0]["vocab_size"], args, ["decode"] * decode + ["cold"] * cold, 1)
+    sections = [s for s in ("decode", "cold") if s in args.sections]
+    job = llama_job(mine[0]["vocab_size"], args, sections, 1)
     sides = ["llama.cpp", *models]
     rounds: dict = {
         side: {"decode": [], "cold": {str(n): [] for n in args.cold_lens}} for side in sides
@@ -731,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for result in mine:
             result["against"] = compared(result, theirs)
-        if args.rounds and {"decode", "cold"} & set(args.sections):
+        if args.rounds:  # parse_args saw to the sections
             rounds = alternated_rounds(name, mine, args)
             theirs["rounds"] = rounds["llama.cpp"]
             for result in mine:

@@ -63,8 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GRAPH_VERSION = 3
-"""Part of a package's key: bump it when `Boundary` or `LoneBoundary` (or what they call:
-`kernels.LoneDecode`) changes. A kept package that gives other bits is compiled again anyway."""
+"""Part of a package's key, beside a digest of the files the packages trace (`_traced_sources`):
+bump it for a change to what they compute that lies outside those files. A kept package that
+gives other bits is compiled again anyway."""
 ENABLE_ENV = "RADIXMESH_COMPILED_DECODE"
 """`0` keeps every decode step eager (the default for tests: tests/conftest.py)."""
 
@@ -494,11 +495,11 @@ class DecodeGraph:
 
     def _build(self) -> None:
         try:
-            geometry, inputs, directory = self.geometry, self.inputs, cache_dir()
+            geometry, inputs = self.geometry, self.inputs
             self.run, self.failure = self._built(
                 "decode steps",
                 lambda fresh: compile_boundary(
-                    geometry, _example(geometry, inputs, 0, 2), directory, fresh
+                    geometry, _example(geometry, inputs, 0, 2), cache_dir(), fresh
                 ),
                 checks_out,
             )
@@ -508,7 +509,7 @@ class DecodeGraph:
                     lambda fresh: compile_lone(
                         geometry,
                         _lone_example(geometry, inputs, 0, *LONE_PROBES[1]),
-                        directory,
+                        cache_dir(),
                         fresh,
                     ),
                     lone_checks_out,

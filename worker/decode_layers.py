@@ -111,20 +111,20 @@ class DecodeLayers:
         """The layers over x [tokens, hidden] (float32); returns the last layer's output.
 
         One sequence's K/V writes and attentions after the first layer's go through a plan made
-        once (`Step.lone_decode`) where its pages allow, and, once the lone package is built
-        (`DecodeGraph.lone`), inside it with the boundary that follows: one call a layer for
-        layers 1 to n - 2. Between two attentions (o, the
+        once (`Step.lone_decode`) where its pages allow. Between two attentions (o, the
         residual, the norm, the MLP, the residual, the next layer's norm, q/k/v, RoPE) one call
         of the compiled graph once it is built and checked (worker/decode_graph.py: the same
-        ops, so the same bits), eager ops until then."""
+        ops, so the same bits), eager ops until then; for one sequence, once the lone package
+        is built too (`DecodeGraph.lone`), layers 1 to n - 2 are one call each, their K/V write
+        and attention inside it."""
         graph = self.graph
         run = graph.run if graph is not None and x.shape[0] <= graph.max_rows else None
         tokens, width, last = x.shape[0], self.heads * self.head_dim, len(self.layers) - 1
         cos, sin = step.cos, step.sin
         q, k, v = self._qkv(self.layers[0], x, cos, sin)
         lone: LoneDecode | None = None
-        lone_run: Run | None = None  # the compiled lone layer, and its slot, first and length
-        planned: tuple[torch.Tensor, ...] = ()
+        lone_run: Run | None = None  # the compiled lone layer
+        planned: tuple[torch.Tensor, ...] = ()  # what it reads of the plan: slot, first, length
         for i, (weights, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if layer_ready is not None:
                 layer_ready(i)

@@ -120,9 +120,10 @@ def test_the_compiled_layers_give_the_eager_loops_logits_and_kv_bit_for_bit(
 def test_the_lone_package_does_not_run_on_caches_that_are_views_into_a_buffer(
     compiled: Path, layers: str
 ) -> None:
-    """It was compiled for caches that start their storage: caches further into a buffer, in
-    every layer or in one after the first (which the checked calls do not see), run that step's
-    attentions eagerly around the boundary package, with the same logits."""
+    """The package checks none of its inputs, and the loop gives it only caches that start
+    their storage: caches further into a buffer, in every layer or in one after the first
+    (which the checked calls do not see), run that step's attentions eagerly around the
+    boundary package, with the same logits."""
     model = int4_model(seed=12)
     graph = built(model)
     assert graph.lone is not None, graph.lone_failure
