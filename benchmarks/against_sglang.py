@@ -48,7 +48,7 @@ from benchmarks import sglang_radix, workloads
 from benchmarks.workloads import Request
 from cache import DEFAULT_NAMESPACE, BlockHasher, IdentityScheme, PagePool, RadixCache
 from cache.config import CacheConfig
-from cache.tokens import to_cache_keys
+from cache.tokens import Keys, to_cache_keys
 
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
@@ -92,14 +92,25 @@ def capacity_tokens(requests: list[Request], distinct: int, fraction: float, pag
     return tokens - tokens % page_size
 
 
+def bench_hasher(page_size: int) -> BlockHasher:
+    """radixmesh's block hasher in the loop: the worker's block size, at least a page."""
+    block = CacheConfig(2, page_size).block_size
+    return BlockHasher(IdentityScheme(max(block, page_size), "bench"))
+
+
+def prepare_keys(hasher: BlockHasher, req: Request) -> tuple[Keys, Keys, list[int]]:
+    """The prompt's and the output's cache keys, and the prompt's block hashes (the router's)."""
+    keys = to_cache_keys(req.prompt)
+    return keys, to_cache_keys(req.output), hasher.hashes(keys, DEFAULT_NAMESPACE)
+
+
 class Radixmesh:
     name = "radixmesh"
 
     def __init__(self, capacity: int, page_size: int) -> None:
         self.page_size = page_size
         self.pool = PagePool(capacity // page_size + 1, page_size)
-        block = CacheConfig(2, page_size).block_size
-        self.hasher = BlockHasher(IdentityScheme(max(block, page_size), "bench"))
+        self.hasher = bench_hasher(page_size)
         self.tree = RadixCache(self.pool, self.hasher)
 
     def prepare(self, req: Request) -> Any:
@@ -108,8 +119,7 @@ class Radixmesh:
         block hashes, which the router computed to route it. The output's keys are made as
         its tokens are generated (`SequenceCache.append`, one a decode step), before the
         sequence is cached: SGLang's side likewise gets its output ids ready."""
-        keys = to_cache_keys(req.prompt)
-        return keys, to_cache_keys(req.output), self.hasher.hashes(keys, DEFAULT_NAMESPACE)
+        return prepare_keys(self.hasher, req)
 
     def serve(self, prepared: Any) -> int:
         """One request through the loop; returns the prompt tokens served from the cache."""

@@ -1,0 +1,98 @@
+"""benchmarks/cache_floor.py: each floor does radixmesh's work on a stream where nothing hits
+(the same evicted tokens), keeps every page accounted for, and its checks refuse bad moves; the
+run bookkeeping merges free neighbours. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+from array import array
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import against_sglang, cache_floor, workloads
+
+
+def no_hit_stream() -> list[workloads.Request]:
+    return workloads.multi_turn(seed=3, conversations=12, turns=4)
+
+
+def capacity_of(requests: list[workloads.Request]) -> int:
+    distinct = against_sglang.distinct_tokens(requests)
+    return against_sglang.capacity_tokens(requests, distinct, 0.05, 1)
+
+
+@pytest.mark.parametrize("bookkeeping", list(cache_floor.BOOKKEEPING))
+def test_a_floor_evicts_what_radixmesh_evicts_and_keeps_every_page(bookkeeping: str) -> None:
+    requests = no_hit_stream()
+    capacity = capacity_of(requests)
+    ours = against_sglang.serve_all(against_sglang.Radixmesh(capacity, 1), requests)
+    assert ours.hit_rate == 0 and ours.evicted_tokens > 0, "the stream must evict and never hit"
+    floor = cache_floor.Floor(capacity, bookkeeping)
+    run = against_sglang.serve_all(floor, requests)
+    assert run.evicted_tokens == ours.evicted_tokens
+    cached = sum(leaf.size for _, leaf in floor.heap)
+    assert floor.num_free + cached == capacity
+    pages = floor.pages
+    if isinstance(pages, cache_floor.RunPages):
+        assert sum(pages.starts.values()) == floor.num_free
+        assert pages.state.count(cache_floor.CACHED) == cached
+        assert pages.state.count(cache_floor.PRIVATE) == 0
+    else:
+        assert pages.top == floor.num_free
+        if bookkeeping == "checked":
+            counts = np.bincount(pages.state, minlength=4)
+            assert counts[cache_floor.FREE] == floor.num_free
+            assert counts[cache_floor.CACHED] == cached and counts[cache_floor.PRIVATE] == 0
+
+
+def test_checked_moves_refuse_a_page_in_the_wrong_state_or_listed_twice() -> None:
+    pages = cache_floor.CheckedPages(64)
+    taken = pages.allocate(40)
+    with pytest.raises(cache_floor.BadMove, match="listed twice"):
+        pages.claim(array("i", [*taken[:39], taken[0]]))
+    with pytest.raises(cache_floor.BadMove, match="is not"):
+        pages.release(taken)  # private, not cached
+    pages.claim(taken)
+    with pytest.raises(cache_floor.BadMove, match="is not"):
+        pages.claim(taken)  # cached already
+    pages.release(taken)
+    assert pages.top == 63 and (pages.state[1:] == cache_floor.FREE).all()
+
+
+def test_run_moves_refuse_overlaps_and_free_runs_merge_with_their_neighbours() -> None:
+    pages = cache_floor.RunPages(101)  # pages 1..100
+    taken = pages.allocate(30)
+    assert taken == [1, 30]
+    with pytest.raises(cache_floor.BadMove, match="listed twice"):
+        pages.claim([1, 10, 5, 10])
+    pages.claim(taken)
+    head, tail = pages.split(taken, 12)
+    assert (head, tail) == ([1, 12], [13, 18])
+    pages.release(tail)  # [13, 31) joins the free run [31, 101)
+    assert pages.starts == {13: 88}
+    with pytest.raises(cache_floor.BadMove, match="is not"):
+        pages.release(tail)
+    pages.release(head)
+    assert pages.starts == {1: 100} and pages.ends == {101: 1}
+    assert pages.state.count(cache_floor.FREE) == 100
+
+
+def test_offline_it_measures_the_floors_and_radixmesh_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    out = tmp_path / "rows.jsonl"
+    argv = ["--rounds", "2", "--scale", "0.03", "--sglang-wheel-dir", str(tmp_path)]
+    assert cache_floor.main([*argv, "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["workload"] for row in rows] == [name for name, _ in cache_floor.CELLS]
+    for row in rows:
+        sides = row["sides"]
+        assert set(sides) == {"floor, checked", "floor, runs", "floor, unchecked", "radixmesh"}
+        assert len({side["evicted_tokens"] for side in sides.values()}) == 1
+        assert all(len(side["us_all"]) == 2 for side in sides.values())
+        assert row["runs_per_move"] >= 1 and row["same_work"]
+    assert "could not be fetched" in capsys.readouterr().err
