@@ -217,7 +217,7 @@ class PagePool:
         top, count = self._num_free, len(moved)
         if count == 1:
             self._free[top] = moved[0]  # a sixth of a slice assignment's cost
-        else:
+        elif count:  # none: a page-aligned sequence's partial last page, every time at page 1
             self._free[top : top + count] = moved[::-1]
         self._num_free = top + count
 
