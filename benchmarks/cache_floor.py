@@ -5,7 +5,7 @@ Python one. At page size 1 radixmesh stays under issue 14's 2x in the cells wher
 reused. This benchmark asks what any pure-Python cache could do there: it runs the loop's work
 written out flat, as a floor, beside both real caches in the same process.
 
-The cells are the ones where nothing hits (both caches' hit rate is 0 there): no-sharing and
+The cells are the ones where nothing hits (both caches' hit rate is 0.000 there): no-sharing and
 multi-turn, KV capacity 5 % of the distinct tokens, page size 1. Every request then evicts the
 positions it needs from the least recently used leaves (trimming the last one), allocates a page
 a position, caches its whole sequence as a new leaf and hashes the blocks the router's chain does
@@ -28,10 +28,12 @@ It runs three ways of keeping pages:
 - `unchecked`: the free stack alone and no states, the bookkeeping of SGLang's allocator (a free
   list, no checks).
 
-Each variant's evicted tokens must equal radixmesh's, which `tests/benchmarks/test_cache_floor.py`
-asserts: the floor does the same work, not less. Rounds alternate, and who goes first moves each
-round. A JSON line per cell goes to stdout, then a table of microseconds a request. SGLang comes
-from its wheel (benchmarks/sglang_radix.py); offline, the floors and radixmesh run without it.
+Each variant evicts the tokens radixmesh evicts, so the floor does the same work, not less:
+`tests/benchmarks/test_cache_floor.py` asserts it, and a cell reports any gap
+(`evicted_gap_tokens`: radixmesh reused what two random prompts happened to share, such as a
+first token). Rounds alternate, and who goes first moves each round. A JSON line per cell goes
+to stdout, then a table of microseconds a request. SGLang comes from its wheel
+(benchmarks/sglang_radix.py); offline, the floors and radixmesh run without it.
 
     python benchmarks/cache_floor.py [--rounds 3]
 """
@@ -371,10 +373,12 @@ def measure(
     return sides
 
 
-def same_work(sides: dict[str, Any]) -> bool:
-    """Whether every floor evicted exactly the tokens radixmesh did (and so reused nothing)."""
+def evicted_gap(sides: dict[str, Any]) -> int:
+    """The most tokens a floor evicted beyond radixmesh's (0: the same work; radixmesh evicts
+    less by what it happened to reuse, such as a first token two random prompts share)."""
     ours = sides["radixmesh"]["evicted_tokens"]
-    return all(side["evicted_tokens"] == ours for name, side in sides.items() if "floor" in name)
+    floors = [side for name, side in sides.items() if name.startswith("floor")]
+    return max(abs(side["evicted_tokens"] - ours) for side in floors)
 
 
 def run_pages_fragmentation(requests: list[Request], capacity: int) -> float:
@@ -449,9 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                 "sides": measure(requests, capacity, sgl, args.rounds),
                 "runs_per_move": run_pages_fragmentation(requests, capacity),
             }
-            row["same_work"] = same_work(row["sides"])
-            if not row["same_work"]:
-                console.print(f"[yellow]{name}: a floor evicted other tokens than radixmesh[/]")
+            row["evicted_gap_tokens"] = gap = evicted_gap(row["sides"])
+            if gap:
+                console.print(f"[yellow]{name}: the floors evicted {gap} tokens more[/]")
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.output is not None:
