@@ -76,45 +76,25 @@ class BadMove(Exception):
     """A page was not in the state its move leaves, or was listed twice."""
 
 
-class CheckedPages:
-    """`cache.PagePool`'s bookkeeping and checks, without its calls between parts."""
-
-    name = "checked"
+class UncheckedPages:
+    """The free stack alone: no state, no check (what SGLang's allocator keeps)."""
 
     def __init__(self, pages: int) -> None:
-        self.state = np.full(pages, FREE, dtype=np.uint8)
-        self.state[0] = 0
-        self.stamp = np.zeros(pages, dtype=np.uint16)
         self.free = np.arange(pages - 1, 0, -1, dtype=np.intc)
         self.top = pages - 1
 
-    def _move(self, pages: array[int], src: int, dst: int) -> np.ndarray:
-        batch = np.frombuffer(pages, dtype=np.intc)
-        index = batch.view(np.uint32).astype(np.intp)
-        if self.state.take(index).tobytes().count(src) != len(batch):
-            raise BadMove(f"a page is not {src}")
-        stamps = _STAMPS[: len(batch)]
-        self.stamp[index] = stamps
-        if self.stamp.take(index).tobytes() != stamps.tobytes():
-            raise BadMove("a page is listed twice")
-        self.state[index] = dst
-        return batch
-
     def allocate(self, count: int) -> array[int]:
         top = self.top
-        taken = self.free[top - count : top][::-1]
-        index = taken.astype(np.intp)
-        if self.state.take(index).tobytes().count(FREE) != count:
-            raise BadMove("a page on the free stack is not free")
-        self.state[index] = PRIVATE
         self.top = top - count
-        return array("i", taken.tobytes())
+        return array("i", self.free[top - count : top][::-1].tobytes())
 
     def claim(self, pages: array[int]) -> None:
-        self._move(pages, PRIVATE, CACHED)
+        pass
 
     def release(self, pages: array[int]) -> None:
-        batch = self._move(pages, CACHED, FREE)
+        self._push(np.frombuffer(pages, dtype=np.intc))
+
+    def _push(self, batch: np.ndarray) -> None:
         top = self.top
         self.free[top : top + len(batch)] = batch[::-1]
         self.top = top + len(batch)
@@ -131,29 +111,51 @@ class CheckedPages:
         return joined
 
 
-class UncheckedPages(CheckedPages):
-    """The free stack alone: no state, no check (what SGLang's allocator keeps)."""
+class CheckedPages(UncheckedPages):
+    """`cache.PagePool`'s bookkeeping and checks, without its calls between parts: the free
+    stack, a state byte a page, and a stamp a page for the repeated-page check."""
 
-    name = "unchecked"
+    def __init__(self, pages: int) -> None:
+        super().__init__(pages)
+        self.state = np.full(pages, FREE, dtype=np.uint8)
+        self.state[0] = 0
+        self.stamp = np.zeros(pages, dtype=np.uint16)
+
+    def _move(self, pages: array[int], src: int, dst: int) -> np.ndarray:
+        """Every page from `src` to `dst`, or `BadMove` (read as unsigned, a negative id is
+        out of range and `take` refuses it)."""
+        batch = np.frombuffer(pages, dtype=np.intc)
+        index = batch.view(np.uint32).astype(np.intp)
+        if self.state.take(index).tobytes().count(src) != len(batch):
+            raise BadMove(f"a page is not {src}")
+        stamps = _STAMPS[: len(batch)]
+        self.stamp[index] = stamps
+        if self.stamp.take(index).tobytes() != stamps.tobytes():
+            raise BadMove("a page is listed twice")
+        self.state[index] = dst
+        return batch
 
     def allocate(self, count: int) -> array[int]:
+        """As the pool: stack entries are distinct (only checked moves push them), so the
+        state is the whole check."""
         top = self.top
+        taken = self.free[top - count : top][::-1]
+        index = taken.astype(np.intp)
+        if self.state.take(index).tobytes().count(FREE) != count:
+            raise BadMove("a page on the free stack is not free")
+        self.state[index] = PRIVATE
         self.top = top - count
-        return array("i", self.free[top - count : top][::-1].tobytes())
+        return array("i", taken.tobytes())
 
     def claim(self, pages: array[int]) -> None:
-        pass
+        self._move(pages, PRIVATE, CACHED)
 
     def release(self, pages: array[int]) -> None:
-        top = self.top
-        self.free[top : top + len(pages)] = np.frombuffer(pages, dtype=np.intc)[::-1]
-        self.top = top + len(pages)
+        self._push(self._move(pages, CACHED, FREE))
 
 
 class RunPages:
     """Pages as runs `[first, count, ...]`, checked run by run; free runs merge as they free."""
-
-    name = "runs"
 
     def __init__(self, pages: int) -> None:
         self.state = bytearray([FREE]) * pages
@@ -161,16 +163,22 @@ class RunPages:
         self.fill = {s: bytes([s]) * pages for s in (FREE, PRIVATE, CACHED)}
         self.starts = {1: pages - 1}  # free run: first page -> count
         self.ends = {pages: 1}  # free run: end -> first page
-        self.stack = [(1, pages - 1)]  # most recently freed on top; stale entries are skipped
+        self.stack = [(1, pages - 1)]
+        """Free runs, most recently freed on top. An entry goes stale when its run is merged
+        or taken; stale entries are dropped when they reach the top."""
         self.moves = self.moved_runs = 0
 
-    def _move(self, runs: list[int], src: int, dst: int) -> None:
-        state, fill = self.state, self.fill[dst]
+    def _move(self, runs: list[int], src: int, dst: int, repeats: bool = True) -> None:
+        """Every run from `src` to `dst`, or `BadMove`; `repeats`: check that no two runs
+        overlap (runs taken from the free set cannot, as the pool's allocate checks none)."""
+        state, fill, size = self.state, self.fill[dst], len(self.state)
         for i in range(0, len(runs), 2):
             first, count = runs[i], runs[i + 1]
+            if first <= 0 or count <= 0 or first + count > size:
+                raise BadMove(f"pages [{first}, {first + count}) are not pages of this pool")
             if state.count(src, first, first + count) != count:
                 raise BadMove(f"a page is not {src}")
-        if len(runs) > 2:
+        if repeats and len(runs) > 2:
             end = 0
             for first, count in sorted(zip(runs[::2], runs[1::2], strict=True)):
                 if first < end:
@@ -187,7 +195,7 @@ class RunPages:
         starts, ends, stack = self.starts, self.ends, self.stack
         while count:
             first, size = stack[-1]
-            if starts.get(first) != size:  # merged or taken since it was pushed
+            if starts.get(first) != size:  # stale
                 stack.pop()
                 continue
             del starts[first]
@@ -202,7 +210,7 @@ class RunPages:
                 stack[-1] = (rest, size - count)
                 taken += (first, count)
                 count = 0
-        self._move(taken, FREE, PRIVATE)
+        self._move(taken, FREE, PRIVATE, repeats=False)
         return taken
 
     def claim(self, runs: list[int]) -> None:
@@ -227,6 +235,7 @@ class RunPages:
 
     @staticmethod
     def split(runs: list[int], keep: int) -> tuple[list[int], list[int]]:
+        """(the runs of the first `keep` pages, the runs of the rest)."""
         at = 0
         for i in range(0, len(runs), 2):
             count = runs[i + 1]
@@ -252,10 +261,15 @@ BOOKKEEPING: dict[str, Callable[[int], Any]] = {
 
 
 class Leaf:
+    """A cached sequence: its keys, its pages (in the bookkeeping's form), how many, its block
+    hashes, and when it was last used (the LRU key)."""
+
     __slots__ = ("blocks", "keys", "pages", "size", "used")
 
-    def __init__(self, keys: array[int], pages: Any, size: int, blocks: tuple[int, ...]) -> None:
-        self.keys, self.pages, self.size, self.blocks, self.used = keys, pages, size, blocks, 0
+    def __init__(
+        self, keys: array[int], pages: Any, size: int, blocks: tuple[int, ...], used: int
+    ) -> None:
+        self.keys, self.pages, self.size, self.blocks, self.used = keys, pages, size, blocks, used
 
 
 class Floor:
@@ -263,7 +277,6 @@ class Floor:
 
     def __init__(self, capacity: int, bookkeeping: str) -> None:
         self.pages = BOOKKEEPING[bookkeeping](capacity + 1)
-        self.name = f"floor, {bookkeeping}"
         self.num_free = capacity
         self.hasher = against_sglang.bench_hasher(1)
         self.block = self.hasher.block_size
@@ -278,6 +291,10 @@ class Floor:
         return against_sglang.prepare_keys(self.hasher, request)
 
     def serve(self, prepared: tuple[array[int], array[int], list[int]]) -> int:
+        """One request: look the prompt up, take the router's chain if both its ends hash
+        here, evict what the sequence needs, allocate and claim its pages, hash the blocks
+        past the chain, and cache it as a leaf. Returns the positions a whole-leaf match would
+        have reused; the floor serves none of them (`evicted_gap` tells a cell that had any)."""
         prompt, output, routed = prepared
         pages, block = self.pages, self.block
         keys = prompt + output
@@ -309,13 +326,14 @@ class Floor:
             parent = xxh3_64_intdigest(packed[at : at + step], parent)
             chain.append(parent)
         self.clock += 1
-        leaf = Leaf(keys, taken, need, tuple(chain))
-        leaf.used = self.clock
+        leaf = Leaf(keys, taken, need, tuple(chain), self.clock)
         self.leaves[keys[0]] = leaf
         heapq.heappush(self.heap, (self.clock, leaf))
         return reused  # not served from the leaf (`same_work` tells when a cell reuses any)
 
     def _evict(self, short: int) -> None:
+        """Free `short` pages from the least recently used leaves, the last one trimmed in
+        place, and release them in one move (the tails in the order radixmesh frees them)."""
         pages, block, tails = self.pages, self.block, []
         self.evicted += short
         self.num_free += short
@@ -370,15 +388,25 @@ def measure(
             "hit_rate": done[0].hit_rate,
             "evicted_tokens": done[0].evicted_tokens,
         }
+        if "sglang" in runs and name != "sglang":  # its speed over SGLang's, round by round
+            ratios = sorted(
+                ours.requests_per_s / theirs.requests_per_s
+                for ours, theirs in zip(done, runs["sglang"], strict=True)
+            )
+            sides[name]["of_sglang"] = [ratios[len(ratios) // 2], ratios[0], ratios[-1]]
     return sides
 
 
-def evicted_gap(sides: dict[str, Any]) -> int:
-    """The most tokens a floor evicted beyond radixmesh's (0: the same work; radixmesh evicts
-    less by what it happened to reuse, such as a first token two random prompts share)."""
+def evicted_gap(sides: dict[str, Any]) -> dict[str, int]:
+    """Tokens each floor evicted beyond radixmesh (0: the same work). radixmesh evicts less by
+    what it happened to reuse, such as a first token two random prompts share; a negative gap
+    would mean a floor did less than radixmesh."""
     ours = sides["radixmesh"]["evicted_tokens"]
-    floors = [side for name, side in sides.items() if name.startswith("floor")]
-    return max(abs(side["evicted_tokens"] - ours) for side in floors)
+    return {
+        name: side["evicted_tokens"] - ours
+        for name, side in sides.items()
+        if name.startswith("floor")
+    }
 
 
 def run_pages_fragmentation(requests: list[Request], capacity: int) -> float:
@@ -392,7 +420,10 @@ def run_pages_fragmentation(requests: list[Request], capacity: int) -> float:
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
-    out = Table(title="microseconds a request, page size 1 (median over rounds; x: of SGLang's)")
+    out = Table(
+        title="microseconds a request at page size 1 (median over rounds), and the speed over "
+        "SGLang's (median, min-max of the rounds)"
+    )
     out.add_column("workload", justify="right")
     out.add_column("capacity", justify="right")
     sides = list(rows[0]["sides"])
@@ -400,11 +431,12 @@ def table(rows: list[dict[str, Any]]) -> Table:
         out.add_column(side, justify="right")
     out.add_column("runs a move", justify="right")
     for row in rows:
-        theirs = row["sides"].get("sglang", {}).get("us_per_request")
         cells = []
-        for side in sides:
-            us = row["sides"][side]["us_per_request"]
-            cells.append(f"{us:.1f}" + (f" ({theirs / us:.2f}x)" if theirs else ""))
+        for side in row["sides"].values():
+            cell = f"{side['us_per_request']:.1f}"
+            if "of_sglang" in side:
+                cell += " ({:.2f}x, {:.2f}-{:.2f})".format(*side["of_sglang"])
+            cells.append(cell)
         out.add_row(
             row["workload"],
             f"{row['capacity_fraction']:.0%}",
@@ -453,9 +485,9 @@ def main(argv: list[str] | None = None) -> int:
                 "sides": measure(requests, capacity, sgl, args.rounds),
                 "runs_per_move": run_pages_fragmentation(requests, capacity),
             }
-            row["evicted_gap_tokens"] = gap = evicted_gap(row["sides"])
-            if gap:
-                console.print(f"[yellow]{name}: the floors evicted {gap} tokens more[/]")
+            row["evicted_gap_tokens"] = gaps = evicted_gap(row["sides"])
+            if any(gaps.values()):
+                console.print(f"[yellow]{name}: tokens evicted beyond radixmesh: {gaps}[/]")
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.output is not None:

@@ -1,6 +1,6 @@
-"""benchmarks/cache_floor.py: each floor does radixmesh's work on a stream where nothing hits
-(the same evicted tokens), keeps every page accounted for, and its checks refuse bad moves; the
-run bookkeeping merges free neighbours. No timing is asserted."""
+"""benchmarks/cache_floor.py: on a stream where nothing hits, each floor ends with the leaves
+radixmesh's tree ends with (keys and block hashes) and keeps every page accounted for; its checks
+refuse bad moves, and the run bookkeeping merges free neighbours. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -24,27 +24,34 @@ def capacity_of(requests: list[workloads.Request]) -> int:
 
 
 @pytest.mark.parametrize("bookkeeping", list(cache_floor.BOOKKEEPING))
-def test_a_floor_evicts_what_radixmesh_evicts_and_keeps_every_page(bookkeeping: str) -> None:
+def test_a_floor_caches_what_radixmesh_caches_and_keeps_every_page(bookkeeping: str) -> None:
     requests = no_hit_stream()
     capacity = capacity_of(requests)
-    ours = against_sglang.serve_all(against_sglang.Radixmesh(capacity, 1), requests)
-    assert ours.hit_rate == 0 and ours.evicted_tokens > 0, "the stream must evict and never hit"
+    ours = against_sglang.Radixmesh(capacity, 1)
+    reused = [ours.serve(ours.prepare(req)) for req in requests]
+    assert not any(reused) and ours.tree.evicted_pages > 0, "the stream must evict, never hit"
     floor = cache_floor.Floor(capacity, bookkeeping)
-    run = against_sglang.serve_all(floor, requests)
-    assert run.evicted_tokens == ours.evicted_tokens
+    for req in requests:
+        floor.serve(floor.prepare(req))
+    # the same leaves, keys and block hashes: same LRU order, same trims, same hashing
+    leaves = sorted((leaf.keys.tobytes(), leaf.blocks) for _, leaf in floor.heap)
+    nodes = sorted((node.keys.tobytes(), tuple(node.blocks)) for node in ours.tree.nodes())
+    assert leaves == nodes
+    assert floor.evicted_tokens() == ours.evicted_tokens()
     cached = sum(leaf.size for _, leaf in floor.heap)
     assert floor.num_free + cached == capacity
     pages = floor.pages
     if isinstance(pages, cache_floor.RunPages):
         assert sum(pages.starts.values()) == floor.num_free
+        assert not set(pages.starts) & set(pages.ends), "two free runs touch: not merged"
         assert pages.state.count(cache_floor.CACHED) == cached
         assert pages.state.count(cache_floor.PRIVATE) == 0
     else:
         assert pages.top == floor.num_free
-        if bookkeeping == "checked":
-            counts = np.bincount(pages.state, minlength=4)
-            assert counts[cache_floor.FREE] == floor.num_free
-            assert counts[cache_floor.CACHED] == cached and counts[cache_floor.PRIVATE] == 0
+    if isinstance(pages, cache_floor.CheckedPages):
+        counts = np.bincount(pages.state, minlength=4)
+        assert counts[cache_floor.FREE] == floor.num_free
+        assert counts[cache_floor.CACHED] == cached and counts[cache_floor.PRIVATE] == 0
 
 
 def test_checked_moves_refuse_a_page_in_the_wrong_state_or_listed_twice() -> None:
@@ -67,16 +74,23 @@ def test_run_moves_refuse_overlaps_and_free_runs_merge_with_their_neighbours() -
     assert taken == [1, 30]
     with pytest.raises(cache_floor.BadMove, match="listed twice"):
         pages.claim([1, 10, 5, 10])
+    with pytest.raises(cache_floor.BadMove, match="not pages of this pool"):
+        pages.claim([-5, 3])
     pages.claim(taken)
     head, tail = pages.split(taken, 12)
     assert (head, tail) == ([1, 12], [13, 18])
-    pages.release(tail)  # [13, 31) joins the free run [31, 101)
+    pages.release(tail)  # [13, 31) joins the free run [31, 101) on its right
     assert pages.starts == {13: 88}
     with pytest.raises(cache_floor.BadMove, match="is not"):
         pages.release(tail)
-    pages.release(head)
+    pages.release(head)  # [1, 13) joins [13, 101) on its right again
     assert pages.starts == {1: 100} and pages.ends == {101: 1}
     assert pages.state.count(cache_floor.FREE) == 100
+    again = pages.allocate(100)
+    pages.claim(again)
+    pages.release([1, 10])
+    pages.release([11, 5])  # a free run [1, 11) on its left
+    assert pages.starts == {1: 15} and pages.ends == {16: 1}
 
 
 def test_offline_it_measures_the_floors_and_radixmesh_alone(
@@ -94,5 +108,5 @@ def test_offline_it_measures_the_floors_and_radixmesh_alone(
         assert set(sides) == {"floor, checked", "floor, runs", "floor, unchecked", "radixmesh"}
         assert len({side["evicted_tokens"] for side in sides.values()}) == 1
         assert all(len(side["us_all"]) == 2 for side in sides.values())
-        assert row["runs_per_move"] >= 1 and row["evicted_gap_tokens"] == 0
+        assert row["runs_per_move"] >= 1 and not any(row["evicted_gap_tokens"].values())
     assert "could not be fetched" in capsys.readouterr().err
