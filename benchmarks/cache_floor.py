@@ -21,10 +21,10 @@ It runs three ways of keeping pages:
 - `checked`: what `cache.PagePool` checks, inline. A state byte a page and the free stack in
   numpy; every move checks the state each page leaves, and that no page is listed twice (by stamps,
   as the pool does). Pages are handed around as `array("i")`.
-- `runs`: pages as runs `[first, count, first, count, ...]`. A free run is merged with free
-  neighbours as it is freed, and runs are handed out most recently freed first. The same checks are
-  made per run: a count over the run's state bytes, a slice assignment, and a sort of the runs for
-  overlaps.
+- `runs`: pages as runs `[first, count, first, count, ...]`. The free runs are a stack, handed
+  out in the order they were freed (as the pool's stack hands out pages), and runs that touch are
+  merged as they are freed or taken. The same checks are made per run: a count over the run's
+  state bytes, a slice assignment, and a sort of the runs for overlaps.
 - `unchecked`: the free stack alone and no states, the bookkeeping of SGLang's allocator (a free
   list, no checks).
 
@@ -155,22 +155,20 @@ class CheckedPages(UncheckedPages):
 
 
 class RunPages:
-    """Pages as runs `[first, count, ...]`, checked run by run; free runs merge as they free."""
+    """Pages as runs `[first, count, ...]`, checked run by run. The free runs are a stack, handed
+    out in the order they were freed as the pool's stack hands out pages; a freed run merges
+    with the top of the stack when they touch, and runs taken together merge when they touch."""
 
     def __init__(self, pages: int) -> None:
         self.state = bytearray([FREE]) * pages
         self.state[0] = 0
         self.fill = {s: bytes([s]) * pages for s in (FREE, PRIVATE, CACHED)}
-        self.starts = {1: pages - 1}  # free run: first page -> count
-        self.ends = {pages: 1}  # free run: end -> first page
-        self.stack = [(1, pages - 1)]
-        """Free runs, most recently freed on top. An entry goes stale when its run is merged
-        or taken; stale entries are dropped when they reach the top."""
+        self.stack = [(1, pages - 1)]  # (first, count), the next to hand out on top
         self.moves = self.moved_runs = 0
 
     def _move(self, runs: list[int], src: int, dst: int, repeats: bool = True) -> None:
         """Every run from `src` to `dst`, or `BadMove`; `repeats`: check that no two runs
-        overlap (runs taken from the free set cannot, as the pool's allocate checks none)."""
+        overlap (runs taken off the free stack cannot, as the pool's allocate checks none)."""
         state, fill, size = self.state, self.fill[dst], len(self.state)
         for i in range(0, len(runs), 2):
             first, count = runs[i], runs[i + 1]
@@ -192,24 +190,19 @@ class RunPages:
 
     def allocate(self, count: int) -> list[int]:
         taken: list[int] = []
-        starts, ends, stack = self.starts, self.ends, self.stack
+        stack = self.stack
         while count:
             first, size = stack[-1]
-            if starts.get(first) != size:  # stale
+            part = min(size, count)
+            if part == size:
                 stack.pop()
-                continue
-            del starts[first]
-            if size <= count:
-                stack.pop()
-                del ends[first + size]
-                taken += (first, size)
-                count -= size
             else:
-                rest = first + count
-                starts[rest], ends[first + size] = size - count, rest
-                stack[-1] = (rest, size - count)
-                taken += (first, count)
-                count = 0
+                stack[-1] = (first + part, size - part)
+            if taken and taken[-2] + taken[-1] == first:
+                taken[-1] += part
+            else:
+                taken += (first, part)
+            count -= part
         self._move(taken, FREE, PRIVATE, repeats=False)
         return taken
 
@@ -217,21 +210,14 @@ class RunPages:
         self._move(runs, PRIVATE, CACHED)
 
     def release(self, runs: list[int]) -> None:
+        """Free `runs`, pushed last first so that the first is handed out first."""
         self._move(runs, CACHED, FREE)
-        starts, ends = self.starts, self.ends
-        for i in range(0, len(runs), 2):
+        stack = self.stack
+        for i in range(len(runs) - 2, -1, -2):
             first, count = runs[i], runs[i + 1]
-            left = ends.pop(first, None)
-            if left is not None:
-                count += first - left
-                del starts[left]
-                first = left
-            right = starts.pop(first + count, None)
-            if right is not None:
-                del ends[first + count + right]
-                count += right
-            starts[first], ends[first + count] = count, first
-            self.stack.append((first, count))
+            if stack and stack[-1][0] == first + count:
+                count += stack.pop()[1]
+            stack.append((first, count))
 
     @staticmethod
     def split(runs: list[int], keep: int) -> tuple[list[int], list[int]]:

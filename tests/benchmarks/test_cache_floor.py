@@ -42,8 +42,8 @@ def test_a_floor_caches_what_radixmesh_caches_and_keeps_every_page(bookkeeping: 
     assert floor.num_free + cached == capacity
     pages = floor.pages
     if isinstance(pages, cache_floor.RunPages):
-        assert sum(pages.starts.values()) == floor.num_free
-        assert not set(pages.starts) & set(pages.ends), "two free runs touch: not merged"
+        assert sum(count for _, count in pages.stack) == floor.num_free
+        assert pages.state.count(cache_floor.FREE) == floor.num_free
         assert pages.state.count(cache_floor.CACHED) == cached
         assert pages.state.count(cache_floor.PRIVATE) == 0
     else:
@@ -68,10 +68,10 @@ def test_checked_moves_refuse_a_page_in_the_wrong_state_or_listed_twice() -> Non
     assert pages.top == 63 and (pages.state[1:] == cache_floor.FREE).all()
 
 
-def test_run_moves_refuse_overlaps_and_free_runs_merge_with_their_neighbours() -> None:
+def test_run_moves_refuse_overlaps_and_free_runs_come_back_in_the_order_freed() -> None:
     pages = cache_floor.RunPages(101)  # pages 1..100
     taken = pages.allocate(30)
-    assert taken == [1, 30]
+    assert taken == [1, 30] and pages.stack == [(31, 70)]
     with pytest.raises(cache_floor.BadMove, match="listed twice"):
         pages.claim([1, 10, 5, 10])
     with pytest.raises(cache_floor.BadMove, match="not pages of this pool"):
@@ -79,18 +79,17 @@ def test_run_moves_refuse_overlaps_and_free_runs_merge_with_their_neighbours() -
     pages.claim(taken)
     head, tail = pages.split(taken, 12)
     assert (head, tail) == ([1, 12], [13, 18])
-    pages.release(tail)  # [13, 31) joins the free run [31, 101) on its right
-    assert pages.starts == {13: 88}
+    pages.release(tail)  # [13, 31) touches the top of the stack, [31, 101): one run
+    assert pages.stack == [(13, 88)]
     with pytest.raises(cache_floor.BadMove, match="is not"):
         pages.release(tail)
-    pages.release(head)  # [1, 13) joins [13, 101) on its right again
-    assert pages.starts == {1: 100} and pages.ends == {101: 1}
-    assert pages.state.count(cache_floor.FREE) == 100
-    again = pages.allocate(100)
-    pages.claim(again)
-    pages.release([1, 10])
-    pages.release([11, 5])  # a free run [1, 11) on its left
-    assert pages.starts == {1: 15} and pages.ends == {16: 1}
+    pages.release(head)
+    assert pages.stack == [(1, 100)]
+    pages.claim(pages.allocate(100))
+    pages.release([50, 10, 1, 10])  # the first run freed is the first handed out
+    assert pages.allocate(15) == [50, 10, 1, 5]
+    assert pages.allocate(5) == [6, 5]  # [1, 6) went out above: the rest of that run
+    assert pages.state.count(cache_floor.FREE) == 0
 
 
 def test_offline_it_measures_the_floors_and_radixmesh_alone(
