@@ -22,9 +22,9 @@ It runs three ways of keeping pages:
   numpy; every move checks the state each page leaves, and that no page is listed twice (by stamps,
   as the pool does). Pages are handed around as `array("i")`.
 - `runs`: pages as runs `[first, count, first, count, ...]`. The free runs are a stack, handed
-  out in the order they were freed (as the pool's stack hands out pages), and runs that touch are
-  merged as they are freed or taken. The same checks are made per run: a count over the run's
-  state bytes, a slice assignment, and a sort of the runs for overlaps.
+  out in the order they were freed (as the pool's stack hands out pages), and a freed run that
+  touches the top of the stack merges with it. The same checks are made per run: a count over
+  the run's state bytes, a slice assignment, and a sort of the runs for overlaps.
 - `unchecked`: the free stack alone and no states, the bookkeeping of SGLang's allocator (a free
   list, no checks).
 
@@ -157,7 +157,7 @@ class CheckedPages(UncheckedPages):
 class RunPages:
     """Pages as runs `[first, count, ...]`, checked run by run. The free runs are a stack, handed
     out in the order they were freed as the pool's stack hands out pages; a freed run merges
-    with the top of the stack when they touch, and runs taken together merge when they touch."""
+    with the top of the stack when they touch."""
 
     def __init__(self, pages: int) -> None:
         self.state = bytearray([FREE]) * pages
@@ -198,10 +198,7 @@ class RunPages:
                 stack.pop()
             else:
                 stack[-1] = (first + part, size - part)
-            if taken and taken[-2] + taken[-1] == first:
-                taken[-1] += part
-            else:
-                taken += (first, part)
+            taken += (first, part)  # never touches the run before: see `release`
             count -= part
         self._move(taken, FREE, PRIVATE, repeats=False)
         return taken
@@ -210,7 +207,9 @@ class RunPages:
         self._move(runs, PRIVATE, CACHED)
 
     def release(self, runs: list[int]) -> None:
-        """Free `runs`, pushed last first so that the first is handed out first."""
+        """Free `runs`, pushed last first so that the first is handed out first. A run that
+        ends where the top of the stack begins merges with it, so no entry of the stack ever
+        ends where the one below it begins (taking part of the top keeps its end)."""
         self._move(runs, CACHED, FREE)
         stack = self.stack
         for i in range(len(runs) - 2, -1, -2):
