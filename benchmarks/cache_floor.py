@@ -262,7 +262,7 @@ class Floor:
 
     def __init__(self, capacity: int, bookkeeping: str) -> None:
         self.pages = BOOKKEEPING[bookkeeping](capacity + 1)
-        self.num_free = capacity
+        self.capacity = self.num_free = capacity
         self.hasher = against_sglang.bench_hasher(1)
         self.block = self.hasher.block_size
         self.seed = self.hasher.namespace_seed(DEFAULT_NAMESPACE)
@@ -299,6 +299,8 @@ class Floor:
             else []
         )
         need = len(keys)
+        if need > self.capacity:  # eviction could not make room: say so, before any move
+            raise ValueError(f"a sequence of {need} positions cannot fit {self.capacity} pages")
         if need > self.num_free:
             self._evict(need - self.num_free)
         taken = pages.allocate(need)
@@ -314,7 +316,7 @@ class Floor:
         leaf = Leaf(keys, taken, need, tuple(chain), self.clock)
         self.leaves[keys[0]] = leaf
         heapq.heappush(self.heap, (self.clock, leaf))
-        return reused  # not served from the leaf (`same_work` tells when a cell reuses any)
+        return reused  # not served from the leaf (`evicted_gap` tells when a cell reused any)
 
     def _evict(self, short: int) -> None:
         """Free `short` pages from the least recently used leaves, the last one trimmed in

@@ -1,6 +1,7 @@
 """benchmarks/cache_floor.py: on a stream where nothing hits, each floor ends with the leaves
 radixmesh's tree ends with (keys and block hashes) and keeps every page accounted for; its checks
-refuse bad moves, and the run bookkeeping merges free neighbours. No timing is asserted."""
+refuse bad moves, the run bookkeeping merges a freed run with the top of its free stack, and a
+sequence larger than the pool is refused by name. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -52,6 +53,16 @@ def test_a_floor_caches_what_radixmesh_caches_and_keeps_every_page(bookkeeping: 
         counts = np.bincount(pages.state, minlength=4)
         assert counts[cache_floor.FREE] == floor.num_free
         assert counts[cache_floor.CACHED] == cached and counts[cache_floor.PRIVATE] == 0
+
+
+@pytest.mark.parametrize("bookkeeping", list(cache_floor.BOOKKEEPING))
+def test_a_sequence_larger_than_the_pool_is_refused_and_moves_nothing(bookkeeping: str) -> None:
+    request = no_hit_stream()[0]
+    size = len(request.prompt) + len(request.output)
+    floor = cache_floor.Floor(size - 1, bookkeeping)
+    with pytest.raises(ValueError, match=f"{size} positions cannot fit {size - 1} pages"):
+        floor.serve(floor.prepare(request))
+    assert floor.num_free == size - 1 and not floor.heap and floor.evicted_tokens() == 0
 
 
 def test_checked_moves_refuse_a_page_in_the_wrong_state_or_listed_twice() -> None:
