@@ -19,6 +19,11 @@ NAMESPACE = "radixmesh"
 """Ray namespace of the cluster's named actors (radixmesh-router, radixmesh-worker-N)."""
 
 
+def actor_name(name: str) -> str:
+    """The Ray name of the cluster's actor `name` ("router", "worker-0", ...)."""
+    return f"radixmesh-{name}"
+
+
 def connect(num_cpus: int | None = None) -> bool:
     """Connect to Ray; True when this call started an embedded cluster (the caller stops it)."""
     if ray.is_initialized():

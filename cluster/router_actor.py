@@ -2,14 +2,14 @@
 membership.
 
 A plain class; the cluster wraps it with `ray.remote` and restarts it when it dies, on the same
-port, so clients reconnect to the same endpoint. Its constructor takes only what Ray keeps in
-the actor's creation task (the configuration and the workers' handles, a few KB): everything
-else a restart needs, the tokenizer included, comes from the workers themselves over gRPC, so
-a restart never depends on an object Ray may have released. Workers are Ray actors it holds
-handles to:
-every `poll_s` it asks each for its address; a worker that answers from a new address (Ray
-restarted it) is attached again (its index starts from a snapshot), one that does not answer is
-detached until it does.
+port, so clients reconnect to the same endpoint. Its constructor takes only what Ray keeps
+inline in the actor's creation task (the configuration and the workers' names, a few KB; a
+handle among the arguments would put them in the object store): everything else a restart
+needs, the tokenizer included, comes from the workers themselves over gRPC, so a restart never
+depends on an object Ray may have released. Workers are named Ray actors it looks up: every
+`poll_s` it asks each for its address; a worker that answers from a new address (Ray restarted
+it) is attached again (its index starts from a snapshot), one that does not answer, or that Ray
+cannot find, is detached until it does.
 """
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, build, grpc_message_bytes
 from cluster.http.server import HttpServer, start_http_server
 from cluster.policies import build_policy
+from cluster.ray_runtime import NAMESPACE, actor_name
 from cluster.router_admin import AdminService
 from cluster.router_metrics import RouterCollector
 from cluster.router_service import RouterService
@@ -68,11 +71,12 @@ class RouterActor:
     def __init__(
         self,
         config: dict[str, Any],
-        workers: dict[str, Any],
+        workers: list[str],
         poll_s: float = 0.5,
     ) -> None:
         self.config = build(ClusterConfig, config, "")
-        self.workers = workers
+        self.workers: dict[str, Any] = dict.fromkeys(workers)
+        """Worker name -> its actor handle, looked up by name (None until Ray finds it)."""
         self.poll_s = poll_s
         self.links = WorkerLinks(build_policy(self.config))
         self.service = RouterService(self.links, self.config)
@@ -92,8 +96,9 @@ class RouterActor:
         self._membership = asyncio.run_coroutine_threadsafe(self._keep_members(), self.loop.loop)
 
     async def _sync_members(self) -> None:
-        for name, handle in self.workers.items():
+        for name in self.workers:
             try:
+                handle = await self._handle(name)
                 address = await asyncio.wait_for(
                     asyncio.wrap_future(handle.address.remote().future()), timeout=5
                 )
@@ -108,6 +113,15 @@ class RouterActor:
                     await self.links.attach(name, address)
                 except (IdentityRefused, Exception) as err:
                     log.warning("worker %s at %s not attached: %s", name, address, err)
+
+    async def _handle(self, name: str) -> Any:
+        """The worker's actor handle, looked up by its Ray name the first time (ValueError
+        while Ray has no live actor of that name)."""
+        handle = self.workers[name]
+        if handle is None:
+            handle = await asyncio.to_thread(ray.get_actor, actor_name(name), NAMESPACE)
+            self.workers[name] = handle
+        return handle
 
     async def _keep_members(self) -> None:
         while True:

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from cluster.config import ClusterConfig, ConfigError, engine_options
-from cluster.ray_runtime import connect, gpu_count
+from cluster.ray_runtime import actor_name, connect, gpu_count
 from cluster.router_actor import RouterActor
 from cluster.router_watch import RouterWatch, first_line
 from worker.actor import WorkerActor
@@ -53,7 +53,7 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
     handles = {}
     for index, name in enumerate(worker_names(count)):
         options: dict[str, Any] = {
-            "name": f"radixmesh-{name}",
+            "name": actor_name(name),
             "max_restarts": config.workers.max_restarts,
             "num_cpus": config.workers.cpus_per_worker,
             "num_gpus": 1 if device == "cuda" else 0,
@@ -80,14 +80,17 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
 
 
 def place_router(config: ClusterConfig, workers: dict[str, Any]) -> Any:
+    """The router actor. It is given the workers' names, not their handles: a handle among an
+    actor's constructor arguments puts them in the object store, from which a restart would
+    have to read them back (Ray logs an error saying so)."""
     options: dict[str, Any] = {
-        "name": "radixmesh-router",
+        "name": actor_name("router"),
         "max_restarts": config.router.max_restarts,
         "num_cpus": 0,
     }
     if config.router.resource:
         options["resources"] = {config.router.resource: 0.01}
-    return ray.remote(RouterActor).options(**options).remote(config.to_dict(), workers)
+    return ray.remote(RouterActor).options(**options).remote(config.to_dict(), list(workers))
 
 
 def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:

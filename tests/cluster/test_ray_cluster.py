@@ -295,6 +295,8 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         stderr = serve.stderr.read()  # type: ignore[union-attr]
     assert code == 0, stderr[-3000:]
     assert "draining" in stderr and "stopped" in stderr
+    # the router is given the workers' names: no handle puts its arguments in the object store
+    assert "constructor arguments in the object store" not in stderr, stderr[-3000:]
 
 
 def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file: Path) -> None:
