@@ -7,6 +7,7 @@ arrival (worker/validation.py), so the router process stays free of torch; the w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from worker.errors import InvalidRequest
@@ -69,8 +70,8 @@ class SamplingParams:
             raise InvalidRequest(
                 "max_tokens", f"must be in [1, {max_new_tokens}], got {self.max_tokens}"
             )
-        if not self.temperature >= 0:  # also refuses NaN
-            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also refuses NaN
+            raise InvalidRequest("temperature", f"must be >= 0 and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from cluster.http.openai_schema import Strict
+from cluster.http.openai_schema import Body, Strict
 
 
 class MessageParam(Strict):
@@ -24,7 +24,7 @@ class Metadata(Strict):
     user_id: str | None = None
 
 
-class MessagesRequest(Strict):
+class MessagesRequest(Body):
     model: str
     max_tokens: int
     messages: list[MessageParam]
@@ -54,7 +54,7 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
 }
 
 
-class CountTokensRequest(Strict):
+class CountTokensRequest(Body):
     model: str
     messages: list[MessageParam]
     system: str | list[dict[str, Any]] | None = None

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.auth import known_token
@@ -55,6 +56,7 @@ from cluster.http.openai_responses import (
     served_by,
 )
 from cluster.http.openai_schema import (
+    LONE_SURROGATE,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -405,7 +407,17 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     async def client_gone(request: Request, err: Exception) -> Response:
         return Response(status_code=CLIENT_GONE)
 
+    async def starlette_error(request: Request, err: Exception) -> Response:
+        assert isinstance(err, StarletteHTTPException)
+        if err.status_code == 400:  # a body FastAPI could not parse: as `invalid`, 401 first
+            try:
+                api.caller(request)
+            except HttpError as refused:
+                return await http_error(request, refused)
+        return await http_error(request, framework_error(request, err))
+
     app.add_exception_handler(HttpError, http_error)
+    app.add_exception_handler(StarletteHTTPException, starlette_error)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(ClientGone, client_gone)
 
@@ -439,6 +451,23 @@ def error_body(path: str, err: HttpError) -> dict[str, Any]:
     return err.anthropic_body() if path.startswith("/v1/messages") else err.openai_body()
 
 
+def framework_error(request: Request, err: StarletteHTTPException) -> HttpError:
+    """A refusal FastAPI or Starlette made (no such path or method, a body it could not parse),
+    in the API's error shape: for a body, what was wrong with it."""
+    if err.status_code == 404:
+        return HttpError(404, f"no such endpoint: {request.method} {request.url.path}")
+    if err.status_code == 405:
+        return HttpError(405, f"{request.url.path} does not take {request.method}")
+    cause = err.__cause__
+    if err.status_code == 400 and isinstance(cause, UnicodeDecodeError):
+        return HttpError.invalid("body", f"is not UTF-8 text (byte {cause.start}: {cause.reason})")
+    if err.status_code == 400 and isinstance(cause, RecursionError):
+        return HttpError.invalid("body", "is JSON nested too deeply to parse")
+    if err.status_code == 400 and cause is not None:
+        return HttpError.invalid("body", f"could not be parsed ({type(cause).__name__}: {cause})")
+    return HttpError(err.status_code, str(err.detail))
+
+
 def validation_error(err: RequestValidationError) -> HttpError:
     """Pydantic's first complaint, as one line naming the parameter."""
     first = err.errors()[0]
@@ -448,6 +477,8 @@ def validation_error(err: RequestValidationError) -> HttpError:
         return HttpError.invalid(where, "unknown parameter (radixmesh refuses what it does not do)")
     if first["type"] == "json_invalid":
         return HttpError.invalid("body", f"is not valid JSON ({first['msg']})")
+    if first["type"] == LONE_SURROGATE:
+        return HttpError.invalid(first["ctx"]["where"], first["msg"])
     return HttpError.invalid(where, f"{first['msg']} (got {first.get('input')!r:.80})")
 
 

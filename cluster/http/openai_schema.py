@@ -11,11 +11,72 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
+
+LONE_SURROGATE = "lone_surrogate"
+"""The validation error type of a string no UTF-8 text can hold (cluster/http/app.py)."""
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def lone_surrogate(body: object) -> tuple[str, str] | None:
+    """(where, the code point as an escape) of the first string, or key, of decoded JSON `body`
+    that holds a lone UTF-16 surrogate; None when none does. JSON's `"\\ud800"` decodes to
+    one, and no UTF-8 text can hold it: protobuf, the tokenizer and the response encoder would
+    each fail on it. A list whose first item is a number is not read: only a list of numbers
+    passes validation, and a token-id prompt can hold a million of them."""
+    stack: list[tuple[tuple[str | int, ...], object]] = [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            found = _surrogate(value)
+        elif isinstance(value, dict):
+            found = next(filter(None, map(_surrogate, value)), None)  # JSON keys are strings
+            stack.extend(((*path, key), item) for key, item in reversed(value.items()))
+        elif isinstance(value, list) and value and not isinstance(value[0], int | float):
+            stack.extend(((*path, i), value[i]) for i in reversed(range(len(value))))
+            continue
+        else:
+            continue
+        if found is not None:
+            return _where(path), found
+    return None
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    """A field's path as the API's errors name it: `messages[0].content`."""
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path)
+    return where.removeprefix(".") or "body"
+
+
+def _surrogate(text: str) -> str | None:
+    if text.isascii():
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as err:
+        return f"\\u{ord(text[err.start]):04x}"
+    return None
+
+
+class Body(Strict):
+    """A request body: refused, naming the field, when a string in it is not Unicode text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found is not None:
+            where, escape = found
+            raise PydanticCustomError(
+                LONE_SURROGATE,
+                "holds a lone UTF-16 surrogate ({escape}), which is not Unicode text",
+                {"where": where, "escape": escape},
+            )
+        return data
 
 
 class StreamOptions(Strict):
@@ -35,7 +96,7 @@ class ChatMessage(Strict):
     audio: Any = None
 
 
-class GenerationParams(Strict):
+class GenerationParams(Body):
     """What chat and text completions share."""
 
     model: str
@@ -236,7 +297,7 @@ class ModelList(BaseModel):
 
 
 # -- vLLM's tokenizer endpoints ----------------------------------------------------------------
-class TokenizeRequest(Strict):
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -251,7 +312,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)
 
@@ -261,7 +322,7 @@ class DetokenizeResponse(BaseModel):
 
 
 # -- vLLM's LoRA endpoints -----------------------------------------------------------------------
-class LoadLoraAdapterRequest(Strict):
+class LoadLoraAdapterRequest(Body):
     lora_name: str
     lora_path: str
     load_inplace: bool | None = None
@@ -269,7 +330,7 @@ class LoadLoraAdapterRequest(Strict):
     weights get a new cache identity)."""
 
 
-class UnloadLoraAdapterRequest(Strict):
+class UnloadLoraAdapterRequest(Body):
     lora_name: str
     lora_int_id: int | None = None
     """vLLM's numeric id; radixmesh knows adapters by name only (ignored)."""

@@ -224,6 +224,108 @@ def test_a_body_that_is_not_a_json_object_is_400(cluster: LocalCluster, body: by
     assert messages.status_code == 400 and messages.json()["type"] == "error"
 
 
+def test_a_body_json_cannot_be_read_from_is_400_saying_why(cluster: LocalCluster) -> None:
+    """Bodies FastAPI itself fails to parse (a byte that is not UTF-8 after valid ones; nesting
+    past the parser's recursion) answer in each API's error shape, saying what was wrong."""
+    headers = AUTH | {"Content-Type": "application/json"}
+    not_utf8 = b'{"model": "tiny", "prompt": "caf\xe9"}'
+    nested = b"[" * 5_000 + b"]" * 5_000
+    for body, words in [(not_utf8, "body: is not UTF-8 text"), (nested, "nested too deeply")]:
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            response = httpx.post(f"{cluster.http_url}{path}", content=body, headers=headers)
+            assert assert_openai_error(response, 400, words)["param"] == "body"
+        messages = httpx.post(f"{cluster.http_url}/v1/messages", content=body, headers=headers)
+        assert messages.status_code == 400 and messages.json()["type"] == "error"
+        assert words in messages.json()["error"]["message"]
+    refused = httpx.post(f"{cluster.http_url}/v1/completions", content=not_utf8)
+    assert assert_openai_error(refused, 401, "a valid token is required")  # 401 first
+
+
+@pytest.mark.parametrize("number", ["1e999", "Infinity"])
+def test_an_infinite_temperature_is_400(
+    client: openai.OpenAI, cluster: LocalCluster, number: str
+) -> None:
+    """JSON's 1e999 reads as infinity (the SDK cannot send one; a hand-written body can)."""
+    body = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 2, "temperature": {number}}}'
+    headers = AUTH | {"Content-Type": "application/json"}
+    response = httpx.post(f"{cluster.http_url}/v1/completions", content=body, headers=headers)
+    error = assert_openai_error(response, 400, "temperature: must be >= 0 and finite, got inf")
+    assert error["param"] == "temperature"
+    assert_still_serving(client, cluster)
+
+
+LONE = "\\ud800"
+"""A JSON escape that decodes to a lone UTF-16 surrogate: no UTF-8 text can hold it."""
+PAIR = "\\ud83d\\ude00"
+"""A surrogate pair: one emoji."""
+
+
+class Unicode(NamedTuple):
+    path: str
+    body: str
+    """With LONE where the bad string goes."""
+    field: str
+    paired: int
+    """The status with PAIR in its place (a key is an unknown parameter, a model unknown)."""
+
+
+def chat(content: str, extra: str = "") -> str:
+    return f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": {content}{extra}}}]}}'
+
+
+SURROGATES = {
+    "chat content": Unicode("/v1/chat/completions", chat(f'"a{LONE}"'), "messages[0].content", 200),
+    "chat text part": Unicode(
+        "/v1/chat/completions",
+        chat(f'[{{"type": "text", "text": "{LONE}"}}]'),
+        "messages[0].content[0].text",
+        200,
+    ),
+    "a key": Unicode("/v1/chat/completions", chat('"hi"', f', "x{LONE}": 1'), "messages[0]", 400),
+    "prompt": Unicode(
+        "/v1/completions", f'{{"model": "{MODEL}", "prompt": "{LONE}"}}', "prompt", 200
+    ),
+    "stop": Unicode(
+        "/v1/completions",
+        f'{{"model": "{MODEL}", "prompt": "hi", "stop": ["ok", "{LONE}"]}}',
+        "stop[1]",
+        200,
+    ),
+    "model": Unicode("/v1/completions", f'{{"model": "{LONE}", "prompt": "hi"}}', "model", 404),
+    "tokenize": Unicode("/tokenize", f'{{"prompt": "{LONE}"}}', "prompt", 200),
+    "messages": Unicode(
+        "/v1/messages",
+        f'{{"model": "{MODEL}", "max_tokens": 2, "system": "{LONE}", '
+        f'"messages": [{{"role": "user", "content": "hi"}}]}}',
+        "system",
+        200,
+    ),
+    "count_tokens": Unicode(
+        "/v1/messages/count_tokens", chat(f'"{LONE}"'), "messages[0].content", 200
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SURROGATES.values(), ids=SURROGATES.keys())
+def test_a_lone_surrogate_is_400_naming_the_field(
+    client: openai.OpenAI, cluster: LocalCluster, case: Unicode
+) -> None:
+    """JSON can spell a string no UTF-8 text can hold (it was a 500: protobuf cannot encode
+    it); the same string with a surrogate pair is served."""
+    headers = AUTH | {"Content-Type": "application/json"}
+    url = f"{cluster.http_url}{case.path}"
+    response = httpx.post(url, content=case.body, headers=headers)
+    assert response.status_code == 400, response.text
+    message = f"{case.field}: holds a lone UTF-16 surrogate (\\ud800)"
+    if case.path.startswith("/v1/messages"):
+        assert response.json()["error"]["message"].startswith(message), response.text
+    else:
+        assert assert_openai_error(response, 400, message)["param"] == case.field
+    paired = httpx.post(url, content=case.body.replace(LONE, PAIR), headers=headers)
+    assert paired.status_code == case.paired, paired.text
+    assert_still_serving(client, cluster)
+
+
 UNAUTHORIZED = [None, "Bearer wrong", "Bearer", "Basic token-any", "token-any", "Bearer token-an"]
 
 
@@ -277,7 +379,9 @@ def test_unknown_model_is_404_on_every_route(cluster: LocalCluster) -> None:
         response = httpx.post(f"{url}{path}", json=body, headers=AUTH)
         assert assert_openai_error(response, 404, "'gpt-4o'")["param"] == "model"
     unknown_path = httpx.get(f"{url}/v1/embeddings", headers=AUTH)
-    assert unknown_path.status_code == 404
+    assert_openai_error(unknown_path, 404, "no such endpoint: GET /v1/embeddings")
+    wrong_method = httpx.get(f"{url}/v1/completions", headers=AUTH)
+    assert_openai_error(wrong_method, 405, "/v1/completions does not take GET")
 
 
 def oversized_body() -> dict[str, Any]:

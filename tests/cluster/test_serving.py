@@ -115,6 +115,7 @@ BAD = [
     (_bad(token_ids=[1, -5]), "prompt_token_ids: token -5"),
     (_bad(adapter="sql-lora"), "namespace.adapter: unknown adapter 'sql-lora'"),
     (_bad(sampling=serving_pb2.SamplingParams(temperature=-1)), "temperature: must be >= 0"),
+    (_bad(sampling=serving_pb2.SamplingParams(temperature=float("inf"))), "and finite, got inf"),
     (_bad(sampling=serving_pb2.SamplingParams(top_p=0)), "top_p"),
     (_bad(sampling=serving_pb2.SamplingParams(top_p=1.5)), "top_p"),
     (_bad(sampling=serving_pb2.SamplingParams(max_tokens=0)), "max_tokens: must be in"),
