@@ -216,6 +216,18 @@ def adapters(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def ray_token(file: str) -> int:
+    """Print the token file's path (never the token), creating it if missing; 2, with one
+    line, when it cannot be written."""
+    try:
+        print(create_token_file(Path(file)))
+    except OSError as err:  # a directory it cannot make, a file it cannot write
+        message = f"cannot write {file}: {err}"
+        console.print(f"[red]radixmesh ray-token:[/] {escape(message)}", soft_wrap=True)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -225,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "loadtest":
         return loadtest_main(args)
     if args.command == "ray-token":
-        print(create_token_file(Path(args.file)))  # the path; never the token
-        return 0
+        return ray_token(args.file)
     try:
         client = Client(args.target, args.token, tls_from_args(args))
     except TlsOptionsError as err:

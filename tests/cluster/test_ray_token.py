@@ -69,6 +69,19 @@ def test_the_ray_token_command_creates_the_file_and_prints_only_its_path(
     assert path.read_text() == token and token not in capsys.readouterr().out
 
 
+def test_the_ray_token_command_names_a_path_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line and exit status 2, not a traceback: a parent that is a file, then a file that
+    is a directory."""
+    (tmp_path / "plain").write_text("")
+    for path in (tmp_path / "plain" / "token", tmp_path):
+        assert cli_main(["ray-token", str(path)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "Traceback" not in captured.err
+        assert "radixmesh ray-token:" in captured.err and str(path) in captured.err
+
+
 @pytest.fixture
 def ray_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """No Ray token configured, and an empty home directory."""
