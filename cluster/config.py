@@ -27,6 +27,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from cache import CacheConfig
 from router.policies import POLICIES
 from worker.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -146,7 +147,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class EngineSection:
-    num_pages: int = _at_least(4096, 1)
+    num_pages: int = _at_least(4096, 2)
     page_size: int = _at_least(16, 1)
     max_running: int = _at_least(32, 1)
     token_budget: int = _at_least(512, 1)
@@ -193,6 +194,21 @@ class EngineSection:
     encoder_cache_bytes: int = _at_least(DEFAULT_ENCODER_CACHE_BYTES, 0)
     """Vision encoder outputs a worker keeps by image, least recently used dropped first, for
     images whose KV was evicted (0: none)."""
+
+    def __post_init__(self) -> None:
+        """What each worker's cache would refuse when it starts (a page size not a power of
+        two, a block size not a multiple of it, ...) is refused here, naming the key."""
+        try:
+            CacheConfig(
+                num_pages=self.num_pages,
+                page_size=self.page_size,
+                max_sequences=self.max_running,
+                block_size=self.block_size,
+                host_pages=self.host_pages,
+            )
+        except ValueError as err:  # the cache's messages begin with the key's name
+            key, _, problem = str(err).partition(" ")
+            raise ConfigError(f"{key}: {problem}") from None
 
 
 @dataclass(frozen=True)
@@ -285,7 +301,7 @@ class ClusterConfig:
         path = Path(path)
         try:
             raw = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as err:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
             raise ConfigError(f"{path}: {err}") from err
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")

@@ -10,7 +10,9 @@ SIGTERM / Ctrl-C, drain, exit 0.
 Both are restartable Ray actors: a dead worker is restarted and rejoins the router; a dead
 router is restarted on the same port. A router Ray cannot bring back (restarts used up, a
 constructor that fails) ends serving: one line says so, the workers are drained, exit 1. The
-same when a stop signal finds the router dead: the workers are still drained.
+same when a stop signal finds the router dead: the workers are still drained. An actor that
+cannot start at all (a model it cannot load, a port taken) ends `serve` with one line naming
+it and its error, exit 1.
 """
 
 from __future__ import annotations
@@ -94,21 +96,18 @@ def place_router(config: ClusterConfig, workers: dict[str, Any]) -> Any:
 
 
 def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
-    """0 after a drain on SIGTERM / Ctrl-C (or `stop`); 1 when the router died for good."""
+    """0 after a drain on SIGTERM / Ctrl-C (or `stop`); 1 when the router died for good, or
+    an actor could not start."""
     stop = stop or threading.Event()
     started = connect()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())
     try:
-        with console.status("starting workers (loading the model)..."):
-            workers = place_workers(config)
-            for name, handle in workers.items():
-                info = ray.get(handle.describe.remote())
-                console.print(f"{name}: gRPC {info['address']}, pid {info['pid']}")
-        with console.status("starting the router..."):
-            router = place_router(config, workers)
-            endpoint = ray.get(router.endpoint.remote())
-            http_url = ray.get(router.http_url.remote())
+        try:
+            workers, router, endpoint, http_url = start(config)
+        except StartFailed as err:
+            console.print(f"[red]radixmesh serve:[/] {escape(str(err))}", soft_wrap=True)
+            return 1
         print(f"radixmesh serving on {endpoint}", flush=True)
         if http_url is not None:
             print(f"OpenAI and Anthropic APIs on {http_url}/v1", flush=True)
@@ -120,6 +119,45 @@ def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
     finally:
         if started:
             ray.shutdown()
+
+
+class StartFailed(Exception):
+    """An actor's constructor failed; the message says which actor and why."""
+
+
+def start(config: ClusterConfig) -> tuple[dict[str, Any], Any, str, str | None]:
+    """Place the workers, then the router, and wait for each to start: (workers, router, gRPC
+    endpoint, HTTP URL). When a constructor fails (a model it cannot load, a port taken), what
+    was placed is killed and StartFailed says which actor failed, and why."""
+    workers: dict[str, Any] = {}
+    router = None
+    starting = "the workers"
+    try:
+        with console.status("starting workers (loading the model)..."):
+            workers = place_workers(config)
+            for name, handle in workers.items():
+                starting = name
+                info = ray.get(handle.describe.remote())
+                console.print(f"{name}: gRPC {info['address']}, pid {info['pid']}")
+        with console.status("starting the router..."):
+            starting = "the router"
+            router = place_router(config, workers)
+            endpoint = ray.get(router.endpoint.remote())
+            http_url = ray.get(router.http_url.remote())
+    except RayActorError as err:
+        for handle in [*workers.values(), *([router] if router is not None else [])]:
+            ray.kill(handle, no_restart=True)
+        raise StartFailed(f"{starting} could not start: {start_failure(err)}") from None
+    return workers, router, endpoint, http_url
+
+
+def start_failure(err: RayActorError) -> str:
+    """Why an actor did not start: the exception its constructor raised, as Python's last line
+    of a traceback prints it, or the first line of Ray's message when it died otherwise."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if err.actor_init_failed and lines:
+        return lines[-1]
+    return first_line(err)
 
 
 def shut_down(config: ClusterConfig, router: Any, workers: dict[str, Any], dead: str | None) -> int:

@@ -25,7 +25,11 @@ from cluster.config import ClusterConfig, ConfigError, ModelSection, build, engi
         ("model: {weights: q4_0}", "model.weights: 'q4_0' is not one of ['auto', 'bf16'"),
         ("workers: {count: 0}", "workers.count: must be at least 1, got 0"),
         ("workers: {cpus_per_worker: -1}", "workers.cpus_per_worker: must be at least 0"),
-        ("engine: {num_pages: 0}", "engine.num_pages: must be at least 1, got 0"),
+        ("engine: {num_pages: 1}", "engine.num_pages: must be at least 2, got 1"),
+        # what a worker's cache would refuse at start, refused before any actor is placed
+        ("engine: {page_size: 3}", "engine.page_size: must be a power of two, got 3"),
+        ("engine: {page_size: 4, block_size: 6}", "engine.block_size: must be a positive multiple"),
+        ("engine: {host_pages: 1}", "engine.host_pages: must be 0 (no host tier) or >= 2"),
         ("metrics: {worker_port: -1}", "metrics.worker_port: must be from 0 to 65535"),
         ("drain_timeout_s: -5", "drain_timeout_s: must be at least 0, got -5.0"),
         ("router: {text_index: {mode: fuzzy}}", "router.text_index.mode: 'fuzzy' is not one of"),
@@ -41,6 +45,13 @@ def test_a_value_out_of_range_is_refused_naming_its_key(
     with pytest.raises(ConfigError) as err:
         ClusterConfig.load(path)
     assert str(err.value).startswith(f"{path}.") and expected in str(err.value)
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "radixmesh.yaml"
+    path.write_bytes(b"router: {port: 1}\n\xff\xfe: 1\n")
+    with pytest.raises(ConfigError, match=f"^{path}: 'utf-8' codec can't decode byte 0xff"):
+        ClusterConfig.load(path)
 
 
 def test_the_weight_formats_are_the_loaders(tmp_path: Path) -> None:

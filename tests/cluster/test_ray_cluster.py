@@ -436,3 +436,49 @@ def test_a_stop_signal_with_the_router_dead_still_drains_the_workers(
     assert code == 1, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert "the workers were drained, the router was dead" in stderr
+
+
+def assert_gone(head: dict[str, str], name: str, timeout: float = 30) -> None:
+    """The named actor is dead within `timeout` (a kill is asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while ray_process(head, f"actor({name!r})", head["token"]).returncode == 0:
+        assert time.monotonic() < deadline, f"{name} outlived serve"
+        time.sleep(1)
+
+
+def run_serve(head: dict[str, str], config: Path) -> subprocess.CompletedProcess[str]:
+    env = environment(head["token"], RAY_ADDRESS=head["address"])
+    return subprocess.run(
+        [BIN / "radixmesh", "serve", "--config", str(config)],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
+def test_a_worker_that_cannot_load_its_model_ends_serve_with_one_line(
+    head: dict[str, str], tmp_path: Path
+) -> None:
+    """The model is read where the workers run, so only a worker can find it missing: serve
+    names the worker and its error (it was a traceback), and leaves no actor behind."""
+    missing = tmp_path / "no-such-model"
+    out = run_serve(head, write_config(tmp_path, str(missing)))
+    assert out.returncode == 1, out.stderr[-3000:]
+    error = f"worker.checkpoint.CheckpointError: model '{missing}'"
+    assert f"radixmesh serve: worker-0 could not start: {error}" in out.stderr, out.stderr[-3000:]
+    assert not any(text.startswith("Traceback") for text in out.stderr.splitlines())
+    assert_gone(head, "radixmesh-worker-1")
+
+
+def test_a_router_port_already_taken_ends_serve_with_one_line(
+    head: dict[str, str], tmp_path: Path, tiny_model: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = run_serve(head, write_config(tmp_path, str(tiny_model), port=port))
+    assert out.returncode == 1, out.stderr[-3000:]
+    error = f"RuntimeError: Failed to bind to address 127.0.0.1:{port}"
+    assert f"radixmesh serve: the router could not start: {error}" in out.stderr, out.stderr
+    assert not any(text.startswith("Traceback") for text in out.stderr.splitlines())
+    for name in ("radixmesh-router", "radixmesh-worker-0"):
+        assert_gone(head, name)
