@@ -218,11 +218,11 @@ def adapters(args: argparse.Namespace, client: Client) -> int:
 
 def ray_token(file: str) -> int:
     """Print the token file's path (never the token), creating it if missing; 2, with one
-    line, when it cannot be written."""
+    line, when it cannot be made or read."""
     try:
         print(create_token_file(Path(file)))
-    except OSError as err:  # a directory it cannot make, a file it cannot write
-        message = f"cannot write {file}: {err}"
+    except (OSError, UnicodeDecodeError) as err:  # a directory it cannot make, a file it
+        message = f"cannot use {file}: {err}"  # cannot write, one there that is not a token
         console.print(f"[red]radixmesh ray-token:[/] {escape(message)}", soft_wrap=True)
         return 2
     return 0

@@ -208,6 +208,7 @@ class EngineSection:
             )
         except ValueError as err:  # the cache's messages begin with the key's name
             key, _, problem = str(err).partition(" ")
+            key = "max_running" if key == "max_sequences" else key
             raise ConfigError(f"{key}: {problem}") from None
 
 
@@ -300,7 +301,7 @@ class ClusterConfig:
             return cls()
         path = Path(path)
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
             raise ConfigError(f"{path}: {err}") from err
         if not isinstance(raw, dict):

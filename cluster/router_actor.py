@@ -26,7 +26,7 @@ from cluster.auth import BearerTokenInterceptor
 from cluster.config import ClusterConfig, build, grpc_message_bytes
 from cluster.http.server import HttpServer, start_http_server
 from cluster.policies import build_policy
-from cluster.ray_runtime import NAMESPACE, actor_name
+from cluster.ray_runtime import actor_name
 from cluster.router_admin import AdminService
 from cluster.router_metrics import RouterCollector
 from cluster.router_service import RouterService
@@ -77,6 +77,8 @@ class RouterActor:
         self.config = build(ClusterConfig, config, "")
         self.workers: dict[str, Any] = dict.fromkeys(workers)
         """Worker name -> its actor handle, looked up by name (None until Ray finds it)."""
+        self._missing: set[str] = set()
+        """Workers whose lookup failed, and was logged, since they were last found."""
         self.poll_s = poll_s
         self.links = WorkerLinks(build_policy(self.config))
         self.service = RouterService(self.links, self.config)
@@ -115,11 +117,20 @@ class RouterActor:
                     log.warning("worker %s at %s not attached: %s", name, address, err)
 
     async def _handle(self, name: str) -> Any:
-        """The worker's actor handle, looked up by its Ray name the first time (ValueError
-        while Ray has no live actor of that name)."""
+        """The worker's actor handle, looked up by its Ray name the first time, in the
+        router's own namespace (its job's, where serve placed the workers); raises while Ray
+        has no live actor of that name, saying so once."""
         handle = self.workers[name]
         if handle is None:
-            handle = await asyncio.to_thread(ray.get_actor, actor_name(name), NAMESPACE)
+            lookup = asyncio.to_thread(ray.get_actor, actor_name(name))
+            try:
+                handle = await asyncio.wait_for(lookup, timeout=5)
+            except Exception as err:
+                if name not in self._missing:
+                    self._missing.add(name)
+                    log.warning("worker %s not found in Ray (%s); looking again", name, err)
+                raise
+            self._missing.discard(name)
             self.workers[name] = handle
         return handle
 

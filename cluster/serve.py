@@ -152,12 +152,16 @@ def start(config: ClusterConfig) -> tuple[dict[str, Any], Any, str, str | None]:
 
 
 def start_failure(err: RayActorError) -> str:
-    """Why an actor did not start: the exception its constructor raised, as Python's last line
-    of a traceback prints it, or the first line of Ray's message when it died otherwise."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if err.actor_init_failed and lines:
-        return lines[-1]
-    return first_line(err)
+    """Why an actor did not start: the exception its constructor raised, as a traceback ends
+    with it (`Type: message`, its lines joined), or the first line of Ray's message when the
+    actor died otherwise."""
+    lines = str(err).splitlines()
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    if not err.actor_init_failed or not frames:
+        return first_line(err)
+    after = lines[frames[-1] + 1 :]  # the frame's code and carets are indented; the error not
+    start = next((i for i, line in enumerate(after) if line and not line[0].isspace()), len(after))
+    return " ".join(line.strip() for line in after[start:] if line.strip()) or first_line(err)
 
 
 def shut_down(config: ClusterConfig, router: Any, workers: dict[str, Any], dead: str | None) -> int:

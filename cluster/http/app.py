@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.auth import known_token
@@ -409,6 +410,8 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
 
     async def starlette_error(request: Request, err: Exception) -> Response:
         assert isinstance(err, StarletteHTTPException)
+        if isinstance(err.__cause__, ClientDisconnect):  # gone while its body was being read
+            return await client_gone(request, err)
         if err.status_code == 400:  # a body FastAPI could not parse: as `invalid`, 401 first
             try:
                 api.caller(request)
@@ -457,7 +460,8 @@ def framework_error(request: Request, err: StarletteHTTPException) -> HttpError:
     if err.status_code == 404:
         return HttpError(404, f"no such endpoint: {request.method} {request.url.path}")
     if err.status_code == 405:
-        return HttpError(405, f"{request.url.path} does not take {request.method}")
+        message = f"{request.url.path} does not take {request.method}"
+        return HttpError(405, message, headers=dict(err.headers or {}))  # Allow: what it takes
     cause = err.__cause__
     if err.status_code == 400 and isinstance(cause, UnicodeDecodeError):
         return HttpError.invalid("body", f"is not UTF-8 text (byte {cause.start}: {cause.reason})")

@@ -56,11 +56,19 @@ class GenerationFailed(RuntimeError):
 class HttpError(Exception):
     """A request answered with `status` and `message` (naming the field, `param`, if any)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.extra_headers = headers or {}
+        """Headers the answer must carry besides Retry-After (a 405's Allow)."""
 
     @classmethod
     def of(cls, err: ServingError | GenerationFailed) -> HttpError:
@@ -76,7 +84,8 @@ class HttpError(Exception):
         return cls(400, f"{param}: {problem}", param)
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
+        retry = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else {}
+        return retry | self.extra_headers
 
     def openai_body(self) -> dict[str, Any]:
         kind = _OPENAI_TYPE.get(self.status, "server_error")

@@ -26,8 +26,10 @@ def lone_surrogate(body: object) -> tuple[str, str] | None:
     """(where, the code point as an escape) of the first string, or key, of decoded JSON `body`
     that holds a lone UTF-16 surrogate; None when none does. JSON's `"\\ud800"` decodes to
     one, and no UTF-8 text can hold it: protobuf, the tokenizer and the response encoder would
-    each fail on it. A list whose first item is a number is not read: only a list of numbers
-    passes validation, and a token-id prompt can hold a million of them."""
+    each fail on it. A list whose first item is a number (or a boolean) is not read, as a
+    token-id prompt can hold a million numbers: every field that takes such a list and is
+    served takes numbers only, so a string in one fails validation, whose message shows it
+    with `repr` (escaped); the untyped fields that could hold one are refused or ignored."""
     stack: list[tuple[tuple[str | int, ...], object]] = [((), body)]
     while stack:
         path, value = stack.pop()

@@ -9,6 +9,8 @@ answers by route and status. 429 and 503: test_http_overload.py.
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -237,8 +239,9 @@ def test_a_body_json_cannot_be_read_from_is_400_saying_why(cluster: LocalCluster
         messages = httpx.post(f"{cluster.http_url}/v1/messages", content=body, headers=headers)
         assert messages.status_code == 400 and messages.json()["type"] == "error"
         assert words in messages.json()["error"]["message"]
-    refused = httpx.post(f"{cluster.http_url}/v1/completions", content=not_utf8)
-    assert assert_openai_error(refused, 401, "a valid token is required")  # 401 first
+    json_only = {"Content-Type": "application/json"}  # parsed as JSON, then failed: 401 first
+    refused = httpx.post(f"{cluster.http_url}/v1/completions", content=not_utf8, headers=json_only)
+    assert assert_openai_error(refused, 401, "a valid token is required")
 
 
 @pytest.mark.parametrize("number", ["1e999", "Infinity"])
@@ -382,6 +385,7 @@ def test_unknown_model_is_404_on_every_route(cluster: LocalCluster) -> None:
     assert_openai_error(unknown_path, 404, "no such endpoint: GET /v1/embeddings")
     wrong_method = httpx.get(f"{url}/v1/completions", headers=AUTH)
     assert_openai_error(wrong_method, 405, "/v1/completions does not take GET")
+    assert wrong_method.headers["Allow"] == "POST"
 
 
 def oversized_body() -> dict[str, Any]:
@@ -433,6 +437,25 @@ def test_a_prompt_over_max_prompt_chars_is_413(
         assert response.status_code == 413, response.text
         assert response.json()["error"]["type"] == "request_too_large"
     assert_still_serving(client, cluster)
+
+
+def test_a_client_gone_while_sending_its_body_is_499_not_400(cluster: LocalCluster) -> None:
+    """Half a declared body, then the socket closes: counted as a client gone (499), as one
+    that leaves mid-stream is, not as a bad request."""
+    counts = cluster.service.counters.http_responses
+    before = dict(counts)
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Authorization: Bearer token-any\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + b'{"model": "tiny", "pro')
+    deadline = time.monotonic() + 10
+    while counts.get(("/v1/completions", 499), 0) == before.get(("/v1/completions", 499), 0):
+        assert time.monotonic() < deadline, dict(counts)
+        time.sleep(0.05)
+    assert counts.get(("/v1/completions", 400), 0) == before.get(("/v1/completions", 400), 0)
 
 
 def test_answers_are_counted_by_route_and_status(

@@ -438,14 +438,6 @@ def test_a_stop_signal_with_the_router_dead_still_drains_the_workers(
     assert "the workers were drained, the router was dead" in stderr
 
 
-def assert_gone(head: dict[str, str], name: str, timeout: float = 30) -> None:
-    """The named actor is dead within `timeout` (a kill is asynchronous)."""
-    deadline = time.monotonic() + timeout
-    while ray_process(head, f"actor({name!r})", head["token"]).returncode == 0:
-        assert time.monotonic() < deadline, f"{name} outlived serve"
-        time.sleep(1)
-
-
 def run_serve(head: dict[str, str], config: Path) -> subprocess.CompletedProcess[str]:
     env = environment(head["token"], RAY_ADDRESS=head["address"])
     return subprocess.run(
@@ -465,7 +457,6 @@ def test_a_worker_that_cannot_load_its_model_ends_serve_with_one_line(
     error = f"worker.checkpoint.CheckpointError: model '{missing}'"
     assert f"radixmesh serve: worker-0 could not start: {error}" in out.stderr, out.stderr[-3000:]
     assert not any(text.startswith("Traceback") for text in out.stderr.splitlines())
-    assert_gone(head, "radixmesh-worker-1")
 
 
 def test_a_router_port_already_taken_ends_serve_with_one_line(
@@ -480,5 +471,46 @@ def test_a_router_port_already_taken_ends_serve_with_one_line(
     error = f"RuntimeError: Failed to bind to address 127.0.0.1:{port}"
     assert f"radixmesh serve: the router could not start: {error}" in out.stderr, out.stderr
     assert not any(text.startswith("Traceback") for text in out.stderr.splitlines())
-    for name in ("radixmesh-router", "radixmesh-worker-0"):
-        assert_gone(head, name)
+
+
+def test_a_failed_start_kills_what_it_placed(
+    head: dict[str, str], tmp_path: Path, tiny_model: Path
+) -> None:
+    """In a driver that lives on (serve's own exit would take its actors with it): the workers
+    started, the router did not, and none of the three is left."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = write_config(tmp_path, str(tiny_model), port=taken.getsockname()[1])
+        out = ray_call(head, START_THEN_LOOK.format(config=str(config)))
+    lines = out.splitlines()
+    assert lines[0].startswith("StartFailed: the router could not start: RuntimeError"), out
+    assert lines[1:] == [f"gone {name}" for name in ACTORS], out
+
+
+ACTORS = ("radixmesh-router", "radixmesh-worker-0", "radixmesh-worker-1")
+START_THEN_LOOK = (
+    """
+import time
+from cluster.config import ClusterConfig
+from cluster.serve import StartFailed, start
+try:
+    start(ClusterConfig.load({config!r}))
+except StartFailed as err:
+    print("StartFailed:", err)
+for name in """
+    + repr(ACTORS)
+    + """:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get_actor(name)
+        except ValueError as err:  # Ray has no live actor of that name
+            print("gone", name)
+            break
+        if time.monotonic() > deadline:
+            print("alive", name)
+            break
+        time.sleep(0.5)
+"""
+)

@@ -72,10 +72,11 @@ def test_the_ray_token_command_creates_the_file_and_prints_only_its_path(
 def test_the_ray_token_command_names_a_path_it_cannot_write(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """One line and exit status 2, not a traceback: a parent that is a file, then a file that
-    is a directory."""
+    """One line and exit status 2, not a traceback: a parent that is a file, a file that is a
+    directory, a file there that is not text."""
     (tmp_path / "plain").write_text("")
-    for path in (tmp_path / "plain" / "token", tmp_path):
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
+    for path in (tmp_path / "plain" / "token", tmp_path, tmp_path / "binary"):
         assert cli_main(["ray-token", str(path)]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and "Traceback" not in captured.err
