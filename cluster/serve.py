@@ -144,7 +144,7 @@ def start(config: ClusterConfig) -> tuple[dict[str, Any], Any, str, str | None]:
             router = place_router(config, workers)
             endpoint = ray.get(router.endpoint.remote())
             http_url = ray.get(router.http_url.remote())
-    except RayActorError as err:
+    except RayActorError as err:  # killed now, not whenever the last handle is collected
         for handle in [*workers.values(), *([router] if router is not None else [])]:
             ray.kill(handle, no_restart=True)
         raise StartFailed(f"{starting} could not start: {start_failure(err)}") from None
