@@ -450,7 +450,7 @@ def test_a_worker_that_cannot_load_its_model_ends_serve_with_one_line(
     head: dict[str, str], tmp_path: Path
 ) -> None:
     """The model is read where the workers run, so only a worker can find it missing: serve
-    names the worker and its error (it was a traceback), and leaves no actor behind."""
+    names the worker and its error in one line (it was a traceback)."""
     missing = tmp_path / "no-such-model"
     out = run_serve(head, write_config(tmp_path, str(missing)))
     assert out.returncode == 1, out.stderr[-3000:]
