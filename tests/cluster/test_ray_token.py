@@ -5,6 +5,7 @@ Nothing here may lean on what an earlier run left in the home directory (~/.ray/
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -160,6 +162,21 @@ def test_make_unit_runs_pytest_in_a_new_empty_home_and_keeps_its_status(tmp_path
     assert not Path(home).exists(), "the temporary HOME was left behind"
 
 
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def listening_addresses(root: int) -> set[str]:
+    """The addresses the process `root` and every process under it listen on (TCP)."""
+    top = psutil.Process(root)
+    found = set()
+    for process in [top, *top.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+            for connection in process.net_connections(kind="tcp"):
+                if connection.status == psutil.CONN_LISTEN:
+                    found.add(connection.laddr.ip)
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,10 +185,14 @@ def free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_serve_on_an_embedded_cluster_writes_no_token_to_home(tmp_path: Path) -> None:
+def test_serve_on_an_embedded_cluster_keeps_to_loopback_and_writes_no_token_to_home(
+    tmp_path: Path,
+) -> None:
     """Without a configured token, `radixmesh serve` gives its embedded cluster a private one
     (Ray would write ~/.ray/auth_token) and removes it on exit; a dead cluster's address left in
-    Ray's temporary directory does not stop it from starting its own."""
+    Ray's temporary directory does not stop it from starting its own. Every socket it and the
+    processes it started listen on is on loopback (Ray picks the machine's interface unless
+    told not to)."""
     home = tmp_path / "home"
     home.mkdir()
     config = {
@@ -186,6 +207,7 @@ def test_serve_on_an_embedded_cluster_writes_no_token_to_home(tmp_path: Path) ->
     config_file.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k not in (MODE_ENV, PATH_ENV, TOKEN_ENV)}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # serve must keep Ray on loopback itself
     # A short private TMPDIR (Ray keeps its unix sockets there) holds Ray's files and our token.
     tmpdir = Path(tempfile.mkdtemp(prefix="rm-", dir="/tmp"))
     env.update(HOME=str(home), TMPDIR=str(tmpdir))
@@ -203,6 +225,8 @@ def test_serve_on_an_embedded_cluster_writes_no_token_to_home(tmp_path: Path) ->
             tokens = list(tmpdir.glob("radixmesh-ray-*/auth_token"))
             assert len(tokens) == 1 and stat.S_IMODE(tokens[0].stat().st_mode) == 0o600
             assert not (home / ".ray").exists()
+            listening = listening_addresses(serve.pid)
+            assert listening and listening <= LOOPBACK, listening
         finally:
             serve.send_signal(signal.SIGTERM)
             try:
