@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 import openai
+import psutil
 import pytest
 import yaml
 
@@ -116,6 +117,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             "address": f"127.0.0.1:{gcs}",
             "dashboard": f"http://127.0.0.1:{dashboard}",
             "token": str(token),
+            "session": str(start.pid),
         }
     finally:
         start.terminate()  # `ray start --block` stops its processes on SIGTERM
@@ -224,6 +226,19 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
             pass
         time.sleep(0.5)
     raise AssertionError(f"{what} within {timeout} s")
+
+
+def test_the_readmes_head_listens_on_loopback_only(head: dict[str, str], config_file: Path) -> None:
+    """`ray start --head` as the README gives it, with serve's actors on it: no process of the
+    head's session listens on another address."""
+    with serving(head, config_file):
+        found = set()
+        for pid in session_processes(int(head["session"])):
+            with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+                for connection in psutil.Process(pid).net_connections(kind="tcp"):
+                    if connection.status == psutil.CONN_LISTEN:
+                        found.add(connection.laddr.ip)
+    assert found and found <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, found
 
 
 def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_file: Path) -> None:
