@@ -128,15 +128,19 @@ def generate(args: argparse.Namespace, client: Client) -> int:
 
 
 def chat(args: argparse.Namespace, client: Client) -> int:
+    """A conversation until an empty line or end of input: 0, or 1 when a turn failed. A turn
+    the server refuses (the conversation has outgrown the context, say) is reported with its
+    status and left out; the conversation goes on without it."""
     history: list[tuple[str, str]] = [("system", args.system)] if args.system else []
     console.print("[dim]Chat with the cluster; an empty line or Ctrl-D ends it.[/]")
+    failed = False
     while True:
         try:
             line = input("you> ")
         except EOFError:
-            return 0
+            line = ""
         if not line.strip():
-            return 0
+            return 1 if failed else 0
         history.append(("user", line))
         request = text_request(
             chat=history,
@@ -146,7 +150,14 @@ def chat(args: argparse.Namespace, client: Client) -> int:
             tenant=args.tenant,
             adapter=args.adapter,
         )
-        answer, _ = _stream(client, request)
+        try:
+            answer, _ = _stream(client, request)
+        except grpc.RpcError as err:
+            history.pop()
+            failed = True
+            details = escape(err.details() or "")
+            console.print(f"[red]{err.code().name}[/]: {details} (turn left out)", soft_wrap=True)
+            continue
         history.append(("assistant", answer))
 
 

@@ -49,6 +49,18 @@ def test_chat_keeps_the_conversation_and_hits_the_cache(cluster: LocalCluster) -
     assert "0 from cache" not in reports[1]  # the second turn resends the first
 
 
+def test_a_refused_chat_turn_is_reported_and_the_chat_goes_on(cluster: LocalCluster) -> None:
+    """A turn too long for the context is refused with its status and left out; the next
+    turn is answered, without it, and the exit status says a turn failed."""
+    too_long = "word " * 600  # the tiny model's context is 512 tokens
+    out = run("chat", "--target", cluster.target, "--max-tokens", "8", stdin=f"{too_long}\nHi\n")
+    assert out.returncode == 1, out.stderr
+    assert "INVALID_ARGUMENT" in out.stderr and "leave no room" in out.stderr
+    assert "(turn left out)" in out.stderr
+    reports = [line for line in out.stderr.splitlines() if "prompt tokens" in line]
+    assert len(reports) == 1 and int(reports[0].split(": ")[1].split()[0]) < 100, reports
+
+
 def test_stats_prints_every_worker(cluster: LocalCluster) -> None:
     run("generate", "warm", "--target", cluster.target, "--max-tokens", "2", "--raw")
     out = run("stats", "--target", cluster.target)
