@@ -87,14 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _stream(client: Client, request: object) -> tuple[str, object]:
     began, first, text, last = time.perf_counter(), None, [], None
-    for response in client.generate(request):  # type: ignore[arg-type]
-        if first is None:
-            first = time.perf_counter() - began
-        sys.stdout.write(response.text)
+    try:
+        for response in client.generate(request):  # type: ignore[arg-type]
+            if first is None:
+                first = time.perf_counter() - began
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            text.append(response.text)
+            last = response
+    finally:  # an answer cut off by an error ends its line before the error is told
+        sys.stdout.write("\n")
         sys.stdout.flush()
-        text.append(response.text)
-        last = response
-    sys.stdout.write("\n")
     if last is not None:
         console.print(
             f"[dim]{last.worker}: {last.prompt_tokens} prompt tokens, "
@@ -128,20 +131,47 @@ def generate(args: argparse.Namespace, client: Client) -> int:
 
 
 def chat(args: argparse.Namespace, client: Client) -> int:
-    """A conversation until an empty line or end of input: 0, or 1 when a turn failed. A turn
-    the server refuses (the conversation has outgrown the context, say) is reported with its
-    status and left out; the conversation goes on without it."""
+    """A conversation until an empty line, end of input or Ctrl-C: 0, or 1 when a turn failed.
+    When the conversation outgrows the model's context, its oldest exchanges are dropped until
+    the turn fits. A turn the server refuses otherwise, or cuts off, is told with its status
+    and left out, and the conversation goes on; a refused token or tenant ends it."""
     history: list[tuple[str, str]] = [("system", args.system)] if args.system else []
     console.print("[dim]Chat with the cluster; an empty line or Ctrl-D ends it.[/]")
     failed = False
+    try:
+        while line := _read_turn():
+            history.append(("user", line))
+            answer = _answer_turn(args, client, history)
+            if answer is None:
+                history.pop()
+                failed = True
+            else:
+                history.append(("assistant", answer))
+    except grpc.RpcError as err:  # the server refuses the caller: every turn would fail alike
+        console.print(f"[red]{err.code().name}[/]: {escape(err.details() or '')}", soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 1 if failed else 0
+
+
+def _read_turn() -> str:
+    """The next line the user types; empty at the end of input."""
+    try:
+        return input("you> ").strip()
+    except EOFError:
+        return ""
+
+
+CALLER_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def _answer_turn(
+    args: argparse.Namespace, client: Client, history: list[tuple[str, str]]
+) -> str | None:
+    """The answer to the conversation's last turn, streamed; None, told, when the server
+    refuses it or cuts it off. Raises on a refused token or tenant."""
     while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            line = ""
-        if not line.strip():
-            return 1 if failed else 0
-        history.append(("user", line))
         request = text_request(
             chat=history,
             max_tokens=args.max_tokens,
@@ -151,14 +181,36 @@ def chat(args: argparse.Namespace, client: Client) -> int:
             adapter=args.adapter,
         )
         try:
-            answer, _ = _stream(client, request)
+            return str(_stream(client, request)[0])
         except grpc.RpcError as err:
-            history.pop()
-            failed = True
+            if err.code() in CALLER_REFUSED:
+                raise
+            if _too_long(err) and _drop_oldest_exchange(history):
+                console.print("[dim](the oldest exchange was dropped to fit the context)[/]")
+                continue
             details = escape(err.details() or "")
             console.print(f"[red]{err.code().name}[/]: {details} (turn left out)", soft_wrap=True)
-            continue
-        history.append(("assistant", answer))
+            return None
+
+
+def _too_long(err: grpc.RpcError) -> bool:
+    """Whether the server refused a prompt for leaving no room in the context (or less room
+    than max_tokens asks)."""
+    details = err.details() or ""
+    return err.code() == grpc.StatusCode.INVALID_ARGUMENT and (
+        "leave no room" in details or details.startswith("max_tokens: must be in")
+    )
+
+
+def _drop_oldest_exchange(history: list[tuple[str, str]]) -> bool:
+    """Remove the oldest user turn and the answer to it (never the system message or the turn
+    being asked); False when there is none."""
+    users = [i for i, (role, _) in enumerate(history[:-1]) if role == "user"]
+    if not users:
+        return False
+    end = users[1] if len(users) > 1 else len(history) - 1
+    del history[users[0] : end]
+    return True
 
 
 def stats(args: argparse.Namespace, client: Client) -> int:
@@ -258,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"generate": generate, "chat": chat, "stats": stats, "adapters": adapters}
         return commands[args.command](args, client)
     except grpc.RpcError as err:
-        console.print(f"[red]{err.code().name}[/]: {err.details()}")
+        console.print(f"[red]{err.code().name}[/]: {escape(err.details() or '')}", soft_wrap=True)
         return 1
     finally:
         client.close()

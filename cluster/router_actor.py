@@ -79,6 +79,8 @@ class RouterActor:
         """Worker name -> its actor handle, looked up by name (None until Ray finds it)."""
         self._missing: set[str] = set()
         """Workers whose lookup failed, and was logged, since they were last found."""
+        self._lookups: dict[str, asyncio.Future[Any]] = {}
+        """Lookups by name still under way."""
         self.poll_s = poll_s
         self.links = WorkerLinks(build_policy(self.config))
         self.service = RouterService(self.links, self.config)
@@ -121,17 +123,24 @@ class RouterActor:
         router's own namespace (its job's, where serve placed the workers); raises while Ray
         has no live actor of that name, saying so once."""
         handle = self.workers[name]
-        if handle is None:
-            lookup = asyncio.to_thread(ray.get_actor, actor_name(name))
-            try:
-                handle = await asyncio.wait_for(lookup, timeout=5)
-            except Exception as err:
-                if name not in self._missing:
-                    self._missing.add(name)
-                    log.warning("worker %s not found in Ray (%s); looking again", name, err)
-                raise
-            self._missing.discard(name)
-            self.workers[name] = handle
+        if handle is not None:
+            return handle
+        lookup = self._lookups.get(name)
+        if lookup is None:  # one lookup at a time: a slow one is awaited again, not repeated
+            lookup = asyncio.ensure_future(asyncio.to_thread(ray.get_actor, actor_name(name)))
+            self._lookups[name] = lookup
+        try:
+            handle = await asyncio.wait_for(asyncio.shield(lookup), timeout=5)
+        except Exception as err:
+            if lookup.done():
+                del self._lookups[name]
+            if name not in self._missing:
+                self._missing.add(name)
+                log.warning("worker %s not found in Ray (%r); looking again", name, err)
+            raise
+        del self._lookups[name]
+        self._missing.discard(name)
+        self.workers[name] = handle
         return handle
 
     async def _keep_members(self) -> None:

@@ -61,6 +61,18 @@ def test_a_refused_chat_turn_is_reported_and_the_chat_goes_on(cluster: LocalClus
     assert len(reports) == 1 and int(reports[0].split(": ")[1].split()[0]) < 100, reports
 
 
+def test_a_chat_outgrowing_the_context_drops_its_oldest_exchanges(cluster: LocalCluster) -> None:
+    """Turns of 150 words into a 512-token context: every turn is answered, the oldest
+    exchanges making room (it used to be refused, then every turn after it)."""
+    turns = "".join(f"{i} " + "word " * 150 + "\n" for i in range(4))
+    out = run("chat", "--target", cluster.target, "--max-tokens", "8", stdin=turns)
+    assert out.returncode == 0, out.stderr
+    assert "(the oldest exchange was dropped to fit the context)" in out.stderr
+    reports = [line for line in out.stderr.splitlines() if "prompt tokens" in line]
+    assert len(reports) == 4, out.stderr
+    assert all(int(line.split(": ")[1].split()[0]) <= 512 - 8 for line in reports), reports
+
+
 def test_stats_prints_every_worker(cluster: LocalCluster) -> None:
     run("generate", "warm", "--target", cluster.target, "--max-tokens", "2", "--raw")
     out = run("stats", "--target", cluster.target)

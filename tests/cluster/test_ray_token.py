@@ -5,7 +5,6 @@ Nothing here may lean on what an earlier run left in the home directory (~/.ray/
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -14,9 +13,9 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
@@ -29,6 +28,7 @@ from cluster.ray_token import (
     embedded_cluster_token,
     token_environment,
 )
+from tests.cluster.listening import LOOPBACK, listening_addresses
 from worker.tiny_model import build_tiny_checkpoint
 
 BIN = Path(sys.executable).parent
@@ -162,21 +162,6 @@ def test_make_unit_runs_pytest_in_a_new_empty_home_and_keeps_its_status(tmp_path
     assert not Path(home).exists(), "the temporary HOME was left behind"
 
 
-LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-
-
-def listening_addresses(root: int) -> set[str]:
-    """The addresses the process `root` and every process under it listen on (TCP)."""
-    top = psutil.Process(root)
-    found = set()
-    for process in [top, *top.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):  # one that ended meanwhile
-            for connection in process.net_connections(kind="tcp"):
-                if connection.status == psutil.CONN_LISTEN:
-                    found.add(connection.laddr.ip)
-    return found
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -226,6 +211,8 @@ def test_serve_on_an_embedded_cluster_keeps_to_loopback_and_writes_no_token_to_h
             assert len(tokens) == 1 and stat.S_IMODE(tokens[0].stat().st_mode) == 0o600
             assert not (home / ".ray").exists()
             listening = listening_addresses(serve.pid)
+            time.sleep(3)  # and what opens a little later (Ray's agents)
+            listening |= listening_addresses(serve.pid)
             assert listening and listening <= LOOPBACK, listening
         finally:
             serve.send_signal(signal.SIGTERM)
