@@ -95,9 +95,12 @@ def _stream(client: Client, request: object) -> tuple[str, object]:
             sys.stdout.flush()
             text.append(response.text)
             last = response
-    finally:  # an answer cut off by an error ends its line before the error is told
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+    except BaseException:  # an answer cut off ends its line before the error is told
+        if text:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+    sys.stdout.write("\n")
     if last is not None:
         console.print(
             f"[dim]{last.worker}: {last.prompt_tokens} prompt tokens, "
@@ -181,7 +184,7 @@ def _answer_turn(
             adapter=args.adapter,
         )
         try:
-            return str(_stream(client, request)[0])
+            return _stream(client, request)[0]
         except grpc.RpcError as err:
             if err.code() in CALLER_REFUSED:
                 raise

@@ -444,6 +444,15 @@ def test_a_stop_signal_with_the_router_dead_still_drains_the_workers(
     assert "the workers were drained, the router was dead" in stderr
 
 
+@contextlib.contextmanager
+def a_taken_port() -> Iterator[int]:
+    """A loopback port something else listens on, for as long as the block runs."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield int(taken.getsockname()[1])
+
+
 def run_serve(head: dict[str, str], config: Path) -> subprocess.CompletedProcess[str]:
     env = environment(head["token"], RAY_ADDRESS=head["address"])
     return subprocess.run(
@@ -468,10 +477,7 @@ def test_a_worker_that_cannot_load_its_model_ends_serve_with_one_line(
 def test_a_router_port_already_taken_ends_serve_with_one_line(
     head: dict[str, str], tmp_path: Path, tiny_model: Path
 ) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with a_taken_port() as port:
         out = run_serve(head, write_config(tmp_path, str(tiny_model), port=port))
     assert out.returncode == 1, out.stderr[-3000:]
     error = f"RuntimeError: Failed to bind to address 127.0.0.1:{port}"
@@ -486,10 +492,8 @@ def test_a_failed_start_kills_what_it_placed(
     started, the router did not, and none of the three is left. The driver keeps the workers'
     handles (Ray would end an actor whose last handle is dropped), so only `start`'s kills can
     end them."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        config = write_config(tmp_path, str(tiny_model), port=taken.getsockname()[1])
+    with a_taken_port() as port:
+        config = write_config(tmp_path, str(tiny_model), port=port)
         out = ray_call(head, START_THEN_LOOK.format(config=str(config)))
     lines = out.splitlines()
     assert lines[0].startswith("StartFailed: the router could not start: RuntimeError"), out
