@@ -11,11 +11,12 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from cluster.config import ClusterConfig, RouterSection, SecuritySection
+from cluster.config import ClusterConfig, ConfigError, RouterSection, SecuritySection, build
 from cluster.http.server import HttpServer, start_http_server
 from cluster.policies import build_policy
 from cluster.router_service import RouterService
@@ -160,7 +161,7 @@ def test_values_schema_is_as_strict_as_radixmesh() -> None:
                 continue
             rule, where = section["properties"][f.name], f"config.{f.name}"
             if least is not None:
-                floor = rule.get("minimum", rule.get("exclusiveMinimum"))
+                floor = _floor(rule)
                 assert floor is not None and floor >= least, (where, rule, least)
             if most is not None:
                 assert rule.get("maximum", most + 1) <= most, (where, rule, most)
@@ -168,6 +169,48 @@ def test_values_schema_is_as_strict_as_radixmesh() -> None:
                 assert set(rule["enum"]) <= set(choices), (where, rule["enum"], choices)
             checked += 1
     assert checked >= 20
+
+
+def _floor(rule: dict[str, Any]) -> float | None:
+    """The least value a schema rule lets through: its minimum, or its branches' least."""
+    if "anyOf" in rule:
+        floors = [_floor(branch) for branch in rule["anyOf"]]
+        return None if None in floors else min(f for f in floors if f is not None)
+    if "enum" in rule:
+        return min(rule["enum"])
+    return rule.get("minimum", rule.get("exclusiveMinimum", rule.get("const")))
+
+
+# Engine values whose rules tie keys together or are not a range: the chart refuses at install
+# exactly those the loader refuses (the schema, or the template's check for block_size).
+ENGINE_PROBES = [
+    {"page_size": 3}, {"page_size": 24}, {"page_size": 32}, {"page_size": 1},
+    {"page_size": 32, "block_size": 64}, {"block_size": 24}, {"block_size": 48},
+    {"page_size": 64, "block_size": 32}, {"host_pages": 1}, {"host_pages": 0},
+    {"host_pages": 2}, {"num_pages": 1}, {"num_pages": 2},
+]  # fmt: skip
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    "engine",
+    ENGINE_PROBES,
+    ids=lambda engine: ",".join(f"{key}={value}" for key, value in engine.items()),
+)
+def test_chart_refuses_the_engine_values_radixmesh_refuses(engine: dict[str, int]) -> None:
+    try:
+        build(ClusterConfig, {"engine": engine}, "")
+        refused = None
+    except ConfigError as err:
+        refused = str(err)
+    sets = [arg for k, v in engine.items() for arg in ("--set", f"config.engine.{k}={v}")]
+    result = run_helm("template", RELEASE, ".", *sets, check=False)
+    if refused is None:
+        assert result.returncode == 0, result.stderr
+        return
+    assert result.returncode != 0, f"the chart renders {engine}, which radixmesh refuses: {refused}"
+    key = refused.split(":")[0].rsplit(".", 1)[-1]
+    assert key in result.stderr, (refused, result.stderr)
 
 
 def test_schema_policy_pattern_accepts_every_policy() -> None:

@@ -288,6 +288,12 @@ httpGet:
 {{- fail (printf "config.router.http_port %s collides with %s on the head pod" (include "radixmesh.httpPort" $) .) -}}
 {{- end -}}
 {{- end -}}
+{{- $e := .Values.config.engine | default dict -}}
+{{- $pageSize := int (get $e "page_size" | default 16) -}}
+{{- $blockSize := int (get $e "block_size" | default 16) -}}
+{{- if mod $blockSize $pageSize -}}
+{{- fail (printf "config.engine.block_size %d is not a multiple of page_size %d (16 where unset): a routing block must end on a page boundary" $blockSize $pageSize) -}}
+{{- end -}}
 {{- $m := .Values.config.metrics -}}
 {{- if and $m.enabled (or (eq (int $m.router_port) 0) (eq (int $m.worker_port) 0)) -}}
 {{- fail "config.metrics: ports 0 (any free port) cannot be scraped through a Service; set fixed ports or enabled: false" -}}
