@@ -29,6 +29,8 @@ from cluster.client_tls import TlsOptionsError, add_tls_arguments, tls_from_args
 from cluster.loadtest.cli import add_arguments as add_loadtest_arguments
 from cluster.loadtest.cli import main as loadtest_main
 from cluster.ray_token import create_token_file
+from worker.error_details import refusal_of
+from worker.errors import ContextOverflow
 
 console = Console(stderr=True)
 
@@ -198,11 +200,8 @@ def _answer_turn(
 
 def _too_long(err: grpc.RpcError) -> bool:
     """Whether the server refused a prompt for leaving no room in the context (or less room
-    than max_tokens asks)."""
-    details = err.details() or ""
-    return err.code() == grpc.StatusCode.INVALID_ARGUMENT and (
-        "leave no room" in details or details.startswith("max_tokens: must be in")
-    )
+    than max_tokens asks), as the call's rich status says (worker/error_details.py)."""
+    return refusal_of(err)[1] == ContextOverflow.reason
 
 
 def _drop_oldest_exchange(history: list[tuple[str, str]]) -> bool:

@@ -42,7 +42,8 @@ from cluster.text_prompts import TextPrompts
 from cluster.worker_links import ChannelClosed, WorkerLink, WorkerLinks, responses
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
-from worker.errors import InvalidRequest, PromptTooLarge
+from worker.error_details import refusal_of
+from worker.errors import InvalidRequest
 from worker.validation import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             async for response in self.generate(request, caller):
                 yield response
         except ServingError as err:
-            await context.abort(err.code, err.message)
+            await context.abort(err.code, err.message, err.trailing_metadata())
 
     def _check_size(self, request: serving_pb2.GenerateRequest) -> None:
         """The gRPC server takes messages of router.max_message_bytes plus the images' allowance
@@ -226,7 +227,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
-            raise self._error(code, str(err), isinstance(err, PromptTooLarge)) from err
+            raise self._error(code, str(err), err.field, err.reason) from err
         except TenantRefused as err:
             raise self._error(grpc.StatusCode.PERMISSION_DENIED, str(err)) from err
 
@@ -374,7 +375,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         if isinstance(err, grpc.aio.AioRpcError):
             code, details = err.code(), err.details() or str(err.code())
             if code not in WORKER_FAILURES and attached:  # detached: its channel was closed
-                raise self._error(code, details)
+                raise self._error(code, details, *refusal_of(err))
         else:
             details = str(err)
         request_id = progress.prepared.request_id
@@ -391,10 +392,16 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         return failure
 
-    def _error(self, code: grpc.StatusCode, details: str, too_large: bool = False) -> ServingError:
+    def _error(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        field: str | None = None,
+        reason: str | None = None,
+    ) -> ServingError:
         """The error to raise, counted under its status."""
         self._count(code.name)
-        return ServingError(code, details, too_large)
+        return ServingError(code, details, field, reason)
 
     def _count(self, status: str) -> None:
         self.counters.by_status[status] = self.counters.by_status.get(status, 0) + 1

@@ -14,17 +14,31 @@ from dataclasses import dataclass
 import grpc
 
 from cluster.config import ANY_TENANT
+from worker.error_details import Metadata, details_metadata
 
 
 class ServingError(Exception):
     """A call the router ends with `code`; the message names what was wrong."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, too_large: bool = False) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        field: str | None = None,
+        reason: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.too_large = too_large
-        """The request was refused for its size (HTTP 413; gRPC says INVALID_ARGUMENT)."""
+        self.field = field
+        """The request's field refused, if one was (the message begins with it)."""
+        self.reason = reason
+        """Why, for programs (worker/errors.py): PROMPT_TOO_LARGE (HTTP 413),
+        CONTEXT_LENGTH_EXCEEDED (OpenAI's `context_length_exceeded`); None for the others."""
+
+    def trailing_metadata(self) -> Metadata:
+        """The gRPC trailer that carries the field and the reason (worker/error_details.py)."""
+        return details_metadata(self.code, self.message, self.field, self.reason)
 
 
 @dataclass(frozen=True, slots=True)

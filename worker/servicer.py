@@ -27,6 +27,7 @@ import grpc
 from cache import IDENTITY_SCHEME_VERSION, KvEvent
 from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from worker.engine import Engine
+from worker.error_details import details_metadata
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from worker.lora_adapter import AdapterError
 from worker.request import GenerateRequest, RequestOutput
@@ -84,7 +85,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             else:
                 self.engine.submit(generate, sink)
         except InvalidRequest as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+            await context.abort(
+                code, message, details_metadata(code, message, err.field, err.reason)
+            )
         except EngineOverloaded as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except EngineStopped as err:

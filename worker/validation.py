@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from worker.errors import InvalidRequest, PromptTooLarge
+from worker.errors import ContextOverflow, InvalidRequest, PromptTooLarge
 from worker.image_prompt import (
     IMAGE_TOKEN,
     ImagePromptSpec,
@@ -269,7 +269,7 @@ def _encode(
         probe = getattr(tokenizer, "probe", tokenizer)  # the router's text index: not through it
         tokens = len(probe.encode(text[:head], add_special_tokens=add_special_tokens))
         if tokens > limits.max_model_len + HEAD_SLACK_TOKENS:
-            raise InvalidRequest(
+            raise ContextOverflow(
                 name,
                 f"{len(text)} characters overflow a context of {limits.max_model_len} tokens "
                 f"(the first {head} alone are {tokens} tokens)",
@@ -293,7 +293,7 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
     generated = _check_resume(request, len(prompt))
     original = len(prompt) - generated
     if original >= limits.max_model_len:  # before the scan below: a huge prompt costs no loop
-        raise InvalidRequest(
+        raise ContextOverflow(
             "prompt",
             f"{original} tokens leave no room to generate in a context of {limits.max_model_len}",
         )

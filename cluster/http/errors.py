@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from cluster.serving_call import ServingError
+from worker.errors import ContextOverflow, PromptTooLarge
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -62,11 +63,14 @@ class HttpError(Exception):
         message: str,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
+        """OpenAI's error code, where it has one for the refusal (`context_length_exceeded`)."""
         self.extra_headers = headers or {}
         """Headers the answer must carry besides Retry-After (a 405's Allow)."""
 
@@ -75,9 +79,10 @@ class HttpError(Exception):
         """The answer to a refusal of the serving core, or to a failed generation."""
         if isinstance(err, GenerationFailed):
             return cls(500, str(err))
-        status = 413 if err.too_large else HTTP_STATUS.get(err.code, 500)
+        status = 413 if err.reason == PromptTooLarge.reason else HTTP_STATUS.get(err.code, 500)
         param = err.message.partition(":")[0] if status in (400, 413) else None
-        return cls(status, err.message, param if param and " " not in param else None)
+        code = "context_length_exceeded" if err.reason == ContextOverflow.reason else None
+        return cls(status, err.message, param if param and " " not in param else None, code=code)
 
     @classmethod
     def invalid(cls, param: str, problem: str) -> HttpError:
@@ -89,7 +94,8 @@ class HttpError(Exception):
 
     def openai_body(self) -> dict[str, Any]:
         kind = _OPENAI_TYPE.get(self.status, "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+        error = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return {"error": error}
 
     def anthropic_body(self) -> dict[str, Any]:
         kind = _ANTHROPIC_TYPE.get(self.status, "api_error")

@@ -75,16 +75,23 @@ class Bad(NamedTuple):
     words: str
     param: str | None
     headers: dict[str, str] | None = None
+    code: str | None = None
+    """OpenAI's error code: context_length_exceeded for a prompt the context cannot hold."""
 
 
+OVERFLOW = "context_length_exceeded"
 NOT_IN_THE_SDK = {"stop_token_ids", "guided_json"}
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}
 BAD = {
     "empty prompt": Bad({"prompt": ""}, 400, "prompt: is empty", "prompt"),
     "empty ids": Bad({"prompt": []}, 400, "prompt", "prompt"),
-    "no room": Bad({"prompt": "word " * 600}, 400, "leave no room", "prompt"),
+    "no room": Bad({"prompt": "word " * 600}, 400, "leave no room", "prompt", code=OVERFLOW),
     "chat no room": Bad(
-        {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "leave no room", "prompt"
+        {"messages": [{"role": "user", "content": "word " * 600}]},
+        400,
+        "leave no room",
+        "prompt",
+        code=OVERFLOW,
     ),
     "id past vocab": Bad({"prompt": [1, 2, 10**6]}, 400, "token 1000000", "prompt_token_ids"),
     "negative id": Bad({"prompt": [1, -5]}, 400, "prompt: -5", "prompt"),
@@ -93,7 +100,9 @@ BAD = {
     "top_p 0": Bad({"top_p": 0}, 400, "top_p", "top_p"),
     "top_p 1.5": Bad({"top_p": 1.5}, 400, "top_p", "top_p"),
     "max_tokens 0": Bad({"max_tokens": 0}, 400, "max_tokens: must be in", "max_tokens"),
-    "max_tokens 1e9": Bad({"max_tokens": 10**9}, 400, "max_tokens: must be in", "max_tokens"),
+    "max_tokens 1e9": Bad(
+        {"max_tokens": 10**9}, 400, "max_tokens: must be in", "max_tokens", code=OVERFLOW
+    ),
     "max_completion_tokens 0": Bad(
         {
             "messages": [{"role": "user", "content": "hi"}],
@@ -188,7 +197,7 @@ def test_bad_input_is_refused_naming_the_field(
     error = assert_openai_error(err.value.response, case.status, case.words)
     assert error["param"] == case.param
     kind = "not_found_error" if case.status == 404 else "invalid_request_error"
-    assert error["type"] == kind and error["code"] is None
+    assert error["type"] == kind and error["code"] == case.code
     assert_still_serving(client, cluster)
 
 

@@ -24,6 +24,8 @@ from cluster.config import RouterSection
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import LocalCluster, start_cluster
 from worker.engine import Engine, EngineConfig
+from worker.error_details import refusal_of
+from worker.errors import ContextOverflow
 from worker.loader import LoadedModel
 from worker.request import GenerateRequest
 from worker.sampling_params import SamplingParams
@@ -107,36 +109,49 @@ def _bad(**fields: object) -> serving_pb2.GenerateRequest:
     return request
 
 
+OVERFLOW = ContextOverflow.reason
 BAD = [
-    (_bad(text=""), "prompt: is empty"),
-    (_bad(token_ids=[]), "prompt: is empty"),
-    (_bad(text="word " * 600), "leave no room"),
-    (_bad(token_ids=[1, 2, 10**6]), "prompt_token_ids: token 1000000"),
-    (_bad(token_ids=[1, -5]), "prompt_token_ids: token -5"),
-    (_bad(adapter="sql-lora"), "namespace.adapter: unknown adapter 'sql-lora'"),
-    (_bad(sampling=serving_pb2.SamplingParams(temperature=-1)), "temperature: must be >= 0"),
-    (_bad(sampling=serving_pb2.SamplingParams(temperature=float("inf"))), "and finite, got inf"),
-    (_bad(sampling=serving_pb2.SamplingParams(top_p=0)), "top_p"),
-    (_bad(sampling=serving_pb2.SamplingParams(top_p=1.5)), "top_p"),
-    (_bad(sampling=serving_pb2.SamplingParams(max_tokens=0)), "max_tokens: must be in"),
-    (_bad(sampling=serving_pb2.SamplingParams(max_tokens=10**9)), "max_tokens: must be in"),
-    (_bad(sampling=serving_pb2.SamplingParams(n=0)), "n: must be in"),
-    (_bad(sampling=serving_pb2.SamplingParams(stop_token_ids=[-3])), "stop_token_ids"),
-    (_bad(images=b"\x89PNG garbage"), "images: this model has no vision encoder"),
-    (_bad(clear_prompt=True), "prompt: set one of text, token_ids or chat"),
-    (_bad(request_id="no spaces allowed"), "request_id"),
+    (_bad(text=""), "prompt: is empty", None),
+    (_bad(token_ids=[]), "prompt: is empty", None),
+    (_bad(text="word " * 600), "leave no room", OVERFLOW),
+    (_bad(token_ids=[1, 2, 10**6]), "prompt_token_ids: token 1000000", None),
+    (_bad(token_ids=[1, -5]), "prompt_token_ids: token -5", None),
+    (_bad(adapter="sql-lora"), "namespace.adapter: unknown adapter 'sql-lora'", None),
+    (_bad(sampling=serving_pb2.SamplingParams(temperature=-1)), "temperature: must be >= 0", None),
+    (
+        _bad(sampling=serving_pb2.SamplingParams(temperature=float("inf"))),
+        "and finite, got inf",
+        None,
+    ),
+    (_bad(sampling=serving_pb2.SamplingParams(top_p=0)), "top_p", None),
+    (_bad(sampling=serving_pb2.SamplingParams(top_p=1.5)), "top_p", None),
+    (_bad(sampling=serving_pb2.SamplingParams(max_tokens=0)), "max_tokens: must be in", None),
+    (
+        _bad(sampling=serving_pb2.SamplingParams(max_tokens=10**9)),
+        "max_tokens: must be in",
+        OVERFLOW,
+    ),
+    (_bad(sampling=serving_pb2.SamplingParams(n=0)), "n: must be in", None),
+    (_bad(sampling=serving_pb2.SamplingParams(stop_token_ids=[-3])), "stop_token_ids", None),
+    (_bad(images=b"\x89PNG garbage"), "images: this model has no vision encoder", None),
+    (_bad(clear_prompt=True), "prompt: set one of text, token_ids or chat", None),
+    (_bad(request_id="no spaces allowed"), "request_id", None),
 ]
 
 
-@pytest.mark.parametrize(("request_", "words"), BAD, ids=[w[:24] for _, w in BAD])
+@pytest.mark.parametrize(("request_", "words", "reason"), BAD, ids=[w[:24] for _, w, _ in BAD])
 def test_bad_input_is_invalid_argument_naming_the_field(
-    cluster: LocalCluster, request_: serving_pb2.GenerateRequest, words: str
+    cluster: LocalCluster, request_: serving_pb2.GenerateRequest, words: str, reason: str | None
 ) -> None:
+    """The field and, for a prompt that overflows the context, the reason travel in the call's
+    rich status too (google.rpc BadRequest and ErrorInfo), for programs to read."""
     client = Client(cluster.target)
     with pytest.raises(grpc.RpcError) as err:
         collect(client, request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in err.value.details()
+    field = err.value.details().partition(":")[0]
+    assert refusal_of(err.value) == (field, reason)
     assert collect(client, text_request("still serving?", max_tokens=3))[-1].finished
     assert_no_leak(cluster)
 

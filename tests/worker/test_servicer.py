@@ -12,6 +12,8 @@ import pytest
 from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker.helpers import LLAMA, served
 from worker.engine import Engine, EngineConfig
+from worker.error_details import refusal_of
+from worker.errors import ContextOverflow
 from worker.tiny_model import tiny_model
 
 
@@ -57,5 +59,11 @@ def test_a_bad_request_is_invalid_argument_naming_the_field() -> None:
                     pass
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "prompt_token_ids" in (err.value.details() or "")
+            assert refusal_of(err.value) == ("prompt_token_ids", None)
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # more than the context holds
+                async for _ in stub.Generate(_request("long", [1, 2, 3], 10**6)):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refusal_of(err.value) == ("max_tokens", ContextOverflow.reason)
 
     asyncio.run(scenario())

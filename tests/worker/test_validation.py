@@ -9,11 +9,12 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
-from worker.errors import InvalidRequest
+from worker.errors import ContextOverflow, InvalidRequest
 from worker.request import GenerateRequest
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import build_tiny_checkpoint
 from worker.tokenizer import Tokenizer
-from worker.validation import HEAD_CHARS_PER_TOKEN, RequestLimits, prompt_ids
+from worker.validation import HEAD_CHARS_PER_TOKEN, RequestLimits, prompt_ids, validate
 
 LIMITS = RequestLimits(vocab_size=512, max_model_len=64, max_prompt_chars=100_000)
 
@@ -56,7 +57,7 @@ def test_a_text_over_the_character_cap_is_refused_before_any_tokenising(
 def test_a_text_far_longer_than_the_context_is_refused_by_its_head(tokenizer: Tokenizer) -> None:
     recorder = LengthRecorder(tokenizer)
     text = "the router keeps on serving " * 3000  # 84,000 characters, some 12,000 tokens
-    with pytest.raises(InvalidRequest, match="overflow a context of 64 tokens") as err:
+    with pytest.raises(ContextOverflow, match="overflow a context of 64 tokens") as err:
         prompt_ids(GenerateRequest("x", prompt=text), recorder, LIMITS)
     assert err.value.field == "prompt"
     assert recorder.lengths == [HEAD_CHARS_PER_TOKEN * 64]  # only the head was tokenised
@@ -79,3 +80,29 @@ def test_a_text_within_the_head_is_tokenised_once(tokenizer: Tokenizer) -> None:
     text = "short and sweet"
     assert prompt_ids(GenerateRequest("x", prompt=text), recorder, LIMITS) == tokenizer.encode(text)
     assert recorder.lengths == [len(text)]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "refused", "field"),
+    [
+        (64, 1, ContextOverflow, "prompt"),  # the prompt fills the context
+        (100, 1, ContextOverflow, "prompt"),
+        (60, 5, ContextOverflow, "max_tokens"),  # 4 tokens of room, 5 asked
+        (63, 2, ContextOverflow, "max_tokens"),
+        (60, 0, InvalidRequest, "max_tokens"),  # a bad count, whatever the prompt
+        (60, 4, None, None),
+    ],
+)
+def test_what_overflows_the_context_is_told_apart(
+    prompt: int, max_tokens: int, refused: type[InvalidRequest] | None, field: str | None
+) -> None:
+    """A prompt the context cannot hold, or with fewer tokens of room than max_tokens asks, is
+    a ContextOverflow (clients drop old turns on it); a count below 1 is not."""
+    request = GenerateRequest("x", sampling=SamplingParams(max_tokens=max_tokens))
+    if refused is None:
+        validate(request, [1] * prompt, LIMITS)
+        return
+    with pytest.raises(InvalidRequest) as err:
+        validate(request, [1] * prompt, LIMITS)
+    assert type(err.value) is refused and err.value.field == field
+    assert err.value.reason == (ContextOverflow.reason if refused is ContextOverflow else None)
