@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from benchmarks import sglang_radix, workloads
@@ -49,6 +48,7 @@ from benchmarks.workloads import Request
 from cache import DEFAULT_NAMESPACE, BlockHasher, IdentityScheme, PagePool, RadixCache
 from cache.config import CacheConfig
 from cache.tokens import Keys, to_cache_keys
+from cluster.progress import progress_bar
 
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
@@ -350,7 +350,7 @@ def run(
         sgl = sglang_radix.load(wheel, Path(tmp) / "src")
         rows = []
         cells = [(n, f, p) for n in names for f in CAPACITIES for p in PAGE_SIZES]
-        with Progress(console=console, transient=True) as progress:
+        with progress_bar(console=console, transient=True) as progress:
             task = progress.add_task("cells", total=len(cells))
             streams: dict[str, tuple[list[Request], int]] = {}
             for name, fraction, page_size in cells:

@@ -47,7 +47,6 @@ if __package__ in (None, ""):
 
 from pympler import asizeof
 from rich.console import Console
-from rich.progress import track
 from rich.table import Table
 
 from benchmarks import against_sglang, workloads
@@ -56,6 +55,7 @@ from benchmarks.workloads import Request
 from cache import CacheConfig, CachedSequence, CacheNamespace, OutOfPages, OutOfSlots, SequenceCache
 from cache.radix_node import Node
 from cache.tiers import TierCopy
+from cluster.progress import track
 
 console = Console(stderr=True)
 TIER_TARGET_PCT = 5.0
@@ -121,9 +121,7 @@ def _percentile(values: list[int], q: float) -> float:
 
 
 def _progress(requests: list[Request], label: str, quiet: bool) -> Iterable[Request]:
-    if quiet:
-        return requests
-    return track(requests, description=label, console=console, transient=True)
+    return requests if quiet else track(requests, label, console)
 
 
 def run_radixmesh(

@@ -36,9 +36,9 @@ if __package__ in (None, ""):
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from cluster.progress import progress_bar
 from worker.config import ModelConfig
 from worker.loader import load_model
 from worker.lora_adapter import TARGET_MODULES, LoraAdapter
@@ -209,7 +209,7 @@ def bench(model: CausalLM, args: argparse.Namespace) -> dict:
         ("decode", Workload.decode),
         ("prefill", Workload.prefill),
     ]
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console=console, transient=True) as progress:
         task = progress.add_task("warm-up", total=len(workloads) * (1 + 2 * args.repeats))
         for workload in workloads.values():
             workload.warm()

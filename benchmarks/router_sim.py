@@ -69,6 +69,7 @@ from cache import (
     OutOfPages,
     SequenceCache,
 )
+from cluster.progress import progress_bar
 from router.adapters import WorkerAdapters
 from router.config import RouterConfig, default_host_rate
 from router.interface import RouteDecision, RouteRequest, RoutingPolicy
@@ -667,7 +668,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         runs += [(label, name, knobs) for label, (name, knobs) in ABLATIONS.items()]
     if args.workload == "lora-zipf" and args.policy in (None, "cache_aware"):
         runs.append(ADAPTER_BLIND)
-    with Progress(console=console, transient=True, disable=args.quiet) as progress:
+    with progress_bar(console=console, transient=True, disable=args.quiet) as progress:
         for label, name, knobs in runs:
             task = progress.add_task(label, total=len(stream.requests))
             began = time.perf_counter()

@@ -43,6 +43,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from cluster.progress import progress_bar
 from worker.engine import Engine, EngineConfig
 from worker.loader import load_model
 from worker.model import CausalLM
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = load_model(args.model).model
     runs = []
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console=console, transient=True) as progress:
         for _ in range(args.rounds):  # the engines alternate: each round runs every one
             runs.extend(run(model, mode, args, progress) for mode in args.modes)
     result = {"workload": {k: v for k, v in vars(args).items() if k != "output"}, "runs": runs}

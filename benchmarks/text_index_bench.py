@@ -58,6 +58,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from cache import CacheConfig, CacheNamespace, SequenceCache
+from cluster.progress import progress_bar
 from cluster.text_prompts import OFF, TextPrompts
 from worker.tokenizer import Tokenizer
 
@@ -357,7 +358,7 @@ def bench_time(
 ) -> dict:
     conversations = build_conversations(tokenizer, sizes, seed, paragraphs)
     runs = []
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console=console, transient=True) as progress:
         for mode in modes:
             runs.append(time_mode(tokenizer, conversations, mode, progress))
     result: dict = {
@@ -481,7 +482,7 @@ def bench_hits(
 ) -> dict:
     conversations = build_conversations(tokenizer, sizes, seed, paragraphs)
     runs = {}
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console=console, transient=True) as progress:
         for mode in (OFF, *MODES, IDEAL):
             runs[mode] = hit_mode(tokenizer, conversations, mode, page_size, progress)
     later = runs[IDEAL].later_turns

@@ -41,6 +41,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from cluster.progress import progress_bar
 from worker.default_model import default_model_dir
 
 BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -180,7 +181,7 @@ def examples(
 
 
 def progress(console: Console) -> Progress:
-    return Progress(
+    return progress_bar(
         TextColumn("{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),

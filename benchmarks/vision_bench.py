@@ -42,9 +42,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
+from cluster.progress import progress_bar
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel, load_model
 from worker.request import GenerateRequest, RequestOutput
@@ -183,7 +183,7 @@ def measure(model: str, repeats: int, longest_edge: int, size: tuple[int, int]) 
     spec = loaded.vision.spec
     frames = spec.tiles(*size)
     rounds = []
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console=console, transient=True) as progress:
         task = progress.add_task(f"{model}: conversations", total=repeats + 1)
         one_round(talk, -1)  # warm-up: first calls into torch, allocator
         progress.advance(task)

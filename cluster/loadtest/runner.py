@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from cluster.loadtest import chaos
 from cluster.loadtest.chaos import ChaosPlan
 from cluster.loadtest.records import RequestRecord
 from cluster.loadtest.workloads import RequestSpec, Session
+from cluster.progress import progress_bar
 
 ARRIVALS = ("closed", "poisson", "trace")
 
@@ -136,7 +137,7 @@ class Run:
 
     async def run(self) -> list[RequestRecord]:
         total = min(self.bounds.max_requests, sum(s.length for s in self.sessions))
-        with Progress(
+        with progress_bar(
             TextColumn("[bold]load test[/]"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("{task.fields[live]}"),
             console=self.console, transient=True,

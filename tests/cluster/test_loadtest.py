@@ -66,7 +66,10 @@ def trace_file(path: Path) -> Path:
     "workload", ["shared-prefix", "multi-turn", "plain-multi-turn", "few-shot", "random", "trace"]
 )
 def test_each_workload_runs_and_counts_add_up(
-    cluster: LocalCluster, tmp_path: Path, workload: str
+    cluster: LocalCluster,
+    tmp_path: Path,
+    workload: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     extra = ["--workload", workload, "--num-requests", "8", "--concurrency", "3"]
     if workload == "trace":
@@ -91,6 +94,8 @@ def test_each_workload_runs_and_counts_add_up(
         data = (tmp_path / "out" / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 5000
     assert "| prefix hit rate |" in (tmp_path / "out" / "summary.md").read_text()
+    # stderr is no terminal here, as in a job's log: the progress comes as plain lines
+    assert "requests: 8/8 (100 %)" in capsys.readouterr().err
     cluster.wait_idle()
 
 
