@@ -137,8 +137,9 @@ class DiskSpill:
         """Write the nodes queued by the time the first arrives (waiting up to `timeout` s for
         it), not those queued meanwhile: under steady eviction the queue never empties, and
         the caller must get to list them. Returns how many were written; the next
-        `KvStore.write_manifest` lists them. A write that fails loses its node and the rest of
-        the batch (their reservations let go); the error goes to the caller."""
+        `KvStore.write_manifest` lists them. A write that fails (or finds the disk full) loses
+        its node and the rest of the batch (their reservations let go); an error goes to the
+        caller."""
         try:
             items = [self._queue.get(timeout > 0, timeout if timeout > 0 else None)]
         except queue.Empty:
@@ -152,7 +153,8 @@ class DiskSpill:
         written = 0
         try:
             for spilled, k, v in nodes:
-                self.store.write_spilled(spilled.record, spilled.keys, k, v)
+                if not self.store.write_spilled(spilled.record, spilled.keys, k, v):
+                    break
                 self.spilled_pages += k.shape[1]
                 written += 1
         finally:

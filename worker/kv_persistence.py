@@ -33,11 +33,13 @@ Thread rules: `records` and `gather` run on the engine thread (or with the engin
 
 from __future__ import annotations
 
+import errno
 import heapq
 import json
 import logging
 import math
 import os
+import shutil
 import struct
 import threading
 import time
@@ -68,6 +70,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 FORMAT = 1
 MANIFEST = "manifest.json"
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""A write refused for want of room: the disk (or the caller's quota, or file size limit) is
+smaller than `persist_max_bytes` says. The store then keeps what fits (`KvStore.write_node`)."""
 SUFFIX = ".safetensors"
 
 
@@ -196,6 +201,9 @@ class KvStore:
     def __init__(self, directory: Path | str, max_bytes: int) -> None:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+        """The bound on the files' bytes: `persist_max_bytes`, lowered to what the disk holds
+        when it is found full (`_disk_full`)."""
+        self.configured_max_bytes = max_bytes
         self.written: dict[str, tuple[str, int]] = {}
         """Node name -> (checksum, bytes) of the files this store knows are on disk."""
         self._keys: dict[str, bytes] = {}
@@ -219,6 +227,9 @@ class KvStore:
         self._spilled: dict[str, NodeRecord] = {}
         """Nodes eviction dropped that were written (worker/disk_spill.py) and not listed yet,
         in the order they were dropped."""
+        self.full = False
+        """A write found the disk full since the last manifest, which must be written to make
+        room (it drops what the lowered bound leaves out)."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -260,7 +271,9 @@ class KvStore:
         k, v = engine.runner.read_pages(node.tier, node.pages[first:end])
         return node.keys.tobytes(), k, v
 
-    def write_node(self, name: str, keys: bytes, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_node(self, name: str, keys: bytes, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Write one node's file; False when the disk is full (nothing of it left behind, and
+        the bound lowered so that the next manifest makes room for it: `_disk_full`)."""
         tensors = {
             "keys": torch.frombuffer(bytearray(keys), dtype=torch.int64),
             "k": k.contiguous(),
@@ -270,28 +283,71 @@ class KvStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"{name}{SUFFIX}"
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
+        try:
+            tmp.write_bytes(data)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)  # a partial file must not keep the room it took
+            if err.errno not in DISK_FULL:
+                raise
+            self._disk_full(len(data))
+            return False
         os.replace(tmp, path)
         self.written[name] = (xxh3_128_hexdigest(data), len(data))
         self._keys[name] = keys
         self._bad.discard(name)
+        return True
+
+    def _disk_full(self, wanted: int) -> None:
+        """A write of `wanted` bytes found the disk full: from now on keep at most what this
+        store has on disk plus what is free, less those bytes, so that the next manifest drops
+        the least recent nodes to make room for the newer one (the disk, not
+        `persist_max_bytes`, is the bound; it is never raised again)."""
+        held = sum(nbytes for _, nbytes in self.written.values())
+        block = os.statvfs(self.directory).f_frsize  # each file's last block is partly empty
+        manifest = self.directory / MANIFEST
+        listing = manifest.stat().st_size if manifest.exists() else 0  # the next one's room
+        waste = block * (len(self.written) + 2)
+        bound = held + shutil.disk_usage(self.directory).free - wanted - listing - waste
+        if bound < 0:
+            log.warning(
+                "a node of %.1f MB does not fit the disk under %s at all", wanted / 1e6,
+                self.directory,
+            )  # fmt: skip
+        elif bound < self.max_bytes:
+            told = self.max_bytes < self.configured_max_bytes
+            (log.debug if told else log.warning)(
+                "the disk under %s is full: keeping at most %.1f MB of KV there "
+                "(persist_max_bytes: %.1f MB)",
+                self.directory, bound / 1e6, self.configured_max_bytes / 1e6,
+            )  # fmt: skip
+            self.max_bytes = bound
+        self.full = True
 
     def write_spilled(
         self, record: NodeRecord, keys: bytes, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    ) -> bool:
         """Write a node eviction dropped, or an ancestor of it (worker/disk_spill.py); the next
-        manifest lists it."""
-        self.write_node(record.name, keys, k, v)
+        manifest lists it. False, writing nothing, when the disk is full."""
+        if not self.write_node(record.name, keys, k, v):
+            return False
         self._spilled[record.name] = record
+        return True
 
-    def write_manifest(self, records: list[NodeRecord] | None, identity: StoreIdentity) -> int:
+    def write_manifest(
+        self, records: list[NodeRecord] | None, identity: StoreIdentity, room_first: bool = False
+    ) -> int:
         """Name the written nodes (a node only with its parent, within `max_bytes`) in a new
         manifest, atomically; delete files it does not name. First the tree's (`records`, most
         recently used first; None: not walked, after spills), then the nodes eviction dropped
         and spilled since, most recently dropped first, then those the last manifest listed
         that the tree no longer holds, in their order: what both tiers evicted stays on disk
         until newer KV needs its bytes. A node whose parent comes later waits for it. Returns
-        the nodes it lists."""
+        the nodes it lists.
+
+        A disk too full for the manifest lowers the bound by its bytes, and the files the new
+        one leaves out are deleted before it is written (`room_first`): the manifest on disk
+        may then name a missing file for a moment, which a load drops as it would a damaged
+        one."""
         tree = records if records is not None else []
         in_tree = {record.name for record in tree}
         spilled = [r for r in reversed(self._spilled.values()) if r.name not in in_tree]
@@ -300,20 +356,35 @@ class KvStore:
         placed = {record["name"] for record in kept}
         self.directory.mkdir(parents=True, exist_ok=True)
         manifest = {"format": FORMAT, "identity": asdict(identity), "nodes": kept}
+        if room_first:
+            self._delete_unplaced(placed)
         tmp = self.directory / f"{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(manifest))
+        text = json.dumps(manifest)
+        try:
+            tmp.write_text(text)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            if err.errno not in DISK_FULL or room_first:
+                raise
+            self._disk_full(len(text))
+            return self.write_manifest(records, identity, room_first=True)
         os.replace(tmp, self.directory / MANIFEST)
         self._spilled = {}  # listed or left out: not before the manifest is in place
+        self.full = False
         for path in self.directory.glob("*.tmp"):  # a write that failed midway
             path.unlink(missing_ok=True)
+        self._delete_unplaced(placed)
+        self._page = identity.page_size
+        self._catalog([NodeRecord(**r) for r in kept])
+        return len(kept)
+
+    def _delete_unplaced(self, placed: set[str]) -> None:
+        """Delete every node file but those of `placed`."""
         for path in self.directory.glob(f"*{SUFFIX}"):
             if path.stem not in placed:
                 path.unlink(missing_ok=True)
                 self.written.pop(path.stem, None)
                 self._keys.pop(path.stem, None)
-        self._page = identity.page_size
-        self._catalog([NodeRecord(**r) for r in kept])
-        return len(kept)
 
     def _place(self, candidates: list[NodeRecord]) -> list[dict[str, Any]]:
         """The written, unbroken `candidates` that fit `max_bytes` in this order of preference,
@@ -361,14 +432,31 @@ class KvStore:
         """Everything at once, with the engine stopped (drain) or on its thread; returns the
         nodes saved."""
         records, nodes = self.records(engine)
-        for record in records:
-            if record.name in self.written:
-                continue
-            node = nodes[record.name]
-            got = self.gather(engine, node, record, 0, len(node.pages))
-            assert got is not None
-            self.write_node(record.name, *got)
-        return self.write_manifest(records, StoreIdentity.of(engine))
+        identity = StoreIdentity.of(engine)
+        dropped: set[str] = set()
+        """Nodes a manifest of this save left out for room: not written again."""
+        while True:
+            wrote: list[str] = []
+            full = False
+            for record in records:
+                if record.name in self.written or record.name in dropped:
+                    continue
+                node = nodes[record.name]
+                got = self.gather(engine, node, record, 0, len(node.pages))
+                assert got is not None
+                if not self.write_node(record.name, *got):
+                    full = True  # the disk is full: list what fits, which drops older nodes
+                    break
+                wrote.append(record.name)
+            held = set(self.written)
+            listed = self.write_manifest(records, identity)
+            dropped |= held - self.written.keys()
+            # go on while the manifest keeps what was written (or, when nothing could be,
+            # made room): the next nodes are less recent, and once one no longer displaces
+            # anything, none after it will
+            made_room = bool(held - self.written.keys())
+            if not full or not (any(n in self.written for n in wrote) or (not wrote and made_room)):
+                return listed
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, engine: Engine) -> LoadReport:
@@ -698,7 +786,7 @@ class BackgroundSaver:
         them, publish what that changed on disk, then rest; returns the nodes written."""
         assert self.spill is not None
         written = self.spill.write_queued(timeout)
-        if written:
+        if written or self.store.full:  # a full disk: the manifest makes room
             engine = self.engine
             began = time.perf_counter()
             self.store.write_manifest(None, StoreIdentity.of(engine))
@@ -729,7 +817,8 @@ class BackgroundSaver:
             else:
                 k = torch.cat([p[1] for p in parts], dim=1)
                 v = torch.cat([p[2] for p in parts], dim=1)
-                store.write_node(record.name, parts[0][0], k, v)
+                if not store.write_node(record.name, parts[0][0], k, v):
+                    break  # the disk is full: list what fits
         self.saves += 1
         listed = store.write_manifest(records, StoreIdentity.of(engine))
         engine.call(engine.publish_disk_blocks)  # the events go out on the engine thread

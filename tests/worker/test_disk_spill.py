@@ -209,8 +209,8 @@ def test_a_writer_under_steady_eviction_returns_to_list_what_it_wrote(tmp_path: 
         spill._queue.put(item)
 
     def producing(record, keys, k, v):  # type: ignore[no-untyped-def]
-        write(record, keys, k, v)
         spill._queue.put(again[0])  # eviction keeps queueing while the writer writes
+        return write(record, keys, k, v)
 
     store.write_spilled = producing  # type: ignore[method-assign]
     assert spill.write_queued() == len(again), "the batch queued when it began, no more"

@@ -1,0 +1,72 @@
+"""A disk smaller than `persist_max_bytes` says: the saves fill a real filesystem (a 256 KB
+tmpfs in a mount namespace of the run's own, gone with it) and must keep what fits, newest
+first, with nothing half-written or unlisted left to hold the room, so that the next engine
+starts warm and later saves still land. tests/worker/disk_full_run.py is the run."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MOUNT_AND_RUN = 'mount -t tmpfs -o size=256k radixmesh-full "$0" && exec "$@"'
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why a tmpfs cannot be mounted in a mount namespace here (None: it can)."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return "needs unshare and mount (util-linux)"
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", MOUNT_AND_RUN, "/mnt", "true"],
+        capture_output=True, text=True, check=False, timeout=30,
+    )  # fmt: skip
+    if probe.returncode != 0:
+        return f"cannot mount a tmpfs in a mount namespace (root, CAP_SYS_ADMIN): {probe.stderr}"
+    return None
+
+
+def run_on_a_small_disk(tmp_path: Path) -> dict[str, Any]:
+    root = tmp_path / "disk"
+    root.mkdir()
+    command = [sys.executable, "-m", "tests.worker.disk_full_run", str(root)]
+    result = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", MOUNT_AND_RUN, str(root),
+         *command],
+        capture_output=True, text=True, check=False, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    assert not any(root.iterdir()), "the tmpfs was mounted outside the run's namespace"
+    return seen
+
+
+def test_saves_to_a_full_disk_keep_what_fits_newest_first(tmp_path: Path) -> None:
+    if why := unavailable():
+        pytest.skip(why)
+    seen = run_on_a_small_disk(tmp_path)
+    assert seen["total"] == 256 * 1024
+    for save, worker in (("first", "w0"), ("second", "w0"), ("spills", "w1")):
+        disk = seen[save]
+        assert disk["listed"], f"the {save} save listed nothing"
+        assert disk["files"] == disk["listed"], f"the {save} save left files it does not list"
+        assert disk["free"] > 0
+        (warning,) = disk["warnings"]  # once, however many writes found the disk full
+        assert f"the disk under {tmp_path / 'disk' / worker} is full: keeping at most" in warning
+    # both later engines start warm and answer the last prompt saved before them from disk,
+    # as an engine that never saved answers it
+    prompt_tokens = 48
+    cold_first, cold_second = seen["cold_answers"]
+    assert seen["second_loaded"] > 0 and seen["third_loaded"] > 0
+    assert seen["second_answer"] == [cold_first, prompt_tokens - 1]
+    assert seen["third_answer"] == [cold_second, prompt_tokens - 1]
+    # what eviction wrote: the disk kept the most recently dropped, not the first
+    first, _, last = seen["spills_cached"]
+    assert first == 0 and last == prompt_tokens - 1
