@@ -90,3 +90,20 @@ class Message(BaseModel):
 
 class TokenCount(BaseModel):
     input_tokens: int
+
+
+class ModelInfo(BaseModel):
+    """A model as the Models API describes it (`GET /v1/models` with `anthropic-version`)."""
+
+    type: Literal["model"] = "model"
+    id: str
+    display_name: str
+    created_at: str
+    """RFC 3339, UTC."""
+
+
+class ModelInfoList(BaseModel):
+    data: list[ModelInfo]
+    has_more: bool = False
+    first_id: str | None
+    last_id: str | None

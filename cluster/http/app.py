@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -39,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cluster.auth import known_token
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.http import anthropic_routes, openai_params
+from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.body_limit import BodyLimit
 from cluster.http.errors import GenerationFailed, HttpError
 from cluster.http.image_parts import image_body_bytes
@@ -225,8 +227,34 @@ class HttpApi:
         except (ServingError, GenerationFailed) as err:
             raise HttpError.of(err) from err
 
-    async def models(self, request: Request) -> ModelList:
+    async def models(self, request: Request) -> Response:
+        """Every model served (the base model, then each adapter), in the shape of the SDK that
+        asks: Anthropic's when the request carries `anthropic-version`, else OpenAI's."""
         self.caller(request)
+        cards = self._cards()
+        if not anthropic_shaped(request.url.path, request.headers):
+            return _json(ModelList(data=cards))
+        infos = [self._model_info(card) for card in cards]
+        first, last = (infos[0].id, infos[-1].id) if infos else (None, None)
+        return _json(ModelInfoList(data=infos, first_id=first, last_id=last))
+
+    async def retrieve_model(self, model_id: str, request: Request) -> Response:
+        """One model served (`GET /v1/models/{id}`, the SDKs' `models.retrieve`), 404 naming
+        those served for any other."""
+        self.caller(request)
+        card = next((card for card in self._cards() if card.id == model_id), None)
+        if card is None:
+            self.check_model(model_id)  # raises the 404
+        assert card is not None
+        if anthropic_shaped(request.url.path, request.headers):
+            return _json(self._model_info(card))
+        return _json(card)
+
+    def _model_info(self, card: ModelCard) -> ModelInfo:
+        created = datetime.fromtimestamp(card.created, UTC).isoformat().replace("+00:00", "Z")
+        return ModelInfo(id=card.id, display_name=card.id, created_at=created)
+
+    def _cards(self) -> list[ModelCard]:
         limits = self.service.links.limits
         max_model_len = limits.max_model_len if limits else None
         cards = [
@@ -250,7 +278,7 @@ class HttpApi:
             )
             for name in sorted(self.service.links.adapters())
         ]
-        return ModelList(data=cards)
+        return cards
 
     # -- vLLM's LoRA endpoints -------------------------------------------------------------------
     async def load_lora_adapter(self, body: LoadLoraAdapterRequest, request: Request) -> Response:
@@ -386,6 +414,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.retrieve_model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
@@ -395,7 +424,8 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
 
     async def http_error(request: Request, err: Exception) -> Response:
         assert isinstance(err, HttpError)
-        return JSONResponse(error_body(request.url.path, err), err.status, err.headers())
+        body = error_body(request.url.path, err, request.headers)
+        return JSONResponse(body, err.status, err.headers())
 
     async def invalid(request: Request, err: Exception) -> Response:
         assert isinstance(err, RequestValidationError)
@@ -450,8 +480,27 @@ async def _answer(build: Callable[[], BaseModel], counts: Counts, large: bool) -
     return Response(body, media_type="application/json", headers=counts.served_by())
 
 
-def error_body(path: str, err: HttpError) -> dict[str, Any]:
-    return err.anthropic_body() if path.startswith("/v1/messages") else err.openai_body()
+ANTHROPIC_VERSION = "anthropic-version"
+
+
+def error_body(
+    path: str, err: HttpError, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    anthropic = anthropic_shaped(path, headers or {})
+    return err.anthropic_body() if anthropic else err.openai_body()
+
+
+def anthropic_shaped(path: str, headers: Mapping[str, str]) -> bool:
+    """Whether an answer (or an error) takes Anthropic's shape: the Messages API's, and the
+    models endpoints' when the Anthropic SDK calls them (it always sends `anthropic-version`;
+    OpenAI's never does)."""
+    if path.startswith("/v1/messages"):
+        return True
+    return path.startswith("/v1/models") and ANTHROPIC_VERSION in headers
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def framework_error(request: Request, err: StarletteHTTPException) -> HttpError:

@@ -306,3 +306,22 @@ def test_a_stop_sequence_is_named_as_what_stopped_the_message(
     assert streamed == cut.content[0].text  # type: ignore[union-attr]
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
     assert_serving(client, cluster)
+
+
+def test_the_sdks_models_api_lists_and_retrieves_in_anthropic_shape(
+    client: anthropic.Anthropic, cluster: LocalCluster
+) -> None:
+    """The Anthropic SDK's `models` calls reach the same endpoints as OpenAI's, and get
+    Anthropic's shapes back: it sends `anthropic-version`, which OpenAI's SDK never does."""
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [MODEL]
+    assert listed.data[0].type == "model" and listed.data[0].display_name == MODEL
+    assert listed.first_id == listed.last_id == MODEL and not listed.has_more
+    assert client.models.retrieve(MODEL) == listed.data[0]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.models.retrieve("claude-3-5-haiku-latest")
+    body = missing.value.response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+    assert "'claude-3-5-haiku-latest' does not exist" in body["error"]["message"]
+    raw = httpx.get(f"{cluster.http_url}/v1/models", headers={"x-api-key": KEY}).json()
+    assert raw["object"] == "list", "OpenAI's shape without anthropic-version"

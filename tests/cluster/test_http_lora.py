@@ -69,6 +69,7 @@ def test_load_generate_list_unload_over_http(
     assert set(models) == {SERVED_NAME, "caps"}
     assert models["caps"].parent == SERVED_NAME and models["caps"].root == str(caps)  # type: ignore[attr-defined]
     assert getattr(models[SERVED_NAME], "parent", None) is None
+    assert client.models.retrieve("caps").parent == SERVED_NAME  # type: ignore[attr-defined]
 
     base_text, base_model = complete(client, SERVED_NAME)
     caps_text, caps_model = complete(client, "caps")

@@ -263,6 +263,13 @@ def test_models_health_tokenize_detokenize(cluster: LocalCluster) -> None:
     models = httpx.get(f"{url}/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == cluster.config.engine.max_model_len
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    assert sdk.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    assert httpx.get(f"{url}/v1/models/{MODEL}").json() == models["data"][0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.models.retrieve("org/no-such-model")  # a slash in an id, as hub names have
+    error = missing.value.response.json()["error"]
+    assert error["param"] == "model" and "'org/no-such-model' does not exist" in error["message"]
     health = httpx.get(f"{url}/health")
     assert health.status_code == 200 and health.json()["workers"] == 2
     tokens = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}).json()
