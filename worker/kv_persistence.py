@@ -768,18 +768,27 @@ class BackgroundSaver:
 
     def _loop(self) -> None:
         due = time.monotonic() + self.interval
+        failing: str | None = None  # the last failure, told once until a pass succeeds
         while not self._stop.is_set():
             left = due - time.monotonic()
             try:
                 if left <= 0:
-                    self.save_once()
                     due = time.monotonic() + self.interval
+                    self.save_once()
                 elif self.spill is None:
                     self._stop.wait(left)
-                else:
-                    self.list_spills(min(left, 60.0))
-            except Exception:  # a full disk, a stopped engine: log it, keep serving
-                log.exception("background save of the KV cache failed")
+                    continue
+                elif not self.list_spills(min(left, 60.0)):
+                    continue
+            except Exception as err:  # a vanished disk, a stopped engine: keep serving
+                if repr(err) != failing:
+                    log.exception("background save of the KV cache failed")
+                failing = repr(err)
+                self._stop.wait(1.0)  # not a busy loop on a spill that fails at once
+                continue
+            if failing is not None:
+                log.warning("background save of the KV cache works again")
+                failing = None
 
     def list_spills(self, timeout: float) -> int:
         """Write the nodes eviction dropped (waiting up to `timeout` s for the first), list

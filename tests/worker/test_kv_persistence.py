@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,36 @@ def test_the_background_saver_writes_while_serving_in_small_copies(tmp_path: Pat
     assert warm.loaded.nodes >= listed and warm.loaded.dropped == 0
     _, cached, _ = ask(warm, [*TURNS[1], 3])
     assert cached >= len(TURNS[1]) // 4 * 4
+
+
+def test_a_background_save_that_keeps_failing_is_told_once_and_its_recovery_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save that fails every pass (its directory replaced by a file) logs one traceback, not
+    one a pass (nor a busy loop of retries), and says when saves land again."""
+    engine = Engine(model(), None, config(tmp_path, persist_interval_s=0.05), source="w0")
+    engine.start()
+    try:
+        list(engine.generate(greedy("t0", TURNS[0], 4)))
+        directory = tmp_path / "w0"
+        directory.mkdir(exist_ok=True)
+        directory.rename(tmp_path / "away")
+        directory.write_text("not a directory")
+        list(engine.generate(greedy("t1", TURNS[1], 4)))  # a node the next pass must write
+        with caplog.at_level(logging.WARNING, logger="worker.kv_persistence"):
+            time.sleep(2.5)  # 50 passes at the interval
+            failed = [r for r in caplog.records if "save of the KV cache failed" in r.message]
+            assert len(failed) == 1, f"{len(failed)} tracebacks"
+            directory.unlink()
+            (tmp_path / "away").rename(directory)
+            deadline = time.monotonic() + 5
+            while "works again" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "background save of the KV cache works again" in caplog.text
+        out = list(engine.generate(greedy("after", TURNS[0], 3)))
+        assert out[-1].finished, "the engine kept serving"
+    finally:
+        engine.stop()
 
 
 def test_without_a_persist_dir_nothing_is_written(
