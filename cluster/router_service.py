@@ -155,6 +155,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             raise self._error(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request_id: {prepared.request_id!r} is already running",
+                field="request_id",
             )
         entry = self.in_flight[prepared.request_id] = InFlight(prepared.namespace.tenant)
         progress = StreamProgress(prepared)
@@ -227,7 +228,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
-            raise self._error(code, str(err), err.field, err.reason) from err
+            raise self._error(code, str(err), field=err.field, reason=err.reason) from err
         except TenantRefused as err:
             raise self._error(grpc.StatusCode.PERMISSION_DENIED, str(err)) from err
 
@@ -375,7 +376,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         if isinstance(err, grpc.aio.AioRpcError):
             code, details = err.code(), err.details() or str(err.code())
             if code not in WORKER_FAILURES and attached:  # detached: its channel was closed
-                raise self._error(code, details, *refusal_of(err))
+                field, reason = refusal_of(err)
+                raise self._error(code, details, field=field, reason=reason)
         else:
             details = str(err)
         request_id = progress.prepared.request_id
@@ -396,12 +398,13 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self,
         code: grpc.StatusCode,
         details: str,
+        *,
         field: str | None = None,
         reason: str | None = None,
     ) -> ServingError:
         """The error to raise, counted under its status."""
         self._count(code.name)
-        return ServingError(code, details, field, reason)
+        return ServingError(code, details, field=field, reason=reason)
 
     def _count(self, status: str) -> None:
         self.counters.by_status[status] = self.counters.by_status.get(status, 0) + 1

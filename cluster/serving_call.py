@@ -24,6 +24,7 @@ class ServingError(Exception):
         self,
         code: grpc.StatusCode,
         message: str,
+        *,
         field: str | None = None,
         reason: str | None = None,
     ) -> None:

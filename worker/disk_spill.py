@@ -155,8 +155,9 @@ class DiskSpill:
             for spilled, k, v in nodes:
                 if not self.store.write_spilled(spilled.record, spilled.keys, k, v):
                     break
-                self.spilled_pages += k.shape[1]
-                written += 1
+                if spilled.record.name in self.store.written:
+                    self.spilled_pages += k.shape[1]
+                    written += 1
         finally:
             for spilled, _, _ in nodes:
                 self._release(spilled)

@@ -16,6 +16,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 DOMAIN = "radixmesh"
+MAX_DETAILED_MESSAGE = 2048
+"""The trailer repeats the message (google.rpc.Status must hold it): past this many bytes it is
+left out, so that a long refusal stays within gRPC's header limits (8 KB by default)."""
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -24,7 +27,7 @@ def details_metadata(
     code: grpc.StatusCode, message: str, field: str | None, reason: str | None
 ) -> Metadata:
     """The trailer that carries `field` and `reason` (none: nothing to add)."""
-    if field is None and reason is None:
+    if (field is None and reason is None) or len(message.encode()) > MAX_DETAILED_MESSAGE:
         return ()
     details = []
     if field is not None:
@@ -43,7 +46,7 @@ def refusal_of(error: grpc.RpcError) -> tuple[str | None, str | None]:
     carries none (as does a trailer that disagrees with the call's code or message)."""
     try:
         status = rpc_status.from_call(error)
-    except ValueError:
+    except Exception:  # a trailer at odds with the call, one that does not decode, no call
         return None, None
     field = reason = None
     for detail in status.details if status is not None else ():

@@ -230,6 +230,9 @@ class KvStore:
         self.full = False
         """A write found the disk full since the last manifest, which must be written to make
         room (it drops what the lowered bound leaves out)."""
+        self.unwritable: set[str] = set()
+        """Nodes no disk room could take (past the file size limit, larger than the disk):
+        never tried again."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -272,8 +275,11 @@ class KvStore:
         return node.keys.tobytes(), k, v
 
     def write_node(self, name: str, keys: bytes, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Write one node's file; False when the disk is full (nothing of it left behind, and
-        the bound lowered so that the next manifest makes room for it: `_disk_full`)."""
+        """Write one node's file. False when the disk is full: nothing of it is left behind,
+        the bound is lowered so that the next manifest makes room for it (`_disk_full`), and
+        the caller stops writing until that manifest is written. A node that can never be
+        written (past the file size limit, larger than the disk) is left out, once said, and
+        True lets the caller go on with the next."""
         tensors = {
             "keys": torch.frombuffer(bytearray(keys), dtype=torch.int64),
             "k": k.contiguous(),
@@ -289,48 +295,67 @@ class KvStore:
             tmp.unlink(missing_ok=True)  # a partial file must not keep the room it took
             if err.errno not in DISK_FULL:
                 raise
-            self._disk_full(len(data))
-            return False
+            return self._disk_full(name, len(data), err.errno)
         os.replace(tmp, path)
         self.written[name] = (xxh3_128_hexdigest(data), len(data))
         self._keys[name] = keys
         self._bad.discard(name)
         return True
 
-    def _disk_full(self, wanted: int) -> None:
-        """A write of `wanted` bytes found the disk full: from now on keep at most what this
-        store has on disk plus what is free, less those bytes, so that the next manifest drops
-        the least recent nodes to make room for the newer one (the disk, not
-        `persist_max_bytes`, is the bound; it is never raised again)."""
+    def _disk_full(self, name: str | None, wanted: int, errno_: int | None) -> bool:
+        """A write of `wanted` bytes (of node `name`, or of the manifest: None) was refused
+        for room (`errno_`, one of DISK_FULL): from
+        now on keep at most what this store holds plus what is free, less those bytes and the
+        next manifest's, so that the manifest drops the least recent nodes to make room for
+        the newer one; the disk, not `persist_max_bytes`, is then the bound, lowered at each
+        such write and never raised again. Under a quota the disk may show room it will not
+        give: the bound is then what this store holds, less those bytes. Returns False (stop
+        writing until the manifest), or True for a node that can never fit: left out."""
+        if errno_ == errno.EFBIG and name is not None:  # the file size limit: not the disk
+            return self._never_fits(name, wanted, "is over the file size limit")
         held = sum(nbytes for _, nbytes in self.written.values())
         block = os.statvfs(self.directory).f_frsize  # each file's last block is partly empty
         manifest = self.directory / MANIFEST
         listing = manifest.stat().st_size if manifest.exists() else 0  # the next one's room
-        waste = block * (len(self.written) + 2)
-        bound = held + shutil.disk_usage(self.directory).free - wanted - listing - waste
+        reserve = wanted + listing + block * (len(self.written) + 2)
+        bound = held + shutil.disk_usage(self.directory).free - reserve
+        if bound >= self.max_bytes:  # the disk says there is room: a quota refused it
+            bound = held - reserve
         if bound < 0:
-            log.warning(
-                "a node of %.1f MB does not fit the disk under %s at all", wanted / 1e6,
-                self.directory,
-            )  # fmt: skip
-        elif bound < self.max_bytes:
-            told = self.max_bytes < self.configured_max_bytes
-            (log.debug if told else log.warning)(
-                "the disk under %s is full: keeping at most %.1f MB of KV there "
+            if name is None:  # the manifest: the caller makes what room there is
+                return False
+            return self._never_fits(name, wanted, "does not fit the room the disk gives")
+        if bound < self.max_bytes:
+            first = self.max_bytes == self.configured_max_bytes
+            (log.warning if first else log.debug)(
+                "the disk under %s is full (%s): keeping at most %.1f MB of KV there "
                 "(persist_max_bytes: %.1f MB)",
-                self.directory, bound / 1e6, self.configured_max_bytes / 1e6,
+                self.directory, os.strerror(errno_ or 0), bound / 1e6,
+                self.configured_max_bytes / 1e6,
             )  # fmt: skip
             self.max_bytes = bound
         self.full = True
+        return False
+
+    def _never_fits(self, name: str, wanted: int, why: str) -> bool:
+        """Leave a node out of every save from now on (True: the caller goes on)."""
+        if not self.unwritable:
+            log.warning(
+                "a cached node of %.1f MB %s under %s: it is not saved (nor any like it)",
+                wanted / 1e6, why, self.directory,
+            )  # fmt: skip
+        self.unwritable.add(name)
+        return True
 
     def write_spilled(
         self, record: NodeRecord, keys: bytes, k: torch.Tensor, v: torch.Tensor
     ) -> bool:
         """Write a node eviction dropped, or an ancestor of it (worker/disk_spill.py); the next
-        manifest lists it. False, writing nothing, when the disk is full."""
+        manifest lists it. As `write_node`: False, writing nothing, when the disk is full."""
         if not self.write_node(record.name, keys, k, v):
             return False
-        self._spilled[record.name] = record
+        if record.name in self.written:  # not a node no room can take
+            self._spilled[record.name] = record
         return True
 
     def write_manifest(
@@ -366,7 +391,7 @@ class KvStore:
             tmp.unlink(missing_ok=True)
             if err.errno not in DISK_FULL or room_first:
                 raise
-            self._disk_full(len(text))
+            self._disk_full(None, len(text), err.errno)
             return self.write_manifest(records, identity, room_first=True)
         os.replace(tmp, self.directory / MANIFEST)
         self._spilled = {}  # listed or left out: not before the manifest is in place
@@ -441,13 +466,16 @@ class KvStore:
             for record in records:
                 if record.name in self.written or record.name in dropped:
                     continue
+                if record.name in self.unwritable:
+                    continue
                 node = nodes[record.name]
                 got = self.gather(engine, node, record, 0, len(node.pages))
                 assert got is not None
                 if not self.write_node(record.name, *got):
                     full = True  # the disk is full: list what fits, which drops older nodes
                     break
-                wrote.append(record.name)
+                if record.name in self.written:
+                    wrote.append(record.name)
             held = set(self.written)
             listed = self.write_manifest(records, identity)
             dropped |= held - self.written.keys()
@@ -811,7 +839,7 @@ class BackgroundSaver:
         for record in records:
             if self._stop.is_set():
                 break
-            if record.name in store.written:
+            if record.name in store.written or record.name in store.unwritable:
                 continue
             node = nodes[record.name]
             parts: list[tuple[bytes, torch.Tensor, torch.Tensor]] = []

@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import resource
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -106,5 +108,29 @@ def main(root: Path) -> dict[str, Any]:
     return seen
 
 
+def over_the_file_size_limit(root: Path, limit: int) -> dict[str, Any]:
+    """An engine whose process may write no file over `limit` bytes (RLIMIT_FSIZE, as a
+    container's ulimit sets it) saves a long prompt's node, which is over it, and short ones,
+    which are not; a second engine loads what was saved and asks for each."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails (EFBIG), not the process
+    warnings = Warnings()
+    logging.getLogger("worker").addHandler(warnings)
+    model = tiny_model(LLAMA, seed=4)
+    config = EngineConfig(num_pages=512, page_size=4, max_running=4, persist_dir=str(root))
+    long_one = [RNG.randrange(1, 384) for _ in range(400)]
+    first = Engine(model, None, config, source="w0")
+    for i, prompt in enumerate([*SECOND[:3], long_one]):
+        answer(first, prompt, f"a{i}")
+    first.stop()
+    seen: dict[str, Any] = {"disk": on_disk(root / "w0", warnings)}
+    second = Engine(model, None, config, source="w0")
+    seen["cached"] = [answer(second, p, f"b{i}")[1] for i, p in enumerate([*SECOND[:3], long_one])]
+    return seen
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1]))))
+    if len(sys.argv) > 2:
+        print(json.dumps(over_the_file_size_limit(Path(sys.argv[1]), int(sys.argv[2]))))
+    else:
+        print(json.dumps(main(Path(sys.argv[1]))))

@@ -59,7 +59,8 @@ def test_saves_to_a_full_disk_keep_what_fits_newest_first(tmp_path: Path) -> Non
         assert disk["files"] == disk["listed"], f"the {save} save left files it does not list"
         assert disk["free"] > 0
         (warning,) = disk["warnings"]  # once, however many writes found the disk full
-        assert f"the disk under {tmp_path / 'disk' / worker} is full: keeping at most" in warning
+        disk_dir = tmp_path / "disk" / worker
+        assert f"the disk under {disk_dir} is full (No space left on device): keeping" in warning
     # both later engines start warm and answer the last prompt saved before them from disk,
     # as an engine that never saved answers it
     prompt_tokens = 48
@@ -70,3 +71,19 @@ def test_saves_to_a_full_disk_keep_what_fits_newest_first(tmp_path: Path) -> Non
     # what eviction wrote: the disk kept the most recently dropped, not the first
     first, _, last = seen["spills_cached"]
     assert first == 0 and last == prompt_tokens - 1
+
+
+def test_a_node_over_the_file_size_limit_is_left_out_and_the_rest_saved(tmp_path: Path) -> None:
+    """A process limit on file size (RLIMIT_FSIZE: a container's ulimit) refuses one node's
+    file, not the disk: that node is left out, said once, and the others are saved and load."""
+    command = [sys.executable, "-m", "tests.worker.disk_full_run", str(tmp_path), "100000"]
+    result = subprocess.run(
+        command, check=False, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    disk = seen["disk"]
+    assert len(disk["listed"]) == 3 and disk["files"] == disk["listed"]
+    (warning,) = disk["warnings"]
+    assert "is over the file size limit" in warning and "it is not saved" in warning
+    assert seen["cached"] == [47, 47, 47, 0]  # the short prompts from disk, the long one not
