@@ -301,6 +301,41 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
     assert "constructor arguments in the object store" not in stderr, stderr[-3000:]
 
 
+def test_a_frozen_worker_is_routed_around_and_rejoins_when_it_wakes(
+    head: dict[str, str], config_file: Path
+) -> None:
+    """A worker whose process stops answering without dying (SIGSTOP: a hung driver, a
+    debugger, a livelock) keeps its sockets open, so no stream breaks. The router must notice
+    (its Ray call to the actor times out), detach it and serve its prefix elsewhere, including
+    a stream already sent to it; and take it back once it answers again."""
+    with serving(head, config_file) as (_, target):
+        client = Client(target)
+        prompt = PROMPT + "frozen"
+        victim = list(client.generate(text_request(prompt, max_tokens=4)))[-1].worker
+        describe = f"print(ray.get(actor('radixmesh-{victim}').describe.remote())['pid'])"
+        pid = int(ray_call(head, describe))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            answers = []
+            for _ in range(3):  # the prefix's home is the frozen worker: it is asked first
+                began = time.monotonic()
+                last = list(client.generate(text_request(prompt, max_tokens=4), timeout=60))[-1]
+                answers.append((last.worker, last.finish_reason, time.monotonic() - began))
+            assert all(worker != victim and reason == "length" for worker, reason, _ in answers)
+            assert max(seconds for _, _, seconds in answers) < 30, answers
+            healthy = {w.worker for w in client.stats().workers if w.healthy}
+            assert victim not in healthy, healthy
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        def rejoined() -> bool:
+            return victim in {w.worker for w in client.stats().workers if w.healthy}
+
+        wait_for(rejoined, 120, f"{victim} did not rejoin once it woke")
+        assert int(ray_call(head, describe)) == pid, "it was restarted, not woken"
+        assert list(client.generate(text_request(prompt, max_tokens=3)))[-1].finished
+
+
 def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file: Path) -> None:
     env = environment(head["token"])
     job = f"radixmesh-test-{os.getpid()}"
