@@ -211,6 +211,10 @@ class EngineStats:
     """Images whose encoder output came from the encoder cache instead."""
     encoder_seconds: float = 0.0
     """Time spent in the vision encoder."""
+    disk_bytes: int = 0
+    """Bytes of KV the saved cache holds on disk (`persist_dir`)."""
+    disk_bytes_bound: int = 0
+    """The most it may hold: `persist_max_bytes`, lowered when the disk filled up."""
 
 
 class Engine:
@@ -509,6 +513,8 @@ class Engine:
             encoder_runs=encoder.runs if encoder is not None else 0,
             encoder_cache_hits=encoder.cache_hits if encoder is not None else 0,
             encoder_seconds=encoder.seconds if encoder is not None else 0.0,
+            disk_bytes=self.store.held_bytes() if self.store is not None else 0,
+            disk_bytes_bound=self.store.max_bytes if self.store is not None else 0,
         )
 
     # -- validation (caller's thread) ----------------------------------------------------------

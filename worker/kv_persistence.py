@@ -313,7 +313,7 @@ class KvStore:
         writing until the manifest), or True for a node that can never fit: left out."""
         if errno_ == errno.EFBIG and name is not None:  # the file size limit: not the disk
             return self._never_fits(name, wanted, "is over the file size limit")
-        held = sum(nbytes for _, nbytes in self.written.values())
+        held = self.held_bytes()
         block = os.statvfs(self.directory).f_frsize  # each file's last block is partly empty
         manifest = self.directory / MANIFEST
         listing = manifest.stat().st_size if manifest.exists() else 0  # the next one's room
@@ -336,6 +336,10 @@ class KvStore:
             self.max_bytes = bound
         self.full = True
         return False
+
+    def held_bytes(self) -> int:
+        """Bytes of the node files this store has on disk (any thread)."""
+        return sum(nbytes for _, nbytes in list(self.written.values()))  # a copy: atomic
 
     def _never_fits(self, name: str, wanted: int, why: str) -> bool:
         """Leave a node out of every save from now on (True: the caller goes on)."""

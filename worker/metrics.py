@@ -126,6 +126,14 @@ class EngineCollector(Collector):
                 "Recent time to copy one LoRA adapter into a slot (EWMA, seconds)",
                 stats.adapter_swap_seconds,
             ),
+            "radixmesh_worker_disk_bytes": (
+                "Bytes of KV the saved cache holds on disk",
+                stats.disk_bytes,
+            ),
+            "radixmesh_worker_disk_bytes_bound": (
+                "The most the saved cache may hold: persist_max_bytes, lowered if the disk filled",
+                stats.disk_bytes_bound,
+            ),
         }
         for name, (text, value) in gauges.items():
             gauge = GaugeMetricFamily(name, text, labels=labels)

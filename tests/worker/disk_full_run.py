@@ -28,6 +28,7 @@ from typing import Any
 from tests.worker.helpers import LLAMA, drain, greedy
 from worker.engine import Engine, EngineConfig
 from worker.kv_persistence import MANIFEST
+from worker.metrics import EngineCollector
 from worker.tiny_model import tiny_model
 
 RNG = random.Random(5)
@@ -79,6 +80,13 @@ def main(root: Path) -> dict[str, Any]:
         answer(first, prompt, f"a{i}")
     first.stop()
     seen["first"] = on_disk(root / "w0", warnings)
+    metrics = {
+        family.name: family.samples[0].value for family in EngineCollector(first, "w0").collect()
+    }
+    seen["first_metrics"] = {k: v for k, v in metrics.items() if "disk_bytes" in k}
+    seen["first_file_bytes"] = sum(
+        (root / "w0" / name).stat().st_size for name in seen["first"]["listed"]
+    )
 
     second = Engine(model, None, config, source="w0")
     seen["second_loaded"] = second.loaded.nodes

@@ -53,6 +53,10 @@ def test_saves_to_a_full_disk_keep_what_fits_newest_first(tmp_path: Path) -> Non
         pytest.skip(why)
     seen = run_on_a_small_disk(tmp_path)
     assert seen["total"] == 256 * 1024
+    # what the metrics say of it: the bytes held, under the bound the full disk set
+    metrics = seen["first_metrics"]
+    assert metrics["radixmesh_worker_disk_bytes"] == seen["first_file_bytes"]
+    assert seen["first_file_bytes"] <= metrics["radixmesh_worker_disk_bytes_bound"] < 256 * 1024
     for save, worker in (("first", "w0"), ("second", "w0"), ("spills", "w1")):
         disk = seen[save]
         assert disk["listed"], f"the {save} save listed nothing"
