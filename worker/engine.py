@@ -217,6 +217,22 @@ class EngineStats:
     """The most it may hold: `persist_max_bytes`, lowered when the disk filled up."""
 
 
+def context_length(positions: int, config: EngineConfig) -> int:
+    """The context a request may fill: the model's `positions` (or `max_model_len`, if less),
+    cut to what the KV pool can hold for one sequence, saying so. Uncut, a request with no
+    max_tokens (OpenAI's default: to the end of the context) would be refused for pages its
+    client was never told of."""
+    wanted = min(config.max_model_len or positions, positions)
+    pool = (config.num_pages - 1) * config.page_size  # every page but the null one
+    if pool < wanted:
+        log.warning(
+            "the context is cut from %d to %d positions: the KV pool holds %d pages of %d "
+            "(engine.num_pages, engine.page_size)",
+            wanted, pool, config.num_pages - 1, config.page_size,
+        )  # fmt: skip
+    return min(wanted, pool)
+
+
 class Engine:
     def __init__(
         self,
@@ -231,8 +247,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        positions = model.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or positions, positions)
+        self.max_model_len = context_length(model.config.max_position_embeddings, config)
         self.vocab_size = model.config.vocab_size
         self.vision = vision
         self.limits = RequestLimits.of(

@@ -7,13 +7,14 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx2 as httpx
 import openai
 import pytest
 
 from cluster.client import Client, text_request
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -365,3 +366,25 @@ def test_responses_name_the_worker_and_the_routers_prediction(cluster: LocalClus
         predicted = int(second.headers["x-radixmesh-predicted-cached-tokens"])
         last = [line for line in second.iter_lines() if line.startswith("data: {")][-1]
     assert predicted > 0 and json.loads(last.removeprefix("data: "))["choices"]
+
+
+def test_a_pool_smaller_than_the_context_cuts_it_and_a_default_request_is_served(
+    tiny: LoadedModel,
+) -> None:
+    """The tiny model's context is 1,024 positions; 15 usable pages of 4 hold 60. A request
+    with no max_tokens (OpenAI's default: to the end of the context) was refused for pages its
+    client never asked for; now the context the API reports is what the pool holds, and the
+    request fills it."""
+    engine = replace(ENGINE, num_pages=16, page_size=4, max_model_len=None)
+    small = start_cluster(tiny, workers=1, engine=engine, http=True)
+    try:
+        sdk = openai.OpenAI(base_url=f"{small.http_url}/v1", api_key="none", max_retries=0)
+        (card,) = sdk.models.list().data
+        assert card.model_extra is not None and card.model_extra["max_model_len"] == 60
+        answer = sdk.chat.completions.create(model=MODEL, messages=CHAT, temperature=0)
+        usage = answer.usage
+        assert usage is not None and usage.prompt_tokens + usage.completion_tokens <= 60
+        assert answer.choices[0].finish_reason in ("length", "stop")
+        assert_no_leak(small)
+    finally:
+        small.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -10,7 +11,7 @@ import pytest
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA, Recorder, drain, greedy
 from worker.engine import Engine, EngineConfig
-from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.errors import ContextOverflow, EngineOverloaded, EngineStopped, InvalidRequest
 from worker.request import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -120,10 +121,21 @@ def test_bad_requests_name_the_field_and_the_engine_keeps_serving(
     check_sequence_cache(engine.cache)
 
 
-def test_a_request_that_could_never_fit_the_pool_is_refused() -> None:
-    engine = make_engine(num_pages=9, page_size=4)
-    with pytest.raises(InvalidRequest, match="need 9 pages; the pool holds 8"):
+def test_the_context_is_cut_to_what_the_pool_holds(caplog: pytest.LogCaptureFixture) -> None:
+    """A pool smaller than the context (64) cuts the context to its 8 pages of 4: a request
+    past that overflows the context, as the router and the HTTP API are told (limits), and
+    one that fills it is served."""
+    with caplog.at_level(logging.WARNING, logger="worker.engine"):
+        engine = make_engine(num_pages=9, page_size=4)
+    assert engine.max_model_len == engine.limits.max_model_len == 32
+    assert "the context is cut from 64 to 32 positions" in caplog.text
+    with pytest.raises(ContextOverflow, match=r"max_tokens: must be in \[1, 2\], got 6"):
         engine.submit(greedy("big", list(range(1, 31)), 6), lambda o: None)
+    recorder = Recorder()
+    engine.submit(greedy("fills", list(range(1, 31)), 2), recorder.outputs.append)
+    drain(engine)
+    assert recorder.final("fills").finish_reason == FINISH_LENGTH
+    assert make_engine(num_pages=64, page_size=4).max_model_len == 64  # the pool holds more
 
 
 def test_duplicate_request_ids_and_overload_are_refused() -> None:
