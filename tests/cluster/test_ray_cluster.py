@@ -37,6 +37,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The router knows which worker holds which prefix, and sends the request there. "
+STOP_WAIT = '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}'
+"""How long `ray job stop` lets the job drain before SIGKILL, as the README submits it (Ray's
+default, 3 s, cuts the streams a drain would finish: docs/serving.md). This test's tiny model
+drains within 3 s too; the time matters for real streams."""
 
 
 def free_port() -> int:
@@ -341,7 +345,7 @@ def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file:
     job = f"radixmesh-test-{os.getpid()}"
     submit = [
         BIN / "ray", "job", "submit", "--address", head["dashboard"], "--submission-id", job,
-        "--working-dir", str(ROOT), "--no-wait", "--",
+        "--working-dir", str(ROOT), "--runtime-env-json", STOP_WAIT, "--no-wait", "--",
         "radixmesh", "serve", "--config", str(config_file),
     ]  # fmt: skip
     for _ in range(30):  # the head's job agent registers after the dashboard answers
@@ -361,16 +365,27 @@ def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file:
         # the README's recipe: the head, the job's driver (serve), its router and workers
         listening |= listening_addresses(int(head["pid"]))
         assert listening and listening <= LOOPBACK, listening
+        # `ray job stop` (the README's way to end it) while a stream is under way: serve drains
+        stream = Client(target).generate(text_request(PROMPT, max_tokens=400), timeout=120)
+        first = next(stream)
     finally:
         subprocess.run(
             [BIN / "ray", "job", "stop", "--address", head["dashboard"], job],
             env=env, timeout=180, capture_output=True, check=False,
         )  # fmt: skip
+    rest = list(stream)
+    last = [first, *rest][-1]
+    assert last.finished and last.finish_reason in ("length", "stop"), "the stream was cut"
     status = subprocess.run(
         [BIN / "ray", "job", "status", "--address", head["dashboard"], job],
         env=env, timeout=60, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert "stopped" in status.stdout.lower() or "succeeded" in status.stdout.lower(), status.stdout
+    logs = subprocess.run(
+        [BIN / "ray", "job", "logs", "--address", head["dashboard"], job],
+        env=env, timeout=60, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert "draining" in logs.stdout and "\nstopped\n" in logs.stdout, logs.stdout[-3000:]
 
 
 def test_the_cluster_refuses_a_process_without_its_token(
