@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from worker.errors import ContextOverflow, InvalidRequest
+from worker.errors import InvalidRequest
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -67,9 +67,7 @@ class SamplingParams:
     ) -> None:
         """Raise `InvalidRequest` naming the first field out of range."""
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= max_new_tokens:
-            # a count over the room the prompt leaves: a shorter prompt would be served
-            too_long = isinstance(self.max_tokens, int) and self.max_tokens >= 1
-            raise (ContextOverflow if too_long else InvalidRequest)(
+            raise InvalidRequest(
                 "max_tokens", f"must be in [1, {max_new_tokens}], got {self.max_tokens}"
             )
         if not 0 <= self.temperature < math.inf:  # also refuses NaN

@@ -256,6 +256,12 @@ def _part(part: Any, field: str, vision: bool) -> dict[str, Any]:
     raise InvalidRequest(field, 'expected {"type": "text", "text": ...} or {"type": "image"}')
 
 
+CONTEXT_IS = "This model's maximum context length is {} tokens."
+"""How a prompt over the context is refused: OpenAI's and vLLM's words, which clients and agent
+frameworks match to trim a conversation (besides the error's code: worker/errors.py)."""
+SHORTEN = "Please reduce the length of the prompt."
+
+
 def _encode(
     name: str,
     text: str,
@@ -271,8 +277,8 @@ def _encode(
         if tokens > limits.max_model_len + HEAD_SLACK_TOKENS:
             raise ContextOverflow(
                 name,
-                f"{len(text)} characters overflow a context of {limits.max_model_len} tokens "
-                f"(the first {head} alone are {tokens} tokens)",
+                f"{CONTEXT_IS.format(limits.max_model_len)} However, its {len(text)} characters "
+                f"are more: the first {head} alone are {tokens} tokens. {SHORTEN}",
             )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -295,13 +301,22 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
     if original >= limits.max_model_len:  # before the scan below: a huge prompt costs no loop
         raise ContextOverflow(
             "prompt",
-            f"{original} tokens leave no room to generate in a context of {limits.max_model_len}",
+            f"{CONTEXT_IS.format(limits.max_model_len)} However, the prompt is {original} "
+            f"tokens, which leave no room to generate. {SHORTEN}",
         )
     vocab_size = limits.vocab_size
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(
             "prompt_token_ids", f"token {bad} is outside the vocabulary [0, {vocab_size})"
+        )
+    max_tokens = request.sampling.max_tokens
+    if isinstance(max_tokens, int) and max_tokens > limits.max_model_len - original:
+        raise ContextOverflow(
+            "max_tokens",
+            f"{CONTEXT_IS.format(limits.max_model_len)} However, you requested "
+            f"{original + max_tokens} tokens ({original} in the prompt, {max_tokens} in the "
+            f"completion). Please reduce the length of the prompt or max_tokens.",
         )
     request.sampling.validate(vocab_size, limits.max_model_len - original, limits.stop)
 

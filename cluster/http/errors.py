@@ -24,6 +24,8 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's code for a prompt (with max_tokens) over the model's context."""
 RETRY_AFTER_S = 1
 """What a 429 or 503 tells the client to wait (Retry-After), in seconds."""
 
@@ -81,7 +83,7 @@ class HttpError(Exception):
             return cls(500, str(err))
         status = 413 if err.reason == PromptTooLarge.reason else HTTP_STATUS.get(err.code, 500)
         param = err.message.partition(":")[0] if status in (400, 413) else None
-        code = "context_length_exceeded" if err.reason == ContextOverflow.reason else None
+        code = CONTEXT_LENGTH_EXCEEDED if err.reason == ContextOverflow.reason else None
         return cls(status, err.message, param if param and " " not in param else None, code=code)
 
     @classmethod
@@ -99,4 +101,7 @@ class HttpError(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         kind = _ANTHROPIC_TYPE.get(self.status, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        message = self.message
+        if self.code == CONTEXT_LENGTH_EXCEEDED:  # Anthropic's words, which its clients match
+            message = f"prompt is too long: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}

@@ -86,6 +86,13 @@ BAD = {
     "empty prompt": Bad({"prompt": ""}, 400, "prompt: is empty", "prompt"),
     "empty ids": Bad({"prompt": []}, 400, "prompt", "prompt"),
     "no room": Bad({"prompt": "word " * 600}, 400, "leave no room", "prompt", code=OVERFLOW),
+    "no room, OpenAI's words": Bad(
+        {"prompt": "word " * 600},
+        400,
+        "This model's maximum context length is",
+        "prompt",
+        code=OVERFLOW,
+    ),
     "chat no room": Bad(
         {"messages": [{"role": "user", "content": "word " * 600}]},
         400,
@@ -101,7 +108,7 @@ BAD = {
     "top_p 1.5": Bad({"top_p": 1.5}, 400, "top_p", "top_p"),
     "max_tokens 0": Bad({"max_tokens": 0}, 400, "max_tokens: must be in", "max_tokens"),
     "max_tokens 1e9": Bad(
-        {"max_tokens": 10**9}, 400, "max_tokens: must be in", "max_tokens", code=OVERFLOW
+        {"max_tokens": 10**9}, 400, "you requested 1000000", "max_tokens", code=OVERFLOW
     ),
     "max_completion_tokens 0": Bad(
         {

@@ -113,7 +113,7 @@ OVERFLOW = ContextOverflow.reason
 BAD = [
     (_bad(text=""), "prompt: is empty", None),
     (_bad(token_ids=[]), "prompt: is empty", None),
-    (_bad(text="word " * 600), "leave no room", OVERFLOW),
+    (_bad(text="word " * 600), "This model's maximum context length is 512 tokens", OVERFLOW),
     (_bad(token_ids=[1, 2, 10**6]), "prompt_token_ids: token 1000000", None),
     (_bad(token_ids=[1, -5]), "prompt_token_ids: token -5", None),
     (_bad(adapter="sql-lora"), "namespace.adapter: unknown adapter 'sql-lora'", None),
@@ -128,7 +128,7 @@ BAD = [
     (_bad(sampling=serving_pb2.SamplingParams(max_tokens=0)), "max_tokens: must be in", None),
     (
         _bad(sampling=serving_pb2.SamplingParams(max_tokens=10**9)),
-        "max_tokens: must be in",
+        "max_tokens: This model's maximum context length is 512 tokens. However, you requested",
         OVERFLOW,
     ),
     (_bad(sampling=serving_pb2.SamplingParams(n=0)), "n: must be in", None),

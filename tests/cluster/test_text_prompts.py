@@ -448,7 +448,7 @@ def test_prepare_indexes_whole_accepted_prompts_only() -> None:
     assert list(prepared.token_ids) == tokenizer.encode(text)
     assert prompts.counters.outcomes == {"miss": 1} and prompts.index.stats().chars == len(text)
     refused = serving_pb2.GenerateRequest(request_id="big", text="hello world " * 200)
-    with pytest.raises(InvalidRequest, match="overflow a context of 64 tokens"):
+    with pytest.raises(InvalidRequest, match="maximum context length is 64 tokens"):
         prepare(refused, tokenizer, limits, text_prompts=prompts)
     assert prompts.index.stats().chars == len(text)
 

@@ -77,7 +77,7 @@ def test_small_requests_keep_their_ttft_while_maximal_prompts_arrive(tiny: Loade
         sender.join(timeout=60)
 
         assert refusals and all(r.code() == grpc.StatusCode.INVALID_ARGUMENT for r in refusals)
-        assert "overflow a context of 512 tokens" in refusals[0].details()
+        assert "maximum context length is 512 tokens" in refusals[0].details()
         assert len(during) >= 10, f"only {len(during)} small requests overlapped"
         print(
             f"small-request TTFT {1000 * before:.1f} ms alone; while {len(refusals)} prompts of "

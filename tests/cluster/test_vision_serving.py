@@ -362,7 +362,7 @@ def test_tokenize_counts_a_vision_models_chat_as_it_is_served(
     counted = httpx.post(tokenize, json={"messages": long}).json()
     assert counted["count"] > counted["max_model_len"] == ENGINE.max_model_len
     assert counted["tokens"] == served_ids(cluster, long, counting=True)
-    with pytest.raises(openai.BadRequestError, match="leave no room"):
+    with pytest.raises(openai.BadRequestError, match="leave no room to generate"):
         client.chat.completions.create(model=MODEL, messages=long, max_tokens=1)  # type: ignore[arg-type]
     broken = httpx.post(tokenize, json={"messages": [user_turn(b"x")]})
     assert broken.status_code == 400

@@ -202,7 +202,9 @@ def test_image_positions_count_against_the_context(
     fits = RequestLimits(552, len(ids) + 4, image_spec=limits.image_spec)
     validate(request, ids, fits)
     short = RequestLimits(552, len(ids), image_spec=limits.image_spec)
-    with pytest.raises(InvalidRequest, match=f"{len(ids)} tokens leave no room"):
+    with pytest.raises(
+        InvalidRequest, match=f"the prompt is {len(ids)} tokens, which leave no room"
+    ):
         validate(request, ids, short)
 
 

@@ -57,7 +57,10 @@ def test_a_text_over_the_character_cap_is_refused_before_any_tokenising(
 def test_a_text_far_longer_than_the_context_is_refused_by_its_head(tokenizer: Tokenizer) -> None:
     recorder = LengthRecorder(tokenizer)
     text = "the router keeps on serving " * 3000  # 84,000 characters, some 12,000 tokens
-    with pytest.raises(ContextOverflow, match="overflow a context of 64 tokens") as err:
+    with pytest.raises(
+        ContextOverflow,
+        match=r"maximum context length is 64 tokens\. However, its 84000 characters",
+    ) as err:
         prompt_ids(GenerateRequest("x", prompt=text), recorder, LIMITS)
     assert err.value.field == "prompt"
     assert recorder.lengths == [HEAD_CHARS_PER_TOKEN * 64]  # only the head was tokenised
