@@ -106,4 +106,5 @@ class LineProgress(Progress):
             if self._told.get(task_id) == line:
                 return
             self._told[task_id] = line
-        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            # under the lock: the ticker's line of a moment ago never follows the final one
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)

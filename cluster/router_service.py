@@ -43,7 +43,7 @@ from cluster.worker_links import ChannelClosed, WorkerLink, WorkerLinks, respons
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
 from worker.error_details import refusal_of
-from worker.errors import InvalidRequest
+from worker.errors import ContextOverflow, InvalidRequest
 from worker.validation import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT
-            raise self._error(code, str(err), field=err.field, reason=err.reason) from err
+            anthropic = err.anthropic if isinstance(err, ContextOverflow) else None
+            raise self._error(
+                code, str(err), field=err.field, reason=err.reason, anthropic=anthropic
+            ) from err
         except TenantRefused as err:
             raise self._error(grpc.StatusCode.PERMISSION_DENIED, str(err)) from err
 
@@ -401,10 +404,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         *,
         field: str | None = None,
         reason: str | None = None,
+        anthropic: str | None = None,
     ) -> ServingError:
         """The error to raise, counted under its status."""
         self._count(code.name)
-        return ServingError(code, details, field=field, reason=reason)
+        return ServingError(code, details, field=field, reason=reason, anthropic=anthropic)
 
     def _count(self, status: str) -> None:
         self.counters.by_status[status] = self.counters.by_status.get(status, 0) + 1

@@ -27,6 +27,7 @@ class ServingError(Exception):
         *,
         field: str | None = None,
         reason: str | None = None,
+        anthropic: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -36,6 +37,9 @@ class ServingError(Exception):
         self.reason = reason
         """Why, for programs (worker/errors.py): PROMPT_TOO_LARGE (HTTP 413),
         CONTEXT_LENGTH_EXCEEDED (OpenAI's `context_length_exceeded`); None for the others."""
+        self.anthropic = anthropic
+        """The message in Anthropic's words, where its clients parse them (a context
+        overflow); None: the message."""
 
     def trailing_metadata(self) -> Metadata:
         """The gRPC trailer that carries the field and the reason (worker/error_details.py)."""

@@ -92,6 +92,8 @@ class DiskSpill:
         parent: str | None = None
         for at in reversed(path):
             name = _node_name(parent, ns, at)
+            if name in self.store.unwritable:
+                return []  # it, or a node above it, can never be written
             if name not in self.store.written and name not in self._queued:
                 used, blocks = at.last_access, tuple(at.blocks)
                 record = NodeRecord(name, parent, ns, at.start, len(at.keys), used, blocks=blocks)

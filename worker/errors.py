@@ -24,9 +24,14 @@ class PromptTooLarge(InvalidRequest):
 class ContextOverflow(InvalidRequest):
     """The prompt leaves no room to generate in the model's context, or less than max_tokens
     asks: a shorter prompt (or max_tokens) would be served. OpenAI's `context_length_exceeded`,
-    which clients read to drop the oldest turns of a conversation."""
+    which clients read to drop the oldest turns of a conversation. `anthropic` says it in
+    Anthropic's words, which its clients parse (the Anthropic API answers with it)."""
 
     reason = "CONTEXT_LENGTH_EXCEEDED"
+
+    def __init__(self, field: str, problem: str, anthropic: str) -> None:
+        super().__init__(field, problem)
+        self.anthropic = anthropic
 
 
 class EngineOverloaded(RuntimeError):

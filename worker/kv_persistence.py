@@ -71,8 +71,9 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 MANIFEST = "manifest.json"
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-"""A write refused for want of room: the disk (or the caller's quota, or file size limit) is
-smaller than `persist_max_bytes` says. The store then keeps what fits (`KvStore.write_node`)."""
+"""A write refused for want of room: the disk or the caller's quota is smaller than
+`persist_max_bytes` says (the store then keeps what fits), or the file is over the process's
+size limit (that node is left out): `KvStore._disk_full`."""
 SUFFIX = ".safetensors"
 
 
@@ -231,8 +232,8 @@ class KvStore:
         """A write found the disk full since the last manifest, which must be written to make
         room (it drops what the lowered bound leaves out)."""
         self.unwritable: set[str] = set()
-        """Nodes no disk room could take (past the file size limit, larger than the disk):
-        never tried again."""
+        """Nodes no room could take (past the file size limit, larger than the disk), and
+        those below them: never tried again."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -311,8 +312,10 @@ class KvStore:
         such write and never raised again. Under a quota the disk may show room it will not
         give: the bound is then what this store holds, less those bytes. Returns False (stop
         writing until the manifest), or True for a node that can never fit: left out."""
-        if errno_ == errno.EFBIG and name is not None:  # the file size limit: not the disk
+        if name is not None and errno_ == errno.EFBIG:  # the file size limit: not the disk
             return self._never_fits(name, wanted, "is over the file size limit")
+        if name is not None and wanted > shutil.disk_usage(self.directory).total:
+            return self._never_fits(name, wanted, "is larger than the disk")
         held = self.held_bytes()
         block = os.statvfs(self.directory).f_frsize  # each file's last block is partly empty
         manifest = self.directory / MANIFEST
@@ -321,10 +324,9 @@ class KvStore:
         bound = held + shutil.disk_usage(self.directory).free - reserve
         if bound >= self.max_bytes:  # the disk says there is room: a quota refused it
             bound = held - reserve
-        if bound < 0:
-            if name is None:  # the manifest: the caller makes what room there is
-                return False
-            return self._never_fits(name, wanted, "does not fit the room the disk gives")
+        if bound < 0:  # not even with all this store holds gone: others hold the room, for now
+            self.full = True
+            return False
         if bound < self.max_bytes:
             first = self.max_bytes == self.configured_max_bytes
             (log.warning if first else log.debug)(
@@ -337,12 +339,20 @@ class KvStore:
         self.full = True
         return False
 
+    def left_out(self, record: NodeRecord) -> bool:
+        """Whether a save skips `record`: no room can take it, or its parent (records come
+        parents first; a node below one never saved could never be listed)."""
+        if record.parent is not None and record.parent in self.unwritable:
+            self.unwritable.add(record.name)
+        return record.name in self.unwritable
+
     def held_bytes(self) -> int:
         """Bytes of the node files this store has on disk (any thread)."""
         return sum(nbytes for _, nbytes in list(self.written.values()))  # a copy: atomic
 
     def _never_fits(self, name: str, wanted: int, why: str) -> bool:
-        """Leave a node out of every save from now on (True: the caller goes on)."""
+        """Leave a node, and what is below it, out of every save from now on (True: the
+        caller goes on)."""
         if not self.unwritable:
             log.warning(
                 "a cached node of %.1f MB %s under %s: it is not saved (nor any like it)",
@@ -470,7 +480,7 @@ class KvStore:
             for record in records:
                 if record.name in self.written or record.name in dropped:
                     continue
-                if record.name in self.unwritable:
+                if self.left_out(record):
                     continue
                 node = nodes[record.name]
                 got = self.gather(engine, node, record, 0, len(node.pages))
@@ -843,7 +853,7 @@ class BackgroundSaver:
         for record in records:
             if self._stop.is_set():
                 break
-            if record.name in store.written or record.name in store.unwritable:
+            if record.name in store.written or store.left_out(record):
                 continue
             node = nodes[record.name]
             parts: list[tuple[bytes, torch.Tensor, torch.Tensor]] = []

@@ -279,6 +279,7 @@ def _encode(
                 name,
                 f"{CONTEXT_IS.format(limits.max_model_len)} However, its {len(text)} characters "
                 f"are more: the first {head} alone are {tokens} tokens. {SHORTEN}",
+                f"prompt is too long: {tokens} tokens > {limits.max_model_len} maximum",
             )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -303,6 +304,7 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
             "prompt",
             f"{CONTEXT_IS.format(limits.max_model_len)} However, the prompt is {original} "
             f"tokens, which leave no room to generate. {SHORTEN}",
+            f"prompt is too long: {original} tokens > {limits.max_model_len - 1} maximum",
         )
     vocab_size = limits.vocab_size
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
@@ -317,6 +319,8 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
             f"{CONTEXT_IS.format(limits.max_model_len)} However, you requested "
             f"{original + max_tokens} tokens ({original} in the prompt, {max_tokens} in the "
             f"completion). Please reduce the length of the prompt or max_tokens.",
+            f"input length and `max_tokens` exceed context limit: {original} + {max_tokens} > "
+            f"{limits.max_model_len}, decrease input length or `max_tokens` and try again",
         )
     request.sampling.validate(vocab_size, limits.max_model_len - original, limits.stop)
 

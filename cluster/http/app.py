@@ -572,6 +572,8 @@ _ROUTES = (
 
 def _route(path: str) -> str:
     """The path as a metric label: one of the routes, never what a client made up."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
     return path if path in _ROUTES else "other"
 
 

@@ -66,6 +66,7 @@ class HttpError(Exception):
         param: str | None = None,
         headers: dict[str, str] | None = None,
         code: str | None = None,
+        anthropic: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -73,6 +74,8 @@ class HttpError(Exception):
         self.param = param
         self.code = code
         """OpenAI's error code, where it has one for the refusal (`context_length_exceeded`)."""
+        self.anthropic = anthropic
+        """The message in Anthropic's words, for its API (None: `message`)."""
         self.extra_headers = headers or {}
         """Headers the answer must carry besides Retry-After (a 405's Allow)."""
 
@@ -84,7 +87,8 @@ class HttpError(Exception):
         status = 413 if err.reason == PromptTooLarge.reason else HTTP_STATUS.get(err.code, 500)
         param = err.message.partition(":")[0] if status in (400, 413) else None
         code = CONTEXT_LENGTH_EXCEEDED if err.reason == ContextOverflow.reason else None
-        return cls(status, err.message, param if param and " " not in param else None, code=code)
+        param = param if param and " " not in param else None
+        return cls(status, err.message, param, code=code, anthropic=err.anthropic)
 
     @classmethod
     def invalid(cls, param: str, problem: str) -> HttpError:
@@ -101,7 +105,7 @@ class HttpError(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         kind = _ANTHROPIC_TYPE.get(self.status, "api_error")
-        message = self.message
-        if self.code == CONTEXT_LENGTH_EXCEEDED:  # Anthropic's words, which its clients match
+        message = self.anthropic or self.message
+        if self.code == CONTEXT_LENGTH_EXCEEDED and not self.anthropic:  # a worker's, relayed
             message = f"prompt is too long: {message}"
         return {"type": "error", "error": {"type": kind, "message": message}}

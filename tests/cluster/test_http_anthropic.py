@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -213,15 +214,16 @@ REFUSED: list[tuple[dict[str, Any], type[anthropic.APIStatusError], str]] = [
     ({"max_tokens": 0}, anthropic.BadRequestError, "max_tokens"),
     ({"messages": []}, anthropic.BadRequestError, "messages"),
     ({"extra_body": {"top_k": -2}}, anthropic.BadRequestError, "top_k"),
-    (  # over the context: Anthropic's words first, which its clients match to compact
+    (  # over the context: Anthropic's own words, which its clients parse (a pattern, whole)
         {"messages": [{"role": "user", "content": "word " * 600}]},
         anthropic.BadRequestError,
-        "prompt is too long: prompt: This model's maximum context length is 512 tokens.",
+        r"prompt is too long: \d+ tokens > 511 maximum",
     ),
     (
         {"max_tokens": 600},
         anthropic.BadRequestError,
-        "prompt is too long: max_tokens: This model's maximum context length is 512 tokens.",
+        r"input length and `max_tokens` exceed context limit: \d+ \+ 600 > 512, decrease input "
+        r"length or `max_tokens` and try again",
     ),
 ]
 
@@ -243,7 +245,10 @@ def test_refusals_name_what_was_refused(
     assert isinstance(body, dict) and body["type"] == "error", body
     assert set(body["error"]) == {"type", "message"}
     message = body["error"]["message"]
-    assert message.startswith(named) if named.startswith("prompt is") else named in message
+    if named.startswith(("prompt is", "input length")):
+        assert re.fullmatch(named, message), message
+    else:
+        assert named in message
     kind = "not_found_error" if error is anthropic.NotFoundError else "invalid_request_error"
     assert body["error"]["type"] == kind
     assert_serving(client, cluster)

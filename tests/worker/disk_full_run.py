@@ -113,6 +113,21 @@ def main(root: Path) -> dict[str, Any]:
     spiller.saver.stop()  # what the drain would write besides is written already
     reader = Engine(model, None, config, source="w1")
     seen["spills_cached"] = [answer(reader, SECOND[i], f"r{i}")[1] for i in (0, -2, -1)]
+
+    # another tenant of the disk fills it for a while: nothing fits, then all does
+    for engine in (first, second, third, spiller, reader):
+        engine.stop()
+    shutil.rmtree(root / "w0")
+    shutil.rmtree(root / "w1")
+    blocker = root / "someone else's"
+    blocker.write_bytes(bytes(shutil.disk_usage(root).free - 4096))
+    late = Engine(model, None, config, source="w2")
+    assert late.store is not None
+    answer(late, FIRST[0], "late0")
+    seen["while_full"] = late.store.save(late)
+    blocker.unlink()
+    seen["after_full"] = late.store.save(late)
+    seen["after_full_unwritable"] = len(late.store.unwritable)
     return seen
 
 
@@ -127,11 +142,14 @@ def over_the_file_size_limit(root: Path, limit: int) -> dict[str, Any]:
     model = tiny_model(LLAMA, seed=4)
     config = EngineConfig(num_pages=512, page_size=4, max_running=4, persist_dir=str(root))
     long_one = [RNG.randrange(1, 384) for _ in range(400)]
+    below = [[*long_one, *SECOND[i][:8]] for i in range(2)]  # two nodes under the long one
     first = Engine(model, None, config, source="w0")
-    for i, prompt in enumerate([*SECOND[:3], long_one]):
+    for i, prompt in enumerate([*SECOND[:3], long_one, *below]):
         answer(first, prompt, f"a{i}")
     first.stop()
+    assert first.store is not None
     seen: dict[str, Any] = {"disk": on_disk(root / "w0", warnings)}
+    seen["unwritable"] = len(first.store.unwritable)
     second = Engine(model, None, config, source="w0")
     seen["cached"] = [answer(second, p, f"b{i}")[1] for i, p in enumerate([*SECOND[:3], long_one])]
     return seen

@@ -75,6 +75,10 @@ def test_saves_to_a_full_disk_keep_what_fits_newest_first(tmp_path: Path) -> Non
     # what eviction wrote: the disk kept the most recently dropped, not the first
     first, _, last = seen["spills_cached"]
     assert first == 0 and last == prompt_tokens - 1
+    # a disk full for a while (another tenant's file): nothing fits, then it all does, and no
+    # node was given up for good on the way
+    assert seen["while_full"] == 0 and seen["after_full"] > 0
+    assert seen["after_full_unwritable"] == 0
 
 
 def test_a_node_over_the_file_size_limit_is_left_out_and_the_rest_saved(tmp_path: Path) -> None:
@@ -91,3 +95,4 @@ def test_a_node_over_the_file_size_limit_is_left_out_and_the_rest_saved(tmp_path
     (warning,) = disk["warnings"]
     assert "is over the file size limit" in warning and "it is not saved" in warning
     assert seen["cached"] == [47, 47, 47, 0]  # the short prompts from disk, the long one not
+    assert seen["unwritable"] == 3, "the two nodes below the long one were tried too"
