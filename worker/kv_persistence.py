@@ -305,13 +305,15 @@ class KvStore:
 
     def _disk_full(self, name: str | None, wanted: int, errno_: int | None) -> bool:
         """A write of `wanted` bytes (of node `name`, or of the manifest: None) was refused
-        for room (`errno_`, one of DISK_FULL): from
-        now on keep at most what this store holds plus what is free, less those bytes and the
-        next manifest's, so that the manifest drops the least recent nodes to make room for
-        the newer one; the disk, not `persist_max_bytes`, is then the bound, lowered at each
-        such write and never raised again. Under a quota the disk may show room it will not
-        give: the bound is then what this store holds, less those bytes. Returns False (stop
-        writing until the manifest), or True for a node that can never fit: left out."""
+        for room (`errno_`, one of DISK_FULL). From now on keep at most what this store holds
+        plus what is free, less those bytes and the next manifest's, so that the manifest
+        drops the least recent nodes to make room for the newer one: the disk, not
+        `persist_max_bytes`, is then the bound, lowered at each such write and never raised
+        again. Under a quota the disk may show room it will not give: the bound is then what
+        this store holds, less those bytes. When even that is negative, others fill the disk
+        for now: nothing is lowered. Returns False (stop writing until the manifest), or True
+        for a node that can never fit (past the file size limit, larger than the disk): it
+        is left out."""
         if name is not None and errno_ == errno.EFBIG:  # the file size limit: not the disk
             return self._never_fits(name, wanted, "is over the file size limit")
         if name is not None and wanted > shutil.disk_usage(self.directory).total:

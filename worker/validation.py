@@ -279,7 +279,7 @@ def _encode(
                 name,
                 f"{CONTEXT_IS.format(limits.max_model_len)} However, its {len(text)} characters "
                 f"are more: the first {head} alone are {tokens} tokens. {SHORTEN}",
-                f"prompt is too long: {tokens} tokens > {limits.max_model_len} maximum",
+                f"prompt is too long: {tokens} tokens > {limits.max_model_len - 1} maximum",
             )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
