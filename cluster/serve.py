@@ -40,7 +40,9 @@ def worker_names(count: int) -> list[str]:
     return [f"worker-{i}" for i in range(count)]
 
 
-def place_workers(config: ClusterConfig) -> dict[str, Any]:
+def place_workers(config: ClusterConfig, fixed: bool = False) -> dict[str, Any]:
+    """The worker actors, placed. `fixed`: the Ray cluster cannot grow (serve's embedded one),
+    so workers it can never hold are refused rather than waited for."""
     gpus = gpu_count()
     device = config.model.device
     if device == "auto":
@@ -50,6 +52,14 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
         raise ConfigError(
             "model.device is cuda but the Ray cluster has no GPU: set model.device to cpu, or "
             "workers.count to the GPUs an autoscaler will add"
+        )
+    missing = missing_resources(config, device, count)
+    if missing and fixed:  # Ray would keep them pending, and serve would wait forever
+        raise ConfigError(f"{missing}: lower them, or serve on a Ray cluster with more")
+    if missing:
+        console.print(
+            f"[yellow]radixmesh serve:[/] waiting: {missing} (an autoscaler may add)",
+            soft_wrap=True,
         )
     metrics = config.metrics
     handles = {}
@@ -81,6 +91,23 @@ def place_workers(config: ClusterConfig) -> dict[str, Any]:
     return handles
 
 
+def missing_resources(config: ClusterConfig, device: str, count: int) -> str | None:
+    """What `count` workers need beyond all the Ray cluster has (None: it can hold them)."""
+    have = ray.cluster_resources()
+    per_worker = config.workers.cpus_per_worker
+    if count * per_worker > have.get("CPU", 0):
+        return (
+            f"{count} workers of {per_worker:g} CPUs (workers.count, workers.cpus_per_worker) "
+            f"need {count * per_worker:g} CPUs; the Ray cluster has {have.get('CPU', 0):g}"
+        )
+    if device == "cuda" and count > have.get("GPU", 0):
+        return (
+            f"{count} workers (workers.count) need {count} GPUs; the Ray cluster has "
+            f"{have.get('GPU', 0):g}"
+        )
+    return None
+
+
 def place_router(config: ClusterConfig, workers: dict[str, Any]) -> Any:
     """The router actor. It is given the workers' names, not their handles: a handle among an
     actor's constructor arguments puts them in the object store, from which a restart would
@@ -104,7 +131,7 @@ def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         try:
-            workers, router, endpoint, http_url = start(config)
+            workers, router, endpoint, http_url = start(config, fixed=started)
         except StartFailed as err:
             console.print(f"[red]radixmesh serve:[/] {escape(str(err))}", soft_wrap=True)
             return 1
@@ -125,7 +152,9 @@ class StartFailed(Exception):
     """An actor's constructor failed; the message says which actor and why."""
 
 
-def start(config: ClusterConfig) -> tuple[dict[str, Any], Any, str, str | None]:
+def start(
+    config: ClusterConfig, fixed: bool = False
+) -> tuple[dict[str, Any], Any, str, str | None]:
     """Place the workers, then the router, and wait for each to start: (workers, router, gRPC
     endpoint, HTTP URL). When a constructor fails (a model it cannot load, a port taken), what
     was placed is killed and StartFailed says which actor failed, and why."""
@@ -134,7 +163,7 @@ def start(config: ClusterConfig) -> tuple[dict[str, Any], Any, str, str | None]:
     starting = "the workers"
     try:
         with console.status("starting workers (loading the model)..."):
-            workers = place_workers(config)
+            workers = place_workers(config, fixed)
             for name, handle in workers.items():
                 starting = name
                 info = ray.get(handle.describe.remote())

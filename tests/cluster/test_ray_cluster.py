@@ -340,6 +340,39 @@ def test_a_frozen_worker_is_routed_around_and_rejoins_when_it_wakes(
         assert list(client.generate(text_request(prompt, max_tokens=3)))[-1].finished
 
 
+def test_workers_a_cluster_cannot_hold_yet_are_waited_for_saying_so(
+    head: dict[str, str], tmp_path: Path, tiny_model: Path
+) -> None:
+    """On a cluster of the user's, which an autoscaler may grow, serve places workers the
+    cluster cannot hold now and waits, saying for what (the embedded cluster refuses them:
+    tests/cluster/test_serve_resources.py)."""
+    path = write_config(tmp_path, str(tiny_model))
+    config = yaml.safe_load(path.read_text())
+    config["workers"]["cpus_per_worker"] = 4  # 2 x 4 of the head's 6
+    path.write_text(yaml.safe_dump(config))
+    env = environment(head["token"], RAY_ADDRESS=head["address"])
+    with (tmp_path / "serve.err").open("w") as err:
+        serve = subprocess.Popen(
+            [BIN / "radixmesh", "serve", "--config", str(path)],
+            env=env, stdout=subprocess.DEVNULL, stderr=err, text=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: "waiting:" in (tmp_path / "serve.err").read_text(), 120, "no line")
+        said = (tmp_path / "serve.err").read_text()
+        assert (
+            "radixmesh serve: waiting: 2 workers of 4 CPUs (workers.count, "
+            "workers.cpus_per_worker) need 8 CPUs; the Ray cluster has 6 (an autoscaler may add)"
+        ) in said, said
+        assert serve.poll() is None, "it waits"
+    finally:
+        serve.kill()
+        serve.wait(timeout=60)
+    # its actors die with it (the next serve on this head reuses their names)
+    gone = "names = [a['name'] for a in ray.util.list_named_actors(all_namespaces=True)]\n"
+    gone += "print(not any(n.startswith('radixmesh-') for n in names))"
+    wait_for(lambda: ray_call(head, gone) == "True", 60, "its actors outlived it")
+
+
 def test_ray_job_submit_runs_the_same_command(head: dict[str, str], config_file: Path) -> None:
     env = environment(head["token"])
     job = f"radixmesh-test-{os.getpid()}"
