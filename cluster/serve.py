@@ -55,10 +55,10 @@ def place_workers(config: ClusterConfig, fixed: bool = False) -> dict[str, Any]:
         )
     missing = missing_resources(config, device, count)
     if missing and fixed:  # Ray would keep them pending, and serve would wait forever
-        raise ConfigError(f"{missing}: lower them, or serve on a Ray cluster with more")
+        raise ConfigError(missing)
     if missing:
         console.print(
-            f"[yellow]radixmesh serve:[/] waiting: {missing} (an autoscaler may add)",
+            f"[yellow]radixmesh serve:[/] waiting for the Ray cluster to grow: {missing}",
             soft_wrap=True,
         )
     metrics = config.metrics
@@ -92,18 +92,20 @@ def place_workers(config: ClusterConfig, fixed: bool = False) -> dict[str, Any]:
 
 
 def missing_resources(config: ClusterConfig, device: str, count: int) -> str | None:
-    """What `count` workers need beyond all the Ray cluster has (None: it can hold them)."""
+    """What `count` workers need beyond all the Ray cluster has, in all its nodes together
+    (None: it has that much)."""
     have = ray.cluster_resources()
-    per_worker = config.workers.cpus_per_worker
-    if count * per_worker > have.get("CPU", 0):
+    per_worker, cpus = config.workers.cpus_per_worker, have.get("CPU", 0)
+    if count * round(per_worker * 1e4) > round(cpus * 1e4):  # Ray's units: no float slack
         return (
             f"{count} workers of {per_worker:g} CPUs (workers.count, workers.cpus_per_worker) "
-            f"need {count * per_worker:g} CPUs; the Ray cluster has {have.get('CPU', 0):g}"
+            f"need {count * per_worker:g} CPUs; the Ray cluster has {cpus:g}: lower them, or "
+            "serve on a Ray cluster with more"
         )
     if device == "cuda" and count > have.get("GPU", 0):
         return (
-            f"{count} workers (workers.count) need {count} GPUs; the Ray cluster has "
-            f"{have.get('GPU', 0):g}"
+            f"{count} CUDA workers (workers.count) need {count} GPUs; the Ray cluster has "
+            f"{have.get('GPU', 0):g}: lower workers.count, or set model.device to cpu"
         )
     return None
 
