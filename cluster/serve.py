@@ -160,6 +160,12 @@ def start(
     """Place the workers, then the router, and wait for each to start: (workers, router, gRPC
     endpoint, HTTP URL). When a constructor fails (a model it cannot load, a port taken), what
     was placed is killed and StartFailed says which actor failed, and why."""
+    resource = config.router.resource
+    if fixed and resource and resource not in ray.cluster_resources():
+        raise ConfigError(  # Ray would keep the router pending: serve would wait forever
+            f"router.resource {resource!r}: no node of the embedded Ray cluster offers it; "
+            "unset it, or serve on a Ray cluster whose head offers it"
+        )
     workers: dict[str, Any] = {}
     router = None
     starting = "the workers"

@@ -1,7 +1,8 @@
-"""`radixmesh serve` with workers its Ray cluster can never hold: on its own embedded cluster,
-which cannot grow, one line naming the keys and exit 2, where it used to wait forever behind a
-spinner; on a cluster of the user's (an autoscaler may add nodes), a line saying what it waits
-for (tests/cluster/test_ray_cluster.py)."""
+"""`radixmesh serve` with actors its Ray cluster can never hold (workers over its CPUs, a
+router pinned to a resource no node offers): on its own embedded cluster, which cannot grow,
+one line naming the keys and exit 2, where it used to wait forever behind a spinner; on a
+cluster of the user's (nodes may join), a line saying what it waits for
+(tests/cluster/test_ray_cluster.py)."""
 
 from __future__ import annotations
 
@@ -33,15 +34,35 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+REFUSED = {
+    "workers": (
+        {"workers": {"count": 2, "cpus_per_worker": 4096}},  # more than any machine here
+        r"radixmesh serve: 2 workers of 4096 CPUs \(workers\.count, workers\.cpus_per_worker\) "
+        r"need 8192 CPUs; the Ray cluster has \d+: lower them, or serve on a Ray cluster with "
+        r"more\n",  # Ray's count of CPUs may be a container's limit, not os.cpu_count()
+    ),
+    "router": (
+        {"router": {"resource": "radixmesh-router"}},  # the chart's, on a laptop
+        r"radixmesh serve: router.resource 'radixmesh-router': no node of the embedded Ray "
+        r"cluster offers it; unset it, or serve on a Ray cluster whose head offers it\n",
+    ),
+}
+
+
 @pytest.mark.slow
-def test_workers_an_embedded_cluster_cannot_hold_are_refused_in_one_line(tmp_path: Path) -> None:
-    config = {
+@pytest.mark.parametrize(("change", "expected"), REFUSED.values(), ids=REFUSED.keys())
+def test_actors_an_embedded_cluster_cannot_hold_are_refused_in_one_line(
+    tmp_path: Path, change: dict[str, dict[str, object]], expected: str
+) -> None:
+    config: dict[str, dict[str, object]] = {
         "model": {"source": str(build_tiny_checkpoint(tmp_path / "tiny")), "device": "cpu"},
         "engine": {"num_pages": 64, "page_size": 4, "max_model_len": 128},
-        "workers": {"count": 2, "cpus_per_worker": 4096},  # more than any machine here
+        "workers": {"count": 1},
         "router": {"port": free_port(), "http_port": None},
         "metrics": {"enabled": False},
     }
+    for section, keys in change.items():
+        config[section].update(keys)
     config_file = tmp_path / "radixmesh.yaml"
     config_file.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k not in (MODE_ENV, PATH_ENV, TOKEN_ENV)}
@@ -58,17 +79,12 @@ def test_workers_an_embedded_cluster_cannot_hold_are_refused_in_one_line(tmp_pat
     except subprocess.TimeoutExpired:
         os.killpg(serve.pid, signal.SIGKILL)
         serve.wait(timeout=60)
-        raise AssertionError("serve waited for workers its cluster can never hold") from None
+        raise AssertionError("serve waited for actors its cluster can never hold") from None
     finally:
         left = list(tmpdir.glob("radixmesh-ray-*"))
         shutil.rmtree(tmpdir, ignore_errors=True)
     assert serve.returncode == 2, stderr[-3000:]
     assert stdout == ""
-    expected = (
-        r"radixmesh serve: 2 workers of 4096 CPUs \(workers\.count, workers\.cpus_per_worker\) "
-        r"need 8192 CPUs; the Ray cluster has \d+: lower them, or serve on a Ray cluster with "
-        r"more\n"
-    )  # Ray's count of CPUs may be a container's limit, not os.cpu_count()
     assert re.search(expected, stderr), stderr[-3000:]
     assert "Traceback" not in stderr
     assert not left, "the embedded cluster's token outlived serve"
