@@ -233,6 +233,26 @@ def context_length(positions: int, config: EngineConfig) -> int:
     return min(wanted, pool)
 
 
+def check_kv_memory(model: CausalLM, config: EngineConfig) -> None:
+    """Refuse, before any allocation, KV tiers this machine's memory could never hold: CPU
+    memory is committed as pages are first written, so an engine allocated past it starts
+    fine and is killed by the kernel once serving fills its cache (then restarted, to be killed
+    again). On CUDA the device tier's allocation fails by itself; the host tier is CPU memory.
+    """
+    c = model.config
+    item = torch.empty((), dtype=model.dtype).element_size()
+    page = 2 * c.num_layers * config.page_size * c.num_kv_heads * c.head_dim * item
+    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
+    pages = config.host_pages + (config.num_pages if on_cpu else 0)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if pages * page > memory:
+        keys = "engine.num_pages and engine.host_pages" if on_cpu else "engine.host_pages"
+        raise ValueError(
+            f"{keys}: {pages} pages of {page:,} bytes need {pages * page / 1e9:.1f} GB of KV, "
+            f"more than this machine's {memory / 1e9:.1f} GB of memory"
+        )
+
+
 class Engine:
     def __init__(
         self,
@@ -244,6 +264,7 @@ class Engine:
     ) -> None:
         """`vision`: the model's vision encoder (`LoadedModel.vision`); None: a text model,
         whose requests with images are refused."""
+        check_kv_memory(model, config)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

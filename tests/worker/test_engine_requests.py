@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -339,3 +340,17 @@ def test_when_a_client_hears_the_end_the_pages_and_the_id_are_already_free() -> 
     engine.abort("aborted")
     drain(engine)
     assert seen == [(FINISH_LENGTH, 0, False), (FINISH_ABORT, 0, False)]
+
+
+def test_kv_tiers_past_the_machines_memory_are_refused_before_any_allocation() -> None:
+    """CPU memory is committed as KV is written: a pool past the machine's memory would start
+    and be killed once serving filled it. The refusal names the keys and the sizes."""
+    page = make_engine().runner.page_bytes
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fits = memory // page // 64
+    assert make_engine(num_pages=fits).runner.page_bytes == page  # a 64th of it starts
+    words = rf"engine\.num_pages and engine\.host_pages: \d+ pages of {page:,} bytes need"
+    with pytest.raises(ValueError, match=words + r" .* GB of KV, more than this machine's"):
+        make_engine(num_pages=memory // page + 2)
+    with pytest.raises(ValueError, match=words):
+        make_engine(host_pages=memory // page)  # the host tier counts too
