@@ -234,6 +234,10 @@ class KvStore:
         self.unwritable: set[str] = set()
         """Nodes no room could take (past the file size limit, larger than the disk), and
         those below them: never tried again."""
+        self._kept_room = 0
+        """The bytes of the write that last found the disk full: room kept for one like it."""
+        self._quota = False
+        """A quota, not the disk, refused a write: the disk's free space says nothing."""
 
     # -- saving --------------------------------------------------------------------------------
     def records(self, engine: Engine) -> tuple[list[NodeRecord], dict[str, Node]]:
@@ -308,24 +312,19 @@ class KvStore:
         for room (`errno_`, one of DISK_FULL). From now on keep at most what this store holds
         plus what is free, less those bytes and the next manifest's, so that the manifest
         drops the least recent nodes to make room for the newer one: the disk, not
-        `persist_max_bytes`, is then the bound, lowered at each such write and never raised
-        again. Under a quota the disk may show room it will not give: the bound is then what
-        this store holds, less those bytes. When even that is negative, others fill the disk
-        for now: nothing is lowered. Returns False (stop writing until the manifest), or True
-        for a node that can never fit (past the file size limit, larger than the disk): it
-        is left out."""
+        `persist_max_bytes`, is then the bound, lowered at each such write (and raised when
+        room comes back: `regain_room`). Under a quota (EDQUOT) the disk may show room it will
+        not give: the bound is then what this store holds, less those bytes. When even that
+        is negative, others fill the disk for now: nothing is lowered. Returns False (stop
+        writing until the manifest), or True for a node that can never fit (past the file
+        size limit, larger than the disk): it is left out."""
         if name is not None and errno_ == errno.EFBIG:  # the file size limit: not the disk
             return self._never_fits(name, wanted, "is over the file size limit")
         if name is not None and wanted > shutil.disk_usage(self.directory).total:
             return self._never_fits(name, wanted, "is larger than the disk")
-        held = self.held_bytes()
-        block = os.statvfs(self.directory).f_frsize  # each file's last block is partly empty
-        manifest = self.directory / MANIFEST
-        listing = manifest.stat().st_size if manifest.exists() else 0  # the next one's room
-        reserve = wanted + listing + block * (len(self.written) + 2)
-        bound = held + shutil.disk_usage(self.directory).free - reserve
-        if bound >= self.max_bytes:  # the disk says there is room: a quota refused it
-            bound = held - reserve
+        bound = self._room(wanted)
+        if errno_ == errno.EDQUOT:  # a quota: the disk's free space says nothing of it
+            bound, self._quota = bound - shutil.disk_usage(self.directory).free, True
         if bound < 0:  # not even with all this store holds gone: others hold the room, for now
             self.full = True
             return False
@@ -337,9 +336,34 @@ class KvStore:
                 self.directory, os.strerror(errno_ or 0), bound / 1e6,
                 self.configured_max_bytes / 1e6,
             )  # fmt: skip
-            self.max_bytes = bound
+            self.max_bytes, self._kept_room = bound, wanted
         self.full = True
         return False
+
+    def _room(self, wanted: int) -> int:
+        """The most the node files may hold with `wanted` bytes more written: what this store
+        holds plus what the disk has free, less those bytes, the next manifest's and each
+        file's partly empty last block."""
+        block = os.statvfs(self.directory).f_frsize
+        manifest = self.directory / MANIFEST
+        listing = manifest.stat().st_size if manifest.exists() else 0
+        reserve = wanted + listing + block * (len(self.written) + 2)
+        return self.held_bytes() + shutil.disk_usage(self.directory).free - reserve
+
+    def regain_room(self) -> None:
+        """Raise a bound a full disk lowered as far as the disk now gives room again (another
+        tenant freed it, the volume grew), keeping room for a node like the one that found it
+        full, and never past `persist_max_bytes`; not under a quota, whose room the disk does
+        not show. Called before each save."""
+        if self.max_bytes >= self.configured_max_bytes or self._quota:
+            return
+        bound = min(self._room(self._kept_room), self.configured_max_bytes)
+        if bound > self.max_bytes:
+            log.info(
+                "the disk under %s has room again: keeping up to %.1f MB of KV there",
+                self.directory, bound / 1e6,
+            )  # fmt: skip
+            self.max_bytes = bound
 
     def left_out(self, record: NodeRecord) -> bool:
         """Whether a save skips `record`: no room can take it, or its parent (records come
@@ -472,6 +496,7 @@ class KvStore:
     def save(self, engine: Engine) -> int:
         """Everything at once, with the engine stopped (drain) or on its thread; returns the
         nodes saved."""
+        self.regain_room()
         records, nodes = self.records(engine)
         identity = StoreIdentity.of(engine)
         dropped: set[str] = set()
@@ -851,6 +876,7 @@ class BackgroundSaver:
     def save_once(self) -> int:
         """One pass: copy and write every node not on disk yet, then the manifest."""
         engine, store = self.engine, self.store
+        store.regain_room()
         records, nodes = engine.call(lambda: store.records(engine)).result()
         for record in records:
             if self._stop.is_set():

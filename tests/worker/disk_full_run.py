@@ -21,6 +21,7 @@ import random
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,15 @@ def main(root: Path) -> dict[str, Any]:
     blocker.unlink()
     seen["after_full"] = late.store.save(late)
     seen["after_full_unwritable"] = len(late.store.unwritable)
+
+    # the volume grows: the bound a full disk lowered rises again, and more is kept
+    grower = Engine(model, None, config, source="w3")
+    assert grower.store is not None
+    for i, prompt in enumerate(FIRST):
+        answer(grower, prompt, f"g{i}")
+    seen["before_growing"] = grower.store.save(grower), grower.store.max_bytes
+    subprocess.run(["mount", "-o", "remount,size=1m", str(root)], check=True)
+    seen["after_growing"] = grower.store.save(grower), grower.store.max_bytes
     return seen
 
 

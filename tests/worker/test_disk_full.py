@@ -79,6 +79,12 @@ def test_saves_to_a_full_disk_keep_what_fits_newest_first(tmp_path: Path) -> Non
     # node was given up for good on the way
     assert seen["while_full"] == 0 and seen["after_full"] > 0
     assert seen["after_full_unwritable"] == 0
+    # the disk grows (remounted at 1 MB): the next save keeps more, under a higher bound
+    (listed_before, bound_before), (listed_after, bound_after) = (
+        seen["before_growing"], seen["after_growing"],
+    )  # fmt: skip
+    assert bound_before < 256 * 1024 < bound_after < 1024 * 1024, (bound_before, bound_after)
+    assert listed_after > listed_before > 0
 
 
 def test_a_node_over_the_file_size_limit_is_left_out_and_the_rest_saved(tmp_path: Path) -> None:
