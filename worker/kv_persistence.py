@@ -235,7 +235,8 @@ class KvStore:
         """Nodes no room could take (past the file size limit, larger than the disk), and
         those below them: never tried again."""
         self._kept_room = 0
-        """The bytes of the write that last found the disk full: room kept for one like it."""
+        """The bytes of the write that last found the disk full and lowered the bound: room
+        kept for one like it (0: no full disk lowered it)."""
         self._quota = False
         """A quota, not the disk, refused a write: the disk's free space says nothing."""
 
@@ -355,8 +356,8 @@ class KvStore:
         tenant freed it, the volume grew), keeping room for a node like the one that found it
         full, and never past `persist_max_bytes`; not under a quota, whose room the disk does
         not show. Called before each save."""
-        if self.max_bytes >= self.configured_max_bytes or self._quota:
-            return
+        if not self._kept_room or self._quota or self.max_bytes >= self.configured_max_bytes:
+            return  # no full disk lowered it (or a quota did)
         bound = min(self._room(self._kept_room), self.configured_max_bytes)
         if bound > self.max_bytes:
             log.info(
