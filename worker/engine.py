@@ -239,9 +239,7 @@ def check_kv_memory(model: CausalLM, config: EngineConfig) -> None:
     fine and is killed by the kernel once serving fills its cache (then restarted, to be killed
     again). On CUDA the device tier's allocation fails by itself; the host tier is CPU memory.
     """
-    c = model.config
-    item = torch.empty((), dtype=model.dtype).element_size()
-    page = 2 * c.num_layers * config.page_size * c.num_kv_heads * c.head_dim * item
+    page = model.kv_page_bytes(config.page_size)
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
     pages = config.host_pages + (config.num_pages if on_cpu else 0)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -520,12 +520,13 @@ class KvStore:
                     wrote.append(record.name)
             held = set(self.written)
             listed = self.write_manifest(records, identity)
-            dropped |= held - self.written.keys()
+            freed = held - self.written.keys()
+            dropped |= freed
             # go on while the manifest keeps what was written (or, when nothing could be,
             # made room): the next nodes are less recent, and once one no longer displaces
             # anything, none after it will
-            made_room = bool(held - self.written.keys())
-            if not full or not (any(n in self.written for n in wrote) or (not wrote and made_room)):
+            kept = any(name in self.written for name in wrote)
+            if not full or not (kept or (not wrote and freed)):
                 return listed
 
     # -- loading -------------------------------------------------------------------------------

@@ -322,6 +322,11 @@ class CausalLM(nn.Module):
         """The activations' (and KV cache's) dtype: the norms', which no weight format changes."""
         return self.model.norm.weight.dtype
 
+    def kv_page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of `allocate_kv`'s caches: its K and V over every layer."""
+        c, item = self.config, torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * item
+
     def allocate_kv(
         self, num_pages: int, page_size: int, device: torch.device | str | None = None
     ) -> list[KvCache]:
