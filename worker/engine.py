@@ -75,7 +75,9 @@ from worker.sampling import Sampler
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.stop import StopChecker
+from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
 from worker.tier_costs import TierCosts
+from worker.tokenizer import Tokenizer
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS, RequestLimits
 
 log = logging.getLogger(__name__)
@@ -282,8 +284,14 @@ class Engine:
             if vision is not None
             else None
         )
-        eos = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = frozenset(
+            tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
+        )
+        self.grammars = GrammarCompiler(
+            tokenizer if isinstance(tokenizer, Tokenizer) else None,
+            self.vocab_size,
+            sorted(self.eos_token_ids),
+        )
         self.cache = SequenceCache(
             CacheConfig(
                 config.num_pages,
@@ -369,6 +377,8 @@ class Engine:
         checked = validation.request_images(request, self.limits)
         prompt = validation.prompt_ids(request, self.tokenizer, self.limits, checked)
         self._validate(request, prompt)
+        structured = request.sampling.structured
+        grammar = self.grammars.compile(structured) if structured is not None else None
         images = None
         if checked:
             assert self.limits.image_spec is not None
@@ -389,7 +399,7 @@ class Engine:
                     f"{self.config.max_waiting + self.config.max_running}"
                 )
             self._active_ids.add(request.request_id)
-        self._inbox.put(("add", RequestState(request, prompt, sink, adapter, images)))
+        self._inbox.put(("add", RequestState(request, prompt, sink, adapter, images, grammar)))
         self._wake.set()
         return len(prompt)
 
@@ -780,7 +790,11 @@ class Engine:
             position = len(each.tokens)
             if self.observe_logits is not None:
                 self.observe_logits(each.request.request_id, each.index, position, logits)
-            token = each.sampler(logits, position)
+            try:
+                token = each.sampler(logits, position)
+            except GrammarRefused as err:
+                self._abort(sample.request, FINISH_ERROR, f"structured output: {err}")
+                return
             logprobs = () if top_logprobs is None else (token_logprob(logits, token, top_logprobs),)
             self._accept(each, token, logprobs)
 
@@ -818,8 +832,10 @@ class Engine:
         if sample.seq is not None:
             self.cache.append(sample.seq, [token])
         text, reason = "", None
-        if (token in self.eos_token_ids and not sampling.ignore_eos) or (
-            token in sample.request.stop_token_ids
+        if (
+            (token in self.eos_token_ids and not sampling.ignore_eos)
+            or token in sample.request.stop_token_ids
+            or sample.sampler.complete
         ):
             reason = FINISH_STOP
         else:
@@ -946,7 +962,12 @@ class Engine:
                 request=state,
                 index=index,
                 tokens=list(state.prompt_ids),
-                sampler=Sampler.create(request.sampling, index, self._penalties(state)),
+                sampler=Sampler.create(
+                    request.sampling,
+                    index,
+                    self._penalties(state),
+                    Constraint(state.grammar) if state.grammar is not None else None,
+                ),
                 stop=StopChecker(state.stops),
                 decoder=self.tokenizer.incremental_decoder() if self.tokenizer else None,
                 phase=Phase.WAITING if index == first else Phase.UNBORN,
@@ -957,7 +978,11 @@ class Engine:
         self.scheduler.enqueue(state.samples[0])
         if request.resume is not None:
             first_sample = state.samples[0]
-            self._replay(first_sample, state.prompt_ids[state.prompt_tokens :])
+            try:
+                self._replay(first_sample, state.prompt_ids[state.prompt_tokens :])
+            except GrammarRefused as err:
+                self._abort(state, FINISH_ERROR, f"structured output: the resumed tokens: {err}")
+                return
             if first_sample.stop.stopped:  # it had already ended: nothing more to send
                 self._abort(state, FINISH_STOP)
 

@@ -31,6 +31,8 @@ from worker.sampling import Sampler
 from worker.stop import StopChecker, StopStrings, compile_stops
 
 if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
     from worker.disk_reads import PendingRead
 
 
@@ -101,6 +103,8 @@ class RequestState:
     """The adapter the request runs with (its identity is `request.namespace.adapter`)."""
     images: RequestImages | None = None
     """A vision prompt's images, placed (None: a text prompt)."""
+    grammar: CompiledGrammar | None = None
+    """A structured output's grammar, compiled in the submitting thread (None: free text)."""
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as

@@ -12,6 +12,10 @@ Penalties (worker/penalties.py) change the logits before any of that, greedy inc
 depend on the prompt and the tokens generated so far, which the sampler counts as it draws them;
 the randomness is still seeded by the same three, so a resumed sample that `replay`s its
 generated tokens draws exactly what the uninterrupted one would.
+
+A structured output's constraint (worker/structured_output.py) then sets every token its grammar
+does not allow next to -inf, and follows the token drawn; a resumed sample replays its tokens
+through it too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from worker.penalties import Penalties
 from worker.sampling_params import SamplingParams
+from worker.structured_output import Constraint
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _POSITION_MIX = 0xD6E8FEB86659FD93
@@ -63,27 +68,47 @@ class Sampler:
     seed: int
     penalties: Penalties | None = None
     """None: the request penalizes nothing."""
+    constraint: Constraint | None = None
+    """None: free text."""
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     @classmethod
     def create(
-        cls, params: SamplingParams, index: int, penalties: Penalties | None = None
+        cls,
+        params: SamplingParams,
+        index: int,
+        penalties: Penalties | None = None,
+        constraint: Constraint | None = None,
     ) -> Sampler:
-        return cls(params, sample_seed(params.seed, index), penalties)
+        return cls(params, sample_seed(params.seed, index), penalties, constraint)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """The token at `position` (its index in the sequence), from a float32 logits row
-        [vocab] (on any device; penalized there, sampled on the CPU). Counts it as generated."""
-        if self.penalties is None:
-            return self._draw(logits, position)
-        token = self._draw(self.penalties.apply(logits), position)
-        self.penalties.record(token)
+        [vocab] (on any device; penalized and constrained there, sampled on the CPU). Counts it
+        as generated. `GrammarRefused` if a constraint's allowed tokens are all -inf or NaN."""
+        scores = logits if self.penalties is None else self.penalties.apply(logits)
+        if self.constraint is not None:
+            scores = self.constraint.mask(scores)
+        token = self._draw(scores, position)
+        if self.penalties is not None:
+            self.penalties.record(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         return token
 
+    @property
+    def complete(self) -> bool:
+        """A structured output's text is whole (it ended with an end-of-sequence token)."""
+        return self.constraint is not None and self.constraint.complete
+
     def replay(self, generated: Sequence[int]) -> None:
-        """Count the tokens generated before this sampler existed (a resumed sample's)."""
+        """Count the tokens generated before this sampler existed (a resumed sample's), and
+        follow them through the constraint (`GrammarRefused` if they leave it)."""
         if self.penalties is not None and generated:
             self.penalties.replay(generated)
+        if self.constraint is not None:
+            for token in generated:
+                self.constraint.accept(token)
 
     def _draw(self, logits: torch.Tensor, position: int) -> int:
         p = self.params

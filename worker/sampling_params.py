@@ -7,8 +7,10 @@ arrival (worker/validation.py), so the router process stays free of torch; the w
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from worker.errors import InvalidRequest
 
@@ -17,6 +19,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20
 """Top log-probabilities per token a request may ask for (OpenAI's top_logprobs bound)."""
+MAX_STRUCTURED_CHARS = 65_536
+"""Characters of a structured output's schema, pattern, grammar or choices together: compiling
+one is work the worker does before the request is queued."""
+MAX_CHOICES = 1_024
 MAX_PENALTY = 2.0
 """Presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range);
 repetition penalty in (0, MAX_PENALTY]."""
@@ -30,6 +36,63 @@ class StopLimits:
     max_strings: int = MAX_STOP_STRINGS
     max_chars: int = MAX_STOP_CHARS
     """Characters of each string."""
+
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = (
+    "json_schema",
+    "json_object",
+    "regex",
+    "choice",
+    "grammar",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What a sample's text must be: the worker compiles it to a grammar over the vocabulary
+    (worker/structured_output.py) and masks every draw with it."""
+
+    kind: StructuredKind
+    spec: str = ""
+    """The schema (JSON text), the pattern or the grammar; "" for json_object and choice."""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def field(self) -> str:
+        """The request field that holds it, for refusals."""
+        return f"sampling.structured.{self.kind}"
+
+    def validate(self) -> None:
+        """Raise `InvalidRequest` for what no compiler could take: an unknown kind, an empty or
+        oversized spec, a schema that is not JSON. The worker's compiler judges the rest."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest(
+                "sampling.structured", f"{self.kind!r} is not one of {list(STRUCTURED_KINDS)}"
+            )
+        size = len(self.spec) + sum(len(c) for c in self.choices)
+        if size > MAX_STRUCTURED_CHARS:
+            raise InvalidRequest(
+                self.field, f"{size:,} characters; at most {MAX_STRUCTURED_CHARS:,} are allowed"
+            )
+        if self.kind == "choice":
+            if not 1 <= len(self.choices) <= MAX_CHOICES:
+                raise InvalidRequest(
+                    self.field, f"{len(self.choices)} choices; give 1 to {MAX_CHOICES}"
+                )
+            if not all(self.choices):
+                raise InvalidRequest(self.field, "a choice is the empty string")
+        elif self.kind != "json_object" and not self.spec:
+            raise InvalidRequest(self.field, "is empty")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except ValueError as err:
+                raise InvalidRequest(self.field, f"is not JSON: {err}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequest(
+                    self.field, f"a schema is an object or a boolean, got {type(schema).__name__}"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +118,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Log-probabilities of each generated token and of this many most likely tokens at its
     position, from the raw distribution; None: none."""
+    structured: StructuredOutput | None = None
+    """What the text must be; None: free text."""
 
     @property
     def penalized(self) -> bool:
@@ -91,6 +156,8 @@ class SamplingParams:
             if not 0 <= token < vocab_size:
                 raise InvalidRequest("stop_token_ids", f"{token} is outside [0, {vocab_size})")
         self._validate_stop(stop_limits)
+        if self.structured is not None:
+            self.structured.validate()
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

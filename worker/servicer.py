@@ -80,7 +80,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prompt_block_hashes=tuple(request.prompt_block_hashes),
                 images=tuple(request.images),
             )
-            if generate.images:  # decoding and checking images never stalls the event loop
+            # decoding and checking images, and compiling a structured output's grammar,
+            # never stall the event loop
+            if generate.images or generate.sampling.structured is not None:
                 await self._submit_in_thread(generate, sink)
             else:
                 self.engine.submit(generate, sink)

@@ -11,7 +11,7 @@ from cache import CacheNamespace
 from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.errors import InvalidRequest
 from worker.request import RequestOutput, Resume, TokenLogprob
-from worker.sampling_params import SamplingParams
+from worker.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:  # the adapter record holds tensors; this module imports no torch
     from worker.lora_slots import AdapterState
@@ -50,7 +50,34 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=float(get("frequency_penalty")),  # type: ignore[arg-type]
         repetition_penalty=float(get("repetition_penalty")),  # type: ignore[arg-type]
         logprobs=int(message.logprobs) if message.HasField("logprobs") else None,
+        structured=structured_from_proto(message.structured)
+        if message.HasField("structured")
+        else None,
     )
+
+
+def structured_from_proto(message: serving_pb2.StructuredOutput) -> StructuredOutput:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest("sampling.structured", "sets none of its kinds")
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(message.choice.values))
+    if kind == "json_object":
+        if not message.json_object:
+            raise InvalidRequest("sampling.structured.json_object", "must be true when set")
+        return StructuredOutput("json_object")
+    return StructuredOutput(kind, spec=getattr(message, kind))
+
+
+def structured_to_proto(structured: StructuredOutput) -> serving_pb2.StructuredOutput:
+    message = serving_pb2.StructuredOutput()
+    if structured.kind == "choice":
+        message.choice.values.extend(structured.choices)
+    elif structured.kind == "json_object":
+        message.json_object = True
+    else:
+        setattr(message, structured.kind, structured.spec)
+    return message
 
 
 def resume_from_proto(message: worker_pb2.WorkerGenerateRequest) -> Resume | None:
@@ -81,6 +108,8 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.structured is not None:
+        message.structured.CopyFrom(structured_to_proto(params.structured))
     return message
 
 
