@@ -180,6 +180,7 @@ class HttpApi:
             lambda stream: chat_chunks(reply, stream, options, logprobs),
             lambda samples, counts: chat_completion(reply, samples, counts, logprobs),
             logprobs,
+            openai_params.structured_fields(body),
         )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -199,6 +200,7 @@ class HttpApi:
             lambda stream: completion_chunks(reply, stream, options, logprobs),
             lambda samples, counts: completion(reply, samples, counts, logprobs),
             logprobs,
+            openai_params.structured_fields(body),
         )
 
     async def respond(
@@ -209,23 +211,27 @@ class HttpApi:
         events: Callable[[Responses], AsyncIterator[bytes]],
         whole: Callable[[dict[int, Sample], Counts], BaseModel],
         large: bool,
+        fields: Mapping[str, str] | None = None,
     ) -> Response:
         """A generation's answer: its event stream, started once the first token is there (a
-        refusal is still an HTTP status, not an event in a 200 stream), or the whole response."""
+        refusal is still an HTTP status, not an event in a 200 stream), or the whole response.
+        `fields`: the core's names of refused fields -> the request's (`HttpError.renamed`)."""
         if body.stream_options is not None and not body.stream:
             await stream.aclose()
             raise HttpError.invalid("stream_options", "is only allowed with stream: true")
         if body.stream:
-            first = await self.finish(request, anext(stream))
+            first = await self.finish(request, anext(stream), fields)
             return EventStream(_guarded(events(prepend(first, stream))), served_by(first))
-        samples, counts = await self.finish(request, collect(stream))
+        samples, counts = await self.finish(request, collect(stream), fields)
         return await _answer(lambda: whole(samples, counts), counts, large)
 
-    async def finish(self, request: Request, work: Awaitable[T]) -> T:
+    async def finish(
+        self, request: Request, work: Awaitable[T], fields: Mapping[str, str] | None = None
+    ) -> T:
         try:
             return await until_disconnected(request, work)
         except (ServingError, GenerationFailed) as err:
-            raise HttpError.of(err) from err
+            raise HttpError.of(err).renamed(fields or {}) from err
 
     async def models(self, request: Request) -> Response:
         """Every model served (the base model, then each adapter), in the shape of the SDK that

@@ -7,6 +7,7 @@ table from those to HTTP statuses.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -89,6 +90,15 @@ class HttpError(Exception):
         code = CONTEXT_LENGTH_EXCEEDED if err.reason == ContextOverflow.reason else None
         param = param if param and " " not in param else None
         return cls(status, err.message, param, code=code, anthropic=err.anthropic)
+
+    def renamed(self, fields: Mapping[str, str]) -> HttpError:
+        """This refusal with its field called what the request called it (the serving core
+        names `sampling.structured.json_schema` what a body sent as `response_format...`)."""
+        name = fields.get(self.param) if self.param is not None else None
+        if self.param is not None and name is not None:
+            self.message = name + self.message.removeprefix(self.param)
+            self.param = name
+        return self
 
     @classmethod
     def invalid(cls, param: str, problem: str) -> HttpError:

@@ -11,6 +11,7 @@ placed by a ChatPart where it was, and named by its part when refused
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ from cluster.http.openai_schema import (
     ChatMessage,
     CompletionRequest,
     GenerationParams,
+    ResponseFormat,
+    StructuredOutputs,
 )
 from protos.radixmesh.v1 import serving_pb2
 
@@ -200,7 +203,92 @@ def sampling(
     if request.stop_token_ids:
         _check_range("stop_token_ids", request.stop_token_ids, _INT64)
         message.stop_token_ids.extend(request.stop_token_ids)
+    constraint = structured_output(request)
+    if constraint is not None:
+        message.structured.CopyFrom(constraint[0])
     return message
+
+
+def structured_output(
+    request: GenerationParams,
+) -> tuple[serving_pb2.StructuredOutput, str] | None:
+    """The request's structured output and the field that asked for it (OpenAI's
+    `response_format`, vLLM's `structured_outputs` or one of its older `guided_*`); None for
+    free text. Two of them in one request are refused."""
+    found = []
+    if request.response_format is not None and request.response_format.type != "text":
+        found.append(_response_format(request.response_format))
+    if request.structured_outputs is not None:
+        found.append(_structured_outputs(request.structured_outputs))
+    guided = {
+        "json": request.guided_json,
+        "regex": request.guided_regex,
+        "choice": request.guided_choice,
+        "grammar": request.guided_grammar,
+    }
+    found += [
+        _one(kind, value, f"guided_{kind}") for kind, value in guided.items() if value is not None
+    ]
+    if len(found) > 1:
+        raise HttpError.invalid(
+            found[1][1], f"{found[0][1]} asks for a structured output already; give one"
+        )
+    return found[0] if found else None
+
+
+def structured_fields(request: GenerationParams) -> dict[str, str]:
+    """What a refusal of the request's structured output is named by the worker -> by the
+    request (`sampling.structured.json_schema` -> `response_format.json_schema.schema`)."""
+    constraint = structured_output(request)
+    if constraint is None:
+        return {}
+    message, where = constraint
+    return {f"sampling.structured.{message.WhichOneof('kind')}": where}
+
+
+def _response_format(form: ResponseFormat) -> tuple[serving_pb2.StructuredOutput, str]:
+    if form.type == "json_object":
+        return serving_pb2.StructuredOutput(json_object=True), "response_format"
+    if form.json_schema is None:
+        raise HttpError.invalid("response_format.json_schema", "is required with type json_schema")
+    if form.json_schema.schema_ is None:  # OpenAI's schema is optional: any object then
+        return serving_pb2.StructuredOutput(json_object=True), "response_format.json_schema"
+    return _one("json", form.json_schema.schema_, "response_format.json_schema.schema")
+
+
+def _structured_outputs(given: StructuredOutputs) -> tuple[serving_pb2.StructuredOutput, str]:
+    kinds = {
+        "json": given.json_,
+        "regex": given.regex,
+        "choice": given.choice,
+        "grammar": given.grammar,
+        "json_object": given.json_object,
+    }
+    set_ = [kind for kind, value in kinds.items() if value is not None]
+    if len(set_) != 1:
+        raise HttpError.invalid(
+            "structured_outputs", f"set one of {', '.join(kinds)}; {len(set_)} are set"
+        )
+    kind = set_[0]
+    return _one(kind, kinds[kind], f"structured_outputs.{kind}")
+
+
+def _one(kind: str, value: object, where: str) -> tuple[serving_pb2.StructuredOutput, str]:
+    """One constraint from its vLLM name and value (a JSON schema as an object or as text)."""
+    message = serving_pb2.StructuredOutput()
+    if kind == "json":
+        message.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif kind == "choice":
+        assert isinstance(value, list)
+        message.choice.values.extend(value)
+    elif kind == "json_object":
+        if value is not True:
+            raise HttpError.invalid(where, "must be true when set")
+        message.json_object = True
+    else:
+        assert isinstance(value, str)
+        setattr(message, kind, value)
+    return message, where
 
 
 def _check_range(name: str, values: list[int], bounds: tuple[int, int]) -> None:

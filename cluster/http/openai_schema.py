@@ -1,9 +1,10 @@
 """The OpenAI API's requests and responses, as pydantic models (the fields radixmesh serves).
 
 Requests are strict: a parameter that is not declared here is refused by name (400), and a
-declared one that radixmesh does not implement (tools, response formats, ...) is refused unless
-it has its no-op value (`REFUSED`, checked in cluster/http/openai_params.py). vLLM's extensions
-that radixmesh implements (top_k, repetition_penalty, ignore_eos, stop_token_ids) are accepted.
+declared one that radixmesh does not implement (tools, audio, ...) is refused unless it has its
+no-op value (`REFUSED`, checked in cluster/http/openai_params.py). vLLM's extensions that
+radixmesh implements (top_k, repetition_penalty, ignore_eos, stop_token_ids, structured_outputs
+and its older guided_* fields) are accepted.
 Responses follow OpenAI's schema field for field, so its SDK parses them as it parses OpenAI's.
 """
 
@@ -98,6 +99,31 @@ class ChatMessage(Strict):
     audio: Any = None
 
 
+class JsonSchemaFormat(Strict):
+    """`response_format.json_schema`: OpenAI's structured outputs."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    """Accepted either way: the schema is always enforced, token by token."""
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` (one of them)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class GenerationParams(Body):
     """What chat and text completions share."""
 
@@ -118,6 +144,13 @@ class GenerationParams(Body):
     ignore_eos: bool = False
     text_match: Literal["exact", "anchored", "off"] | None = None
     """radixmesh: how the prompt's text reuses the router's text index (docs/router.md)."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    """vLLM's older names for `structured_outputs`' fields."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
     logit_bias: Any = None
     service_tier: Any = None
@@ -135,7 +168,6 @@ class ChatCompletionRequest(GenerationParams):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -161,7 +193,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "functions": ("function calling is not supported", ([],)),
     "function_call": ("function calling is not supported", ("none",)),
     "parallel_tool_calls": ("tool calling is not supported", ()),
-    "response_format": ("only text responses are served", ({"type": "text"},)),
     "audio": ("only text is served", ()),
     "modalities": ("only text is served", (["text"],)),
     "prediction": ("predicted outputs are not supported", ()),

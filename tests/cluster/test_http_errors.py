@@ -80,7 +80,13 @@ class Bad(NamedTuple):
 
 
 OVERFLOW = "context_length_exceeded"
-NOT_IN_THE_SDK = {"stop_token_ids", "guided_json"}
+NOT_IN_THE_SDK = {
+    "stop_token_ids",
+    "guided_json",
+    "guided_regex",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+}
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}
 BAD = {
     "empty prompt": Bad({"prompt": ""}, 400, "prompt: is empty", "prompt"),
@@ -162,14 +168,52 @@ BAD = {
         "tools: tool calling",
         "tools",
     ),
-    "json_object": Bad(
+    # structured outputs: refused by the router or by the worker's compiler, named as sent
+    "schema that does not compile": Bad(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            },
+        },
+        400,
+        'response_format.json_schema.schema: does not compile: Unsupported type "nonsense"',
+        "response_format.json_schema.schema",
+    ),
+    "json_schema without one": Bad(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema"},
+        },
+        400,
+        "response_format.json_schema: is required with type json_schema",
+        "response_format.json_schema",
+    ),
+    "schema that is not JSON": Bad(
+        {"guided_json": "{not json"}, 400, "guided_json: is not JSON", "guided_json"
+    ),
+    "regex that does not compile": Bad(
+        {"structured_outputs": {"regex": "a(b"}},
+        400,
+        "structured_outputs.regex: does not compile: Regex parsing error",
+        "structured_outputs.regex",
+    ),
+    "two kinds in structured_outputs": Bad(
+        {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+        400,
+        "structured_outputs: set one of json, regex, choice, grammar, json_object; 2 are set",
+        "structured_outputs",
+    ),
+    "two structured outputs": Bad(
         {
             "messages": [{"role": "user", "content": "hi"}],
             "response_format": {"type": "json_object"},
+            "guided_regex": "a+",
         },
         400,
-        "response_format",
-        "response_format",
+        "guided_regex: response_format asks for a structured output already",
+        "guided_regex",
     ),
     "logit_bias": Bad({"logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias"),
     "echo": Bad({"echo": True}, 400, "echo", "echo"),
@@ -183,7 +227,12 @@ BAD = {
     "stream_options alone": Bad(
         {"stream_options": {"include_usage": True}}, 400, "stream_options", "stream_options"
     ),
-    "unknown parameter": Bad({"guided_json": {}}, 400, "guided_json: unknown", "guided_json"),
+    "unknown parameter": Bad(
+        {"guided_whitespace_pattern": " "},
+        400,
+        "guided_whitespace_pattern: unknown",
+        "guided_whitespace_pattern",
+    ),
 }
 
 
