@@ -8,6 +8,7 @@ question about France is answered with Paris.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -18,7 +19,7 @@ from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel, load_model
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import FINISH_STOP, GenerateRequest
-from worker.sampling_params import SamplingParams
+from worker.sampling_params import SamplingParams, StructuredOutput
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -108,3 +109,38 @@ def test_the_capital_of_france_is_paris(ours: LoadedModel) -> None:
     assert "Paris" in answer
     assert recorder.final("paris").finish_reason == FINISH_STOP  # it ended on <|im_end|>
     assert "<|im_end|>" not in answer
+
+
+def test_the_capital_of_france_as_json_in_a_schema(ours: LoadedModel) -> None:
+    """A structured output on the real model: the schema shapes the answer, and the answer is
+    still the model's (Paris)."""
+    assert ours.tokenizer is not None
+    schema = {
+        "type": "object",
+        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+        "required": ["country", "capital"],
+        "additionalProperties": False,
+    }
+    question = (
+        {
+            "role": "user",
+            "content": "What is the capital of France? "
+            "Answer in JSON with keys country and capital.",
+        },
+    )
+    sampling = SamplingParams(
+        max_tokens=40,
+        temperature=0.0,
+        structured=StructuredOutput("json_schema", json.dumps(schema)),
+    )
+    config = EngineConfig(num_pages=64, page_size=16, model_revision=ours.revision)
+    engine = Engine(ours.model, ours.tokenizer, config)
+    recorder = Recorder()
+    engine.submit(
+        GenerateRequest("json", messages=question, sampling=sampling), recorder.outputs.append
+    )
+    drain(engine)
+    answer = json.loads("".join(o.text for o in recorder.outputs))
+    assert set(answer) == {"country", "capital"}
+    assert answer["capital"] == "Paris"
+    assert recorder.final("json").finish_reason == FINISH_STOP

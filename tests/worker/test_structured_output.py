@@ -5,6 +5,7 @@ with every page back, and a structured sample resumed on another engine goes on 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -283,3 +284,17 @@ def test_a_sampler_whose_allowed_tokens_are_all_minus_infinity_refuses(tiny: Loa
     logits = torch.full((engine.vocab_size,), float("-inf"))
     with pytest.raises(GrammarRefused):
         sampler(logits, 10)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_mask_is_applied_on_the_device(tiny: LoadedModel) -> None:
+    """The logits stay on the GPU and xgrammar's Triton kernel masks them there; the samples
+    obey the schema as on the CPU."""
+    model = copy.deepcopy(tiny.model).to("cuda")
+    config = EngineConfig(num_pages=512, page_size=4, model_revision=tiny.revision)
+    engine = Engine(model, tiny.tokenizer, config)
+    sampling = structured("json_schema", json.dumps(SCHEMA))
+    recorder = run(engine, GenerateRequest("cuda", prompt=PROMPT, sampling=sampling))
+    assert_all_stopped(recorder, "cuda", 4)
+    for text in texts(recorder, "cuda", 4):
+        jsonschema.validate(json.loads(text), SCHEMA)
