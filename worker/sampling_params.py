@@ -38,13 +38,16 @@ class StopLimits:
     """Characters of each string."""
 
 
-StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+StructuredKind = Literal[
+    "json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"
+]
 STRUCTURED_KINDS: tuple[StructuredKind, ...] = (
     "json_schema",
     "json_object",
     "regex",
     "choice",
     "grammar",
+    "structural_tag",
 )
 
 
@@ -55,7 +58,8 @@ class StructuredOutput:
 
     kind: StructuredKind
     spec: str = ""
-    """The schema (JSON text), the pattern or the grammar; "" for json_object and choice."""
+    """The schema or the structural tag (JSON text), the pattern or the grammar; "" for
+    json_object and choice."""
     choices: tuple[str, ...] = ()
 
     @property
@@ -84,14 +88,18 @@ class StructuredOutput:
                 raise InvalidRequest(self.field, "a choice is the empty string")
         elif self.kind != "json_object" and not self.spec:
             raise InvalidRequest(self.field, "is empty")
-        if self.kind == "json_schema":
+        if self.kind in ("json_schema", "structural_tag"):
             try:
-                schema = json.loads(self.spec)
+                value = json.loads(self.spec)
             except ValueError as err:
                 raise InvalidRequest(self.field, f"is not JSON: {err}") from None
-            if not isinstance(schema, (dict, bool)):
+            if self.kind == "json_schema" and not isinstance(value, (dict, bool)):
                 raise InvalidRequest(
-                    self.field, f"a schema is an object or a boolean, got {type(schema).__name__}"
+                    self.field, f"a schema is an object or a boolean, got {type(value).__name__}"
+                )
+            if self.kind == "structural_tag" and not isinstance(value, dict):
+                raise InvalidRequest(
+                    self.field, f"a structural tag is an object, got {type(value).__name__}"
                 )
 
 

@@ -39,8 +39,8 @@ _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 `_LENGTH_BOUNDED_CHAR`, which lets a raw control character (U+0000-U+001F but CR and LF) into
 the string; JSON allows none unescaped (RFC 8259 section 7), and `json.loads` refuses them. Its
 unbounded strings exclude them, as `_JSON_STRING_CHAR` does."""
-_COMPILER_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-"""The time and C++ source location xgrammar puts before its messages."""
+_COMPILER_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+"""The time, C++ source location and failed check xgrammar puts before its messages."""
 
 
 class GrammarRefused(RuntimeError):
@@ -73,6 +73,8 @@ class GrammarCompiler:
                 return compiler.compile_regex(structured.spec)
             if structured.kind == "grammar":
                 return compiler.compile_grammar(structured.spec)
+            if structured.kind == "structural_tag":
+                return compiler.compile_structural_tag(mend_structural_tag(structured.spec))
             return compiler.compile_grammar(choice_grammar(structured.choices))
         except RuntimeError as err:  # xgrammar's errors, whatever the kind
             raise InvalidRequest(structured.field, f"does not compile: {_message(err)}") from None
@@ -104,6 +106,27 @@ def json_grammar(schema: str) -> str:
     """The EBNF grammar of compact JSON that `schema` accepts (xgrammar's, with one mend)."""
     grammar = str(_xgrammar().Grammar.from_json_schema(schema, any_whitespace=False))
     return grammar.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR)
+
+
+def mend_structural_tag(spec: str) -> str:
+    """`spec` with each JSON-schema part (style "json") written as the grammar `json_grammar`
+    makes of it: xgrammar's own JSON parts in a structural tag let any run of whitespace in
+    between tokens and raw control characters into strings, as its plain schemas do."""
+
+    def mend(value: Any) -> Any:
+        if isinstance(value, list):
+            return [mend(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        if (
+            value.get("type") == "json_schema"
+            and "json_schema" in value
+            and value.get("style", "json") == "json"
+        ):
+            return {"type": "grammar", "grammar": json_grammar(json.dumps(value["json_schema"]))}
+        return {key: mend(item) for key, item in value.items()}
+
+    return json.dumps(mend(json.loads(spec)))
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

@@ -263,6 +263,7 @@ def _structured_outputs(given: StructuredOutputs) -> tuple[serving_pb2.Structure
         "choice": given.choice,
         "grammar": given.grammar,
         "json_object": given.json_object,
+        "structural_tag": given.structural_tag,
     }
     set_ = [kind for kind, value in kinds.items() if value is not None]
     if len(set_) != 1:

@@ -122,6 +122,8 @@ class StructuredOutputs(Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
+    """xgrammar's structural tag, as JSON text."""
 
 
 class GenerationParams(Body):

@@ -202,7 +202,8 @@ BAD = {
     "two kinds in structured_outputs": Bad(
         {"structured_outputs": {"regex": "a", "choice": ["b"]}},
         400,
-        "structured_outputs: set one of json, regex, choice, grammar, json_object; 2 are set",
+        "structured_outputs: set one of json, regex, choice, grammar, json_object, "
+        "structural_tag; 2 are set",
         "structured_outputs",
     ),
     "two structured outputs": Bad(

@@ -38,6 +38,22 @@ SCHEMA = {
     "required": ["name", "tier", "pages", "hit", "tags"],
     "additionalProperties": False,
 }
+CALL_TAG = {
+    "type": "tag",
+    "begin": '<call name="lookup">',
+    "content": {"type": "json_schema", "json_schema": SCHEMA},
+    "end": "</call>",
+}
+CALLS_ONLY = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tags_with_separator",
+        "tags": [CALL_TAG],
+        "separator": "\n",
+        "at_least_one": True,
+        "stop_after_first": True,
+    },
+}
 CHOICES = ("yes", "no", 'say "maybe"', "été", "日本")
 
 
@@ -146,6 +162,16 @@ def test_an_ebnf_grammar(tiny: LoadedModel) -> None:
     assert all(re.fullmatch(r"\(([0-9x])(,[0-9x])*\)", text) for text in outputs), outputs
 
 
+def test_a_structural_tag_shapes_the_tagged_part(tiny: LoadedModel) -> None:
+    sampling = structured("structural_tag", json.dumps(CALLS_ONLY))
+    recorder = run(engine_for(tiny), GenerateRequest("t", prompt=PROMPT, sampling=sampling))
+    assert_all_stopped(recorder, "t", 4)
+    for text in texts(recorder, "t", 4):
+        found = re.fullmatch(r'<call name="lookup">(.*)</call>', text, re.S)
+        assert found, text
+        jsonschema.validate(json.loads(found.group(1)), SCHEMA)
+
+
 def test_a_complete_text_ends_the_sample_even_with_ignore_eos(tiny: LoadedModel) -> None:
     sampling = structured("choice", choices=("alpha", "beta"), ignore_eos=True, n=2)
     recorder = run(engine_for(tiny), GenerateRequest("i", prompt=PROMPT, sampling=sampling))
@@ -186,6 +212,11 @@ def test_free_requests_in_the_same_batch_are_unchanged(tiny: LoadedModel) -> Non
         ("regex", "a(b", "parenthesis is not closed"),
         ("grammar", 'start ::= "a"', 'root rule with name "root" is not found'),
         ("grammar", 'root ::= "a" |', "EBNF parser error"),
+        (
+            "structural_tag",
+            '{"type": "structural_tag", "format": {"type": "nope"}}',
+            "Invalid structural tag error: Format type not recognized: nope",
+        ),
     ],
 )
 def test_a_constraint_that_does_not_compile_is_refused_by_name(
@@ -198,7 +229,9 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(
         engine.submit(GenerateRequest("bad", prompt=PROMPT, sampling=sampling), print)
     assert refused.value.field == f"sampling.structured.{kind}"
     assert says in str(refused.value)
-    assert not str(refused.value).lstrip().startswith("[")  # no compiler timestamp
+    message = str(refused.value)
+    assert "[" not in message.partition(": does not compile: ")[2][:1]  # no compiler timestamp
+    assert "Check failed" not in message
     assert engine.cache.pool.num_free == free_pages
     # the engine serves on, and the id is free again
     ok = run(
@@ -217,6 +250,7 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(
         (StructuredOutput("choice"), "0 choices"),
         (StructuredOutput("choice", choices=("a", "")), "empty string"),
         (StructuredOutput("grammar", "x" * (MAX_STRUCTURED_CHARS + 1)), "at most 65,536"),
+        (StructuredOutput("structural_tag", "[1]"), "a structural tag is an object, got list"),
         (StructuredOutput("xml", "x"), "is not one of"),  # type: ignore[arg-type]
     ],
 )
@@ -235,6 +269,7 @@ def test_what_no_compiler_could_take_is_refused_before_the_worker(
         StructuredOutput("regex", r"\d+"),
         StructuredOutput("choice", choices=CHOICES),
         StructuredOutput("grammar", 'root ::= "a"'),
+        StructuredOutput("structural_tag", json.dumps(CALLS_ONLY)),
     ],
 )
 def test_the_wire_carries_each_kind(structured_output: StructuredOutput) -> None:
