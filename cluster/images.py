@@ -25,6 +25,7 @@ from protos.radixmesh.v1 import serving_pb2
 from worker.errors import InvalidRequest
 from worker.image_prompt import ImagePromptSpec, PromptImage, cache_tokens
 from worker.images import CheckedImage
+from worker.tool_calls import ToolCall
 
 
 def image_fields(count: int, given: Sequence[str] = ()) -> list[str]:
@@ -43,7 +44,7 @@ def chat_messages(
     messages = []
     for i, message in enumerate(chat.messages):
         if not message.parts:
-            messages.append({"role": message.role, "content": message.content})
+            messages.append({"role": message.role, "content": message.content, **_tools(message)})
             continue
         if message.content:
             raise InvalidRequest(f"chat.messages[{i}]", "give its content or its parts, not both")
@@ -66,11 +67,23 @@ def chat_messages(
                 content.append({"type": "image"})
             else:
                 raise InvalidRequest(where, "set its text or its image")
-        messages.append({"role": message.role, "content": content})
+        messages.append({"role": message.role, "content": content, **_tools(message)})
     unplaced = sorted(set(range(images)) - set(order))
     if unplaced:
         raise InvalidRequest(f"images[{unplaced[0]}]", "no chat part places it (ChatPart.image)")
     return tuple(messages), order
+
+
+def _tools(message: serving_pb2.ChatMessage) -> dict[str, Any]:
+    """A message's tool fields, where it has them (a template tests for the keys)."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls:
+        fields["tool_calls"] = tuple(
+            ToolCall(call.name, call.arguments, call.id) for call in message.tool_calls
+        )
+    if message.tool_call_id:
+        fields["tool_call_id"] = message.tool_call_id
+    return fields
 
 
 def check_count(fields: Sequence[str], max_images: int) -> None:

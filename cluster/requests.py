@@ -42,8 +42,9 @@ from worker.errors import InvalidRequest
 from worker.images import CheckedImage
 from worker.request import GenerateRequest
 from worker.sampling_params import SamplingParams
+from worker.tool_calls import check_tools, tool_constraint
 from worker.validation import RequestLimits
-from worker.wire import sampling_from_proto
+from worker.wire import sampling_from_proto, tools_from_proto
 
 if TYPE_CHECKING:
     from cluster.text_prompts import TextPrompts, TextTurn
@@ -126,8 +127,10 @@ def prepare(
         namespace=request_namespace(message, allowed_tenant, adapters),
         sampling=sampling_from_proto(message.sampling),
         images=tuple(message.images[k] for k in order),
+        tools=tools_from_proto(message.tools),
         **prompt,
     )
+    request = _with_tools(message, request)
     if message.text_match not in serving_pb2.TextMatch.values():
         raise InvalidRequest(
             "text_match", f"{message.text_match} is not one of {serving_pb2.TextMatch.keys()}"
@@ -208,6 +211,31 @@ def adapter_identity(name: str | None, adapters: Mapping[str, str] | None) -> st
         loaded = ", ".join(sorted(adapters or {})) or "none"
         raise InvalidRequest("namespace.adapter", f"unknown adapter {name!r} (loaded: {loaded})")
     return identity
+
+
+def _with_tools(message: serving_pb2.GenerateRequest, request: GenerateRequest) -> GenerateRequest:
+    """The request with its tools checked and the constraint of their calls in its sampling."""
+    choice = message.tool_choice or "auto"
+    if not request.tools:
+        if choice not in ("auto", "none"):
+            raise InvalidRequest("tool_choice", f"{choice!r} needs tools, and none are given")
+        if message.HasField("parallel_tool_calls"):
+            raise InvalidRequest("parallel_tool_calls", "needs tools, and none are given")
+        return request
+    if request.messages is None:
+        raise InvalidRequest("tools", "are shown to a chat's model; send the prompt as messages")
+    check_tools(request.tools)
+    parallel = message.parallel_tool_calls if message.HasField("parallel_tool_calls") else True
+    constraint = tool_constraint(request.tools, choice, parallel)
+    if constraint is None:
+        return request
+    if request.sampling.structured is not None:
+        raise InvalidRequest(
+            "tool_choice",
+            f"{choice!r} constrains the calls, and the request asks for a structured output "
+            'too; give one of them (tool_choice "none" leaves the output to it)',
+        )
+    return replace(request, sampling=replace(request.sampling, structured=constraint))
 
 
 def _prompt(message: serving_pb2.GenerateRequest) -> tuple[dict[str, Any], list[int]]:

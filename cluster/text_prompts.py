@@ -95,8 +95,14 @@ class PromptEncoder:
         )
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return self._prompts.tokenizer.apply_chat_template(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        return self._prompts.tokenizer.apply_chat_template(messages, tools=tools)
+
+    @property
+    def renders_tools(self) -> bool:
+        return self._prompts.tokenizer.renders_tools
 
 
 class TextPrompts:

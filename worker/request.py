@@ -7,6 +7,7 @@ from typing import Any
 
 from cache import DEFAULT_NAMESPACE, CacheNamespace
 from worker.sampling_params import SamplingParams
+from worker.tool_calls import Tool
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -50,6 +51,9 @@ class GenerateRequest:
     images: tuple[bytes, ...] = ()
     """Image files of a vision prompt (worker/images.py checks them, worker/image_prompt.py
     places them): in the order of their placeholders (or, in expanded ids, their runs)."""
+    tools: tuple[Tool, ...] = ()
+    """Tools a chat's model is shown (worker/tool_calls.py); the constraint their calls are
+    generated under is `sampling.structured`."""
 
     @property
     def generated_before(self) -> int:

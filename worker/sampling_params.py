@@ -19,9 +19,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20
 """Top log-probabilities per token a request may ask for (OpenAI's top_logprobs bound)."""
-MAX_STRUCTURED_CHARS = 65_536
-"""Characters of a structured output's schema, pattern, grammar or choices together: compiling
-one is work the worker does before the request is queued."""
+MAX_STRUCTURED_CHARS = 1_048_576
+"""Characters of a structured output's schema, pattern, grammar or choices together (a tool
+call's constraint holds every tool's parameters): compiling one is work the worker does before
+the request is queued."""
 MAX_CHOICES = 1_024
 MAX_PENALTY = 2.0
 """Presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range);

@@ -19,6 +19,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding
 from tokenizers import Tokenizer as BackendTokenizer
@@ -240,6 +241,19 @@ class Tokenizer:
                 "chat_template.jinja); send a plain prompt instead of chat messages"
             )
         return compile_chat_template(self.chat_template)
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """The chat template reads the `tools` variable (Qwen's, Llama 3.1's, Hermes's, ...);
+        False for one that does not, or for no template."""
+        if self.chat_template is None:
+            return False
+        env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+        try:
+            parsed = env.parse(self.chat_template)
+        except jinja2.exceptions.TemplateSyntaxError:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(parsed)
 
     def apply_chat_template(
         self,

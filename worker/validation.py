@@ -39,6 +39,7 @@ from worker.image_prompt import (
 from worker.images import CheckedImage, ImageLimits, check_images
 from worker.request import GenerateRequest
 from worker.sampling_params import MAX_N, StopLimits
+from worker.tool_calls import plain_conversation, template_conversation
 
 DEFAULT_MAX_PROMPT_CHARS = 1 << 20
 HEAD_CHARS_PER_TOKEN = 16
@@ -65,7 +66,12 @@ class LimitSettings(Protocol):
 class PromptTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> str: ...
+
+    @property
+    def renders_tools(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,14 +170,37 @@ def _prompt_ids(
             text = expand_text(text, images, spec)
         return _encode("prompt", text, tokenizer, limits)
     assert request.messages is not None
-    messages = _chat(request.messages, len(images), limits, vision=spec is not None)
+    conversation, tools = _tool_turns(request, tokenizer)
+    messages = _chat(conversation, len(images), limits, vision=spec is not None)
     try:
-        text = tokenizer.apply_chat_template(messages)
+        text = (
+            tokenizer.apply_chat_template(messages, tools=tools)
+            if tools
+            else tokenizer.apply_chat_template(messages)
+        )
     except ValueError as err:  # no template, or the template refused the conversation
         raise InvalidRequest("messages", str(err)) from err
     if spec is not None:
         text = expand_text(text, images, spec)
     return _encode("messages", text, tokenizer, limits, add_special_tokens=False)
+
+
+def _tool_turns(
+    request: GenerateRequest, tokenizer: PromptTokenizer
+) -> tuple[Sequence[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation and the tools as the chat template takes them: as transformers passes
+    them to a template that renders tools, else written into the turns (worker/tool_calls.py)."""
+    assert request.messages is not None
+    turns = any(
+        isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+        for m in request.messages
+    )
+    if not request.tools and not turns:
+        return request.messages, None
+    if tokenizer.renders_tools:
+        tools = [tool.as_openai() for tool in request.tools] or None
+        return template_conversation(request.messages), tools
+    return plain_conversation(request.messages, request.tools), None
 
 
 def _given_ids(

@@ -5,6 +5,8 @@ Absent optional fields take the engine's defaults; every conversion error names 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cache import CacheNamespace
@@ -12,6 +14,7 @@ from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.errors import InvalidRequest
 from worker.request import RequestOutput, Resume, TokenLogprob
 from worker.sampling_params import SamplingParams, StructuredOutput
+from worker.tool_calls import NO_PARAMETERS, Tool
 
 if TYPE_CHECKING:  # the adapter record holds tensors; this module imports no torch
     from worker.lora_slots import AdapterState
@@ -78,6 +81,17 @@ def structured_to_proto(structured: StructuredOutput) -> serving_pb2.StructuredO
     else:
         setattr(message, structured.kind, structured.spec)
     return message
+
+
+def tools_from_proto(tools: Sequence[serving_pb2.Tool]) -> tuple[Tool, ...]:
+    return tuple(
+        Tool(
+            tool.name,
+            tool.description if tool.HasField("description") else None,
+            tool.parameters or json.dumps(NO_PARAMETERS),
+        )
+        for tool in tools
+    )
 
 
 def resume_from_proto(message: worker_pb2.WorkerGenerateRequest) -> Resume | None:

@@ -172,13 +172,14 @@ class HttpApi:
         reply = Reply(f"chatcmpl-{rid}", adapter or self.model, self.token_texts())
         logprobs = bool(body.logprobs)
         options = body.stream_options or StreamOptions()
+        tools = openai_params.callable_tools(body)
         stream = self.start(message, caller, fill_context=True, image_fields=image_fields)
         return await self.respond(
             request,
             stream,
             body,
-            lambda stream: chat_chunks(reply, stream, options, logprobs),
-            lambda samples, counts: chat_completion(reply, samples, counts, logprobs),
+            lambda stream: chat_chunks(reply, stream, options, logprobs, tools),
+            lambda samples, counts: chat_completion(reply, samples, counts, logprobs, tools),
             logprobs,
             openai_params.structured_fields(body),
         )

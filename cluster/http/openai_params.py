@@ -28,7 +28,13 @@ from cluster.http.openai_schema import (
 )
 from protos.radixmesh.v1 import serving_pb2
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 """OpenAI's roles -> the chat template's ("developer" is OpenAI's newer name for "system")."""
 MAX_TOP_LOGPROBS = 20
 TEXT_MATCH = {
@@ -82,7 +88,35 @@ def chat_request(
     )
     message.namespace.tenant = tenant
     message.text_match = TEXT_MATCH[request.text_match]
+    _tools(request, message)
     return message, chat.image_fields
+
+
+def callable_tools(request: ChatCompletionRequest) -> frozenset[str]:
+    """The names of the functions whose calls are read out of the answer's text (none with
+    tool_choice "none")."""
+    if request.tool_choice == "none" or not request.tools:
+        return frozenset()
+    return frozenset(tool.function.name for tool in request.tools)
+
+
+def _tools(request: ChatCompletionRequest, message: serving_pb2.GenerateRequest) -> None:
+    for tool in request.tools or []:
+        function = tool.function
+        message.tools.append(
+            serving_pb2.Tool(
+                name=function.name,
+                description=function.description,
+                parameters=json.dumps(function.parameters) if function.parameters else "",
+            )
+        )
+    choice = request.tool_choice
+    if isinstance(choice, str):
+        message.tool_choice = choice
+    elif choice is not None:
+        message.tool_choice = choice.function.name
+    if request.parallel_tool_calls is not None:
+        message.parallel_tool_calls = request.parallel_tool_calls
 
 
 @dataclass
@@ -100,13 +134,24 @@ def chat_prompt(messages: list[ChatMessage]) -> ChatPrompt:
         where = f"messages[{i}]"
         role = ROLES.get(each.role)
         if role is None:
-            raise HttpError.invalid(
-                f"{where}.role", f"{each.role!r} is not one of {sorted(ROLES)} (no tool calling)"
-            )
-        for name in ("name", "tool_calls", "tool_call_id", "function_call", "audio", "refusal"):
+            raise HttpError.invalid(f"{where}.role", f"{each.role!r} is not one of {sorted(ROLES)}")
+        for name in ("name", "function_call", "audio", "refusal"):
             if getattr(each, name) not in (None, []):
                 raise HttpError.invalid(f"{where}.{name}", "is not supported")
-        chat.messages.append(_message(role, each.content, where, chat))
+        if each.tool_calls and role != "assistant":
+            raise HttpError.invalid(f"{where}.tool_calls", "only an assistant's turn has calls")
+        if (each.tool_call_id is None) != (role != "tool"):
+            problem = "is only for a tool message" if role != "tool" else "is required"
+            raise HttpError.invalid(f"{where}.tool_call_id", f"{problem} (the call answered)")
+        turn = _message(role, each.content, where, chat)
+        for call in each.tool_calls or []:
+            turn.tool_calls.append(
+                serving_pb2.ToolCall(
+                    id=call.id, name=call.function.name, arguments=call.function.arguments
+                )
+            )
+        turn.tool_call_id = each.tool_call_id or ""
+        chat.messages.append(turn)
     return chat
 
 
@@ -240,8 +285,9 @@ def structured_fields(request: GenerationParams) -> dict[str, str]:
     """What a refusal of the request's structured output is named by the worker -> by the
     request (`sampling.structured.json_schema` -> `response_format.json_schema.schema`)."""
     constraint = structured_output(request)
-    if constraint is None:
-        return {}
+    if constraint is None:  # the calls' constraint, if any, is made of the tools' parameters
+        calls = isinstance(request, ChatCompletionRequest) and callable_tools(request)
+        return {"sampling.structured.structural_tag": "tools"} if calls else {}
     message, where = constraint
     return {f"sampling.structured.{message.WhichOneof('kind')}": where}
 

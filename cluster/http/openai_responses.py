@@ -25,14 +25,18 @@ from cluster.http.openai_schema import (
     CompletionChoice,
     CompletionLogprobs,
     Delta,
+    FunctionCall,
     PromptTokensDetails,
     StreamOptions,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
 from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
+from worker.tool_calls import BEGIN, ToolCall, read_calls
 
 Responses = AsyncGenerator[serving_pb2.GenerateResponse, None]
 """A request's stream of messages from the serving core (`RouterService.generate`)."""
@@ -156,20 +160,76 @@ def chat_logprobs(
 
 
 def chat_completion(
-    reply: Reply, samples: dict[int, Sample], counts: Counts, logprobs: bool
+    reply: Reply,
+    samples: dict[int, Sample],
+    counts: Counts,
+    logprobs: bool,
+    tools: frozenset[str] = frozenset(),
 ) -> ChatCompletion:
-    choices = [
-        ChatChoice(
-            index=index,
-            message=AssistantMessage(content="".join(s.text)),
-            logprobs=chat_logprobs(reply.texts, s.token_ids, s.logprobs) if logprobs else None,
-            finish_reason=s.finish_reason,
+    """`tools`: the names of the functions the model may call (their calls are read out of
+    the text into `tool_calls`)."""
+    choices = []
+    for index, s in sorted(samples.items()):
+        text = "".join(s.text)
+        content, calls = read_calls(text, tools) if tools else (text, [])
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(
+                    content=content if calls else text,
+                    tool_calls=[_call_out(call) for call in calls] or None,
+                ),
+                logprobs=chat_logprobs(reply.texts, s.token_ids, s.logprobs) if logprobs else None,
+                finish_reason=_finish(s.finish_reason, calls),
+            )
         )
-        for index, s in sorted(samples.items())
-    ]
     return ChatCompletion(
         id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=counts.usage()
     )
+
+
+def _call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _finish(reason: str | None, calls: list[ToolCall]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class HeldCalls:
+    """One streamed choice's text with its calls held back: what may begin a `<tool_call>`
+    waits, and from a whole one on everything waits for the end, where the calls are read."""
+
+    def __init__(self, tools: frozenset[str]) -> None:
+        self.tools = tools
+        self.held = ""
+        self.calling = False
+
+    def feed(self, text: str) -> str:
+        """The part of the text so far that is content for certain."""
+        self.held += text
+        if not self.calling:
+            at = self.held.find(BEGIN)
+            if at >= 0:
+                self.calling = True
+                out, self.held = self.held[:at], self.held[at:]
+                return out
+            keep = next(
+                (
+                    n
+                    for n in range(min(len(BEGIN) - 1, len(self.held)), 0, -1)
+                    if self.held.endswith(BEGIN[:n])
+                ),
+                0,
+            )
+            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+            return out
+        return ""
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest of the content, and the calls."""
+        content, calls = read_calls(self.held, self.tools)
+        return (content or "") if calls else self.held, calls
 
 
 async def chat_chunks(
@@ -177,12 +237,14 @@ async def chat_chunks(
     stream: Responses,
     options: StreamOptions,
     logprobs: bool,
+    tools: frozenset[str] = frozenset(),
 ) -> AsyncIterator[bytes]:
     """The stream's events: a first chunk per choice with the role, then its text as it comes
     (the last with finish_reason), a usage chunk if asked, then [DONE]. Closing it closes the
-    request's stream."""
+    request's stream. With `tools`, a choice's calls come whole in its last chunk."""
     counts = Counts()
     started: set[int] = set()
+    held: dict[int, HeldCalls] = {}
     include_usage, continuous = options.include_usage, options.continuous_usage_stats
 
     def chunk(choice: ChunkChoice) -> bytes:
@@ -203,12 +265,29 @@ async def chat_chunks(
                 yield chunk(ChunkChoice(index=index, delta=Delta(role="assistant", content="")))
             if not worth_a_chunk(response, logprobs):
                 continue
+            text, calls = response.text, list[ToolCall]()
+            if tools:
+                calling = held.setdefault(index, HeldCalls(tools))
+                text = calling.feed(text)
+                if response.finished:
+                    rest, calls = calling.finish()
+                    text += rest
+                elif not text and not logprobs:
+                    continue
             ids, values = list(response.token_ids), list(response.logprobs)
+            deltas = [
+                ToolCallDelta(
+                    index=k, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)
+                )
+                for k, c in enumerate(calls)
+            ]
             choice = ChunkChoice(
                 index=index,
-                delta=Delta(content=response.text),
+                delta=Delta(
+                    content=text if text or not deltas else None, tool_calls=deltas or None
+                ),
                 logprobs=chat_logprobs(reply.texts, ids, values) if logprobs else None,
-                finish_reason=response.finish_reason if response.finished else None,
+                finish_reason=_finish(response.finish_reason, calls) if response.finished else None,
             )
             yield chunk(choice)
     if include_usage:

@@ -88,12 +88,26 @@ class StreamOptions(Strict):
     """vLLM's: every chunk carries the usage so far (guidellm asks for it)."""
 
 
+class CalledFunction(Strict):
+    name: str
+    arguments: str
+    """A JSON object, as JSON text."""
+
+
+class ToolCallParam(Strict):
+    """One call of an assistant's turn, as the client sends the conversation back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: Any = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
@@ -160,16 +174,38 @@ class GenerationParams(Body):
     store: Any = None
 
 
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    """Accepted either way: the arguments always satisfy the parameters' schema."""
+
+
+class ToolParam(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -190,11 +226,8 @@ class CompletionRequest(GenerationParams):
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     # parameter: (why it is refused, the values that ask for nothing and are accepted)
-    "tools": ("tool calling is not supported", ([],)),
-    "tool_choice": ("tool calling is not supported", ("none",)),
-    "functions": ("function calling is not supported", ([],)),
-    "function_call": ("function calling is not supported", ("none",)),
-    "parallel_tool_calls": ("tool calling is not supported", ()),
+    "functions": ("deprecated by OpenAI: send tools", ([],)),
+    "function_call": ("deprecated by OpenAI: send tool_choice", ("none",)),
     "audio": ("only text is served", ()),
     "modalities": ("only text is served", (["text"],)),
     "prediction": ("predicted outputs are not supported", ()),
@@ -243,10 +276,29 @@ class ChoiceLogprobs(BaseModel):
     refusal: None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -269,10 +321,16 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer
     def _present(self) -> dict[str, Any]:  # a delta carries only what changed
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (
+            ("role", self.role),
+            ("content", self.content),
+            ("tool_calls", [c.model_dump() for c in self.tool_calls] if self.tool_calls else None),
+        )
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChunkChoice(BaseModel):

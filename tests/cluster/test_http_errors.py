@@ -87,6 +87,13 @@ NOT_IN_THE_SDK = {
     "guided_whitespace_pattern",
     "structured_outputs",
 }
+
+
+def tool(name: str, parameters: dict[str, object] | None = None) -> dict[str, object]:
+    schema = parameters or {"type": "object", "properties": {"x": {"type": "integer"}}}
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}
 BAD = {
     "empty prompt": Bad({"prompt": ""}, 400, "prompt: is empty", "prompt"),
@@ -156,17 +163,93 @@ BAD = {
         "messages[0].content[0]",
     ),
     "no messages": Bad({"messages": []}, 400, "messages: is empty", "messages"),
-    "tool role": Bad(
-        {"messages": [{"role": "tool", "content": "x"}]}, 400, "'tool'", "messages[0].role"
+    "tool message without its call": Bad(
+        {"messages": [{"role": "tool", "content": "x"}]},
+        400,
+        "messages[0].tool_call_id: is required (the call answered)",
+        "messages[0].tool_call_id",
+    ),
+    "unknown role": Bad(
+        {"messages": [{"role": "function", "content": "x"}]}, 400, "'function'", "messages[0].role"
     ),
     "request id": Bad({}, 400, "request_id", "request_id", {"X-Request-Id": "no spaces allowed"}),
     "string max_tokens": Bad({"max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
     # parameters radixmesh does not implement: refused by name, not ignored
-    "tools": Bad(
+    # tools: each refusal names the tool or the turn at fault
+    "tool without a function": Bad(
         {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
         400,
-        "tools: tool calling",
+        "tools[0].function: Field required",
+        "tools[0].function",
+    ),
+    "tool name with a space": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [tool("get weather")]},
+        400,
+        "tools[0].name: 'get weather' is not 1-64 of a-z, A-Z, 0-9, _ and -",
+        "tools[0].name",
+    ),
+    "tool declared twice": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [tool("f"), tool("f")]},
+        400,
+        "tools[1].name: 'f' is declared twice",
+        "tools[1].name",
+    ),
+    "tool_choice naming no tool": Bad(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [tool("get_weather")],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        400,
+        "tool_choice: 'nope' is not one of the tools: ['get_weather']",
+        "tool_choice",
+    ),
+    "tool_choice required without tools": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+        400,
+        "tool_choice: 'required' needs tools, and none are given",
+        "tool_choice",
+    ),
+    "tools and a response format": Bad(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [tool("f")],
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "tool_choice: 'auto' constrains the calls, and the request asks for a structured output",
+        "tool_choice",
+    ),
+    "parameters that do not compile": Bad(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [tool("f", {"type": "nonsense"})],
+        },
+        400,
+        'tools: does not compile: Unsupported type "nonsense"',
         "tools",
+    ),
+    "call arguments that are not JSON": Bad(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            ],
+            "tools": [tool("f")],
+        },
+        400,
+        "messages[1].tool_calls[0].function.arguments: is not JSON",
+        "messages[1].tool_calls[0].function.arguments",
     ),
     # structured outputs: refused by the router or by the worker's compiler, named as sent
     "schema that does not compile": Bad(

@@ -249,7 +249,10 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(
         (StructuredOutput("regex", ""), "is empty"),
         (StructuredOutput("choice"), "0 choices"),
         (StructuredOutput("choice", choices=("a", "")), "empty string"),
-        (StructuredOutput("grammar", "x" * (MAX_STRUCTURED_CHARS + 1)), "at most 65,536"),
+        (
+            StructuredOutput("grammar", "x" * (MAX_STRUCTURED_CHARS + 1)),
+            f"at most {MAX_STRUCTURED_CHARS:,}",
+        ),
         (StructuredOutput("structural_tag", "[1]"), "a structural tag is an object, got list"),
         (StructuredOutput("xml", "x"), "is not one of"),  # type: ignore[arg-type]
     ],

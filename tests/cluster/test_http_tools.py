@@ -1,0 +1,209 @@
+"""Tool calling through the OpenAI API, with the `openai` SDK as an agent calls it: tools and
+tool_choice in, `tool_calls` out (whole and streamed), the SDK's pydantic tools parsed back, and
+a conversation that carries calls and their results served on. The tiny model's weights are
+random, so every well-formed call in these answers is the constraint's doing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
+from worker.loader import LoadedModel
+
+MODEL = SERVED_NAME
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "A forecast", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+class Lookup(BaseModel):
+    """Look a word up."""
+
+    word: Literal["cache", "page", "tree"]
+    limit: int = Field(ge=1, le=9)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    # the tools' description takes ~700 of the tiny byte-level vocabulary's tokens
+    engine = replace(ENGINE, num_pages=1024, max_model_len=1024)
+    cluster = start_cluster(tiny, http=True, engine=engine)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def assert_valid_calls(calls: list) -> None:  # type: ignore[type-arg]
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_gives_tool_calls_and_no_content(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        n=3,
+        temperature=1.0,
+        seed=4,
+        max_tokens=120,
+    )
+    for choice in reply.choices:
+        assert_valid_calls(choice.message.tool_calls or [])
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None
+        else:  # the random model may go on calling: the call max_tokens cut stays text
+            assert choice.finish_reason == "length", choice
+            assert (choice.message.content or "").startswith("<tool_call>")
+    assert "tool_calls" in {c.finish_reason for c in reply.choices}
+    cluster.wait_idle()
+
+
+def test_a_named_function_and_one_call_at_most(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=150,
+        temperature=1.0,
+        seed=1,
+    )
+    calls = named.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_time"]
+    assert_valid_calls(calls)
+    single = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=3,
+        max_tokens=120,
+        temperature=1.0,
+        seed=2,
+    )
+    assert all(len(c.message.tool_calls or []) == 1 for c in single.choices)
+    cluster.wait_idle()
+
+
+def test_streamed_calls_accumulate_as_the_sdk_reads_them(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        temperature=1.0,
+        seed=6,
+    )
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    with client.chat.completions.stream(**kwargs) as stream:  # type: ignore[arg-type]
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion()
+    expected = whole.choices[0].message.tool_calls or []
+    got = streamed.choices[0].message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in got] == [
+        (c.function.name, c.function.arguments) for c in expected
+    ]
+    assert streamed.choices[0].finish_reason == "tool_calls"
+    cluster.wait_idle()
+
+
+def test_the_sdks_pydantic_tool_is_parsed_back(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    reply = client.chat.completions.parse(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=[openai.pydantic_function_tool(Lookup)],
+        tool_choice="required",
+        max_tokens=150,
+        temperature=1.0,
+        seed=3,
+    )
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, Lookup)
+    cluster.wait_idle()
+
+
+def test_a_conversation_with_calls_and_results_goes_on(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """An agent's second turn: its call and the tool's result sent back, answered as text
+    (tool_choice none) and counted as prompt; then the tools' description leaves the prompt
+    when no tools are given."""
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    message = first.choices[0].message
+    (call,) = message.tool_calls or []
+    turns = [
+        *ASK,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "c": 4}'},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL,
+        messages=turns,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=8,
+        temperature=0,
+    )
+    assert second.choices[0].message.tool_calls is None
+    assert isinstance(second.choices[0].message.content, str)
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    cluster.wait_idle()
+    assert not cluster.service.in_flight

@@ -1,0 +1,212 @@
+"""Tool calls: the tools and the turns written for a template with or without a place for
+them, the constraint compiled and obeyed by the random tiny model, and the calls read back
+from text, whole or streamed in any pieces."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import jsonschema
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cache.integrity import check_sequence_cache
+from cluster.http.openai_responses import HeldCalls
+from tests.worker.helpers import Recorder, drain
+from worker.engine import Engine, EngineConfig
+from worker.errors import InvalidRequest
+from worker.loader import LoadedModel
+from worker.request import FINISH_STOP, GenerateRequest
+from worker.sampling_params import SamplingParams
+from worker.tokenizer import Tokenizer
+from worker.tool_calls import (
+    Tool,
+    ToolCall,
+    check_tools,
+    plain_conversation,
+    read_calls,
+    template_conversation,
+    tool_constraint,
+)
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TOOLS = (
+    Tool("get_weather", "The forecast for a city", json.dumps(WEATHER)),
+    Tool("get_time", None, json.dumps(CLOCK)),
+)
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+NAMES = frozenset(SCHEMAS)
+CONVERSATION = (
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": (ToolCall("get_weather", '{"city": "Paris", "days": 2}', "call_1"),),
+    },
+    {"role": "tool", "content": '{"sky": "clear"}', "tool_call_id": "call_1"},
+    {"role": "tool", "content": '{"wind": 3}', "tool_call_id": "call_2"},
+)
+QWEN_LIKE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def engine_for(loaded: LoadedModel) -> Engine:
+    config = EngineConfig(num_pages=512, page_size=4, model_revision=loaded.revision)
+    return Engine(loaded.model, loaded.tokenizer, config)
+
+
+def calls_of(loaded: LoadedModel, choice: str, parallel: bool = True, n: int = 4) -> list:
+    """(text, content, calls) of each of n samples; a constraint that calls must end them."""
+    constraint = tool_constraint(TOOLS, choice, parallel)
+    sampling = SamplingParams(max_tokens=200, temperature=1.0, seed=9, n=n, structured=constraint)
+    request = GenerateRequest("t", messages=CONVERSATION[:1], sampling=sampling, tools=TOOLS)
+    engine, recorder = engine_for(loaded), Recorder()
+    engine.submit(request, recorder.outputs.append)
+    drain(engine)
+    check_sequence_cache(engine.cache)
+    out = []
+    for i in range(n):
+        if choice != "auto":  # free text may run to max_tokens
+            assert recorder.final("t", i).finish_reason == FINISH_STOP
+        text = "".join(o.text for o in recorder.by_request()["t"] if o.index == i)
+        out.append((text, *read_calls(text, NAMES)))
+    return out
+
+
+def test_required_calls_are_calls_of_the_tools_with_valid_arguments(tiny: LoadedModel) -> None:
+    for text, content, calls in calls_of(tiny, "required"):
+        assert calls, text
+        assert content is None, text  # nothing but calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+            assert call.id.startswith("call_")
+
+
+def test_a_named_function_is_called_once(tiny: LoadedModel) -> None:
+    for text, _, calls in calls_of(tiny, "get_time"):
+        assert [c.name for c in calls] == ["get_time"], text
+
+
+def test_parallel_false_allows_one_call(tiny: LoadedModel) -> None:
+    for text, _, calls in calls_of(tiny, "required", parallel=False):
+        assert len(calls) == 1, text
+
+
+def test_auto_lets_text_come_and_keeps_a_started_call_valid(tiny: LoadedModel) -> None:
+    """The random model rarely writes the tag by chance; what it writes is served, and any
+    call in it is valid (the grammar shapes what follows a `<tool_call>`)."""
+    for text, content, calls in calls_of(tiny, "auto", n=6):
+        if calls:
+            for call in calls:
+                jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        else:
+            assert content == text
+
+
+def test_none_and_no_tools_constrain_nothing() -> None:
+    assert tool_constraint(TOOLS, "none") is None
+    assert tool_constraint((), "auto") is None
+
+
+def test_check_tools_refuses_what_no_model_could_call() -> None:
+    with pytest.raises(InvalidRequest, match=r"tools\[0\].parameters: is not JSON"):
+        check_tools([Tool("f", None, "{")])
+    with pytest.raises(InvalidRequest, match=r"tools\[0\].parameters: a schema is an object"):
+        check_tools([Tool("f", None, "[]")])
+    with pytest.raises(InvalidRequest, match="at most 128"):
+        check_tools([Tool(f"f{i}") for i in range(129)])
+
+
+def test_read_calls_takes_calls_of_known_tools_and_leaves_the_rest() -> None:
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
+        "\n<tool_call>not json</tool_call>"
+    )
+    content, calls = read_calls(text, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+    assert content is not None and content.startswith("Let me check.")
+    assert '"launch"' in content and "not json" in content
+    assert read_calls("plain", NAMES) == ("plain", [])
+    cut = '<tool_call>\n{"name": "get_time", "arguments": {"zo'
+    assert read_calls(cut, NAMES) == (cut, [])
+
+
+@given(st.lists(st.integers(0, 200), max_size=12))
+def test_streamed_pieces_give_what_the_whole_text_gives(cuts: list[int]) -> None:
+    text = (
+        "Sure <tool <tool_ca checking.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n'
+        "</tool_call>\n"
+    )
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    held = HeldCalls(NAMES)
+    streamed = "".join(held.feed(text[a:b]) for a, b in itertools.pairwise(bounds))
+    rest, calls = held.finish()
+    content, whole = read_calls(text, NAMES)
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole]
+    assert (streamed + rest).strip() == content
+    assert "<tool_call>" not in streamed
+
+
+def test_a_template_without_tools_gets_them_written_into_the_turns(tiny: LoadedModel) -> None:
+    assert tiny.tokenizer is not None and not tiny.tokenizer.renders_tools
+    turns = plain_conversation(CONVERSATION, TOOLS)
+    assert [t["role"] for t in turns] == ["system", "user", "assistant", "user"]
+    assert "<tools>" in turns[0]["content"] and '"name": "get_weather"' in turns[0]["content"]
+    assert turns[2]["content"] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+        "</tool_call>"
+    )
+    assert turns[3]["content"] == (
+        '<tool_response>\n{"sky": "clear"}\n</tool_response>\n'
+        '<tool_response>\n{"wind": 3}\n</tool_response>'
+    )
+    with_system = plain_conversation(({"role": "system", "content": "Be brief."},), TOOLS)
+    assert with_system[0]["content"].startswith("Be brief.\n\n# Tools")
+    rendered = tiny.tokenizer.apply_chat_template(turns)
+    assert rendered.count("<|im_start|>") == 5
+
+
+def test_a_template_with_tools_gets_them_as_transformers_passes_them(tiny: LoadedModel) -> None:
+    assert tiny.tokenizer is not None
+    tokenizer = Tokenizer(tiny.tokenizer.backend, eos_token="<|im_end|>", chat_template=QWEN_LIKE)
+    assert tokenizer.renders_tools
+    turns = template_conversation(CONVERSATION)
+    assert turns[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 2}
+    rendered = tokenizer.apply_chat_template(turns, tools=[t.as_openai() for t in TOOLS])
+    assert '"description": "The forecast for a city"' in rendered
+    assert '<call>get_weather {"city": "Paris", "days": 2}</call>' in rendered
+    assert '<|im_start|>tool\n{"sky": "clear"}' in rendered
+
+
+def test_the_engine_renders_tools_for_a_chat(tiny: LoadedModel) -> None:
+    """The same conversation with and without tools: the tools take prompt tokens."""
+    engine = engine_for(tiny)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    lengths = []
+    for tools in ((), TOOLS):
+        recorder = Recorder()
+        request = GenerateRequest(
+            f"r{len(tools)}", messages=CONVERSATION, sampling=sampling, tools=tools
+        )
+        engine.submit(request, recorder.outputs.append)
+        drain(engine)
+        lengths.append(recorder.outputs[0].prompt_tokens)
+    assert lengths[1] > lengths[0] + 50
