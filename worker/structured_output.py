@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
     from worker.tokenizer import Tokenizer
 
+GRAMMAR_CACHE_BYTES = 128 * 1024 * 1024
+"""What the compiled grammars kept for the next request may hold (xgrammar's default keeps
+every one: a worker serving a new schema per request would grow without end)."""
 ANY_OBJECT = '{"type": "object"}'
 """OpenAI's `json_object`: any JSON object (a bare array or number is not one)."""
 _LENGTH_BOUNDED_CHAR = r"[^\"\\\r\n]"
@@ -98,7 +101,9 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     fast, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgrammar.GrammarCompiler(info)
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+                )
             return self._compiler
 
 

@@ -5,9 +5,15 @@ Image blocks carry base64 files (cluster/http/image_parts.py); each goes to
 GenerateRequest.images, placed by a ChatPart where it was, and is named by its block when
 refused ("messages[0].content[1].source").
 
+Tools: `tools` and `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`) map to
+the serving core's, `tool_use` blocks of an assistant turn to its calls and `tool_result` blocks
+to tool messages (before the rest of their user turn); the calls come back as `tool_use` blocks
+(worker/tool_calls.py reads them out of the text), streamed whole after the text.
+
 finish reasons: a stop sequence -> stop_reason "stop_sequence" (and which, in stop_sequence),
-any other stop -> "end_turn", "length" -> "max_tokens". Usage counts prompt tokens read from the
-prefix cache as `cache_read_input_tokens` and the rest as `input_tokens`, as Anthropic does.
+any other stop -> "end_turn" ("tool_use" with calls), "length" -> "max_tokens". Usage counts
+prompt tokens read from the prefix cache as `cache_read_input_tokens` and the rest as
+`input_tokens`, as Anthropic does.
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ from cluster.http.anthropic_schema import (
     MessageUsage,
     TextBlock,
     TokenCount,
+    ToolUseBlock,
 )
 from cluster.http.errors import GenerationFailed, HttpError
 from cluster.http.image_parts import anthropic_image
 from cluster.http.openai_params import ChatPrompt
 from cluster.http.openai_responses import (
     Counts,
+    HeldCalls,
     Responses,
     collect,
     prepend,
@@ -43,11 +51,14 @@ from cluster.http.openai_responses import (
 from cluster.http.sse import EventStream
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
+from worker.tool_calls import ToolCall, read_calls
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+"""Anthropic's tool_choice types -> the serving core's ("tool" names the function)."""
 
 
 def add_routes(app: FastAPI, api: HttpApi) -> None:
@@ -58,17 +69,24 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         message, image_fields = generate_request(body, rid, api.tenant(request))
         message.namespace.adapter = adapter or ""
         model = adapter or api.model
+        tools = callable_tools(body)
+        fields = {"sampling.structured.structural_tag": "tools"}
         stream = api.start(message, caller, image_fields=image_fields)
         if body.stream:
-            first = await api.finish(request, anext(stream))  # a refusal: a status, not an event
-            return EventStream(events(f"msg_{rid}", model, first, stream), served_by(first))
-        samples, counts = await api.finish(request, collect(stream))
+            first = await api.finish(request, anext(stream), fields)  # a refusal: a status
+            reply_events = events(f"msg_{rid}", model, first, stream, tools)
+            return EventStream(reply_events, served_by(first))
+        samples, counts = await api.finish(request, collect(stream), fields)
         sample = samples[0]
+        text = "".join(sample.text)
+        content, calls = read_calls(text, tools) if tools else (text, [])
+        blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=content)] if content else []
+        blocks += [tool_use(call) for call in calls]
         reply = Message(
             id=f"msg_{rid}",
             model=model,
-            content=[TextBlock(text="".join(sample.text))],
-            stop_reason=stop_reason(sample.finish_reason, sample.stop_string),
+            content=blocks or [TextBlock(text=text)],
+            stop_reason=stop_reason(sample.finish_reason, sample.stop_string, calls),
             stop_sequence=sample.stop_string,
             usage=usage(counts),
         )
@@ -77,12 +95,13 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def count_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
         caller = api.caller(request)
         api.check_model(body.model)
-        for name in ("tools", "tool_choice", "thinking"):
-            if getattr(body, name) is not None:
-                raise HttpError.invalid(name, REFUSED[name][0])
+        if body.thinking is not None:
+            raise HttpError.invalid("thinking", REFUSED["thinking"][0])
         chat = chat_prompt(body)
-        if chat.images:  # placed and expanded as a request would be: what usage will report
-            ids = await api.chat_prompt_ids(chat, caller, api.tenant(request))
+        tools = request_tools(body)
+        turns = any(m.tool_calls or m.role == "tool" for m in chat.messages)
+        if chat.images or tools or turns:  # placed, expanded, tools written as when served
+            ids = await api.chat_prompt_ids(chat, caller, api.tenant(request), tools)
             return TokenCount(input_tokens=len(ids))
         text = await api.render(chat.messages)
         return TokenCount(input_tokens=len(await api.encode(text, False, "messages")))
@@ -117,9 +136,41 @@ def generate_request(
         chat=serving_pb2.ChatMessages(messages=chat.messages),
         sampling=sampling,
         images=chat.images,
+        tools=request_tools(body),
     )
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if choice.name is None:
+                raise HttpError.invalid("tool_choice.name", 'is required with type "tool"')
+            message.tool_choice = choice.name
+        else:
+            message.tool_choice = TOOL_CHOICES[choice.type]
+        if choice.disable_parallel_tool_use is not None:
+            message.parallel_tool_calls = not choice.disable_parallel_tool_use
     message.namespace.tenant = tenant
     return message, chat.image_fields
+
+
+def request_tools(body: MessagesRequest | CountTokensRequest) -> list[serving_pb2.Tool]:
+    return [
+        serving_pb2.Tool(
+            name=tool.name, description=tool.description, parameters=json.dumps(tool.input_schema)
+        )
+        for tool in body.tools or []
+    ]
+
+
+def callable_tools(body: MessagesRequest) -> frozenset[str]:
+    """The tools whose calls are read out of the answer (none with tool_choice none)."""
+    if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
+        return frozenset()
+    return frozenset(tool.name for tool in body.tools)
+
+
+def tool_use(call: ToolCall) -> ToolUseBlock:
+    tool_id = "toolu_" + call.id.removeprefix("call_")
+    return ToolUseBlock(id=tool_id, name=call.name, input=json.loads(call.arguments))
 
 
 def chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
@@ -130,8 +181,69 @@ def chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
             raise HttpError.invalid("system", "images go in the messages, not the system prompt")
         chat.messages.append(system)
     for i, each in enumerate(body.messages):
-        chat.messages.append(_message(each.role, each.content, f"messages[{i}].content", chat))
+        where = f"messages[{i}].content"
+        content = each.content
+        if isinstance(content, list):
+            chat.messages += _tool_results(each.role, content, where)
+            content = [b for b in content if b.get("type") != "tool_result"]
+            if not content and each.role == "user":
+                continue  # a turn of tool results only
+        calls = _tool_uses(each.role, content, where)
+        if isinstance(content, list):
+            content = [b for b in content if b.get("type") != "tool_use"]
+        turn = _message(each.role, content, where, chat)
+        turn.tool_calls.extend(calls)
+        chat.messages.append(turn)
     return chat
+
+
+def _tool_results(
+    role: str, blocks: list[dict[str, Any]], where: str
+) -> list[serving_pb2.ChatMessage]:
+    """A user turn's `tool_result` blocks as tool messages (they come first in the turn)."""
+    out = []
+    for j, block in enumerate(blocks):
+        if block.get("type") != "tool_result":
+            continue
+        if role != "user":
+            raise HttpError.invalid(f"{where}[{j}]", "tool results come in a user turn")
+        tool_id, content = block.get("tool_use_id"), block.get("content", "")
+        if not isinstance(tool_id, str) or not tool_id:
+            raise HttpError.invalid(f"{where}[{j}].tool_use_id", "is required")
+        if isinstance(content, list):
+            texts = [b.get("text") for b in content if isinstance(b, dict)]
+            if not all(isinstance(t, str) for t in texts) or len(texts) != len(content):
+                raise HttpError.invalid(
+                    f"{where}[{j}].content", "only text blocks are served in a tool result"
+                )
+            content = "\n".join(texts)  # type: ignore[arg-type]
+        if not isinstance(content, str):
+            raise HttpError.invalid(f"{where}[{j}].content", "must be a string or text blocks")
+        if block.get("is_error"):
+            content = f"Error: {content}"
+        out.append(serving_pb2.ChatMessage(role="tool", content=content, tool_call_id=tool_id))
+    return out
+
+
+def _tool_uses(
+    role: str, content: str | list[dict[str, Any]], where: str
+) -> list[serving_pb2.ToolCall]:
+    """An assistant turn's `tool_use` blocks as its calls."""
+    if isinstance(content, str):
+        return []
+    calls = []
+    for j, block in enumerate(content):
+        if block.get("type") != "tool_use":
+            continue
+        if role != "assistant":
+            raise HttpError.invalid(f"{where}[{j}]", "tool_use blocks come in an assistant turn")
+        name, tool_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
+        if not isinstance(name, str) or not isinstance(tool_id, str):
+            raise HttpError.invalid(f"{where}[{j}]", "a tool_use block needs an id and a name")
+        if not isinstance(arguments, dict):
+            raise HttpError.invalid(f"{where}[{j}].input", "must be an object")
+        calls.append(serving_pb2.ToolCall(id=tool_id, name=name, arguments=json.dumps(arguments)))
+    return calls
 
 
 def _message(
@@ -161,9 +273,13 @@ def _message(
     return serving_pb2.ChatMessage(role=role, parts=parts)
 
 
-def stop_reason(finish: str | None, stop_string: str | None) -> str | None:
+def stop_reason(
+    finish: str | None, stop_string: str | None, calls: list[ToolCall] | None = None
+) -> str | None:
     if stop_string:
         return "stop_sequence"
+    if calls and finish == "stop":
+        return "tool_use"
     return STOP_REASONS.get(finish or "", finish)
 
 
@@ -181,9 +297,12 @@ async def events(
     model: str,
     first: serving_pb2.GenerateResponse,
     rest: Responses,
+    tools: frozenset[str] = frozenset(),
 ) -> AsyncIterator[bytes]:
-    """message_start, a text block's start, deltas and stop, message_delta (stop reason, output
-    tokens), message_stop; a failure mid-way is an `error` event."""
+    """message_start, a text block's start, deltas and stop, each call's tool_use block (its
+    input in one input_json_delta), message_delta (stop reason, output tokens), message_stop;
+    a failure mid-way is an `error` event. With tools, the text block starts at the first text,
+    so an answer of calls alone is calls alone, as when not streamed."""
     cached = first.cached_prompt_tokens
     opening = MessageUsage(
         input_tokens=first.prompt_tokens - cached, output_tokens=0, cache_read_input_tokens=cached
@@ -192,30 +311,58 @@ async def events(
         id=message_id, model=model, content=[], stop_reason=None, usage=opening
     ).model_dump()
     yield _event("message_start", {"type": "message_start", "message": start})
-    text: dict[str, Any] = {"type": "text", "text": ""}
-    block = {"type": "content_block_start", "index": 0, "content_block": text}
-    yield _event("content_block_start", block)
     counts = Counts()
     finish, stop_string = None, None
+    held = HeldCalls(tools) if tools else None
+    calls: list[ToolCall] = []
+    opened = False
     try:
         async with contextlib.aclosing(read(prepend(first, rest), counts)) as responses:
             async for response in responses:
-                if response.text:
-                    delta = {"type": "text_delta", "text": response.text}
-                    yield _event(
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": 0, "delta": delta},
-                    )
+                text = held.feed(response.text) if held is not None else response.text
                 if response.finished:
                     finish, stop_string = response.finish_reason, response.stop_string or None
+                    if held is not None:
+                        rest_text, calls = held.finish()
+                        text += rest_text
+                if text or (not opened and held is None):
+                    if not opened:
+                        opened = True
+                        yield _block_start(0, {"type": "text", "text": ""})
+                    if text:
+                        delta = {"type": "text_delta", "text": text}
+                        yield _event(
+                            "content_block_delta",
+                            {"type": "content_block_delta", "index": 0, "delta": delta},
+                        )
     except (ServingError, GenerationFailed) as err:
         yield _event("error", HttpError.of(err).anthropic_body())
         return
-    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-    stop = {"stop_reason": stop_reason(finish, stop_string), "stop_sequence": stop_string}
+    if not opened and not calls:  # an empty answer is one empty text block
+        opened = True
+        yield _block_start(0, {"type": "text", "text": ""})
+    if opened:
+        yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    for index, call in enumerate(calls, start=int(opened)):
+        block = tool_use(call).model_dump() | {"input": {}}
+        yield _block_start(index, block)
+        delta = {"type": "input_json_delta", "partial_json": call.arguments}
+        yield _event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
+        yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+    reason = stop_reason(finish, stop_string, calls)
+    stop = {"stop_reason": reason, "stop_sequence": stop_string}
     output = {"output_tokens": counts.completion_tokens}
     yield _event("message_delta", {"type": "message_delta", "delta": stop, "usage": output})
     yield _event("message_stop", {"type": "message_stop"})
+
+
+def _block_start(index: int, block: dict[str, Any]) -> bytes:
+    return _event(
+        "content_block_start",
+        {"type": "content_block_start", "index": index, "content_block": block},
+    )
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:

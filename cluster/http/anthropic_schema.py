@@ -24,6 +24,22 @@ class Metadata(Strict):
     user_id: str | None = None
 
 
+class ToolParam(Strict):
+    """A client tool (Anthropic's server tools, such as web search, have their own `type`)."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
 class MessagesRequest(Body):
     model: str
     max_tokens: int
@@ -36,8 +52,8 @@ class MessagesRequest(Body):
     stream: bool = False
     metadata: Metadata | None = None
     cache_control: dict[str, Any] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Any = None
     service_tier: Any = None
     container: Any = None
@@ -45,8 +61,6 @@ class MessagesRequest(Body):
 
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
-    "tools": ("tool use is not supported", ([],)),
-    "tool_choice": ("tool use is not supported", ({"type": "none"},)),
     "thinking": ("this model does not think", ({"type": "disabled"},)),
     "service_tier": ("there is one tier", ("auto", "standard_only")),
     "container": ("code execution is not supported", ()),
@@ -58,14 +72,21 @@ class CountTokensRequest(Body):
     model: str
     messages: list[MessageParam]
     system: str | list[dict[str, Any]] | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Any = None
 
 
 class TextBlock(BaseModel):
     type: Literal["text"] = "text"
     text: str
+
+
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
 
 
 class MessageUsage(BaseModel):
@@ -82,7 +103,7 @@ class Message(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock]
+    content: list[TextBlock | ToolUseBlock]
     stop_reason: str | None
     stop_sequence: str | None = None
     usage: MessageUsage

@@ -341,13 +341,17 @@ class HttpApi:
         return await self.chat_prompt_ids(chat, caller, tenant)
 
     async def chat_prompt_ids(
-        self, chat: openai_params.ChatPrompt, caller: Caller, tenant: str
+        self,
+        chat: openai_params.ChatPrompt,
+        caller: Caller,
+        tenant: str,
+        tools: Sequence[serving_pb2.Tool] = (),
     ) -> list[int]:
-        """The prompt ids a chat request of `chat` (images included) would be served with
-        (router_service.count_prompt: the request's own checks but the context's, refusals
+        """The prompt ids a chat request of `chat` (images and tools included) would be served
+        with (router_service.count_prompt: the request's own checks but the context's, refusals
         named)."""
         message = serving_pb2.GenerateRequest(
-            chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images
+            chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images, tools=tools
         )
         message.namespace.tenant = tenant
         try:

@@ -188,10 +188,18 @@ def test_the_async_client_serves_concurrent_messages(cluster: LocalCluster) -> N
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}
 REFUSED: list[tuple[dict[str, Any], type[anthropic.APIStatusError], str]] = [
-    (
-        {"tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+    (  # a server tool: radixmesh runs no web search
+        {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
         anthropic.BadRequestError,
-        "tools",
+        "tools[0]",
+    ),
+    (
+        {
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool"},
+        },
+        anthropic.BadRequestError,
+        'tool_choice.name: is required with type "tool"',
     ),
     (
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE]}]},
@@ -286,13 +294,11 @@ def test_count_tokens_equals_the_prompt_of_a_real_call(
         assert counted.input_tokens == real.usage.input_tokens + (
             real.usage.cache_read_input_tokens or 0
         )
-    with pytest.raises(anthropic.BadRequestError) as err:
-        client.messages.count_tokens(
-            model=MODEL,
-            messages=MESSAGES,
-            tools=[{"name": "f", "input_schema": {"type": "object"}}],
-        )
-    assert "tools" in str(err.value)
+    bare = client.messages.count_tokens(model=MODEL, messages=MESSAGES)
+    with_tools = client.messages.count_tokens(
+        model=MODEL, messages=MESSAGES, tools=[{"name": "f", "input_schema": {"type": "object"}}]
+    )
+    assert with_tools.input_tokens > bare.input_tokens + 50  # the tools are described
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="other", messages=MESSAGES)
     cluster.wait_idle()

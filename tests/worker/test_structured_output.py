@@ -22,7 +22,7 @@ from worker.loader import LoadedModel
 from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestOutput
 from worker.sampling import Sampler
 from worker.sampling_params import MAX_STRUCTURED_CHARS, SamplingParams, StructuredOutput
-from worker.structured_output import Constraint, GrammarRefused
+from worker.structured_output import GRAMMAR_CACHE_BYTES, Constraint, GrammarRefused
 from worker.wire import sampling_from_proto, sampling_to_proto
 
 PROMPT = "The router moves a stream to another worker"
@@ -313,6 +313,15 @@ def test_resumed_tokens_the_grammar_refuses_end_the_request_with_an_error(
     outputs = resumed(tiny, forged, 1, sampling)[1:]
     assert outputs[-1].finish_reason == "error"
     assert "structured output" in (outputs[-1].error or "")
+
+
+def test_the_compiled_grammars_kept_are_bounded(tiny: LoadedModel) -> None:
+    """xgrammar keeps every grammar it compiled unless told a bound: a worker serving a new
+    schema per request would grow without end."""
+    engine = engine_for(tiny)
+    engine.grammars.compile(StructuredOutput("regex", "a+"))
+    compiler = engine.grammars._compiler
+    assert compiler is not None and compiler.cache_limit_bytes == GRAMMAR_CACHE_BYTES
 
 
 def test_a_sampler_whose_allowed_tokens_are_all_minus_infinity_refuses(tiny: LoadedModel) -> None:
