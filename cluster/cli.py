@@ -29,6 +29,7 @@ from cluster.client_tls import TlsOptionsError, add_tls_arguments, tls_from_args
 from cluster.loadtest.cli import add_arguments as add_loadtest_arguments
 from cluster.loadtest.cli import main as loadtest_main
 from cluster.ray_token import create_token_file
+from protos.radixmesh.v1 import serving_pb2
 from worker.error_details import refusal_of
 from worker.errors import ContextOverflow
 
@@ -75,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands.choices["generate"].add_argument("text")
     commands.choices["generate"].add_argument(
         "--raw", action="store_true", help="complete the text as is (no chat template)"
+    )
+    shape = commands.choices["generate"].add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema", metavar="FILE", help="answer in JSON that this JSON Schema file accepts"
+    )
+    shape.add_argument("--json", action="store_true", help="answer in a JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", help="answer with text the pattern matches")
+    shape.add_argument(
+        "--choice", action="append", metavar="TEXT", help="answer with one of these; repeatable"
     )
     commands.choices["generate"].add_argument(
         "--image",
@@ -126,13 +136,33 @@ def generate(args: argparse.Namespace, client: Client) -> int:
         adapter=args.adapter,
         images=images,
     )
+    try:
+        structured = _structured(args)
+    except OSError as err:
+        console.print(f"[red]--json-schema: {escape(str(err))}[/]", soft_wrap=True)
+        return 2
     if args.raw:
         request = text_request(args.text, **common)
     else:
         chat = ([("system", args.system)] if args.system else []) + [("user", args.text)]
         request = text_request(chat=chat, **common)
+    if structured is not None:
+        request.sampling.structured.CopyFrom(structured)
     _stream(client, request)
     return 0
+
+
+def _structured(args: argparse.Namespace) -> serving_pb2.StructuredOutput | None:
+    """The structured output the flags ask for (the server judges the schema and pattern)."""
+    if args.json_schema is not None:
+        return serving_pb2.StructuredOutput(json_schema=Path(args.json_schema).read_text())
+    if args.json:
+        return serving_pb2.StructuredOutput(json_object=True)
+    if args.regex is not None:
+        return serving_pb2.StructuredOutput(regex=args.regex)
+    if args.choice:
+        return serving_pb2.StructuredOutput(choice=serving_pb2.Choices(values=args.choice))
+    return None
 
 
 def chat(args: argparse.Namespace, client: Client) -> int:

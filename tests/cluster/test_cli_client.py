@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +41,28 @@ def test_generate_streams_the_answer_and_reports_the_cache(cluster: LocalCluster
     assert "0 from cache" in first.stderr and "worker-" in first.stderr
     chat = run(*args)  # through the chat template
     assert chat.returncode == 0 and chat.stdout.strip()
+
+
+def test_generate_answers_in_the_shape_asked(cluster: LocalCluster, tmp_path: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"tier": {"enum": ["device", "host", "disk"]}},
+        "required": ["tier"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    common = ["--target", cluster.target, "--max-tokens", "60", "--temperature", "1"]
+    out = run("generate", "Which tier?", *common, "--json-schema", str(tmp_path / "schema.json"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tier"] in ("device", "host", "disk")
+    out = run("generate", "Pick", *common, "--choice", "red", "--choice", "blue")
+    assert out.returncode == 0 and out.stdout.strip() in ("red", "blue"), out
+    out = run("generate", "Code?", *common, "--regex", "[0-9]{4}")
+    assert out.returncode == 0 and re.fullmatch(r"[0-9]{4}", out.stdout.strip()), out
+    bad = run("generate", "x", *common, "--regex", "a(b")
+    assert bad.returncode == 1 and "sampling.structured.regex: does not compile" in bad.stderr
+    missing = run("generate", "x", *common, "--json-schema", str(tmp_path / "none.json"))
+    assert missing.returncode == 2 and "--json-schema" in missing.stderr
 
 
 def test_chat_keeps_the_conversation_and_hits_the_cache(cluster: LocalCluster) -> None:
