@@ -231,7 +231,7 @@ def _with_tools(message: serving_pb2.GenerateRequest, request: GenerateRequest) 
         return request
     if request.sampling.structured is not None:
         raise InvalidRequest(
-            "tool_choice",
+            "tool_choice" if message.tool_choice else "tools",
             f"{choice!r} constrains the calls, and the request asks for a structured output "
             'too; give one of them (tool_choice "none" leaves the output to it)',
         )

@@ -38,7 +38,9 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 """A function declared without parameters takes none (OpenAI's reading)."""
 BEGIN, END = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+MODES = ("auto", "required", "none")
+"""tool_choice's modes: no tool may be called one of these, as a named choice is the name."""
+_JSON = json.JSONDecoder()
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -85,6 +87,8 @@ def check_tools(tools: Sequence[Tool], field: str = "tools") -> None:
             raise InvalidRequest(
                 f"{where}.name", f"{tool.name!r} is not 1-64 of a-z, A-Z, 0-9, _ and -"
             )
+        if tool.name in MODES:
+            raise InvalidRequest(f"{where}.name", f"{tool.name!r} is a mode of tool_choice")
         if tool.name in seen:
             raise InvalidRequest(f"{where}.name", f"{tool.name!r} is declared twice")
         seen.add(tool.name)
@@ -95,6 +99,11 @@ def check_tools(tools: Sequence[Tool], field: str = "tools") -> None:
         if not isinstance(schema, dict):
             raise InvalidRequest(
                 f"{where}.parameters", f"a schema is an object, got {type(schema).__name__}"
+            )
+        if schema.get("type", "object") != "object":
+            raise InvalidRequest(
+                f"{where}.parameters",
+                f"a call's arguments are an object; this schema's type is {schema['type']!r}",
             )
 
 
@@ -133,34 +142,51 @@ def _tag(tool: Tool) -> dict[str, Any]:
 
 
 def read_calls(text: str, tools: Collection[str]) -> tuple[str | None, list[ToolCall]]:
-    """The content (the text outside the calls; None if nothing is left) and the calls of a
-    generated text, `tools` naming the functions that may be called. A tag whose body is not a
-    call of one of them stays in the content, as does a call cut off by max_tokens."""
-    calls, kept, last = [], [], 0
-    for found in _CALL.finditer(text):
-        call = _call(found.group(1), tools)
-        if call is None:
+    """The content and the calls of a generated text, `tools` naming the functions that may be
+    called. The content is the text with the calls taken out, as it was (None when only
+    whitespace is left: an answer of calls alone). A tag whose body is not a call of one of
+    them stays in the content, as does a call cut off by max_tokens."""
+    content, calls = split_calls(text, tools)
+    return (content if content.strip() or not calls else None), calls
+
+
+def split_calls(text: str, tools: Collection[str]) -> tuple[str, list[ToolCall]]:
+    """The text with its calls taken out, and the calls."""
+    calls, kept, last, at = [], [], 0, text.find(BEGIN)
+    while at >= 0:
+        found = _call(text, at + len(BEGIN), tools)
+        if found is None:
+            at = text.find(BEGIN, at + 1)
             continue
-        kept.append(text[last : found.start()])
-        last = found.end()
+        call, end = found
+        kept.append(text[last:at])
         calls.append(call)
+        last = end
+        at = text.find(BEGIN, end)
     kept.append(text[last:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
+    return "".join(kept), calls
 
 
-def _call(body: str, names: Collection[str]) -> ToolCall | None:
+def _call(text: str, start: int, names: Collection[str]) -> tuple[ToolCall, int] | None:
+    """The call whose JSON begins after `start` (whitespace first), and where its closing tag
+    ends; None if there is none. The JSON is read whole, so an argument may hold the tag."""
+    begin = len(text) - len(text[start:].lstrip())
     try:
-        value = json.loads(body)
+        value, end = _JSON.raw_decode(text, begin)
     except ValueError:
+        return None
+    rest = len(text) - len(text[end:].lstrip())
+    if not text.startswith(END, rest):
         return None
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", {})
     if not isinstance(arguments, dict):
         return None
-    text = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(value["name"], text, f"call_{uuid.uuid4().hex[:24]}")
+    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), call_id), rest + len(
+        END
+    )
 
 
 def template_conversation(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -191,36 +217,55 @@ def plain_conversation(
     """The messages for a template that knows nothing of tools: the tools described at the
     end of the system message (one is added first if there is none), each assistant call
     written in its turn as the model is asked to write it, and each run of tool results as one
-    user turn of `<tool_response>` blocks (as Qwen 2.5's template renders them)."""
+    user turn of `<tool_response>` blocks (as Qwen 2.5's template renders them). A content of
+    parts (a vision model's) stays parts, the written text a text part after them."""
     out: list[dict[str, Any]] = []
+    responses = False  # the last turn out is a run of tool results
     for i, message in enumerate(messages):
         role, content = message.get("role"), message.get("content") or ""
         if role == "tool":
-            response = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("tool_responses"):
+            response = f"<tool_response>\n{_text(content)}\n</tool_response>"
+            if responses:
                 out[-1]["content"] += "\n" + response
             else:
-                out.append({"role": "user", "content": response, "tool_responses": True})
+                out.append({"role": "user", "content": response})
+            responses = True
             continue
-        calls = message.get("tool_calls") or []
+        responses = False
         written = [
             f'{BEGIN}\n{{"name": {json.dumps(c.name)}, "arguments": '
             f"{json.dumps(_arguments(c, i, j), ensure_ascii=False)}}}\n{END}"
-            for j, c in enumerate(calls)
+            for j, c in enumerate(message.get("tool_calls") or [])
         ]
-        out.append({"role": role, "content": "\n".join([content] * bool(content) + written)})
-    for message in out:
-        message.pop("tool_responses", None)
+        turn = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
+        out.append(turn | {"content": _appended(content, "\n".join(written))})
     if tools:
         listed = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools)
         preamble = TOOLS_PREAMBLE.format(tools=listed)
         if out and out[0]["role"] == "system":
-            out[0]["content"] = (
-                f"{out[0]['content']}\n\n{preamble}" if out[0]["content"] else preamble
-            )
+            out[0]["content"] = _appended(out[0]["content"], preamble, "\n\n")
         else:
             out.insert(0, {"role": "system", "content": preamble})
     return out
+
+
+def _text(content: str | Sequence[dict[str, Any]]) -> str:
+    """A content's text (of a list of parts, its text parts', joined as a text model's are)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+
+
+def _appended(
+    content: str | Sequence[dict[str, Any]], text: str, between: str = "\n"
+) -> str | list[dict[str, Any]]:
+    """`content` with `text` after it: a string, or its parts with a text part after them (a
+    vision model's turns are parts)."""
+    if not text:
+        return content if isinstance(content, str) else list(content)
+    if isinstance(content, str):
+        return f"{content}{between}{text}" if content else text
+    return [*content, {"type": "text", "text": between + text if content else text}]
 
 
 def _arguments(call: ToolCall, i: int, j: int) -> Any:

@@ -36,7 +36,7 @@ from cluster.http.anthropic_schema import (
     TokenCount,
     ToolUseBlock,
 )
-from cluster.http.errors import GenerationFailed, HttpError
+from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.image_parts import anthropic_image
 from cluster.http.openai_params import ChatPrompt
 from cluster.http.openai_responses import (
@@ -70,7 +70,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         message.namespace.adapter = adapter or ""
         model = adapter or api.model
         tools = callable_tools(body)
-        fields = {"sampling.structured.structural_tag": "tools"}
+        fields = refusal_names()
         stream = api.start(message, caller, image_fields=image_fields)
         if body.stream:
             first = await api.finish(request, anext(stream), fields)  # a refusal: a status
@@ -101,7 +101,9 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         tools = request_tools(body)
         turns = any(m.tool_calls or m.role == "tool" for m in chat.messages)
         if chat.images or tools or turns:  # placed, expanded, tools written as when served
-            ids = await api.chat_prompt_ids(chat, caller, api.tenant(request), tools)
+            ids = await api.chat_prompt_ids(
+                chat, caller, api.tenant(request), tools, refusal_names()
+            )
             return TokenCount(input_tokens=len(ids))
         text = await api.render(chat.messages)
         return TokenCount(input_tokens=len(await api.encode(text, False, "messages")))
@@ -150,6 +152,17 @@ def generate_request(
             message.parallel_tool_calls = not choice.disable_parallel_tool_use
     message.namespace.tenant = tenant
     return message, chat.image_fields
+
+
+def refusal_names() -> Renames:
+    """The Messages API's names of the fields the serving core may refuse."""
+    return renames(
+        {
+            "sampling.structured.structural_tag": "tools",
+            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+        },
+        [(r"tools\[(\d+)\]\.parameters", r"tools[\1].input_schema")],
+    )
 
 
 def request_tools(body: MessagesRequest | CountTokensRequest) -> list[serving_pb2.Tool]:

@@ -42,7 +42,7 @@ from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.http import anthropic_routes, openai_params
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.body_limit import BodyLimit
-from cluster.http.errors import GenerationFailed, HttpError
+from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.image_parts import image_body_bytes
 from cluster.http.openai_responses import (
     DONE,
@@ -181,7 +181,7 @@ class HttpApi:
             lambda stream: chat_chunks(reply, stream, options, logprobs, tools),
             lambda samples, counts: chat_completion(reply, samples, counts, logprobs, tools),
             logprobs,
-            openai_params.structured_fields(body),
+            openai_params.refusal_names(body),
         )
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -201,7 +201,7 @@ class HttpApi:
             lambda stream: completion_chunks(reply, stream, options, logprobs),
             lambda samples, counts: completion(reply, samples, counts, logprobs),
             logprobs,
-            openai_params.structured_fields(body),
+            openai_params.refusal_names(body),
         )
 
     async def respond(
@@ -212,27 +212,28 @@ class HttpApi:
         events: Callable[[Responses], AsyncIterator[bytes]],
         whole: Callable[[dict[int, Sample], Counts], BaseModel],
         large: bool,
-        fields: Mapping[str, str] | None = None,
+        rename: Renames | None = None,
     ) -> Response:
         """A generation's answer: its event stream, started once the first token is there (a
         refusal is still an HTTP status, not an event in a 200 stream), or the whole response.
-        `fields`: the core's names of refused fields -> the request's (`HttpError.renamed`)."""
+        `rename`: the core's names of refused fields -> the request's (`HttpError.renamed`)."""
         if body.stream_options is not None and not body.stream:
             await stream.aclose()
             raise HttpError.invalid("stream_options", "is only allowed with stream: true")
         if body.stream:
-            first = await self.finish(request, anext(stream), fields)
+            first = await self.finish(request, anext(stream), rename)
             return EventStream(_guarded(events(prepend(first, stream))), served_by(first))
-        samples, counts = await self.finish(request, collect(stream), fields)
+        samples, counts = await self.finish(request, collect(stream), rename)
         return await _answer(lambda: whole(samples, counts), counts, large)
 
     async def finish(
-        self, request: Request, work: Awaitable[T], fields: Mapping[str, str] | None = None
+        self, request: Request, work: Awaitable[T], rename: Renames | None = None
     ) -> T:
         try:
             return await until_disconnected(request, work)
         except (ServingError, GenerationFailed) as err:
-            raise HttpError.of(err).renamed(fields or {}) from err
+            failure = HttpError.of(err)
+            raise (failure.renamed(rename) if rename else failure) from err
 
     async def models(self, request: Request) -> Response:
         """Every model served (the base model, then each adapter), in the shape of the SDK that
@@ -318,8 +319,10 @@ class HttpApi:
             ids = await self.encode(text, special, name)
         else:
             chat = openai_params.chat_prompt(body.messages or [])
-            if chat.images:
-                ids = await self.image_prompt_ids(body, chat, caller, self.tenant(request))
+            tools = openai_params.wire_tools(body.tools)
+            turns = any(m.tool_calls or m.role == "tool" for m in chat.messages)
+            if chat.images or tools or turns:
+                ids = await self.served_prompt_ids(body, chat, caller, self.tenant(request), tools)
             else:
                 text = await self.render(chat.messages, body.add_generation_prompt)
                 special = bool(body.add_special_tokens)  # the template wrote them (vLLM's)
@@ -328,17 +331,24 @@ class HttpApi:
         max_model_len = limits.max_model_len if limits else 0
         return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
 
-    async def image_prompt_ids(
-        self, body: TokenizeRequest, chat: openai_params.ChatPrompt, caller: Caller, tenant: str
+    async def served_prompt_ids(
+        self,
+        body: TokenizeRequest,
+        chat: openai_params.ChatPrompt,
+        caller: Caller,
+        tenant: str,
+        tools: Sequence[serving_pb2.Tool],
     ) -> list[int]:
-        """The ids a chat request with images is served with (each image's placeholder expanded
-        into its tiles' image tokens), as a request would be rendered: with the generation
-        prompt and no extra special tokens, so other settings are refused by name."""
+        """The ids a chat request with images or tools is served with (each image's placeholder
+        expanded into its tiles' image tokens, the tools and tool turns written as for the
+        model's template), as a request would be rendered: with the generation prompt and no
+        extra special tokens, so other settings are refused by name."""
         if not body.add_generation_prompt:
-            raise HttpError.invalid("add_generation_prompt", "with images it must be true")
+            raise HttpError.invalid("add_generation_prompt", "with images or tools it must be true")
         if body.add_special_tokens:
-            raise HttpError.invalid("add_special_tokens", "with images it must be false")
-        return await self.chat_prompt_ids(chat, caller, tenant)
+            raise HttpError.invalid("add_special_tokens", "with images or tools it must be false")
+        rename = renames({}, openai_params.TOOL_FIELDS)
+        return await self.chat_prompt_ids(chat, caller, tenant, tools, rename)
 
     async def chat_prompt_ids(
         self,
@@ -346,10 +356,11 @@ class HttpApi:
         caller: Caller,
         tenant: str,
         tools: Sequence[serving_pb2.Tool] = (),
+        rename: Renames | None = None,
     ) -> list[int]:
         """The prompt ids a chat request of `chat` (images and tools included) would be served
         with (router_service.count_prompt: the request's own checks but the context's, refusals
-        named)."""
+        named, as the request named them with `rename`)."""
         message = serving_pb2.GenerateRequest(
             chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images, tools=tools
         )
@@ -357,7 +368,8 @@ class HttpApi:
         try:
             return await self.service.count_prompt(message, caller, chat.image_fields)
         except ServingError as err:
-            raise HttpError.of(err) from err
+            failure = HttpError.of(err)
+            raise (failure.renamed(rename) if rename else failure) from err
 
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         self.caller(request)

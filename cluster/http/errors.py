@@ -7,7 +7,8 @@ table from those to HTTP statuses.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -52,6 +53,26 @@ _ANTHROPIC_TYPE = {
 }
 
 
+Renames = Callable[[str], str | None]
+"""A refused field as the serving core names it -> as the request named it (None: the same)."""
+
+
+def renames(fields: Mapping[str, str], patterns: Sequence[tuple[str, str]] = ()) -> Renames:
+    """`fields` by name, then the first of `patterns` (a regular expression over the whole
+    name, and its replacement) that matches."""
+    compiled = [(re.compile(pattern), replacement) for pattern, replacement in patterns]
+
+    def rename(param: str) -> str | None:
+        if param in fields:
+            return fields[param]
+        for pattern, replacement in compiled:
+            if pattern.fullmatch(param):
+                return pattern.sub(replacement, param)
+        return None
+
+    return rename
+
+
 class GenerationFailed(RuntimeError):
     """A worker ended a sample with an error (its message says which): 500, or an error event
     in a stream already begun."""
@@ -91,10 +112,10 @@ class HttpError(Exception):
         param = param if param and " " not in param else None
         return cls(status, err.message, param, code=code, anthropic=err.anthropic)
 
-    def renamed(self, fields: Mapping[str, str]) -> HttpError:
+    def renamed(self, rename: Renames) -> HttpError:
         """This refusal with its field called what the request called it (the serving core
         names `sampling.structured.json_schema` what a body sent as `response_format...`)."""
-        name = fields.get(self.param) if self.param is not None else None
+        name = rename(self.param) if self.param is not None else None
         if self.param is not None and name is not None:
             self.message = name + self.message.removeprefix(self.param)
             self.param = name

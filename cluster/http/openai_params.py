@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.http.errors import HttpError
+from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.image_parts import openai_image
 from cluster.http.openai_schema import (
     REFUSED,
@@ -25,6 +25,7 @@ from cluster.http.openai_schema import (
     GenerationParams,
     ResponseFormat,
     StructuredOutputs,
+    ToolParam,
 )
 from protos.radixmesh.v1 import serving_pb2
 
@@ -100,16 +101,19 @@ def callable_tools(request: ChatCompletionRequest) -> frozenset[str]:
     return frozenset(tool.function.name for tool in request.tools)
 
 
-def _tools(request: ChatCompletionRequest, message: serving_pb2.GenerateRequest) -> None:
-    for tool in request.tools or []:
-        function = tool.function
-        message.tools.append(
-            serving_pb2.Tool(
-                name=function.name,
-                description=function.description,
-                parameters=json.dumps(function.parameters) if function.parameters else "",
-            )
+def wire_tools(tools: list[ToolParam] | None) -> list[serving_pb2.Tool]:
+    return [
+        serving_pb2.Tool(
+            name=tool.function.name,
+            description=tool.function.description,
+            parameters=json.dumps(tool.function.parameters) if tool.function.parameters else "",
         )
+        for tool in tools or []
+    ]
+
+
+def _tools(request: ChatCompletionRequest, message: serving_pb2.GenerateRequest) -> None:
+    message.tools.extend(wire_tools(request.tools))
     choice = request.tool_choice
     if isinstance(choice, str):
         message.tool_choice = choice
@@ -279,6 +283,15 @@ def structured_output(
             found[1][1], f"{found[0][1]} asks for a structured output already; give one"
         )
     return found[0] if found else None
+
+
+TOOL_FIELDS = ((r"tools\[(\d+)\]\.(name|description|parameters)", r"tools[\1].function.\2"),)
+"""A tool's fields as the serving core names them -> as OpenAI's body nests them."""
+
+
+def refusal_names(request: GenerationParams) -> Renames:
+    """The request's names of the fields the serving core may refuse."""
+    return renames(structured_fields(request), TOOL_FIELDS)
 
 
 def structured_fields(request: GenerationParams) -> dict[str, str]:

@@ -36,7 +36,7 @@ from cluster.http.openai_schema import (
 )
 from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
-from worker.tool_calls import BEGIN, ToolCall, read_calls
+from worker.tool_calls import BEGIN, ToolCall, read_calls, split_calls
 
 Responses = AsyncGenerator[serving_pb2.GenerateResponse, None]
 """A request's stream of messages from the serving core (`RouterService.generate`)."""
@@ -198,38 +198,41 @@ def _finish(reason: str | None, calls: list[ToolCall]) -> str | None:
 
 class HeldCalls:
     """One streamed choice's text with its calls held back: what may begin a `<tool_call>`
-    waits, and from a whole one on everything waits for the end, where the calls are read."""
+    waits, from a whole one on everything waits for the end, where the calls are read, and
+    whitespace waits until something else comes (an answer of calls alone has no content).
+    What it lets out, and then `finish`'s content, are the content `read_calls` reads."""
 
     def __init__(self, tools: frozenset[str]) -> None:
         self.tools = tools
         self.held = ""
         self.calling = False
+        self.emitted = False
 
     def feed(self, text: str) -> str:
         """The part of the text so far that is content for certain."""
         self.held += text
-        if not self.calling:
-            at = self.held.find(BEGIN)
-            if at >= 0:
-                self.calling = True
-                out, self.held = self.held[:at], self.held[at:]
-                return out
-            keep = next(
-                (
-                    n
-                    for n in range(min(len(BEGIN) - 1, len(self.held)), 0, -1)
-                    if self.held.endswith(BEGIN[:n])
-                ),
-                0,
-            )
-            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-            return out
-        return ""
+        if self.calling:
+            return ""
+        at = self.held.find(BEGIN)
+        if at >= 0:
+            self.calling = True
+            cut = at
+        else:
+            tail = min(len(BEGIN) - 1, len(self.held))
+            keep = next((n for n in range(tail, 0, -1) if self.held.endswith(BEGIN[:n])), 0)
+            cut = len(self.held) - keep
+        if not self.emitted and not self.held[:cut].strip():
+            return ""  # only whitespace so far: it is content only if more than calls follows
+        out, self.held = self.held[:cut], self.held[cut:]
+        self.emitted = True
+        return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest of the content, and the calls."""
-        content, calls = read_calls(self.held, self.tools)
-        return (content or "") if calls else self.held, calls
+        content, calls = split_calls(self.held, self.tools)
+        if calls and not self.emitted and not content.strip():
+            return "", calls  # calls alone: no content, as read_calls says
+        return content, calls
 
 
 async def chat_chunks(

@@ -394,6 +394,8 @@ class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolParam] | None = None
+    """vLLM's: counted as they are written into the prompt."""
     add_special_tokens: bool | None = None
     """Default: True for a prompt, False for messages (the chat template writes them)."""
     add_generation_prompt: bool = True

@@ -202,6 +202,16 @@ REFUSED: list[tuple[dict[str, Any], type[anthropic.APIStatusError], str]] = [
         'tool_choice.name: is required with type "tool"',
     ),
     (
+        {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+        anthropic.BadRequestError,
+        "tool_choice.disable_parallel_tool_use: needs tools, and none are given",
+    ),
+    (
+        {"tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+        anthropic.BadRequestError,
+        "tools[0].input_schema: a call's arguments are an object",
+    ),
+    (
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, IMAGE]}]},
         anthropic.BadRequestError,
         "messages[0].content[1]",

@@ -185,14 +185,26 @@ BAD = {
     "tool name with a space": Bad(
         {"messages": [{"role": "user", "content": "hi"}], "tools": [tool("get weather")]},
         400,
-        "tools[0].name: 'get weather' is not 1-64 of a-z, A-Z, 0-9, _ and -",
-        "tools[0].name",
+        "tools[0].function.name: 'get weather' is not 1-64 of a-z, A-Z, 0-9, _ and -",
+        "tools[0].function.name",
     ),
     "tool declared twice": Bad(
         {"messages": [{"role": "user", "content": "hi"}], "tools": [tool("f"), tool("f")]},
         400,
-        "tools[1].name: 'f' is declared twice",
-        "tools[1].name",
+        "tools[1].function.name: 'f' is declared twice",
+        "tools[1].function.name",
+    ),
+    "tool named like a mode": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [tool("none")]},
+        400,
+        "tools[0].function.name: 'none' is a mode of tool_choice",
+        "tools[0].function.name",
+    ),
+    "tool whose arguments are no object": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [tool("f", {"type": "string"})]},
+        400,
+        "tools[0].function.parameters: a call's arguments are an object",
+        "tools[0].function.parameters",
     ),
     "tool_choice naming no tool": Bad(
         {
@@ -217,13 +229,13 @@ BAD = {
             "response_format": {"type": "json_object"},
         },
         400,
-        "tool_choice: 'auto' constrains the calls, and the request asks for a structured output",
-        "tool_choice",
+        "tools: 'auto' constrains the calls, and the request asks for a structured output",
+        "tools",
     ),
     "parameters that do not compile": Bad(
         {
             "messages": [{"role": "user", "content": "hi"}],
-            "tools": [tool("f", {"type": "nonsense"})],
+            "tools": [tool("f", {"type": "object", "properties": {"x": {"type": "nonsense"}}})],
         },
         400,
         'tools: does not compile: Unsupported type "nonsense"',

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Literal
 
+import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
@@ -93,7 +94,7 @@ def test_required_gives_tool_calls_and_no_content(
             assert choice.message.content is None
         else:  # the random model may go on calling: the call max_tokens cut stays text
             assert choice.finish_reason == "length", choice
-            assert (choice.message.content or "").startswith("<tool_call>")
+            assert (choice.message.content or "").lstrip().startswith("<tool_call>")
     assert "tool_calls" in {c.finish_reason for c in reply.choices}
     cluster.wait_idle()
 
@@ -168,6 +169,40 @@ def test_the_sdks_pydantic_tool_is_parsed_back(
     )
     (call,) = reply.choices[0].message.tool_calls or []
     assert isinstance(call.function.parsed_arguments, Lookup)
+    cluster.wait_idle()
+
+
+def test_tokenize_counts_the_tools_and_the_tool_turns(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """vLLM's /tokenize with tools and a conversation of calls and results: the ids a request
+    is served with (its usage's prompt tokens)."""
+    turns = [
+        *ASK,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]
+    url = f"{cluster.http_url}/tokenize"
+    bare = httpx.post(url, json={"model": MODEL, "messages": ASK}).json()["count"]
+    counted = httpx.post(url, json={"model": MODEL, "messages": turns, "tools": TOOLS}).json()
+    served = client.chat.completions.create(
+        model=MODEL,
+        messages=turns,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=1,
+    )
+    assert served.usage is not None
+    assert counted["count"] == served.usage.prompt_tokens > bare + 100
     cluster.wait_idle()
 
 

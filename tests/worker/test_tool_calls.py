@@ -131,6 +131,11 @@ def test_check_tools_refuses_what_no_model_could_call() -> None:
         check_tools([Tool("f", None, "[]")])
     with pytest.raises(InvalidRequest, match="at most 128"):
         check_tools([Tool(f"f{i}") for i in range(129)])
+    with pytest.raises(InvalidRequest, match=r"tools\[1\].name: 'required' is a mode"):
+        check_tools([Tool("f"), Tool("required")])
+    string = json.dumps({"type": "string"})
+    with pytest.raises(InvalidRequest, match="arguments are an object; this schema's type is"):
+        check_tools([Tool("f", None, string)])
 
 
 def test_read_calls_takes_calls_of_known_tools_and_leaves_the_rest() -> None:
@@ -148,21 +153,46 @@ def test_read_calls_takes_calls_of_known_tools_and_leaves_the_rest() -> None:
     assert read_calls(cut, NAMES) == (cut, [])
 
 
-@given(st.lists(st.integers(0, 200), max_size=12))
-def test_streamed_pieces_give_what_the_whole_text_gives(cuts: list[int]) -> None:
-    text = (
-        "Sure <tool <tool_ca checking.\n"
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n'
-        "</tool_call>\n"
-    )
+def test_an_argument_may_hold_the_closing_tag() -> None:
+    """The grammar lets any JSON string into the arguments: the JSON is read whole."""
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "</tool_call>x"}}\n</tool_call>'
+    content, calls = read_calls(text, NAMES)
+    assert content is None
+    assert [json.loads(c.arguments) for c in calls] == [{"zone": "</tool_call>x"}]
+
+
+def test_content_is_the_text_around_the_calls_as_it_was() -> None:
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert read_calls(f"Let me check.\n\n{call}\n", NAMES)[0] == "Let me check.\n\n\n"
+    assert read_calls(f"\n{call}\n{call}\n", NAMES)[0] is None  # calls alone
+
+
+CALL_TEXT = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+)
+
+
+@given(
+    st.sampled_from(["", "\n", "  \n", "Sure <tool <tool_ca checking.\n\n", "x"]),
+    st.sampled_from(["", "\n", "\nbye", "<tool_call>cut"]),
+    st.integers(0, 2),
+    st.lists(st.integers(0, 400), max_size=12),
+)
+def test_streamed_pieces_give_what_the_whole_text_gives(
+    before: str, after: str, count: int, cuts: list[int]
+) -> None:
+    """Whatever comes around the calls and however the text is cut into messages, the stream's
+    content is the whole answer's, character for character, and no tag leaks into it."""
+    text = before + "\n".join([CALL_TEXT] * count) + after
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
     held = HeldCalls(NAMES)
     streamed = "".join(held.feed(text[a:b]) for a, b in itertools.pairwise(bounds))
     rest, calls = held.finish()
     content, whole = read_calls(text, NAMES)
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole]
-    assert (streamed + rest).strip() == content
-    assert "<tool_call>" not in streamed
+    assert streamed + rest == (content or "")
+    if count:
+        assert CALL_TEXT not in streamed + rest
 
 
 def test_a_template_without_tools_gets_them_written_into_the_turns(tiny: LoadedModel) -> None:
@@ -182,6 +212,28 @@ def test_a_template_without_tools_gets_them_written_into_the_turns(tiny: LoadedM
     assert with_system[0]["content"].startswith("Be brief.\n\n# Tools")
     rendered = tiny.tokenizer.apply_chat_template(turns)
     assert rendered.count("<|im_start|>") == 5
+
+
+def test_a_vision_models_parts_stay_parts() -> None:
+    """A content of parts (a vision model's turns, or text parts over gRPC): the written calls
+    and the tools' description are text parts after them; a tool result's parts, its text."""
+    turns = plain_conversation(
+        (
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "Let me look."}],
+                "tool_calls": (ToolCall("get_time", '{"zone": "UTC"}', "c"),),
+            },
+            {"role": "tool", "content": [{"type": "text", "text": "noon"}], "tool_call_id": "c"},
+        ),
+        TOOLS,
+    )
+    assert turns[0]["role"] == "system" and "<tools>" in turns[0]["content"]
+    assert turns[1]["content"][0] == {"type": "image"}
+    assert turns[2]["content"][0] == {"type": "text", "text": "Let me look."}
+    assert turns[2]["content"][1]["text"].startswith("\n<tool_call>\n")
+    assert turns[3] == {"role": "user", "content": "<tool_response>\nnoon\n</tool_response>"}
 
 
 def test_a_template_with_tools_gets_them_as_transformers_passes_them(tiny: LoadedModel) -> None:
@@ -210,3 +262,21 @@ def test_the_engine_renders_tools_for_a_chat(tiny: LoadedModel) -> None:
         drain(engine)
         lengths.append(recorder.outputs[0].prompt_tokens)
     assert lengths[1] > lengths[0] + 50
+
+
+def test_text_parts_with_tools_are_served(tiny: LoadedModel) -> None:
+    """A turn sent as text parts (as gRPC's ChatPart may send one) with tools: written into a
+    plain template like a string content, not a server error."""
+    engine = engine_for(tiny)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    parts = ({"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},)
+    lengths = []
+    for messages in (parts, CONVERSATION[:1]):
+        recorder = Recorder()
+        request = GenerateRequest(
+            f"p{len(lengths)}", messages=messages, sampling=sampling, tools=TOOLS
+        )
+        engine.submit(request, recorder.outputs.append)
+        drain(engine)
+        lengths.append(recorder.outputs[0].prompt_tokens)
+    assert lengths[0] == lengths[1]
