@@ -14,29 +14,14 @@ import jsonschema
 import pytest
 
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-}
 TOOLS: list[Any] = [
     {"name": "get_weather", "description": "A forecast", "input_schema": WEATHER},
     {"name": "get_time", "input_schema": TIME},
 ]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-ASK: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
 @pytest.fixture(scope="module")

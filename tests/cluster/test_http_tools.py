@@ -17,24 +17,10 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",
@@ -42,8 +28,6 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
 ]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
 class Lookup(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -248,35 +249,28 @@ def test_a_template_with_tools_gets_them_as_transformers_passes_them(tiny: Loade
     assert '<|im_start|>tool\n{"sky": "clear"}' in rendered
 
 
+def prompt_tokens(
+    engine: Engine, messages: tuple[dict[str, Any], ...], tools: tuple[Tool, ...]
+) -> int:
+    """The prompt length the engine serves a chat with."""
+    recorder = Recorder()
+    sampling = SamplingParams(max_tokens=1, temperature=0.0)
+    request = GenerateRequest("count", messages=messages, sampling=sampling, tools=tools)
+    engine.submit(request, recorder.outputs.append)
+    drain(engine)
+    return recorder.outputs[0].prompt_tokens
+
+
 def test_the_engine_renders_tools_for_a_chat(tiny: LoadedModel) -> None:
     """The same conversation with and without tools: the tools take prompt tokens."""
     engine = engine_for(tiny)
-    sampling = SamplingParams(max_tokens=1, temperature=0.0)
-    lengths = []
-    for tools in ((), TOOLS):
-        recorder = Recorder()
-        request = GenerateRequest(
-            f"r{len(tools)}", messages=CONVERSATION, sampling=sampling, tools=tools
-        )
-        engine.submit(request, recorder.outputs.append)
-        drain(engine)
-        lengths.append(recorder.outputs[0].prompt_tokens)
-    assert lengths[1] > lengths[0] + 50
+    bare, with_tools = (prompt_tokens(engine, CONVERSATION, tools) for tools in ((), TOOLS))
+    assert with_tools > bare + 50
 
 
 def test_text_parts_with_tools_are_served(tiny: LoadedModel) -> None:
     """A turn sent as text parts (as gRPC's ChatPart may send one) with tools: written into a
     plain template like a string content, not a server error."""
     engine = engine_for(tiny)
-    sampling = SamplingParams(max_tokens=1, temperature=0.0)
     parts = ({"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},)
-    lengths = []
-    for messages in (parts, CONVERSATION[:1]):
-        recorder = Recorder()
-        request = GenerateRequest(
-            f"p{len(lengths)}", messages=messages, sampling=sampling, tools=TOOLS
-        )
-        engine.submit(request, recorder.outputs.append)
-        drain(engine)
-        lengths.append(recorder.outputs[0].prompt_tokens)
-    assert lengths[0] == lengths[1]
+    assert prompt_tokens(engine, parts, TOOLS) == prompt_tokens(engine, CONVERSATION[:1], TOOLS)
