@@ -70,7 +70,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         message.namespace.adapter = adapter or ""
         model = adapter or api.model
         tools = callable_tools(body)
-        fields = refusal_names()
+        fields = refusal_names(body)
         stream = api.start(message, caller, image_fields=image_fields)
         if body.stream:
             first = await api.finish(request, anext(stream), fields)  # a refusal: a status
@@ -102,7 +102,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         turns = any(m.tool_calls or m.role == "tool" for m in chat.messages)
         if chat.images or tools or turns:  # placed, expanded, tools written as when served
             ids = await api.chat_prompt_ids(
-                chat, caller, api.tenant(request), tools, refusal_names()
+                chat, caller, api.tenant(request), tools, refusal_names(body)
             )
             return TokenCount(input_tokens=len(ids))
         text = await api.render(chat.messages)
@@ -154,15 +154,15 @@ def generate_request(
     return message, chat.image_fields
 
 
-def refusal_names() -> Renames:
+def refusal_names(body: MessagesRequest | CountTokensRequest) -> Renames:
     """The Messages API's names of the fields the serving core may refuse."""
-    return renames(
-        {
-            "sampling.structured.structural_tag": "tools",
-            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
-        },
-        [(r"tools\[(\d+)\]\.parameters", r"tools[\1].input_schema")],
-    )
+    fields = {
+        "sampling.structured.structural_tag": "tools",
+        "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    }
+    if body.tool_choice is not None and body.tool_choice.type == "tool":
+        fields["tool_choice"] = "tool_choice.name"  # the tool it names
+    return renames(fields, [(r"tools\[(\d+)\]\.parameters", r"tools[\1].input_schema")])
 
 
 def request_tools(body: MessagesRequest | CountTokensRequest) -> list[serving_pb2.Tool]:

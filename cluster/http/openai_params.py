@@ -23,6 +23,7 @@ from cluster.http.openai_schema import (
     ChatMessage,
     CompletionRequest,
     GenerationParams,
+    NamedToolChoice,
     ResponseFormat,
     StructuredOutputs,
     ToolParam,
@@ -291,7 +292,12 @@ TOOL_FIELDS = ((r"tools\[(\d+)\]\.(name|description|parameters)", r"tools[\1].fu
 
 def refusal_names(request: GenerationParams) -> Renames:
     """The request's names of the fields the serving core may refuse."""
-    return renames(structured_fields(request), TOOL_FIELDS)
+    fields = structured_fields(request)
+    if isinstance(request, ChatCompletionRequest) and isinstance(
+        request.tool_choice, NamedToolChoice
+    ):
+        fields["tool_choice"] = "tool_choice.function.name"  # the function it names
+    return renames(fields, TOOL_FIELDS)
 
 
 def structured_fields(request: GenerationParams) -> dict[str, str]:

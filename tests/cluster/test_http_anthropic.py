@@ -202,6 +202,14 @@ REFUSED: list[tuple[dict[str, Any], type[anthropic.APIStatusError], str]] = [
         'tool_choice.name: is required with type "tool"',
     ),
     (
+        {
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool", "name": "g"},
+        },
+        anthropic.BadRequestError,
+        "tool_choice.name: 'g' is not one of the tools: ['f']",
+    ),
+    (
         {"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
         anthropic.BadRequestError,
         "tool_choice.disable_parallel_tool_use: needs tools, and none are given",

@@ -213,8 +213,8 @@ BAD = {
             "tool_choice": {"type": "function", "function": {"name": "nope"}},
         },
         400,
-        "tool_choice: 'nope' is not one of the tools: ['get_weather']",
-        "tool_choice",
+        "tool_choice.function.name: 'nope' is not one of the tools: ['get_weather']",
+        "tool_choice.function.name",
     ),
     "tool_choice required without tools": Bad(
         {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
