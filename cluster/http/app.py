@@ -39,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.auth import known_token
 from cluster.config import ANY_TENANT, ClusterConfig
-from cluster.http import anthropic_routes, openai_params
+from cluster.http import anthropic_routes, openai_params, responses_routes
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.body_limit import BodyLimit
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
@@ -444,6 +444,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
     anthropic_routes.add_routes(app, api)
+    responses_routes.add_routes(app, api)
 
     async def http_error(request: Request, err: Exception) -> Response:
         assert isinstance(err, HttpError)
@@ -585,6 +586,7 @@ _ROUTES = (
     "/v1/models",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
     "/tokenize",
     "/detokenize",
     "/v1/load_lora_adapter",

@@ -1,0 +1,167 @@
+"""OpenAI's Responses API (`POST /v1/responses`): its requests and the response object, as
+pydantic models (the fields radixmesh serves; the SDK's `responses.create`, `.stream` and
+`.parse` read what is here).
+
+As for chat completions (openai_schema.py): an undeclared parameter is refused by name, and a
+declared one radixmesh does not implement is refused unless it asks for nothing (`REFUSED`).
+Responses are not stored: `store: true` and `previous_response_id` are refused, and the
+conversation goes in `input`, as with `store: false` at OpenAI.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from cluster.http.openai_schema import Body, Strict
+
+
+class FunctionTool(Strict):
+    """A function the model may call (OpenAI's built-in tools have types of their own)."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    """Accepted either way: the arguments always satisfy the parameters' schema."""
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None
+
+
+class ResponsesRequest(Body):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    user: str | None = None
+    safety_identifier: str | None = None
+    store: Any = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    metadata: Any = None
+    reasoning: Any = None
+    include: Any = None
+    truncation: Any = None
+    background: Any = None
+    max_tool_calls: Any = None
+    service_tier: Any = None
+    prompt: Any = None
+    prompt_cache_key: Any = None
+    top_logprobs: Any = None
+
+
+REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
+    # parameter: (why it is refused, the values that ask for nothing and are accepted)
+    "store": ("responses are not stored; send store: false", (False,)),
+    "previous_response_id": (
+        "responses are not stored; send the conversation in input",
+        (),
+    ),
+    "conversation": ("conversations are not stored; send them in input", ()),
+    "metadata": ("responses are not stored", ({},)),
+    "reasoning": ("this model does not reason", ({},)),
+    "include": ("nothing more can be included", ([],)),
+    "truncation": ("a prompt over the context is refused, never cut", ("disabled",)),
+    "background": ("every response is answered in the foreground", (False,)),
+    "max_tool_calls": ("not supported", ()),
+    "service_tier": ("there is one tier", ("auto", "default")),
+    "prompt": ("stored prompts are not supported", ()),
+    "prompt_cache_key": (
+        "not needed: every prompt prefix is cached and routed to its cache automatically",
+        (),
+    ),
+    "top_logprobs": ("log-probabilities are served by chat completions", (0,)),
+}
+
+
+# -- the response object ---------------------------------------------------------------------
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens served from the prefix cache."""
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = OutputTokensDetails()
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputMessage | FunctionCallItem]
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: None = None
+    instructions: str | None = None
+    metadata: dict[str, str] = {}
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    parallel_tool_calls: bool = True
+    tool_choice: Any = "auto"
+    tools: list[Any] = []
+    text: dict[str, Any] = {"format": {"type": "text"}}
+    store: bool = False

@@ -1,0 +1,209 @@
+"""OpenAI's Responses API on the router, driven by the `openai` SDK's `responses.create`,
+`.stream` and `.parse` over real HTTP on loopback, against a local cluster of two tiny-model
+workers: text, instructions and a conversation of items, the stream's events adding up to the
+whole response, function calls and their outputs sent back, structured text, and refusals by
+name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any, Literal
+
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER
+from worker.loader import LoadedModel
+
+MODEL = SERVED_NAME
+TOOLS: list[Any] = [
+    {"type": "function", "name": "get_weather", "description": "A forecast", "parameters": WEATHER},
+    {"type": "function", "name": "get_time", "parameters": TIME},
+]
+QUESTION = "What is the weather in Oslo?"
+
+
+class Tier(BaseModel):
+    tier: Literal["device", "host", "disk"]
+    warm: bool
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    # the tools' description takes ~700 of the tiny byte-level vocabulary's tokens
+    engine = replace(ENGINE, num_pages=1024, max_model_len=1024)
+    cluster = start_cluster(tiny, http=True, engine=engine)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def test_a_text_response_has_openais_shape_and_its_cache_hits(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    first = client.responses.create(
+        model=MODEL, input=QUESTION, instructions="Be brief.", max_output_tokens=8, temperature=0
+    )
+    assert first.object == "response" and first.id.startswith("resp_")
+    assert first.model == MODEL and first.instructions == "Be brief."
+    (item,) = first.output
+    assert item.type == "message" and item.role == "assistant"
+    assert first.output_text == item.content[0].text
+    assert first.usage is not None and first.usage.output_tokens >= 1
+    if first.status == "incomplete":
+        assert first.incomplete_details is not None
+        assert first.incomplete_details.reason == "max_output_tokens"
+        assert first.usage.output_tokens == 8
+    again = client.responses.create(
+        model=MODEL, input=QUESTION, instructions="Be brief.", max_output_tokens=8, temperature=0
+    )
+    assert again.output_text == first.output_text  # greedy
+    assert again.usage is not None and again.usage.input_tokens_details.cached_tokens > 0
+    cluster.wait_idle()
+
+
+def test_items_are_the_conversation(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    """The same conversation as a string, and as message items with text parts."""
+    plain = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, temperature=0)
+    items = client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert items.output_text == plain.output_text
+    assert items.usage is not None and plain.usage is not None
+    assert items.usage.input_tokens == plain.usage.input_tokens
+    cluster.wait_idle()
+
+
+def test_the_stream_adds_up_to_the_response(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "input": QUESTION,
+        "max_output_tokens": 24,
+        "temperature": 0,
+    }
+    whole = client.responses.create(**request)
+    kinds, deltas, last = [], [], None
+    with client.responses.stream(**request) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            last = event
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    # OpenAI ends a response max_output_tokens cut with response.incomplete (the SDK's
+    # get_final_response wants response.completed, so the last event's response is read)
+    assert kinds[-1] == f"response.{whole.status}"
+    assert last is not None and hasattr(last, "response")
+    streamed = last.response
+    assert "".join(deltas) == streamed.output_text == whole.output_text
+    assert streamed.status == whole.status
+    assert [item.type for item in streamed.output] == [item.type for item in whole.output]
+    cluster.wait_idle()
+
+
+def test_function_calls_out_and_their_outputs_back(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    first = client.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=150,
+        temperature=0,
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.call_id.startswith("call_") and first.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    with client.responses.stream(
+        model=MODEL,
+        input=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=150,
+        temperature=0,
+    ) as stream:
+        streamed = stream.get_final_response()
+    (streamed_call,) = [item for item in streamed.output if item.type == "function_call"]
+    assert (streamed_call.name, streamed_call.arguments) == (call.name, call.arguments)
+    second = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": QUESTION},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'},
+        ],
+        tools=TOOLS,
+        tool_choice="none",
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert [item.type for item in second.output] == ["message"]
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+    cluster.wait_idle()
+
+
+def test_parse_gives_the_pydantic_model(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    for seed_prompt in ("Which tier?", "Another tier?"):
+        parsed = client.responses.parse(
+            model=MODEL, input=seed_prompt, text_format=Tier, max_output_tokens=60, temperature=1.0
+        )
+        assert isinstance(parsed.output_parsed, Tier), parsed.output_text
+    cluster.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
+        ({"store": True}, "store", "send store: false"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "'reasoning'"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "'tool'"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0]",
+            "only input_text and output_text",
+        ),
+        ({"max_output_tokens": 0}, "max_output_tokens", "must be in"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+            "text.format.schema",
+            "does not compile",
+        ),
+        ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
+    ],
+)
+def test_refusals_name_the_field(
+    cluster: LocalCluster, change: dict[str, Any], param: str, words: str
+) -> None:
+    body = {"model": MODEL, "input": QUESTION, "max_output_tokens": 4} | change
+    answer = httpx.post(f"{cluster.http_url}/v1/responses", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param, error
+    assert words in error["message"]
+    cluster.wait_idle()
+    assert not cluster.service.in_flight
