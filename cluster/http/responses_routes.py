@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,9 +44,11 @@ from cluster.http.responses_schema import (
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
+    NamedFunction,
     OutputMessage,
     OutputText,
     Response,
+    ResponseError,
     ResponsesRequest,
     ResponseUsage,
 )
@@ -66,7 +69,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         caller = api.caller(request)
         adapter = api.check_model(body.model)
         rid = api.request_id(request)
-        message = generate_request(body, rid, api.tenant(request))
+        message, origins = generate_request(body, rid, api.tenant(request))
         message.namespace.adapter = adapter or ""
         shell = _shell(body, f"resp_{rid}", adapter or api.model)
         tools = (
@@ -75,7 +78,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             else frozenset()
         )
         stream = api.start(message, caller, fill_context=True)
-        rename = refusal_names()
+        rename = refusal_names(body, origins)
         if body.stream:
             first = await api.finish(request, anext(stream), rename)  # a refusal: a status
             return EventStream(events(shell, first, stream, tools), served_by(first))
@@ -91,31 +94,45 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     app.add_api_route("/v1/responses", responses, methods=["POST"])
 
 
-def refusal_names() -> Renames:
-    """The Responses API's names of the fields the serving core may refuse."""
-    return renames(
-        {
-            "sampling.structured.json_schema": "text.format.schema",
-            "sampling.structured.json_object": "text.format",
-            "sampling.structured.structural_tag": "tools",
-            "max_tokens": "max_output_tokens",
-            "messages": "input",
-        },
-        [(r"messages\[(\d+)\](.*)", r"input\2")],
-    )
+def refusal_names(body: ResponsesRequest, origins: list[str]) -> Renames:
+    """The Responses API's names of the fields the serving core may refuse: a turn of the chat
+    is named by the item it came from (`origins`, from `conversation`)."""
+    fields = {
+        "sampling.structured.json_schema": "text.format.schema",
+        "sampling.structured.json_object": "text.format",
+        "sampling.structured.structural_tag": "tools",
+        "max_tokens": "max_output_tokens",
+        "messages": "input",
+        "prompt": "input",
+    }
+    if isinstance(body.tool_choice, NamedFunction):
+        fields["tool_choice"] = "tool_choice.name"  # the function it names
+    named = renames(fields)
+
+    def rename(param: str) -> str | None:
+        turn = _TURN.fullmatch(param)
+        if turn is not None and int(turn[1]) < len(origins):
+            return origins[int(turn[1])] + turn[2]
+        return named(param)
+
+    return rename
+
+
+_TURN = re.compile(r"messages\[(\d+)\](.*)")
 
 
 def generate_request(
     body: ResponsesRequest, request_id: str, tenant: str
-) -> serving_pb2.GenerateRequest:
+) -> tuple[serving_pb2.GenerateRequest, list[str]]:
+    """The request, and the field each turn of its chat came from."""
     for name, (why, accepted) in REFUSED.items():
         value = getattr(body, name)
         if value is not None and value not in accepted:
             raise HttpError.invalid(name, f"{why} (radixmesh refuses it rather than ignore it)")
     message = serving_pb2.GenerateRequest(
         request_id=request_id,
-        chat=serving_pb2.ChatMessages(messages=conversation(body)),
     )
+    origins = conversation(body, message.chat.messages)
     for name, value in (
         ("max_tokens", body.max_output_tokens),
         ("temperature", body.temperature),
@@ -140,28 +157,36 @@ def generate_request(
     if body.parallel_tool_calls is not None:
         message.parallel_tool_calls = body.parallel_tool_calls
     message.namespace.tenant = tenant
-    return message
+    return message, origins
 
 
 def _format(body: ResponsesRequest, params: serving_pb2.SamplingParams) -> None:
     form = body.text.format if body.text is not None else None
     if form is None or form.type == "text":
         return
-    if form.type == "json_object" or form.schema_ is None:
+    if form.type == "json_object":
         params.structured.json_object = True
-    else:
-        params.structured.json_schema = json.dumps(form.schema_)
+        return
+    for name in ("name", "schema_"):
+        if getattr(form, name) is None:
+            raise HttpError.invalid(
+                f"text.format.{name.rstrip('_')}", "is required with type json_schema"
+            )
+    params.structured.json_schema = json.dumps(form.schema_)
 
 
-def conversation(body: ResponsesRequest) -> list[serving_pb2.ChatMessage]:
-    """`instructions` as the system message, then `input`'s items as the chat's turns: a
-    string is one user turn; consecutive `function_call` items are one assistant turn's calls
-    (with the assistant message before them, if any); a `function_call_output` is a tool turn."""
-    turns = []
+def conversation(body: ResponsesRequest, turns: Any) -> list[str]:
+    """Append `instructions` as the system message, then `input`'s items as the chat's turns,
+    to `turns`; returns the field each turn came from. A string is one user turn; consecutive
+    `function_call` items are one assistant turn's calls (with the assistant message before
+    them, if any); a `function_call_output` is a tool turn."""
+    origins = []
     if body.instructions is not None:
         turns.append(serving_pb2.ChatMessage(role="system", content=body.instructions))
+        origins.append("instructions")
     if isinstance(body.input, str):
-        return [*turns, serving_pb2.ChatMessage(role="user", content=body.input)]
+        turns.append(serving_pb2.ChatMessage(role="user", content=body.input))
+        return [*origins, "input"]
     if not body.input:
         raise HttpError.invalid("input", "is empty; send at least one item")
     for i, item in enumerate(body.input):
@@ -171,11 +196,10 @@ def conversation(body: ResponsesRequest) -> list[serving_pb2.ChatMessage]:
             turns.append(_message(item, where))
         elif kind == "function_call":
             call = _function_call(item, where)
-            last = turns[-1] if turns else None
-            if last is None or last.role != "assistant" or last.tool_call_id:
-                last = serving_pb2.ChatMessage(role="assistant")
-                turns.append(last)
-            last.tool_calls.append(call)
+            if len(turns) and turns[-1].role == "assistant":
+                turns[-1].tool_calls.append(call)  # one turn with what came before it
+                continue
+            turns.append(serving_pb2.ChatMessage(role="assistant", tool_calls=[call]))
         elif kind == "function_call_output":
             turns.append(_function_output(item, where))
         else:
@@ -183,14 +207,16 @@ def conversation(body: ResponsesRequest) -> list[serving_pb2.ChatMessage]:
                 f"{where}.type",
                 f"{kind!r}: the items served are message, function_call and function_call_output",
             )
-    return turns
+        origins.append(where)
+    return origins
 
 
 def _message(item: dict[str, Any], where: str) -> serving_pb2.ChatMessage:
     unknown = set(item) - {"type", "role", "content", "id", "status"}
     if unknown:
         raise HttpError.invalid(f"{where}.{sorted(unknown)[0]}", "is not a field of a message")
-    role = ROLES.get(item.get("role", ""))
+    given = item.get("role")
+    role = ROLES.get(given) if isinstance(given, str) else None
     if role is None or role == "tool":
         raise HttpError.invalid(
             f"{where}.role",
@@ -218,6 +244,12 @@ def _function_call(item: dict[str, Any], where: str) -> serving_pb2.ToolCall:
     for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
         if not isinstance(value, str):
             raise HttpError.invalid(f"{where}.{field}", "is required, a string")
+    try:
+        parsed = json.loads(arguments)  # type: ignore[arg-type]
+    except ValueError as err:
+        raise HttpError.invalid(f"{where}.arguments", f"is not JSON: {err}") from None
+    if not isinstance(parsed, dict):
+        raise HttpError.invalid(f"{where}.arguments", "is a JSON object of the arguments")
     return serving_pb2.ToolCall(id=call_id, name=name, arguments=arguments)
 
 
@@ -226,10 +258,12 @@ def _function_output(item: dict[str, Any], where: str) -> serving_pb2.ChatMessag
     if not isinstance(call_id, str):
         raise HttpError.invalid(f"{where}.call_id", "is required, a string")
     if isinstance(output, list):  # text parts
-        texts = [p.get("text") for p in output if isinstance(p, dict)]
+        texts = [
+            p.get("text") for p in output if isinstance(p, dict) and p.get("type") in TEXT_PARTS
+        ]
         if len(texts) != len(output) or not all(isinstance(t, str) for t in texts):
-            raise HttpError.invalid(f"{where}.output", "only text parts are served")
-        output = "".join(texts)  # type: ignore[arg-type]
+            raise HttpError.invalid(f"{where}.output", "only input_text parts are served")
+        output = "\n".join(texts)  # type: ignore[arg-type]
     if not isinstance(output, str):
         raise HttpError.invalid(f"{where}.output", "must be a string or text parts")
     return serving_pb2.ChatMessage(role="tool", content=output, tool_call_id=call_id)
@@ -275,16 +309,28 @@ def _done(
     counts: Counts,
     message_id: str | None = None,
     call_ids: list[str] | None = None,
+    failure: str | None = None,
 ) -> Response:
     """The finished response: a message item for the text (if any), a function_call item a
-    call, the usage, and incomplete with its reason when max_output_tokens cut it."""
-    complete = finish != "length"
-    status: Literal["completed", "incomplete"] = "completed" if complete else "incomplete"
+    call, the usage; incomplete with its reason when max_output_tokens cut it, failed when the
+    generation was aborted (the worker stopping) or failed (`failure`)."""
+    status: Literal["completed", "incomplete", "failed"] = "completed"
+    if finish == "length":
+        status = "incomplete"
+    elif finish == "abort" and failure is None:
+        failure = "the generation was aborted (its worker is stopping): send it again"
+    if failure is not None:
+        status = "failed"
     output: list[OutputMessage | FunctionCallItem] = []
     if content:
+        item_status: Literal["completed", "incomplete"] = (
+            "completed" if status == "completed" else "incomplete"
+        )
         output.append(
             OutputMessage(
-                id=message_id or _item_id("msg"), status=status, content=[OutputText(text=content)]
+                id=message_id or _item_id("msg"),
+                status=item_status,
+                content=[OutputText(text=content)],
             )
         )
     ids = call_ids or [_item_id("fc") for _ in calls]
@@ -300,9 +346,16 @@ def _done(
         output_tokens=counts.completion_tokens,
         total_tokens=counts.prompt_tokens + counts.completion_tokens,
     )
-    details = None if complete else IncompleteDetails(reason="max_output_tokens")
+    details = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+    error = ResponseError(code="server_error", message=failure) if failure is not None else None
     return shell.model_copy(
-        update={"status": status, "output": output, "usage": usage, "incomplete_details": details}
+        update={
+            "status": status,
+            "output": output,
+            "usage": usage,
+            "incomplete_details": details,
+            "error": error,
+        }
     )
 
 
@@ -350,11 +403,9 @@ async def events(
                     )
                 text += delta
                 yield event("response.output_text.delta", where | {"delta": delta, "logprobs": []})
-    except (ServingError, GenerationFailed) as err:
-        failure = HttpError.of(err)
-        yield event(
-            "error", {"code": failure.code, "message": failure.message, "param": failure.param}
-        )
+    except (ServingError, GenerationFailed) as err:  # as OpenAI ends a stream that failed
+        failed = _done(shell, None, [], None, counts, failure=HttpError.of(err).message)
+        yield event("response.failed", {"response": failed.model_dump()})
         return
     done = _done(shell, text or None, calls, finish, counts, message_id, None)
     if text:
@@ -377,5 +428,4 @@ async def events(
         yield event(
             "response.output_item.done", {"output_index": index, "item": output.model_dump()}
         )
-    kind = "response.completed" if done.status == "completed" else "response.incomplete"
-    yield event(kind, {"response": done.model_dump()})
+    yield event(f"response.{done.status}", {"response": done.model_dump()})

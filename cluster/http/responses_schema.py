@@ -127,6 +127,7 @@ class FunctionCallItem(BaseModel):
 class InputTokensDetails(BaseModel):
     cached_tokens: int
     """Prompt tokens served from the prefix cache."""
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(BaseModel):
@@ -145,16 +146,21 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
 class Response(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
     output: list[OutputMessage | FunctionCallItem]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     instructions: str | None = None
     metadata: dict[str, str] = {}
     max_output_tokens: int | None = None

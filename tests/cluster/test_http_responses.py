@@ -6,6 +6,7 @@ name."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import replace
@@ -15,8 +16,14 @@ import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
+from openai._models import construct_type_unchecked
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
 from pydantic import BaseModel
 
+from cluster.http import responses_routes
+from cluster.http.responses_schema import ResponsesRequest
+from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER
 from worker.loader import LoadedModel
@@ -70,6 +77,11 @@ def test_a_text_response_has_openais_shape_and_its_cache_hits(
     )
     assert again.output_text == first.output_text  # greedy
     assert again.usage is not None and again.usage.input_tokens_details.cached_tokens > 0
+    raw = httpx.post(
+        f"{cluster.http_url}/v1/responses",
+        json={"model": MODEL, "input": QUESTION, "max_output_tokens": 4},
+    )
+    openai.types.responses.Response.model_validate(raw.json())  # every field the SDK requires
     cluster.wait_idle()
 
 
@@ -174,6 +186,35 @@ def test_parse_gives_the_pydantic_model(client: openai.OpenAI, cluster: LocalClu
     cluster.wait_idle()
 
 
+def test_a_stream_that_fails_ends_with_response_failed() -> None:
+    """A worker that fails mid-stream: the events end with `response.failed` carrying the
+    error, as OpenAI ends such a stream, and the SDK's accumulator takes them."""
+    shell = responses_routes._shell(ResponsesRequest(model=MODEL, input=QUESTION), "resp_x", MODEL)
+    first = serving_pb2.GenerateResponse(index=0, text="Hel", token_ids=[5], worker="worker-0")
+    failing = serving_pb2.GenerateResponse(
+        index=0, finished=True, finish_reason="error", token_ids=[6], worker="worker-0"
+    )
+
+    async def rest() -> Any:
+        yield failing
+
+    async def collect() -> list[dict[str, Any]]:
+        out = []
+        async for raw in responses_routes.events(shell, first, rest(), frozenset()):
+            data = raw.decode().split("\n")[1]
+            out.append(json.loads(data.removeprefix("data: ")))
+        return out
+
+    events = asyncio.run(collect())
+    assert [e["type"] for e in events][-1] == "response.failed"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "failed on worker-0" in failed["error"]["message"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for event in events:
+        state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))
+
+
 @pytest.mark.parametrize(
     ("change", "param", "words"),
     [
@@ -194,6 +235,50 @@ def test_parse_gives_the_pydantic_model(client: openai.OpenAI, cluster: LocalClu
             "does not compile",
         ),
         ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
+        ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role", "is not one of"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "x"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+                ]
+            },
+            "input[1].arguments",
+            "is not JSON",
+        ),
+        (
+            {
+                "input": [
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c",
+                        "output": [{"type": "input_image", "text": "x"}],
+                    }
+                ]
+            },
+            "input[0].output",
+            "only input_text parts",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "schema": {}}}},
+            "text.format.name",
+            "required",
+        ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x"}}},
+            "text.format.schema",
+            "required",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+            "tool_choice.name",
+            "'nope' is not one of the tools",
+        ),
+        (
+            {"instructions": "Be brief.", "input": [{"role": "user", "content": "x" * 10_000}]},
+            "input",
+            "maximum context length",
+        ),
     ],
 )
 def test_refusals_name_the_field(
