@@ -38,7 +38,7 @@ from cluster.http.anthropic_schema import (
 )
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.image_parts import anthropic_image
-from cluster.http.openai_params import ChatPrompt
+from cluster.http.openai_params import ChatPrompt, refuse_unsupported, wire_tool
 from cluster.http.openai_responses import (
     Counts,
     HeldCalls,
@@ -116,10 +116,7 @@ def generate_request(
     body: MessagesRequest, request_id: str, tenant: str
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
     """The request, and what its images are called in refusals."""
-    for name, (why, accepted) in REFUSED.items():
-        value = getattr(body, name)
-        if value is not None and value not in accepted:
-            raise HttpError.invalid(name, f"{why} (radixmesh refuses it rather than ignore it)")
+    refuse_unsupported(body, REFUSED)
     sampling = serving_pb2.SamplingParams(stop=body.stop_sequences or [])
     if not 1 <= body.max_tokens <= 2**31 - 1:
         raise HttpError.invalid("max_tokens", f"must be in [1, 2**31 - 1], got {body.max_tokens}")
@@ -166,12 +163,7 @@ def refusal_names(body: MessagesRequest | CountTokensRequest) -> Renames:
 
 
 def request_tools(body: MessagesRequest | CountTokensRequest) -> list[serving_pb2.Tool]:
-    return [
-        serving_pb2.Tool(
-            name=tool.name, description=tool.description, parameters=json.dumps(tool.input_schema)
-        )
-        for tool in body.tools or []
-    ]
+    return [wire_tool(tool.name, tool.description, tool.input_schema) for tool in body.tools or []]
 
 
 def callable_tools(body: MessagesRequest) -> frozenset[str]:

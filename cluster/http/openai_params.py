@@ -12,8 +12,11 @@ placed by a ChatPart where it was, and named by its part when refused
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel
 
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.image_parts import openai_image
@@ -52,11 +55,14 @@ _INT64 = (0, 2**63 - 1)
 _SEED = (-(2**63), 2**63 - 1)
 
 
-def refuse_unsupported(request: GenerationParams) -> None:
-    """400 naming the first parameter radixmesh does not implement, unless it asks for nothing."""
-    for name in type(request).model_fields.keys() & REFUSED.keys():
+def refuse_unsupported(
+    request: BaseModel, refused: Mapping[str, tuple[str, tuple[object, ...]]] = REFUSED
+) -> None:
+    """400 naming the first parameter radixmesh does not implement, unless it asks for nothing
+    (`refused`: the API's table of them, name -> (why, the values accepted))."""
+    for name in type(request).model_fields.keys() & refused.keys():
         value = getattr(request, name)
-        why, accepted = REFUSED[name]
+        why, accepted = refused[name]
         if value is not None and value not in accepted:
             raise HttpError.invalid(name, f"{why} (radixmesh refuses it rather than ignore it)")
 
@@ -104,13 +110,18 @@ def callable_tools(request: ChatCompletionRequest) -> frozenset[str]:
 
 def wire_tools(tools: list[ToolParam] | None) -> list[serving_pb2.Tool]:
     return [
-        serving_pb2.Tool(
-            name=tool.function.name,
-            description=tool.function.description,
-            parameters=json.dumps(tool.function.parameters) if tool.function.parameters else "",
-        )
+        wire_tool(tool.function.name, tool.function.description, tool.function.parameters)
         for tool in tools or []
     ]
+
+
+def wire_tool(
+    name: str, description: str | None, parameters: dict[str, Any] | None
+) -> serving_pb2.Tool:
+    """A tool as the serving core takes it (no parameters: it takes none)."""
+    return serving_pb2.Tool(
+        name=name, description=description, parameters=json.dumps(parameters) if parameters else ""
+    )
 
 
 def _tools(request: ChatCompletionRequest, message: serving_pb2.GenerateRequest) -> None:

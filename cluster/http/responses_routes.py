@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response as HttpResponse
 
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
-from cluster.http.openai_params import ROLES
+from cluster.http.openai_params import ROLES, refuse_unsupported, wire_tool
 from cluster.http.openai_responses import (
     Counts,
     HeldCalls,
@@ -125,10 +125,7 @@ def generate_request(
     body: ResponsesRequest, request_id: str, tenant: str
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
     """The request, and the field each turn of its chat came from."""
-    for name, (why, accepted) in REFUSED.items():
-        value = getattr(body, name)
-        if value is not None and value not in accepted:
-            raise HttpError.invalid(name, f"{why} (radixmesh refuses it rather than ignore it)")
+    refuse_unsupported(body, REFUSED)
     message = serving_pb2.GenerateRequest(
         request_id=request_id,
     )
@@ -143,14 +140,9 @@ def generate_request(
                 raise HttpError.invalid("max_output_tokens", f"{value} is out of range")
             setattr(message.sampling, name, value)
     _format(body, message.sampling)
-    for tool in body.tools or []:
-        message.tools.append(
-            serving_pb2.Tool(
-                name=tool.name,
-                description=tool.description,
-                parameters=json.dumps(tool.parameters) if tool.parameters else "",
-            )
-        )
+    message.tools.extend(
+        wire_tool(tool.name, tool.description, tool.parameters) for tool in body.tools or []
+    )
     choice = body.tool_choice
     if choice is not None:
         message.tool_choice = choice if isinstance(choice, str) else choice.name
