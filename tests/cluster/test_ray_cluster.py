@@ -11,6 +11,7 @@ The cluster's Ray token is a file made here, handed to every process through RAY
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -204,6 +205,30 @@ def http_answer(config_file: Path) -> openai.types.Completion:
         return client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
 
 
+def structured_answer(config_file: Path) -> str:
+    """A chat answered in a JSON schema through the router actor's HTTP API (the random tiny
+    model writes JSON only under the constraint)."""
+    schema = {
+        "type": "object",
+        "properties": {"tier": {"enum": ["device", "host", "disk"]}},
+        "required": ["tier"],
+        "additionalProperties": False,
+    }
+    with openai.OpenAI(
+        base_url=f"{http_url(config_file)}/v1", api_key="none", max_retries=0
+    ) as client:
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "Which tier?"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+            max_tokens=60,
+            temperature=1.0,
+            seed=1,
+        )
+    assert reply.choices[0].finish_reason == "stop", reply
+    return reply.choices[0].message.content or ""
+
+
 def endpoint(config_file: Path) -> str:
     return f"127.0.0.1:{yaml.safe_load(config_file.read_text())['router']['port']}"
 
@@ -241,6 +266,8 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         over_http = http_answer(config_file)
         assert over_http.usage is not None and over_http.usage.completion_tokens == 3
         assert over_http.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+        tier = json.loads(structured_answer(config_file))  # xgrammar inside the worker actors
+        assert set(tier) == {"tier"} and tier["tier"] in ("device", "host", "disk")
         stats = client.stats()
         assert {w.worker for w in stats.workers if w.healthy} == {"worker-0", "worker-1"}
 
