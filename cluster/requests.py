@@ -128,8 +128,11 @@ def prepare(
         sampling=sampling_from_proto(message.sampling),
         images=tuple(message.images[k] for k in order),
         tools=tools_from_proto(message.tools),
+        template_variables=validation.template_variables(message.chat_template_kwargs),
         **prompt,
     )
+    if request.template_variables is not None and request.messages is None:
+        raise InvalidRequest("chat_template_kwargs", "is for a chat's template; send messages")
     request = _with_tools(message, request)
     if message.text_match not in serving_pb2.TextMatch.values():
         raise InvalidRequest(

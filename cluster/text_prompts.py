@@ -96,9 +96,13 @@ class PromptEncoder:
         return ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        **variables: Any,
     ) -> str:
-        return self._prompts.tokenizer.apply_chat_template(messages, tools=tools)
+        return self._prompts.tokenizer.apply_chat_template(messages, tools=tools, **variables)
 
     @property
     def renders_tools(self) -> bool:

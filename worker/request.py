@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,8 @@ class GenerateRequest:
     tools: tuple[Tool, ...] = ()
     """Tools a chat's model is shown (worker/tool_calls.py); the constraint their calls are
     generated under is `sampling.structured`."""
+    template_variables: Mapping[str, Any] | None = None
+    """More variables for a chat's template (`validation.template_variables` checks them)."""
 
     @property
     def generated_before(self) -> int:

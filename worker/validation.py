@@ -23,6 +23,8 @@ A model without vision refuses any image, naming "images".
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -67,7 +69,11 @@ class PromptTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        **variables: Any,
     ) -> str: ...
 
     @property
@@ -172,10 +178,11 @@ def _prompt_ids(
     assert request.messages is not None
     conversation, tools = _tool_turns(request, tokenizer)
     messages = _chat(conversation, len(images), limits, vision=spec is not None)
+    variables = dict(request.template_variables or {})
     try:
         text = (
-            tokenizer.apply_chat_template(messages, tools=tools)
-            if tools
+            tokenizer.apply_chat_template(messages, tools=tools, **variables)
+            if tools or variables
             else tokenizer.apply_chat_template(messages)
         )
     except ValueError as err:  # no template, or the template refused the conversation
@@ -183,6 +190,47 @@ def _prompt_ids(
     if spec is not None:
         text = expand_text(text, images, spec)
     return _encode("messages", text, tokenizer, limits, add_special_tokens=False)
+
+
+TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+"""What a chat template is given by the renderer itself: no request may set these."""
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def template_variables(text: str) -> dict[str, Any] | None:
+    """A request's `chat_template_kwargs` (JSON text; "" none), checked: an object of
+    identifiers other than the template's own names (`TEMPLATE_NAMES`)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise InvalidRequest("chat_template_kwargs", f"is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("chat_template_kwargs", "is a JSON object of the variables")
+    for name in value:
+        if not _NAME.fullmatch(name):
+            raise InvalidRequest(
+                "chat_template_kwargs", f"{name[:80]!r} is not a template variable's name"
+            )
+        if name in TEMPLATE_NAMES:
+            raise InvalidRequest(
+                f"chat_template_kwargs.{name}", "is the renderer's to give the template"
+            )
+    return value
 
 
 def _tool_turns(

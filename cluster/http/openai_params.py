@@ -97,6 +97,8 @@ def chat_request(
     message.namespace.tenant = tenant
     message.text_match = TEXT_MATCH[request.text_match]
     _tools(request, message)
+    if request.chat_template_kwargs is not None:
+        message.chat_template_kwargs = json.dumps(request.chat_template_kwargs)
     return message, chat.image_fields
 
 

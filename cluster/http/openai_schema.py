@@ -206,6 +206,8 @@ class ChatCompletionRequest(GenerationParams):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: more variables for the chat template (`{"enable_thinking": false}`)."""
     audio: Any = None
     modalities: Any = None
     prediction: Any = None

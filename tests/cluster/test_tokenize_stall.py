@@ -108,8 +108,10 @@ class ThreadRecorder:
         self.threads.append(threading.current_thread())
         return self.tokenizer.encode_with_offsets(text)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: Any = None) -> str:
-        return str(self.tokenizer.apply_chat_template(messages, tools=tools))
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, tools: Any = None, **variables: Any
+    ) -> str:
+        return str(self.tokenizer.apply_chat_template(messages, tools=tools, **variables))
 
     def __getattr__(self, name: str) -> Any:  # decoding, the tokenizer's JSON: as they are
         return getattr(self.tokenizer, name)
