@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 
@@ -78,7 +78,7 @@ from worker.stop import StopChecker
 from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
 from worker.tier_costs import TierCosts
 from worker.tokenizer import Tokenizer
-from worker.validation import DEFAULT_MAX_PROMPT_CHARS, RequestLimits
+from worker.validation import DEFAULT_MAX_PROMPT_CHARS, PromptTokenizer, RequestLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,25 +87,14 @@ ENCODER_WAIT_S = 0.05
 before stepping again (new requests are taken between waits)."""
 
 
-class TokenizerLike(Protocol):
+class TokenizerLike(PromptTokenizer, Protocol):
+    """A prompt's tokenizer (encode, chat template) that also decodes what is generated."""
+
     @property
     def vocab_size(self) -> int: ...
 
     @property
     def eos_token_ids(self) -> Sequence[int]: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        **variables: Any,
-    ) -> str: ...
-
-    @property
-    def renders_tools(self) -> bool: ...
 
     def incremental_decoder(self) -> TextDecoder: ...
 

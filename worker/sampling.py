@@ -88,7 +88,7 @@ class Sampler:
         as generated. `GrammarRefused` if a constraint's allowed tokens are all -inf or NaN."""
         scores = logits if self.penalties is None else self.penalties.apply(logits)
         if self.constraint is not None:
-            scores = self.constraint.mask(scores)
+            scores = self.constraint.mask(scores, owned=scores is not logits)
         token = self._draw(scores, position)
         if self.penalties is not None:
             self.penalties.record(token)

@@ -15,6 +15,7 @@ newlines inside an object can fill max_tokens with them (decision 70).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -107,8 +108,11 @@ class GrammarCompiler:
             return self._compiler
 
 
+@functools.lru_cache(maxsize=256)
 def json_grammar(schema: str) -> str:
-    """The EBNF grammar of compact JSON that `schema` accepts (xgrammar's, with one mend)."""
+    """The EBNF grammar of compact JSON that `schema` accepts (xgrammar's, with one mend).
+    Kept for the next request that sends the same schema, as xgrammar keeps what it compiles
+    from the grammar."""
     grammar = str(_xgrammar().Grammar.from_json_schema(schema, any_whitespace=False))
     return grammar.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR)
 
@@ -160,12 +164,13 @@ class Constraint:
         vocab_size = grammar.tokenizer_info.vocab_size
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [vocab] with every token the grammar does not allow next at -inf (a copy:
-        the row is shared by a request's samples and its logprobs)."""
+    def mask(self, logits: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        """`logits` [vocab] with every token the grammar does not allow next at -inf: in place
+        when the caller `owned` the row (a penalized copy), else in a copy (the raw row is
+        shared by a request's samples and its logprobs)."""
         if not self._matcher.fill_next_token_bitmask(self._bitmask):
             return logits  # every token is allowed
-        masked = logits.clone().view(1, -1)
+        masked = (logits if owned else logits.clone()).view(1, -1)
         self._apply(masked, self._bitmask.to(masked.device))
         return masked.view(-1)
 

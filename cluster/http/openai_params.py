@@ -266,18 +266,21 @@ def sampling(
     if request.stop_token_ids:
         _check_range("stop_token_ids", request.stop_token_ids, _INT64)
         message.stop_token_ids.extend(request.stop_token_ids)
-    constraint = structured_output(request)
-    if constraint is not None:
-        message.structured.CopyFrom(constraint[0])
+    asked = structured_output(request)
+    if asked is not None:
+        message.structured.CopyFrom(_one(*asked))
     return message
 
 
-def structured_output(
-    request: GenerationParams,
-) -> tuple[serving_pb2.StructuredOutput, str] | None:
-    """The request's structured output and the field that asked for it (OpenAI's
-    `response_format`, vLLM's `structured_outputs` or one of its older `guided_*`); None for
-    free text. Two of them in one request are refused."""
+Asked = tuple[str, object, str]
+"""A structured output as a request asks for it: its kind in vLLM's names (json, regex, choice,
+grammar, json_object, structural_tag), its value, and the field that asked."""
+
+
+def structured_output(request: GenerationParams) -> Asked | None:
+    """The request's structured output (OpenAI's `response_format`, vLLM's
+    `structured_outputs` or one of its older `guided_*`); None for free text. Two of them in
+    one request are refused."""
     found = []
     if request.response_format is not None and request.response_format.type != "text":
         found.append(_response_format(request.response_format))
@@ -289,12 +292,10 @@ def structured_output(
         "choice": request.guided_choice,
         "grammar": request.guided_grammar,
     }
-    found += [
-        _one(kind, value, f"guided_{kind}") for kind, value in guided.items() if value is not None
-    ]
+    found += [(kind, value, f"guided_{kind}") for kind, value in guided.items() if value is not None]
     if len(found) > 1:
         raise HttpError.invalid(
-            found[1][1], f"{found[0][1]} asks for a structured output already; give one"
+            found[1][2], f"{found[0][2]} asks for a structured output already; give one"
         )
     return found[0] if found else None
 
@@ -316,25 +317,25 @@ def refusal_names(request: GenerationParams) -> Renames:
 def structured_fields(request: GenerationParams) -> dict[str, str]:
     """What a refusal of the request's structured output is named by the worker -> by the
     request (`sampling.structured.json_schema` -> `response_format.json_schema.schema`)."""
-    constraint = structured_output(request)
-    if constraint is None:  # the calls' constraint, if any, is made of the tools' parameters
+    asked = structured_output(request)
+    if asked is None:  # the calls' constraint, if any, is made of the tools' parameters
         calls = isinstance(request, ChatCompletionRequest) and callable_tools(request)
         return {"sampling.structured.structural_tag": "tools"} if calls else {}
-    message, where = constraint
-    return {f"sampling.structured.{message.WhichOneof('kind')}": where}
+    kind, _, where = asked
+    return {f"sampling.structured.{'json_schema' if kind == 'json' else kind}": where}
 
 
-def _response_format(form: ResponseFormat) -> tuple[serving_pb2.StructuredOutput, str]:
+def _response_format(form: ResponseFormat) -> Asked:
     if form.type == "json_object":
-        return serving_pb2.StructuredOutput(json_object=True), "response_format"
+        return "json_object", True, "response_format"
     if form.json_schema is None:
         raise HttpError.invalid("response_format.json_schema", "is required with type json_schema")
     if form.json_schema.schema_ is None:  # OpenAI's schema is optional: any object then
-        return serving_pb2.StructuredOutput(json_object=True), "response_format.json_schema"
-    return _one("json", form.json_schema.schema_, "response_format.json_schema.schema")
+        return "json_object", True, "response_format.json_schema"
+    return "json", form.json_schema.schema_, "response_format.json_schema.schema"
 
 
-def _structured_outputs(given: StructuredOutputs) -> tuple[serving_pb2.StructuredOutput, str]:
+def _structured_outputs(given: StructuredOutputs) -> Asked:
     kinds = {
         "json": given.json_,
         "regex": given.regex,
@@ -349,11 +350,11 @@ def _structured_outputs(given: StructuredOutputs) -> tuple[serving_pb2.Structure
             "structured_outputs", f"set one of {', '.join(kinds)}; {len(set_)} are set"
         )
     kind = set_[0]
-    return _one(kind, kinds[kind], f"structured_outputs.{kind}")
+    return kind, kinds[kind], f"structured_outputs.{kind}"
 
 
-def _one(kind: str, value: object, where: str) -> tuple[serving_pb2.StructuredOutput, str]:
-    """One constraint from its vLLM name and value (a JSON schema as an object or as text)."""
+def _one(kind: str, value: object, where: str) -> serving_pb2.StructuredOutput:
+    """The constraint a request asks for (a JSON schema as an object or as text)."""
     message = serving_pb2.StructuredOutput()
     if kind == "json":
         message.json_schema = value if isinstance(value, str) else json.dumps(value)
@@ -367,7 +368,7 @@ def _one(kind: str, value: object, where: str) -> tuple[serving_pb2.StructuredOu
     else:
         assert isinstance(value, str)
         setattr(message, kind, value)
-    return message, where
+    return message
 
 
 def _check_range(name: str, values: list[int], bounds: tuple[int, int]) -> None:

@@ -6,15 +6,14 @@ random, so every well-formed call here is the constraint's doing."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import anthropic
 import jsonschema
 import pytest
 
-from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
-from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER, served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -26,11 +25,7 @@ TOOLS: list[Any] = [
 
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    # the tools' description takes ~700 of the tiny byte-level vocabulary's tokens
-    engine = replace(ENGINE, num_pages=1024, max_model_len=1024)
-    cluster = start_cluster(tiny, http=True, engine=engine)
-    yield cluster
-    cluster.close()
+    yield from served(tiny)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any, Literal
 
 import httpx2 as httpx
@@ -24,8 +23,8 @@ from pydantic import BaseModel
 from cluster.http import responses_routes
 from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
-from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
-from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER, openai_client, served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -43,17 +42,12 @@ class Tier(BaseModel):
 
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    # the tools' description takes ~700 of the tiny byte-level vocabulary's tokens
-    engine = replace(ENGINE, num_pages=1024, max_model_len=1024)
-    cluster = start_cluster(tiny, http=True, engine=engine)
-    yield cluster
-    cluster.close()
+    yield from served(tiny)
 
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
-        yield c
+    yield from openai_client(cluster)
 
 
 def test_a_text_response_has_openais_shape_and_its_cache_hits(

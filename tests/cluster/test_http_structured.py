@@ -15,7 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.tool_fixtures import openai_client, served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -40,15 +41,12 @@ class Tier(BaseModel):
 
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    cluster = start_cluster(tiny, http=True)
-    yield cluster
-    cluster.close()
+    yield from served(tiny)
 
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
-        yield c
+    yield from openai_client(cluster)
 
 
 def test_response_format_json_schema_holds_for_every_choice(

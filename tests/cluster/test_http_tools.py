@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Literal
 
 import httpx2 as httpx
@@ -16,8 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
-from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER, openai_client, served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -39,17 +38,12 @@ class Lookup(BaseModel):
 
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    # the tools' description takes ~700 of the tiny byte-level vocabulary's tokens
-    engine = replace(ENGINE, num_pages=1024, max_model_len=1024)
-    cluster = start_cluster(tiny, http=True, engine=engine)
-    yield cluster
-    cluster.close()
+    yield from served(tiny)
 
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
-        yield c
+    yield from openai_client(cluster)
 
 
 def assert_valid_calls(calls: list) -> None:  # type: ignore[type-arg]

@@ -190,6 +190,19 @@ def test_penalties_and_logprobs_go_with_a_constraint(tiny: LoadedModel) -> None:
     assert all(len(o.logprobs) == len(o.token_ids) for o in outputs)
 
 
+def test_logprobs_are_the_raw_distributions_not_the_masked_ones(tiny: LoadedModel) -> None:
+    """The mask works on a copy: the first position's top log-probabilities are those of the
+    same prompt unconstrained, tokens the grammar forbids included."""
+    tops = []
+    for constraint in (None, StructuredOutput("json_object")):
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, structured=constraint)
+        recorder = run(engine_for(tiny), GenerateRequest("l", prompt=PROMPT, sampling=sampling))
+        tops.append(recorder.outputs[0].logprobs[0].top)
+    assert [t for t, _ in tops[0]] == [t for t, _ in tops[1]]
+    assert tiny.tokenizer is not None
+    assert any(not tiny.tokenizer.decode([t]).startswith("{") for t, _ in tops[1])
+
+
 def test_free_requests_in_the_same_batch_are_unchanged(tiny: LoadedModel) -> None:
     free = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     alone = run(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free))
