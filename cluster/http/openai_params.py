@@ -292,7 +292,9 @@ def structured_output(request: GenerationParams) -> Asked | None:
         "choice": request.guided_choice,
         "grammar": request.guided_grammar,
     }
-    found += [(kind, value, f"guided_{kind}") for kind, value in guided.items() if value is not None]
+    found += [
+        (kind, value, f"guided_{kind}") for kind, value in guided.items() if value is not None
+    ]
     if len(found) > 1:
         raise HttpError.invalid(
             found[1][2], f"{found[0][2]} asks for a structured output already; give one"
