@@ -55,6 +55,7 @@ from worker.images import (
 )
 from worker.kv_copies import MIN_STREAM_BYTES
 from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
+from worker.logit_shaping import LogitShaping
 from worker.logprobs import token_logprob
 from worker.lora_serving import AdapterLifecycle, adapter_slots
 from worker.lora_slots import AdapterState
@@ -96,7 +97,7 @@ class TokenizerLike(PromptTokenizer, Protocol):
     @property
     def eos_token_ids(self) -> Sequence[int]: ...
 
-    def incremental_decoder(self) -> TextDecoder: ...
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> TextDecoder: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,21 +270,22 @@ class Engine:
         self.max_model_len = context_length(model.config.max_position_embeddings, config)
         self.vocab_size = model.config.vocab_size
         self.vision = vision
+        self.eos_token_ids = frozenset(
+            tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
+        )
         self.limits = RequestLimits.of(
             self.vocab_size,
             self.max_model_len,
             config,
             vision.spec if vision is not None else None,
             config.image_limits(),
+            self.eos_token_ids,
         )
         self._wake = threading.Event()
         self.embedder = (
             ImageEmbedder(vision, config.encoder_cache_bytes, self._wake.set)
             if vision is not None
             else None
-        )
-        self.eos_token_ids = frozenset(
-            tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         )
         self.grammars = GrammarCompiler(
             tokenizer if isinstance(tokenizer, Tokenizer) else None,
@@ -838,7 +840,7 @@ class Engine:
             reason = FINISH_STOP
         else:
             delta = sample.decoder.step(token) if sample.decoder is not None else ""
-            text, hit = sample.stop.feed(delta)
+            text, hit = sample.stop.feed(delta, armed=sample.generated > sampling.min_tokens)
             reason = FINISH_STOP if hit else None
         if reason is None and (
             sample.generated >= sampling.max_tokens or len(sample.tokens) >= self.max_model_len
@@ -955,23 +957,30 @@ class Engine:
     def _add(self, state: RequestState) -> None:
         request = state.request
         first = request.resume.sample_index if request.resume is not None else 0
-        for index in range(first, first + request.sampling.n):
+        sampling = request.sampling
+        shaping = LogitShaping.create(
+            sampling, self.eos_token_ids, self.vocab_size, self.runner.device
+        )
+        for index in range(first, first + sampling.n):
             sample = SampleState(
                 request=state,
                 index=index,
                 tokens=list(state.prompt_ids),
                 sampler=Sampler.create(
-                    request.sampling,
+                    sampling,
                     index,
                     self._penalties(state),
                     Constraint(state.grammar) if state.grammar is not None else None,
+                    shaping,
                 ),
-                stop=StopChecker(state.stops),
-                decoder=self.tokenizer.incremental_decoder() if self.tokenizer else None,
+                stop=StopChecker(state.stops, include=sampling.include_stop_str_in_output),
+                decoder=self.tokenizer.incremental_decoder(sampling.skip_special_tokens)
+                if self.tokenizer
+                else None,
                 phase=Phase.WAITING if index == first else Phase.UNBORN,
             )
             state.samples.append(sample)
-        state.forked = request.sampling.n == 1
+        state.forked = sampling.n == 1
         self._requests[state.request_id] = state
         self.scheduler.enqueue(state.samples[0])
         if request.resume is not None:
@@ -999,5 +1008,6 @@ class Engine:
         sample.sampler.replay(generated)
         if sample.decoder is None:  # no text, so no stop strings to bring along
             return
-        for token in generated:
-            sample.stop.feed(sample.decoder.step(token))
+        min_tokens = sample.request.request.sampling.min_tokens
+        for count, token in enumerate(generated, 1):
+            sample.stop.feed(sample.decoder.step(token), armed=count > min_tokens)

@@ -8,10 +8,12 @@ whatever else shares its batch, run after run, and on any worker that continues 
 position: a stream the router moves to another worker mid-way (cluster/router_service.py) draws
 exactly what the uninterrupted one would have. temperature 0 is greedy.
 
-Penalties (worker/penalties.py) change the logits before any of that, greedy included. They
-depend on the prompt and the tokens generated so far, which the sampler counts as it draws them;
-the randomness is still seeded by the same three, so a resumed sample that `replay`s its
-generated tokens draws exactly what the uninterrupted one would.
+A request's logit bias, allowed tokens and min_tokens (worker/logit_shaping.py) change the
+logits first, then penalties (worker/penalties.py), before any of that, greedy included, as vLLM
+orders them; after temperature, min_p drops the unlikely tokens before top-k and top-p. Penalties
+and min_tokens depend on the prompt and the tokens generated so far, which the sampler counts
+as it draws them; the randomness is still seeded by the same three, so a resumed sample that
+`replay`s its generated tokens draws exactly what the uninterrupted one would.
 
 A structured output's constraint (worker/structured_output.py) then sets every token its grammar
 does not allow next to -inf, and follows the token drawn; a resumed sample replays its tokens
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.logit_shaping import LogitShaping
 from worker.penalties import Penalties
 from worker.sampling_params import SamplingParams
 from worker.structured_output import Constraint
@@ -70,6 +73,10 @@ class Sampler:
     """None: the request penalizes nothing."""
     constraint: Constraint | None = None
     """None: free text."""
+    shaping: LogitShaping | None = None
+    """The request's logit bias, allowed tokens and min_tokens; None: none of them."""
+    generated: int = 0
+    """Tokens this sample has generated (drawn here or replayed)."""
     generator: torch.Generator = field(default_factory=torch.Generator)
 
     @classmethod
@@ -79,17 +86,23 @@ class Sampler:
         index: int,
         penalties: Penalties | None = None,
         constraint: Constraint | None = None,
+        shaping: LogitShaping | None = None,
     ) -> Sampler:
-        return cls(params, sample_seed(params.seed, index), penalties, constraint)
+        return cls(params, sample_seed(params.seed, index), penalties, constraint, shaping)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """The token at `position` (its index in the sequence), from a float32 logits row
         [vocab] (on any device; penalized and constrained there, sampled on the CPU). Counts it
         as generated. `GrammarRefused` if a constraint's allowed tokens are all -inf or NaN."""
-        scores = logits if self.penalties is None else self.penalties.apply(logits)
+        scores = logits
+        if self.shaping is not None:
+            scores = self.shaping.apply(scores, self.generated)
+        if self.penalties is not None:
+            scores = self.penalties.apply(scores)
         if self.constraint is not None:
             scores = self.constraint.mask(scores, owned=scores is not logits)
         token = self._draw(scores, position)
+        self.generated += 1
         if self.penalties is not None:
             self.penalties.record(token)
         if self.constraint is not None:
@@ -104,6 +117,7 @@ class Sampler:
     def replay(self, generated: Sequence[int]) -> None:
         """Count the tokens generated before this sampler existed (a resumed sample's), and
         follow them through the constraint (`GrammarRefused` if they leave it)."""
+        self.generated += len(generated)
         if self.penalties is not None and generated:
             self.penalties.replay(generated)
         if self.constraint is not None:
@@ -115,6 +129,9 @@ class Sampler:
         if p.greedy:
             return greedy(logits)
         scores = logits.detach().to("cpu", torch.float64) / p.temperature
+        if p.min_p:  # after temperature, before top-k and top-p, as vLLM
+            probs = torch.softmax(scores, dim=-1)
+            scores = scores.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if p.top_k and p.top_k < scores.shape[0]:
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,6 +25,8 @@ MAX_STRUCTURED_CHARS = 1_048_576
 call's constraint holds every tool's parameters): compiling one is work the worker does before
 the request is queued."""
 MAX_CHOICES = 1_024
+MAX_LOGIT_BIAS = 100.0
+"""A logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
 MAX_PENALTY = 2.0
 """Presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range);
 repetition penalty in (0, MAX_PENALTY]."""
@@ -129,6 +132,21 @@ class SamplingParams:
     position, from the raw distribution; None: none."""
     structured: StructuredOutput | None = None
     """What the text must be; None: free text."""
+    min_p: float = 0.0
+    """After temperature, tokens less likely than `min_p` x the most likely one are dropped;
+    0: none (vLLM's)."""
+    min_tokens: int = 0
+    """No end before this many tokens: end-of-sequence and `stop_token_ids` cannot be drawn,
+    and no stop string ends the text, until the sample has generated them (vLLM's)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before penalties, ids increasing (OpenAI's;
+    a bias of -100 or 100 bans or all but forces a token)."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """Only these tokens may be drawn; (): any (vLLM's)."""
+    include_stop_str_in_output: bool = False
+    """A stop string that ends the text stays in it (vLLM's)."""
+    skip_special_tokens: bool = True
+    """The text leaves special tokens out (vLLM's; false writes them, as `<|im_end|>`)."""
 
     @property
     def penalized(self) -> bool:
@@ -167,6 +185,40 @@ class SamplingParams:
         self._validate_stop(stop_limits)
         if self.structured is not None:
             self.structured.validate()
+        self._validate_shaping(vocab_size)
+
+    def _validate_shaping(self, vocab_size: int) -> None:
+        """min_p, min_tokens, logit_bias and allowed_token_ids."""
+        if not 0 <= self.min_p <= 1:  # also refuses NaN
+            raise InvalidRequest("min_p", f"must be in [0, 1] (0 disables), got {self.min_p}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(
+                "min_tokens",
+                f"must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}",
+            )
+        previous = -1
+        for token, bias in self.logit_bias:
+            if not 0 <= token < vocab_size:
+                raise InvalidRequest("logit_bias", f"token {token} is outside [0, {vocab_size})")
+            if token <= previous:
+                raise InvalidRequest("logit_bias", f"token {token} is given twice or out of order")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # also refuses NaN
+                raise InvalidRequest(
+                    f"logit_bias.{token}",
+                    f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}",
+                )
+            previous = token
+        for token in self.allowed_token_ids:
+            if not 0 <= token < vocab_size:
+                raise InvalidRequest("allowed_token_ids", f"{token} is outside [0, {vocab_size})")
+
+    def held_tokens(self, end_token_ids: Iterable[int]) -> frozenset[int]:
+        """The tokens `min_tokens` holds back: those that would end the sample (the model's
+        end-of-sequence ids unless `ignore_eos`, and `stop_token_ids`)."""
+        if not self.min_tokens:
+            return frozenset()
+        ends = frozenset(self.stop_token_ids)
+        return ends if self.ignore_eos else ends | frozenset(end_token_ids)
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

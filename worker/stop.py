@@ -5,7 +5,10 @@
 
 What `feed` returns, concatenated (plus `flush` at the end), is the generated text cut just
 before the first stop string to complete (the longest, where several end on the same
-character), which is not included, as OpenAI's and vLLM's APIs do.
+character), which is not included, as OpenAI's and vLLM's APIs do (vLLM's
+`include_stop_str_in_output` keeps it: `include`). Text fed while the checker is not `armed`
+(vLLM's `min_tokens` not yet generated) moves the automaton but ends nothing: a stop string that
+ends there is passed over, one that ends later is found.
 
 The strings are compiled once into an Aho-Corasick automaton (`StopStrings`, cached per small
 set of strings) whose state is the longest tail of the text that begins some stop string: each
@@ -89,8 +92,10 @@ def _compile_cached(stops: tuple[str, ...]) -> StopStrings:
 class StopChecker:
     """One sample's position in its request's stop strings."""
 
-    def __init__(self, stops: StopStrings | tuple[str, ...]) -> None:
+    def __init__(self, stops: StopStrings | tuple[str, ...], include: bool = False) -> None:
         self.strings = stops if isinstance(stops, StopStrings) else compile_stops(stops)
+        self.include = include
+        """Whether the stop string that ends the text is part of it."""
         self.state = 0
         self.pending = ""
         """Text not emitted yet: exactly the tail the state stands for."""
@@ -98,8 +103,9 @@ class StopChecker:
         self.matched: str | None = None
         """The stop string that ended the text, once one did."""
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Add decoded text; returns (text now safe to emit, whether a stop string ended it)."""
+    def feed(self, delta: str, armed: bool = True) -> tuple[str, bool]:
+        """Add decoded text; returns (text now safe to emit, whether a stop string ended it).
+        Not `armed`, no stop string ends it."""
         if self.stopped:
             return "", True
         if not self.strings.stops:
@@ -109,11 +115,11 @@ class StopChecker:
         strings, state = self.strings, self.state
         for i, char in enumerate(delta):
             state = strings.step(state, char)
-            if strings.ends[state]:
+            if strings.ends[state] and armed:
                 end = offset + i + 1
                 self.stopped, self.pending = True, ""
                 self.matched = text[end - strings.ends[state] : end]
-                return text[: end - strings.ends[state]], True
+                return text[: end if self.include else end - strings.ends[state]], True
         self.state = state
         keep = len(text) - strings.depth[state]
         self.pending = text[keep:]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -93,6 +93,9 @@ class RequestLimits:
     """Where the model's images go in a prompt; None: a text model, every image is refused."""
     images: ImageLimits = field(default_factory=ImageLimits)
     """What the operator allows of one request's images."""
+    end_token_ids: frozenset[int] = frozenset()
+    """The model's end-of-sequence ids, where known (the worker's): `min_tokens` holds them
+    back."""
 
     @classmethod
     def of(
@@ -102,6 +105,7 @@ class RequestLimits:
         settings: LimitSettings,
         image_spec: ImagePromptSpec | None = None,
         images: ImageLimits | None = None,
+        end_token_ids: Iterable[int] = (),
     ) -> RequestLimits:
         """The model's limits with the operator's: what the router and every worker check."""
         stop = StopLimits(settings.max_stop_strings, settings.max_stop_chars)
@@ -112,6 +116,7 @@ class RequestLimits:
             settings.max_prompt_chars,
             image_spec,
             images if images is not None else ImageLimits(),
+            frozenset(end_token_ids),
         )
 
 
@@ -399,7 +404,15 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
             f"input length and `max_tokens` exceed context limit: {original} + {max_tokens} > "
             f"{limits.max_model_len}, decrease input length or `max_tokens` and try again",
         )
-    request.sampling.validate(vocab_size, limits.max_model_len - original, limits.stop)
+    sampling = request.sampling
+    sampling.validate(vocab_size, limits.max_model_len - original, limits.stop)
+    held = sampling.held_tokens(limits.end_token_ids)
+    if sampling.allowed_token_ids and held.issuperset(sampling.allowed_token_ids):
+        raise InvalidRequest(
+            "allowed_token_ids",
+            f"every allowed token ends the sample, and min_tokens {sampling.min_tokens} "
+            "holds them back: nothing could be drawn",
+        )
 
 
 def _check_resume(request: GenerateRequest, prompt_len: int) -> int:

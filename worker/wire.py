@@ -35,7 +35,7 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
     def get(name: str) -> object:
         return getattr(message, name) if message.HasField(name) else getattr(DEFAULTS, name)
 
-    for name in ("stop_token_ids",):
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
         for value in getattr(message, name):
             if not 0 <= value <= _INT32:
                 raise InvalidRequest(f"sampling.{name}", f"{value} is not a token id")
@@ -56,6 +56,12 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         structured=structured_from_proto(message.structured)
         if message.HasField("structured")
         else None,
+        min_p=float(get("min_p")),  # type: ignore[arg-type]
+        min_tokens=int(get("min_tokens")),  # type: ignore[call-overload]
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in message.logit_bias.items())),
+        allowed_token_ids=tuple(int(t) for t in message.allowed_token_ids),
+        include_stop_str_in_output=bool(message.include_stop_str_in_output),
+        skip_special_tokens=bool(get("skip_special_tokens")),
     )
 
 
@@ -117,6 +123,12 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=list(params.allowed_token_ids),
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
     )
     if params.seed is not None:
         message.seed = params.seed

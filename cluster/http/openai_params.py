@@ -242,15 +242,27 @@ def sampling(
     top_k = request.top_k
     if top_k == -1:  # vLLM's spelling of "no top-k"
         top_k = 0
-    ints = {"max_tokens": max_tokens, "top_k": top_k, "n": request.n, "logprobs": logprobs}
+    ints = {
+        "max_tokens": max_tokens,
+        "top_k": top_k,
+        "n": request.n,
+        "logprobs": logprobs,
+        "min_tokens": request.min_tokens,
+    }
     floats = {
         "temperature": request.temperature,
         "top_p": request.top_p,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
+        "min_p": request.min_p,
     }
-    message = serving_pb2.SamplingParams(ignore_eos=request.ignore_eos)
+    message = serving_pb2.SamplingParams(
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+    )
+    if not request.skip_special_tokens:
+        message.skip_special_tokens = False
     for name, value in ints.items():
         if value is not None:
             _check_range(name, [value], _INT32)
@@ -266,10 +278,29 @@ def sampling(
     if request.stop_token_ids:
         _check_range("stop_token_ids", request.stop_token_ids, _INT64)
         message.stop_token_ids.extend(request.stop_token_ids)
+    if request.allowed_token_ids is not None:
+        if not request.allowed_token_ids:
+            raise HttpError.invalid("allowed_token_ids", "is empty: give at least one token id")
+        _check_range("allowed_token_ids", request.allowed_token_ids, _INT64)
+        message.allowed_token_ids.extend(request.allowed_token_ids)
+    message.logit_bias.update(logit_bias(request.logit_bias or {}))
     asked = structured_output(request)
     if asked is not None:
         message.structured.CopyFrom(_one(*asked))
     return message
+
+
+def logit_bias(biases: Mapping[str, float]) -> dict[int, float]:
+    """OpenAI's `logit_bias` by token id: JSON writes the ids as keys, so as strings."""
+    by_id: dict[int, float] = {}
+    for key, bias in biases.items():
+        token = int(key) if key.strip().isdecimal() else None
+        if token is None or token > _INT32[1]:
+            raise HttpError.invalid(f"logit_bias.{key}", "the key is not a token id")
+        if token in by_id:
+            raise HttpError.invalid(f"logit_bias.{key}", f"token {token} is given twice")
+        by_id[token] = bias
+    return by_id
 
 
 Asked = tuple[str, object, str]

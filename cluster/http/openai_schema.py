@@ -3,8 +3,9 @@
 Requests are strict: a parameter that is not declared here is refused by name (400), and a
 declared one that radixmesh does not implement (tools, audio, ...) is refused unless it has its
 no-op value (`REFUSED`, checked in cluster/http/openai_params.py). vLLM's extensions that
-radixmesh implements (top_k, repetition_penalty, ignore_eos, stop_token_ids, structured_outputs
-and its older guided_* fields) are accepted.
+radixmesh implements (top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
+allowed_token_ids, include_stop_str_in_output, skip_special_tokens, structured_outputs and its
+older guided_* fields) are accepted.
 Responses follow OpenAI's schema field for field, so its SDK parses them as it parses OpenAI's.
 """
 
@@ -158,6 +159,11 @@ class GenerationParams(Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    min_p: float | None = None
+    min_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     text_match: Literal["exact", "anchored", "off"] | None = None
     """radixmesh: how the prompt's text reuses the router's text index (docs/router.md)."""
     response_format: ResponseFormat | None = None
@@ -168,7 +174,8 @@ class GenerationParams(Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None
+    """Token ids (as JSON writes keys: strings) to a bias in [-100, 100]."""
     service_tier: Any = None
     metadata: Any = None
     store: Any = None
@@ -240,7 +247,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
         "not needed: every prompt prefix is cached and routed to its cache automatically",
         (),
     ),
-    "logit_bias": ("not supported", ({},)),
     "service_tier": ("there is one tier", ("auto", "default")),
     "metadata": ("stored completions are not supported", ({},)),
     "store": ("stored completions are not supported", (False,)),

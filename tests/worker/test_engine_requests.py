@@ -264,7 +264,7 @@ class _FailingFirstDecoder:
     def apply_chat_template(self, messages: list[dict[str, object]]) -> str:
         return " ".join(str(m["content"]) for m in messages)
 
-    def incremental_decoder(self) -> _FailingFirstDecoder.Decoder:
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> _FailingFirstDecoder.Decoder:
         self.decoders += 1
         return self.Decoder(fail_at=3 if self.decoders == 1 else None)
 
