@@ -167,6 +167,25 @@ def test_a_resumed_sample_whose_stop_string_is_complete_ends_at_once(tiny: Loade
     assert (only.token_ids, only.text, only.finish_reason) == ((), "", FINISH_STOP)
 
 
+def test_a_stop_string_min_tokens_passed_over_before_the_cut_stays_passed_over(
+    tiny: LoadedModel,
+) -> None:
+    """A stop string that occurred within min_tokens did not end the sample; the resumed worker
+    replays those tokens unarmed too, so it neither ends at once nor cuts the text there, and
+    the stop string's next occurrence ends it where it ended the whole run (and stays in the
+    text, with include_stop_str_in_output)."""
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    text = seen(run(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free)))[1]
+    stop = next(c for c in text[:3] if c.isascii() and text.rfind(c) >= 16)
+    sampling = replace(free, stop=(stop,), min_tokens=8, include_stop_str_in_output=True)
+    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    expected = seen(whole)
+    assert expected[2] == FINISH_STOP and len(expected[0]) > 8
+    assert expected[1].endswith(stop) and len(expected[1]) > text.index(stop) + 1
+    for cut in (2, 5, 8, len(whole) - 1):
+        assert seen(resumed(tiny, whole, cut, sampling)) == expected, f"cut after {cut}"
+
+
 def test_a_resumed_sample_reports_cache_hits_of_its_prompt_only(tiny: LoadedModel) -> None:
     """On the worker that already holds the whole stream, far more than the prompt hits the
     cache; what a client is told it saved is still counted in its own prompt's tokens."""
