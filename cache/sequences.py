@@ -50,7 +50,7 @@ from cache.namespace import DEFAULT_NAMESPACE, CacheNamespace
 from cache.page_pool import PagePool
 from cache.page_table import PageTable
 from cache.radix_cache import RadixCache
-from cache.radix_node import Node
+from cache.radix_node import MatchResult, Node
 from cache.tiers import QueuedCopy
 from cache.tokens import CacheToken, Keys, to_cache_keys
 
@@ -152,6 +152,7 @@ class SequenceCache:
         block_hashes: Sequence[int] = (),
         *,
         text: bool = False,
+        reuse: bool = True,
     ) -> CachedSequence:
         """`start` from keys made earlier by `to_cache_keys` (the worker makes a prompt's keys
         once, on the thread that submits it, so its engine thread converts nothing). The
@@ -159,13 +160,15 @@ class SequenceCache:
         for anything but an `array("Q")` (tokens go to `start`, which checks them).
 
         `text`: every key was made from a token id (no image), so `block_hashes` is checked
-        without a scan for typed keys (`BlockHasher.accepts`)."""
+        without a scan for typed keys (`BlockHasher.accepts`). `reuse=False`: nothing cached
+        is reused, every position is computed (a request that scores its whole prompt); its
+        pages are cached at commit as any sequence's, duplicates of cached ones freed."""
         if type(keys) is not array or keys.typecode != "Q":
             raise TypeError(
                 f"start_keys takes the array('Q') to_cache_keys makes, got {type(keys).__name__}; "
                 "give tokens to start"
             )
-        return self._start(array("Q", keys), namespace, reserve, block_hashes, text)
+        return self._start(array("Q", keys), namespace, reserve, block_hashes, text, reuse)
 
     def _start(
         self,
@@ -174,11 +177,12 @@ class SequenceCache:
         reserve: int,
         block_hashes: Sequence[int],
         text: bool = False,
+        cached: bool = True,
     ) -> CachedSequence:
         n, ps = len(keys), self.page_size
         if n == 0:
             raise SequenceError("empty prompt: a sequence needs at least one position")
-        match = self.tree.match(keys, namespace)
+        match = self.tree.match(keys, namespace) if cached else MatchResult()
         on_device = match.length
         if match.host_node is not None and on_device < n - 1 and self.table.num_free_slots:
             # promote only if the whole start then fits: a refused start changes nothing

@@ -56,7 +56,7 @@ from worker.images import (
 from worker.kv_copies import MIN_STREAM_BYTES
 from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
 from worker.logit_shaping import LogitShaping
-from worker.logprobs import token_logprob
+from worker.logprobs import prompt_logprobs, token_logprob
 from worker.lora_serving import AdapterLifecycle, adapter_slots
 from worker.lora_slots import AdapterState
 from worker.model import CausalLM
@@ -586,7 +586,7 @@ class Engine:
         try:
             if pending is not None:
                 return self._finish_disk_read(sample, pending)
-            if sample.disk_checked:
+            if sample.disk_checked or sample.request.scoring_prompt:  # the latter reuses nothing
                 return True
             keys, namespace = sample.cache_keys(), sample.request.request.namespace
             full = len(self.scheduler.running) + reads.pending >= self.config.max_running
@@ -672,19 +672,40 @@ class Engine:
     def _sample_all(
         self, plan: list[tuple[SampleState, int]], chunks: list[Chunk], logits: torch.Tensor
     ) -> None:
-        """Account each sample's computed positions; draw the next token of each that has a
-        row of logits (a chunk that ends its prompt, or a decode)."""
-        rows = iter(logits)
+        """Account each sample's computed positions; score the prompt of each whose chunk has
+        a row per token; draw the next token of each that has a row of logits (a chunk that
+        ends its prompt, or a decode)."""
+        at = 0
         for (sample, take), chunk in zip(plan, chunks, strict=True):
             sample.computed += take
-            row = next(rows) if chunk.sample else None
-            if row is None or sample.phase is not Phase.RUNNING:
+            rows = logits[at : at + (len(chunk.token_ids) if chunk.every_row else chunk.sample)]
+            at += rows.shape[0]
+            if sample.phase is not Phase.RUNNING:
                 continue
+            if chunk.every_row:
+                self._score_prompt(sample.request, chunk, rows)
+            if not chunk.sample:
+                continue
+            row = rows[-1]
             try:
                 self._sampled(sample, row)
             except Exception as err:  # this request's outputs cannot be made: end it alone
                 log.exception("sampling or decoding for %s failed", sample.request.request_id)
                 self._abort(sample.request, FINISH_ERROR, f"{type(err).__name__}: {err}")
+
+    @staticmethod
+    def _score_prompt(state: RequestState, chunk: Chunk, rows: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens this chunk's rows predict (row i, position
+        start + i, predicts token start + i + 1), those not scored before (a preempted sample
+        computes its prompt again)."""
+        top = state.request.sampling.prompt_logprobs
+        assert top is not None
+        lo = len(state.prompt_scores) - chunk.start  # the row predicting the next unscored one
+        hi = min(len(chunk.token_ids), len(state.prompt_ids) - 1 - chunk.start)
+        assert lo >= 0, "a scored prompt is computed from its first position"
+        if hi > lo:
+            targets = state.prompt_ids[chunk.start + lo + 1 : chunk.start + hi + 1]
+            state.prompt_scores += prompt_logprobs(rows[lo:hi], targets, top)
 
     def _nothing_planned(self, awaiting: set[SampleState]) -> bool:
         """No sample can run this step. When only the image encoder or the disk reader has
@@ -772,6 +793,7 @@ class Engine:
             start,
             pages,
             sample=start + take == len(sample.tokens),
+            every_row=sample.request.scoring_prompt,
             lora_slot=sample.lora_slot,
             embed_offsets=offsets,
             embeds=embeds,
@@ -854,7 +876,9 @@ class Engine:
             self.scheduler.enqueue(sample)
         if reason is not None:  # released before the client hears it ended (see _emit)
             self._finish_sample(sample, reason)
-        self._emit(sample, (token,), text, reason, logprobs=logprobs)
+        state = sample.request
+        scores = state.prompt_scores if sample.generated == 1 and sample.index == 0 else ()
+        self._emit(sample, (token,), text, reason, logprobs=logprobs, prompt_logprobs=scores)
 
     def _emit(
         self,
@@ -864,6 +888,7 @@ class Engine:
         reason: str | None,
         error: str | None = None,
         logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: Sequence[TokenLogprob] = (),
     ) -> None:
         """Stream one output. A sample's last one goes out after the sample is finished: its
         pages are back in the pool and its request id free by the time a client sees the end."""
@@ -882,6 +907,7 @@ class Engine:
             error=error,
             logprobs=logprobs,
             stop_string=sample.stop.matched if reason is not None else None,
+            prompt_logprobs=tuple(prompt_logprobs),
         )
         try:
             request.sink(output)

@@ -3,7 +3,8 @@
 The engine hands over `Chunk`s (the tokens of one sequence to compute this step, where they
 start, the sequence's page row, whether its next token is sampled); the runner lays them end to
 end into a `ForwardBatch`, performs pending page copies, and returns the logits of the sampling
-rows. It never touches the cache's bookkeeping: page rows come from `cache.PageTable`.
+rows (every row of a chunk whose prompt is scored, for prompt logprobs). It never touches the
+cache's bookkeeping: page rows come from `cache.PageTable`.
 
 With LoRA stacks (worker/lora_weights.py) a chunk may name the adapter slot its rows use; the
 batch then carries the adapter segments, adjacent chunks of one slot merged into one segment
@@ -49,6 +50,8 @@ class Chunk:
     """The sequence's page row (covering at least start + len(token_ids) positions)."""
     sample: bool
     """Whether logits are wanted at the chunk's last token."""
+    every_row: bool = False
+    """Whether logits are wanted at every token of the chunk (a prompt being scored)."""
     lora_slot: int = -1
     """The LoRA stacks' slot of the sequence's adapter; -1: the base model."""
     embed_offsets: Sequence[int] = ()
@@ -162,7 +165,9 @@ class ModelRunner:
                 embeds.append(chunk.embeds)
             cu.append(cu[-1] + len(chunk.token_ids))
             lens_k.append(end)
-            if chunk.sample:
+            if chunk.every_row:
+                sample_rows.extend(range(cu[-2], cu[-1]))
+            elif chunk.sample:
                 sample_rows.append(cu[-1] - 1)
         device = self.device
         starts, seg_slots = self._segments(chunks)
@@ -204,7 +209,8 @@ class ModelRunner:
         return starts, slots
 
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """Compute the chunks' K/V; float32 logits for the sampling chunks, in chunk order."""
+        """Compute the chunks' K/V; float32 logits in chunk order: a row for each sampling
+        chunk's last token, and for every token of an `every_row` chunk."""
         batch = self.build_batch(chunks)
         if not self.copier.pending:
             return self.model(batch, self.kv, self.lora)

@@ -71,6 +71,9 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     """(token id, log-probability) pairs."""
+    rank: int = 0
+    """The token's rank at its position, 1 the most likely (prompt tokens'; 0: not
+    computed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +100,6 @@ class RequestOutput:
     """One per token of `token_ids` when the request asked for logprobs, else empty."""
     stop_string: str | None = None
     """On a sample's last output: the stop string that ended it (None: another reason)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """On the first output of the request's first sample, when it asked for them: one per
+    prompt token after the first (`SamplingParams.prompt_logprobs`)."""

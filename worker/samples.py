@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from cache import CachedSequence, Keys, to_cache_keys
 from worker.image_inputs import RequestImages
 from worker.lora_adapter import LoraAdapter
-from worker.request import GenerateRequest, RequestOutput
+from worker.request import GenerateRequest, RequestOutput, TokenLogprob
 from worker.sampling import Sampler
 from worker.stop import StopChecker, StopStrings, compile_stops
 
@@ -115,6 +115,8 @@ class RequestState:
     """Of those, the positions read back from the disk tier for it."""
     admitted: bool = False
     forked: bool = False
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    """The prompt's logprobs so far (`SamplingParams.prompt_logprobs`), of its tokens 1, 2, ..."""
     stops: StopStrings = field(init=False)
     """The request's stop strings, compiled (in the submitting thread: never on the engine's)."""
     stop_token_ids: frozenset[int] = field(init=False)
@@ -134,6 +136,17 @@ class RequestState:
         namespace = replace(self.request.namespace, adapter=adapter.identity)
         self.request = replace(self.request, namespace=namespace, prompt_block_hashes=())
         self.adapter = adapter
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether the prompt's logprobs are still being computed: asked for, and not all
+        there yet. Not for a resumed sample: its client had them with the first token."""
+        request = self.request
+        return (
+            request.sampling.prompt_logprobs is not None
+            and request.resume is None
+            and len(self.prompt_scores) < len(self.prompt_ids) - 1
+        )
 
     @property
     def prompt_tokens(self) -> int:

@@ -147,6 +147,11 @@ class SamplingParams:
     """A stop string that ends the text stays in it (vLLM's)."""
     skip_special_tokens: bool = True
     """The text leaves special tokens out (vLLM's; false writes them, as `<|im_end|>`)."""
+    prompt_logprobs: int | None = None
+    """Log-probabilities of each prompt token after the first under the tokens before it, and
+    of this many most likely tokens at its position (vLLM's; what OpenAI's `echo` with
+    `logprobs` reports). Every prompt position is computed for them, none read from the cache;
+    None: none."""
 
     @property
     def penalized(self) -> bool:
@@ -175,10 +180,7 @@ class SamplingParams:
         if self.n > 1 and self.temperature == 0:
             raise InvalidRequest("n", "n > 1 needs temperature > 0 (greedy samples are identical)")
         self._validate_penalties()
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self._validate_logprobs()
         for token in self.stop_token_ids:
             if not 0 <= token < vocab_size:
                 raise InvalidRequest("stop_token_ids", f"{token} is outside [0, {vocab_size})")
@@ -219,6 +221,12 @@ class SamplingParams:
             return frozenset()
         ends = frozenset(self.stop_token_ids)
         return ends if self.ignore_eos else ends | frozenset(end_token_ids)
+
+    def _validate_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequest(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

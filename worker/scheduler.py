@@ -204,6 +204,7 @@ class Scheduler:
                 reserve=len(sample.tokens),
                 block_hashes=sample.block_hashes,
                 text=sample.request.images is None,  # keys from ids, which to_cache_keys checked
+                reuse=not sample.request.scoring_prompt,  # each position's logits are wanted
             )
         except (OutOfPages, OutOfSlots):
             return Admission.NO_ROOM

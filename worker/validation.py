@@ -406,6 +406,8 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
         )
     sampling = request.sampling
     sampling.validate(vocab_size, limits.max_model_len - original, limits.stop)
+    if sampling.prompt_logprobs is not None and request.images:
+        raise InvalidRequest("prompt_logprobs", "not served for a prompt with images")
     held = sampling.held_tokens(limits.end_token_ids)
     if sampling.allowed_token_ids and held.issuperset(sampling.allowed_token_ids):
         raise InvalidRequest(

@@ -53,6 +53,9 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=float(get("frequency_penalty")),  # type: ignore[arg-type]
         repetition_penalty=float(get("repetition_penalty")),  # type: ignore[arg-type]
         logprobs=int(message.logprobs) if message.HasField("logprobs") else None,
+        prompt_logprobs=int(message.prompt_logprobs)
+        if message.HasField("prompt_logprobs")
+        else None,
         structured=structured_from_proto(message.structured)
         if message.HasField("structured")
         else None,
@@ -134,6 +137,8 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     if params.structured is not None:
         message.structured.CopyFrom(structured_to_proto(params.structured))
     return message
@@ -157,6 +162,7 @@ def output_to_proto(
         worker=worker,
         logprobs=[logprob_to_proto(each) for each in output.logprobs],
         stop_string=output.stop_string or "",
+        prompt_logprobs=[logprob_to_proto(each) for each in output.prompt_logprobs],
     )
 
 
@@ -165,6 +171,7 @@ def logprob_to_proto(logprob: TokenLogprob) -> serving_pb2.TokenLogprob:
         logprob=logprob.logprob,
         top_ids=[token for token, _ in logprob.top],
         top_logprobs=[value for _, value in logprob.top],
+        rank=logprob.rank,
     )
 
 

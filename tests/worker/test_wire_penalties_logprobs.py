@@ -23,6 +23,8 @@ def through_the_wire(params: SamplingParams) -> SamplingParams:
         SamplingParams(presence_penalty=-1.5, frequency_penalty=0.25, repetition_penalty=1.75),
         SamplingParams(temperature=0.0, logprobs=0),
         SamplingParams(seed=3, n=2, logprobs=20, presence_penalty=2.0),
+        SamplingParams(prompt_logprobs=0),
+        SamplingParams(logprobs=1, prompt_logprobs=20),
     ],
 )
 def test_penalties_and_logprobs_survive_the_round_trip(params: SamplingParams) -> None:
@@ -35,6 +37,8 @@ def test_absent_fields_are_no_penalties_and_no_logprobs() -> None:
     assert got.logprobs is None and not got.penalized
     assert not sampling_to_proto(SamplingParams()).HasField("logprobs")
     assert sampling_to_proto(SamplingParams(logprobs=0)).HasField("logprobs")
+    assert got.prompt_logprobs is None
+    assert sampling_to_proto(SamplingParams(prompt_logprobs=0)).HasField("prompt_logprobs")
 
 
 def test_an_output_carries_its_logprobs_in_order() -> None:
@@ -50,3 +54,14 @@ def test_an_output_carries_its_logprobs_in_order() -> None:
     assert got == [(-0.5, [7, 3], [-0.5, -1.25]), (-2.0, [9, 1], [-0.75, -1.5])]
     bare = output_to_proto(RequestOutput("r", 0, (5,), "c", 4, 0), "w0")
     assert len(bare.logprobs) == 0
+
+
+def test_an_output_carries_its_prompt_logprobs_with_their_ranks() -> None:
+    scores = (TokenLogprob(-3.0, ((4, -0.25),), 6), TokenLogprob(-0.25, (), 1))
+    output = RequestOutput("r", 0, (7,), "a", 3, 0, prompt_logprobs=scores)
+    sent = serving_pb2.GenerateResponse.FromString(
+        output_to_proto(output, "w0").SerializeToString()
+    )
+    got = [(lp.logprob, list(lp.top_ids), lp.rank) for lp in sent.prompt_logprobs]
+    assert got == [(-3.0, [4], 6), (-0.25, [], 1)]
+    assert len(sent.logprobs) == 0
