@@ -877,8 +877,8 @@ class Engine:
         if reason is not None:  # released before the client hears it ended (see _emit)
             self._finish_sample(sample, reason)
         state = sample.request
-        scores = state.prompt_scores if sample.generated == 1 and sample.index == 0 else ()
-        self._emit(sample, (token,), text, reason, logprobs=logprobs, prompt_logprobs=scores)
+        scored = bool(state.prompt_scores) and sample.generated == 1 and sample.index == 0
+        self._emit(sample, (token,), text, reason, logprobs=logprobs, scored_prompt=scored)
 
     def _emit(
         self,
@@ -888,7 +888,7 @@ class Engine:
         reason: str | None,
         error: str | None = None,
         logprobs: tuple[TokenLogprob, ...] = (),
-        prompt_logprobs: Sequence[TokenLogprob] = (),
+        scored_prompt: bool = False,
     ) -> None:
         """Stream one output. A sample's last one goes out after the sample is finished: its
         pages are back in the pool and its request id free by the time a client sees the end."""
@@ -907,7 +907,8 @@ class Engine:
             error=error,
             logprobs=logprobs,
             stop_string=sample.stop.matched if reason is not None else None,
-            prompt_logprobs=tuple(prompt_logprobs),
+            prompt_logprobs=tuple(request.prompt_scores) if scored_prompt else (),
+            prompt_token_ids=tuple(request.prompt_ids) if scored_prompt else (),
         )
         try:
             request.sink(output)

@@ -103,3 +103,5 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """On the first output of the request's first sample, when it asked for them: one per
     prompt token after the first (`SamplingParams.prompt_logprobs`)."""
+    prompt_token_ids: tuple[int, ...] = ()
+    """With `prompt_logprobs`: the prompt's ids, the first included."""

@@ -163,6 +163,7 @@ def output_to_proto(
         logprobs=[logprob_to_proto(each) for each in output.logprobs],
         stop_string=output.stop_string or "",
         prompt_logprobs=[logprob_to_proto(each) for each in output.prompt_logprobs],
+        prompt_token_ids=list(output.prompt_token_ids),
     )
 
 

@@ -169,7 +169,12 @@ class HttpApi:
         rid = self.request_id(request)
         message, image_fields = openai_params.chat_request(body, rid, self.tenant(request))
         message.namespace.adapter = adapter or ""
-        reply = Reply(f"chatcmpl-{rid}", adapter or self.model, self.token_texts())
+        reply = Reply(
+            f"chatcmpl-{rid}",
+            adapter or self.model,
+            self.token_texts(),
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
         logprobs = bool(body.logprobs)
         options = body.stream_options or StreamOptions()
         tools = openai_params.callable_tools(body)
@@ -190,7 +195,13 @@ class HttpApi:
         rid = self.request_id(request)
         message = openai_params.completion_request(body, rid, self.tenant(request))
         message.namespace.adapter = adapter or ""
-        reply = Reply(f"cmpl-{rid}", adapter or self.model, self.token_texts())
+        reply = Reply(
+            f"cmpl-{rid}",
+            adapter or self.model,
+            self.token_texts(),
+            echo=await self.echo_text(body) if body.echo else None,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
         logprobs = body.logprobs is not None
         stream = self.start(message, caller)
         options = body.stream_options or StreamOptions()
@@ -203,6 +214,18 @@ class HttpApi:
             logprobs,
             openai_params.refusal_names(body),
         )
+
+    async def echo_text(self, body: CompletionRequest) -> str:
+        """The prompt as an echoing completion begins with it: as sent, or token ids decoded
+        (special tokens written)."""
+        prompt = openai_params.one_prompt(body.prompt)
+        tokenizer = self.service.links.tokenizer
+        if isinstance(prompt, str) or tokenizer is None:  # none: the call is refused anyway
+            return prompt if isinstance(prompt, str) else ""
+        try:
+            return await asyncio.to_thread(tokenizer.decode, prompt, skip_special_tokens=False)
+        except TokenizerError as err:
+            raise HttpError.invalid("prompt", str(err)) from err
 
     async def respond(
         self,

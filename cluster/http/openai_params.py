@@ -211,7 +211,10 @@ def completion_request(
     message = serving_pb2.GenerateRequest(
         request_id=request_id, sampling=sampling(request, request.max_tokens, request.logprobs)
     )
-    prompt = _one_prompt(request.prompt)
+    if request.echo and request.logprobs is not None:  # the prompt's logprobs too
+        _check_range("logprobs", [request.logprobs], _INT32)
+        message.sampling.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)
+    prompt = one_prompt(request.prompt)
     if isinstance(prompt, str):
         message.text = prompt
     else:
@@ -222,7 +225,7 @@ def completion_request(
     return message
 
 
-def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+def one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
     """The prompt: a text or token ids, alone or as the only member of a list."""
     if isinstance(prompt, str):
         return prompt
@@ -278,16 +281,26 @@ def sampling(
     if request.stop_token_ids:
         _check_range("stop_token_ids", request.stop_token_ids, _INT64)
         message.stop_token_ids.extend(request.stop_token_ids)
+    _token_fields(request, message)
+    asked = structured_output(request)
+    if asked is not None:
+        message.structured.CopyFrom(_one(*asked))
+    return message
+
+
+def _token_fields(request: GenerationParams, message: serving_pb2.SamplingParams) -> None:
+    """The fields that name token ids: allowed_token_ids, logit_bias, prompt_logprobs."""
     if request.allowed_token_ids is not None:
         if not request.allowed_token_ids:
             raise HttpError.invalid("allowed_token_ids", "is empty: give at least one token id")
         _check_range("allowed_token_ids", request.allowed_token_ids, _INT64)
         message.allowed_token_ids.extend(request.allowed_token_ids)
     message.logit_bias.update(logit_bias(request.logit_bias or {}))
-    asked = structured_output(request)
-    if asked is not None:
-        message.structured.CopyFrom(_one(*asked))
-    return message
+    if request.prompt_logprobs is not None:
+        if request.stream:
+            raise HttpError.invalid("prompt_logprobs", "not available with stream, as in vLLM")
+        _check_range("prompt_logprobs", [request.prompt_logprobs], _INT32)
+        message.prompt_logprobs = request.prompt_logprobs
 
 
 def logit_bias(biases: Mapping[str, float]) -> dict[int, float]:

@@ -26,6 +26,7 @@ from cluster.http.openai_schema import (
     CompletionLogprobs,
     Delta,
     FunctionCall,
+    PromptLogprobs,
     PromptTokensDetails,
     StreamOptions,
     TokenLogprob,
@@ -33,6 +34,13 @@ from cluster.http.openai_schema import (
     ToolCallOut,
     TopLogprob,
     Usage,
+)
+from cluster.http.prompt_logprobs import (
+    ScoredPrompt,
+    echoed,
+    joined,
+    top_dict,
+    vllm_prompt_logprobs,
 )
 from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
@@ -54,6 +62,10 @@ class Reply:
     model: str
     texts: TokenTexts
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: str | None = None
+    """A completion's prompt text, which each choice's text begins with (`echo: true`)."""
+    prompt_logprobs: bool = False
+    """Whether the response carries vLLM's `prompt_logprobs`."""
 
 
 def served_by(response: serving_pb2.GenerateResponse) -> dict[str, str]:
@@ -68,6 +80,8 @@ class Counts:
     cached_tokens: int = 0
     completion_tokens: int = 0
     first: serving_pb2.GenerateResponse | None = None
+    prompt: ScoredPrompt | None = None
+    """The prompt's logprobs, when the request asked for them."""
 
     def served_by(self) -> dict[str, str]:
         return served_by(self.first) if self.first is not None else {}
@@ -77,6 +91,8 @@ class Counts:
             self.first = response
             self.prompt_tokens = response.prompt_tokens
             self.cached_tokens = response.cached_prompt_tokens
+        if self.prompt is None:
+            self.prompt = ScoredPrompt.of(response)
         self.completion_tokens += len(response.token_ids)
 
     def usage(self) -> Usage:
@@ -184,8 +200,19 @@ def chat_completion(
             )
         )
     return ChatCompletion(
-        id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=counts.usage()
+        id=reply.id,
+        created=reply.created,
+        model=reply.model,
+        choices=choices,
+        usage=counts.usage(),
+        prompt_logprobs=_vllm_prompt_logprobs(reply, counts),
     )
+
+
+def _vllm_prompt_logprobs(reply: Reply, counts: Counts) -> PromptLogprobs | None:
+    if not reply.prompt_logprobs or counts.prompt is None:
+        return None
+    return vllm_prompt_logprobs(reply.texts, counts.prompt)
 
 
 def _call_out(call: ToolCall) -> ToolCallOut:
@@ -323,19 +350,28 @@ def completion_logprobs(
         tokens=[texts.text(token) for token in token_ids],
         token_logprobs=[each.logprob for each in logprobs],
         top_logprobs=[
-            {texts.text(t): lp for t, lp in zip(each.top_ids, each.top_logprobs, strict=True)}
-            for each in logprobs
+            top_dict(texts, token, each) for token, each in zip(token_ids, logprobs, strict=True)
         ],
         text_offset=offsets,
     )
 
 
+def echo_logprobs(reply: Reply, counts: Counts, logprobs: bool) -> CompletionLogprobs | None:
+    """The echoed prompt's logprobs (None: no echo, or no logprobs)."""
+    if reply.echo is None or not logprobs or counts.prompt is None:
+        return None
+    return echoed(reply.texts, counts.prompt)
+
+
 def completion(
     reply: Reply, samples: dict[int, Sample], counts: Counts, logprobs: bool
 ) -> Completion:
+    echo = reply.echo or ""
+    prompt = echo_logprobs(reply, counts, logprobs)
+
     def offsets(sample: Sample) -> list[int]:
         out: list[int] = []
-        start = 0
+        start = len(echo)
         for tokens, chars in sample.spans:
             ids = sample.token_ids[len(out) : len(out) + tokens]
             out += token_offsets(reply.texts, ids, start, chars)
@@ -345,11 +381,14 @@ def completion(
     choices = [
         CompletionChoice(
             index=index,
-            text="".join(s.text),
-            logprobs=completion_logprobs(reply.texts, s.token_ids, s.logprobs, offsets(s))
+            text=echo + "".join(s.text),
+            logprobs=joined(
+                prompt, completion_logprobs(reply.texts, s.token_ids, s.logprobs, offsets(s))
+            )
             if logprobs
             else None,
             finish_reason=s.finish_reason,
+            prompt_logprobs=_vllm_prompt_logprobs(reply, counts),
         )
         for index, s in sorted(samples.items())
     ]
@@ -388,16 +427,23 @@ def _completion_chunk(
     options: StreamOptions,
 ) -> bytes:
     index, ids, text = response.index, list(response.token_ids), response.text
-    offset = offsets.get(index, 0)
-    offsets[index] = offset + len(text)
+    prompt = None
+    if index not in offsets and reply.echo is not None:  # a choice's first chunk: its prompt
+        text = reply.echo + text
+        prompt = echo_logprobs(reply, counts, logprobs)
+    offset = offsets.get(index, len(text) - len(response.text))
+    offsets[index] = offset + len(response.text)
     choice = CompletionChoice(
         index=index,
         text=text,
-        logprobs=completion_logprobs(
-            reply.texts,
-            ids,
-            list(response.logprobs),
-            token_offsets(reply.texts, ids, offset, len(text)),
+        logprobs=joined(
+            prompt,
+            completion_logprobs(
+                reply.texts,
+                ids,
+                list(response.logprobs),
+                token_offsets(reply.texts, ids, offset, len(response.text)),
+            ),
         )
         if logprobs
         else None,

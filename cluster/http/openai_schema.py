@@ -5,7 +5,7 @@ declared one that radixmesh does not implement (tools, audio, ...) is refused un
 no-op value (`REFUSED`, checked in cluster/http/openai_params.py). vLLM's extensions that
 radixmesh implements (top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
 allowed_token_ids, include_stop_str_in_output, skip_special_tokens, structured_outputs and its
-older guided_* fields) are accepted.
+older guided_* fields, prompt_logprobs) are accepted.
 Responses follow OpenAI's schema field for field, so its SDK parses them as it parses OpenAI's.
 """
 
@@ -164,6 +164,9 @@ class GenerationParams(Body):
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's logprob, rank and this many alternatives, in the response's
+    `prompt_logprobs` (not with `stream`, as vLLM)."""
     text_match: Literal["exact", "anchored", "off"] | None = None
     """radixmesh: how the prompt's text reuses the router's text index (docs/router.md)."""
     response_format: ResponseFormat | None = None
@@ -228,7 +231,9 @@ class ChatCompletionRequest(GenerationParams):
 class CompletionRequest(GenerationParams):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: Any = None
+    echo: bool = False
+    """The prompt, then the completion, in `text` (with `logprobs`: the prompt tokens' too,
+    the first's null)."""
     best_of: Any = None
     suffix: Any = None
 
@@ -250,7 +255,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "service_tier": ("there is one tier", ("auto", "default")),
     "metadata": ("stored completions are not supported", ({},)),
     "store": ("stored completions are not supported", (False,)),
-    "echo": ("echoing the prompt is not supported", (False,)),
     "suffix": ("insertion (suffix) is not supported", ("",)),
 }
 """Parameters of the OpenAI API that radixmesh does not implement."""
@@ -324,6 +328,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Delta(BaseModel):
@@ -360,9 +365,23 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    """null for an echoed prompt's first token (nothing before it)."""
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token or one of its alternatives."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's `prompt_logprobs`: per prompt token (null for the first), token id -> entry, the
+prompt token itself and its `prompt_logprobs` most likely alternatives."""
 
 
 class CompletionChoice(BaseModel):
@@ -370,6 +389,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(BaseModel):

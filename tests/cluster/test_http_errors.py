@@ -86,6 +86,7 @@ NOT_IN_THE_SDK = {
     "guided_regex",
     "guided_whitespace_pattern",
     "structured_outputs",
+    "prompt_logprobs",
 }
 
 
@@ -311,8 +312,18 @@ BAD = {
         "guided_regex: response_format asks for a structured output already",
         "guided_regex",
     ),
-    "logit_bias": Bad({"logit_bias": {"5": 1}}, 400, "logit_bias", "logit_bias"),
-    "echo": Bad({"echo": True}, 400, "echo", "echo"),
+    "logit_bias by text": Bad(
+        {"logit_bias": {"fox": 1}},
+        400,
+        "logit_bias.fox: the key is not a token id",
+        "logit_bias.fox",
+    ),
+    "prompt_logprobs streamed": Bad(
+        {"prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs: not available with stream",
+        "prompt_logprobs",
+    ),
     "two prompts": Bad({"prompt": ["a", "b"]}, 400, "2 prompts", "prompt"),
     "top_logprobs alone": Bad(
         {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},

@@ -61,6 +61,7 @@ def test_prompt_logprobs_equal_the_model_run_on_each_prefix(chunk: int) -> None:
     outputs = scored(config, greedy("p", PROMPT, 3, prompt_logprobs=4))["p"]
     first, *rest = outputs
     assert_close(first.prompt_logprobs, reference(PROMPT, 4))
+    assert first.prompt_token_ids == tuple(PROMPT)
     assert all(not o.prompt_logprobs for o in rest), "sent once, with the first token"
     assert all(e.rank >= 1 for e in first.prompt_logprobs)
     assert any(e.rank > 1 for e in first.prompt_logprobs), "a random model's prompt is no argmax"
@@ -94,6 +95,7 @@ def test_only_the_first_sample_carries_them_and_a_resumed_sample_none() -> None:
     outputs = scored(CONFIG, request)
     carrying = [o.index for o in outputs["n"] if o.prompt_logprobs]
     assert carrying == [0]
+    assert [o.index for o in outputs["n"] if o.prompt_token_ids] == [0]
     resumed = GenerateRequest(
         "resumed",
         prompt_token_ids=(*PROMPT, 9, 8),

@@ -58,10 +58,13 @@ def test_an_output_carries_its_logprobs_in_order() -> None:
 
 def test_an_output_carries_its_prompt_logprobs_with_their_ranks() -> None:
     scores = (TokenLogprob(-3.0, ((4, -0.25),), 6), TokenLogprob(-0.25, (), 1))
-    output = RequestOutput("r", 0, (7,), "a", 3, 0, prompt_logprobs=scores)
+    output = RequestOutput(
+        "r", 0, (7,), "a", 3, 0, prompt_logprobs=scores, prompt_token_ids=(5, 9, 4)
+    )
     sent = serving_pb2.GenerateResponse.FromString(
         output_to_proto(output, "w0").SerializeToString()
     )
     got = [(lp.logprob, list(lp.top_ids), lp.rank) for lp in sent.prompt_logprobs]
     assert got == [(-3.0, [4], 6), (-0.25, [], 1)]
+    assert list(sent.prompt_token_ids) == [5, 9, 4]
     assert len(sent.logprobs) == 0
