@@ -73,6 +73,7 @@ from cluster.http.openai_schema import (
     TokenizeResponse,
     UnloadLoraAdapterRequest,
 )
+from cluster.http.several_prompts import merged
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
 from cluster.http.token_texts import TokenTexts
 from cluster.router_service import RouterService
@@ -193,17 +194,20 @@ class HttpApi:
         caller = self.caller(request)
         adapter = self.check_model(body.model)
         rid = self.request_id(request)
-        message = openai_params.completion_request(body, rid, self.tenant(request))
-        message.namespace.adapter = adapter or ""
+        messages = openai_params.completion_requests(body, rid, self.tenant(request))
+        for message in messages:
+            message.namespace.adapter = adapter or ""
         reply = Reply(
             f"cmpl-{rid}",
             adapter or self.model,
             self.token_texts(),
-            echo=await self.echo_text(body) if body.echo else None,
+            echo=[await self.echo_text(m) for m in messages] if body.echo else None,
             prompt_logprobs=body.prompt_logprobs is not None,
+            request_ids=[m.request_id for m in messages],
+            n=body.n or 1,
         )
         logprobs = body.logprobs is not None
-        stream = self.start(message, caller)
+        stream = merged([self.start(m, caller) for m in messages], reply.n)
         options = body.stream_options or StreamOptions()
         return await self.respond(
             request,
@@ -215,15 +219,15 @@ class HttpApi:
             openai_params.refusal_names(body),
         )
 
-    async def echo_text(self, body: CompletionRequest) -> str:
+    async def echo_text(self, message: serving_pb2.GenerateRequest) -> str:
         """The prompt as an echoing completion begins with it: as sent, or token ids decoded
         (special tokens written)."""
-        prompt = openai_params.one_prompt(body.prompt)
         tokenizer = self.service.links.tokenizer
-        if isinstance(prompt, str) or tokenizer is None:  # none: the call is refused anyway
-            return prompt if isinstance(prompt, str) else ""
+        if message.WhichOneof("prompt") == "text" or tokenizer is None:  # none: refused anyway
+            return message.text
         try:
-            return await asyncio.to_thread(tokenizer.decode, prompt, skip_special_tokens=False)
+            ids = list(message.token_ids.ids)
+            return await asyncio.to_thread(tokenizer.decode, ids, skip_special_tokens=False)
         except TokenizerError as err:
             raise HttpError.invalid("prompt", str(err)) from err
 

@@ -31,6 +31,7 @@ from cluster.http.openai_schema import (
     StructuredOutputs,
     ToolParam,
 )
+from cluster.http.several_prompts import MAX_PROMPTS, prompts_of
 from protos.radixmesh.v1 import serving_pb2
 
 ROLES = {
@@ -202,40 +203,37 @@ def _message(
     return serving_pb2.ChatMessage(role=role, parts=parts)
 
 
-def completion_request(
+def completion_requests(
     request: CompletionRequest, request_id: str, tenant: str
-) -> serving_pb2.GenerateRequest:
+) -> list[serving_pb2.GenerateRequest]:
+    """One generation a prompt (cluster/http/several_prompts.py): the request's id for one
+    prompt, `{id}-{i}` for prompt i of several."""
     refuse_unsupported(request)
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise HttpError.invalid("best_of", "best_of other than n is not supported")
-    message = serving_pb2.GenerateRequest(
-        request_id=request_id, sampling=sampling(request, request.max_tokens, request.logprobs)
-    )
+    prompts = prompts_of(request.prompt)
+    if not 1 <= len(prompts) <= MAX_PROMPTS:
+        raise HttpError.invalid(
+            "prompt", f"{len(prompts)} prompts in one request; send 1 to {MAX_PROMPTS}"
+        )
+    params = sampling(request, request.max_tokens, request.logprobs)
     if request.echo and request.logprobs is not None:  # the prompt's logprobs too
         _check_range("logprobs", [request.logprobs], _INT32)
-        message.sampling.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)
-    prompt = one_prompt(request.prompt)
-    if isinstance(prompt, str):
-        message.text = prompt
-    else:
-        _check_range("prompt", prompt, _INT64)
-        message.token_ids.ids.extend(prompt)
-    message.namespace.tenant = tenant
-    message.text_match = TEXT_MATCH[request.text_match]
-    return message
-
-
-def one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    """The prompt: a text or token ids, alone or as the only member of a list."""
-    if isinstance(prompt, str):
-        return prompt
-    if not prompt or isinstance(prompt[0], int):
-        return [p for p in prompt if isinstance(p, int)]
-    if len(prompt) != 1:
-        raise HttpError.invalid(
-            "prompt", f"{len(prompt)} prompts in one request; send one prompt per request"
+        params.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)
+    messages = []
+    for i, prompt in enumerate(prompts):
+        message = serving_pb2.GenerateRequest(
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", sampling=params
         )
-    return prompt[0]
+        if isinstance(prompt, str):
+            message.text = prompt
+        else:
+            _check_range("prompt", prompt, _INT64)
+            message.token_ids.ids.extend(prompt)
+        message.namespace.tenant = tenant
+        message.text_match = TEXT_MATCH[request.text_match]
+        messages.append(message)
+    return messages
 
 
 def sampling(

@@ -62,10 +62,27 @@ class Reply:
     model: str
     texts: TokenTexts
     created: int = field(default_factory=lambda: int(time.time()))
-    echo: str | None = None
-    """A completion's prompt text, which each choice's text begins with (`echo: true`)."""
+    echo: list[str] | None = None
+    """A completion's prompt texts, which each choice's text begins with (`echo: true`): one
+    a prompt."""
     prompt_logprobs: bool = False
     """Whether the response carries vLLM's `prompt_logprobs`."""
+    request_ids: list[str] = field(default_factory=list)
+    """The generation of each prompt (several in one completions request)."""
+    n: int = 1
+    """Samples a prompt: choice i is sample i % n of prompt i // n."""
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.n
+
+    def echo_of(self, index: int) -> str | None:
+        return None if self.echo is None else self.echo[self.prompt_of(index)]
+
+    def scored(self, counts: Counts, index: int) -> ScoredPrompt | None:
+        """The prompt logprobs of choice `index`'s prompt, once they came."""
+        if not self.request_ids:
+            return next(iter(counts.prompts.values()), None)
+        return counts.prompts.get(self.request_ids[self.prompt_of(index)])
 
 
 def served_by(response: serving_pb2.GenerateResponse) -> dict[str, str]:
@@ -80,19 +97,25 @@ class Counts:
     cached_tokens: int = 0
     completion_tokens: int = 0
     first: serving_pb2.GenerateResponse | None = None
-    prompt: ScoredPrompt | None = None
-    """The prompt's logprobs, when the request asked for them."""
+    prompts: dict[str, ScoredPrompt] = field(default_factory=dict)
+    """Each generation's prompt logprobs, when the request asked for them."""
+    generations: set[str] = field(default_factory=set)
+    """The generations seen (one a prompt), whose prompts count once each."""
 
     def served_by(self) -> dict[str, str]:
         return served_by(self.first) if self.first is not None else {}
 
     def record(self, response: serving_pb2.GenerateResponse) -> None:
-        if self.first is None:  # the hit the request had when first admitted, not a resumption's
+        if self.first is None:
             self.first = response
-            self.prompt_tokens = response.prompt_tokens
-            self.cached_tokens = response.cached_prompt_tokens
-        if self.prompt is None:
-            self.prompt = ScoredPrompt.of(response)
+        if response.request_id not in self.generations:
+            # the hit the request had when first admitted, not a resumption's
+            self.generations.add(response.request_id)
+            self.prompt_tokens += response.prompt_tokens
+            self.cached_tokens += response.cached_prompt_tokens
+        scored = ScoredPrompt.of(response)
+        if scored is not None:
+            self.prompts[response.request_id] = scored
         self.completion_tokens += len(response.token_ids)
 
     def usage(self) -> Usage:
@@ -205,14 +228,16 @@ def chat_completion(
         model=reply.model,
         choices=choices,
         usage=counts.usage(),
-        prompt_logprobs=_vllm_prompt_logprobs(reply, counts),
+        prompt_logprobs=_vllm_prompt_logprobs(reply, counts, 0),
     )
 
 
-def _vllm_prompt_logprobs(reply: Reply, counts: Counts) -> PromptLogprobs | None:
-    if not reply.prompt_logprobs or counts.prompt is None:
+def _vllm_prompt_logprobs(reply: Reply, counts: Counts, index: int) -> PromptLogprobs | None:
+    """Choice `index`'s prompt's, in vLLM's shape (None: not asked for)."""
+    scored = reply.scored(counts, index)
+    if not reply.prompt_logprobs or scored is None:
         return None
-    return vllm_prompt_logprobs(reply.texts, counts.prompt)
+    return vllm_prompt_logprobs(reply.texts, scored)
 
 
 def _call_out(call: ToolCall) -> ToolCallOut:
@@ -356,42 +381,46 @@ def completion_logprobs(
     )
 
 
-def echo_logprobs(reply: Reply, counts: Counts, logprobs: bool) -> CompletionLogprobs | None:
-    """The echoed prompt's logprobs (None: no echo, or no logprobs)."""
-    if reply.echo is None or not logprobs or counts.prompt is None:
+def echo_logprobs(
+    reply: Reply, counts: Counts, logprobs: bool, index: int
+) -> CompletionLogprobs | None:
+    """Choice `index`'s echoed prompt's logprobs (None: no echo, or no logprobs)."""
+    scored = reply.scored(counts, index)
+    if reply.echo is None or not logprobs or scored is None:
         return None
-    return echoed(reply.texts, counts.prompt)
+    return echoed(reply.texts, scored)
 
 
 def completion(
     reply: Reply, samples: dict[int, Sample], counts: Counts, logprobs: bool
 ) -> Completion:
-    echo = reply.echo or ""
-    prompt = echo_logprobs(reply, counts, logprobs)
-
-    def offsets(sample: Sample) -> list[int]:
+    def offsets(sample: Sample, start: int) -> list[int]:
         out: list[int] = []
-        start = len(echo)
         for tokens, chars in sample.spans:
             ids = sample.token_ids[len(out) : len(out) + tokens]
             out += token_offsets(reply.texts, ids, start, chars)
             start += chars
         return out
 
-    choices = [
-        CompletionChoice(
-            index=index,
-            text=echo + "".join(s.text),
-            logprobs=joined(
-                prompt, completion_logprobs(reply.texts, s.token_ids, s.logprobs, offsets(s))
+    choices = []
+    for index, s in sorted(samples.items()):
+        echo = reply.echo_of(index) or ""
+        choices.append(
+            CompletionChoice(
+                index=index,
+                text=echo + "".join(s.text),
+                logprobs=joined(
+                    echo_logprobs(reply, counts, logprobs, index),
+                    completion_logprobs(
+                        reply.texts, s.token_ids, s.logprobs, offsets(s, len(echo))
+                    ),
+                )
+                if logprobs
+                else None,
+                finish_reason=s.finish_reason,
+                prompt_logprobs=_vllm_prompt_logprobs(reply, counts, index),
             )
-            if logprobs
-            else None,
-            finish_reason=s.finish_reason,
-            prompt_logprobs=_vllm_prompt_logprobs(reply, counts),
         )
-        for index, s in sorted(samples.items())
-    ]
     return Completion(
         id=reply.id, created=reply.created, model=reply.model, choices=choices, usage=counts.usage()
     )
@@ -428,9 +457,10 @@ def _completion_chunk(
 ) -> bytes:
     index, ids, text = response.index, list(response.token_ids), response.text
     prompt = None
-    if index not in offsets and reply.echo is not None:  # a choice's first chunk: its prompt
-        text = reply.echo + text
-        prompt = echo_logprobs(reply, counts, logprobs)
+    echo = reply.echo_of(index)
+    if index not in offsets and echo is not None:  # a choice's first chunk: its prompt
+        text = echo + text
+        prompt = echo_logprobs(reply, counts, logprobs, index)
     offset = offsets.get(index, len(text) - len(response.text))
     offsets[index] = offset + len(response.text)
     choice = CompletionChoice(

@@ -324,7 +324,7 @@ BAD = {
         "prompt_logprobs: not available with stream",
         "prompt_logprobs",
     ),
-    "two prompts": Bad({"prompt": ["a", "b"]}, 400, "2 prompts", "prompt"),
+    "too many prompts": Bad({"prompt": ["a"] * 257}, 400, "257 prompts", "prompt"),
     "top_logprobs alone": Bad(
         {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
         400,

@@ -1,0 +1,95 @@
+"""Several prompts in one completions request (OpenAI's legacy API takes a list of them;
+lm-evaluation-harness sends its batch that way): one generation a prompt, run at once, their
+messages merged into one stream whose choices are numbered as vLLM numbers them,
+
+    choice index = prompt index x n + sample index
+
+A refusal of any prompt refuses the request before anything is sent: the merged stream yields
+only once every prompt has its first message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
+
+from protos.radixmesh.v1 import serving_pb2
+
+Responses = AsyncGenerator[serving_pb2.GenerateResponse, None]
+Prompt = str | list[int]
+
+MAX_PROMPTS = 256
+"""Prompts one request may hold; each is a generation in flight of its own."""
+
+
+def prompts_of(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:
+    """The request's prompts: a text, token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt or isinstance(prompt[0], int):
+        return [[p for p in prompt if isinstance(p, int)]]
+    return [p for p in prompt if isinstance(p, (str, list))]
+
+
+def renumbered(
+    message: serving_pb2.GenerateResponse, prompt: int, n: int
+) -> serving_pb2.GenerateResponse:
+    message.index = prompt * n + message.index
+    return message
+
+
+async def merged(streams: Sequence[Responses], n: int) -> Responses:
+    """The prompts' streams as one, choices renumbered. Closing it closes them all."""
+    if len(streams) == 1:  # nothing to merge or renumber
+        async with contextlib.aclosing(streams[0]) as only:
+            async for message in only:
+                yield message
+        return
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for prompt, first in enumerate(await _firsts(streams)):
+            yield renumbered(first, prompt, n)
+        queue: asyncio.Queue[tuple[int, serving_pb2.GenerateResponse | Exception | None]]
+        queue = asyncio.Queue()
+
+        async def pump(prompt: int, stream: Responses) -> None:
+            try:
+                async for message in stream:
+                    await queue.put((prompt, message))
+                await queue.put((prompt, None))
+            except Exception as err:  # handed to the consumer, which raises it
+                await queue.put((prompt, err))
+
+        tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
+        running = len(streams)
+        while running:
+            prompt, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield renumbered(item, prompt, n)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _firsts(streams: Sequence[Responses]) -> list[serving_pb2.GenerateResponse]:
+    """Each stream's first message, awaited together; the first failure cancels the rest."""
+
+    async def first(stream: Responses) -> serving_pb2.GenerateResponse:
+        return await anext(stream)
+
+    tasks = [asyncio.create_task(first(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

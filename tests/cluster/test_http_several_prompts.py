@@ -1,0 +1,130 @@
+"""Several prompts in one completions request (OpenAI's legacy API; lm-evaluation-harness's
+batches): choice p x n + i is sample i of prompt p, each exactly what the prompt alone gets; the
+usage sums the prompts; a refusal of any prompt refuses the request before a byte is sent; a
+client that goes away cancels every prompt's generation. Real HTTP on loopback to a local
+cluster of two tiny-model workers, with the `openai` SDK."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.test_http_openai import assert_no_leak
+from worker.loader import LoadedModel
+
+MODEL = SERVED_NAME
+PROMPTS = ["the quick brown fox", "jumps over the lazy dog", "a cache keeps the prefix"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    cluster = start_cluster(tiny, http=True)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+ASK: dict[str, Any] = {"max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2}
+
+
+def test_each_prompts_choices_are_what_it_gets_alone(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    together = client.completions.create(model=MODEL, prompt=PROMPTS, **ASK)
+    alone = [client.completions.create(model=MODEL, prompt=p, **ASK) for p in PROMPTS]
+    assert [c.index for c in together.choices] == list(range(6))
+    for p, single in enumerate(alone):
+        for i in range(2):
+            choice = together.choices[p * 2 + i]
+            assert choice.text == single.choices[i].text, f"prompt {p}, sample {i}"
+            assert choice.finish_reason == single.choices[i].finish_reason
+    assert together.usage is not None
+    singles = [a.usage for a in alone]
+    assert together.usage.prompt_tokens == sum(u.prompt_tokens for u in singles if u)
+    assert together.usage.completion_tokens == sum(u.completion_tokens for u in singles if u)
+    assert_no_leak(cluster)
+
+
+def test_a_streamed_batch_carries_the_same_choices(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS, **ASK)
+    texts: dict[int, str] = defaultdict(str)
+    finished = set()
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, stream=True, **ASK):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert dict(texts) == {c.index: c.text for c in whole.choices}
+    assert finished == set(range(6))
+    assert_no_leak(cluster)
+
+
+def test_an_lm_eval_batch_of_token_prompts_scores_each(cluster: LocalCluster) -> None:
+    tokenizer = cluster.links.tokenizer
+    assert tokenizer is not None
+    batch = [tokenizer.encode(p) for p in PROMPTS]
+    payload = {"model": MODEL, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    url = f"{cluster.http_url}/v1/completions"
+    together = httpx.post(url, json={**payload, "prompt": batch}).json()["choices"]
+    for p, ids in enumerate(batch):
+        (alone,) = httpx.post(url, json={**payload, "prompt": [ids]}).json()["choices"]
+        got = together[p]
+        assert got["index"] == p
+        assert got["logprobs"]["tokens"][: len(ids)] == alone["logprobs"]["tokens"][: len(ids)]
+        assert got["logprobs"]["token_logprobs"][: len(ids)] == pytest.approx(
+            alone["logprobs"]["token_logprobs"][: len(ids)], abs=1e-5
+        )
+        assert got["text"].startswith(tokenizer.decode(ids, skip_special_tokens=False))
+    assert_no_leak(cluster)
+
+
+def test_one_bad_prompt_refuses_the_request_and_frees_the_others(
+    cluster: LocalCluster,
+) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": [[5, 6, 7], [5, 10**6]],
+        "max_tokens": 300,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    reply = httpx.post(f"{cluster.http_url}/v1/completions", json=body)
+    assert reply.status_code == 400, reply.text
+    assert "outside the vocabulary" in reply.json()["error"]["message"]
+    assert_no_leak(cluster)
+    ok = httpx.post(f"{cluster.http_url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert ok.status_code == 200
+
+
+def test_a_client_that_goes_away_cancels_every_prompt(cluster: LocalCluster) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS,
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
+        first = json.loads(next(response.iter_lines())[len("data: ") :])
+        assert first["choices"][0]["index"] in range(3)
+        assert len(cluster.service.in_flight) == 3
+    left = time.monotonic()
+    while cluster.service.in_flight and time.monotonic() - left < 2.0:
+        time.sleep(0.01)
+    assert not cluster.service.in_flight, "a prompt's generation outlived its client"
+    assert_no_leak(cluster)
