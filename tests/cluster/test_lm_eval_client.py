@@ -1,0 +1,103 @@
+"""lm-evaluation-harness's own OpenAI-completions client (`local-completions`,
+`LocalCompletionsAPI`) against the router's HTTP API: its loglikelihood requests (echo with
+logprobs, a batch of token-id prompts in one request) and its generate_until, parsed by the
+harness itself. The loglikelihoods must equal what each continuation token gets when it is the
+one token allowed after its prefix; the greedy flags, what the worker's ranks say."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx2 as httpx
+import pytest
+from lm_eval.api import instance as lm_eval_api
+from lm_eval.models import openai_completions
+
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.test_http_openai import assert_no_leak
+from worker.loader import LoadedModel
+
+PAIRS = [
+    ("the quick brown", " fox jumps"),
+    ("over the lazy", " dog"),
+    ("a cache keeps", " the prefix of every prompt"),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    cluster = start_cluster(tiny, http=True)
+    yield cluster
+    cluster.close()
+
+
+def harness(cluster: LocalCluster, tiny: LoadedModel, batch_size: int) -> object:
+    return openai_completions.LocalCompletionsAPI(
+        model=SERVED_NAME,
+        base_url=f"{cluster.http_url}/v1/completions",
+        tokenizer=str(tiny.path),
+        tokenizer_backend="huggingface",
+        batch_size=batch_size,
+        max_retries=1,
+        max_gen_toks=8,
+    )
+
+
+def instances(kind: str, arguments: list[tuple[object, ...]]) -> list[object]:
+    return [
+        lm_eval_api.Instance(request_type=kind, doc={}, arguments=args, idx=i)
+        for i, args in enumerate(arguments)
+    ]
+
+
+def allowed_logprob(cluster: LocalCluster, prefix: list[int], token: int) -> tuple[float, int]:
+    """`token`'s logprob after `prefix` (drawn as the only token allowed), and its rank."""
+    body = {
+        "model": SERVED_NAME,
+        "prompt": [*prefix, token],
+        "max_tokens": 1,
+        "prompt_logprobs": 0,
+        "logprobs": 0,
+    }
+    choice = httpx.post(f"{cluster.http_url}/v1/completions", json=body).json()["choices"][0]
+    last = choice["prompt_logprobs"][-1][str(token)]
+    return last["logprob"], last["rank"]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_the_harness_loglikelihoods_are_the_models(
+    cluster: LocalCluster, tiny: LoadedModel, batch_size: int
+) -> None:
+    lm = harness(cluster, tiny, batch_size)
+    results = lm.loglikelihood(instances("loglikelihood", PAIRS), disable_tqdm=True)  # type: ignore[attr-defined]
+    assert len(results) == len(PAIRS)
+    tokenizer = tiny.tokenizer
+    assert tokenizer is not None
+    for (context, continuation), (total, greedy) in zip(PAIRS, results, strict=True):
+        ids = tokenizer.encode(context, add_special_tokens=False)
+        tail = tokenizer.encode(context + continuation, add_special_tokens=False)[len(ids) :]
+        scored = [allowed_logprob(cluster, ids + tail[:i], tail[i]) for i in range(len(tail))]
+        assert total == pytest.approx(sum(lp for lp, _ in scored), abs=1e-3)
+        assert greedy == all(rank == 1 for _, rank in scored)
+    assert_no_leak(cluster)
+
+
+def test_the_harness_generate_until_stops_at_its_strings(
+    cluster: LocalCluster, tiny: LoadedModel
+) -> None:
+    lm = harness(cluster, tiny, 2)
+    free = lm.generate_until(  # type: ignore[attr-defined]
+        instances(
+            "generate_until", [(c, {"until": ["\n\n\n"], "max_gen_toks": 8}) for c, _ in PAIRS]
+        ),
+        disable_tqdm=True,
+    )
+    assert len(free) == len(PAIRS) and all(isinstance(text, str) for text in free)
+    stop = next(text[1] for text in free if len(text) > 2)
+    cut = lm.generate_until(  # type: ignore[attr-defined]
+        instances("generate_until", [(c, {"until": [stop], "max_gen_toks": 8}) for c, _ in PAIRS]),
+        disable_tqdm=True,
+    )
+    for whole, short in zip(free, cut, strict=True):
+        assert stop not in short and whole.startswith(short)
+    assert_no_leak(cluster)
