@@ -680,15 +680,13 @@ class Engine:
             sample.computed += take
             rows = logits[at : at + (len(chunk.token_ids) if chunk.every_row else chunk.sample)]
             at += rows.shape[0]
-            if sample.phase is not Phase.RUNNING:
+            if sample.phase is not Phase.RUNNING or not (chunk.sample or chunk.every_row):
                 continue
-            if chunk.every_row:
-                self._score_prompt(sample.request, chunk, rows)
-            if not chunk.sample:
-                continue
-            row = rows[-1]
             try:
-                self._sampled(sample, row)
+                if chunk.every_row:
+                    self._score_prompt(sample.request, chunk, rows)
+                if chunk.sample:
+                    self._sampled(sample, rows[-1])
             except Exception as err:  # this request's outputs cannot be made: end it alone
                 log.exception("sampling or decoding for %s failed", sample.request.request_id)
                 self._abort(sample.request, FINISH_ERROR, f"{type(err).__name__}: {err}")
@@ -860,6 +858,10 @@ class Engine:
             or sample.sampler.complete
         ):
             reason = FINISH_STOP
+            if sampling.include_stop_str_in_output and sample.decoder is not None:
+                # vLLM writes the stop token's text then (a special token's only when
+                # skip_special_tokens is false)
+                text, _ = sample.stop.feed(sample.decoder.step(token), armed=False)
         else:
             delta = sample.decoder.step(token) if sample.decoder is not None else ""
             text, hit = sample.stop.feed(delta, armed=sample.generated > sampling.min_tokens)
@@ -876,8 +878,13 @@ class Engine:
             self.scheduler.enqueue(sample)
         if reason is not None:  # released before the client hears it ended (see _emit)
             self._finish_sample(sample, reason)
-        state = sample.request
-        scored = bool(state.prompt_scores) and sample.generated == 1 and sample.index == 0
+        request = sample.request.request
+        scored = (  # the first token of the first sample of a request that scores its prompt
+            request.sampling.prompt_logprobs is not None
+            and request.resume is None
+            and sample.index == 0
+            and sample.generated == 1
+        )
         self._emit(sample, (token,), text, reason, logprobs=logprobs, scored_prompt=scored)
 
     def _emit(

@@ -49,7 +49,7 @@ class LogitShaping:
                 biased = torch.tensor(values, dtype=torch.float32)
                 bias[list(ids)] = torch.where(allowed, biased, float("-inf"))
             bias = bias.to(device)
-        held_ids = sorted(params.held_tokens(end_token_ids))
+        held_ids = sorted(t for t in params.held_tokens(end_token_ids) if 0 <= t < vocab_size)
         held = torch.tensor(held_ids, dtype=torch.int64, device=device) if held_ids else None
         if bias is None and held is None:
             return None

@@ -27,7 +27,7 @@ the copies issued before it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,14 +50,14 @@ class Chunk:
     """The sequence's page row (covering at least start + len(token_ids) positions)."""
     sample: bool
     """Whether logits are wanted at the chunk's last token."""
-    every_row: bool = False
-    """Whether logits are wanted at every token of the chunk (a prompt being scored)."""
     lora_slot: int = -1
     """The LoRA stacks' slot of the sequence's adapter; -1: the base model."""
     embed_offsets: Sequence[int] = ()
     """Offsets in `token_ids` of the image positions, whose embeddings are `embeds`."""
     embeds: torch.Tensor | None = None
     """[len(embed_offsets), hidden] the input embeddings of those positions."""
+    every_row: bool = field(default=False, kw_only=True)
+    """Whether logits are wanted at every token of the chunk (a prompt being scored)."""
 
 
 class ModelRunner:

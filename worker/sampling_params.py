@@ -144,7 +144,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     """Only these tokens may be drawn; (): any (vLLM's)."""
     include_stop_str_in_output: bool = False
-    """A stop string that ends the text stays in it (vLLM's)."""
+    """A stop string that ends the text stays in it, and so does the text of a stop token
+    (end-of-sequence, `stop_token_ids`) that ends it (vLLM's)."""
     skip_special_tokens: bool = True
     """The text leaves special tokens out (vLLM's; false writes them, as `<|im_end|>`)."""
     prompt_logprobs: int | None = None

@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
-    POST /tokenize              POST /detokenize                          (vLLM's)
+    POST /tokenize              POST /detokenize    GET /tokenizer_info   (vLLM's)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
     GET  /health                (no token: probes carry none)
 
@@ -71,6 +71,7 @@ from cluster.http.openai_schema import (
     StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     UnloadLoraAdapterRequest,
 )
 from cluster.http.several_prompts import merged
@@ -408,6 +409,19 @@ class HttpApi:
         except TokenizerError as err:
             raise HttpError.invalid("tokens", str(err)) from err
 
+    async def tokenizer_info(self, request: Request) -> TokenizerInfo:
+        """vLLM's `GET /tokenizer_info`: what a client needs to tokenize and template prompts as
+        the server does, with `/tokenize` and `/detokenize` (lm-evaluation-harness's
+        `tokenizer_backend=remote`)."""
+        self.caller(request)
+        tokenizer, limits = self.tokenizer()
+        return TokenizerInfo(
+            bos_token=tokenizer.bos_token,
+            eos_token=tokenizer.eos_token,
+            chat_template=tokenizer.chat_template,
+            model_max_length=limits.max_model_len,
+        )
+
     def tokenizer(self) -> tuple[Tokenizer, RequestLimits]:
         limits = self.service.request_limits()
         tokenizer = self.service.links.tokenizer
@@ -467,6 +481,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/v1/models/{model_id:path}", api.retrieve_model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
     app.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
@@ -616,6 +631,7 @@ _ROUTES = (
     "/v1/responses",
     "/tokenize",
     "/detokenize",
+    "/tokenizer_info",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
     "/health",

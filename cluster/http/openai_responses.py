@@ -391,6 +391,13 @@ def echo_logprobs(
     return echoed(reply.texts, scored)
 
 
+def _after(prompt: CompletionLogprobs | None, echoed: int) -> int:
+    """Where the completion's first token starts in the text offsets: after the prompt's
+    tokens, counted as its offsets count them (token by token: a tokenizer's BOS counts), else
+    after the `echoed` characters."""
+    return echoed if prompt is None else sum(len(token) for token in prompt.tokens)
+
+
 def completion(
     reply: Reply, samples: dict[int, Sample], counts: Counts, logprobs: bool
 ) -> Completion:
@@ -405,15 +412,15 @@ def completion(
     choices = []
     for index, s in sorted(samples.items()):
         echo = reply.echo_of(index) or ""
+        prompt = echo_logprobs(reply, counts, logprobs, index)
+        start = _after(prompt, len(echo))
         choices.append(
             CompletionChoice(
                 index=index,
                 text=echo + "".join(s.text),
                 logprobs=joined(
-                    echo_logprobs(reply, counts, logprobs, index),
-                    completion_logprobs(
-                        reply.texts, s.token_ids, s.logprobs, offsets(s, len(echo))
-                    ),
+                    prompt,
+                    completion_logprobs(reply.texts, s.token_ids, s.logprobs, offsets(s, start)),
                 )
                 if logprobs
                 else None,
@@ -461,7 +468,7 @@ def _completion_chunk(
     if index not in offsets and echo is not None:  # a choice's first chunk: its prompt
         text = echo + text
         prompt = echo_logprobs(reply, counts, logprobs, index)
-    offset = offsets.get(index, len(text) - len(response.text))
+    offset = offsets.get(index, _after(prompt, len(text) - len(response.text)))
     offsets[index] = offset + len(response.text)
     choice = CompletionChoice(
         index=index,

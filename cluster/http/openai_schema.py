@@ -444,6 +444,17 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    """vLLM's `/tokenizer_info`: the tokenizer's special tokens and chat template."""
+
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None = None
+    chat_template: str | None
+    model_max_length: int
+
+
 # -- vLLM's LoRA endpoints -----------------------------------------------------------------------
 class LoadLoraAdapterRequest(Body):
     lora_name: str

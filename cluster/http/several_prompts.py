@@ -75,8 +75,9 @@ async def merged(streams: Sequence[Responses], n: int) -> Responses:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:
-            await stream.aclose()
+        for stream in streams:  # each closed even if another's close fails
+            with contextlib.suppress(Exception):
+                await stream.aclose()
 
 
 async def _firsts(streams: Sequence[Responses]) -> list[serving_pb2.GenerateResponse]:

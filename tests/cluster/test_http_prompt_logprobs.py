@@ -212,3 +212,13 @@ def test_every_choice_of_n_echoes_the_prompt_with_its_logprobs(
         firsts.append(choice.logprobs.token_logprobs[:prompt_tokens])
     assert firsts[0][0] is None and firsts[0] == firsts[1] == firsts[2]
     assert_no_leak(cluster)
+
+
+def test_a_one_token_prompt_echoes_with_its_null_entry(cluster: LocalCluster) -> None:
+    token = ids_of(cluster, PROMPT)[0]
+    body = {"model": MODEL, "prompt": [token], "max_tokens": 2, "echo": True, "logprobs": 1}
+    choice = httpx.post(f"{cluster.http_url}/v1/completions", json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == 3 and logprobs["token_logprobs"][0] is None
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    assert_no_leak(cluster)

@@ -122,9 +122,9 @@ def test_a_client_that_goes_away_cancels_every_prompt(cluster: LocalCluster) -> 
     with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
         first = json.loads(next(response.iter_lines())[len("data: ") :])
         assert first["choices"][0]["index"] in range(3)
-        assert len(cluster.service.in_flight) == 3
+        assert len(cluster.service.in_flight) == 3, cluster.service.in_flight
     left = time.monotonic()
-    while cluster.service.in_flight and time.monotonic() - left < 2.0:
+    while cluster.service.in_flight and time.monotonic() - left < 5.0:
         time.sleep(0.01)
     assert not cluster.service.in_flight, "a prompt's generation outlived its client"
     assert_no_leak(cluster)

@@ -127,6 +127,24 @@ def test_min_tokens_passes_over_early_stop_strings_and_the_stop_string_may_stay(
     assert_no_leak(cluster)
 
 
+def test_a_stop_token_s_text_stays_with_include_stop_str_in_output(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    tokenizer = cluster.links.tokenizer
+    assert tokenizer is not None
+    token = tokenizer.encode(" lazy")[-1]
+    forced = {"ignore_eos": True, "stop_token_ids": [token]}
+    cut = complete(client, logit_bias={str(token): 100}, extra_body=forced)
+    assert cut.choices[0].text == "" and cut.choices[0].finish_reason == "stop"
+    kept = complete(
+        client,
+        logit_bias={str(token): 100},
+        extra_body={**forced, "include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == piece(cluster, token)
+    assert_no_leak(cluster)
+
+
 def test_skip_special_tokens_false_writes_them(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:

@@ -68,21 +68,21 @@ def test_prompt_logprobs_equal_the_model_run_on_each_prefix(chunk: int) -> None:
 
 
 def test_a_scored_prompt_is_computed_whole_then_cached_for_the_next() -> None:
-    plain = greedy("plain", PROMPT, 3)
-    outputs = scored(
-        CONFIG,
-        plain,
-        greedy("scored", PROMPT, 3, prompt_logprobs=0),
-        greedy("after", PROMPT, 3),
+    warm = scored(
+        CONFIG, greedy("plain", PROMPT, 3), greedy("scored", PROMPT, 3, prompt_logprobs=0)
     )
-    assert outputs["plain"][0].cached_prompt_tokens == 0
-    scored_first = outputs["scored"][0]
-    assert scored_first.cached_prompt_tokens == 0, "scoring reuses nothing"
+    assert warm["plain"][0].cached_prompt_tokens == 0
+    scored_first = warm["scored"][0]
+    assert scored_first.cached_prompt_tokens == 0, "scoring reuses nothing, cached or not"
     assert [e.top for e in scored_first.prompt_logprobs] == [()] * (len(PROMPT) - 1)
     assert_close(scored_first.prompt_logprobs, [replace_top(e) for e in reference(PROMPT, 1)])
-    assert outputs["after"][0].cached_prompt_tokens >= len(PROMPT) - 4
-    tokens = [[t for o in outputs[k] for t in o.token_ids] for k in ("plain", "scored", "after")]
-    assert tokens[0] == tokens[1] == tokens[2]
+    cold = scored(  # on an empty cache, the scored request's pages are what the next one finds
+        CONFIG, greedy("scored", PROMPT, 3, prompt_logprobs=0), greedy("after", PROMPT, 3)
+    )
+    assert cold["after"][0].cached_prompt_tokens >= len(PROMPT) - 4
+    runs = [warm["plain"], warm["scored"], cold["scored"], cold["after"]]
+    tokens = [[t for o in outputs for t in o.token_ids] for outputs in runs]
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
 
 
 def replace_top(entry: TokenLogprob) -> TokenLogprob:
@@ -107,9 +107,9 @@ def test_only_the_first_sample_carries_them_and_a_resumed_sample_none() -> None:
     assert again[0].cached_prompt_tokens > 0, "a resumed sample reuses the cache as usual"
 
 
-def test_one_token_prompt_has_nothing_to_score() -> None:
+def test_one_token_prompt_has_nothing_to_score_and_still_sends_its_id() -> None:
     (first, *_) = scored(CONFIG, greedy("one", [5], 2, prompt_logprobs=3))["one"]
-    assert first.prompt_logprobs == ()
+    assert first.prompt_logprobs == () and first.prompt_token_ids == (5,)
 
 
 def test_the_rows_reading_gives_ranks_and_top_in_order() -> None:
