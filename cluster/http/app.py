@@ -74,6 +74,7 @@ from cluster.http.openai_schema import (
     TokenizerInfo,
     UnloadLoraAdapterRequest,
 )
+from cluster.http.prompt_logprobs import prompt_alone
 from cluster.http.several_prompts import merged
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
 from cluster.http.token_texts import TokenTexts
@@ -209,6 +210,8 @@ class HttpApi:
         )
         logprobs = body.logprobs is not None
         stream = merged([self.start(m, caller) for m in messages], reply.n)
+        if body.echo and body.max_tokens == 0:
+            stream = prompt_alone(stream)
         options = body.stream_options or StreamOptions()
         return await self.respond(
             request,

@@ -216,7 +216,8 @@ def completion_requests(
         raise HttpError.invalid(
             "prompt", f"{len(prompts)} prompts in one request; send 1 to {MAX_PROMPTS}"
         )
-    params = sampling(request, request.max_tokens, request.logprobs)
+    alone = request.echo and request.max_tokens == 0  # the prompt alone: one token, dropped
+    params = sampling(request, 1 if alone else request.max_tokens, request.logprobs)
     if request.echo and request.logprobs is not None:  # the prompt's logprobs too
         _check_range("logprobs", [request.logprobs], _INT32)
         params.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)

@@ -8,11 +8,16 @@
 
 Both come from what the worker sends once, on the request's first message
 (`GenerateResponse.prompt_logprobs` and `prompt_token_ids`).
+
+`echo` with `max_tokens: 0` (OpenAI's legacy way to score a text, which vLLM serves) asks the
+worker for one token and drops it: each choice is the prompt alone, `finish_reason` "length",
+no completion tokens (`prompt_alone`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -91,3 +96,16 @@ def vllm_prompt_logprobs(texts: TokenTexts, prompt: ScoredPrompt) -> PromptLogpr
             }
         )
     return out
+
+
+async def prompt_alone(
+    stream: AsyncGenerator[serving_pb2.GenerateResponse, None],
+) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
+    """The stream with what was generated taken out of each message (`max_tokens: 0`)."""
+    async with contextlib.aclosing(stream) as messages:
+        async for message in messages:
+            del message.token_ids[:], message.logprobs[:]
+            message.text, message.stop_string = "", ""
+            if message.finished:
+                message.finish_reason = "length"
+            yield message

@@ -222,3 +222,36 @@ def test_a_one_token_prompt_echoes_with_its_null_entry(cluster: LocalCluster) ->
     assert len(logprobs["tokens"]) == 3 and logprobs["token_logprobs"][0] is None
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
     assert_no_leak(cluster)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """OpenAI's legacy way to score a text (vLLM serves it): the prompt, its logprobs, nothing
+    generated."""
+    scored = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, n=2, temperature=1.0
+    )
+    prompt_tokens = len(ids_of(cluster, PROMPT))
+    with_one = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1
+    )
+    expected = with_one.choices[0].logprobs
+    assert expected is not None and expected.token_logprobs is not None
+    for choice in scored.choices:
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.tokens is not None
+        assert logprobs.tokens == expected.tokens[:prompt_tokens]  # type: ignore[index]
+        assert logprobs.token_logprobs == expected.token_logprobs[:prompt_tokens]
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPT
+    refused = httpx.post(
+        f"{cluster.http_url}/v1/completions",
+        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0},
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert_no_leak(cluster)
