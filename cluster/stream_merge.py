@@ -9,14 +9,16 @@ when the merge ends, however it ends.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
 _END = object()
 
 
-async def merge_streams(streams: Sequence[AsyncIterable[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(
+    streams: Sequence[AsyncIterable[T]],
+) -> AsyncGenerator[tuple[int, T], None]:
     if len(streams) == 1:  # the common case: no task, no queue
         async for item in streams[0]:
             yield 0, item

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
 
+from cluster.stream_merge import merge_streams
 from protos.radixmesh.v1 import serving_pb2
 
 Responses = AsyncGenerator[serving_pb2.GenerateResponse, None]
@@ -40,41 +41,19 @@ def renumbered(
 
 
 async def merged(streams: Sequence[Responses], n: int) -> Responses:
-    """The prompts' streams as one, choices renumbered. Closing it closes them all."""
-    if len(streams) == 1:  # nothing to merge or renumber
-        async with contextlib.aclosing(streams[0]) as only:
-            async for message in only:
-                yield message
-        return
-    tasks: list[asyncio.Task[None]] = []
+    """The prompts' streams as one, choices renumbered, every prompt's first message before
+    any other (cluster/stream_merge.py merges the rest). Closing it closes them all."""
     try:
+        if len(streams) == 1:  # nothing to wait for or renumber
+            async for message in streams[0]:
+                yield message
+            return
         for prompt, first in enumerate(await _firsts(streams)):
             yield renumbered(first, prompt, n)
-        queue: asyncio.Queue[tuple[int, serving_pb2.GenerateResponse | Exception | None]]
-        queue = asyncio.Queue()
-
-        async def pump(prompt: int, stream: Responses) -> None:
-            try:
-                async for message in stream:
-                    await queue.put((prompt, message))
-                await queue.put((prompt, None))
-            except Exception as err:  # handed to the consumer, which raises it
-                await queue.put((prompt, err))
-
-        tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
-        running = len(streams)
-        while running:
-            prompt, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield renumbered(item, prompt, n)
+        async with contextlib.aclosing(merge_streams(streams)) as rest:
+            async for prompt, message in rest:
+                yield renumbered(message, prompt, n)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:  # each closed even if another's close fails
             with contextlib.suppress(Exception):
                 await stream.aclose()

@@ -12,8 +12,9 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak, grpc_tokens
+from tests.cluster.tool_fixtures import openai_client, served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -22,15 +23,12 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
 
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    cluster = start_cluster(tiny, http=True)
-    yield cluster
-    cluster.close()
+    yield from served(tiny, ENGINE)
 
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
-        yield c
+    yield from openai_client(cluster)
 
 
 def ids_of(cluster: LocalCluster, text: str) -> list[int]:

@@ -13,8 +13,9 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak
+from tests.cluster.tool_fixtures import openai_client, served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -25,15 +26,12 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    cluster = start_cluster(tiny, http=True)
-    yield cluster
-    cluster.close()
+    yield from served(tiny, ENGINE)
 
 
 @pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
-        yield c
+    yield from openai_client(cluster)
 
 
 def complete(client: openai.OpenAI, max_tokens: int = 12, **kwargs: Any) -> Any:

@@ -13,8 +13,9 @@ import pytest
 from lm_eval.api import instance as lm_eval_api
 from lm_eval.models import openai_completions
 
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak
+from tests.cluster.tool_fixtures import served
 from worker.loader import LoadedModel
 
 PAIRS = [
@@ -26,9 +27,7 @@ PAIRS = [
 
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    cluster = start_cluster(tiny, http=True)
-    yield cluster
-    cluster.close()
+    yield from served(tiny, ENGINE)
 
 
 def harness(cluster: LocalCluster, tiny: LoadedModel, batch_size: int) -> object:
