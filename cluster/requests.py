@@ -129,10 +129,14 @@ def prepare(
         images=tuple(message.images[k] for k in order),
         tools=tools_from_proto(message.tools),
         template_variables=validation.template_variables(message.chat_template_kwargs),
+        continue_final_message=message.continue_final_message,
+        add_generation_prompt=not message.HasField("add_generation_prompt")
+        or message.add_generation_prompt,
         **prompt,
     )
     if request.template_variables is not None and request.messages is None:
         raise InvalidRequest("chat_template_kwargs", "is for a chat's template; send messages")
+    _check_turn_end(message, request)
     request = _with_tools(message, request)
     if message.text_match not in serving_pb2.TextMatch.values():
         raise InvalidRequest(
@@ -254,3 +258,21 @@ def _prompt(message: serving_pb2.GenerateRequest) -> tuple[dict[str, Any], list[
         messages, order = router_images.chat_messages(message.chat, len(message.images))
         return {"messages": messages}, order
     raise InvalidRequest("prompt", "set one of text, token_ids or chat")
+
+
+def _check_turn_end(message: serving_pb2.GenerateRequest, request: GenerateRequest) -> None:
+    """continue_final_message and add_generation_prompt: for a chat, and not both (vLLM's
+    rule: a continued turn is left open, so no reply opens after it)."""
+    asked = {
+        "continue_final_message": message.continue_final_message,
+        "add_generation_prompt": message.HasField("add_generation_prompt"),
+    }
+    for name, given in asked.items():
+        if given and request.messages is None:
+            raise InvalidRequest(name, "is for a chat's template; send messages")
+    if message.continue_final_message and message.add_generation_prompt:
+        raise InvalidRequest(
+            "add_generation_prompt",
+            "true with continue_final_message: a continued turn is left open, so no reply "
+            "opens after it; leave add_generation_prompt out or false",
+        )

@@ -57,6 +57,10 @@ class GenerateRequest:
     generated under is `sampling.structured`."""
     template_variables: Mapping[str, Any] | None = None
     """More variables for a chat's template (`validation.template_variables` checks them)."""
+    continue_final_message: bool = False
+    """A chat's last message is continued (worker/chat_continuation.py), not answered."""
+    add_generation_prompt: bool = True
+    """Whether a chat's template writes the reply's opening (off when continuing)."""
 
     @property
     def generated_before(self) -> int:

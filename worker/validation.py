@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from worker.chat_continuation import continued
 from worker.errors import ContextOverflow, InvalidRequest, PromptTooLarge
 from worker.image_prompt import (
     IMAGE_TOKEN,
@@ -184,14 +185,18 @@ def _prompt_ids(
     conversation, tools = _tool_turns(request, tokenizer)
     messages = _chat(conversation, len(images), limits, vision=spec is not None)
     variables = dict(request.template_variables or {})
-    try:
-        text = (
-            tokenizer.apply_chat_template(messages, tools=tools, **variables)
-            if tools or variables
-            else tokenizer.apply_chat_template(messages)
-        )
-    except ValueError as err:  # no template, or the template refused the conversation
-        raise InvalidRequest("messages", str(err)) from err
+    if request.continue_final_message or not request.add_generation_prompt:
+        variables["add_generation_prompt"] = False
+
+    def render(conversation: list[dict[str, Any]]) -> str:
+        try:
+            if tools or variables:
+                return tokenizer.apply_chat_template(conversation, tools=tools, **variables)
+            return tokenizer.apply_chat_template(conversation)
+        except ValueError as err:  # no template, or the template refused the conversation
+            raise InvalidRequest("messages", str(err)) from err
+
+    text = continued(render, messages) if request.continue_final_message else render(messages)
     if spec is not None:
         text = expand_text(text, images, spec)
     return _encode("messages", text, tokenizer, limits, add_special_tokens=False)

@@ -100,9 +100,10 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         chat = chat_prompt(body)
         tools = request_tools(body)
         turns = any(m.tool_calls or m.role == "tool" for m in chat.messages)
-        if chat.images or tools or turns:  # placed, expanded, tools written as when served
+        prefill = ends_with_prefill(body)
+        if chat.images or tools or turns or prefill:  # placed, expanded, written as when served
             ids = await api.chat_prompt_ids(
-                chat, caller, api.tenant(request), tools, refusal_names(body)
+                chat, caller, api.tenant(request), tools, refusal_names(body), prefill
             )
             return TokenCount(input_tokens=len(ids))
         text = await api.render(chat.messages)
@@ -136,6 +137,7 @@ def generate_request(
         sampling=sampling,
         images=chat.images,
         tools=request_tools(body),
+        continue_final_message=ends_with_prefill(body),
     )
     choice = body.tool_choice
     if choice is not None:
@@ -149,6 +151,12 @@ def generate_request(
             message.parallel_tool_calls = not choice.disable_parallel_tool_use
     message.namespace.tenant = tenant
     return message, chat.image_fields
+
+
+def ends_with_prefill(body: MessagesRequest | CountTokensRequest) -> bool:
+    """A last message of the assistant's is the start of the reply, which the model continues
+    (Anthropic's prefill)."""
+    return bool(body.messages) and body.messages[-1].role == "assistant"
 
 
 def refusal_names(body: MessagesRequest | CountTokensRequest) -> Renames:

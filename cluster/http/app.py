@@ -352,7 +352,7 @@ class HttpApi:
             chat = openai_params.chat_prompt(body.messages or [])
             tools = openai_params.wire_tools(body.tools)
             turns = any(m.tool_calls or m.role == "tool" for m in chat.messages)
-            if chat.images or tools or turns:
+            if chat.images or tools or turns or body.continue_final_message:
                 ids = await self.served_prompt_ids(body, chat, caller, self.tenant(request), tools)
             else:
                 text = await self.render(chat.messages, body.add_generation_prompt)
@@ -370,16 +370,25 @@ class HttpApi:
         tenant: str,
         tools: Sequence[serving_pb2.Tool],
     ) -> list[int]:
-        """The ids a chat request with images or tools is served with (each image's placeholder
-        expanded into its tiles' image tokens, the tools and tool turns written as for the
-        model's template), as a request would be rendered: with the generation prompt and no
-        extra special tokens, so other settings are refused by name."""
-        if not body.add_generation_prompt:
+        """The ids a chat request with images, tools or its last message continued is served
+        with (each image's placeholder expanded into its tiles' image tokens, the tools and tool
+        turns written as for the model's template), as a request would be rendered: with the
+        generation prompt unless continued, and no extra special tokens, so other settings are
+        refused by name."""
+        opens_reply = body.add_generation_prompt
+        if body.continue_final_message:  # vLLM's rule: not both
+            if opens_reply and "add_generation_prompt" in body.model_fields_set:
+                raise HttpError.invalid(
+                    "add_generation_prompt", "true with continue_final_message: leave it out"
+                )
+        elif not opens_reply:
             raise HttpError.invalid("add_generation_prompt", "with images or tools it must be true")
         if body.add_special_tokens:
             raise HttpError.invalid("add_special_tokens", "with images or tools it must be false")
         rename = renames({}, openai_params.TOOL_FIELDS)
-        return await self.chat_prompt_ids(chat, caller, tenant, tools, rename)
+        return await self.chat_prompt_ids(
+            chat, caller, tenant, tools, rename, body.continue_final_message
+        )
 
     async def chat_prompt_ids(
         self,
@@ -388,12 +397,17 @@ class HttpApi:
         tenant: str,
         tools: Sequence[serving_pb2.Tool] = (),
         rename: Renames | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
-        """The prompt ids a chat request of `chat` (images and tools included) would be served
-        with (router_service.count_prompt: the request's own checks but the context's, refusals
-        named, as the request named them with `rename`)."""
+        """The prompt ids a chat request of `chat` (images and tools included; its last message
+        continued with `continue_final`) would be served with (router_service.count_prompt:
+        the request's own checks but the context's, refusals named, as the request named them
+        with `rename`)."""
         message = serving_pb2.GenerateRequest(
-            chat=serving_pb2.ChatMessages(messages=chat.messages), images=chat.images, tools=tools
+            chat=serving_pb2.ChatMessages(messages=chat.messages),
+            images=chat.images,
+            tools=tools,
+            continue_final_message=continue_final,
         )
         message.namespace.tenant = tenant
         try:

@@ -100,6 +100,9 @@ def chat_request(
     _tools(request, message)
     if request.chat_template_kwargs is not None:
         message.chat_template_kwargs = json.dumps(request.chat_template_kwargs)
+    message.continue_final_message = request.continue_final_message
+    if request.add_generation_prompt is not None:
+        message.add_generation_prompt = request.add_generation_prompt
     return message, chat.image_fields
 
 

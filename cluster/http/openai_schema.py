@@ -218,6 +218,11 @@ class ChatCompletionRequest(GenerationParams):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: more variables for the chat template (`{"enable_thinking": false}`)."""
+    continue_final_message: bool = False
+    """vLLM's: the last message (the assistant's) is continued, its turn left open."""
+    add_generation_prompt: bool | None = None
+    """vLLM's: whether the template opens the reply (default true; not with
+    continue_final_message)."""
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -427,6 +432,7 @@ class TokenizeRequest(Body):
     add_special_tokens: bool | None = None
     """Default: True for a prompt, False for messages (the chat template writes them)."""
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeResponse(BaseModel):
