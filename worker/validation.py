@@ -182,6 +182,8 @@ def _prompt_ids(
             text = expand_text(text, images, spec)
         return _encode("prompt", text, tokenizer, limits)
     assert request.messages is not None
+    if request.continue_final_message:
+        _check_continuable(request.messages[-1])
     conversation, tools = _tool_turns(request, tokenizer)
     messages = _chat(conversation, len(images), limits, vision=spec is not None)
     variables = dict(request.template_variables or {})
@@ -200,6 +202,16 @@ def _prompt_ids(
     if spec is not None:
         text = expand_text(text, images, spec)
     return _encode("messages", text, tokenizer, limits, add_special_tokens=False)
+
+
+def _check_continuable(last: Any) -> None:
+    """A continued message is text: tool calls (written after it by templates that render
+    them, so a cut after the text would drop them) and tool results are refused by name."""
+    if isinstance(last, dict) and (last.get("tool_calls") or last.get("role") == "tool"):
+        raise InvalidRequest(
+            "continue_final_message",
+            "the last message holds tool calls or a tool's result; only text is continued",
+        )
 
 
 TEMPLATE_NAMES = frozenset(

@@ -154,9 +154,17 @@ def generate_request(
 
 
 def ends_with_prefill(body: MessagesRequest | CountTokensRequest) -> bool:
-    """A last message of the assistant's is the start of the reply, which the model continues
-    (Anthropic's prefill)."""
-    return bool(body.messages) and body.messages[-1].role == "assistant"
+    """A last message of the assistant's with text and no `tool_use` is the start of the
+    reply, which the model continues (Anthropic's prefill); one that calls tools is a closed
+    turn, answered in a new one."""
+    if not body.messages or body.messages[-1].role != "assistant":
+        return False
+    content = body.messages[-1].content
+    if isinstance(content, str):
+        return bool(content.strip())
+    texts = [b.get("text") for b in content if b.get("type") == "text"]
+    calls = any(b.get("type") == "tool_use" for b in content)
+    return not calls and any(isinstance(t, str) and t.strip() for t in texts)
 
 
 def refusal_names(body: MessagesRequest | CountTokensRequest) -> Renames:

@@ -345,6 +345,8 @@ class HttpApi:
         if (body.prompt is None) == (body.messages is None):
             raise HttpError.invalid("prompt", "give exactly one of prompt and messages")
         if body.prompt is not None:
+            if body.continue_final_message:
+                raise HttpError.invalid("continue_final_message", "is for messages, not a prompt")
             text, name = body.prompt, "prompt"
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await self.encode(text, special, name)
@@ -384,7 +386,9 @@ class HttpApi:
         elif not opens_reply:
             raise HttpError.invalid("add_generation_prompt", "with images or tools it must be true")
         if body.add_special_tokens:
-            raise HttpError.invalid("add_special_tokens", "with images or tools it must be false")
+            raise HttpError.invalid(
+                "add_special_tokens", "with images, tools or a continued message it must be false"
+            )
         rename = renames({}, openai_params.TOOL_FIELDS)
         return await self.chat_prompt_ids(
             chat, caller, tenant, tools, rename, body.continue_final_message

@@ -11,7 +11,7 @@ Both come from what the worker sends once, on the request's first message
 
 `echo` with `max_tokens: 0` (OpenAI's legacy way to score a text, which vLLM serves) asks the
 worker for one token and drops it: each choice is the prompt alone, `finish_reason` "length",
-no completion tokens (`prompt_alone`).
+no completion tokens (`prompt_alone`; a failure is still a failure).
 """
 
 from __future__ import annotations
@@ -106,6 +106,6 @@ async def prompt_alone(
         async for message in messages:
             del message.token_ids[:], message.logprobs[:]
             message.text, message.stop_string = "", ""
-            if message.finished:
+            if message.finished and message.finish_reason == "stop":  # an error stays one
                 message.finish_reason = "length"
             yield message

@@ -140,3 +140,28 @@ def test_what_cannot_be_continued_is_a_400_naming_it(
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"]
     assert_no_leak(cluster)
+
+
+def test_a_last_message_of_tool_calls_is_not_continued(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    request = {
+        "model": MODEL,
+        "messages": [*ASK, {"role": "assistant", "content": "Let me check.", "tool_calls": [call]}],
+        "max_tokens": 2,
+        "continue_final_message": True,
+    }
+    reply = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=request)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "continue_final_message"
+    with anthropic.Anthropic(base_url=cluster.http_url, api_key="none", max_retries=0) as sdk:
+        tool_use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+        answered = sdk.messages.create(  # a closed turn, answered in a new one
+            model=MODEL,
+            max_tokens=2,
+            messages=[*ASK, {"role": "assistant", "content": [tool_use]}],
+            tools=[{"name": "f", "input_schema": {"type": "object"}}],
+        )
+    assert answered.stop_reason in ("max_tokens", "end_turn", "tool_use")
+    assert_no_leak(cluster)
