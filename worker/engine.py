@@ -43,6 +43,7 @@ from cache import CacheConfig, KvEventKind, KvSnapshot, OutOfPages, OutOfSlots, 
 from cache.integrity import check_sequence_cache
 from kernels.layout import cdiv
 from worker import validation
+from worker.bad_words import BadWords, bad_word_ids
 from worker.disk_reads import DiskReads, PendingRead
 from worker.disk_spill import DiskSpill
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
@@ -379,6 +380,7 @@ class Engine:
         self._validate(request, prompt)
         structured = request.sampling.structured
         grammar = self.grammars.compile(structured) if structured is not None else None
+        bad_words = bad_word_ids(request.sampling.bad_words, self.tokenizer, self.vocab_size)
         images = None
         if checked:
             assert self.limits.image_spec is not None
@@ -399,7 +401,8 @@ class Engine:
                     f"{self.config.max_waiting + self.config.max_running}"
                 )
             self._active_ids.add(request.request_id)
-        self._inbox.put(("add", RequestState(request, prompt, sink, adapter, images, grammar)))
+        state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words)
+        self._inbox.put(("add", state))
         self._wake.set()
         return len(prompt)
 
@@ -1006,6 +1009,7 @@ class Engine:
                     self._penalties(state),
                     Constraint(state.grammar) if state.grammar is not None else None,
                     shaping,
+                    BadWords.create(state.bad_words),
                 ),
                 stop=StopChecker(state.stops, include=sampling.include_stop_str_in_output),
                 decoder=self.tokenizer.incremental_decoder(sampling.skip_special_tokens)

@@ -105,6 +105,8 @@ class RequestState:
     """A vision prompt's images, placed (None: a text prompt)."""
     grammar: CompiledGrammar | None = None
     """A structured output's grammar, compiled in the submitting thread (None: free text)."""
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    """The token sequences of the request's bad words, spelled in the submitting thread."""
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as

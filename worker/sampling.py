@@ -8,12 +8,13 @@ whatever else shares its batch, run after run, and on any worker that continues 
 position: a stream the router moves to another worker mid-way (cluster/router_service.py) draws
 exactly what the uninterrupted one would have. temperature 0 is greedy.
 
-A request's logit bias, allowed tokens and min_tokens (worker/logit_shaping.py) change the
-logits first, then penalties (worker/penalties.py), before any of that, greedy included, as vLLM
-orders them; after temperature, min_p drops the unlikely tokens before top-k and top-p. Penalties
-and min_tokens depend on the prompt and the tokens generated so far, which the sampler counts
-as it draws them; the randomness is still seeded by the same three, so a resumed sample that
-`replay`s its generated tokens draws exactly what the uninterrupted one would.
+A request's logit bias, allowed tokens and min_tokens (worker/logit_shaping.py) and its bad
+words (worker/bad_words.py) change the logits first, then penalties (worker/penalties.py),
+before any of that, greedy included, as vLLM orders them; after temperature, min_p drops the
+unlikely tokens before top-k and top-p. Penalties, bad words and min_tokens depend on the
+prompt and the tokens generated so far, which the sampler counts as it draws them; the
+randomness is still seeded by the same three, so a resumed sample that `replay`s its generated
+tokens draws exactly what the uninterrupted one would.
 
 A structured output's constraint (worker/structured_output.py) then sets every token its grammar
 does not allow next to -inf, and follows the token drawn; a resumed sample replays its tokens
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.bad_words import BadWords
 from worker.logit_shaping import LogitShaping
 from worker.penalties import Penalties
 from worker.sampling_params import SamplingParams
@@ -75,6 +77,8 @@ class Sampler:
     """None: free text."""
     shaping: LogitShaping | None = None
     """The request's logit bias, allowed tokens and min_tokens; None: none of them."""
+    bad_words: BadWords | None = None
+    """The request's bad words, with this sample's recent tokens; None: none."""
     generated: int = 0
     """Tokens this sample has generated (drawn here or replayed)."""
     generator: torch.Generator = field(default_factory=torch.Generator)
@@ -87,8 +91,10 @@ class Sampler:
         penalties: Penalties | None = None,
         constraint: Constraint | None = None,
         shaping: LogitShaping | None = None,
+        bad_words: BadWords | None = None,
     ) -> Sampler:
-        return cls(params, sample_seed(params.seed, index), penalties, constraint, shaping)
+        seed = sample_seed(params.seed, index)
+        return cls(params, seed, penalties, constraint, shaping, bad_words)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """The token at `position` (its index in the sequence), from a float32 logits row
@@ -97,12 +103,16 @@ class Sampler:
         scores = logits
         if self.shaping is not None:
             scores = self.shaping.apply(scores, self.generated)
+        if self.bad_words is not None:
+            scores = self.bad_words.apply(scores, owned=scores is not logits)
         if self.penalties is not None:
             scores = self.penalties.apply(scores)
         if self.constraint is not None:
             scores = self.constraint.mask(scores, owned=scores is not logits)
         token = self._draw(scores, position)
         self.generated += 1
+        if self.bad_words is not None:
+            self.bad_words.record(token)
         if self.penalties is not None:
             self.penalties.record(token)
         if self.constraint is not None:
@@ -118,6 +128,8 @@ class Sampler:
         """Count the tokens generated before this sampler existed (a resumed sample's), and
         follow them through the constraint (`GrammarRefused` if they leave it)."""
         self.generated += len(generated)
+        if self.bad_words is not None:
+            self.bad_words.replay(generated)
         if self.penalties is not None and generated:
             self.penalties.replay(generated)
         if self.constraint is not None:

@@ -25,6 +25,7 @@ MAX_STRUCTURED_CHARS = 1_048_576
 call's constraint holds every tool's parameters): compiling one is work the worker does before
 the request is queued."""
 MAX_CHOICES = 1_024
+MAX_BAD_WORDS = 256
 MAX_LOGIT_BIAS = 100.0
 """A logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
 MAX_PENALTY = 2.0
@@ -148,6 +149,9 @@ class SamplingParams:
     (end-of-sequence, `stop_token_ids`) that ends it (vLLM's)."""
     skip_special_tokens: bool = True
     """The text leaves special tokens out (vLLM's; false writes them, as `<|im_end|>`)."""
+    bad_words: tuple[str, ...] = ()
+    """Words never written (vLLM's): each as tokens, alone and after a space, its last token
+    banned wherever the generated tokens end with the rest (worker/bad_words.py)."""
     prompt_logprobs: int | None = None
     """Log-probabilities of each prompt token after the first under the tokens before it, and
     of this many most likely tokens at its position (vLLM's; what OpenAI's `echo` with
@@ -191,7 +195,16 @@ class SamplingParams:
         self._validate_shaping(vocab_size)
 
     def _validate_shaping(self, vocab_size: int) -> None:
-        """min_p, min_tokens, logit_bias and allowed_token_ids."""
+        """min_p, min_tokens, logit_bias, allowed_token_ids and bad_words."""
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequest(
+                "bad_words", f"{len(self.bad_words)} words; at most {MAX_BAD_WORDS} are allowed"
+            )
+        for i, word in enumerate(self.bad_words):
+            if not word.strip() or len(word) > MAX_STOP_CHARS:
+                raise InvalidRequest(
+                    f"bad_words[{i}]", f"must hold text, at most {MAX_STOP_CHARS} characters"
+                )
         if not 0 <= self.min_p <= 1:  # also refuses NaN
             raise InvalidRequest("min_p", f"must be in [0, 1] (0 disables), got {self.min_p}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -56,6 +56,7 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=int(message.prompt_logprobs)
         if message.HasField("prompt_logprobs")
         else None,
+        bad_words=tuple(message.bad_words),
         structured=structured_from_proto(message.structured)
         if message.HasField("structured")
         else None,
@@ -132,6 +133,7 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         allowed_token_ids=list(params.allowed_token_ids),
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
+        bad_words=list(params.bad_words),
     )
     if params.seed is not None:
         message.seed = params.seed

@@ -298,6 +298,7 @@ def _token_fields(request: GenerationParams, message: serving_pb2.SamplingParams
         _check_range("allowed_token_ids", request.allowed_token_ids, _INT64)
         message.allowed_token_ids.extend(request.allowed_token_ids)
     message.logit_bias.update(logit_bias(request.logit_bias or {}))
+    message.bad_words.extend(request.bad_words or [])
     if request.prompt_logprobs is not None:
         if request.stream:
             raise HttpError.invalid("prompt_logprobs", "not available with stream, as in vLLM")

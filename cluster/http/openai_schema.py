@@ -162,6 +162,7 @@ class GenerationParams(Body):
     min_p: float | None = None
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None

@@ -165,6 +165,7 @@ def test_skip_special_tokens_false_writes_them(
         ({"allowed_token_ids": [3, 9999]}, "allowed_token_ids"),
         ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
         ({"min_p": 2}, "min_p"),
+        ({"bad_words": ["fox", " "]}, "bad_words[1]"),
         ({"allowed_token_ids": [EOS], "min_tokens": 1}, "allowed_token_ids"),
     ],
 )
@@ -181,3 +182,14 @@ def test_each_bad_value_is_a_400_naming_it(
         json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2},
     )
     assert served.status_code == 200
+
+
+def test_bad_words_change_the_greedy_answer(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    plain = complete(client, max_tokens=16, extra_body={"ignore_eos": True}).choices[0].text
+    words = [w for w in plain.split() if w.isascii() and len(w) > 1]
+    assert words, plain
+    banned = complete(
+        client, max_tokens=16, extra_body={"ignore_eos": True, "bad_words": words[:1]}
+    )
+    assert banned.choices[0].text != plain
+    assert_no_leak(cluster)

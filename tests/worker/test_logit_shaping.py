@@ -204,6 +204,7 @@ def test_stop_strings_end_the_text_only_after_min_tokens_and_may_stay_in_it(
         SamplingParams(min_p=0.25, min_tokens=3, max_tokens=9),
         SamplingParams(logit_bias=((0, -100.0), (7, 0.5), (511, 100.0)), allowed_token_ids=(7, 9)),
         SamplingParams(include_stop_str_in_output=True, skip_special_tokens=False, stop=("x",)),
+        SamplingParams(bad_words=("fox", " lazy dog")),
     ],
 )
 def test_the_new_fields_survive_the_round_trip(params: SamplingParams) -> None:

@@ -1,0 +1,108 @@
+"""vLLM's bad_words: the words spelled as vLLM spells them (alone, and after a space), the ban
+against a from-scratch reference over random histories, a resumed sample banning as the first
+would, and the engine on the tiny model never writing a banned sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.worker.helpers import drain
+from worker.bad_words import BadWords, bad_word_ids
+from worker.engine import Engine, EngineConfig
+from worker.errors import InvalidRequest
+from worker.loader import LoadedModel
+from worker.request import GenerateRequest, RequestOutput
+from worker.sampling import Sampler
+from worker.sampling_params import SamplingParams
+
+SEQUENCES = st.lists(
+    st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple), min_size=1, max_size=4
+).map(tuple)
+
+
+@given(sequences=SEQUENCES, history=st.lists(st.integers(0, 5), max_size=10))
+def test_the_ban_is_each_sequence_whose_rest_the_history_ends_with(
+    sequences: tuple[tuple[int, ...], ...], history: list[int]
+) -> None:
+    words = BadWords.create(sequences)
+    assert words is not None
+    words.replay(history)
+    expected = {
+        s[-1]
+        for s in sequences
+        if len(s) - 1 <= len(history) and (len(s) == 1 or history[-(len(s) - 1) :] == list(s[:-1]))
+    }
+    assert set(words.banned()) == expected
+    row = torch.zeros(6)
+    masked = words.apply(row, owned=False)
+    assert {i for i in range(6) if masked[i] == float("-inf")} == expected
+    assert row.tolist() == [0.0] * 6, "a row it does not own stays as it is"
+
+
+@given(sequences=SEQUENCES, seed=st.integers(0, 2**32), steps=st.integers(0, 6))
+def test_no_banned_sequence_is_ever_drawn_and_a_resumed_sampler_draws_the_same(
+    sequences: tuple[tuple[int, ...], ...], seed: int, steps: int
+) -> None:
+    if any(len(s) == 1 for s in sequences) and {s[0] for s in sequences if len(s) == 1} == set(
+        range(6)
+    ):
+        return  # every token banned: no draw is possible
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=32)
+    logits = torch.linspace(2.0, -2.0, 6)
+    first = Sampler.create(params, 0, bad_words=BadWords.create(sequences))
+    drawn = [first(logits, p) for p in range(steps + 8)]
+    for s in sequences:
+        windows = [tuple(drawn[i : i + len(s)]) for i in range(len(drawn) - len(s) + 1)]
+        assert s not in windows
+    later = Sampler.create(params, 0, bad_words=BadWords.create(sequences))
+    later.replay(drawn[:steps])
+    assert [later(logits, steps + k) for k in range(8)] == drawn[steps:]
+
+
+def test_words_are_spelled_alone_and_after_a_space(tiny: LoadedModel) -> None:
+    tokenizer = tiny.tokenizer
+    assert tokenizer is not None
+    (alone, *rest) = bad_word_ids(["fox"], tokenizer, 512)
+    assert alone == tuple(tokenizer.encode("fox", add_special_tokens=False))
+    spaced = tuple(tokenizer.encode(" fox", add_special_tokens=False))
+    assert rest == ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    with pytest.raises(InvalidRequest) as refused:
+        bad_word_ids(["fox"], None, 512)
+    assert refused.value.field == "bad_words"
+
+
+def test_the_engine_never_writes_a_banned_word(tiny: LoadedModel) -> None:
+    tokenizer = tiny.tokenizer
+    assert tokenizer is not None
+    config = EngineConfig(num_pages=64, page_size=4, model_revision=tiny.revision)
+
+    def run(**sampling: object) -> list[int]:
+        engine = Engine(tiny.model, tokenizer, config)
+        outputs: list[RequestOutput] = []
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+        engine.submit(
+            GenerateRequest("r", prompt="the quick brown", sampling=params), outputs.append
+        )
+        drain(engine)
+        return [t for o in outputs for t in o.token_ids]
+
+    plain = run()
+    vocab = tiny.config.vocab_size
+    # two tokens the greedy answer writes that spell a word as vLLM spells it
+    word, banned = next(
+        (w, ids)
+        for i in range(len(plain) - 1)
+        if (w := tokenizer.decode(plain[i : i + 2])).strip()
+        and tuple(plain[i : i + 2]) in (ids := bad_word_ids([w], tokenizer, vocab))
+    )
+    tokens = run(bad_words=(word,))
+    assert tokens != plain
+    for sequence in banned:
+        windows = {tuple(tokens[i : i + len(sequence)]) for i in range(len(tokens))}
+        assert sequence not in windows, (word, sequence)
+    with pytest.raises(InvalidRequest) as refused:
+        run(bad_words=("  ",))
+    assert refused.value.field == "bad_words[0]"
