@@ -381,6 +381,9 @@ class Engine:
         structured = request.sampling.structured
         grammar = self.grammars.compile(structured) if structured is not None else None
         bad_words = bad_word_ids(request.sampling.bad_words, self.tokenizer, self.vocab_size)
+        allowed = request.sampling.allowed_token_ids
+        if allowed and set(allowed) <= {s[0] for s in bad_words if len(s) == 1}:
+            raise InvalidRequest("bad_words", "bans every allowed token: nothing could be drawn")
         images = None
         if checked:
             assert self.limits.image_spec is not None

@@ -1,6 +1,7 @@
 """vLLM's bad_words: the words spelled as vLLM spells them (alone, and after a space), the ban
 against a from-scratch reference over random histories, a resumed sample banning as the first
-would, and the engine on the tiny model never writing a banned sequence."""
+would, the engine on the tiny model never writing a banned sequence, and bans that leave no
+token ending their request with an error that says so."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cache.integrity import check_sequence_cache
 from tests.worker.helpers import drain
 from worker.bad_words import BadWords, bad_word_ids
 from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
 from worker.loader import LoadedModel
+from worker.logit_shaping import LogitShaping
 from worker.request import GenerateRequest, RequestOutput
-from worker.sampling import Sampler
+from worker.sampling import NothingToDraw, Sampler
 from worker.sampling_params import SamplingParams
 
 SEQUENCES = st.lists(
@@ -106,3 +109,64 @@ def test_the_engine_never_writes_a_banned_word(tiny: LoadedModel) -> None:
     with pytest.raises(InvalidRequest) as refused:
         run(bad_words=("  ",))
     assert refused.value.field == "bad_words[0]"
+
+
+def test_bans_that_leave_nothing_end_the_request_with_a_clear_error(tiny: LoadedModel) -> None:
+    """allowed_token_ids [t] with bad word "tt": the first t is drawn, then nothing can be.
+    The engine ends that request alone (an error naming the bans) and keeps serving; bans
+    that exclude every allowed token from the start are refused when the request arrives."""
+    tokenizer = tiny.tokenizer
+    assert tokenizer is not None
+    vocab = tiny.config.vocab_size
+
+    def spelled(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    token, piece = next(
+        (t, p)
+        for t in range(3, vocab)
+        if (p := tokenizer.decode([t])).strip()
+        and not p.startswith(" ")
+        and spelled(p) == (t,)
+        and spelled(p + p) == (t, t)
+        and bad_word_ids([p + p], tokenizer, vocab) == ((t, t),)
+    )
+    config = EngineConfig(num_pages=64, page_size=4, model_revision=tiny.revision)
+    engine = Engine(tiny.model, tokenizer, config)
+    for temperature in (0.0, 1.0):
+        outputs: list[RequestOutput] = []
+        params = SamplingParams(
+            max_tokens=8,
+            temperature=temperature,
+            ignore_eos=True,
+            allowed_token_ids=(token,),
+            bad_words=(piece + piece,),
+        )
+        rid = f"banned-{temperature}"
+        engine.submit(GenerateRequest(rid, prompt="the quick", sampling=params), outputs.append)
+        drain(engine)
+        assert [t for o in outputs for t in o.token_ids] == [token]
+        assert outputs[-1].finish_reason == "error"
+        assert outputs[-1].error is not None and "nothing can be drawn" in outputs[-1].error
+    check_sequence_cache(engine.cache)
+    with pytest.raises(InvalidRequest) as refused:
+        engine.submit(
+            GenerateRequest(
+                "refused",
+                prompt="the quick",
+                sampling=SamplingParams(allowed_token_ids=(token,), bad_words=(piece,)),
+            ),
+            lambda _: None,
+        )
+    assert refused.value.field == "bad_words"
+
+
+def test_a_sampler_whose_bans_leave_nothing_says_so() -> None:
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, allowed_token_ids=(1,))
+        shaping = LogitShaping.create(params, [], 4)
+        draw = Sampler.create(params, 0, shaping=shaping, bad_words=BadWords.create(((1, 1),)))
+        row = torch.tensor([3.0, 0.0, 1.0, 2.0])
+        assert draw(row, 0) == 1
+        with pytest.raises(NothingToDraw):
+            draw(row, 1)
