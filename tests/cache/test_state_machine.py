@@ -477,9 +477,15 @@ def test_random_operations_with_a_host_tier_page_size_4() -> None:
 def test_random_operations_spilling_what_eviction_drops_page_size_4() -> None:
     """Without a host tier every eviction drops, whole nodes (no trim in place), and each
     `SpillCopy` must read the dropped node's KV (the tiered machines spill what their host
-    drops, less often)."""
-    assert _run(SpillingPage4Machine, 90) >= 5000
-    assert MOVED["spilled"] and not MOVED["demoted"], MOVED
+    drops, less often). An unseeded run of 90 examples now and then draws no eviction that
+    spills at all (once in the twenty-first session's fresh-clone CI, none in 18 runs here), so
+    up to three runs, as for the tiered machines; no run may ever demote."""
+
+    def spilled_and_never_demoted() -> bool:
+        assert not MOVED["demoted"], MOVED  # no host tier: nothing has anywhere to go
+        return bool(MOVED["spilled"])
+
+    _run_until(SpillingPage4Machine, 90, spilled_and_never_demoted)
 
 
 def test_random_operations_with_a_host_tier_page_size_16() -> None:
