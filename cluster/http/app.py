@@ -177,6 +177,8 @@ class HttpApi:
             adapter or self.model,
             self.token_texts(),
             prompt_logprobs=body.prompt_logprobs is not None,
+            request_ids=[message.request_id],
+            n=body.n or 1,
         )
         logprobs = bool(body.logprobs)
         options = body.stream_options or StreamOptions()

@@ -68,7 +68,7 @@ class Reply:
     prompt_logprobs: bool = False
     """Whether the response carries vLLM's `prompt_logprobs`."""
     request_ids: list[str] = field(default_factory=list)
-    """The generation of each prompt (several in one completions request)."""
+    """The generation of each prompt: a chat's one, or several in one completions request."""
     n: int = 1
     """Samples a prompt: choice i is sample i % n of prompt i // n."""
 
@@ -80,8 +80,6 @@ class Reply:
 
     def scored(self, counts: Counts, index: int) -> ScoredPrompt | None:
         """The prompt logprobs of choice `index`'s prompt, once they came."""
-        if not self.request_ids:
-            return next(iter(counts.prompts.values()), None)
         return counts.prompts.get(self.request_ids[self.prompt_of(index)])
 
 
