@@ -147,7 +147,9 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class EngineSection:
-    num_pages: int = _at_least(4096, 2)
+    num_pages: int | None = _at_least(None, 2)
+    """Pages of each worker's KV pool, the null page included; null: sized from memory
+    (kv_cache_memory_bytes, else on CUDA gpu_memory_utilization, else 4096 on a CPU)."""
     page_size: int = _at_least(16, 1)
     max_running: int = _at_least(32, 1)
     token_budget: int = _at_least(512, 1)
@@ -194,13 +196,23 @@ class EngineSection:
     encoder_cache_bytes: int = _at_least(DEFAULT_ENCODER_CACHE_BYTES, 0)
     """Vision encoder outputs a worker keeps by image, least recently used dropped first, for
     images whose KV was evicted (0: none)."""
+    gpu_memory_utilization: float = _at_least(0.9, 0.01, 1.0)
+    """With num_pages null on CUDA: the fraction of its GPU's memory a worker may fill,
+    counting what is already on the device; the KV pool gets what the weights, the heaviest
+    step's activations (measured at start) and the encoder cache leave of it (vLLM's rule)."""
+    kv_cache_memory_bytes: int | None = _at_least(None, 1)
+    """With num_pages null: each worker's KV pool in bytes, on either device (vLLM's option)."""
 
     def __post_init__(self) -> None:
         """What each worker's cache would refuse when it starts (a page size not a power of
         two, a block size not a multiple of it, ...) is refused here, naming the key."""
+        if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
+            raise ConfigError(
+                "kv_cache_memory_bytes: set with num_pages; the pool is sized by one of them"
+            )
         try:
             CacheConfig(
-                num_pages=self.num_pages,
+                num_pages=2 if self.num_pages is None else self.num_pages,
                 page_size=self.page_size,
                 max_sequences=self.max_running,
                 block_size=self.block_size,

@@ -175,7 +175,11 @@ def start(
             for name, handle in workers.items():
                 starting = name
                 info = ray.get(handle.describe.remote())
-                console.print(f"{name}: gRPC {info['address']}, pid {info['pid']}")
+                console.print(
+                    f"{name}: gRPC {info['address']}, pid {info['pid']}, KV pool "
+                    f"{info['kv_pages']:,} pages of {info['page_size']} "
+                    f"({info['kv_bytes'] / 1e9:.2f} GB: {escape(info['kv_sized_by'])})"
+                )
         with console.status("starting the router..."):
             starting = "the router"
             router = place_router(config, workers)

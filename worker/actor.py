@@ -100,6 +100,10 @@ class WorkerActor:
             "metrics_port": self.metrics_port,
             "pid": os.getpid(),
             "checkpoint": str(self.checkpoint),
+            "kv_pages": self.engine.pool.pages,
+            "page_size": self.engine.config.page_size,
+            "kv_bytes": self.engine.pool.bytes,
+            "kv_sized_by": self.engine.pool.reason,
         }
 
     def drain(self, timeout: float) -> bool:

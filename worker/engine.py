@@ -56,10 +56,12 @@ from worker.images import (
 )
 from worker.kv_copies import MIN_STREAM_BYTES
 from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
+from worker.kv_sizing import PoolSize, size_pool
 from worker.logit_shaping import LogitShaping
 from worker.logprobs import prompt_logprobs, token_logprob
 from worker.lora_serving import AdapterLifecycle, adapter_slots
 from worker.lora_slots import AdapterState
+from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.penalties import Penalties
@@ -103,7 +105,10 @@ class TokenizerLike(PromptTokenizer, Protocol):
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    num_pages: int = 4096
+    num_pages: int | None = None
+    """Pages of the KV pool, the null page included; None: sized from memory
+    (worker/kv_sizing.py: `kv_cache_memory_bytes`, else on CUDA `gpu_memory_utilization`, else
+    4096 on a CPU). The engine's `config` holds the count it got."""
     page_size: int = 16
     max_running: int = 64
     token_budget: int = 512
@@ -150,6 +155,12 @@ class EngineConfig:
     """Size of one image's file."""
     encoder_cache_bytes: int = 64 << 20
     """Vision encoder outputs kept by image (device memory, least recently used out); 0: none."""
+    gpu_memory_utilization: float = 0.9
+    """With `num_pages` None on CUDA: the fraction of the device's memory this worker may fill
+    (everything already on the device counted), the pool getting what the model, the
+    activations of the heaviest step and the encoder cache leave (vLLM's rule)."""
+    kv_cache_memory_bytes: int | None = None
+    """With `num_pages` None: the pool's bytes, on either device (vLLM's option)."""
 
     def __post_init__(self) -> None:
         pairs = []
@@ -164,6 +175,14 @@ class EngineConfig:
             raise ValueError(
                 f"max_loras must be >= 0 and max_lora_rank >= 1: "
                 f"{self.max_loras}, {self.max_lora_rank}"
+            )
+        if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError(
+                "num_pages and kv_cache_memory_bytes are both set: the pool is sized by one"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
         for name in ("max_images", "max_image_pixels", "max_image_bytes", "encoder_cache_bytes"):
             value, least = getattr(self, name), 0 if name == "encoder_cache_bytes" else 1
@@ -219,23 +238,23 @@ class EngineStats:
     """The most it may hold: `persist_max_bytes`, lowered when the disk filled up."""
 
 
-def context_length(positions: int, config: EngineConfig) -> int:
+def context_length(positions: int, config: EngineConfig, pool: PoolSize) -> int:
     """The context a request may fill: the model's `positions` (or `max_model_len`, if less),
     cut to what the KV pool can hold for one sequence, saying so. Uncut, a request with no
     max_tokens (OpenAI's default: to the end of the context) would be refused for pages its
     client was never told of."""
     wanted = min(config.max_model_len or positions, positions)
-    pool = (config.num_pages - 1) * config.page_size  # every page but the null one
-    if pool < wanted:
+    held = (pool.pages - 1) * config.page_size  # every page but the null one
+    if held < wanted:
         log.warning(
             "the context is cut from %d to %d positions: the KV pool holds %d pages of %d "
-            "(engine.num_pages, engine.page_size)",
-            wanted, pool, config.num_pages - 1, config.page_size,
+            "(engine.page_size; the pages: %s)",
+            wanted, held, pool.pages - 1, config.page_size, pool.reason,
         )  # fmt: skip
-    return min(wanted, pool)
+    return min(wanted, held)
 
 
-def check_kv_memory(model: CausalLM, config: EngineConfig) -> None:
+def check_kv_memory(model: CausalLM, config: EngineConfig, device_pages: int) -> None:
     """Refuse, before any allocation, KV tiers this machine's memory could never hold: CPU
     memory is committed as pages are first written, so an engine allocated past it starts
     fine and is killed by the kernel once serving fills its cache (then restarted, to be killed
@@ -243,7 +262,7 @@ def check_kv_memory(model: CausalLM, config: EngineConfig) -> None:
     """
     page = model.kv_page_bytes(config.page_size)
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    pages = config.host_pages + (config.num_pages if on_cpu else 0)
+    pages = config.host_pages + (device_pages if on_cpu else 0)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if pages * page > memory:
         keys = "engine.num_pages and engine.host_pages" if on_cpu else "engine.host_pages"
@@ -251,6 +270,21 @@ def check_kv_memory(model: CausalLM, config: EngineConfig) -> None:
             f"{keys}: {pages} pages of {page:,} bytes need {pages * page / 1e9:.1f} GB of KV, "
             f"more than this machine's {memory / 1e9:.1f} GB of memory"
         )
+
+
+def sized(
+    model: CausalLM, config: EngineConfig, lora: LoraStacks | None, vision: bool, source: str
+) -> tuple[EngineConfig, PoolSize]:
+    """`config` with the KV pool's page count filled in, and how it was reached; refused when
+    the pool cannot be held (`check_kv_memory`)."""
+    reserved = config.encoder_cache_bytes if vision else 0
+    pool = size_pool(model, config, lora, reserved)
+    check_kv_memory(model, config, pool.pages)
+    log.info(
+        "%s: KV pool of %d pages of %d positions, %.2f GB (%s)",
+        source, pool.pages, config.page_size, pool.bytes / 1e9, pool.reason,
+    )  # fmt: skip
+    return dataclasses.replace(config, num_pages=pool.pages, kv_cache_memory_bytes=None), pool
 
 
 class Engine:
@@ -264,11 +298,15 @@ class Engine:
     ) -> None:
         """`vision`: the model's vision encoder (`LoadedModel.vision`); None: a text model,
         whose requests with images are refused."""
-        check_kv_memory(model, config)
+        rank = config.max_lora_rank
+        self.adapters, stacks = adapter_slots(model, config.max_loras, rank)
+        """The adapters loaded and their device slots (changed on the engine thread only)."""
+        # the KV pool's pages, and how their count was reached (worker/kv_sizing.py)
+        config, self.pool = sized(model, config, stacks, vision is not None, source)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.max_model_len = context_length(model.config.max_position_embeddings, config)
+        self.max_model_len = context_length(model.config.max_position_embeddings, config, self.pool)
         self.vocab_size = model.config.vocab_size
         self.vision = vision
         self.eos_token_ids = frozenset(
@@ -295,7 +333,7 @@ class Engine:
         )
         self.cache = SequenceCache(
             CacheConfig(
-                config.num_pages,
+                self.pool.pages,
                 config.page_size,
                 config.max_running,
                 config.block_size,
@@ -304,15 +342,12 @@ class Engine:
             ),
             source,
         )
-        rank = config.max_lora_rank
-        self.adapters, stacks = adapter_slots(model, config.max_loras, rank)
-        """The adapters loaded and their device slots (changed on the engine thread only)."""
         self.lora = AdapterLifecycle(self.adapters, self.cache, model.config, rank)
         for name, path in config.adapters:
             self.lora.install(self.lora.read(name, path))
         self.runner = ModelRunner(
             model,
-            config.num_pages,
+            self.pool.pages,
             config.page_size,
             config.host_pages,
             stacks,

@@ -26,6 +26,12 @@ from cluster.config import ClusterConfig, ConfigError, ModelSection, build, engi
         ("workers: {count: 0}", "workers.count: must be at least 1, got 0"),
         ("workers: {cpus_per_worker: -1}", "workers.cpus_per_worker: must be at least 0"),
         ("engine: {num_pages: 1}", "engine.num_pages: must be at least 2, got 1"),
+        ("engine: {gpu_memory_utilization: 0}", "engine.gpu_memory_utilization: must be from"),
+        ("engine: {kv_cache_memory_bytes: 0}", "engine.kv_cache_memory_bytes: must be at least 1"),
+        (
+            "engine: {num_pages: 64, kv_cache_memory_bytes: 1000000}",
+            "engine.kv_cache_memory_bytes: set with num_pages; the pool is sized by one of them",
+        ),
         # what a worker's cache would refuse at start, refused before any actor is placed
         ("engine: {page_size: 3}", "engine.page_size: must be a power of two, got 3"),
         ("engine: {page_size: 4, block_size: 6}", "engine.block_size: must be a positive multiple"),

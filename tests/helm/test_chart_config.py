@@ -71,9 +71,8 @@ def test_configmap_values_per_example(tmp_path: Path) -> None:
 
     gpu = load_configmap("values-gpu", tmp_path)
     assert (gpu.model.device, gpu.model.dtype, gpu.workers.count) == ("cuda", "bfloat16", 8)
-    assert (gpu.engine.num_pages, gpu.engine.max_model_len, gpu.drain_timeout_s) == (
-        32768, 8192, 60.0,
-    )  # fmt: skip
+    assert (gpu.engine.num_pages, gpu.engine.gpu_memory_utilization) == (None, 0.9)
+    assert (gpu.engine.max_model_len, gpu.drain_timeout_s) == (8192, 60.0)
 
     multi = load_configmap("values-multinode-tls", tmp_path)
     assert multi.workers.count == 16
@@ -188,6 +187,8 @@ ENGINE_PROBES = [
     {"page_size": 32, "block_size": 64}, {"block_size": 24}, {"block_size": 48},
     {"page_size": 64, "block_size": 32}, {"host_pages": 1}, {"host_pages": 0},
     {"host_pages": 2}, {"num_pages": 1}, {"num_pages": 2},
+    {"num_pages": 64, "kv_cache_memory_bytes": 1 << 30}, {"kv_cache_memory_bytes": 1 << 30},
+    {"kv_cache_memory_bytes": 0}, {"gpu_memory_utilization": 0}, {"gpu_memory_utilization": 1},
 ]  # fmt: skip
 
 

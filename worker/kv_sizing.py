@@ -1,0 +1,162 @@
+"""How many pages a worker's KV pool gets when the configuration leaves `num_pages` out.
+
+- `num_pages`: that many, as given.
+- `kv_cache_memory_bytes` (vLLM's `--kv-cache-memory-bytes`): the whole pages that fit in it, on
+  either device.
+- On CUDA, what `gpu_memory_utilization` of the device leaves (vLLM's and SGLang's rule): that
+  fraction of the device's memory, less everything on the device once the model is loaded
+  (its weights, the LoRA slots, the CUDA context, and any other process's memory), less the
+  activations of the heaviest step the engine can schedule, less the vision encoder's cache.
+  The activations are measured, not guessed: that step runs once, before the pool exists, on
+  a pool just large enough for it (`probe_step`).
+- On a CPU, `CPU_PAGES`, the count the pool always had there; `engine.check_kv_memory` still
+  refuses a pool larger than the machine's memory.
+
+A budget that leaves no page besides the null page is refused, with the numbers. A pool too
+small for a model's context cuts the context (`engine.context_length`), as a given count does.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.layout import cdiv
+from worker.logprobs import prompt_logprobs
+from worker.lora_weights import LoraStacks
+from worker.model import CausalLM
+from worker.model_runner import Chunk, ModelRunner
+
+if TYPE_CHECKING:  # worker/engine.py imports this module
+    from worker.engine import EngineConfig
+
+CPU_PAGES = 4096
+"""A CPU worker's pages when neither `num_pages` nor `kv_cache_memory_bytes` is set."""
+LEAST_PAGES = 2
+"""The null page and one to hold KV: what `cache.CacheConfig` accepts."""
+PROBE_TOP = 20
+"""Top logprobs of each scored prompt row in the probe step: the most the API asks for."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    """A CUDA device's memory as the pool is sized, in bytes."""
+
+    total: int
+    in_use: int
+    """On the device, every process's, after the model loaded and before the pool."""
+    activations: int
+    """The heaviest step's peak above what was allocated before it, the probe pool excluded."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    pages: int
+    """Pages of the pool, the null page included."""
+    page_bytes: int
+    reason: str
+    """How the count was reached, for the log and `describe`."""
+
+    @property
+    def bytes(self) -> int:
+        return self.pages * self.page_bytes
+
+
+def size_pool(
+    model: CausalLM,
+    limits: EngineConfig,
+    lora: LoraStacks | None = None,
+    reserved: int = 0,
+) -> PoolSize:
+    """The pool for `model` under `limits`. `reserved`: device bytes something else will
+    allocate later (the vision encoder's cache)."""
+    page = model.kv_page_bytes(limits.page_size)
+    if limits.num_pages is not None:
+        return PoolSize(limits.num_pages, page, "engine.num_pages")
+    if limits.kv_cache_memory_bytes is not None:
+        pages = limits.kv_cache_memory_bytes // page
+        if pages < LEAST_PAGES:
+            raise ValueError(
+                f"engine.kv_cache_memory_bytes: {limits.kv_cache_memory_bytes:,} bytes hold "
+                f"{pages} pages of {page:,} bytes; the pool needs at least {LEAST_PAGES} (page "
+                "0 is reserved)"
+            )
+        return PoolSize(pages, page, f"engine.kv_cache_memory_bytes {_gb(pages * page)}")
+    if model.model.embed_tokens.weight.device.type != "cuda":
+        return PoolSize(CPU_PAGES, page, "the CPU default")
+    memory = measure_cuda(model, limits, lora)
+    return device_pool(memory, limits.gpu_memory_utilization, page, reserved)
+
+
+def device_pool(
+    memory: DeviceMemory, utilization: float, page_bytes: int, reserved: int = 0
+) -> PoolSize:
+    """The pages that `utilization` of the device leaves after what is in use, the
+    activations and `reserved`; refused below `LEAST_PAGES`."""
+    allowed = int(memory.total * utilization)
+    budget = allowed - memory.in_use - memory.activations - reserved
+    pages = max(budget, 0) // page_bytes
+    spent = (
+        f"{_gb(memory.in_use)} in use after loading (weights, LoRA slots, CUDA context, other "
+        f"processes), {_gb(memory.activations)} of activations"
+        + (f", {_gb(reserved)} for the vision encoder's cache" if reserved else "")
+    )
+    if pages < LEAST_PAGES:
+        raise ValueError(
+            f"engine.gpu_memory_utilization: {utilization} of the device's {_gb(memory.total)} "
+            f"is {_gb(allowed)}; {spent} leave room for {pages} KV pages of {page_bytes:,} "
+            f"bytes, and the pool needs at least {LEAST_PAGES}: raise it, free the device, or "
+            "set engine.num_pages or engine.kv_cache_memory_bytes"
+        )
+    return PoolSize(
+        pages,
+        page_bytes,
+        f"engine.gpu_memory_utilization {utilization} of {_gb(memory.total)}, less {spent}",
+    )
+
+
+def measure_cuda(model: CausalLM, limits: EngineConfig, lora: LoraStacks | None) -> DeviceMemory:
+    """Run `probe_step` on the model's CUDA device and read what it took; then what the device
+    has in use with the probe's memory given back."""
+    device = model.model.embed_tokens.weight.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    probe_pool = probe_step(model, limits, lora)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - probe_pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total, total - free, max(peak, 0))
+
+
+def probe_step(model: CausalLM, limits: EngineConfig, lora: LoraStacks | None = None) -> int:
+    """Run the heaviest step the engine schedules, once, on a pool just large enough for it,
+    and let the pool go; its bytes. The step: one prompt chunk of `max_prefill_chunk`
+    positions (within `token_budget`) whose every row is scored, as a request asking for its
+    prompt's logprobs is (logits, their log-softmax and ranks for each row), beside as many
+    one-token decode rows as `max_running` and the budget leave room for."""
+    chunk = min(limits.max_prefill_chunk, limits.token_budget)
+    decodes = min(limits.max_running - 1, limits.token_budget - chunk)
+    chunk_pages = cdiv(chunk, limits.page_size)
+    pages = chunk_pages + 2  # the null page, the chunk's, one the decode rows share
+    runner = ModelRunner(model, pages, limits.page_size, lora=lora)
+    prompt = [0] * chunk
+    chunks = [Chunk(prompt, 0, range(1, 1 + chunk_pages), True, every_row=True)]
+    chunks += [Chunk([0], 0, [pages - 1], True) for _ in range(decodes)]
+    with torch.inference_mode():
+        logits = runner.run(chunks)
+        prompt_logprobs(logits[:chunk], prompt, PROBE_TOP)
+    pool = pages * runner.page_bytes
+    del runner, logits
+    return pool
+
+
+def _gb(n: int) -> str:
+    """Bytes for a person: GB, MB below a GB."""
+    return f"{n / 1e9:.2f} GB" if abs(n) >= 10**9 else f"{n / 1e6:.2f} MB"
