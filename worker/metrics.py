@@ -101,6 +101,11 @@ class EngineCollector(Collector):
             "radixmesh_worker_running": ("Sequences running", stats.running),
             "radixmesh_worker_waiting": ("Sequences waiting (queue depth)", stats.waiting),
             "radixmesh_worker_pages_free": ("KV pages free", stats.free_pages),
+            "radixmesh_worker_kv_pool_bytes": (
+                "Bytes of the device KV pool (sized at start: engine.num_pages, "
+                "kv_cache_memory_bytes or gpu_memory_utilization)",
+                self.engine.pool.bytes,
+            ),
             "radixmesh_worker_pages_cached": (
                 "KV pages owned by the prefix cache",
                 stats.cached_pages,

@@ -11,10 +11,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
 
 from worker.engine import Engine, EngineConfig
 from worker.kv_sizing import CPU_PAGES, DeviceMemory, device_pool, probe_step
 from worker.loader import LoadedModel, load_model
+from worker.metrics import EngineCollector
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest
 from worker.sampling_params import SamplingParams
@@ -51,6 +53,10 @@ def test_a_byte_budget_gets_the_whole_pages_it_holds(tiny: LoadedModel) -> None:
     assert engine.pool.pages == 100 == _pool_pages(engine) == engine.runner.kv[0][0].shape[0]
     assert engine.config.num_pages == 100 and engine.config.kv_cache_memory_bytes is None
     assert engine.pool.bytes == 100 * page
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, "w"))
+    metrics = generate_latest(registry).decode()
+    assert f'radixmesh_worker_kv_pool_bytes{{worker="w"}} {float(100 * page)}' in metrics
     assert engine.max_model_len == 99 * 4  # the context is cut to what the pool holds
     sampling = SamplingParams(max_tokens=4, temperature=0.0)
     prompt = tuple(range(1, 200))
