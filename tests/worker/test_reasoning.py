@@ -1,0 +1,92 @@
+"""worker/reasoning.py: a thinking model's text split into reasoning and content, the same
+whatever pieces it streams in."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from worker.reasoning import (
+    CLOSE,
+    OPEN,
+    ReasoningSplit,
+    prompt_opens,
+    split_reasoning,
+    template_thinks,
+)
+
+PIECES = st.sampled_from(
+    [OPEN, CLOSE, "<", "</", "<th", "</thi", "think>", "nk>", " ", "\n", "a", "b c", "é", "<b>"]
+)
+
+
+def reference(text: str, inside: bool) -> tuple[str, str]:
+    """The rule, read off the whole text at once."""
+    head = text.lstrip()
+    if head.startswith(OPEN):
+        body = head[len(OPEN) :]
+    elif inside:
+        body = text
+    else:
+        return "", text
+    at = body.find(CLOSE)
+    return (body, "") if at < 0 else (body[:at], body[at + len(CLOSE) :])
+
+
+@given(st.lists(PIECES, max_size=12), st.booleans(), st.data())
+def test_any_pieces_stream_the_split_of_the_whole_text(
+    pieces: list[str], inside: bool, data: st.DataObject
+) -> None:
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    split, reasoning, content = ReasoningSplit(inside), "", ""
+    for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        r, c = split.feed(text[start:end])
+        reasoning, content = reasoning + r, content + c
+    r, c = split.flush()
+    assert (reasoning + r, content + c) == reference(text, inside) == split_reasoning(text, inside)
+
+
+@pytest.mark.parametrize(
+    ("text", "inside", "expected"),
+    [
+        # Qwen3's first template: the model opens and closes its thinking
+        (
+            "<think>\nThe user greets.\n</think>\n\nHello!",
+            False,
+            ("\nThe user greets.\n", "\n\nHello!"),
+        ),
+        # DeepSeek-R1's: the prompt opened it; only the close is generated
+        ("Nine is more.\n</think>\n\n9.8", True, ("Nine is more.\n", "\n\n9.8")),
+        # a thinking template with thinking switched off: no tags, all content
+        ("Hello!", False, ("", "Hello!")),
+        # cut by max_tokens before the close: reasoning to the end
+        ("<think>\nStill thinking", False, ("\nStill thinking", "")),
+        # after the close, a quoted tag is content
+        ("<think>x</think>Use <think> and </think>.", False, ("x", "Use <think> and </think>.")),
+        # a tag after other text does not open reasoning
+        ("Answer: <think>no</think>", False, ("", "Answer: <think>no</think>")),
+        # the prompt opened it and the model opened it again: the second tag is dropped
+        ("<think>r</think>c", True, ("r", "c")),
+    ],
+)
+def test_the_shapes_thinking_models_write(
+    text: str, inside: bool, expected: tuple[str, str]
+) -> None:
+    assert split_reasoning(text, inside) == expected
+
+
+def test_a_tag_cut_across_messages_is_held_until_whole() -> None:
+    split = ReasoningSplit(inside=True)
+    assert split.feed("because</th") == ("because", "")
+    assert split.feed("ink>\n\nYes") == ("", "\n\nYes")
+    assert split.flush() == ("", "")
+
+
+def test_the_prompt_decides_where_the_sample_starts() -> None:
+    assert prompt_opens("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    assert not prompt_opens("<|im_start|>assistant\n")
+    assert template_thinks("{{ content.split('</think>')[-1] }}")
+    assert not template_thinks("{{ messages }}") and not template_thinks(None)
