@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -65,6 +66,7 @@ from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.penalties import Penalties
+from worker.reasoning import ReasoningSplit, prompt_opens, template_thinks
 from worker.request import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -87,6 +89,8 @@ from worker.validation import DEFAULT_MAX_PROMPT_CHARS, PromptTokenizer, Request
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ENCODER_WAIT_S = 0.05
+PROMPT_TAIL_TOKENS = 32
+"""Of a prompt, what is read for an open `<think>` (the generation prompt's last tokens)."""
 """How long a step with nothing runnable but chunks waiting for the vision encoder blocks for it
 before stepping again (new requests are taken between waits)."""
 
@@ -915,6 +919,12 @@ class Engine:
             tail = sample.decoder.finish() if sample.decoder is not None else ""
             more, _ = sample.stop.feed(tail)
             text += more + sample.stop.flush()
+        thought = ""
+        if sample.reasoning is not None:  # a thinking model's reasoning, told from its answer
+            thought, text = sample.reasoning.feed(text)
+            if reason is not None:
+                more_thought, more_text = sample.reasoning.flush()
+                thought, text = thought + more_thought, text + more_text
         if sample.seq is None and reason is None:  # a sibling with no room yet: queue it
             self.scheduler.enqueue(sample)
         if reason is not None:  # released before the client hears it ended (see _emit)
@@ -926,7 +936,9 @@ class Engine:
             and sample.index == 0
             and sample.generated == 1
         )
-        self._emit(sample, (token,), text, reason, logprobs=logprobs, scored_prompt=scored)
+        self._emit(
+            sample, (token,), text, reason, logprobs=logprobs, scored_prompt=scored, thought=thought
+        )
 
     def _emit(
         self,
@@ -937,9 +949,11 @@ class Engine:
         error: str | None = None,
         logprobs: tuple[TokenLogprob, ...] = (),
         scored_prompt: bool = False,
+        thought: str = "",
     ) -> None:
-        """Stream one output. A sample's last one goes out after the sample is finished: its
-        pages are back in the pool and its request id free by the time a client sees the end."""
+        """Stream one output (`thought`: its reasoning, apart from `text`). A sample's last one
+        goes out after the sample is finished: its pages are back in the pool and its request
+        id free by the time a client sees the end."""
         request = sample.request
         output = RequestOutput(
             request_id=request.request_id,
@@ -957,6 +971,7 @@ class Engine:
             stop_string=sample.stop.matched if reason is not None else None,
             prompt_logprobs=tuple(request.prompt_scores) if scored_prompt else (),
             prompt_token_ids=tuple(request.prompt_ids) if scored_prompt else (),
+            reasoning_text=thought,
         )
         try:
             request.sink(output)
@@ -1036,6 +1051,7 @@ class Engine:
         shaping = LogitShaping.create(
             sampling, self.eos_token_ids, self.vocab_size, self.runner.device
         )
+        inside = self._reasoning_opened(state)
         for index in range(first, first + sampling.n):
             sample = SampleState(
                 request=state,
@@ -1054,6 +1070,7 @@ class Engine:
                 if self.tokenizer
                 else None,
                 phase=Phase.WAITING if index == first else Phase.UNBORN,
+                reasoning=ReasoningSplit(inside) if inside is not None else None,
             )
             state.samples.append(sample)
         state.forked = sampling.n == 1
@@ -1068,6 +1085,24 @@ class Engine:
                 return
             if first_sample.stop.stopped:  # it had already ended: nothing more to send
                 self._abort(state, FINISH_STOP)
+
+    @functools.cached_property
+    def thinks(self) -> bool:
+        """A thinking model's (worker/reasoning.py): a request may have its reasoning told
+        from its answer."""
+        tokenizer = self.tokenizer
+        return isinstance(tokenizer, Tokenizer) and template_thinks(tokenizer.chat_template)
+
+    def _reasoning_opened(self, state: RequestState) -> bool | None:
+        """Whether the request's samples start inside their reasoning (worker/reasoning.py:
+        the prompt left a `<think>` open); None: its text is not split (not asked for, or not
+        a thinking model's)."""
+        tokenizer = self.tokenizer
+        if not (state.request.sampling.separate_reasoning and self.thinks):
+            return None
+        assert isinstance(tokenizer, Tokenizer)  # `thinks` says so
+        tail = state.prompt_ids[: state.prompt_tokens][-PROMPT_TAIL_TOKENS:]
+        return prompt_opens(tokenizer.decode(tail, skip_special_tokens=False))
 
     def _penalties(self, state: RequestState) -> Penalties | None:
         """A new sample's penalty state (None if its request penalizes nothing)."""
@@ -1086,4 +1121,6 @@ class Engine:
             return
         min_tokens = sample.request.request.sampling.min_tokens
         for count, token in enumerate(generated, 1):
-            sample.stop.feed(sample.decoder.step(token), armed=count > min_tokens)
+            text, _ = sample.stop.feed(sample.decoder.step(token), armed=count > min_tokens)
+            if sample.reasoning is not None:
+                sample.reasoning.feed(text)

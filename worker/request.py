@@ -109,3 +109,6 @@ class RequestOutput:
     prompt token after the first (`SamplingParams.prompt_logprobs`)."""
     prompt_token_ids: tuple[int, ...] = ()
     """With `prompt_logprobs`: the prompt's ids, the first included."""
+    reasoning_text: str = ""
+    """With `separate_reasoning`, of a thinking model: the reasoning generated since the
+    previous message (`text` holds only what comes after its `</think>`)."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from cache import CachedSequence, Keys, to_cache_keys
 from worker.image_inputs import RequestImages
 from worker.lora_adapter import LoraAdapter
+from worker.reasoning import ReasoningSplit
 from worker.request import GenerateRequest, RequestOutput, TokenLogprob
 from worker.sampling import Sampler
 from worker.stop import StopChecker, StopStrings, compile_stops
@@ -72,6 +73,8 @@ class SampleState:
     lora_slot: int = -1
     """The adapter slot this sample pins while it runs (-1: none: the base model, or not
     running)."""
+    reasoning: ReasoningSplit | None = None
+    """Its text told into reasoning and answer (a thinking model's, when asked); None: not."""
 
     @property
     def pending(self) -> int:

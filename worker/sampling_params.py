@@ -149,6 +149,9 @@ class SamplingParams:
     (end-of-sequence, `stop_token_ids`) that ends it (vLLM's)."""
     skip_special_tokens: bool = True
     """The text leaves special tokens out (vLLM's; false writes them, as `<|im_end|>`)."""
+    separate_reasoning: bool = False
+    """A thinking model's text comes as reasoning and content (worker/reasoning.py; SGLang's);
+    no effect on a model whose chat template has no `</think>`."""
     bad_words: tuple[str, ...] = ()
     """Words never written (vLLM's): each as tokens, alone and after a space, its last token
     banned wherever the generated tokens end with the rest (worker/bad_words.py)."""

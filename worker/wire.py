@@ -66,6 +66,7 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         allowed_token_ids=tuple(int(t) for t in message.allowed_token_ids),
         include_stop_str_in_output=bool(message.include_stop_str_in_output),
         skip_special_tokens=bool(get("skip_special_tokens")),
+        separate_reasoning=message.separate_reasoning,
     )
 
 
@@ -133,6 +134,7 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         allowed_token_ids=list(params.allowed_token_ids),
         include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=params.skip_special_tokens,
+        separate_reasoning=params.separate_reasoning,
         bad_words=list(params.bad_words),
     )
     if params.seed is not None:
@@ -166,6 +168,7 @@ def output_to_proto(
         stop_string=output.stop_string or "",
         prompt_logprobs=[logprob_to_proto(each) for each in output.prompt_logprobs],
         prompt_token_ids=list(output.prompt_token_ids),
+        reasoning_text=output.reasoning_text,
     )
 
 

@@ -1,0 +1,137 @@
+"""A thinking model's reasoning told from its answer by the engine (`separate_reasoning`): the
+output's `reasoning_text` and `text`, streamed, for each way a template starts the thinking;
+a resumed sample goes on where its split was; other models and other requests are untouched.
+The generated text is forced with a structured `choice`, so the tiny model writes the tags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache.integrity import check_sequence_cache
+from tests.worker.helpers import Recorder, drain
+from tests.worker.thinking_fixtures import thinking_model
+from worker.engine import Engine, EngineConfig
+from worker.loader import LoadedModel
+from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestOutput, Resume
+from worker.sampling_params import SamplingParams, StructuredOutput
+
+MESSAGES = ({"role": "user", "content": "Which city?"},)
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
+
+
+def engine_for(loaded: LoadedModel) -> Engine:
+    config = EngineConfig(num_pages=256, page_size=4, model_revision=loaded.revision)
+    return Engine(loaded.model, loaded.tokenizer, config)
+
+
+def sampling(choice: str, separate: bool = True, **more: Any) -> SamplingParams:
+    forced = StructuredOutput("choice", choices=(choice,))
+    settings = {"max_tokens": 64, "temperature": 0.0, **more}
+    return SamplingParams(structured=forced, separate_reasoning=separate, **settings)
+
+
+def run(engine: Engine, request: GenerateRequest) -> list[RequestOutput]:
+    recorder = Recorder()
+    engine.submit(request, recorder.outputs.append)
+    drain(engine)
+    check_sequence_cache(engine.cache)
+    return recorder.outputs
+
+
+def chat(
+    loaded: LoadedModel, params: SamplingParams, **variables: Any
+) -> tuple[str, str, str | None]:
+    request = GenerateRequest(
+        "r", messages=MESSAGES, sampling=params, template_variables=variables or None
+    )
+    outputs = run(engine_for(loaded), request)
+    return _seen(outputs)
+
+
+def _seen(outputs: list[RequestOutput]) -> tuple[str, str, str | None]:
+    return (
+        "".join(o.reasoning_text for o in outputs),
+        "".join(o.text for o in outputs),
+        outputs[-1].finish_reason,
+    )
+
+
+def test_a_prompt_that_opens_the_thinking_leaves_the_close_to_the_model(
+    thinking: LoadedModel,
+) -> None:
+    assert chat(thinking, sampling("it rains</think>Paris")) == ("it rains", "Paris", FINISH_STOP)
+
+
+def test_a_model_that_opens_its_own_thinking(thinking: LoadedModel) -> None:
+    got = chat(thinking, sampling("<think>rain</think>\n\nParis"), model_opens=True)
+    assert got == ("rain", "\n\nParis", FINISH_STOP)
+
+
+def test_thinking_switched_off_is_all_answer(thinking: LoadedModel) -> None:
+    assert chat(thinking, sampling("Paris"), enable_thinking=False) == ("", "Paris", FINISH_STOP)
+
+
+def test_a_sample_cut_before_the_close_is_all_reasoning(thinking: LoadedModel) -> None:
+    reasoning, text, reason = chat(thinking, sampling("rain and wind</think>Paris", max_tokens=4))
+    assert (text, reason) == ("", FINISH_LENGTH)
+    assert reasoning and "rain and wind".startswith(reasoning)
+
+
+def test_without_the_flag_or_without_a_thinking_model_the_text_is_whole(
+    thinking: LoadedModel, tiny: LoadedModel
+) -> None:
+    assert chat(thinking, sampling("rain</think>Paris", separate=False)) == (
+        "", "rain</think>Paris", FINISH_STOP,
+    )  # fmt: skip
+    assert chat(tiny, sampling("<think>rain</think>Paris")) == (
+        "", "<think>rain</think>Paris", FINISH_STOP,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["first", "reasoning", "answer", "last"])
+def test_a_resumed_sample_goes_on_where_its_split_was(thinking: LoadedModel, where: str) -> None:
+    """The router's move of a stream to another worker: the first messages of a whole run and
+    then the resumed stream read as the whole run does, cut in the reasoning or in the answer."""
+    params = sampling("it rains today</think>Paris, France")
+    whole = run(engine_for(thinking), GenerateRequest("w", messages=MESSAGES, sampling=params))
+    answering = next(i for i, o in enumerate(whole) if o.text)  # the first with answer text
+    cut = {"first": 1, "reasoning": answering - 1, "answer": answering + 1, "last": len(whole) - 1}
+    assert 0 < cut[where] < len(whole) and answering > 2
+    assert thinking.tokenizer is not None
+    prompt = thinking.tokenizer.encode(
+        thinking.tokenizer.apply_chat_template(list(MESSAGES)), add_special_tokens=False
+    )
+    before = whole[: cut[where]]
+    tokens = [t for o in before for t in o.token_ids]
+    request = GenerateRequest(
+        "moved", prompt_token_ids=(*prompt, *tokens), sampling=params, resume=Resume(0, len(tokens))
+    )
+    after = run(engine_for(thinking), request)
+    assert _seen(before + after) == _seen(whole) == ("it rains today", "Paris, France", FINISH_STOP)
+
+
+def test_every_sample_of_n_is_split(thinking: LoadedModel) -> None:
+    params = sampling("x</think>y", n=3, temperature=1.0, seed=7)  # one choice: one text
+    outputs = run(engine_for(thinking), GenerateRequest("n", messages=MESSAGES, sampling=params))
+    for index in range(3):
+        assert _seen([o for o in outputs if o.index == index]) == ("x", "y", FINISH_STOP)
+
+
+def test_the_tokens_are_the_models_either_way(thinking: LoadedModel, tmp_path: Path) -> None:
+    """Splitting changes what the text is called, never what is generated."""
+    split = run(
+        engine_for(thinking),
+        GenerateRequest("a", messages=MESSAGES, sampling=sampling("r</think>c")),
+    )
+    whole = run(
+        engine_for(thinking),
+        GenerateRequest("b", messages=MESSAGES, sampling=sampling("r</think>c", separate=False)),
+    )
+    assert [t for o in split for t in o.token_ids] == [t for o in whole for t in o.token_ids]
