@@ -75,7 +75,8 @@ def chat_messages(
 
 
 def _tools(message: serving_pb2.ChatMessage) -> dict[str, Any]:
-    """A message's tool fields, where it has them (a template tests for the keys)."""
+    """A message's tool fields and reasoning, where it has them (a template tests for the
+    keys)."""
     fields: dict[str, Any] = {}
     if message.tool_calls:
         fields["tool_calls"] = tuple(
@@ -83,6 +84,8 @@ def _tools(message: serving_pb2.ChatMessage) -> dict[str, Any]:
         )
     if message.tool_call_id:
         fields["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content:
+        fields["reasoning_content"] = message.reasoning_content
     return fields
 
 

@@ -355,7 +355,9 @@ class HttpApi:
         else:
             chat = openai_params.chat_prompt(body.messages or [])
             tools = openai_params.wire_tools(body.tools)
-            turns = any(m.tool_calls or m.role == "tool" for m in chat.messages)
+            turns = any(
+                m.tool_calls or m.role == "tool" or m.reasoning_content for m in chat.messages
+            )
             if chat.images or tools or turns or body.continue_final_message:
                 ids = await self.served_prompt_ids(body, chat, caller, self.tenant(request), tools)
             else:

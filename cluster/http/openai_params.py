@@ -95,6 +95,7 @@ def chat_request(
         sampling=sampling(request, max_tokens, logprobs),
         images=chat.images,
     )
+    message.sampling.separate_reasoning = request.separate_reasoning
     message.namespace.tenant = tenant
     message.text_match = TEXT_MATCH[request.text_match]
     _tools(request, message)
@@ -173,6 +174,11 @@ def chat_prompt(messages: list[ChatMessage]) -> ChatPrompt:
                 )
             )
         turn.tool_call_id = each.tool_call_id or ""
+        reasoning = each.reasoning_content if each.reasoning_content is not None else each.reasoning
+        if reasoning is not None and role != "assistant":
+            name = "reasoning_content" if each.reasoning_content is not None else "reasoning"
+            raise HttpError.invalid(f"{where}.{name}", "only an assistant's turn has reasoning")
+        turn.reasoning_content = reasoning or ""
         chat.messages.append(turn)
     return chat
 

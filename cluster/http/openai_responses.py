@@ -128,6 +128,8 @@ class Counts:
 @dataclass
 class Sample:
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    """A thinking model's reasoning (GenerateResponse.reasoning_text), apart from `text`."""
     logprobs: list[serving_pb2.TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -161,7 +163,12 @@ async def prepend(first: serving_pb2.GenerateResponse, rest: Responses) -> Respo
 def worth_a_chunk(response: serving_pb2.GenerateResponse, logprobs: bool) -> bool:
     """False for a message whose text is held back (a possible stop string, half a character)
     and that carries nothing else a client asked for."""
-    return bool(response.text or response.finished or (logprobs and response.token_ids))
+    return bool(
+        response.text
+        or response.reasoning_text
+        or response.finished
+        or (logprobs and response.token_ids)
+    )
 
 
 async def collect(stream: Responses) -> tuple[dict[int, Sample], Counts]:
@@ -171,6 +178,8 @@ async def collect(stream: Responses) -> tuple[dict[int, Sample], Counts]:
         async for response in responses:
             sample = samples.setdefault(response.index, Sample())
             sample.text.append(response.text)
+            if response.reasoning_text:
+                sample.reasoning.append(response.reasoning_text)
             sample.token_ids.extend(response.token_ids)
             sample.logprobs.extend(response.logprobs)
             sample.spans.append((len(response.token_ids), len(response.text)))
@@ -209,12 +218,15 @@ def chat_completion(
     for index, s in sorted(samples.items()):
         text = "".join(s.text)
         content, calls = read_calls(text, tools) if tools else (text, [])
+        reasoning = "".join(s.reasoning) if s.reasoning else None
         choices.append(
             ChatChoice(
                 index=index,
                 message=AssistantMessage(
                     content=content if calls else text,
                     tool_calls=[_call_out(call) for call in calls] or None,
+                    reasoning_content=reasoning,
+                    reasoning=reasoning,
                 ),
                 logprobs=chat_logprobs(reply.texts, s.token_ids, s.logprobs) if logprobs else None,
                 finish_reason=_finish(s.finish_reason, calls),
@@ -319,13 +331,14 @@ async def chat_chunks(
             if not worth_a_chunk(response, logprobs):
                 continue
             text, calls = response.text, list[ToolCall]()
+            thought = response.reasoning_text or None
             if tools:
                 calling = held.setdefault(index, HeldCalls(tools))
                 text = calling.feed(text)
                 if response.finished:
                     rest, calls = calling.finish()
                     text += rest
-                elif not text and not logprobs:
+                elif not text and not thought and not logprobs:
                     continue
             ids, values = list(response.token_ids), list(response.logprobs)
             deltas = [
@@ -337,7 +350,9 @@ async def chat_chunks(
             choice = ChunkChoice(
                 index=index,
                 delta=Delta(
-                    content=text if text or not deltas else None, tool_calls=deltas or None
+                    content=text if text or not (deltas or thought) else None,
+                    tool_calls=deltas or None,
+                    reasoning_content=thought,
                 ),
                 logprobs=chat_logprobs(reply.texts, ids, values) if logprobs else None,
                 finish_reason=_finish(response.finish_reason, calls) if response.finished else None,

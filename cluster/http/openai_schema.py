@@ -112,6 +112,11 @@ class ChatMessage(Strict):
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
+    reasoning_content: str | None = None
+    """An assistant turn's reasoning, as a response gave it (vLLM's and SGLang's name; a
+    thinking model's template may write it back into its turn)."""
+    reasoning: str | None = None
+    """The same, by vLLM's newer name."""
 
 
 class JsonSchemaFormat(Strict):
@@ -209,6 +214,9 @@ class NamedToolChoice(Strict):
 
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage]
+    separate_reasoning: bool = True
+    """SGLang's: a thinking model's reasoning comes in `reasoning_content`, apart from the
+    answer in `content` (false: the whole text, tags and all, in `content`)."""
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -310,6 +318,11 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+    """A thinking model's reasoning (vLLM's and SGLang's field; None: the model did not
+    reason, or is not a thinking model)."""
+    reasoning: str | None = None
+    """The same, by vLLM's newer name (both are written, as vLLM writes both)."""
 
 
 class ToolCallDelta(BaseModel):
@@ -341,12 +354,17 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
+    """A thinking model's reasoning since the last chunk (and as `reasoning`, vLLM's newer
+    name)."""
 
     @model_serializer
     def _present(self) -> dict[str, Any]:  # a delta carries only what changed
         fields = (
             ("role", self.role),
             ("content", self.content),
+            ("reasoning_content", self.reasoning_content),
+            ("reasoning", self.reasoning_content),
             ("tool_calls", [c.model_dump() for c in self.tool_calls] if self.tool_calls else None),
         )
         return {k: v for k, v in fields if v is not None}

@@ -1,7 +1,8 @@
 """A thinking model for tests: the tiny checkpoint with a chat template that opens `<think>`
 for the model (DeepSeek-R1's and Qwen3.5's way), closes it when `enable_thinking` is false
-(Qwen3's switch), or leaves it to the model with `model_opens` (Qwen3's first template), and
-strips an earlier answer's reasoning, as Qwen3's does."""
+(Qwen3's switch), or leaves it to the model with `model_opens` (Qwen3's first template); it
+strips the reasoning from an earlier answer's text and writes a turn's `reasoning_content`
+back, as Qwen3's does."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ THINKING_TEMPLATE = (
     "{% for message in messages %}"
     "{% set content = message['content'] %}"
     "{% if message['role'] == 'assistant' %}{% set content = content.split('</think>')[-1] %}"
-    "{% endif %}"
+    "{% if message.reasoning_content %}"
+    "{% set content = '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' + content %}"
+    "{% endif %}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"

@@ -1,0 +1,120 @@
+"""A thinking model's reasoning over the OpenAI chat API, with the `openai` SDK: apart from the
+answer in `reasoning_content` (and `reasoning`), streamed or whole, written back into the next
+turn, and left in the text when a request asks (`separate_reasoning: false`). The tiny model is
+made to write the tags by a structured choice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.worker.thinking_fixtures import thinking_model
+from worker.loader import LoadedModel
+
+QUESTION = [{"role": "user", "content": "Which city?"}]
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
+
+
+@pytest.fixture(scope="module")
+def cluster(thinking: LoadedModel) -> Iterator[LocalCluster]:
+    running = start_cluster(thinking, workers=1, http=True)
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def forced(text: str, **more: Any) -> dict[str, Any]:
+    return {"guided_choice": [text], **more}
+
+
+def test_the_reasoning_comes_apart_from_the_answer(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0,
+        extra_body=forced("it rains</think>\n\nParis"),
+    )  # fmt: skip
+    message = reply.choices[0].message
+    assert message.content == "\n\nParis"
+    assert message.model_extra is not None
+    assert (
+        message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == "it rains"
+    )
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_streamed_the_deltas_add_up_to_the_same(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, stream=True,
+        extra_body=forced("it rains</think>\n\nParis"),
+    )  # fmt: skip
+    reasoning, content, chunks = "", "", 0
+    for chunk in stream:
+        chunks += 1
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        assert extra.get("reasoning_content") == extra.get("reasoning")
+        reasoning += extra.get("reasoning_content") or ""
+        content += delta.content or ""
+    assert (reasoning, content) == ("it rains", "\n\nParis")
+    assert chunks > 3  # streamed, not one chunk at the end
+
+
+def test_thinking_switched_off_by_the_template(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0,
+        extra_body=forced("Paris", chat_template_kwargs={"enable_thinking": False}),
+    )  # fmt: skip
+    message = reply.choices[0].message
+    assert message.content == "Paris"
+    assert (message.model_extra or {}).get("reasoning_content") is None
+
+
+def test_asked_not_to_separate_the_text_is_whole(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0,
+        extra_body=forced("it rains</think>Paris", separate_reasoning=False),
+    )  # fmt: skip
+    assert reply.choices[0].message.content == "it rains</think>Paris"
+
+
+def test_the_answer_sent_back_with_its_reasoning_is_the_next_turn(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """A client that appends the SDK's message as it came (reasoning fields and all) is served;
+    an assistant's reasoning reaches the template, anyone else's is refused by name."""
+    first = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, extra_body=forced("r</think>Paris")
+    )
+    turn = first.choices[0].message.model_dump(exclude_none=True)
+    assert turn["reasoning_content"] == "r"
+    follow = [*QUESTION, turn, {"role": "user", "content": "Why?"}]
+    second = client.chat.completions.create(
+        model=SERVED_NAME, messages=follow, temperature=0.0, extra_body=forced("x</think>Rain")
+    )
+    assert second.choices[0].message.content == "Rain"
+    rendered = httpx.post(
+        f"{cluster.http_url}/tokenize", json={"model": SERVED_NAME, "messages": follow}
+    ).json()["tokens"]
+    text = httpx.post(
+        f"{cluster.http_url}/detokenize", json={"model": SERVED_NAME, "tokens": rendered}
+    ).json()["prompt"]
+    assert "assistant\n<think>\nr\n</think>\n\nParis\nuser\nWhy?" in text  # specials skipped
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.reasoning_content"):
+        client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{**QUESTION[0], "reasoning_content": "no"}],  # type: ignore[list-item]
+            max_tokens=1,
+        )
