@@ -118,7 +118,9 @@ def generate_request(
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
     """The request, and what its images are called in refusals."""
     refuse_unsupported(body, REFUSED)
-    sampling = serving_pb2.SamplingParams(stop=body.stop_sequences or [])
+    # a thinking model's reasoning is left out: Anthropic's API shows thinking only when a
+    # request enables it, and radixmesh refuses `thinking` (docs/serving.md)
+    sampling = serving_pb2.SamplingParams(stop=body.stop_sequences or [], separate_reasoning=True)
     if not 1 <= body.max_tokens <= 2**31 - 1:
         raise HttpError.invalid("max_tokens", f"must be in [1, 2**31 - 1], got {body.max_tokens}")
     sampling.max_tokens = body.max_tokens

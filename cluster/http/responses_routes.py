@@ -126,9 +126,10 @@ def generate_request(
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
     """The request, and the field each turn of its chat came from."""
     refuse_unsupported(body, REFUSED)
-    message = serving_pb2.GenerateRequest(
-        request_id=request_id,
-    )
+    message = serving_pb2.GenerateRequest(request_id=request_id)
+    # a thinking model's reasoning is left out of the output, as OpenAI's reasoning models
+    # keep theirs to themselves (docs/serving.md)
+    message.sampling.separate_reasoning = True
     origins = conversation(body, message.chat.messages)
     for name, value in (
         ("max_tokens", body.max_output_tokens),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx2 as httpx
 import openai
 import pytest
@@ -118,3 +119,38 @@ def test_the_answer_sent_back_with_its_reasoning_is_the_next_turn(
             messages=[{**QUESTION[0], "reasoning_content": "no"}],  # type: ignore[list-item]
             max_tokens=1,
         )
+
+
+def test_the_messages_and_responses_apis_answer_without_the_reasoning(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """Anthropic's API shows thinking only when asked (radixmesh refuses `thinking`), and
+    OpenAI's Responses API keeps a reasoning model's reasoning to itself: both answer with what
+    follows `</think>`. Here the model is cut while still thinking, so the answer is empty,
+    though the chat API shows the same tokens as reasoning."""
+    whole = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=6,
+        extra_body={"separate_reasoning": False},
+    )  # fmt: skip
+    split = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=6
+    )
+    thought = (split.choices[0].message.model_extra or {}).get("reasoning_content")
+    assert whole.choices[0].message.content and thought == whole.choices[0].message.content
+    assert split.choices[0].message.content == ""
+    with anthropic.Anthropic(base_url=cluster.http_url, api_key="x", max_retries=0) as claude:
+        reply = claude.messages.create(
+            model=SERVED_NAME, max_tokens=6, messages=QUESTION,  # type: ignore[arg-type]
+            extra_body={"temperature": 0.0},
+        )  # fmt: skip
+        assert [(b.type, getattr(b, "text", None)) for b in reply.content] == [("text", "")]
+        assert reply.stop_reason == "max_tokens"
+        with claude.messages.stream(
+            model=SERVED_NAME, max_tokens=6, messages=QUESTION,  # type: ignore[arg-type]
+            extra_body={"temperature": 0.0},
+        ) as stream:  # fmt: skip
+            assert "".join(stream.text_stream) == ""
+    response = client.responses.create(
+        model=SERVED_NAME, input="Which city?", max_output_tokens=6, temperature=0.0
+    )
+    assert response.output_text == ""
