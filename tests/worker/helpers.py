@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from cache.integrity import check_sequence_cache
 from protos.radixmesh.v1 import worker_pb2_grpc
 from worker.engine import Engine, EngineConfig
 from worker.grpc_server import start_server
@@ -102,6 +103,15 @@ def drain(engine: Engine, limit: int = 10_000) -> int:
         steps += 1
         assert steps < limit, "the engine did not go idle"
     return steps
+
+
+def run_to_end(engine: Engine, request: GenerateRequest) -> list[RequestOutput]:
+    """Every output of `request`, the engine stepped until idle and its cache then checked."""
+    recorder = Recorder()
+    engine.submit(request, recorder.outputs.append)
+    drain(engine)
+    check_sequence_cache(engine.cache)
+    return recorder.outputs
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -14,8 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from cache.integrity import check_sequence_cache
-from tests.worker.helpers import Recorder, drain
+from tests.worker.helpers import run_to_end
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel
 from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestOutput, Resume
@@ -28,14 +27,6 @@ PENALTIES = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty
 def engine_for(loaded: LoadedModel) -> Engine:
     config = EngineConfig(num_pages=256, page_size=4, model_revision=loaded.revision)
     return Engine(loaded.model, loaded.tokenizer, config)
-
-
-def run(engine: Engine, request: GenerateRequest) -> list[RequestOutput]:
-    recorder = Recorder()
-    engine.submit(request, recorder.outputs.append)
-    drain(engine)
-    check_sequence_cache(engine.cache)
-    return recorder.outputs
 
 
 def of_sample(outputs: list[RequestOutput], index: int) -> list[RequestOutput]:
@@ -67,7 +58,7 @@ def resumed(
         sampling=sampling,
         resume=Resume(index, len(tokens)),
     )
-    after = run(engine_for(loaded), request)
+    after = run_to_end(engine_for(loaded), request)
     assert {o.index for o in after} == {index}
     assert all(o.prompt_tokens == len(prompt) for o in after)
     return before + after
@@ -87,7 +78,7 @@ def assert_same_logprobs(got: list[RequestOutput], expected: list[RequestOutput]
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_resumed_sample_continues_exactly(tiny: LoadedModel, temperature: float) -> None:
     sampling = SamplingParams(max_tokens=24, temperature=temperature, seed=11, ignore_eos=True)
-    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    whole = run_to_end(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
     expected = seen(whole)
     assert len(expected[0]) == 24 and expected[2] == FINISH_LENGTH
     for cut in (1, 2, 7, 16, 23):
@@ -100,9 +91,11 @@ def test_a_penalized_sample_resumes_with_its_counts_and_its_logprobs(tiny: Loade
     sampling = SamplingParams(
         max_tokens=24, temperature=1.0, seed=11, ignore_eos=True, logprobs=3, **PENALTIES
     )
-    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    whole = run_to_end(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
     plain = replace(sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-    unpenalized = run(engine_for(tiny), GenerateRequest("plain", prompt=PROMPT, sampling=plain))
+    unpenalized = run_to_end(
+        engine_for(tiny), GenerateRequest("plain", prompt=PROMPT, sampling=plain)
+    )
     assert seen(whole)[0] != seen(unpenalized)[0], "the penalties should change the draws"
     for cut in (1, 7, 16, 23):
         got = resumed(tiny, whole, cut, sampling)
@@ -118,7 +111,7 @@ def test_a_resumed_sample_of_several_draws_as_that_sample(
     sampling = SamplingParams(
         max_tokens=20, temperature=1.0, seed=5, n=3, ignore_eos=True, **penalties
     )
-    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    whole = run_to_end(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
     streams = [seen(of_sample(whole, i)) for i in range(3)]
     assert len({tuple(tokens) for tokens, _, _ in streams}) == 3, "samples should differ"
     alone = replace(sampling, n=1)
@@ -133,11 +126,13 @@ def test_a_stop_string_across_the_cut_is_still_found(tiny: LoadedModel) -> None:
     holds them too and stops where the whole run stopped, never sending them."""
     assert tiny.tokenizer is not None
     free = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    text = seen(run(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free)))[1]
+    text = seen(
+        run_to_end(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free))
+    )[1]
     stop = text[len(text) // 2 : len(text) // 2 + 6]
     assert len(stop.strip()) > 2, f"pick a visible stop string from {text!r}"
     sampling = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, stop=(stop,))
-    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    whole = run_to_end(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
     expected = seen(whole)
     assert expected[1] == text[: text.index(stop)] and expected[2] == FINISH_STOP
     held = [k for k, o in enumerate(whole, 1) if o.token_ids and not o.text and not o.finished]
@@ -151,7 +146,7 @@ def test_a_resumed_sample_whose_stop_string_is_complete_ends_at_once(tiny: Loade
     more than the end, instead of generating past its stop string."""
     assert tiny.tokenizer is not None
     free = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    free_run = run(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free))
+    free_run = run_to_end(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free))
     tokens, text, _ = seen(free_run)
     stop = text[-4:]
     assert stop.strip(), f"pick a visible stop string from {text!r}"
@@ -163,7 +158,7 @@ def test_a_resumed_sample_whose_stop_string_is_complete_ends_at_once(tiny: Loade
         sampling=stopping,
         resume=Resume(0, len(tokens)),
     )
-    (only,) = run(engine_for(tiny), request)
+    (only,) = run_to_end(engine_for(tiny), request)
     assert (only.token_ids, only.text, only.finish_reason) == ((), "", FINISH_STOP)
 
 
@@ -175,10 +170,12 @@ def test_a_stop_string_min_tokens_passed_over_before_the_cut_stays_passed_over(
     the stop string's next occurrence ends it where it ended the whole run (and stays in the
     text, with include_stop_str_in_output)."""
     free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    text = seen(run(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free)))[1]
+    text = seen(
+        run_to_end(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free))
+    )[1]
     stop = next(c for c in text[:3] if c.isascii() and text.rfind(c) >= 16)
     sampling = replace(free, stop=(stop,), min_tokens=8, include_stop_str_in_output=True)
-    whole = run(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
+    whole = run_to_end(engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling))
     expected = seen(whole)
     assert expected[2] == FINISH_STOP and len(expected[0]) > 8
     assert expected[1].endswith(stop) and len(expected[1]) > text.index(stop) + 1
@@ -193,12 +190,14 @@ def test_a_resumed_sample_reports_cache_hits_of_its_prompt_only(tiny: LoadedMode
     prompt = tiny.tokenizer.encode(PROMPT)
     sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     engine = engine_for(tiny)
-    whole = run(engine, GenerateRequest("whole", prompt_token_ids=tuple(prompt), sampling=sampling))
+    whole = run_to_end(
+        engine, GenerateRequest("whole", prompt_token_ids=tuple(prompt), sampling=sampling)
+    )
     tokens = seen(whole)[0][:16]
     request = GenerateRequest(
         "again", (*prompt, *tokens), sampling=sampling, resume=Resume(0, len(tokens))
     )
-    after = run(engine, request)
+    after = run_to_end(engine, request)
     assert all(o.prompt_tokens == len(prompt) for o in after)
     assert {o.cached_prompt_tokens for o in after} == {len(prompt)}  # all of it, no more
     assert engine.stats().cached_prompt_tokens <= 2 * len(prompt)

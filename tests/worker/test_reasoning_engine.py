@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from cache.integrity import check_sequence_cache
-from tests.worker.helpers import Recorder, drain
+from tests.worker.helpers import run_to_end
 from tests.worker.thinking_fixtures import thinking_model
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel
@@ -37,21 +36,13 @@ def sampling(choice: str, separate: bool = True, **more: Any) -> SamplingParams:
     return SamplingParams(structured=forced, separate_reasoning=separate, **settings)
 
 
-def run(engine: Engine, request: GenerateRequest) -> list[RequestOutput]:
-    recorder = Recorder()
-    engine.submit(request, recorder.outputs.append)
-    drain(engine)
-    check_sequence_cache(engine.cache)
-    return recorder.outputs
-
-
 def chat(
     loaded: LoadedModel, params: SamplingParams, **variables: Any
 ) -> tuple[str, str, str | None]:
     request = GenerateRequest(
         "r", messages=MESSAGES, sampling=params, template_variables=variables or None
     )
-    outputs = run(engine_for(loaded), request)
+    outputs = run_to_end(engine_for(loaded), request)
     return _seen(outputs)
 
 
@@ -100,7 +91,9 @@ def test_a_resumed_sample_goes_on_where_its_split_was(thinking: LoadedModel, whe
     """The router's move of a stream to another worker: the first messages of a whole run and
     then the resumed stream read as the whole run does, cut in the reasoning or in the answer."""
     params = sampling("it rains today</think>Paris, France")
-    whole = run(engine_for(thinking), GenerateRequest("w", messages=MESSAGES, sampling=params))
+    whole = run_to_end(
+        engine_for(thinking), GenerateRequest("w", messages=MESSAGES, sampling=params)
+    )
     answering = next(i for i, o in enumerate(whole) if o.text)  # the first with answer text
     cut = {"first": 1, "reasoning": answering - 1, "answer": answering + 1, "last": len(whole) - 1}
     assert 0 < cut[where] < len(whole) and answering > 2
@@ -113,24 +106,26 @@ def test_a_resumed_sample_goes_on_where_its_split_was(thinking: LoadedModel, whe
     request = GenerateRequest(
         "moved", prompt_token_ids=(*prompt, *tokens), sampling=params, resume=Resume(0, len(tokens))
     )
-    after = run(engine_for(thinking), request)
+    after = run_to_end(engine_for(thinking), request)
     assert _seen(before + after) == _seen(whole) == ("it rains today", "Paris, France", FINISH_STOP)
 
 
 def test_every_sample_of_n_is_split(thinking: LoadedModel) -> None:
     params = sampling("x</think>y", n=3, temperature=1.0, seed=7)  # one choice: one text
-    outputs = run(engine_for(thinking), GenerateRequest("n", messages=MESSAGES, sampling=params))
+    outputs = run_to_end(
+        engine_for(thinking), GenerateRequest("n", messages=MESSAGES, sampling=params)
+    )
     for index in range(3):
         assert _seen([o for o in outputs if o.index == index]) == ("x", "y", FINISH_STOP)
 
 
 def test_the_tokens_are_the_models_either_way(thinking: LoadedModel, tmp_path: Path) -> None:
     """Splitting changes what the text is called, never what is generated."""
-    split = run(
+    split = run_to_end(
         engine_for(thinking),
         GenerateRequest("a", messages=MESSAGES, sampling=sampling("r</think>c")),
     )
-    whole = run(
+    whole = run_to_end(
         engine_for(thinking),
         GenerateRequest("b", messages=MESSAGES, sampling=sampling("r</think>c", separate=False)),
     )
