@@ -66,7 +66,7 @@ from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.penalties import Penalties
-from worker.reasoning import ReasoningSplit, prompt_opens, template_thinks
+from worker.reasoning import ReasoningSplit, may_hold_reasoning, prompt_opens, template_thinks
 from worker.request import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -89,10 +89,10 @@ from worker.validation import DEFAULT_MAX_PROMPT_CHARS, PromptTokenizer, Request
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ENCODER_WAIT_S = 0.05
-PROMPT_TAIL_TOKENS = 32
-"""Of a prompt, what is read for an open `<think>` (the generation prompt's last tokens)."""
 """How long a step with nothing runnable but chunks waiting for the vision encoder blocks for it
 before stepping again (new requests are taken between waits)."""
+PROMPT_TAIL_TOKENS = 32
+"""Of a prompt, what is read for an open `<think>` (the generation prompt's last tokens)."""
 
 
 class TokenizerLike(PromptTokenizer, Protocol):
@@ -184,6 +184,12 @@ class EngineConfig:
             raise ValueError(
                 "num_pages and kv_cache_memory_bytes are both set: the pool is sized by one"
             )
+        if self.kv_cache_memory_bytes is not None and (
+            type(self.kv_cache_memory_bytes) is not int or self.kv_cache_memory_bytes < 1
+        ):
+            raise ValueError(
+                f"kv_cache_memory_bytes must be an int >= 1, got {self.kv_cache_memory_bytes!r}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
@@ -258,7 +264,7 @@ def context_length(positions: int, config: EngineConfig, pool: PoolSize) -> int:
     return min(wanted, held)
 
 
-def check_kv_memory(model: CausalLM, config: EngineConfig, device_pages: int) -> None:
+def check_kv_memory(model: CausalLM, config: EngineConfig, pool: PoolSize) -> None:
     """Refuse, before any allocation, KV tiers this machine's memory could never hold: CPU
     memory is committed as pages are first written, so an engine allocated past it starts
     fine and is killed by the kernel once serving fills its cache (then restarted, to be killed
@@ -266,10 +272,13 @@ def check_kv_memory(model: CausalLM, config: EngineConfig, device_pages: int) ->
     """
     page = model.kv_page_bytes(config.page_size)
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    pages = config.host_pages + (device_pages if on_cpu else 0)
+    pages = config.host_pages + (pool.pages if on_cpu else 0)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if pages * page > memory:
-        keys = "engine.num_pages and engine.host_pages" if on_cpu else "engine.host_pages"
+        sized_by = (
+            pool.reason.split()[0] if pool.reason.startswith("engine.") else "engine.num_pages"
+        )
+        keys = f"{sized_by} and engine.host_pages" if on_cpu else "engine.host_pages"
         raise ValueError(
             f"{keys}: {pages} pages of {page:,} bytes need {pages * page / 1e9:.1f} GB of KV, "
             f"more than this machine's {memory / 1e9:.1f} GB of memory"
@@ -283,7 +292,7 @@ def sized(
     the pool cannot be held (`check_kv_memory`)."""
     reserved = config.encoder_cache_bytes if vision else 0
     pool = size_pool(model, config, lora, reserved)
-    check_kv_memory(model, config, pool.pages)
+    check_kv_memory(model, config, pool)
     log.info(
         "%s: KV pool of %d pages of %d positions, %.2f GB (%s)",
         source, pool.pages, config.page_size, pool.bytes / 1e9, pool.reason,
@@ -1097,12 +1106,15 @@ class Engine:
         """Whether the request's samples start inside their reasoning (worker/reasoning.py:
         the prompt left a `<think>` open); None: its text is not split (not asked for, or not
         a thinking model's)."""
-        tokenizer = self.tokenizer
-        if not (state.request.sampling.separate_reasoning and self.thinks):
+        tokenizer, request = self.tokenizer, state.request
+        if not (request.sampling.separate_reasoning and self.thinks):
             return None
         assert isinstance(tokenizer, Tokenizer)  # `thinks` says so
+        if not may_hold_reasoning(request.sampling.structured):
+            return False  # constrained from its first token: the answer, never reasoning
         tail = state.prompt_ids[: state.prompt_tokens][-PROMPT_TAIL_TOKENS:]
-        return prompt_opens(tokenizer.decode(tail, skip_special_tokens=False))
+        text = tokenizer.decode(tail, skip_special_tokens=False)
+        return prompt_opens(text)
 
     def _penalties(self, state: RequestState) -> Penalties | None:
         """A new sample's penalty state (None if its request penalizes nothing)."""

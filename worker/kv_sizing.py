@@ -5,8 +5,9 @@
   either device.
 - On CUDA, what `gpu_memory_utilization` of the device leaves (vLLM's and SGLang's rule): that
   fraction of the device's memory, less everything on the device once the model is loaded
-  (its weights, the LoRA slots, the CUDA context, and any other process's memory), less the
-  activations of the heaviest step the engine can schedule, less the vision encoder's cache.
+  (its weights, the CUDA context, and any other process's memory), less the activations of the
+  heaviest step the engine can schedule, less what is allocated later: the LoRA slots' stacks
+  (allocated as adapters load, a repacked group's twice over) and the vision encoder's cache.
   The activations are measured, not guessed: that step runs once, before the pool exists, on
   a pool just large enough for it (`probe_step`).
 - On a CPU, `CPU_PAGES`, the count the pool always had there; `engine.check_kv_memory` still
@@ -26,7 +27,7 @@ import torch
 
 from kernels.layout import cdiv
 from worker.logprobs import prompt_logprobs
-from worker.lora_weights import LoraStacks
+from worker.lora_weights import GROUPS, LoraStacks, stack_bytes
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 
@@ -72,7 +73,7 @@ def size_pool(
     reserved: int = 0,
 ) -> PoolSize:
     """The pool for `model` under `limits`. `reserved`: device bytes something else will
-    allocate later (the vision encoder's cache)."""
+    allocate later (the vision encoder's cache); the LoRA slots' are added here."""
     page = model.kv_page_bytes(limits.page_size)
     if limits.num_pages is not None:
         return PoolSize(limits.num_pages, page, "engine.num_pages")
@@ -88,7 +89,8 @@ def size_pool(
     if model.model.embed_tokens.weight.device.type != "cuda":
         return PoolSize(CPU_PAGES, page, "the CPU default")
     memory = measure_cuda(model, limits, lora)
-    return device_pool(memory, limits.gpu_memory_utilization, page, reserved)
+    later = reserved + lora_reserve(model, lora)
+    return device_pool(memory, limits.gpu_memory_utilization, page, later)
 
 
 def device_pool(
@@ -100,9 +102,9 @@ def device_pool(
     budget = allowed - memory.in_use - memory.activations - reserved
     pages = max(budget, 0) // page_bytes
     spent = (
-        f"{_gb(memory.in_use)} in use after loading (weights, LoRA slots, CUDA context, other "
-        f"processes), {_gb(memory.activations)} of activations"
-        + (f", {_gb(reserved)} for the vision encoder's cache" if reserved else "")
+        f"{_gb(memory.in_use)} in use after loading (weights, CUDA context, other processes), "
+        f"{_gb(memory.activations)} of activations"
+        + (f", {_gb(reserved)} allocated later (LoRA slots, encoder cache)" if reserved else "")
     )
     if pages < LEAST_PAGES:
         raise ValueError(
@@ -137,24 +139,48 @@ def measure_cuda(model: CausalLM, limits: EngineConfig, lora: LoraStacks | None)
 
 def probe_step(model: CausalLM, limits: EngineConfig, lora: LoraStacks | None = None) -> int:
     """Run the heaviest step the engine schedules, once, on a pool just large enough for it,
-    and let the pool go; its bytes. The step: one prompt chunk of `max_prefill_chunk`
-    positions (within `token_budget`) whose every row is scored, as a request asking for its
-    prompt's logprobs is (logits, their log-softmax and ranks for each row), beside as many
-    one-token decode rows as `max_running` and the budget leave room for."""
-    chunk = min(limits.max_prefill_chunk, limits.token_budget)
-    decodes = min(limits.max_running - 1, limits.token_budget - chunk)
-    chunk_pages = cdiv(chunk, limits.page_size)
-    pages = chunk_pages + 2  # the null page, the chunk's, one the decode rows share
-    runner = ModelRunner(model, pages, limits.page_size, lora=lora)
-    prompt = [0] * chunk
-    chunks = [Chunk(prompt, 0, range(1, 1 + chunk_pages), True, every_row=True)]
-    chunks += [Chunk([0], 0, [pages - 1], True) for _ in range(decodes)]
+    and let the pool go; its bytes. The step fills `token_budget` with prompt chunks of at most
+    `max_prefill_chunk` positions, at most `max_running` of them, each scored in every row as
+    a request asking for its prompt's logprobs is (logits, their log-softmax and ranks, chunk
+    by chunk as the engine scores them). A decode row is one such row: a step of them is no
+    heavier."""
+    sizes: list[int] = []
+    left = limits.token_budget
+    while left > 0 and len(sizes) < limits.max_running:
+        sizes.append(min(limits.max_prefill_chunk, left))
+        left -= sizes[-1]
+    ps = limits.page_size
+    pages = sum(cdiv(size, ps) for size in sizes) + 1  # and the null page
+    runner = ModelRunner(model, pages, ps, lora=lora)
+    chunks, first = [], 1
+    for size in sizes:
+        rows = range(first, first + cdiv(size, ps))
+        chunks.append(Chunk([0] * size, 0, rows, True, every_row=True))
+        first += len(rows)
     with torch.inference_mode():
         logits = runner.run(chunks)
-        prompt_logprobs(logits[:chunk], prompt, PROBE_TOP)
+        row = 0
+        for size in sizes:
+            prompt_logprobs(logits[row : row + size], [0] * size, PROBE_TOP)
+            row += size
     pool = pages * runner.page_bytes
     del runner, logits
     return pool
+
+
+def lora_reserve(model: CausalLM, lora: LoraStacks | None) -> int:
+    """Device bytes the LoRA slots will take beyond what they hold now: their stacks are
+    allocated group by group as adapters that target them load, and a group being repacked
+    holds its old and new stacks at once (its largest, counted once)."""
+    if lora is None:
+        return 0
+    config, dtype = model.config, model.dtype
+    every = stack_bytes(config, lora.max_loras, lora.max_rank, dtype)
+    largest = max(
+        stack_bytes(config, lora.max_loras, lora.max_rank, dtype, modules)
+        for modules in GROUPS.values()
+    )
+    return max(every - lora.nbytes, 0) + largest
 
 
 def _gb(n: int) -> str:

@@ -7,9 +7,10 @@ whose chat template closes a `</think>` streams its text in two parts:
     [<think>] reasoning </think> content          the tags themselves go to neither
 
 - Whether the sample starts inside its reasoning is read from the prompt: a template that
-  opens `<think>` for the model (DeepSeek-R1's, Qwen3.5's) leaves the last tag of the prompt an
-  open one; a template whose thinking is switched off (Qwen3's `enable_thinking: false`) leaves
-  `<think></think>` closed, and the whole answer is content.
+  opens `<think>` for the model (DeepSeek-R1's, Qwen3.5's) ends the prompt with it; a template
+  whose thinking is switched off (Qwen3's `enable_thinking: false`) leaves `<think></think>`
+  closed, and the whole answer is content. An output constrained from its first token (JSON, a
+  required tool call) is the answer, whatever the prompt: it starts outside.
 - Otherwise a `<think>` the model writes first, after whitespace only, opens it (Qwen3's
   original template). Text that begins with anything else is content, all of it.
 - After `</think>` everything is content, a later `<think>` included: an answer that quotes
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from worker.sampling_params import StructuredOutput
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -33,8 +36,25 @@ def template_thinks(chat_template: str | None) -> bool:
 
 
 def prompt_opens(prompt_tail: str) -> bool:
-    """Whether a prompt ending in `prompt_tail` leaves a `<think>` open for the model."""
-    return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+    """Whether a prompt ending in `prompt_tail` leaves a `<think>` open for the model: its
+    generation prompt ends with the tag. A tag quoted in a user's turn does not count, nor does
+    one in a prefill the model continues (its continuation is read as a new answer)."""
+    return prompt_tail.rstrip().endswith(OPEN)
+
+
+def may_hold_reasoning(structured: StructuredOutput | None) -> bool:
+    """Whether a sample under `structured` may write reasoning before its answer: free text,
+    a tool call that free text may come before (tool_choice "auto"), or a choice, pattern or
+    grammar that writes the `</think>` itself. JSON and required calls are the answer from
+    their first token: they start outside any reasoning (vLLM instead holds the grammar back
+    until the reasoning ends)."""
+    if structured is None:
+        return True
+    if structured.kind == "structural_tag":
+        return '"triggered_tags"' in structured.spec  # worker/tool_calls.py's "auto"
+    if structured.kind == "choice":
+        return any(CLOSE in choice for choice in structured.choices)
+    return structured.kind in ("regex", "grammar") and CLOSE in structured.spec
 
 
 class _State(Enum):

@@ -325,6 +325,8 @@ def _chat(
             image_parts += sum(p["type"] == "image" for p in parts)
         else:
             raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
+        reasoning = message.get("reasoning_content")  # an answer's, written back by templates
+        chars += len(reasoning) if isinstance(reasoning, str) else 0
         if vision:
             out.append({**message, "content": parts})
         elif isinstance(content, str):

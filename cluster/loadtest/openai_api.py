@@ -178,9 +178,11 @@ class _Events:
             return False
         record = self.record
         for choice in chunk["choices"]:
-            text = choice["delta"].get("content") if self.chat else choice.get("text")
+            delta = choice.get("delta") or {}
+            text = delta.get("content") if self.chat else choice.get("text")
+            thought = delta.get("reasoning_content")  # a thinking model's: tokens all the same
             finish = choice.get("finish_reason")
-            if text or finish:
+            if text or thought or finish:
                 if record.first_token is None:
                     record.first_token = stamp
                 record.token_times.append(stamp)

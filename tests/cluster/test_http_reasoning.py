@@ -13,6 +13,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from cluster.loadtest.openai_api import _Events
+from cluster.loadtest.records import RequestRecord
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
 from tests.worker.thinking_fixtures import thinking_model
 from worker.loader import LoadedModel
@@ -154,3 +156,54 @@ def test_the_messages_and_responses_apis_answer_without_the_reasoning(
         model=SERVED_NAME, input="Which city?", max_output_tokens=6, temperature=0.0
     )
     assert response.output_text == ""
+
+
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+def test_a_constrained_answer_is_the_answer_though_the_prompt_opened_the_thinking(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """A required call, or JSON, is generated under its grammar from the first token: it is the
+    answer on every API, not reasoning left unclosed."""
+    tool = {"type": "function", "function": {"name": "city", "parameters": NO_ARGUMENTS}}
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=96,
+        tools=[tool], tool_choice="required", parallel_tool_calls=False,  # type: ignore[list-item]
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    assert choice.message.tool_calls[0].function.name == "city"  # type: ignore[union-attr]
+    assert (choice.message.model_extra or {}).get("reasoning_content") is None
+    with anthropic.Anthropic(base_url=cluster.http_url, api_key="x", max_retries=0) as claude:
+        message = claude.messages.create(
+            model=SERVED_NAME, max_tokens=96, messages=QUESTION,  # type: ignore[arg-type]
+            tools=[{"name": "city", "input_schema": NO_ARGUMENTS}],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        )  # fmt: skip
+        assert [block.type for block in message.content] == ["tool_use"]
+    response = client.responses.create(
+        model=SERVED_NAME, input="Which city?", max_output_tokens=8, temperature=0.0,
+        text={"format": {"type": "json_object"}},
+    )  # fmt: skip
+    assert response.output_text.startswith("{")
+
+
+def test_the_load_generator_counts_a_thinking_models_reasoning_as_its_tokens(
+    cluster: LocalCluster,
+) -> None:
+    """The harness's reading of a real stream: its first token is the reasoning's first, and
+    every message counts, not only those that carry answer text."""
+    record = RequestRecord(0, 0, "r", "", "", 0.0)
+    events = _Events(record, chat=True)
+    body = {
+        "model": SERVED_NAME, "messages": QUESTION, "max_tokens": 6, "temperature": 0.0,
+        "stream": True,
+    }  # fmt: skip
+    with httpx.stream("POST", f"{cluster.http_url}/v1/chat/completions", json=body) as reply:
+        for at, line in enumerate(reply.iter_lines()):
+            if line.startswith("data: ") and not events.feed(line.removeprefix("data: "), at):
+                break
+    assert "".join(events.parts) == ""  # cut while thinking: no answer text
+    assert record.first_token is not None and len(record.token_times) > 2  # not the end alone
+    assert record.first_token < record.token_times[-1]

@@ -13,9 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
+from worker import kv_sizing
 from worker.engine import Engine, EngineConfig
-from worker.kv_sizing import CPU_PAGES, DeviceMemory, device_pool, probe_step
+from worker.kv_sizing import CPU_PAGES, DeviceMemory, device_pool
 from worker.loader import LoadedModel, load_model
+from worker.logprobs import prompt_logprobs
+from worker.lora_serving import adapter_slots
+from worker.lora_weights import GROUPS
 from worker.metrics import EngineCollector
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest
@@ -117,14 +121,25 @@ def test_the_device_pool_fills_what_the_fraction_leaves(
     assert memory.in_use + activations + reserved + pool.bytes + page > int(total * utilization)
 
 
-def test_the_probe_step_runs_a_scored_chunk_and_decodes_and_lets_its_pool_go(
-    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On a CPU nothing is measured, but the step is the one run on CUDA: a chunk of 32 scored
-    rows and 3 decode rows (4 running, 40 tokens of budget), on a pool of its own that nothing
-    keeps once it returns (a kept pool would be counted as in use, and the pool shrunk by it)."""
+@pytest.mark.parametrize(
+    ("budget", "chunk", "running", "rows", "pages"),
+    [
+        (40, 32, 4, [32, 8], 8 + 2),  # the budget fills with two scored prompts
+        (64, 16, 2, [16, 16], 4 + 4),  # two running sequences at most
+        (24, 32, 8, [24], 6),  # one chunk, the budget's
+    ],
+)
+def test_the_probe_step_scores_the_heaviest_step_and_lets_its_pool_go(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, budget: int, chunk: int, running: int,
+    rows: list[int], pages: int,
+) -> None:  # fmt: skip
+    """On a CPU nothing is measured, but the step is the one run on CUDA: the token budget
+    filled with scored prompt chunks, as many as may run, every row scored, on a pool of its
+    own that nothing keeps once it returns (a kept pool would be counted as in use, and the
+    pool shrunk by it)."""
     built: list[weakref.ref[ModelRunner]] = []
-    rows: list[int] = []
+    steps: list[list[int]] = []
+    scored: list[int] = []
     init, run = ModelRunner.__init__, ModelRunner.run
 
     def recording_init(self: ModelRunner, *args: object, **kwargs: object) -> None:
@@ -133,18 +148,42 @@ def test_the_probe_step_runs_a_scored_chunk_and_decodes_and_lets_its_pool_go(
 
     def recording_run(self: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
         logits = run(self, chunks)
-        rows.append(logits.shape[0])
+        steps.append([len(c.token_ids) for c in chunks if c.every_row])
+        assert logits.shape[0] == sum(len(c.token_ids) for c in chunks)
         return logits
+
+    def recording_scores(rows: torch.Tensor, tokens: list[int], top: int) -> object:
+        scored.append(rows.shape[0])
+        return prompt_logprobs(rows, tokens, top)
 
     monkeypatch.setattr(ModelRunner, "__init__", recording_init)
     monkeypatch.setattr(ModelRunner, "run", recording_run)
-    config = EngineConfig(**{**SMALL, "token_budget": 40})  # type: ignore[arg-type]
-    pool = probe_step(tiny.model, config)
-    assert rows == [32 + 3]
-    page = tiny.model.kv_page_bytes(4)
-    assert pool == (8 + 2) * page  # the chunk's 8 pages, the null page, the decode rows' page
+    monkeypatch.setattr(kv_sizing, "prompt_logprobs", recording_scores)
+    settings = {"token_budget": budget, "max_prefill_chunk": chunk, "max_running": running}
+    config = EngineConfig(**{**SMALL, **settings})  # type: ignore[arg-type]
+    pool = kv_sizing.probe_step(tiny.model, config)
+    assert steps == [rows] and scored == rows
+    assert pool == (pages + 1) * tiny.model.kv_page_bytes(4)  # and the null page
     gc.collect()
     assert len(built) == 1 and built[0]() is None  # nothing keeps the probe's pool alive
+
+
+def test_the_lora_slots_are_reserved_as_loading_adapters_will_allocate_them(
+    tiny: LoadedModel,
+) -> None:
+    """What every group's stacks take once adapters targeting them have loaded, plus the
+    largest group again (a repack holds old and new); less what is already allocated."""
+    _, stacks = adapter_slots(tiny.model, 2, 8)
+    assert stacks is not None and stacks.nbytes == 0
+    before = kv_sizing.lora_reserve(tiny.model, stacks)
+    sizes = {}
+    for group, members in GROUPS.items():  # what loading adapters for every module does
+        held = stacks.nbytes
+        stacks._allocate(group, members)
+        sizes[group] = stacks.nbytes - held
+    assert before == stacks.nbytes + max(sizes.values())
+    assert kv_sizing.lora_reserve(tiny.model, stacks) == max(sizes.values())
+    assert kv_sizing.lora_reserve(tiny.model, None) == 0
 
 
 @pytest.mark.gpu
@@ -156,20 +195,21 @@ def test_on_cuda_the_pool_fills_the_fraction_and_the_heaviest_step_fits(
     loaded = load_model(tiny.path, torch.bfloat16, "cuda")
     fraction = 0.1
     config = EngineConfig(
-        page_size=16, max_running=8, token_budget=512, max_prefill_chunk=512,
+        page_size=16, max_running=8, token_budget=1024, max_prefill_chunk=512,
         gpu_memory_utilization=fraction, model_revision=loaded.revision,
     )  # fmt: skip
     engine = Engine(loaded.model, loaded.tokenizer, config)
     try:
         assert "engine.gpu_memory_utilization 0.1" in engine.pool.reason
         sampling = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=20)
-        prompt = (1,) * 512
-        request = GenerateRequest("p", prompt_token_ids=prompt, sampling=sampling)
-        engine.submit(request, lambda _: None)
+        for name in ("p", "q"):  # two scored prompts of a chunk each: one step of 1,024 rows
+            prompt = (1,) * 512
+            request = GenerateRequest(name, prompt_token_ids=prompt, sampling=sampling)
+            engine.submit(request, lambda _: None)
         assert drain(engine) > 0
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
-        assert total - free <= fraction * total + (64 << 20)
+        assert total - free <= fraction * total + (256 << 20)  # the allocator's rounding
         assert total - free >= fraction * total - (1 << 30)
     finally:  # the next CUDA tests get the device back
         del engine, loaded

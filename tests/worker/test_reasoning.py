@@ -11,10 +11,13 @@ from worker.reasoning import (
     CLOSE,
     OPEN,
     ReasoningSplit,
+    may_hold_reasoning,
     prompt_opens,
     split_reasoning,
     template_thinks,
 )
+from worker.sampling_params import StructuredOutput
+from worker.tool_calls import Tool, tool_constraint
 
 PIECES = st.sampled_from(
     [OPEN, CLOSE, "<", "</", "<th", "</thi", "think>", "nk>", " ", "\n", "a", "b c", "é", "<b>"]
@@ -88,5 +91,21 @@ def test_the_prompt_decides_where_the_sample_starts() -> None:
     assert prompt_opens("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
     assert not prompt_opens("<|im_start|>assistant\n")
+    # a tag quoted in the user's turn opens nothing
+    assert not prompt_opens("What does <think> do?<|im_end|>\n<|im_start|>assistant\n")
     assert template_thinks("{{ content.split('</think>')[-1] }}")
     assert not template_thinks("{{ messages }}") and not template_thinks(None)
+
+
+def test_a_constraint_from_the_first_token_holds_no_reasoning() -> None:
+    tools = [Tool("f", None, '{"type": "object"}')]
+    assert may_hold_reasoning(None)
+    assert may_hold_reasoning(tool_constraint(tools, "auto"))  # free text may come first
+    assert not may_hold_reasoning(tool_constraint(tools, "required"))
+    assert not may_hold_reasoning(tool_constraint(tools, "f"))
+    assert not may_hold_reasoning(StructuredOutput("json_object"))
+    assert not may_hold_reasoning(StructuredOutput("json_schema", '{"type": "object"}'))
+    assert not may_hold_reasoning(StructuredOutput("choice", choices=("yes", "no")))
+    assert may_hold_reasoning(StructuredOutput("choice", choices=("a</think>b",)))
+    assert may_hold_reasoning(StructuredOutput("regex", "[a-z]+</think>[A-Z]+"))
+    assert not may_hold_reasoning(StructuredOutput("regex", "[a-z]+"))

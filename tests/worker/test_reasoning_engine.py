@@ -5,7 +5,6 @@ The generated text is forced with a structured `choice`, so the tiny model write
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,14 +118,26 @@ def test_every_sample_of_n_is_split(thinking: LoadedModel) -> None:
         assert _seen([o for o in outputs if o.index == index]) == ("x", "y", FINISH_STOP)
 
 
-def test_the_tokens_are_the_models_either_way(thinking: LoadedModel, tmp_path: Path) -> None:
-    """Splitting changes what the text is called, never what is generated."""
-    split = run_to_end(
-        engine_for(thinking),
-        GenerateRequest("a", messages=MESSAGES, sampling=sampling("r</think>c")),
+def test_a_tag_quoted_by_the_user_opens_no_reasoning(thinking: LoadedModel) -> None:
+    quoted = ({"role": "user", "content": "What does <think> do?"},)
+    params = sampling("It opens; </think> closes.")  # the answer quotes the close tag too
+    request = GenerateRequest(
+        "q", messages=quoted, sampling=params, template_variables={"model_opens": True}
     )
-    whole = run_to_end(
-        engine_for(thinking),
-        GenerateRequest("b", messages=MESSAGES, sampling=sampling("r</think>c", separate=False)),
+    got = _seen(run_to_end(engine_for(thinking), request))
+    assert got == ("", "It opens; </think> closes.", FINISH_STOP)
+
+
+def test_a_json_answer_is_the_answer_though_the_prompt_opened_the_thinking(
+    thinking: LoadedModel,
+) -> None:
+    """Constrained from its first token, a JSON answer cannot close a reasoning it is not in."""
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, separate_reasoning=True,
+        structured=StructuredOutput("json_object"),
+    )  # fmt: skip
+    outputs = run_to_end(
+        engine_for(thinking), GenerateRequest("j", messages=MESSAGES, sampling=params)
     )
-    assert [t for o in split for t in o.token_ids] == [t for o in whole for t in o.token_ids]
+    reasoning, text, _ = _seen(outputs)
+    assert reasoning == "" and text.startswith("{")
