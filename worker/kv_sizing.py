@@ -20,6 +20,7 @@ small for a model's context cuts the context (`engine.context_length`), as a giv
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ import torch
 
 from kernels.layout import cdiv
 from worker.logprobs import prompt_logprobs
-from worker.lora_weights import GROUPS, LoraStacks, stack_bytes
+from worker.lora_weights import GROUPS, TARGET_MODULES, LoraStacks, stack_bytes
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 
@@ -170,17 +171,26 @@ def probe_step(model: CausalLM, limits: EngineConfig, lora: LoraStacks | None = 
 
 def lora_reserve(model: CausalLM, lora: LoraStacks | None) -> int:
     """Device bytes the LoRA slots will take beyond what they hold now: their stacks are
-    allocated group by group as adapters that target them load, and a group being repacked
-    holds its old and new stacks at once (its largest, counted once)."""
+    allocated group by group as adapters that target them load, and a group repacked for one
+    more module holds its old stacks (one module fewer) beside the new ones until the copy is
+    done (the largest such old stack, counted once)."""
     if lora is None:
         return 0
     config, dtype = model.config, model.dtype
-    every = stack_bytes(config, lora.max_loras, lora.max_rank, dtype)
-    largest = max(
-        stack_bytes(config, lora.max_loras, lora.max_rank, dtype, modules)
-        for modules in GROUPS.values()
+
+    def size(modules: Sequence[str]) -> int:
+        return stack_bytes(config, lora.max_loras, lora.max_rank, dtype, modules)
+
+    repack = max(
+        (
+            size([m for m in members if m != dropped])
+            for members in GROUPS.values()
+            if len(members) > 1
+            for dropped in members
+        ),
+        default=0,
     )
-    return max(every - lora.nbytes, 0) + largest
+    return max(size(TARGET_MODULES) - lora.nbytes, 0) + repack
 
 
 def _gb(n: int) -> str:

@@ -23,6 +23,7 @@ several, and a tag cut across two messages is held back until it is whole or can
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 
 from worker.sampling_params import StructuredOutput
@@ -50,8 +51,12 @@ def may_hold_reasoning(structured: StructuredOutput | None) -> bool:
     until the reasoning ends)."""
     if structured is None:
         return True
-    if structured.kind == "structural_tag":
-        return '"triggered_tags"' in structured.spec  # worker/tool_calls.py's "auto"
+    if structured.kind == "structural_tag":  # worker/tool_calls.py's "auto" triggers on a tag
+        try:
+            form = json.loads(structured.spec).get("format")
+        except (ValueError, AttributeError):
+            return False
+        return isinstance(form, dict) and form.get("type") == "triggered_tags"
     if structured.kind == "choice":
         return any(CLOSE in choice for choice in structured.choices)
     return structured.kind in ("regex", "grammar") and CLOSE in structured.spec

@@ -5,6 +5,7 @@ run once to measure its activations; and the refusals, which name the key and th
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -19,7 +20,7 @@ from worker.kv_sizing import CPU_PAGES, DeviceMemory, device_pool
 from worker.loader import LoadedModel, load_model
 from worker.logprobs import prompt_logprobs
 from worker.lora_serving import adapter_slots
-from worker.lora_weights import GROUPS
+from worker.lora_weights import GROUP_OF, GROUPS, stack_bytes
 from worker.metrics import EngineCollector
 from worker.model_runner import Chunk, ModelRunner
 from worker.request import GenerateRequest
@@ -78,6 +79,20 @@ def test_a_byte_budget_under_two_pages_is_refused_with_the_numbers(tiny: LoadedM
     ):
         _engine(tiny, kv_cache_memory_bytes=2 * page - 1)
     assert _engine(tiny, kv_cache_memory_bytes=2 * page).pool.pages == 2
+
+
+def test_a_byte_budget_past_the_machines_memory_is_refused_naming_it(tiny: LoadedModel) -> None:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.raises(
+        ValueError, match=r"^engine\.kv_cache_memory_bytes and engine\.host_pages: "
+    ):
+        _engine(tiny, kv_cache_memory_bytes=2 * memory)
+
+
+@pytest.mark.parametrize("value", [1.5, 0, True])
+def test_a_byte_budget_that_is_not_a_positive_int_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes must be an int >= 1"):
+        EngineConfig(kv_cache_memory_bytes=value)  # type: ignore[arg-type]
 
 
 def test_a_count_and_a_byte_budget_together_are_refused() -> None:
@@ -171,19 +186,27 @@ def test_the_probe_step_scores_the_heaviest_step_and_lets_its_pool_go(
 def test_the_lora_slots_are_reserved_as_loading_adapters_will_allocate_them(
     tiny: LoadedModel,
 ) -> None:
-    """What every group's stacks take once adapters targeting them have loaded, plus the
-    largest group again (a repack holds old and new); less what is already allocated."""
+    """Adapters loaded module by module in the worst order (each load repacks its group for
+    one more module, old stacks held beside the new until copied, the group with the largest
+    old stacks last): the most ever held is what was reserved, to the byte."""
     _, stacks = adapter_slots(tiny.model, 2, 8)
     assert stacks is not None and stacks.nbytes == 0
-    before = kv_sizing.lora_reserve(tiny.model, stacks)
-    sizes = {}
-    for group, members in GROUPS.items():  # what loading adapters for every module does
-        held = stacks.nbytes
-        stacks._allocate(group, members)
-        sizes[group] = stacks.nbytes - held
-    assert before == stacks.nbytes + max(sizes.values())
-    assert kv_sizing.lora_reserve(tiny.model, stacks) == max(sizes.values())
+    reserved = kv_sizing.lora_reserve(tiny.model, stacks)
     assert kv_sizing.lora_reserve(tiny.model, None) == 0
+
+    def old_part(members: tuple[str, ...]) -> int:
+        return stack_bytes(tiny.model.config, 2, 8, tiny.model.dtype, members[:-1])
+
+    peak = 0
+    for members in sorted(GROUPS.values(), key=old_part):  # the largest repack last
+        for n in range(1, len(members) + 1):
+            before = stacks.nbytes
+            stacks._allocate(GROUP_OF[members[0]], members[:n])
+            new = stack_bytes(tiny.model.config, 2, 8, tiny.model.dtype, members[:n])
+            peak = max(peak, before + new)  # the old stacks go only once the copy is done
+            assert stacks.nbytes == before - (old_part(members[:n]) if n > 1 else 0) + new
+    assert peak == reserved
+    assert kv_sizing.lora_reserve(tiny.model, stacks) == reserved - stacks.nbytes
 
 
 @pytest.mark.gpu

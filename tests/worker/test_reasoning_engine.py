@@ -12,6 +12,7 @@ import pytest
 from tests.worker.helpers import run_to_end
 from tests.worker.thinking_fixtures import thinking_model
 from worker.engine import Engine, EngineConfig
+from worker.errors import InvalidRequest
 from worker.loader import LoadedModel
 from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestOutput, Resume
 from worker.sampling_params import SamplingParams, StructuredOutput
@@ -141,3 +142,17 @@ def test_a_json_answer_is_the_answer_though_the_prompt_opened_the_thinking(
     )
     reasoning, text, _ = _seen(outputs)
     assert reasoning == "" and text.startswith("{")
+
+
+def test_a_turns_reasoning_counts_against_the_prompt_characters(thinking: LoadedModel) -> None:
+    config = EngineConfig(num_pages=64, page_size=4, max_prompt_chars=200)
+    engine = Engine(thinking.model, thinking.tokenizer, config)
+    turns = (
+        *MESSAGES,
+        {"role": "assistant", "content": "Paris", "reasoning_content": "x" * 300},
+        {"role": "user", "content": "Why?"},
+    )
+    with pytest.raises(InvalidRequest, match="messages"):
+        engine.submit(GenerateRequest("long", messages=turns), lambda _: None)
+    short = (*turns[:1], {**turns[1], "reasoning_content": "x"}, turns[2])
+    engine.submit(GenerateRequest("short", messages=short), lambda _: None)
