@@ -103,6 +103,8 @@ def _stream(client: Client, request: object) -> tuple[str, object]:
         for response in client.generate(request):  # type: ignore[arg-type]
             if first is None:
                 first = time.perf_counter() - began
+            if response.reasoning_text:  # a thinking model's, dimmed on stderr: stdout answers
+                console.print(escape(response.reasoning_text), style="dim", end="")
             sys.stdout.write(response.text)
             sys.stdout.flush()
             text.append(response.text)
@@ -146,6 +148,7 @@ def generate(args: argparse.Namespace, client: Client) -> int:
     else:
         chat = ([("system", args.system)] if args.system else []) + [("user", args.text)]
         request = text_request(chat=chat, **common)
+        request.sampling.separate_reasoning = True
     if structured is not None:
         request.sampling.structured.CopyFrom(structured)
     _stream(client, request)
@@ -215,6 +218,7 @@ def _answer_turn(
             tenant=args.tenant,
             adapter=args.adapter,
         )
+        request.sampling.separate_reasoning = True  # the history keeps the answers alone
         try:
             return _stream(client, request)[0]
         except grpc.RpcError as err:

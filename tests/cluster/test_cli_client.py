@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.local_cluster import LocalCluster, start_cluster
+from tests.worker.thinking_fixtures import thinking_model
 from worker.loader import load_model
 from worker.tiny_model import build_tiny_checkpoint
 
@@ -110,3 +111,19 @@ def test_errors_are_reported_with_their_status(cluster: LocalCluster) -> None:
     assert "INVALID_ARGUMENT" in out.stderr and "temperature" in out.stderr
     down = run("stats", "--target", "127.0.0.1:1")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_generate_with_a_thinking_model_answers_on_stdout_and_reasons_on_stderr(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tiny = load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+    thinking = thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
+    cluster = start_cluster(thinking, workers=1)
+    try:
+        args = ["generate", "Which city?", "--target", cluster.target, "--max-tokens", "40"]
+        out = run(*args, "--choice", "it rains</think>Paris")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "Paris\n"
+        assert "it rains" in out.stderr and "</think>" not in out.stderr + out.stdout
+    finally:
+        cluster.close()
