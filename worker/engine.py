@@ -275,10 +275,7 @@ def check_kv_memory(model: CausalLM, config: EngineConfig, pool: PoolSize) -> No
     pages = config.host_pages + (pool.pages if on_cpu else 0)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if pages * page > memory:
-        sized_by = (
-            pool.reason.split()[0] if pool.reason.startswith("engine.") else "engine.num_pages"
-        )
-        keys = f"{sized_by} and engine.host_pages" if on_cpu else "engine.host_pages"
+        keys = f"{pool.key} and engine.host_pages" if on_cpu else "engine.host_pages"
         raise ValueError(
             f"{keys}: {pages} pages of {page:,} bytes need {pages * page / 1e9:.1f} GB of KV, "
             f"more than this machine's {memory / 1e9:.1f} GB of memory"
@@ -452,7 +449,8 @@ class Engine:
                     f"{self.config.max_waiting + self.config.max_running}"
                 )
             self._active_ids.add(request.request_id)
-        state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words)
+        inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
+        state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
         self._inbox.put(("add", state))
         self._wake.set()
         return len(prompt)
@@ -1060,7 +1058,7 @@ class Engine:
         shaping = LogitShaping.create(
             sampling, self.eos_token_ids, self.vocab_size, self.runner.device
         )
-        inside = self._reasoning_opened(state)
+        inside = state.reasoning_inside
         for index in range(first, first + sampling.n):
             sample = SampleState(
                 request=state,
@@ -1102,19 +1100,18 @@ class Engine:
         tokenizer = self.tokenizer
         return isinstance(tokenizer, Tokenizer) and template_thinks(tokenizer.chat_template)
 
-    def _reasoning_opened(self, state: RequestState) -> bool | None:
+    def _reasoning_opened(self, request: GenerateRequest, prompt: Sequence[int]) -> bool | None:
         """Whether the request's samples start inside their reasoning (worker/reasoning.py:
-        the prompt left a `<think>` open); None: its text is not split (not asked for, or not
-        a thinking model's)."""
-        tokenizer, request = self.tokenizer, state.request
+        its `prompt` ends with `<think>`); None: its text is not split (not asked for, or not
+        a thinking model's). In the submitting thread, never the engine's."""
+        tokenizer = self.tokenizer
         if not (request.sampling.separate_reasoning and self.thinks):
             return None
         assert isinstance(tokenizer, Tokenizer)  # `thinks` says so
         if not may_hold_reasoning(request.sampling.structured):
             return False  # constrained from its first token: the answer, never reasoning
-        tail = state.prompt_ids[: state.prompt_tokens][-PROMPT_TAIL_TOKENS:]
-        text = tokenizer.decode(tail, skip_special_tokens=False)
-        return prompt_opens(text)
+        tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return prompt_opens(tail)
 
     def _penalties(self, state: RequestState) -> Penalties | None:
         """A new sample's penalty state (None if its request penalizes nothing)."""

@@ -7,7 +7,8 @@
   fraction of the device's memory, less everything on the device once the model is loaded
   (its weights, the CUDA context, and any other process's memory), less the activations of the
   heaviest step the engine can schedule, less what is allocated later: the LoRA slots' stacks
-  (allocated as adapters load, a repacked group's twice over) and the vision encoder's cache.
+  (allocated as adapters load, and a repack's old stacks beside the new) and the vision
+  encoder's cache.
   The activations are measured, not guessed: that step runs once, before the pool exists, on
   a pool just large enough for it (`probe_step`).
 - On a CPU, `CPU_PAGES`, the count the pool always had there; `engine.check_kv_memory` still
@@ -35,6 +36,7 @@ from worker.model_runner import Chunk, ModelRunner
 if TYPE_CHECKING:  # worker/engine.py imports this module
     from worker.engine import EngineConfig
 
+NUM_PAGES = "engine.num_pages"
 CPU_PAGES = 4096
 """A CPU worker's pages when neither `num_pages` nor `kv_cache_memory_bytes` is set."""
 LEAST_PAGES = 2
@@ -59,6 +61,8 @@ class PoolSize:
     pages: int
     """Pages of the pool, the null page included."""
     page_bytes: int
+    key: str
+    """The setting that decides it (what a refusal names)."""
     reason: str
     """How the count was reached, for the log and `describe`."""
 
@@ -77,7 +81,7 @@ def size_pool(
     allocate later (the vision encoder's cache); the LoRA slots' are added here."""
     page = model.kv_page_bytes(limits.page_size)
     if limits.num_pages is not None:
-        return PoolSize(limits.num_pages, page, "engine.num_pages")
+        return PoolSize(limits.num_pages, page, NUM_PAGES, NUM_PAGES)
     if limits.kv_cache_memory_bytes is not None:
         pages = limits.kv_cache_memory_bytes // page
         if pages < LEAST_PAGES:
@@ -86,9 +90,10 @@ def size_pool(
                 f"{pages} pages of {page:,} bytes; the pool needs at least {LEAST_PAGES} (page "
                 "0 is reserved)"
             )
-        return PoolSize(pages, page, f"engine.kv_cache_memory_bytes {_gb(pages * page)}")
+        key = "engine.kv_cache_memory_bytes"
+        return PoolSize(pages, page, key, f"{key} {_gb(pages * page)}")
     if model.model.embed_tokens.weight.device.type != "cuda":
-        return PoolSize(CPU_PAGES, page, "the CPU default")
+        return PoolSize(CPU_PAGES, page, NUM_PAGES, "the CPU default")
     memory = measure_cuda(model, limits, lora)
     later = reserved + lora_reserve(model, lora)
     return device_pool(memory, limits.gpu_memory_utilization, page, later)
@@ -114,10 +119,9 @@ def device_pool(
             f"bytes, and the pool needs at least {LEAST_PAGES}: raise it, free the device, or "
             "set engine.num_pages or engine.kv_cache_memory_bytes"
         )
+    key = "engine.gpu_memory_utilization"
     return PoolSize(
-        pages,
-        page_bytes,
-        f"engine.gpu_memory_utilization {utilization} of {_gb(memory.total)}, less {spent}",
+        pages, page_bytes, key, f"{key} {utilization} of {_gb(memory.total)}, less {spent}"
     )
 
 

@@ -33,7 +33,7 @@ OPEN, CLOSE = "<think>", "</think>"
 
 def template_thinks(chat_template: str | None) -> bool:
     """Whether a chat template is a thinking model's: it writes or strips a `</think>`."""
-    return bool(chat_template) and CLOSE in chat_template  # type: ignore[operator]
+    return chat_template is not None and CLOSE in chat_template
 
 
 def prompt_opens(prompt_tail: str) -> bool:

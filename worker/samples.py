@@ -110,6 +110,9 @@ class RequestState:
     """A structured output's grammar, compiled in the submitting thread (None: free text)."""
     bad_words: tuple[tuple[int, ...], ...] = ()
     """The token sequences of the request's bad words, spelled in the submitting thread."""
+    reasoning_inside: bool | None = None
+    """Whether its samples start inside their reasoning (worker/reasoning.py), decided in the
+    submitting thread; None: their text is not split."""
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as
