@@ -66,7 +66,13 @@ from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.penalties import Penalties
-from worker.reasoning import ReasoningSplit, may_hold_reasoning, prompt_opens, template_thinks
+from worker.reasoning import (
+    CLOSE,
+    ReasoningSplit,
+    may_hold_reasoning,
+    prompt_opens,
+    template_thinks,
+)
 from worker.request import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -78,10 +84,11 @@ from worker.request import (
 )
 from worker.samples import Phase, RequestState, SampleState, TextDecoder
 from worker.sampling import Sampler
-from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.stop import StopChecker
 from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
+from worker.thinking_budget import ThinkingBudget
 from worker.tier_costs import TierCosts
 from worker.tokenizer import Tokenizer
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS, PromptTokenizer, RequestLimits
@@ -916,6 +923,8 @@ class Engine:
                 text, _ = sample.stop.feed(sample.decoder.step(token), armed=False)
         else:
             delta = sample.decoder.step(token) if sample.decoder is not None else ""
+            if sample.budget is not None:
+                sample.budget.step(token, delta)
             text, hit = sample.stop.feed(delta, armed=sample.generated > sampling.min_tokens)
             reason = FINISH_STOP if hit else None
         if reason is None and (
@@ -1060,6 +1069,7 @@ class Engine:
         )
         inside = state.reasoning_inside
         for index in range(first, first + sampling.n):
+            budget = self._thinking_budget(sampling, inside)
             sample = SampleState(
                 request=state,
                 index=index,
@@ -1071,13 +1081,17 @@ class Engine:
                     Constraint(state.grammar) if state.grammar is not None else None,
                     shaping,
                     BadWords.create(state.bad_words),
+                    budget,
                 ),
                 stop=StopChecker(state.stops, include=sampling.include_stop_str_in_output),
                 decoder=self.tokenizer.incremental_decoder(sampling.skip_special_tokens)
                 if self.tokenizer
                 else None,
                 phase=Phase.WAITING if index == first else Phase.UNBORN,
-                reasoning=ReasoningSplit(inside) if inside is not None else None,
+                reasoning=ReasoningSplit(inside)
+                if inside is not None and sampling.separate_reasoning
+                else None,
+                budget=budget,
             )
             state.samples.append(sample)
         state.forked = sampling.n == 1
@@ -1100,12 +1114,29 @@ class Engine:
         tokenizer = self.tokenizer
         return isinstance(tokenizer, Tokenizer) and template_thinks(tokenizer.chat_template)
 
+    def _thinking_budget(
+        self, sampling: SamplingParams, inside: bool | None
+    ) -> ThinkingBudget | None:
+        """A new sample's thinking budget (None: it has none, or its model does not think)."""
+        if inside is None or sampling.thinking_token_budget is None:
+            return None
+        return ThinkingBudget(sampling.thinking_token_budget, self._think_close_ids, inside)
+
+    @functools.cached_property
+    def _think_close_ids(self) -> tuple[int, ...]:
+        """The tokens a thinking budget forces: the tokenizer's `</think>`."""
+        assert isinstance(self.tokenizer, Tokenizer)  # only a thinking model's samples ask
+        return tuple(self.tokenizer.encode(CLOSE, add_special_tokens=False))
+
     def _reasoning_opened(self, request: GenerateRequest, prompt: Sequence[int]) -> bool | None:
         """Whether the request's samples start inside their reasoning (worker/reasoning.py:
-        its `prompt` ends with `<think>`); None: its text is not split (not asked for, or not
-        a thinking model's). In the submitting thread, never the engine's."""
+        its `prompt` ends with `<think>`); None: its text is not split and its reasoning has
+        no budget (neither asked for, or not a thinking model's). In the submitting thread,
+        never the engine's."""
         tokenizer = self.tokenizer
-        if not (request.sampling.separate_reasoning and self.thinks):
+        sampling = request.sampling
+        asked = sampling.separate_reasoning or sampling.thinking_token_budget is not None
+        if not (asked and self.thinks):
             return None
         assert isinstance(tokenizer, Tokenizer)  # `thinks` says so
         if not may_hold_reasoning(request.sampling.structured):
@@ -1130,6 +1161,9 @@ class Engine:
             return
         min_tokens = sample.request.request.sampling.min_tokens
         for count, token in enumerate(generated, 1):
-            text, _ = sample.stop.feed(sample.decoder.step(token), armed=count > min_tokens)
+            delta = sample.decoder.step(token)
+            if sample.budget is not None:
+                sample.budget.step(token, delta)
+            text, _ = sample.stop.feed(delta, armed=count > min_tokens)
             if sample.reasoning is not None:
                 sample.reasoning.feed(text)

@@ -78,6 +78,12 @@ class ReasoningSplit:
         self.state = _State.START
         self.held = ""
 
+    @property
+    def reasoning(self) -> bool:
+        """Whether text fed now goes to the reasoning (unless it closes it): inside, or at the
+        start of a sample whose prompt opened it."""
+        return self.state is _State.REASONING or (self.state is _State.START and self.inside)
+
     def feed(self, text: str) -> tuple[str, str]:
         self.held += text
         reasoning = content = ""

@@ -30,6 +30,7 @@ from worker.reasoning import ReasoningSplit
 from worker.request import GenerateRequest, RequestOutput, TokenLogprob
 from worker.sampling import Sampler
 from worker.stop import StopChecker, StopStrings, compile_stops
+from worker.thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
@@ -75,6 +76,9 @@ class SampleState:
     running)."""
     reasoning: ReasoningSplit | None = None
     """Its text told into reasoning and answer (a thinking model's, when asked); None: not."""
+    budget: ThinkingBudget | None = None
+    """Its reasoning's budget of tokens (a thinking model's, when asked); None: none. Its
+    sampler holds it too, to write what it forces."""
 
     @property
     def pending(self) -> int:
@@ -112,7 +116,7 @@ class RequestState:
     """The token sequences of the request's bad words, spelled in the submitting thread."""
     reasoning_inside: bool | None = None
     """Whether its samples start inside their reasoning (worker/reasoning.py), decided in the
-    submitting thread; None: their text is not split."""
+    submitting thread; None: their text is not split and their reasoning has no budget."""
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as

@@ -34,6 +34,7 @@ from worker.logit_shaping import LogitShaping
 from worker.penalties import Penalties
 from worker.sampling_params import SamplingParams
 from worker.structured_output import Constraint
+from worker.thinking_budget import ThinkingBudget
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _POSITION_MIX = 0xD6E8FEB86659FD93
@@ -89,6 +90,8 @@ class Sampler:
     """The request's logit bias, allowed tokens and min_tokens; None: none of them."""
     bad_words: BadWords | None = None
     """The request's bad words, with this sample's recent tokens; None: none."""
+    budget: ThinkingBudget | None = None
+    """The sample's thinking budget, which may force its next token; None: none."""
     generated: int = 0
     """Tokens this sample has generated (drawn here or replayed)."""
     generator: torch.Generator = field(default_factory=torch.Generator)
@@ -102,14 +105,20 @@ class Sampler:
         constraint: Constraint | None = None,
         shaping: LogitShaping | None = None,
         bad_words: BadWords | None = None,
+        budget: ThinkingBudget | None = None,
     ) -> Sampler:
         seed = sample_seed(params.seed, index)
-        return cls(params, seed, penalties, constraint, shaping, bad_words)
+        return cls(params, seed, penalties, constraint, shaping, bad_words, budget)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """The token at `position` (its index in the sequence), from a float32 logits row
         [vocab] (on any device; penalized and constrained there, sampled on the CPU). Counts it
-        as generated. `GrammarRefused` if a constraint's allowed tokens are all -inf or NaN."""
+        as generated. `GrammarRefused` if a constraint's allowed tokens are all -inf or NaN.
+        A thinking budget's forced token is taken instead of a draw where the constraint, if
+        any, allows it (worker/thinking_budget.py)."""
+        forced = self.budget.forced if self.budget is not None else None
+        if forced is not None and (self.constraint is None or self.constraint.allows(forced)):
+            return self._record(forced)
         scores = logits
         if self.shaping is not None:
             scores = self.shaping.apply(scores, self.generated)
@@ -119,7 +128,9 @@ class Sampler:
             scores = self.penalties.apply(scores)
         if self.constraint is not None:
             scores = self.constraint.mask(scores, owned=scores is not logits)
-        token = self._draw(scores, position)
+        return self._record(self._draw(scores, position))
+
+    def _record(self, token: int) -> int:
         self.generated += 1
         if self.bad_words is not None:
             self.bad_words.record(token)

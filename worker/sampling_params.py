@@ -152,6 +152,10 @@ class SamplingParams:
     separate_reasoning: bool = False
     """A thinking model's text comes as reasoning and content (worker/reasoning.py; SGLang's);
     no effect on a model whose chat template has no `</think>`."""
+    thinking_token_budget: int | None = None
+    """A thinking model's reasoning is closed (`</think>` forced) once a sample has generated
+    this many tokens inside it (vLLM's; worker/thinking_budget.py); None: no budget. No effect
+    on a model whose chat template has no `</think>`."""
     bad_words: tuple[str, ...] = ()
     """Words never written (vLLM's): each as tokens, alone and after a space, its last token
     banned wherever the generated tokens end with the rest (worker/bad_words.py)."""
@@ -196,6 +200,9 @@ class SamplingParams:
         if self.structured is not None:
             self.structured.validate()
         self._validate_shaping(vocab_size)
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or budget < 0):
+            raise InvalidRequest("thinking_token_budget", f"must be >= 0, got {budget}")
 
     def _validate_shaping(self, vocab_size: int) -> None:
         """min_p, min_tokens, logit_bias, allowed_token_ids and bad_words."""

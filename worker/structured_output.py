@@ -174,6 +174,13 @@ class Constraint:
         self._apply(masked, self._bitmask.to(masked.device))
         return masked.view(-1)
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next."""
+        if not self._matcher.fill_next_token_bitmask(self._bitmask):
+            return True
+        word, bit = divmod(token, 32)
+        return bool((int(self._bitmask[0, word]) >> bit) & 1)
+
     def accept(self, token: int) -> None:
         """Advance past `token`; `GrammarRefused` if the grammar does not allow it."""
         if not self._matcher.accept_token(token):

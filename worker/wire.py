@@ -67,6 +67,9 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=bool(message.include_stop_str_in_output),
         skip_special_tokens=bool(get("skip_special_tokens")),
         separate_reasoning=message.separate_reasoning,
+        thinking_token_budget=int(message.thinking_token_budget)
+        if message.HasField("thinking_token_budget")
+        else None,
     )
 
 
@@ -143,6 +146,8 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         message.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         message.prompt_logprobs = params.prompt_logprobs
+    if params.thinking_token_budget is not None:
+        message.thinking_token_budget = params.thinking_token_budget
     if params.structured is not None:
         message.structured.CopyFrom(structured_to_proto(params.structured))
     return message

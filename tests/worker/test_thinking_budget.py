@@ -1,0 +1,246 @@
+"""A thinking model's reasoning cut at `thinking_token_budget` (worker/thinking_budget.py): the
+close forced after exactly that many reasoning tokens, from the prompt's `<think>` or the
+model's own; never where the model closed it first, nor on a model that does not think; a
+grammar that does not allow the close decides instead; a resumed sample forces the rest of a
+close it was cut in. The tiny model writes random tokens, so only the budget closes its
+reasoning (unless a structured `choice` makes it write the tags)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protos.radixmesh.v1 import serving_pb2
+from tests.worker.helpers import run_to_end
+from tests.worker.thinking_fixtures import thinking_model
+from worker.engine import Engine, EngineConfig
+from worker.errors import InvalidRequest
+from worker.loader import LoadedModel
+from worker.reasoning import CLOSE
+from worker.request import FINISH_LENGTH, GenerateRequest, RequestOutput, Resume
+from worker.sampling_params import SamplingParams, StructuredOutput
+from worker.thinking_budget import ThinkingBudget
+from worker.wire import sampling_from_proto, sampling_to_proto
+
+MESSAGES = ({"role": "user", "content": "Which city?"},)
+CLOSE_IDS = (7, 8)
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
+
+
+def engine_for(loaded: LoadedModel) -> Engine:
+    config = EngineConfig(num_pages=256, page_size=4, model_revision=loaded.revision)
+    return Engine(loaded.model, loaded.tokenizer, config)
+
+
+def close_ids(loaded: LoadedModel) -> list[int]:
+    assert loaded.tokenizer is not None
+    return loaded.tokenizer.encode(CLOSE, add_special_tokens=False)
+
+
+def generate(
+    loaded: LoadedModel, separate: bool = True, request_id: str = "r", **more: Any
+) -> list[RequestOutput]:
+    settings = {"max_tokens": 24, "temperature": 0.0, "separate_reasoning": separate, **more}
+    variables = settings.pop("variables", None)
+    request = GenerateRequest(
+        request_id, messages=MESSAGES, sampling=SamplingParams(**settings),
+        template_variables=variables,
+    )  # fmt: skip
+    return run_to_end(engine_for(loaded), request)
+
+
+def tokens(outputs: Sequence[RequestOutput], index: int = 0) -> list[int]:
+    return [t for o in outputs if o.index == index for t in o.token_ids]
+
+
+def texts(outputs: Sequence[RequestOutput], index: int = 0) -> tuple[str, str]:
+    mine = [o for o in outputs if o.index == index]
+    return "".join(o.reasoning_text for o in mine), "".join(o.text for o in mine)
+
+
+# the budget alone, on made-up tokens: (token, text) steps
+
+
+def feed(budget: ThinkingBudget, steps: Sequence[tuple[int, str]]) -> list[int | None]:
+    """What the budget forced before each step, each step taking the forced token if any."""
+    seen = []
+    for drawn, its_text in steps:
+        forced = budget.forced
+        seen.append(forced)
+        if forced is None:
+            budget.step(drawn, its_text)
+        else:
+            budget.step(forced, {7: "</th", 8: "ink>"}[forced])
+    return seen
+
+
+def test_the_close_is_forced_after_the_budget_from_the_prompts_open() -> None:
+    budget = ThinkingBudget(3, CLOSE_IDS, inside=True)
+    got = feed(budget, [(1, "a"), (2, "b"), (3, "c"), (0, ""), (0, ""), (4, "x")])
+    assert got == [None, None, None, 7, 8, None]
+    assert (budget.used, budget.split.reasoning) == (3, False)
+
+
+def test_the_models_own_open_is_not_counted() -> None:
+    budget = ThinkingBudget(2, CLOSE_IDS, inside=False)
+    got = feed(budget, [(5, " <think>"), (1, "a"), (2, "b"), (0, ""), (0, "")])
+    assert got == [None, None, None, 7, 8]
+
+
+def test_an_answer_that_never_opened_is_never_forced() -> None:
+    budget = ThinkingBudget(0, CLOSE_IDS, inside=False)
+    assert feed(budget, [(1, "Paris"), (2, " <think>"), (3, "x")]) == [None, None, None]
+
+
+def test_a_close_the_model_wrote_first_ends_the_count() -> None:
+    budget = ThinkingBudget(3, CLOSE_IDS, inside=True)
+    assert feed(budget, [(1, "a</think>"), (2, "b"), (3, "c"), (4, "d")]) == [None] * 4
+    assert budget.used == 0
+
+
+def test_budget_zero_forces_the_first_token() -> None:
+    assert ThinkingBudget(0, CLOSE_IDS, inside=True).forced == 7
+
+
+def test_a_token_other_than_the_forced_one_gives_the_forcing_up() -> None:
+    budget = ThinkingBudget(1, CLOSE_IDS, inside=True)
+    budget.step(1, "a")
+    assert budget.forced == 7
+    budget.step(3, "c")  # the grammar drew instead
+    assert budget.forced is None
+    budget.step(4, "d")
+    assert budget.forced is None  # it forces once
+
+
+@given(
+    st.integers(0, 6),
+    st.lists(st.sampled_from(["a", "b ", " ", "\n", "<", "</", "</think>", "x</think>y"])),
+)
+def test_forced_exactly_when_the_reasoning_reaches_the_budget(
+    budget: int, pieces: list[str]
+) -> None:
+    """Against a plain count: the close is forced at the first step where `budget` pieces have
+    gone by inside a reasoning not yet closed (the prompt opened it), and at no other."""
+    counted = ThinkingBudget(budget, CLOSE_IDS, inside=True)
+    forced_at = None
+    for step, piece in enumerate([*pieces, ""]):
+        if counted.forced is not None:
+            forced_at = step
+            break
+        counted.step(1, piece)
+    expected, used = None, 0
+    for step in range(len(pieces) + 1):
+        if CLOSE in "".join(pieces[:step]):
+            break
+        if used >= budget:
+            expected = step
+            break
+        used += CLOSE not in "".join(pieces[: step + 1])
+    assert forced_at == expected
+
+
+# the engine, on the tiny thinking model
+
+
+def test_the_reasoning_is_closed_after_exactly_the_budget(thinking: LoadedModel) -> None:
+    close = close_ids(thinking)
+    outputs = generate(thinking, thinking_token_budget=5)
+    generated = tokens(outputs)
+    assert generated[5 : 5 + len(close)] == close
+    assert thinking.tokenizer is not None
+    reasoning, answer = texts(outputs)
+    assert reasoning == thinking.tokenizer.decode(generated[:5])
+    assert answer == thinking.tokenizer.decode(generated[5 + len(close) :])
+    assert outputs[-1].finish_reason == FINISH_LENGTH and len(generated) == 24
+
+
+def test_without_separating_the_text_holds_the_forced_close(thinking: LoadedModel) -> None:
+    close = close_ids(thinking)
+    outputs = generate(thinking, separate=False, thinking_token_budget=4)
+    generated = tokens(outputs)
+    assert generated[4 : 4 + len(close)] == close
+    reasoning, text = texts(outputs)
+    assert reasoning == "" and CLOSE in text
+
+
+def test_budget_zero_closes_at_once_and_the_answer_follows(thinking: LoadedModel) -> None:
+    close = close_ids(thinking)
+    outputs = generate(thinking, thinking_token_budget=0)
+    assert tokens(outputs)[: len(close)] == close
+    reasoning, answer = texts(outputs)
+    assert reasoning == "" and answer
+
+
+def test_the_models_own_thinking_is_counted_from_its_open(thinking: LoadedModel) -> None:
+    """A template that leaves the open to the model: a choice makes it write `<think>` and
+    reason on; the budget of 2 cannot be met inside the choice, whose grammar decides."""
+    forced = StructuredOutput("choice", choices=("<think>a b c d e</think>Paris",))
+    outputs = generate(
+        thinking, thinking_token_budget=2, structured=forced, variables={"model_opens": True},
+        max_tokens=64,
+    )  # fmt: skip
+    assert texts(outputs) == ("a b c d e", "Paris")
+
+
+def test_a_budget_the_model_stays_under_changes_nothing(thinking: LoadedModel) -> None:
+    forced = StructuredOutput("choice", choices=("rain</think>Paris",))
+    with_budget = generate(thinking, thinking_token_budget=100, structured=forced, max_tokens=64)
+    without = generate(thinking, structured=forced, max_tokens=64)
+    assert tokens(with_budget) == tokens(without)
+    assert texts(with_budget) == ("rain", "Paris")
+
+
+def test_a_model_that_does_not_think_has_no_budget(tiny: LoadedModel) -> None:
+    assert tokens(generate(tiny, thinking_token_budget=2)) == tokens(generate(tiny))
+
+
+def test_every_sample_of_n_has_its_own_budget(thinking: LoadedModel) -> None:
+    close = close_ids(thinking)
+    outputs = generate(thinking, thinking_token_budget=3, n=3, temperature=1.0, seed=11)
+    for index in range(3):
+        assert tokens(outputs, index)[3 : 3 + len(close)] == close
+
+
+@pytest.mark.parametrize("cut", [2, 6, 9, 13])
+def test_a_resumed_sample_forces_what_is_left_of_the_close(thinking: LoadedModel, cut: int) -> None:
+    """The router's move of a stream to another worker, cut before the budget, inside the
+    forced close (6: after its first token, when it has several) or after it."""
+    close = close_ids(thinking)
+    whole = tokens(generate(thinking, thinking_token_budget=5))
+    assert thinking.tokenizer is not None
+    prompt = thinking.tokenizer.encode(
+        thinking.tokenizer.apply_chat_template(list(MESSAGES)), add_special_tokens=False
+    )
+    cut = min(cut, 5 + len(close))
+    request = GenerateRequest(
+        "moved",
+        prompt_token_ids=(*prompt, *whole[:cut]),
+        sampling=SamplingParams(max_tokens=24, temperature=0.0, thinking_token_budget=5),
+        resume=Resume(0, cut),
+    )
+    after = tokens(run_to_end(engine_for(thinking), request))
+    assert whole[:cut] + after == whole and whole[5 : 5 + len(close)] == close
+
+
+def test_a_negative_budget_is_refused_by_name(thinking: LoadedModel) -> None:
+    engine = engine_for(thinking)
+    request = GenerateRequest(
+        "bad", messages=MESSAGES, sampling=SamplingParams(thinking_token_budget=-1)
+    )
+    with pytest.raises(InvalidRequest, match="thinking_token_budget"):
+        engine.submit(request, lambda _: None)
+
+
+@pytest.mark.parametrize("budget", [None, 0, 4096])
+def test_the_budget_survives_the_wire(budget: int | None) -> None:
+    params = SamplingParams(thinking_token_budget=budget, separate_reasoning=True)
+    data = sampling_to_proto(params).SerializeToString()
+    assert sampling_from_proto(serving_pb2.SamplingParams.FromString(data)) == params
