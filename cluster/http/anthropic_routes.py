@@ -33,9 +33,11 @@ from cluster.http.anthropic_schema import (
     MessagesRequest,
     MessageUsage,
     TextBlock,
+    ThinkingBlock,
     TokenCount,
     ToolUseBlock,
 )
+from cluster.http.anthropic_thinking import Thinking, read_thinking, signature
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.image_parts import anthropic_image
 from cluster.http.openai_params import ChatPrompt, refuse_unsupported, wire_tool
@@ -71,16 +73,22 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         model = adapter or api.model
         tools = callable_tools(body)
         fields = refusal_names(body)
+        thinking = read_thinking(body.thinking, body.max_tokens)
         stream = api.start(message, caller, image_fields=image_fields)
         if body.stream:
             first = await api.finish(request, anext(stream), fields)  # a refusal: a status
-            reply_events = events(f"msg_{rid}", model, first, stream, tools)
+            reply_events = events(f"msg_{rid}", model, first, stream, tools, thinking)
             return EventStream(reply_events, served_by(first))
         samples, counts = await api.finish(request, collect(stream), fields)
         sample = samples[0]
         text = "".join(sample.text)
         content, calls = read_calls(text, tools) if tools else (text, [])
-        blocks: list[TextBlock | ToolUseBlock] = [TextBlock(text=content)] if content else []
+        blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
+        thought = "".join(sample.reasoning)
+        if thinking.shown and thought:
+            shown = "" if thinking.omitted else thought
+            blocks.append(ThinkingBlock(thinking=shown, signature=signature(thought)))
+        blocks += [TextBlock(text=content)] if content else []
         blocks += [tool_use(call) for call in calls]
         reply = Message(
             id=f"msg_{rid}",
@@ -95,16 +103,17 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def count_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
         caller = api.caller(request)
         api.check_model(body.model)
-        if body.thinking is not None:
-            raise HttpError.invalid("thinking", REFUSED["thinking"][0])
+        thinking = read_thinking(body.thinking)
         chat = chat_prompt(body)
         tools = request_tools(body)
-        turns = any(m.tool_calls or m.role == "tool" for m in chat.messages)
+        turns = any(m.tool_calls or m.role == "tool" or m.reasoning_content for m in chat.messages)
         prefill = ends_with_prefill(body)
-        if chat.images or tools or turns or prefill:  # placed, expanded, written as when served
+        asks = thinking.enable is not None
+        if chat.images or tools or turns or prefill or asks:  # written as when served
             ids = await api.chat_prompt_ids(
-                chat, caller, api.tenant(request), tools, refusal_names(body), prefill
-            )
+                chat, caller, api.tenant(request), tools, refusal_names(body), prefill,
+                thinking.template_kwargs(),
+            )  # fmt: skip
             return TokenCount(input_tokens=len(ids))
         text = await api.render(chat.messages)
         return TokenCount(input_tokens=len(await api.encode(text, False, "messages")))
@@ -118,8 +127,8 @@ def generate_request(
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
     """The request, and what its images are called in refusals."""
     refuse_unsupported(body, REFUSED)
-    # a thinking model's reasoning is left out: Anthropic's API shows thinking only when a
-    # request enables it, and radixmesh refuses `thinking` (docs/serving.md)
+    # a thinking model's reasoning comes apart from the answer: a `thinking` block when the
+    # request enables thinking, else left out (cluster/http/anthropic_thinking.py)
     sampling = serving_pb2.SamplingParams(stop=body.stop_sequences or [], separate_reasoning=True)
     if not 1 <= body.max_tokens <= 2**31 - 1:
         raise HttpError.invalid("max_tokens", f"must be in [1, 2**31 - 1], got {body.max_tokens}")
@@ -141,6 +150,7 @@ def generate_request(
         tools=request_tools(body),
         continue_final_message=ends_with_prefill(body),
     )
+    read_thinking(body.thinking, body.max_tokens).apply(message)
     choice = body.tool_choice
     if choice is not None:
         if choice.type == "tool":
@@ -212,12 +222,38 @@ def chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
             if not content and each.role == "user":
                 continue  # a turn of tool results only
         calls = _tool_uses(each.role, content, where)
+        reasoning = _thoughts(each.role, content, where)
         if isinstance(content, list):
-            content = [b for b in content if b.get("type") != "tool_use"]
+            content = [b for b in content if b.get("type") not in _NOT_TEXT]
         turn = _message(each.role, content, where, chat)
         turn.tool_calls.extend(calls)
+        turn.reasoning_content = reasoning
         chat.messages.append(turn)
     return chat
+
+
+_NOT_TEXT = ("tool_use", "thinking", "redacted_thinking")
+"""Blocks of an assistant turn that are not its text."""
+
+
+def _thoughts(role: str, content: str | list[dict[str, Any]], where: str) -> str:
+    """An assistant turn's `thinking` blocks, joined: its reasoning, which the template may
+    write back (`reasoning_content`, as the chat API takes it). `redacted_thinking` blocks
+    hold nothing radixmesh can read and are left out."""
+    if isinstance(content, str):
+        return ""
+    thoughts = []
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind not in ("thinking", "redacted_thinking"):
+            continue
+        if role != "assistant":
+            raise HttpError.invalid(f"{where}[{j}]", f"{kind} blocks come in an assistant turn")
+        if kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise HttpError.invalid(f"{where}[{j}].thinking", "must be a string")
+            thoughts.append(block["thinking"])
+    return "\n".join(thoughts)
 
 
 def _tool_results(
@@ -315,14 +351,19 @@ def usage(counts: Counts) -> MessageUsage:
     )
 
 
+NO_THINKING = Thinking()
+
+
 async def events(
     message_id: str,
     model: str,
     first: serving_pb2.GenerateResponse,
     rest: Responses,
     tools: frozenset[str] = frozenset(),
+    thinking: Thinking = NO_THINKING,
 ) -> AsyncIterator[bytes]:
-    """message_start, a text block's start, deltas and stop, each call's tool_use block (its
+    """message_start; with thinking shown, a `thinking` block (its deltas, its signature) from
+    the first reasoning; a text block's start, deltas and stop; each call's tool_use block (its
     input in one input_json_delta), message_delta (stop reason, output tokens), message_stop;
     a failure mid-way is an `error` event. With tools, the text block starts at the first text,
     so an answer of calls alone is calls alone, as when not streamed."""
@@ -338,47 +379,96 @@ async def events(
     finish, stop_string = None, None
     held = HeldCalls(tools) if tools else None
     calls: list[ToolCall] = []
-    opened = False
+    blocks = _Blocks(thinking.omitted)
     try:
         async with contextlib.aclosing(read(prepend(first, rest), counts)) as responses:
             async for response in responses:
+                if thinking.shown and response.reasoning_text:
+                    yield blocks.think(response.reasoning_text)
                 text = held.feed(response.text) if held is not None else response.text
                 if response.finished:
                     finish, stop_string = response.finish_reason, response.stop_string or None
                     if held is not None:
                         rest_text, calls = held.finish()
                         text += rest_text
-                if text or (not opened and held is None):
-                    if not opened:
-                        opened = True
-                        yield _block_start(0, {"type": "text", "text": ""})
-                    if text:
-                        delta = {"type": "text_delta", "text": text}
-                        yield _event(
-                            "content_block_delta",
-                            {"type": "content_block_delta", "index": 0, "delta": delta},
-                        )
+                if text or (held is None and not thinking.shown):  # opens at once, as before
+                    yield blocks.write(text)
     except (ServingError, GenerationFailed) as err:
         yield _event("error", HttpError.of(err).anthropic_body())
         return
-    if not opened and not calls:  # an empty answer is one empty text block
-        opened = True
-        yield _block_start(0, {"type": "text", "text": ""})
-    if opened:
-        yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-    for index, call in enumerate(calls, start=int(opened)):
+    yield blocks.close(empty=not calls)
+    for index, call in enumerate(calls, start=blocks.count):
         block = tool_use(call).model_dump() | {"input": {}}
         yield _block_start(index, block)
-        delta = {"type": "input_json_delta", "partial_json": call.arguments}
-        yield _event(
-            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-        )
+        yield _delta(index, {"type": "input_json_delta", "partial_json": call.arguments})
         yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
     reason = stop_reason(finish, stop_string, calls)
     stop = {"stop_reason": reason, "stop_sequence": stop_string}
     output = {"output_tokens": counts.completion_tokens}
     yield _event("message_delta", {"type": "message_delta", "delta": stop, "usage": output})
     yield _event("message_stop", {"type": "message_stop"})
+
+
+class _Blocks:
+    """A streamed message's thinking and text blocks: their starts, deltas and stops, the
+    thinking block's signature last (`omitted`: its text is left out)."""
+
+    def __init__(self, omitted: bool) -> None:
+        self.omitted = omitted
+        self.count = 0
+        """Blocks started."""
+        self.thought: list[str] | None = None
+        """The open thinking block's text; None: none is open."""
+        self.writing = False
+        """The text block is open."""
+
+    def think(self, text: str) -> bytes:
+        out = b""
+        if self.thought is None:
+            self.thought = []
+            out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self.thought.append(text)
+        if not self.omitted:
+            out += _delta(self.count - 1, {"type": "thinking_delta", "thinking": text})
+        return out
+
+    def write(self, text: str) -> bytes:
+        out = self._stop_thinking()
+        if not self.writing:
+            self.writing = True
+            out += self._start({"type": "text", "text": ""})
+        if text:
+            out += _delta(self.count - 1, {"type": "text_delta", "text": text})
+        return out
+
+    def close(self, empty: bool) -> bytes:
+        """Stop the open block (`empty`: with no block at all, an empty text block first)."""
+        out = self._stop_thinking()
+        if empty and not self.count:
+            out += self.write("")
+        if self.writing:
+            self.writing = False
+            out += _event(
+                "content_block_stop", {"type": "content_block_stop", "index": self.count - 1}
+            )
+        return out
+
+    def _start(self, block: dict[str, Any]) -> bytes:
+        self.count += 1
+        return _block_start(self.count - 1, block)
+
+    def _stop_thinking(self) -> bytes:
+        if self.thought is None:
+            return b""
+        sign = {"type": "signature_delta", "signature": signature("".join(self.thought))}
+        self.thought = None
+        stop = {"type": "content_block_stop", "index": self.count - 1}
+        return _delta(self.count - 1, sign) + _event("content_block_stop", stop)
+
+
+def _delta(index: int, delta: dict[str, Any]) -> bytes:
+    body = {"type": "content_block_delta", "index": index, "delta": delta}
+    return _event("content_block_delta", body)
 
 
 def _block_start(index: int, block: dict[str, Any]) -> bytes:

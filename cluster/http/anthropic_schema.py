@@ -40,6 +40,16 @@ class ToolChoice(Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfig(Strict):
+    """`thinking`: "enabled" (with `budget_tokens`) or "adaptive" shows a thinking model's
+    reasoning as `thinking` blocks; "disabled" asks its template not to think
+    (cluster/http/anthropic_thinking.py)."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
 class MessagesRequest(Body):
     model: str
     max_tokens: int
@@ -54,14 +64,13 @@ class MessagesRequest(Body):
     cache_control: dict[str, Any] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: Any = None
+    thinking: ThinkingConfig | None = None
     service_tier: Any = None
     container: Any = None
     mcp_servers: Any = None
 
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
-    "thinking": ("this model does not think", ({"type": "disabled"},)),
     "service_tier": ("there is one tier", ("auto", "standard_only")),
     "container": ("code execution is not supported", ()),
     "mcp_servers": ("MCP servers are not supported", ([],)),
@@ -74,7 +83,13 @@ class CountTokensRequest(Body):
     system: str | list[dict[str, Any]] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: Any = None
+    thinking: ThinkingConfig | None = None
+
+
+class ThinkingBlock(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str
 
 
 class TextBlock(BaseModel):
@@ -103,7 +118,7 @@ class Message(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: str | None
     stop_sequence: str | None = None
     usage: MessageUsage

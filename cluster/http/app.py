@@ -406,9 +406,11 @@ class HttpApi:
         tools: Sequence[serving_pb2.Tool] = (),
         rename: Renames | None = None,
         continue_final: bool = False,
+        template_kwargs: str = "",
     ) -> list[int]:
         """The prompt ids a chat request of `chat` (images and tools included; its last message
-        continued with `continue_final`) would be served with (router_service.count_prompt:
+        continued with `continue_final`; `template_kwargs`: its chat_template_kwargs) would be
+        served with (router_service.count_prompt:
         the request's own checks but the context's, refusals named, as the request named them
         with `rename`)."""
         message = serving_pb2.GenerateRequest(
@@ -416,6 +418,7 @@ class HttpApi:
             images=chat.images,
             tools=tools,
             continue_final_message=continue_final,
+            chat_template_kwargs=template_kwargs,
         )
         message.namespace.tenant = tenant
         try:

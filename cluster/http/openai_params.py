@@ -259,6 +259,7 @@ def sampling(
         "n": request.n,
         "logprobs": logprobs,
         "min_tokens": request.min_tokens,
+        "thinking_token_budget": request.thinking_token_budget,
     }
     floats = {
         "temperature": request.temperature,

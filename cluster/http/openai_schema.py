@@ -170,6 +170,9 @@ class GenerationParams(Body):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    thinking_token_budget: int | None = None
+    """vLLM's: a thinking model's reasoning is closed after this many tokens (`</think>`
+    forced; worker/thinking_budget.py)."""
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob, rank and this many alternatives, in the response's
     `prompt_logprobs` (not with `stream`, as vLLM)."""

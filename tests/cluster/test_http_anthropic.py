@@ -233,9 +233,37 @@ REFUSED: list[tuple[dict[str, Any], type[anthropic.APIStatusError], str]] = [
     ({"model": "not-a-model"}, anthropic.NotFoundError, "not-a-model"),
     ({"extra_body": {"frequency_penalty": 1.0}}, anthropic.BadRequestError, "frequency_penalty"),
     (
-        {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        {"thinking": {"type": "enabled", "budget_tokens": 4}},
         anthropic.BadRequestError,
-        "thinking",
+        "max_tokens: `max_tokens` must be greater than `thinking.budget_tokens`: 4 <= 4",
+    ),
+    (
+        {"thinking": {"type": "enabled"}},
+        anthropic.BadRequestError,
+        'thinking.budget_tokens: is required with type "enabled"',
+    ),
+    (
+        {"thinking": {"type": "adaptive", "budget_tokens": 2}},
+        anthropic.BadRequestError,
+        'thinking.budget_tokens: is only for type "enabled"',
+    ),
+    (
+        {"thinking": {"type": "enabled", "budget_tokens": 0}},
+        anthropic.BadRequestError,
+        "thinking.budget_tokens: must be >= 1, got 0",
+    ),
+    ({"thinking": {"type": "sometimes"}}, anthropic.BadRequestError, "thinking.type"),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "thinking", "thinking": "hm", "signature": ""}],
+                }
+            ]
+        },
+        anthropic.BadRequestError,
+        "messages[0].content[0]: thinking blocks come in an assistant turn",
     ),
     ({"max_tokens": 0}, anthropic.BadRequestError, "max_tokens"),
     ({"messages": []}, anthropic.BadRequestError, "messages"),
@@ -365,3 +393,21 @@ def test_the_sdks_models_api_lists_and_retrieves_in_anthropic_shape(
     assert "'claude-3-5-haiku-latest' does not exist" in body["error"]["message"]
     raw = httpx.get(f"{cluster.http_url}/v1/models", headers={"x-api-key": KEY}).json()
     assert raw["object"] == "list", "OpenAI's shape without anthropic-version"
+
+
+@pytest.mark.parametrize(
+    "thinking",
+    [{"type": "enabled", "budget_tokens": 2}, {"type": "adaptive"}, {"type": "disabled"}],
+    ids=["enabled", "adaptive", "disabled"],
+)
+def test_a_model_that_does_not_think_answers_as_always_when_asked_to(
+    client: anthropic.Anthropic, thinking: dict[str, Any]
+) -> None:
+    """Claude Code and other clients send `thinking`: a model with no `</think>` in its
+    template answers them exactly as without it, with no thinking block."""
+    ask: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "messages": MESSAGES}
+    greedy = {"temperature": 0.0}
+    plain = client.messages.create(**ask, extra_body=greedy)
+    asked = client.messages.create(**ask, extra_body=greedy, thinking=thinking)  # type: ignore[arg-type]
+    assert [b.type for b in asked.content] == ["text"]
+    assert asked.content == plain.content and asked.usage == plain.usage

@@ -1,0 +1,184 @@
+"""Anthropic's extended thinking (`thinking`) on a thinking model, with the `anthropic` SDK:
+the reasoning as a `thinking` block before the answer, streamed or whole, closed at
+`budget_tokens` (the chat API's `thinking_token_budget` gives the same tokens), left empty
+with `display: "omitted"`, left out by default and with `disabled` (which the template reads);
+thinking blocks sent back in an assistant turn reach the template as its reasoning. The tiny
+model writes random tokens: only the budget closes its reasoning."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from cluster.http.anthropic_thinking import signature
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.worker.thinking_fixtures import thinking_model
+from worker.loader import LoadedModel
+
+QUESTION: list[Any] = [{"role": "user", "content": "Which city?"}]
+ENABLED = {"type": "enabled", "budget_tokens": 5}
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
+
+
+@pytest.fixture(scope="module")
+def cluster(thinking: LoadedModel) -> Iterator[LocalCluster]:
+    running = start_cluster(thinking, workers=1, http=True)
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def claude(cluster: LocalCluster) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=cluster.http_url, api_key="x", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def ask(claude: anthropic.Anthropic, **more: Any) -> anthropic.types.Message:
+    settings: dict[str, Any] = {"max_tokens": 16, "messages": QUESTION, "extra_body": GREEDY}
+    return claude.messages.create(model=SERVED_NAME, **(settings | more))
+
+
+def chat(client: openai.OpenAI, max_tokens: int = 16, **extra: Any) -> tuple[str, str]:
+    """The chat API's (reasoning_content, content) for the same question."""
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=max_tokens,
+        extra_body=extra,
+    )  # fmt: skip
+    message = reply.choices[0].message
+    return (message.model_extra or {}).get("reasoning_content") or "", message.content or ""
+
+
+def blocks(message: anthropic.types.Message) -> list[tuple[str, str]]:
+    return [(b.type, getattr(b, "thinking", getattr(b, "text", ""))) for b in message.content]
+
+
+def signatures(message: anthropic.types.Message) -> list[str | None]:
+    return [getattr(b, "signature", None) for b in message.content]
+
+
+def test_the_budget_closes_the_thinking_block_and_the_answer_follows(
+    claude: anthropic.Anthropic, client: openai.OpenAI
+) -> None:
+    reply = ask(claude, thinking=ENABLED)
+    thought, answer = chat(client, thinking_token_budget=5)
+    assert thought and answer  # the chat API with the same budget: closed, then answered
+    assert blocks(reply) == [("thinking", thought), ("text", answer)]
+    block = reply.content[0]
+    assert isinstance(block, anthropic.types.ThinkingBlock)
+    assert block.signature == signature(thought)
+    assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 16
+
+
+def test_streamed_the_blocks_are_the_same(claude: anthropic.Anthropic) -> None:
+    whole = ask(claude, thinking=ENABLED)
+    with claude.messages.stream(
+        model=SERVED_NAME, max_tokens=16, messages=QUESTION, extra_body=GREEDY, thinking=ENABLED,  # type: ignore[arg-type]
+    ) as stream:  # fmt: skip
+        kinds = [(e.type, getattr(e, "index", None)) for e in stream]
+        streamed = stream.get_final_message()
+    assert blocks(streamed) == blocks(whole) and signatures(streamed) == signatures(whole)
+    assert streamed.stop_reason == whole.stop_reason
+    starts = [index for kind, index in kinds if kind == "content_block_start"]
+    stops = [index for kind, index in kinds if kind == "content_block_stop"]
+    assert starts == stops == [0, 1]
+    assert kinds.index(("content_block_stop", 0)) < kinds.index(("content_block_start", 1))
+
+
+def test_adaptive_thinks_as_long_as_the_model_wants(
+    claude: anthropic.Anthropic, client: openai.OpenAI
+) -> None:
+    """Cut by max_tokens while thinking: the thinking block alone, as Anthropic's API answers."""
+    reply = ask(claude, max_tokens=6, thinking={"type": "adaptive"})
+    thought, answer = chat(client, max_tokens=6)
+    assert answer == "" and blocks(reply) == [("thinking", thought)]
+    assert reply.stop_reason == "max_tokens"
+    with claude.messages.stream(
+        model=SERVED_NAME, max_tokens=6, messages=QUESTION, extra_body=GREEDY,
+        thinking={"type": "adaptive"},
+    ) as stream:  # fmt: skip
+        streamed = stream.get_final_message()
+    assert blocks(streamed) == blocks(reply) and signatures(streamed) == signatures(reply)
+
+
+def test_omitted_keeps_the_block_and_its_signature_without_the_text(
+    claude: anthropic.Anthropic,
+) -> None:
+    shown = ask(claude, thinking=ENABLED)
+    omitted = ask(claude, thinking=ENABLED | {"display": "omitted"})
+    assert [b.type for b in omitted.content] == ["thinking", "text"]
+    first, hidden = shown.content[0], omitted.content[0]
+    assert isinstance(first, anthropic.types.ThinkingBlock)
+    assert isinstance(hidden, anthropic.types.ThinkingBlock)
+    assert hidden.thinking == "" and hidden.signature == first.signature
+    assert omitted.content[1] == shown.content[1]
+
+
+def test_disabled_asks_the_template_not_to_think(
+    claude: anthropic.Anthropic, client: openai.OpenAI
+) -> None:
+    reply = ask(claude, thinking={"type": "disabled"})
+    thought, answer = chat(client, chat_template_kwargs={"enable_thinking": False})
+    assert thought == "" and answer
+    assert blocks(reply) == [("text", answer)]
+    counted = claude.messages.count_tokens(
+        model=SERVED_NAME, messages=QUESTION, thinking={"type": "disabled"}
+    )
+    plain = claude.messages.count_tokens(model=SERVED_NAME, messages=QUESTION)
+    assert counted.input_tokens == reply.usage.input_tokens + (
+        reply.usage.cache_read_input_tokens or 0
+    )
+    assert counted.input_tokens > plain.input_tokens  # the template wrote the closed thinking
+
+
+def test_thinking_blocks_sent_back_are_the_turns_reasoning(
+    claude: anthropic.Anthropic, client: openai.OpenAI
+) -> None:
+    """An assistant turn's thinking block reaches the template as the chat API's
+    `reasoning_content`: the same prompt, token for token."""
+    thought = {"type": "thinking", "thinking": "it rains", "signature": "anything"}
+    redacted = {"type": "redacted_thinking", "data": "opaque"}
+    turns: list[Any] = [
+        *QUESTION,
+        {"role": "assistant", "content": [thought, redacted, {"type": "text", "text": "Paris"}]},
+        {"role": "user", "content": "Why?"},
+    ]
+    counted = claude.messages.count_tokens(model=SERVED_NAME, messages=turns)
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, max_tokens=1,
+        messages=[
+            turns[0],
+            {"role": "assistant", "content": "Paris", "reasoning_content": "it rains"},  # type: ignore[list-item, misc]
+            turns[2],
+        ],
+    )  # fmt: skip
+    without = client.chat.completions.create(
+        model=SERVED_NAME, max_tokens=1,
+        messages=[turns[0], {"role": "assistant", "content": "Paris"}, turns[2]],
+    )  # fmt: skip
+    assert reply.usage is not None and without.usage is not None
+    assert counted.input_tokens == reply.usage.prompt_tokens > without.usage.prompt_tokens
+    served = claude.messages.create(model=SERVED_NAME, max_tokens=1, messages=turns)
+    assert served.usage.input_tokens + (served.usage.cache_read_input_tokens or 0) == (
+        counted.input_tokens
+    )
+
+
+def test_the_chat_apis_budget_is_refused_below_zero(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, thinking_token_budget=-1)
+    assert "thinking_token_budget" in str(err.value)
