@@ -99,12 +99,22 @@ def chat_request(
     message.namespace.tenant = tenant
     message.text_match = TEXT_MATCH[request.text_match]
     _tools(request, message)
-    if request.chat_template_kwargs is not None:
-        message.chat_template_kwargs = json.dumps(request.chat_template_kwargs)
+    variables = effort_variables(request.reasoning_effort) | (request.chat_template_kwargs or {})
+    if variables or request.chat_template_kwargs is not None:
+        message.chat_template_kwargs = json.dumps(variables)
     message.continue_final_message = request.continue_final_message
     if request.add_generation_prompt is not None:
         message.add_generation_prompt = request.add_generation_prompt
     return message, chat.image_fields
+
+
+def effort_variables(effort: str | None) -> dict[str, Any]:
+    """The chat template's variables for a reasoning effort (the request's own
+    chat_template_kwargs override them): `reasoning_effort` as vLLM gives it, and
+    `enable_thinking: false` for "none", which Qwen3's template reads."""
+    if effort is None:
+        return {}
+    return {"reasoning_effort": effort} | ({"enable_thinking": False} if effort == "none" else {})
 
 
 def callable_tools(request: ChatCompletionRequest) -> frozenset[str]:

@@ -193,6 +193,10 @@ class GenerationParams(Body):
     store: Any = None
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+"""OpenAI's reasoning efforts."""
+
+
 class FunctionDefinition(Strict):
     name: str
     description: str | None = None
@@ -238,7 +242,9 @@ class ChatCompletionRequest(GenerationParams):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: Effort | None = None
+    """OpenAI's: given to the chat template as `reasoning_effort` (vLLM's way; gpt-oss's
+    template reads it); "none" also sets `enable_thinking: false` (Qwen3's)."""
     web_search_options: Any = None
     verbosity: Any = None
     prompt_cache_key: Any = None
@@ -262,7 +268,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "audio": ("only text is served", ()),
     "modalities": ("only text is served", (["text"],)),
     "prediction": ("predicted outputs are not supported", ()),
-    "reasoning_effort": ("this model does not reason", ()),
     "web_search_options": ("web search is not supported", ()),
     "verbosity": ("not supported", ()),
     "prompt_cache_key": (

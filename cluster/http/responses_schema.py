@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from cluster.http.openai_schema import Body, Strict
+from cluster.http.openai_schema import Body, Effort, Strict
 
 
 class FunctionTool(Strict):
@@ -46,6 +46,17 @@ class TextConfig(Strict):
     verbosity: Literal["medium"] | None = None
 
 
+class ReasoningConfig(Strict):
+    effort: Effort | None = None
+    """Given to the chat template as `reasoning_effort` ("none" also as `enable_thinking:
+    false`), as chat completions' `reasoning_effort`."""
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    """Accepted; no summary is written: a thinking model's reasoning comes whole, in the
+    reasoning item's `content` (as vLLM serves it)."""
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    """The older name of `summary`."""
+
+
 class ResponsesRequest(Body):
     model: str
     input: str | list[dict[str, Any]]
@@ -64,7 +75,7 @@ class ResponsesRequest(Body):
     previous_response_id: Any = None
     conversation: Any = None
     metadata: Any = None
-    reasoning: Any = None
+    reasoning: ReasoningConfig | None = None
     include: Any = None
     truncation: Any = None
     background: Any = None
@@ -84,7 +95,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     ),
     "conversation": ("conversations are not stored; send them in input", ()),
     "metadata": ("responses are not stored", ({},)),
-    "reasoning": ("this model does not reason", ({},)),
     "include": ("nothing more can be included", ([],)),
     "truncation": ("a prompt over the context is refused, never cut", ("disabled",)),
     "background": ("every response is answered in the foreground", (False,)),
@@ -105,6 +115,21 @@ class OutputText(BaseModel):
     text: str
     annotations: list[Any] = []
     logprobs: list[Any] = []
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A thinking model's reasoning, whole (vLLM's; OpenAI's own models give summaries)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class OutputMessage(BaseModel):
@@ -157,7 +182,7 @@ class Response(BaseModel):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[OutputMessage | FunctionCallItem]
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
     error: ResponseError | None = None
@@ -170,4 +195,5 @@ class Response(BaseModel):
     tool_choice: Any = "auto"
     tools: list[Any] = []
     text: dict[str, Any] = {"format": {"type": "text"}}
+    reasoning: dict[str, Any] | None = None
     store: bool = False

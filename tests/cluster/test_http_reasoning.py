@@ -123,13 +123,14 @@ def test_the_answer_sent_back_with_its_reasoning_is_the_next_turn(
         )
 
 
-def test_the_messages_and_responses_apis_answer_without_the_reasoning(
+def test_the_messages_api_answers_without_the_reasoning_unless_asked(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
-    """Anthropic's API shows thinking only when asked (radixmesh refuses `thinking`), and
-    OpenAI's Responses API keeps a reasoning model's reasoning to itself: both answer with what
-    follows `</think>`. Here the model is cut while still thinking, so the answer is empty,
-    though the chat API shows the same tokens as reasoning."""
+    """Anthropic's API shows thinking only when asked (tests/cluster/
+    test_http_anthropic_thinking.py), and OpenAI's Responses API keeps the reasoning out of
+    the answer's text (a reasoning item holds it: test_http_responses_reasoning.py): both
+    answer with what follows `</think>`. Here the model is cut while still thinking, so the
+    answer is empty, though the chat API shows the same tokens as reasoning."""
     whole = client.chat.completions.create(
         model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=6,
         extra_body={"separate_reasoning": False},

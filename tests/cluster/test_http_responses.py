@@ -20,7 +20,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import BaseModel
 
-from cluster.http import responses_routes
+from cluster.http import responses_output, responses_stream
 from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
@@ -183,7 +183,7 @@ def test_parse_gives_the_pydantic_model(client: openai.OpenAI, cluster: LocalClu
 def test_a_stream_that_fails_ends_with_response_failed() -> None:
     """A worker that fails mid-stream: the events end with `response.failed` carrying the
     error, as OpenAI ends such a stream, and the SDK's accumulator takes them."""
-    shell = responses_routes._shell(ResponsesRequest(model=MODEL, input=QUESTION), "resp_x", MODEL)
+    shell = responses_output.shell(ResponsesRequest(model=MODEL, input=QUESTION), "resp_x", MODEL)
     first = serving_pb2.GenerateResponse(index=0, text="Hel", token_ids=[5], worker="worker-0")
     failing = serving_pb2.GenerateResponse(
         index=0, finished=True, finish_reason="error", token_ids=[6], worker="worker-0"
@@ -194,9 +194,12 @@ def test_a_stream_that_fails_ends_with_response_failed() -> None:
 
     async def collect() -> list[dict[str, Any]]:
         out = []
-        async for raw in responses_routes.events(shell, first, rest(), frozenset()):
-            data = raw.decode().split("\n")[1]
-            out.append(json.loads(data.removeprefix("data: ")))
+        async for raw in responses_stream.events(shell, first, rest(), frozenset()):
+            out += [  # a chunk may hold several events
+                json.loads(line.removeprefix("data: "))
+                for line in raw.decode().split("\n")
+                if line.startswith("data: ")
+            ]
         return out
 
     events = asyncio.run(collect())
@@ -215,7 +218,17 @@ def test_a_stream_that_fails_ends_with_response_failed() -> None:
         ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
         ({"store": True}, "store", "send store: false"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "'reasoning'"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "'item_reference'"),
+        (
+            {"input": [{"type": "reasoning", "summary": []}]},
+            "input",
+            "no message or function call",
+        ),
+        (
+            {"input": [{"type": "reasoning", "summary": [], "content": [{"type": "text"}]}]},
+            "input[0].content[0]",
+            "must be a reasoning_text part",
+        ),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "'tool'"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -228,7 +241,7 @@ def test_a_stream_that_fails_ends_with_response_failed() -> None:
             "text.format.schema",
             "does not compile",
         ),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
+        ({"reasoning": {"effort": "maximal"}}, "reasoning.effort", "'maximal'"),
         ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role", "is not one of"),
         (
             {

@@ -1,0 +1,130 @@
+"""The Responses API's response object (cluster/http/responses_schema.py), from the request as it
+starts and from a finished sample: a reasoning item for a thinking model's reasoning, a message
+item for the answer's text, a function_call item a call, the usage and the status."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from cluster.http.openai_responses import Counts
+from cluster.http.responses_schema import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    Response,
+    ResponseError,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from worker.tool_calls import ToolCall
+
+
+def shell(body: ResponsesRequest, response_id: str, model: str) -> Response:
+    """The response as it starts: in progress, no output yet."""
+    choice = body.tool_choice
+    form = body.text.format if body.text is not None and body.text.format is not None else None
+    return Response(
+        id=response_id,
+        created_at=0,
+        status="in_progress",
+        model=model,
+        output=[],
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        tool_choice=choice.model_dump()
+        if choice is not None and not isinstance(choice, str)
+        else choice or "auto",
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        text={
+            "format": form.model_dump(by_alias=True, exclude_none=True)
+            if form
+            else {"type": "text"}
+        },
+        reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
+    ).model_copy(update={"created_at": int(time.time())})
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def done(
+    shell: Response,
+    content: str | None,
+    calls: list[ToolCall],
+    finish: str | None,
+    counts: Counts,
+    message_id: str | None = None,
+    call_ids: list[str] | None = None,
+    failure: str | None = None,
+    thought: str = "",
+    reasoning_id: str | None = None,
+) -> Response:
+    """The finished response: a reasoning item for a thinking model's reasoning (if any), a
+    message item for the text (if any), a function_call item a call, the usage; incomplete
+    with its reason when max_output_tokens cut it, failed when the generation was aborted (the
+    worker stopping) or failed (`failure`)."""
+    status: Literal["completed", "incomplete", "failed"] = "completed"
+    if finish == "length":
+        status = "incomplete"
+    elif finish == "abort" and failure is None:
+        failure = "the generation was aborted (its worker is stopping): send it again"
+    if failure is not None:
+        status = "failed"
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem] = []
+    if thought:
+        output.append(reasoning_item(reasoning_id, thought, bool(content or calls), status))
+    if content:
+        item_status: Literal["completed", "incomplete"] = (
+            "completed" if status == "completed" else "incomplete"
+        )
+        output.append(
+            OutputMessage(
+                id=message_id or new_item_id("msg"),
+                status=item_status,
+                content=[OutputText(text=content)],
+            )
+        )
+    ids = call_ids or [new_item_id("fc") for _ in calls]
+    output += [
+        FunctionCallItem(
+            id=each, call_id=c.id, name=c.name, arguments=c.arguments, status="completed"
+        )
+        for each, c in zip(ids, calls, strict=True)
+    ]
+    usage = ResponseUsage(
+        input_tokens=counts.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=counts.cached_tokens),
+        output_tokens=counts.completion_tokens,
+        total_tokens=counts.prompt_tokens + counts.completion_tokens,
+    )
+    details = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+    error = ResponseError(code="server_error", message=failure) if failure is not None else None
+    return shell.model_copy(
+        update={
+            "status": status,
+            "output": output,
+            "usage": usage,
+            "incomplete_details": details,
+            "error": error,
+        }
+    )
+
+
+def reasoning_item(item_id: str | None, thought: str, answered: bool, status: str) -> ReasoningItem:
+    """The reasoning's item: complete once the answer began, else as the response ends."""
+    whole = answered or status == "completed"
+    return ReasoningItem(
+        id=item_id or new_item_id("rs"),
+        content=[ReasoningText(text=thought)],
+        status="completed" if whole else "incomplete",
+    )

@@ -1,0 +1,187 @@
+"""A streamed Responses API response: OpenAI's events, each with its `sequence_number`.
+
+    response.created, response.in_progress
+    a thinking model's reasoning (vLLM's events for it):
+        output_item.added (reasoning), content_part.added, reasoning_text.delta ...,
+        reasoning_text.done, content_part.done, output_item.done    at the answer's first text
+    the answer's text:
+        output_item.added (message), content_part.added, output_text.delta ...,
+        output_text.done, content_part.done, output_item.done       at the end
+    each call: output_item.added, function_call_arguments.delta (all of it) and .done,
+        output_item.done
+    response.completed (or .incomplete), with the whole response; response.failed mid-way
+
+An item opens only when it has text, so the streamed response is the one a request that is not
+streamed gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.http.errors import GenerationFailed, HttpError
+from cluster.http.openai_responses import Counts, HeldCalls, Responses, prepend, read
+from cluster.http.responses_output import done, new_item_id, reasoning_item
+from cluster.http.responses_schema import (
+    FunctionCallItem,
+    OutputMessage,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    Response,
+)
+from cluster.serving_call import ServingError
+from protos.radixmesh.v1 import serving_pb2
+from worker.tool_calls import ToolCall
+
+
+async def events(
+    shell: Response,
+    first: serving_pb2.GenerateResponse,
+    rest: Responses,
+    tools: frozenset[str],
+) -> AsyncIterator[bytes]:
+    """The response's events (module docstring)."""
+    out = _Events()
+    yield out.event("response.created", {"response": shell.model_dump()})
+    yield out.event("response.in_progress", {"response": shell.model_dump()})
+    counts = Counts()
+    held = HeldCalls(tools) if tools else None
+    calls: list[ToolCall] = []
+    finish = None
+    try:
+        async with contextlib.aclosing(read(prepend(first, rest), counts)) as responses:
+            async for response in responses:
+                if response.reasoning_text:
+                    yield out.think(response.reasoning_text)
+                delta = held.feed(response.text) if held is not None else response.text
+                if response.finished:
+                    finish = response.finish_reason
+                    if held is not None:
+                        more, calls = held.finish()
+                        delta += more
+                if delta:
+                    yield out.write(delta)
+    except (ServingError, GenerationFailed) as err:  # as OpenAI ends a stream that failed
+        failed = done(shell, None, [], None, counts, failure=HttpError.of(err).message)
+        yield out.event("response.failed", {"response": failed.model_dump()})
+        return
+    finished = done(
+        shell, out.text or None, calls, finish, counts, out.message_id,
+        thought=out.thought, reasoning_id=out.reasoning_id,
+    )  # fmt: skip
+    yield out.end(finished)
+
+
+class _Events:
+    """The events of one response, numbered, and its reasoning and message items as they go."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.reasoning_id, self.message_id = new_item_id("rs"), new_item_id("msg")
+        self.thought = ""
+        """The reasoning so far."""
+        self.text = ""
+        """The answer's text so far."""
+
+    def event(self, kind: str, data: dict[str, Any]) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **data}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def think(self, delta: str) -> bytes:
+        out = b""
+        if not self.thought:
+            item = ReasoningItem(id=self.reasoning_id, content=[], status="in_progress")
+            out += self._opened(0, item, ReasoningText(text=""))
+        self.thought += delta
+        return out + self.event(
+            "response.reasoning_text.delta", self._at_reasoning | {"delta": delta}
+        )
+
+    def write(self, delta: str) -> bytes:
+        out = b""
+        if not self.text:
+            if self.thought:  # the answer began: the reasoning is whole
+                out += self._closed(
+                    reasoning_item(self.reasoning_id, self.thought, True, "completed")
+                )
+            item = OutputMessage(id=self.message_id, status="in_progress", content=[])
+            out += self._opened(self._message_index, item, OutputText(text=""))
+        self.text += delta
+        at = self._at_message | {"delta": delta, "logprobs": []}
+        return out + self.event("response.output_text.delta", at)
+
+    def end(self, finished: Response) -> bytes:
+        """What is still open, closed as `finished` has it; then the calls and the end."""
+        out = b""
+        items = list(finished.output)
+        if self.thought:
+            reasoning = items.pop(0)
+            if not self.text:  # cut while thinking: it ends with the response
+                assert isinstance(reasoning, ReasoningItem)
+                out += self._closed(reasoning)
+        if self.text:
+            answer = items.pop(0)
+            assert isinstance(answer, OutputMessage)
+            out += self._closed(answer)
+        for index, call in enumerate(items, start=len(finished.output) - len(items)):
+            assert isinstance(call, FunctionCallItem)
+            out += self._call(index, call)
+        return out + self.event(f"response.{finished.status}", {"response": finished.model_dump()})
+
+    @property
+    def _message_index(self) -> int:
+        return int(bool(self.thought))
+
+    @property
+    def _at_reasoning(self) -> dict[str, Any]:
+        return {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+
+    @property
+    def _at_message(self) -> dict[str, Any]:
+        return {"item_id": self.message_id, "output_index": self._message_index, "content_index": 0}
+
+    def _opened(
+        self, index: int, item: ReasoningItem | OutputMessage, part: ReasoningText | OutputText
+    ) -> bytes:
+        at = self._at_reasoning if isinstance(item, ReasoningItem) else self._at_message
+        added = {"output_index": index, "item": item.model_dump()}
+        return self.event("response.output_item.added", added) + self.event(
+            "response.content_part.added", at | {"part": part.model_dump()}
+        )
+
+    def _closed(self, item: ReasoningItem | OutputMessage) -> bytes:
+        """An item's text part done, then the item."""
+        part = item.content[0]
+        more: dict[str, Any] = {}
+        if isinstance(item, ReasoningItem):
+            at, kind = self._at_reasoning, "reasoning_text"
+        else:
+            at, kind, more = self._at_message, "output_text", {"logprobs": []}
+        return (
+            self.event(f"response.{kind}.done", at | {"text": part.text} | more)
+            + self.event("response.content_part.done", at | {"part": part.model_dump()})
+            + self.event(
+                "response.output_item.done",
+                {"output_index": at["output_index"], "item": item.model_dump()},
+            )
+        )
+
+    def _call(self, index: int, call: FunctionCallItem) -> bytes:
+        opened = call.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump()
+        at = {"item_id": call.id, "output_index": index}
+        return (
+            self.event("response.output_item.added", {"output_index": index, "item": opened})
+            + self.event("response.function_call_arguments.delta", at | {"delta": call.arguments})
+            + self.event(
+                "response.function_call_arguments.done",
+                at | {"arguments": call.arguments, "name": call.name},
+            )
+            + self.event(
+                "response.output_item.done", {"output_index": index, "item": call.model_dump()}
+            )
+        )

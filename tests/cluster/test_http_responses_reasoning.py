@@ -1,0 +1,236 @@
+"""A thinking model's reasoning on OpenAI's Responses API, with the `openai` SDK: a `reasoning`
+item before the answer (its text in `content`, as vLLM serves it), the same whole or streamed;
+reasoning items sent back in `input` reach the template as the next assistant turn's reasoning;
+`reasoning.effort` (and chat completions' `reasoning_effort`) reach the template, "none" turning
+the thinking off. The events of a reasoning followed by an answer and a call are checked on a
+made-up stream, which the tiny random model cannot be made to write here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import openai
+import pytest
+from openai._models import construct_type_unchecked
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+
+from cluster.http import responses_output, responses_stream
+from cluster.http.openai_responses import Counts
+from cluster.http.responses_schema import ReasoningItem, ResponsesRequest
+from protos.radixmesh.v1 import serving_pb2
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.worker.thinking_fixtures import thinking_model
+from worker.loader import LoadedModel
+from worker.tool_calls import ToolCall
+
+QUESTION = [{"role": "user", "content": "Which city?"}]
+
+
+@pytest.fixture(scope="module")
+def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
+
+
+@pytest.fixture(scope="module")
+def cluster(thinking: LoadedModel) -> Iterator[LocalCluster]:
+    running = start_cluster(thinking, workers=1, http=True)
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def reasoning_of(client: openai.OpenAI, max_tokens: int = 6, **extra: Any) -> tuple[str, str]:
+    """The chat API's (reasoning_content, content) for the question."""
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=max_tokens,  # type: ignore[arg-type]
+        extra_body=extra,
+    )  # fmt: skip
+    message = reply.choices[0].message
+    return (message.model_extra or {}).get("reasoning_content") or "", message.content or ""
+
+
+def items(response: Any) -> list[tuple[str, str, str | None]]:
+    """(type, text, status) of each output item."""
+    out = []
+    for item in response.output:
+        parts = getattr(item, "content", None) or []
+        out.append((item.type, "".join(p.text for p in parts), getattr(item, "status", None)))
+    return out
+
+
+def test_the_reasoning_is_an_item_whole_or_streamed(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """Cut while thinking: the reasoning item alone, incomplete, as is the response."""
+    thought, answer = reasoning_of(client)
+    assert thought and answer == ""
+    whole = client.responses.create(
+        model=SERVED_NAME, input="Which city?", max_output_tokens=6, temperature=0.0
+    )
+    assert items(whole) == [("reasoning", thought, "incomplete")]
+    assert whole.status == "incomplete" and whole.output_text == ""
+    with client.responses.stream(
+        model=SERVED_NAME, input="Which city?", max_output_tokens=6, temperature=0.0
+    ) as stream:
+        seen = list(stream)
+    kinds = [event.type for event in seen]
+    streamed = getattr(seen[-1], "response")  # the SDK finishes only a completed one  # noqa: B009
+    assert items(streamed) == items(whole)
+    deltas = kinds.count("response.reasoning_text.delta")
+    assert deltas >= 1 and kinds == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        *["response.reasoning_text.delta"] * deltas,
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete",
+    ]  # fmt: skip
+    cluster.wait_idle()
+
+
+def test_reasoning_items_sent_back_are_the_next_turns_reasoning(client: openai.OpenAI) -> None:
+    """A reasoning item as a response gave it, then the answer: the prompt is the chat API's
+    with the turn's `reasoning_content`, token for token; `encrypted_content` is passed over."""
+    reasoning = {
+        "type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque",
+        "content": [{"type": "reasoning_text", "text": "it rains"}],
+    }  # fmt: skip
+    answer = {"role": "assistant", "content": [{"type": "output_text", "text": "Paris"}]}
+    follow: list[Any] = [*QUESTION, reasoning, answer, {"role": "user", "content": "Why?"}]
+    served = client.responses.create(model=SERVED_NAME, input=follow, max_output_tokens=1)
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, max_tokens=1,
+        messages=[
+            QUESTION[0],
+            {"role": "assistant", "content": "Paris", "reasoning_content": "it rains"},  # type: ignore[list-item, misc]
+            {"role": "user", "content": "Why?"},
+        ],
+    )  # fmt: skip
+    without = client.responses.create(
+        model=SERVED_NAME, input=[*QUESTION, answer, follow[-1]], max_output_tokens=1
+    )
+    assert served.usage is not None and chat.usage is not None and without.usage is not None
+    assert served.usage.input_tokens == chat.usage.prompt_tokens > without.usage.input_tokens
+    summary = [{"type": "summary_text", "text": "it rains"}]
+    summary_only = {**reasoning, "content": None, "summary": summary}
+    again = client.responses.create(
+        model=SERVED_NAME, input=[*QUESTION, summary_only, answer, follow[-1]], max_output_tokens=1
+    )
+    assert again.usage is not None and again.usage.input_tokens == served.usage.input_tokens
+
+
+def test_a_reasoning_item_before_calls_is_their_turns_reasoning(client: openai.OpenAI) -> None:
+    reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "look"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    served = client.responses.create(
+        model=SERVED_NAME,
+        input=[*QUESTION, reasoning, call, output],
+        max_output_tokens=1,  # type: ignore[list-item]
+    )
+    plain = client.responses.create(
+        model=SERVED_NAME,
+        input=[*QUESTION, call, output],
+        max_output_tokens=1,  # type: ignore[list-item]
+    )
+    assert served.usage is not None and plain.usage is not None
+    assert served.usage.input_tokens > plain.usage.input_tokens
+
+
+def test_effort_none_turns_the_thinking_off_on_both_apis(client: openai.OpenAI) -> None:
+    off, answer = reasoning_of(client, chat_template_kwargs={"enable_thinking": False})
+    assert off == "" and answer
+    assert reasoning_of(client, reasoning_effort="none") == (off, answer)
+    response = client.responses.create(
+        model=SERVED_NAME, input="Which city?", max_output_tokens=6, temperature=0.0,
+        reasoning={"effort": "none", "summary": "auto"},
+    )  # fmt: skip
+    assert items(response) == [("message", answer, "incomplete")]
+    assert response.reasoning is not None and response.reasoning.effort == "none"
+    thought, _ = reasoning_of(client)
+    assert reasoning_of(client, reasoning_effort="high") == (thought, "")  # the template's own
+
+
+# the events of a reasoning, an answer and a call, on a made-up stream
+
+
+def made_up(*chunks: tuple[str, str]) -> list[serving_pb2.GenerateResponse]:
+    """(reasoning, text) per message, the last finishing."""
+    out = [
+        serving_pb2.GenerateResponse(index=0, reasoning_text=r, text=t, token_ids=[1], worker="w")
+        for r, t in chunks
+    ]
+    out[-1].finished, out[-1].finish_reason = True, "stop"
+    return out
+
+
+def run_events(
+    responses: list[serving_pb2.GenerateResponse], tools: frozenset[str]
+) -> list[dict[str, Any]]:
+    shell = responses_output.shell(ResponsesRequest(model="m", input="q"), "resp_x", "m")
+
+    async def rest() -> AsyncIterator[serving_pb2.GenerateResponse]:
+        for each in responses[1:]:
+            yield each
+
+    async def collect() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        async for raw in responses_stream.events(shell, responses[0], rest(), tools):
+            out += [
+                json.loads(line.removeprefix("data: "))
+                for line in raw.decode().split("\n")
+                if line.startswith("data: ")
+            ]
+        return out
+
+    return asyncio.run(collect())
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("tools", [frozenset(), frozenset({"f"})], ids=["text", "call"])
+def test_reasoning_then_answer_events_add_up_to_the_response(tools: frozenset[str]) -> None:
+    chunks = [("it ", ""), ("rains", "\n\nPa"), ("", "ris")]
+    if tools:
+        chunks.append(("", CALL))
+    events = run_events(made_up(*chunks), tools)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    kinds = [item["type"] for item in final["output"]]
+    assert kinds == ["reasoning", "message", *(["function_call"] if tools else [])]
+    reasoning, message = final["output"][:2]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "it rains"}]
+    assert reasoning["status"] == message["status"] == "completed"
+    assert message["content"][0]["text"] == "\n\nParis"
+    # each item's events name its place; the reasoning is done before the message opens
+    added = [
+        (e["output_index"], e["item"]["type"])
+        for e in events
+        if e["type"] == "response.output_item.added"
+    ]
+    assert added == list(enumerate(kinds))
+    names = [e["type"] for e in events]
+    assert names.index("response.reasoning_text.done") < names.index("response.output_text.delta")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert text == "it rains"
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for event in events:
+        state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))
+    calls = [ToolCall("call_x", "f", '{"x": 1}')] if tools else []
+    whole = responses_output.done(
+        responses_output.shell(ResponsesRequest(model="m", input="q"), "resp_x", "m"),
+        "\n\nParis", calls, "stop", Counts(), thought="it rains",
+    )  # fmt: skip
+    assert [(i["type"], i.get("content")) for i in final["output"][:2]] == [
+        (i.type, [p.model_dump() for p in i.content]) for i in whole.output[:2]
+    ]
+    assert isinstance(whole.output[0], ReasoningItem)
