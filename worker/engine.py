@@ -935,9 +935,9 @@ class Engine:
             tail = sample.decoder.finish() if sample.decoder is not None else ""
             more, _ = sample.stop.feed(tail)
             text += more + sample.stop.flush()
-        thought = ""
+        thought, thinking = "", 0
         if sample.reasoning is not None:  # a thinking model's reasoning, told from its answer
-            thought, text = sample.reasoning.feed(text)
+            thought, text, thinking = sample.reasoning.feed_token(text)
             if reason is not None:
                 more_thought, more_text = sample.reasoning.flush()
                 thought, text = thought + more_thought, text + more_text
@@ -953,8 +953,9 @@ class Engine:
             and sample.generated == 1
         )
         self._emit(
-            sample, (token,), text, reason, logprobs=logprobs, scored_prompt=scored, thought=thought
-        )
+            sample, (token,), text, reason, logprobs=logprobs, scored_prompt=scored,
+            thought=thought, thinking=thinking,
+        )  # fmt: skip
 
     def _emit(
         self,
@@ -966,8 +967,10 @@ class Engine:
         logprobs: tuple[TokenLogprob, ...] = (),
         scored_prompt: bool = False,
         thought: str = "",
+        thinking: int = 0,
     ) -> None:
-        """Stream one output (`thought`: its reasoning, apart from `text`). A sample's last one
+        """Stream one output (`thought`: its reasoning, apart from `text`; `thinking`: how many
+        tokens it makes the reasoning's). A sample's last one
         goes out after the sample is finished: its pages are back in the pool and its request
         id free by the time a client sees the end."""
         request = sample.request
@@ -988,6 +991,7 @@ class Engine:
             prompt_logprobs=tuple(request.prompt_scores) if scored_prompt else (),
             prompt_token_ids=tuple(request.prompt_ids) if scored_prompt else (),
             reasoning_text=thought,
+            reasoning_tokens=thinking,
         )
         try:
             request.sink(output)
@@ -1166,4 +1170,4 @@ class Engine:
                 sample.budget.step(token, delta)
             text, _ = sample.stop.feed(delta, armed=count > min_tokens)
             if sample.reasoning is not None:
-                sample.reasoning.feed(text)
+                sample.reasoning.feed_token(text)

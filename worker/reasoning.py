@@ -77,6 +77,8 @@ class ReasoningSplit:
         self.inside = inside
         self.state = _State.START
         self.held = ""
+        self.waiting = 0
+        """Tokens fed while it waits to see whether the text opens with `<think>`."""
 
     @property
     def reasoning(self) -> bool:
@@ -105,6 +107,20 @@ class ReasoningSplit:
             self.state = _State.CONTENT
         content, self.held = self.held, ""
         return reasoning, content
+
+    def feed_token(self, text: str) -> tuple[str, str, int]:
+        """`feed` one token's text; also how many tokens this one makes the reasoning's: 1
+        if it is (in the reasoning before, or after: its open), with the tokens held at the
+        start when they turn out to spell the model's own `<think>`; 0 for an answer's."""
+        before, starting = self.reasoning, self.state is _State.START
+        reasoning, content = self.feed(text)
+        if self.state is _State.START:  # still undecided (a prompt's open counts them now)
+            self.waiting += not before
+            return reasoning, content, int(before)
+        held, self.waiting = self.waiting, 0
+        if starting and self.reasoning and not before:  # the model's own open, whole
+            return reasoning, content, held + 1
+        return reasoning, content, int(before or self.reasoning)
 
     def flush(self) -> tuple[str, str]:
         """What is still held, at the sample's end: a tag never finished is text."""

@@ -112,3 +112,5 @@ class RequestOutput:
     reasoning_text: str = ""
     """With `separate_reasoning`, of a thinking model: the reasoning generated since the
     previous message (`text` holds only what comes after its `</think>`)."""
+    reasoning_tokens: int = 0
+    """Of `token_ids`, those of the reasoning (with `separate_reasoning`, of a thinking model)."""

@@ -174,6 +174,7 @@ def output_to_proto(
         prompt_logprobs=[logprob_to_proto(each) for each in output.prompt_logprobs],
         prompt_token_ids=list(output.prompt_token_ids),
         reasoning_text=output.reasoning_text,
+        reasoning_tokens=output.reasoning_tokens,
     )
 
 

@@ -24,6 +24,7 @@ from cluster.http.openai_schema import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     Delta,
     FunctionCall,
     PromptLogprobs,
@@ -94,6 +95,8 @@ class Counts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    """Of `completion_tokens`, a thinking model's reasoning's."""
     first: serving_pb2.GenerateResponse | None = None
     prompts: dict[str, ScoredPrompt] = field(default_factory=dict)
     """Each generation's prompt logprobs, when the request asked for them."""
@@ -115,6 +118,7 @@ class Counts:
         if scored is not None:
             self.prompts[response.request_id] = scored
         self.completion_tokens += len(response.token_ids)
+        self.reasoning_tokens += response.reasoning_tokens
 
     def usage(self) -> Usage:
         return Usage(
@@ -122,6 +126,9 @@ class Counts:
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            completion_tokens_details=CompletionTokensDetails(
+                reasoning_tokens=self.reasoning_tokens
+            ),
         )
 
 

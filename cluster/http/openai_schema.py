@@ -288,11 +288,17 @@ class PromptTokensDetails(BaseModel):
     """Prompt tokens served from the prefix cache."""
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+    """A thinking model's reasoning tokens, when told from its answer."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails = CompletionTokensDetails()
 
 
 class TopLogprob(BaseModel):

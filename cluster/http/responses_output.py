@@ -15,6 +15,7 @@ from cluster.http.responses_schema import (
     InputTokensDetails,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
     Response,
@@ -105,6 +106,7 @@ def done(
         input_tokens=counts.prompt_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=counts.cached_tokens),
         output_tokens=counts.completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=counts.reasoning_tokens),
         total_tokens=counts.prompt_tokens + counts.completion_tokens,
     )
     details = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None

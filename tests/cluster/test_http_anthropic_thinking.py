@@ -178,6 +178,26 @@ def test_thinking_blocks_sent_back_are_the_turns_reasoning(
     )
 
 
+def test_the_chat_usage_counts_the_reasoning_tokens(
+    client: openai.OpenAI, thinking: LoadedModel
+) -> None:
+    """With a budget of 5, the reasoning is those 5 tokens and the forced `</think>`'s."""
+    assert thinking.tokenizer is not None
+    close = thinking.tokenizer.encode("</think>", add_special_tokens=False)
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=16,
+        extra_body={"thinking_token_budget": 5},
+    )  # fmt: skip
+    assert reply.usage is not None and reply.usage.completion_tokens_details is not None
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 5 + len(close)
+    whole = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=16,
+        extra_body={"thinking_token_budget": 5, "separate_reasoning": False},
+    )  # fmt: skip
+    assert whole.usage is not None and whole.usage.completion_tokens_details is not None
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 0  # not told apart
+
+
 def test_the_chat_apis_budget_is_refused_below_zero(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         chat(client, thinking_token_budget=-1)

@@ -78,6 +78,8 @@ def test_the_reasoning_is_an_item_whole_or_streamed(
     )
     assert items(whole) == [("reasoning", thought, "incomplete")]
     assert whole.status == "incomplete" and whole.output_text == ""
+    assert whole.usage is not None  # every token was the reasoning's
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 6
     with client.responses.stream(
         model=SERVED_NAME, input="Which city?", max_output_tokens=6, temperature=0.0
     ) as stream:

@@ -109,3 +109,27 @@ def test_a_constraint_from_the_first_token_holds_no_reasoning() -> None:
     assert may_hold_reasoning(StructuredOutput("choice", choices=("a</think>b",)))
     assert may_hold_reasoning(StructuredOutput("regex", "[a-z]+</think>[A-Z]+"))
     assert not may_hold_reasoning(StructuredOutput("regex", "[a-z]+"))
+
+
+@given(st.lists(PIECES, max_size=12), st.booleans())
+def test_the_reasoning_tokens_are_those_up_to_the_close(pieces: list[str], inside: bool) -> None:
+    """Each piece a token: the counts add up to the tokens from the first (when the reasoning
+    is opened by the prompt or by the model's own `<think>`) to the one completing `</think>`,
+    or to the end if it never closes; to none when the text is all answer."""
+    split = ReasoningSplit(inside)
+    counts = [split.feed_token(piece)[2] for piece in pieces]
+    text = "".join(pieces)
+    opened = inside or text.lstrip().startswith(OPEN)
+    head = text.lstrip()
+    undecided = not inside and OPEN.startswith(head) and head != OPEN  # its text: the answer
+    if not opened or undecided:
+        assert sum(counts) == 0
+        return
+    after_open = len(text) - len(head) + len(OPEN) if head.startswith(OPEN) else 0
+    close = text.find(CLOSE, after_open)
+    if close < 0:
+        assert sum(counts) == len(pieces)
+    else:
+        ends = [len("".join(pieces[: i + 1])) for i in range(len(pieces))]
+        closing = next(i for i, end in enumerate(ends) if end >= close + len(CLOSE))
+        assert sum(counts) == closing + 1 and not any(counts[closing + 1 :])

@@ -65,6 +65,29 @@ def test_a_model_that_opens_its_own_thinking(thinking: LoadedModel) -> None:
     assert got == ("rain", "\n\nParis", FINISH_STOP)
 
 
+@pytest.mark.parametrize(
+    ("choice", "opens"), [("<think>rain</think>\n\nParis", True), ("it rains</think>Paris", False)]
+)
+def test_the_reasoning_tokens_run_from_the_open_to_the_close(
+    thinking: LoadedModel, choice: str, opens: bool
+) -> None:
+    """Counted for the usage: every token from the model's `<think>` (or the first, when the
+    prompt opened it) to the one that completes `</think>`; none after."""
+    request = GenerateRequest(
+        "c", messages=MESSAGES, sampling=sampling(choice),
+        template_variables={"model_opens": True} if opens else None,
+    )  # fmt: skip
+    outputs = run_to_end(engine_for(thinking), request)
+    ids = [t for o in outputs for t in o.token_ids]
+    assert thinking.tokenizer is not None
+    closing = next(
+        k for k in range(len(ids) + 1) if "</think>" in thinking.tokenizer.decode(ids[:k])
+    )
+    counts = [o.reasoning_tokens for o in outputs]
+    assert sum(counts) == closing and not any(counts[closing:])
+    assert all(counts[:closing]) or opens  # the model's `<think>`, several tokens, counts whole
+
+
 def test_thinking_switched_off_is_all_answer(thinking: LoadedModel) -> None:
     assert chat(thinking, sampling("Paris"), enable_thinking=False) == ("", "Paris", FINISH_STOP)
 

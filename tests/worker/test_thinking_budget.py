@@ -160,6 +160,9 @@ def test_the_reasoning_is_closed_after_exactly_the_budget(thinking: LoadedModel)
     assert reasoning == thinking.tokenizer.decode(generated[:5])
     assert answer == thinking.tokenizer.decode(generated[5 + len(close) :])
     assert outputs[-1].finish_reason == FINISH_LENGTH and len(generated) == 24
+    assert sum(o.reasoning_tokens for o in outputs) == 5 + len(
+        close
+    )  # the close is the reasoning's
 
 
 def test_without_separating_the_text_holds_the_forced_close(thinking: LoadedModel) -> None:
@@ -214,7 +217,8 @@ def test_a_resumed_sample_forces_what_is_left_of_the_close(thinking: LoadedModel
     """The router's move of a stream to another worker, cut before the budget, inside the
     forced close (6: after its first token, when it has several) or after it."""
     close = close_ids(thinking)
-    whole = tokens(generate(thinking, thinking_token_budget=5))
+    whole_outputs = generate(thinking, thinking_token_budget=5)
+    whole = tokens(whole_outputs)
     assert thinking.tokenizer is not None
     prompt = thinking.tokenizer.encode(
         thinking.tokenizer.apply_chat_template(list(MESSAGES)), add_special_tokens=False
@@ -223,11 +227,16 @@ def test_a_resumed_sample_forces_what_is_left_of_the_close(thinking: LoadedModel
     request = GenerateRequest(
         "moved",
         prompt_token_ids=(*prompt, *whole[:cut]),
-        sampling=SamplingParams(max_tokens=24, temperature=0.0, thinking_token_budget=5),
+        sampling=SamplingParams(
+            max_tokens=24, temperature=0.0, thinking_token_budget=5, separate_reasoning=True
+        ),
         resume=Resume(0, cut),
     )
-    after = tokens(run_to_end(engine_for(thinking), request))
+    resumed = run_to_end(engine_for(thinking), request)
+    after = tokens(resumed)
     assert whole[:cut] + after == whole and whole[5 : 5 + len(close)] == close
+    counted = sum(o.reasoning_tokens for o in whole_outputs[:cut] + resumed)
+    assert counted == sum(o.reasoning_tokens for o in whole_outputs) == 5 + len(close)
 
 
 def test_a_negative_budget_is_refused_by_name(thinking: LoadedModel) -> None:
