@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--tenant", default="")
             sub.add_argument("--system", default=None, help="a system message")
             sub.add_argument("--adapter", default="", help="a LoRA adapter's name")
+            sub.add_argument(
+                "--thinking-budget",
+                type=int,
+                default=None,
+                metavar="N",
+                help="a thinking model closes its reasoning after N tokens",
+            )
     adapters = commands.choices["adapters"]
     adapters.add_argument("action", choices=("list", "load", "unload"))
     adapters.add_argument("name", nargs="?", default=None)
@@ -149,10 +156,17 @@ def generate(args: argparse.Namespace, client: Client) -> int:
         chat = ([("system", args.system)] if args.system else []) + [("user", args.text)]
         request = text_request(chat=chat, **common)
         request.sampling.separate_reasoning = True
+    _budget(args, request)
     if structured is not None:
         request.sampling.structured.CopyFrom(structured)
     _stream(client, request)
     return 0
+
+
+def _budget(args: argparse.Namespace, request: serving_pb2.GenerateRequest) -> None:
+    """`--thinking-budget`, as SamplingParams.thinking_token_budget (the server judges it)."""
+    if args.thinking_budget is not None:
+        request.sampling.thinking_token_budget = args.thinking_budget
 
 
 def _structured(args: argparse.Namespace) -> serving_pb2.StructuredOutput | None:
@@ -219,6 +233,7 @@ def _answer_turn(
             adapter=args.adapter,
         )
         request.sampling.separate_reasoning = True  # the history keeps the answers alone
+        _budget(args, request)
         try:
             return _stream(client, request)[0]
         except grpc.RpcError as err:

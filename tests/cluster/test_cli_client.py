@@ -125,5 +125,13 @@ def test_generate_with_a_thinking_model_answers_on_stdout_and_reasons_on_stderr(
         assert out.returncode == 0, out.stderr
         assert out.stdout == "Paris\n"
         assert "it rains" in out.stderr and "</think>" not in out.stderr + out.stdout
+        # the random model never closes its reasoning by itself: the budget makes it answer
+        args = ["generate", "Which city?", "--target", cluster.target, "--max-tokens", "12"]
+        unbounded = run(*args)
+        bounded = run(*args, "--thinking-budget", "3")
+        assert unbounded.returncode == bounded.returncode == 0, bounded.stderr
+        assert unbounded.stdout == "\n" and bounded.stdout.strip()
+        refused = run(*args, "--thinking-budget", "-1")
+        assert refused.returncode != 0 and "thinking_token_budget" in refused.stderr
     finally:
         cluster.close()
