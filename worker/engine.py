@@ -88,7 +88,7 @@ from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingPar
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.stop import StopChecker
 from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
-from worker.thinking_budget import ThinkingBudget
+from worker.thinking_tokens import ThinkingTokens
 from worker.tier_costs import TierCosts
 from worker.tokenizer import Tokenizer
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS, PromptTokenizer, RequestLimits
@@ -917,14 +917,14 @@ class Engine:
             or sample.sampler.complete
         ):
             reason = FINISH_STOP
+            counted = int(sample.thinking is not None and sample.thinking.split.reasoning)
             if sampling.include_stop_str_in_output and sample.decoder is not None:
                 # vLLM writes the stop token's text then (a special token's only when
                 # skip_special_tokens is false)
                 text, _ = sample.stop.feed(sample.decoder.step(token), armed=False)
         else:
             delta = sample.decoder.step(token) if sample.decoder is not None else ""
-            if sample.budget is not None:
-                sample.budget.step(token, delta)
+            counted = sample.thinking.step(token, delta) if sample.thinking is not None else 0
             text, hit = sample.stop.feed(delta, armed=sample.generated > sampling.min_tokens)
             reason = FINISH_STOP if hit else None
         if reason is None and (
@@ -935,9 +935,9 @@ class Engine:
             tail = sample.decoder.finish() if sample.decoder is not None else ""
             more, _ = sample.stop.feed(tail)
             text += more + sample.stop.flush()
-        thought, thinking = "", 0
+        thought = ""
         if sample.reasoning is not None:  # a thinking model's reasoning, told from its answer
-            thought, text, thinking = sample.reasoning.feed_token(text)
+            thought, text = sample.reasoning.feed(text)
             if reason is not None:
                 more_thought, more_text = sample.reasoning.flush()
                 thought, text = thought + more_thought, text + more_text
@@ -954,7 +954,7 @@ class Engine:
         )
         self._emit(
             sample, (token,), text, reason, logprobs=logprobs, scored_prompt=scored,
-            thought=thought, thinking=thinking,
+            thought=thought, thinking=counted if sample.reasoning is not None else 0,
         )  # fmt: skip
 
     def _emit(
@@ -1073,7 +1073,7 @@ class Engine:
         )
         inside = state.reasoning_inside
         for index in range(first, first + sampling.n):
-            budget = self._thinking_budget(sampling, inside)
+            thinking = self._thinking_tokens(sampling, inside)
             sample = SampleState(
                 request=state,
                 index=index,
@@ -1085,7 +1085,7 @@ class Engine:
                     Constraint(state.grammar) if state.grammar is not None else None,
                     shaping,
                     BadWords.create(state.bad_words),
-                    budget,
+                    thinking,
                 ),
                 stop=StopChecker(state.stops, include=sampling.include_stop_str_in_output),
                 decoder=self.tokenizer.incremental_decoder(sampling.skip_special_tokens)
@@ -1095,7 +1095,7 @@ class Engine:
                 reasoning=ReasoningSplit(inside)
                 if inside is not None and sampling.separate_reasoning
                 else None,
-                budget=budget,
+                thinking=thinking,
             )
             state.samples.append(sample)
         state.forked = sampling.n == 1
@@ -1118,13 +1118,15 @@ class Engine:
         tokenizer = self.tokenizer
         return isinstance(tokenizer, Tokenizer) and template_thinks(tokenizer.chat_template)
 
-    def _thinking_budget(
+    def _thinking_tokens(
         self, sampling: SamplingParams, inside: bool | None
-    ) -> ThinkingBudget | None:
-        """A new sample's thinking budget (None: it has none, or its model does not think)."""
-        if inside is None or sampling.thinking_token_budget is None:
+    ) -> ThinkingTokens | None:
+        """A new sample's thinking tokens (None: its model does not think, or the request
+        neither tells its reasoning apart nor gives it a budget)."""
+        if inside is None:
             return None
-        return ThinkingBudget(sampling.thinking_token_budget, self._think_close_ids, inside)
+        budget = sampling.thinking_token_budget
+        return ThinkingTokens(budget, self._think_close_ids if budget is not None else (), inside)
 
     @functools.cached_property
     def _think_close_ids(self) -> tuple[int, ...]:
@@ -1143,6 +1145,8 @@ class Engine:
         if not (asked and self.thinks):
             return None
         assert isinstance(tokenizer, Tokenizer)  # `thinks` says so
+        if sampling.thinking_token_budget is not None:
+            _ = self._think_close_ids  # tokenized here, not on the engine's thread
         if not may_hold_reasoning(request.sampling.structured):
             return False  # constrained from its first token: the answer, never reasoning
         tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
@@ -1166,8 +1170,8 @@ class Engine:
         min_tokens = sample.request.request.sampling.min_tokens
         for count, token in enumerate(generated, 1):
             delta = sample.decoder.step(token)
-            if sample.budget is not None:
-                sample.budget.step(token, delta)
+            if sample.thinking is not None:
+                sample.thinking.step(token, delta)
             text, _ = sample.stop.feed(delta, armed=count > min_tokens)
             if sample.reasoning is not None:
-                sample.reasoning.feed_token(text)
+                sample.reasoning.feed(text)

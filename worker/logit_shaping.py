@@ -12,7 +12,7 @@ A request that asks for none of them holds no state (`create` returns None).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,14 @@ class LogitShaping:
         if bias is None and held is None:
             return None
         return cls(bias, held, params.min_tokens)
+
+    def holds(self, tokens: Sequence[int], generated: int) -> bool:
+        """Whether `min_tokens` holds back one of `tokens`, written from a sample that has
+        generated `generated` tokens."""
+        if self.held is None:
+            return False
+        held = set(self.held.tolist())
+        return any(t in held for i, t in enumerate(tokens) if generated + i < self.min_tokens)
 
     def apply(self, logits: torch.Tensor, generated: int) -> torch.Tensor:
         """The shaped copy of a logits row [vocab] for a sample that has generated `generated`

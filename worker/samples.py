@@ -30,7 +30,7 @@ from worker.reasoning import ReasoningSplit
 from worker.request import GenerateRequest, RequestOutput, TokenLogprob
 from worker.sampling import Sampler
 from worker.stop import StopChecker, StopStrings, compile_stops
-from worker.thinking_budget import ThinkingBudget
+from worker.thinking_tokens import ThinkingTokens
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
@@ -76,9 +76,10 @@ class SampleState:
     running)."""
     reasoning: ReasoningSplit | None = None
     """Its text told into reasoning and answer (a thinking model's, when asked); None: not."""
-    budget: ThinkingBudget | None = None
-    """Its reasoning's budget of tokens (a thinking model's, when asked); None: none. Its
-    sampler holds it too, to write what it forces."""
+    thinking: ThinkingTokens | None = None
+    """Its reasoning read from its raw text (a thinking model's, when told apart or given a
+    budget): its tokens counted and closed at the budget; None: neither. Its sampler holds it
+    too, to write what it forces."""
 
     @property
     def pending(self) -> int:

@@ -34,7 +34,7 @@ from worker.logit_shaping import LogitShaping
 from worker.penalties import Penalties
 from worker.sampling_params import SamplingParams
 from worker.structured_output import Constraint
-from worker.thinking_budget import ThinkingBudget
+from worker.thinking_tokens import ThinkingTokens
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 _POSITION_MIX = 0xD6E8FEB86659FD93
@@ -90,8 +90,8 @@ class Sampler:
     """The request's logit bias, allowed tokens and min_tokens; None: none of them."""
     bad_words: BadWords | None = None
     """The request's bad words, with this sample's recent tokens; None: none."""
-    budget: ThinkingBudget | None = None
-    """The sample's thinking budget, which may force its next token; None: none."""
+    thinking: ThinkingTokens | None = None
+    """The sample's thinking tokens, whose budget may force its next ones; None: none."""
     generated: int = 0
     """Tokens this sample has generated (drawn here or replayed)."""
     generator: torch.Generator = field(default_factory=torch.Generator)
@@ -105,19 +105,18 @@ class Sampler:
         constraint: Constraint | None = None,
         shaping: LogitShaping | None = None,
         bad_words: BadWords | None = None,
-        budget: ThinkingBudget | None = None,
+        thinking: ThinkingTokens | None = None,
     ) -> Sampler:
         seed = sample_seed(params.seed, index)
-        return cls(params, seed, penalties, constraint, shaping, bad_words, budget)
+        return cls(params, seed, penalties, constraint, shaping, bad_words, thinking)
 
     def __call__(self, logits: torch.Tensor, position: int) -> int:
         """The token at `position` (its index in the sequence), from a float32 logits row
         [vocab] (on any device; penalized and constrained there, sampled on the CPU). Counts it
         as generated. `GrammarRefused` if a constraint's allowed tokens are all -inf or NaN.
-        A thinking budget's forced token is taken instead of a draw where the constraint, if
-        any, allows it (worker/thinking_budget.py)."""
-        forced = self.budget.forced if self.budget is not None else None
-        if forced is not None and (self.constraint is None or self.constraint.allows(forced)):
+        A thinking budget's forced token is taken instead of a draw (`_forced`)."""
+        forced = self._forced()
+        if forced is not None:
             return self._record(forced)
         scores = logits
         if self.shaping is not None:
@@ -129,6 +128,22 @@ class Sampler:
         if self.constraint is not None:
             scores = self.constraint.mask(scores, owned=scores is not logits)
         return self._record(self._draw(scores, position))
+
+    def _forced(self) -> int | None:
+        """The thinking budget's next forced token (worker/thinking_tokens.py). A close is
+        checked whole before its first token: if the grammar does not allow all of it next, or
+        min_tokens holds one of its tokens back, the budget gives the forcing up."""
+        thinking = self.thinking
+        if thinking is None or not thinking.pending:
+            return None
+        if not thinking.checked:
+            thinking.checked = True
+            close = thinking.pending
+            held = self.shaping is not None and self.shaping.holds(close, self.generated)
+            if held or (self.constraint is not None and not self.constraint.allows(close)):
+                thinking.give_up()
+                return None
+        return thinking.pending[0]
 
     def _record(self, token: int) -> int:
         self.generated += 1

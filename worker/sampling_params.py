@@ -154,7 +154,7 @@ class SamplingParams:
     no effect on a model whose chat template has no `</think>`."""
     thinking_token_budget: int | None = None
     """A thinking model's reasoning is closed (`</think>` forced) once a sample has generated
-    this many tokens inside it (vLLM's; worker/thinking_budget.py); None: no budget. No effect
+    this many tokens inside it (vLLM's; worker/thinking_tokens.py); None: no budget. No effect
     on a model whose chat template has no `</think>`."""
     bad_words: tuple[str, ...] = ()
     """Words never written (vLLM's): each as tokens, alone and after a space, its last token
@@ -201,8 +201,10 @@ class SamplingParams:
             self.structured.validate()
         self._validate_shaping(vocab_size)
         budget = self.thinking_token_budget
-        if budget is not None and (not isinstance(budget, int) or budget < 0):
-            raise InvalidRequest("thinking_token_budget", f"must be >= 0, got {budget}")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget < 2**31
+        ):
+            raise InvalidRequest("thinking_token_budget", f"must be in [0, 2**31), got {budget}")
 
     def _validate_shaping(self, vocab_size: int) -> None:
         """min_p, min_tokens, logit_bias, allowed_token_ids and bad_words."""

@@ -174,12 +174,11 @@ class Constraint:
         self._apply(masked, self._bitmask.to(masked.device))
         return masked.view(-1)
 
-    def allows(self, token: int) -> bool:
-        """Whether the grammar allows `token` next."""
-        if not self._matcher.fill_next_token_bitmask(self._bitmask):
-            return True
-        word, bit = divmod(token, 32)
-        return bool((int(self._bitmask[0, word]) >> bit) & 1)
+    def allows(self, tokens: Sequence[int]) -> bool:
+        """Whether the grammar allows `tokens` next, in order (tried on a fork of the matcher,
+        which stays where it is)."""
+        trial = self._matcher.fork()
+        return all(trial.accept_token(token) for token in tokens)
 
     def accept(self, token: int) -> None:
         """Advance past `token`; `GrammarRefused` if the grammar does not allow it."""

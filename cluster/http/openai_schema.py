@@ -172,7 +172,7 @@ class GenerationParams(Body):
     skip_special_tokens: bool = True
     thinking_token_budget: int | None = None
     """vLLM's: a thinking model's reasoning is closed after this many tokens (`</think>`
-    forced; worker/thinking_budget.py)."""
+    forced; worker/thinking_tokens.py)."""
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob, rank and this many alternatives, in the response's
     `prompt_logprobs` (not with `stream`, as vLLM)."""

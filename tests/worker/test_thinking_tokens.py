@@ -1,9 +1,10 @@
-"""A thinking model's reasoning cut at `thinking_token_budget` (worker/thinking_budget.py): the
+"""A thinking model's reasoning cut at `thinking_token_budget` (worker/thinking_tokens.py): the
 close forced after exactly that many reasoning tokens, from the prompt's `<think>` or the
-model's own; never where the model closed it first, nor on a model that does not think; a
-grammar that does not allow the close decides instead; a resumed sample forces the rest of a
-close it was cut in. The tiny model writes random tokens, so only the budget closes its
-reasoning (unless a structured `choice` makes it write the tags)."""
+model's own; never where the model closed it first, nor on a model that does not think; under a
+grammar that allows it, forced as without one; a grammar that does not allow it, or
+`min_tokens` holding one of its tokens back, decides instead; a resumed sample forces the rest
+of a close it was cut in. The tiny model writes random tokens, so only the budget closes its
+reasoning (unless a structured output makes it write the tags)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from worker.loader import LoadedModel
 from worker.reasoning import CLOSE
 from worker.request import FINISH_LENGTH, GenerateRequest, RequestOutput, Resume
 from worker.sampling_params import SamplingParams, StructuredOutput
-from worker.thinking_budget import ThinkingBudget
+from worker.thinking_tokens import ThinkingTokens
 from worker.wire import sampling_from_proto, sampling_to_proto
 
 MESSAGES = ({"role": "user", "content": "Which city?"},)
@@ -69,7 +70,7 @@ def texts(outputs: Sequence[RequestOutput], index: int = 0) -> tuple[str, str]:
 # the budget alone, on made-up tokens: (token, text) steps
 
 
-def feed(budget: ThinkingBudget, steps: Sequence[tuple[int, str]]) -> list[int | None]:
+def feed(budget: ThinkingTokens, steps: Sequence[tuple[int, str]]) -> list[int | None]:
     """What the budget forced before each step, each step taking the forced token if any."""
     seen = []
     for drawn, its_text in steps:
@@ -83,41 +84,47 @@ def feed(budget: ThinkingBudget, steps: Sequence[tuple[int, str]]) -> list[int |
 
 
 def test_the_close_is_forced_after_the_budget_from_the_prompts_open() -> None:
-    budget = ThinkingBudget(3, CLOSE_IDS, inside=True)
+    budget = ThinkingTokens(3, CLOSE_IDS, inside=True)
     got = feed(budget, [(1, "a"), (2, "b"), (3, "c"), (0, ""), (0, ""), (4, "x")])
     assert got == [None, None, None, 7, 8, None]
     assert (budget.used, budget.split.reasoning) == (3, False)
 
 
 def test_the_models_own_open_is_not_counted() -> None:
-    budget = ThinkingBudget(2, CLOSE_IDS, inside=False)
+    budget = ThinkingTokens(2, CLOSE_IDS, inside=False)
     got = feed(budget, [(5, " <think>"), (1, "a"), (2, "b"), (0, ""), (0, "")])
     assert got == [None, None, None, 7, 8]
 
 
 def test_an_answer_that_never_opened_is_never_forced() -> None:
-    budget = ThinkingBudget(0, CLOSE_IDS, inside=False)
+    budget = ThinkingTokens(0, CLOSE_IDS, inside=False)
     assert feed(budget, [(1, "Paris"), (2, " <think>"), (3, "x")]) == [None, None, None]
 
 
 def test_a_close_the_model_wrote_first_ends_the_count() -> None:
-    budget = ThinkingBudget(3, CLOSE_IDS, inside=True)
+    budget = ThinkingTokens(3, CLOSE_IDS, inside=True)
     assert feed(budget, [(1, "a</think>"), (2, "b"), (3, "c"), (4, "d")]) == [None] * 4
     assert budget.used == 0
 
 
 def test_budget_zero_forces_the_first_token() -> None:
-    assert ThinkingBudget(0, CLOSE_IDS, inside=True).forced == 7
+    assert ThinkingTokens(0, CLOSE_IDS, inside=True).forced == 7
 
 
 def test_a_token_other_than_the_forced_one_gives_the_forcing_up() -> None:
-    budget = ThinkingBudget(1, CLOSE_IDS, inside=True)
+    budget = ThinkingTokens(1, CLOSE_IDS, inside=True)
     budget.step(1, "a")
     assert budget.forced == 7
-    budget.step(3, "c")  # the grammar drew instead
+    budget.step(3, "c")  # drawn instead
     assert budget.forced is None
     budget.step(4, "d")
     assert budget.forced is None  # it forces once
+
+
+def test_without_a_budget_it_only_counts() -> None:
+    counting = ThinkingTokens(None, (), inside=True)
+    counts = [counting.step(1, piece) for piece in ["a", "b", "</th", "ink>", "c"]]
+    assert counts == [1, 1, 1, 1, 0] and counting.forced is None
 
 
 @given(
@@ -129,7 +136,7 @@ def test_forced_exactly_when_the_reasoning_reaches_the_budget(
 ) -> None:
     """Against a plain count: the close is forced at the first step where `budget` pieces have
     gone by inside a reasoning not yet closed (the prompt opened it), and at no other."""
-    counted = ThinkingBudget(budget, CLOSE_IDS, inside=True)
+    counted = ThinkingTokens(budget, CLOSE_IDS, inside=True)
     forced_at = None
     for step, piece in enumerate([*pieces, ""]):
         if counted.forced is not None:
@@ -182,23 +189,66 @@ def test_budget_zero_closes_at_once_and_the_answer_follows(thinking: LoadedModel
     assert reasoning == "" and answer
 
 
+REASONING_THEN_ANSWER = "[a-z ]{0,30}</think>[a-z]{1,5}"
+"""A grammar that lets the model reason in a few letters, close when it likes, and answer."""
+
+
+def test_under_a_grammar_that_allows_the_close_it_is_forced_all_the_same(
+    thinking: LoadedModel,
+) -> None:
+    close = close_ids(thinking)
+    grammar = StructuredOutput("regex", spec=REASONING_THEN_ANSWER)
+    outputs = generate(thinking, thinking_token_budget=3, structured=grammar, max_tokens=64)
+    generated = tokens(outputs)
+    assert generated[3 : 3 + len(close)] == close
+    reasoning, answer = texts(outputs)
+    assert thinking.tokenizer is not None
+    assert reasoning == thinking.tokenizer.decode(generated[:3]) and answer.isalpha()
+
+
 def test_the_models_own_thinking_is_counted_from_its_open(thinking: LoadedModel) -> None:
-    """A template that leaves the open to the model: a choice makes it write `<think>` and
-    reason on; the budget of 2 cannot be met inside the choice, whose grammar decides."""
-    forced = StructuredOutput("choice", choices=("<think>a b c d e</think>Paris",))
+    """A template that leaves the open to the model: the grammar makes it write `<think>`, and
+    the budget counts from the token after it."""
+    close = close_ids(thinking)
+    grammar = StructuredOutput("regex", spec="<think>" + REASONING_THEN_ANSWER)
     outputs = generate(
-        thinking, thinking_token_budget=2, structured=forced, variables={"model_opens": True},
+        thinking, thinking_token_budget=2, structured=grammar, variables={"model_opens": True},
         max_tokens=64,
     )  # fmt: skip
-    assert texts(outputs) == ("a b c d e", "Paris")
+    generated = tokens(outputs)
+    assert thinking.tokenizer is not None
+    opened = next(
+        k for k in range(len(generated)) if thinking.tokenizer.decode(generated[:k]) == "<think>"
+    )
+    assert generated[opened + 2 : opened + 2 + len(close)] == close
+    reasoning, _ = texts(outputs)
+    assert reasoning == thinking.tokenizer.decode(generated[opened : opened + 2])
+
+
+def test_a_grammar_that_does_not_allow_the_close_decides(thinking: LoadedModel) -> None:
+    """The choice's first letters are fixed: the close cannot come after 2 tokens, and the
+    sample writes the choice as it would without a budget."""
+    forced = StructuredOutput("choice", choices=("abcdefgh</think>Paris",))
+    outputs = generate(thinking, thinking_token_budget=2, structured=forced, max_tokens=64)
+    assert texts(outputs) == ("abcdefgh", "Paris")
+
+
+def test_min_tokens_holding_a_token_of_the_close_back_decides(thinking: LoadedModel) -> None:
+    """A close token that would stop the sample (a stop token id) before min_tokens: the
+    budget gives up rather than end the sample early."""
+    close = close_ids(thinking)
+    outputs = generate(thinking, thinking_token_budget=3, min_tokens=20, stop_token_ids=(close[0],))
+    generated = tokens(outputs)
+    assert len(generated) >= 20 and generated[3 : 3 + len(close)] != close
 
 
 def test_a_budget_the_model_stays_under_changes_nothing(thinking: LoadedModel) -> None:
-    forced = StructuredOutput("choice", choices=("rain</think>Paris",))
-    with_budget = generate(thinking, thinking_token_budget=100, structured=forced, max_tokens=64)
-    without = generate(thinking, structured=forced, max_tokens=64)
+    """The grammar closes the reasoning within 30 letters: a budget of 40 never forces."""
+    grammar = StructuredOutput("regex", spec=REASONING_THEN_ANSWER)
+    with_budget = generate(thinking, thinking_token_budget=40, structured=grammar, max_tokens=64)
+    without = generate(thinking, structured=grammar, max_tokens=64)
     assert tokens(with_budget) == tokens(without)
-    assert texts(with_budget) == ("rain", "Paris")
+    assert texts(without)[1]  # the model closed its reasoning and answered
 
 
 def test_a_model_that_does_not_think_has_no_budget(tiny: LoadedModel) -> None:
@@ -239,10 +289,11 @@ def test_a_resumed_sample_forces_what_is_left_of_the_close(thinking: LoadedModel
     assert counted == sum(o.reasoning_tokens for o in whole_outputs) == 5 + len(close)
 
 
-def test_a_negative_budget_is_refused_by_name(thinking: LoadedModel) -> None:
+@pytest.mark.parametrize("budget", [-1, True, 2**31])
+def test_a_budget_out_of_range_is_refused_by_name(thinking: LoadedModel, budget: int) -> None:
     engine = engine_for(thinking)
     request = GenerateRequest(
-        "bad", messages=MESSAGES, sampling=SamplingParams(thinking_token_budget=-1)
+        "bad", messages=MESSAGES, sampling=SamplingParams(thinking_token_budget=budget)
     )
     with pytest.raises(InvalidRequest, match="thinking_token_budget"):
         engine.submit(request, lambda _: None)
@@ -253,3 +304,14 @@ def test_the_budget_survives_the_wire(budget: int | None) -> None:
     params = SamplingParams(thinking_token_budget=budget, separate_reasoning=True)
     data = sampling_to_proto(params).SerializeToString()
     assert sampling_from_proto(serving_pb2.SamplingParams.FromString(data)) == params
+
+
+def test_the_reasoning_tokens_do_not_wait_for_the_stop_strings(thinking: LoadedModel) -> None:
+    """A stop string that could begin with the close's end (">Q") holds its text back a token;
+    the count is read from the text before the stop strings, so it does not change."""
+    forced = StructuredOutput("choice", choices=("rain</think>Paris",))
+    plain = generate(thinking, structured=forced, max_tokens=64)
+    held = generate(thinking, structured=forced, max_tokens=64, stop=(">Q",))
+    assert tokens(plain) == tokens(held) and texts(plain) == texts(held) == ("rain", "Paris")
+    counts = [o.reasoning_tokens for o in held]
+    assert counts == [o.reasoning_tokens for o in plain] and 0 < sum(counts) < len(counts)
