@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_token_argument(sub)
         add_tls_arguments(sub)
         if name in ("generate", "chat"):
-            sub.add_argument("--max-tokens", type=int, default=128)
+            sub.add_argument("--max-tokens", type=int32, default=128)
             sub.add_argument("--temperature", type=float, default=0.0)
             sub.add_argument("--seed", type=int, default=None)
             sub.add_argument("--tenant", default="")
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--adapter", default="", help="a LoRA adapter's name")
             sub.add_argument(
                 "--thinking-budget",
-                type=int,
+                type=int32,
                 default=None,
                 metavar="N",
                 help="a thinking model closes its reasoning after N tokens",
@@ -161,6 +161,14 @@ def generate(args: argparse.Namespace, client: Client) -> int:
         request.sampling.structured.CopyFrom(structured)
     _stream(client, request)
     return 0
+
+
+def int32(text: str) -> int:
+    """An argument the wire carries in an int32 (the server judges its range further)."""
+    value = int(text)
+    if not -(2**31) <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"{value} does not fit in 32 bits")
+    return value
 
 
 def _budget(args: argparse.Namespace, request: serving_pb2.GenerateRequest) -> None:

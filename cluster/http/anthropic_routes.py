@@ -5,6 +5,10 @@ Image blocks carry base64 files (cluster/http/image_parts.py); each goes to
 GenerateRequest.images, placed by a ChatPart where it was, and is named by its block when
 refused ("messages[0].content[1].source").
 
+Thinking (cluster/http/anthropic_thinking.py): `thinking` asks a thinking model for its
+reasoning as a `thinking` block before the answer (closed at `budget_tokens`), or asks it not to
+think; `thinking` blocks of an assistant turn are its reasoning for the template.
+
 Tools: `tools` and `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`) map to
 the serving core's, `tool_use` blocks of an assistant turn to its calls and `tool_result` blocks
 to tool messages (before the rest of their user turn); the calls come back as `tool_use` blocks
@@ -216,24 +220,21 @@ def chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
     for i, each in enumerate(body.messages):
         where = f"messages[{i}].content"
         content = each.content
-        if isinstance(content, list):
+        if isinstance(content, list):  # each helper takes its own blocks, named where they are
             chat.messages += _tool_results(each.role, content, where)
-            content = [b for b in content if b.get("type") != "tool_result"]
-            if not content and each.role == "user":
+            if each.role == "user" and all(b.get("type") == "tool_result" for b in content):
                 continue  # a turn of tool results only
         calls = _tool_uses(each.role, content, where)
         reasoning = _thoughts(each.role, content, where)
-        if isinstance(content, list):
-            content = [b for b in content if b.get("type") not in _NOT_TEXT]
-        turn = _message(each.role, content, where, chat)
+        turn = _message(each.role, content, where, chat, skip=_NOT_TEXT)
         turn.tool_calls.extend(calls)
         turn.reasoning_content = reasoning
         chat.messages.append(turn)
     return chat
 
 
-_NOT_TEXT = ("tool_use", "thinking", "redacted_thinking")
-"""Blocks of an assistant turn that are not its text."""
+_NOT_TEXT = ("tool_use", "tool_result", "thinking", "redacted_thinking")
+"""Blocks that are not a turn's text (their helpers read them)."""
 
 
 def _thoughts(role: str, content: str | list[dict[str, Any]], where: str) -> str:
@@ -306,15 +307,22 @@ def _tool_uses(
 
 
 def _message(
-    role: str, content: str | list[dict[str, Any]], where: str, chat: ChatPrompt
+    role: str,
+    content: str | list[dict[str, Any]],
+    where: str,
+    chat: ChatPrompt,
+    skip: tuple[str, ...] = (),
 ) -> serving_pb2.ChatMessage:
     """A message: its text (text blocks joined by newlines, as OpenAI's text parts are), or,
-    with image blocks, its blocks in order (each image's file appended to `chat.images`)."""
+    with image blocks, its blocks in order (each image's file appended to `chat.images`).
+    Blocks of the types in `skip` are another helper's."""
     if isinstance(content, str):
         return serving_pb2.ChatMessage(role=role, content=content)
     parts = []
     for j, block in enumerate(content):
         kind = block.get("type")
+        if kind in skip:
+            continue
         if kind == "image":
             chat.image_fields.append(f"{where}[{j}].source")
             chat.images.append(anthropic_image(block, f"{where}[{j}]"))

@@ -193,7 +193,7 @@ class GenerationParams(Body):
     store: Any = None
 
 
-Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 """OpenAI's reasoning efforts."""
 
 

@@ -55,6 +55,11 @@ class ReasoningConfig(Strict):
     reasoning item's `content` (as vLLM serves it)."""
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
     """The older name of `summary`."""
+    context: Literal["auto"] | None = None
+    """Which turns' reasoning the model sees again: the chat template decides (it gets every
+    reasoning item sent back), so only "auto"."""
+    mode: Literal["standard"] | None = None
+    """One way of running is served."""
 
 
 class ResponsesRequest(Body):

@@ -66,7 +66,17 @@ async def events(
                 if delta:
                     yield out.write(delta)
     except (ServingError, GenerationFailed) as err:  # as OpenAI ends a stream that failed
-        failed = done(shell, None, [], None, counts, failure=HttpError.of(err).message)
+        failed = done(
+            shell,
+            out.text or None,
+            [],
+            None,
+            counts,
+            out.message_id,
+            failure=HttpError.of(err).message,
+            thought=out.thought,
+            reasoning_id=out.reasoning_id,
+        )  # fmt: skip: with what was sent so far
         yield out.event("response.failed", {"response": failed.model_dump()})
         return
     finished = done(

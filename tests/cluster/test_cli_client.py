@@ -133,5 +133,7 @@ def test_generate_with_a_thinking_model_answers_on_stdout_and_reasons_on_stderr(
         assert unbounded.stdout == "\n" and bounded.stdout.strip()
         refused = run(*args, "--thinking-budget", "-1")
         assert refused.returncode != 0 and "thinking_token_budget" in refused.stderr
+        too_big = run(*args, "--thinking-budget", str(2**31))
+        assert too_big.returncode == 2 and "does not fit in 32 bits" in too_big.stderr
     finally:
         cluster.close()

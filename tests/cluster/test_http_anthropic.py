@@ -265,6 +265,39 @@ REFUSED: list[tuple[dict[str, Any], type[anthropic.APIStatusError], str]] = [
         anthropic.BadRequestError,
         "messages[0].content[0]: thinking blocks come in an assistant turn",
     ),
+    (  # blocks are named where they are, whatever other helpers take out
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t", "content": "x"},
+                        {"type": "thinking", "thinking": "hm", "signature": ""},
+                    ],
+                }
+            ]
+        },
+        anthropic.BadRequestError,
+        "messages[0].content[1]: thinking blocks come in an assistant turn",
+    ),
+    (
+        {
+            "messages": [
+                *MESSAGES,
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hm", "signature": ""},
+                        {"type": "text", "text": "a"},
+                        {"type": "document", "source": {"type": "text", "data": "d"}},
+                    ],
+                },
+                *MESSAGES,
+            ]
+        },
+        anthropic.BadRequestError,
+        "messages[1].content[2]: only text and image blocks are served, got type 'document'",
+    ),
     ({"max_tokens": 0}, anthropic.BadRequestError, "max_tokens"),
     ({"messages": []}, anthropic.BadRequestError, "messages"),
     ({"extra_body": {"top_k": -2}}, anthropic.BadRequestError, "top_k"),

@@ -1,5 +1,6 @@
 """Anthropic's extended thinking (`thinking`) on a thinking model, with the `anthropic` SDK:
-the reasoning as a `thinking` block before the answer, streamed or whole, closed at
+the reasoning as a `thinking` block before the answer, streamed or whole (its events, with a
+call after it, checked on made-up streams through the SDK's accumulator), closed at
 `budget_tokens` (the chat API's `thinking_token_budget` gives the same tokens), left empty
 with `display: "omitted"`, left out by default and with `disabled` (which the template reads);
 thinking blocks sent back in an assistant turn reach the template as its reasoning. The tiny
@@ -7,14 +8,22 @@ model writes random tokens: only the budget closes its reasoning."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anthropic
 import openai
 import pytest
+from anthropic._models import construct_type_unchecked
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import RawMessageStreamEvent
 
-from cluster.http.anthropic_thinking import signature
+from cluster.http import anthropic_routes
+from cluster.http.anthropic_schema import ThinkingConfig
+from cluster.http.anthropic_thinking import Thinking, read_thinking, signature
+from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
 from tests.worker.thinking_fixtures import thinking_model
 from worker.loader import LoadedModel
@@ -202,3 +211,91 @@ def test_the_chat_apis_budget_is_refused_below_zero(client: openai.OpenAI) -> No
     with pytest.raises(openai.BadRequestError) as err:
         chat(client, thinking_token_budget=-1)
     assert "thinking_token_budget" in str(err.value)
+
+
+# the events of thinking, text and a call, on made-up streams, through the SDK's accumulator
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+
+
+def streamed(
+    chunks: list[tuple[str, str]], tools: frozenset[str], thinking: Thinking
+) -> tuple[list[dict[str, Any]], Any]:
+    """(reasoning, text) per worker message, the last finishing: the events, and the message
+    anthropic's SDK accumulates from them."""
+    responses = [
+        serving_pb2.GenerateResponse(index=0, reasoning_text=r, text=t, token_ids=[1], worker="w")
+        for r, t in chunks
+    ]
+    responses[-1].finished, responses[-1].finish_reason = True, "stop"
+
+    async def rest() -> AsyncIterator[serving_pb2.GenerateResponse]:
+        for each in responses[1:]:
+            yield each
+
+    async def collect() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        stream = anthropic_routes.events("msg_x", "m", responses[0], rest(), tools, thinking)
+        async for raw in stream:
+            out += [
+                json.loads(line.removeprefix("data: "))
+                for line in raw.decode().split("\n")
+                if line.startswith("data: ")
+            ]
+        return out
+
+    events = asyncio.run(collect())
+    snapshot = None
+    for event in events:
+        parsed = construct_type_unchecked(type_=RawMessageStreamEvent, value=event)  # type: ignore[arg-type]
+        snapshot = accumulate_event(event=parsed, current_snapshot=snapshot, json_bufs={})  # type: ignore[arg-type]
+    return events, snapshot
+
+
+SHOWN = read_thinking(ThinkingConfig(type="adaptive"))
+
+
+@pytest.mark.parametrize(
+    ("chunks", "tools", "thinking", "expected"),
+    [
+        (
+            [("it ", ""), ("rains", "\n\nok"), ("", CALL)],
+            frozenset({"f"}),
+            SHOWN,
+            [("thinking", "it rains"), ("text", "\n\nok"), ("tool_use", "f")],
+        ),
+        (
+            [("it rains", ""), ("", CALL)],
+            frozenset({"f"}),
+            SHOWN,
+            [("thinking", "it rains"), ("tool_use", "f")],
+        ),
+        ([("it ", ""), ("rains", "")], frozenset(), SHOWN, [("thinking", "it rains")]),
+        (
+            [("it rains", "ok")],
+            frozenset(),
+            read_thinking(ThinkingConfig(type="adaptive", display="omitted")),
+            [("thinking", ""), ("text", "ok")],
+        ),
+        ([("it rains", ""), ("", "ok")], frozenset(), read_thinking(None), [("text", "ok")]),
+    ],
+    ids=["thinking-text-call", "thinking-call", "cut-thinking", "omitted", "not-asked"],
+)
+def test_the_blocks_are_numbered_in_order_and_the_sdk_accumulates_them(
+    chunks: list[tuple[str, str]],
+    tools: frozenset[str],
+    thinking: Thinking,
+    expected: list[tuple[str, str]],
+) -> None:
+    events, message = streamed(chunks, tools, thinking)
+    said = {"thinking": "thinking", "text": "text", "tool_use": "name"}
+    got = [(b.type, getattr(b, said[b.type])) for b in message.content]
+    assert got == expected
+    starts = [e["index"] for e in events if e["type"] == "content_block_start"]
+    stops = [e["index"] for e in events if e["type"] == "content_block_stop"]
+    assert starts == stops == list(range(len(expected)))
+    for block in message.content:
+        if block.type == "thinking":
+            assert block.signature == signature("it rains")
+    deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+    assert ("thinking_delta" in deltas) == (thinking.shown and not thinking.omitted)

@@ -19,13 +19,11 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from cluster.http import responses_output, responses_stream
-from cluster.http.openai_responses import Counts
-from cluster.http.responses_schema import ReasoningItem, ResponsesRequest
+from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
 from tests.worker.thinking_fixtures import thinking_model
 from worker.loader import LoadedModel
-from worker.tool_calls import ToolCall
 
 QUESTION = [{"role": "user", "content": "Which city?"}]
 
@@ -147,8 +145,13 @@ def test_a_reasoning_item_before_calls_is_their_turns_reasoning(client: openai.O
     assert served.usage.input_tokens > plain.usage.input_tokens
 
 
-def test_effort_none_turns_the_thinking_off_on_both_apis(client: openai.OpenAI) -> None:
-    off, answer = reasoning_of(client, chat_template_kwargs={"enable_thinking": False})
+def test_effort_reaches_the_template_and_none_turns_the_thinking_off(
+    client: openai.OpenAI,
+) -> None:
+    """The fixture's template writes `reasoning_effort` into the prompt; "none" also asks it
+    not to think (`enable_thinking: false`), on both APIs."""
+    variables = {"reasoning_effort": "none", "enable_thinking": False}
+    off, answer = reasoning_of(client, chat_template_kwargs=variables)
     assert off == "" and answer
     assert reasoning_of(client, reasoning_effort="none") == (off, answer)
     response = client.responses.create(
@@ -157,8 +160,25 @@ def test_effort_none_turns_the_thinking_off_on_both_apis(client: openai.OpenAI) 
     )  # fmt: skip
     assert items(response) == [("message", answer, "incomplete")]
     assert response.reasoning is not None and response.reasoning.effort == "none"
-    thought, _ = reasoning_of(client)
-    assert reasoning_of(client, reasoning_effort="high") == (thought, "")  # the template's own
+
+    def prompt(**extra: Any) -> int:
+        reply = client.chat.completions.create(
+            model=SERVED_NAME, messages=QUESTION, max_tokens=1, extra_body=extra,  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    high = client.responses.create(
+        model=SERVED_NAME,
+        input=QUESTION,
+        max_output_tokens=1,
+        reasoning={"effort": "high"},  # type: ignore[arg-type]
+    )
+    assert high.usage is not None
+    assert prompt(reasoning_effort="high") == high.usage.input_tokens > prompt()
+    assert prompt(reasoning_effort="high") == prompt(
+        chat_template_kwargs={"reasoning_effort": "high"}
+    )
 
 
 # the events of a reasoning, an answer and a call, on a made-up stream
@@ -225,14 +245,28 @@ def test_reasoning_then_answer_events_add_up_to_the_response(tools: frozenset[st
     text = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert text == "it rains"
     state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for event in events:  # the SDK's own accumulation of the events
+        state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))
+    snapshot = state._completed_response
+    assert snapshot is not None and items(snapshot)[:2] == [
+        ("reasoning", "it rains", "completed"), ("message", "\n\nParis", "completed"),
+    ]  # fmt: skip
+    if tools:
+        call = snapshot.output[2]
+        assert call.type == "function_call" and (call.name, call.arguments) == ("f", '{"x": 1}')
+
+
+def test_a_stream_that_fails_keeps_the_reasoning_it_sent() -> None:
+    failing = [
+        serving_pb2.GenerateResponse(index=0, reasoning_text="it rains", token_ids=[1], worker="w"),
+        serving_pb2.GenerateResponse(index=0, finished=True, finish_reason="error", worker="w"),
+    ]
+    events = run_events(failing, frozenset())
+    assert events[-1]["type"] == "response.failed"
+    output = events[-1]["response"]["output"]
+    assert [(i["type"], i["content"][0]["text"], i["status"]) for i in output] == [
+        ("reasoning", "it rains", "incomplete")
+    ]
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
     for event in events:
         state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))
-    calls = [ToolCall("call_x", "f", '{"x": 1}')] if tools else []
-    whole = responses_output.done(
-        responses_output.shell(ResponsesRequest(model="m", input="q"), "resp_x", "m"),
-        "\n\nParis", calls, "stop", Counts(), thought="it rains",
-    )  # fmt: skip
-    assert [(i["type"], i.get("content")) for i in final["output"][:2]] == [
-        (i.type, [p.model_dump() for p in i.content]) for i in whole.output[:2]
-    ]
-    assert isinstance(whole.output[0], ReasoningItem)

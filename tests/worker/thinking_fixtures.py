@@ -13,6 +13,8 @@ from pathlib import Path
 from worker.loader import LoadedModel, load_model
 
 THINKING_TEMPLATE = (
+    "{% if reasoning_effort is defined %}"
+    "{{ '<|im_start|>system\\nEffort: ' + reasoning_effort + '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% set content = message['content'] %}"
     "{% if message['role'] == 'assistant' %}{% set content = content.split('</think>')[-1] %}"
