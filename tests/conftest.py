@@ -49,3 +49,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from worker.tiny_model import build_tiny_checkpoint
 
     return load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def thinking(tiny: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny checkpoint as a thinking model: its chat template opens `<think>` for the model
+    (tests/worker/thinking_fixtures.py)."""
+    from tests.worker.thinking_fixtures import thinking_model
+
+    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")

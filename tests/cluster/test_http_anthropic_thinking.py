@@ -24,8 +24,7 @@ from cluster.http import anthropic_routes
 from cluster.http.anthropic_schema import ThinkingConfig
 from cluster.http.anthropic_thinking import Thinking, read_thinking, signature
 from protos.radixmesh.v1 import serving_pb2
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
-from tests.worker.thinking_fixtures import thinking_model
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from worker.loader import LoadedModel
 
 QUESTION: list[Any] = [{"role": "user", "content": "Which city?"}]
@@ -34,15 +33,8 @@ GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
-
-
-@pytest.fixture(scope="module")
-def cluster(thinking: LoadedModel) -> Iterator[LocalCluster]:
-    running = start_cluster(thinking, workers=1, http=True)
-    yield running
-    running.close()
+def cluster(thinking_cluster: LocalCluster) -> LocalCluster:
+    return thinking_cluster
 
 
 @pytest.fixture

@@ -21,23 +21,14 @@ from openai.types.responses import ResponseStreamEvent
 from cluster.http import responses_output, responses_stream
 from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
-from tests.worker.thinking_fixtures import thinking_model
-from worker.loader import LoadedModel
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 
 QUESTION = [{"role": "user", "content": "Which city?"}]
 
 
 @pytest.fixture(scope="module")
-def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
-
-
-@pytest.fixture(scope="module")
-def cluster(thinking: LoadedModel) -> Iterator[LocalCluster]:
-    running = start_cluster(thinking, workers=1, http=True)
-    yield running
-    running.close()
+def cluster(thinking_cluster: LocalCluster) -> LocalCluster:
+    return thinking_cluster
 
 
 @pytest.fixture

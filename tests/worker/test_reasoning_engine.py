@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from tests.worker.helpers import run_to_end
-from tests.worker.thinking_fixtures import thinking_model
 from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
 from worker.loader import LoadedModel
@@ -18,11 +17,6 @@ from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestO
 from worker.sampling_params import SamplingParams, StructuredOutput
 
 MESSAGES = ({"role": "user", "content": "Which city?"},)
-
-
-@pytest.fixture(scope="module")
-def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
 
 
 def engine_for(loaded: LoadedModel) -> Engine:

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from protos.radixmesh.v1 import serving_pb2
 from tests.worker.helpers import run_to_end
-from tests.worker.thinking_fixtures import thinking_model
 from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
 from worker.loader import LoadedModel
@@ -29,11 +28,6 @@ from worker.wire import sampling_from_proto, sampling_to_proto
 
 MESSAGES = ({"role": "user", "content": "Which city?"},)
 CLOSE_IDS = (7, 8)
-
-
-@pytest.fixture(scope="module")
-def thinking(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return thinking_model(tiny, tmp_path_factory.mktemp("thinking") / "model")
 
 
 def engine_for(loaded: LoadedModel) -> Engine:
