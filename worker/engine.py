@@ -84,7 +84,7 @@ from worker.request import (
 )
 from worker.samples import Phase, RequestState, SampleState, TextDecoder
 from worker.sampling import Sampler
-from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.stop import StopChecker
 from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
@@ -458,6 +458,7 @@ class Engine:
             self._active_ids.add(request.request_id)
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
+        state.grammar_waits = bool(inside) and not may_hold_reasoning(structured)
         self._inbox.put(("add", state))
         self._wake.set()
         return len(prompt)
@@ -1073,7 +1074,7 @@ class Engine:
         )
         inside = state.reasoning_inside
         for index in range(first, first + sampling.n):
-            thinking = self._thinking_tokens(sampling, inside)
+            thinking = self._thinking_tokens(state)
             sample = SampleState(
                 request=state,
                 index=index,
@@ -1118,15 +1119,15 @@ class Engine:
         tokenizer = self.tokenizer
         return isinstance(tokenizer, Tokenizer) and template_thinks(tokenizer.chat_template)
 
-    def _thinking_tokens(
-        self, sampling: SamplingParams, inside: bool | None
-    ) -> ThinkingTokens | None:
+    def _thinking_tokens(self, state: RequestState) -> ThinkingTokens | None:
         """A new sample's thinking tokens (None: its model does not think, or the request
         neither tells its reasoning apart nor gives it a budget)."""
+        inside = state.reasoning_inside
         if inside is None:
             return None
-        budget = sampling.thinking_token_budget
-        return ThinkingTokens(budget, self._think_close_ids if budget is not None else (), inside)
+        budget = state.request.sampling.thinking_token_budget
+        close = self._think_close_ids if budget is not None else ()
+        return ThinkingTokens(budget, close, inside, grammar_waits=state.grammar_waits)
 
     @functools.cached_property
     def _think_close_ids(self) -> tuple[int, ...]:
@@ -1147,9 +1148,9 @@ class Engine:
         assert isinstance(tokenizer, Tokenizer)  # `thinks` says so
         if sampling.thinking_token_budget is not None:
             _ = self._think_close_ids  # tokenized here, not on the engine's thread
-        if not may_hold_reasoning(request.sampling.structured):
-            return False  # constrained from its first token: the answer, never reasoning
         tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        # an output constrained from its first token (JSON, a required call) is the answer,
+        # unless the prompt opened the reasoning: then its grammar waits for the reasoning's end
         return prompt_opens(tail)
 
     def _penalties(self, state: RequestState) -> Penalties | None:
@@ -1171,6 +1172,8 @@ class Engine:
         for count, token in enumerate(generated, 1):
             delta = sample.decoder.step(token)
             if sample.thinking is not None:
+                if sample.thinking.grammar_waits:  # the grammar follows the answer's tokens
+                    sample.sampler.follow(token)
                 sample.thinking.step(token, delta)
             text, _ = sample.stop.feed(delta, armed=count > min_tokens)
             if sample.reasoning is not None:

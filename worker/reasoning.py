@@ -9,8 +9,10 @@ whose chat template closes a `</think>` streams its text in two parts:
 - Whether the sample starts inside its reasoning is read from the prompt: a template that
   opens `<think>` for the model (DeepSeek-R1's, Qwen3.5's) ends the prompt with it; a template
   whose thinking is switched off (Qwen3's `enable_thinking: false`) leaves `<think></think>`
-  closed, and the whole answer is content. An output constrained from its first token (JSON, a
-  required tool call) is the answer, whatever the prompt: it starts outside.
+  closed, and the whole answer is content. An output constrained to an answer (JSON, a
+  required tool call, a choice or pattern without the tag) of a prompt that opened the
+  reasoning reasons freely first: its grammar waits for the reasoning's end
+  (worker/thinking_tokens.py), as vLLM holds its grammar back.
 - Otherwise a `<think>` the model writes first, after whitespace only, opens it (Qwen3's
   original template). Text that begins with anything else is content, all of it.
 - After `</think>` everything is content, a later `<think>` included: an answer that quotes
@@ -44,11 +46,10 @@ def prompt_opens(prompt_tail: str) -> bool:
 
 
 def may_hold_reasoning(structured: StructuredOutput | None) -> bool:
-    """Whether a sample under `structured` may write reasoning before its answer: free text,
-    a tool call that free text may come before (tool_choice "auto"), or a choice, pattern or
-    grammar that writes the `</think>` itself. JSON and required calls are the answer from
-    their first token: they start outside any reasoning (vLLM instead holds the grammar back
-    until the reasoning ends)."""
+    """Whether `structured` itself may write reasoning before its answer: free text, a tool
+    call that free text may come before (tool_choice "auto"), or a choice, pattern or grammar
+    that writes the `</think>` itself. Any other (JSON, a required call) is the answer alone:
+    its grammar waits for a reasoning the prompt opened to end (worker/thinking_tokens.py)."""
     if structured is None:
         return True
     if structured.kind == "structural_tag":  # worker/tool_calls.py's "auto" triggers on a tag

@@ -118,6 +118,9 @@ class RequestState:
     reasoning_inside: bool | None = None
     """Whether its samples start inside their reasoning (worker/reasoning.py), decided in the
     submitting thread; None: their text is not split and their reasoning has no budget."""
+    grammar_waits: bool = False
+    """Its structured output's grammar starts where the reasoning ends (a JSON answer or a
+    required call, of a prompt that opened the reasoning: worker/thinking_tokens.py)."""
     samples: list[SampleState] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     """Prompt positions served from the cache when sample 0 was first admitted (of the prompt as

@@ -114,10 +114,12 @@ class Sampler:
         """The token at `position` (its index in the sequence), from a float32 logits row
         [vocab] (on any device; penalized and constrained there, sampled on the CPU). Counts it
         as generated. `GrammarRefused` if a constraint's allowed tokens are all -inf or NaN.
-        A thinking budget's forced token is taken instead of a draw (`_forced`)."""
-        forced = self._forced()
+        A thinking budget's forced token is taken instead of a draw (`_forced`); a grammar
+        that waits for the reasoning's end is not applied before it (`_grammar`)."""
+        grammar = self._grammar()
+        forced = self._forced(grammar)
         if forced is not None:
-            return self._record(forced)
+            return self._record(forced, grammar)
         scores = logits
         if self.shaping is not None:
             scores = self.shaping.apply(scores, self.generated)
@@ -125,14 +127,28 @@ class Sampler:
             scores = self.bad_words.apply(scores, owned=scores is not logits)
         if self.penalties is not None:
             scores = self.penalties.apply(scores)
-        if self.constraint is not None:
-            scores = self.constraint.mask(scores, owned=scores is not logits)
-        return self._record(self._draw(scores, position))
+        if grammar is not None:
+            scores = grammar.mask(scores, owned=scores is not logits)
+        return self._record(self._draw(scores, position), grammar)
 
-    def _forced(self) -> int | None:
+    def _grammar(self) -> Constraint | None:
+        """The constraint that applies to the next token: none while a grammar that waits for
+        the reasoning's end waits; at the end, it is first given the text after `</think>`
+        (`GrammarRefused` if it does not allow it)."""
+        thinking = self.thinking
+        if thinking is None or not thinking.grammar_waits or self.constraint is None:
+            return self.constraint
+        if thinking.split.reasoning:
+            return None
+        if thinking.after_close is not None:
+            text, thinking.after_close = thinking.after_close, None
+            self.constraint.accept_text(text)
+        return self.constraint
+
+    def _forced(self, grammar: Constraint | None) -> int | None:
         """The thinking budget's next forced token (worker/thinking_tokens.py). A close is
-        checked whole before its first token: if the grammar does not allow all of it next, or
-        min_tokens holds one of its tokens back, the budget gives the forcing up."""
+        checked whole before its first token: if the grammar in force does not allow all of
+        it next, or min_tokens holds one of its tokens back, the budget gives the forcing up."""
         thinking = self.thinking
         if thinking is None or not thinking.pending:
             return None
@@ -140,20 +156,27 @@ class Sampler:
             thinking.checked = True
             close = thinking.pending
             held = self.shaping is not None and self.shaping.holds(close, self.generated)
-            if held or (self.constraint is not None and not self.constraint.allows(close)):
+            if held or (grammar is not None and not grammar.allows(close)):
                 thinking.give_up()
                 return None
         return thinking.pending[0]
 
-    def _record(self, token: int) -> int:
+    def _record(self, token: int, grammar: Constraint | None) -> int:
         self.generated += 1
         if self.bad_words is not None:
             self.bad_words.record(token)
         if self.penalties is not None:
             self.penalties.record(token)
-        if self.constraint is not None:
-            self.constraint.accept(token)
+        if grammar is not None:
+            grammar.accept(token)
         return token
+
+    def follow(self, token: int) -> None:
+        """A resumed sample's token, replayed through a grammar that waited for the reasoning
+        (`replay` leaves that grammar alone): before the token's thinking step, as a draw."""
+        grammar = self._grammar()
+        if grammar is not None:
+            grammar.accept(token)
 
     @property
     def complete(self) -> bool:
@@ -168,7 +191,8 @@ class Sampler:
             self.bad_words.replay(generated)
         if self.penalties is not None and generated:
             self.penalties.replay(generated)
-        if self.constraint is not None:
+        waits = self.thinking is not None and self.thinking.grammar_waits
+        if self.constraint is not None and not waits:  # else `follow`, token by token
             for token in generated:
                 self.constraint.accept(token)
 

@@ -20,6 +20,11 @@ does not allow the whole close next, or `min_tokens` holds back one of its token
 token), the sampler gives the forcing up and the sample draws as usual. A resumed sample
 `step`s through the tokens it generated before, and so goes on forcing the rest of a close
 that was cut mid-way.
+
+A structured output that constrains the answer from its first token (JSON, a required tool
+call) of a prompt that opened the reasoning waits for the reasoning to end (`grammar_waits`),
+as vLLM holds its grammar back: the sampler draws the reasoning freely, and the grammar starts
+with the text that follows `</think>` (`after_close`, given to it whole) and the tokens after.
 """
 
 from __future__ import annotations
@@ -33,9 +38,20 @@ class ThinkingTokens:
     """One sample's reasoning, from its raw text: its tokens counted, and the close it is made
     to write at `budget` (None: no budget; it only counts)."""
 
-    def __init__(self, budget: int | None, close_ids: Sequence[int], inside: bool) -> None:
-        """`inside`: the prompt opened the reasoning (worker/reasoning.py `prompt_opens`)."""
+    def __init__(
+        self,
+        budget: int | None,
+        close_ids: Sequence[int],
+        inside: bool,
+        grammar_waits: bool = False,
+    ) -> None:
+        """`inside`: the prompt opened the reasoning (worker/reasoning.py `prompt_opens`).
+        `grammar_waits`: the sample's grammar starts where its reasoning ends."""
         self.budget = budget
+        self.grammar_waits = grammar_waits
+        self.after_close: str | None = None
+        """With `grammar_waits`: the text after `</think>` in the token that closed the
+        reasoning, until the sampler gives it to the grammar."""
         self.close_ids = tuple(close_ids)
         self.split = ReasoningSplit(inside)
         self.used = 0
@@ -62,9 +78,11 @@ class ThinkingTokens:
             else:  # drawn instead (a replay of another worker's choice): no more forcing
                 self.give_up()
         inside = self.split.reasoning
-        _, _, counted = self.split.feed_token(text)
+        _, content, counted = self.split.feed_token(text)
         if inside and self.split.reasoning and not self.closed:
             self.used += 1
+        if inside and not self.split.reasoning and self.grammar_waits:
+            self.after_close = content
         self._check()
         return counted
 

@@ -153,32 +153,36 @@ def test_the_messages_api_answers_without_the_reasoning_unless_asked(
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 
-def test_a_constrained_answer_is_the_answer_though_the_prompt_opened_the_thinking(
+def test_a_constrained_answer_comes_after_the_reasoning_the_prompt_opened(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
-    """A required call, or JSON, is generated under its grammar from the first token: it is the
-    answer on every API, not reasoning left unclosed."""
+    """A required call, or JSON, waits for the reasoning to end (vLLM's way): with a budget
+    closing it, the model reasons, then calls, on every API; a prompt whose thinking is off
+    gets its JSON from the first token."""
     tool = {"type": "function", "function": {"name": "city", "parameters": NO_ARGUMENTS}}
     reply = client.chat.completions.create(
         model=SERVED_NAME, messages=QUESTION, temperature=0.0, max_tokens=96,
         tools=[tool], tool_choice="required", parallel_tool_calls=False,  # type: ignore[list-item]
+        extra_body={"thinking_token_budget": 4},
     )  # fmt: skip
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     assert choice.message.tool_calls[0].function.name == "city"  # type: ignore[union-attr]
-    assert (choice.message.model_extra or {}).get("reasoning_content") is None
+    assert (choice.message.model_extra or {}).get("reasoning_content")
     with anthropic.Anthropic(base_url=cluster.http_url, api_key="x", max_retries=0) as claude:
         message = claude.messages.create(
             model=SERVED_NAME, max_tokens=96, messages=QUESTION,  # type: ignore[arg-type]
             tools=[{"name": "city", "input_schema": NO_ARGUMENTS}],
             tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            thinking={"type": "enabled", "budget_tokens": 4},
         )  # fmt: skip
-        assert [block.type for block in message.content] == ["tool_use"]
+        assert [block.type for block in message.content] == ["thinking", "tool_use"]
     response = client.responses.create(
         model=SERVED_NAME, input="Which city?", max_output_tokens=8, temperature=0.0,
-        text={"format": {"type": "json_object"}},
+        text={"format": {"type": "json_object"}}, reasoning={"effort": "none"},
     )  # fmt: skip
     assert response.output_text.startswith("{")
+    assert [item.type for item in response.output] == ["message"]
 
 
 def test_the_load_generator_counts_a_thinking_models_reasoning_as_its_tokens(

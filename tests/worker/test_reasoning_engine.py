@@ -14,7 +14,10 @@ from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
 from worker.loader import LoadedModel
 from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest, RequestOutput, Resume
+from worker.sampling import Sampler
 from worker.sampling_params import SamplingParams, StructuredOutput
+from worker.structured_output import Constraint
+from worker.thinking_tokens import ThinkingTokens
 
 MESSAGES = ({"role": "user", "content": "Which city?"},)
 
@@ -146,19 +149,73 @@ def test_a_tag_quoted_by_the_user_opens_no_reasoning(thinking: LoadedModel) -> N
     assert got == ("", "It opens; </think> closes.", FINISH_STOP)
 
 
-def test_a_json_answer_is_the_answer_though_the_prompt_opened_the_thinking(
-    thinking: LoadedModel,
-) -> None:
-    """Constrained from its first token, a JSON answer cannot close a reasoning it is not in."""
+def test_a_json_answer_waits_for_the_reasoning_the_prompt_opened(thinking: LoadedModel) -> None:
+    """The grammar starts where the reasoning ends (vLLM's way): the random model reasons
+    freely until its budget of 3 closes it, then writes JSON."""
     params = SamplingParams(
-        max_tokens=12, temperature=0.0, separate_reasoning=True,
+        max_tokens=24, temperature=0.0, separate_reasoning=True, thinking_token_budget=3,
         structured=StructuredOutput("json_object"),
     )  # fmt: skip
     outputs = run_to_end(
         engine_for(thinking), GenerateRequest("j", messages=MESSAGES, sampling=params)
     )
     reasoning, text, _ = _seen(outputs)
+    ids = [t for o in outputs for t in o.token_ids]
+    assert thinking.tokenizer is not None
+    assert reasoning == thinking.tokenizer.decode(ids[:3]) and text.lstrip().startswith("{")
+
+
+def test_a_json_answer_of_a_prompt_that_did_not_open_the_thinking_is_the_answer(
+    thinking: LoadedModel,
+) -> None:
+    """A template that leaves the open to the model: JSON from the first token, no reasoning."""
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, separate_reasoning=True,
+        structured=StructuredOutput("json_object"),
+    )  # fmt: skip
+    request = GenerateRequest(
+        "j", messages=MESSAGES, sampling=params, template_variables={"model_opens": True}
+    )
+    reasoning, text, _ = _seen(run_to_end(engine_for(thinking), request))
     assert reasoning == "" and text.startswith("{")
+
+
+def test_a_waiting_pattern_starts_after_the_close(thinking: LoadedModel) -> None:
+    """Nothing of the reasoning is held to the pattern, and all of the answer is."""
+    close = "</think>"
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, separate_reasoning=True, thinking_token_budget=2,
+        structured=StructuredOutput("regex", spec="ab[a-z]{0,4}"),
+    )  # fmt: skip
+    outputs = run_to_end(
+        engine_for(thinking), GenerateRequest("w", messages=MESSAGES, sampling=params)
+    )
+    reasoning, text, _ = _seen(outputs)
+    assert text.startswith("ab") and close not in text + reasoning
+
+
+@pytest.mark.parametrize("cut", [1, 5, 12])
+def test_a_resumed_sample_resumes_its_waiting_grammar(thinking: LoadedModel, cut: int) -> None:
+    """Moved before, inside or after the close: the grammar is where it was (before the cut,
+    it had followed none of the reasoning)."""
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, separate_reasoning=True, thinking_token_budget=3,
+        structured=StructuredOutput("json_object"),
+    )  # fmt: skip
+    whole = run_to_end(
+        engine_for(thinking), GenerateRequest("w", messages=MESSAGES, sampling=params)
+    )
+    ids = [t for o in whole for t in o.token_ids]
+    assert thinking.tokenizer is not None
+    prompt = thinking.tokenizer.encode(
+        thinking.tokenizer.apply_chat_template(list(MESSAGES)), add_special_tokens=False
+    )
+    request = GenerateRequest(
+        "moved", prompt_token_ids=(*prompt, *ids[:cut]), sampling=params, resume=Resume(0, cut)
+    )
+    after = run_to_end(engine_for(thinking), request)
+    assert ids[:cut] + [t for o in after for t in o.token_ids] == ids
+    assert _seen(whole[:cut] + after) == _seen(whole)
 
 
 def test_a_turns_reasoning_counts_against_the_prompt_characters(thinking: LoadedModel) -> None:
@@ -173,3 +230,24 @@ def test_a_turns_reasoning_counts_against_the_prompt_characters(thinking: Loaded
         engine.submit(GenerateRequest("long", messages=turns), lambda _: None)
     short = (*turns[:1], {**turns[1], "reasoning_content": "x"}, turns[2])
     engine.submit(GenerateRequest("short", messages=short), lambda _: None)
+
+
+def test_the_text_after_the_close_in_its_token_goes_to_the_waiting_grammar(
+    thinking: LoadedModel,
+) -> None:
+    """A close written as "x</think>ab" in one token: the grammar starts after "ab", so "b"
+    may come next (it could not if the grammar began at the token after)."""
+    engine = engine_for(thinking)
+    assert thinking.tokenizer is not None
+    grammar = engine.grammars.compile(StructuredOutput("regex", spec="ab[a-z]{0,4}"))
+    constraint = Constraint(grammar)
+    tokens = ThinkingTokens(None, (), inside=True, grammar_waits=True)
+    sampler = Sampler.create(SamplingParams(), 0, constraint=constraint, thinking=tokens)
+    (b,) = thinking.tokenizer.encode("b", add_special_tokens=False)
+    assert not constraint.allows([b])  # the grammar itself begins with "a"
+    sampler.follow(b)  # while reasoning, nothing reaches the grammar
+    tokens.step(b, "x")
+    sampler.follow(b)
+    tokens.step(b, "</think>ab")
+    sampler.follow(b)  # the grammar is given "ab", then takes "b": "abb"
+    assert constraint.allows([b]) and not constraint.complete
