@@ -57,6 +57,7 @@ from cluster.http.openai_responses import (
     completion_chunks,
     prepend,
     served_by,
+    without_reasoning,
 )
 from cluster.http.openai_schema import (
     LONE_SURROGATE,
@@ -184,6 +185,8 @@ class HttpApi:
         options = body.stream_options or StreamOptions()
         tools = openai_params.callable_tools(body)
         stream = self.start(message, caller, fill_context=True, image_fields=image_fields)
+        if not body.include_reasoning:
+            stream = without_reasoning(stream)
         return await self.respond(
             request,
             stream,

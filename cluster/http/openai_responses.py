@@ -167,6 +167,18 @@ async def prepend(first: serving_pb2.GenerateResponse, rest: Responses) -> Respo
         await rest.aclose()
 
 
+async def without_reasoning(stream: Responses) -> Responses:
+    """The stream with a thinking model's reasoning text left out (vLLM's `include_reasoning:
+    false`; its tokens are still counted)."""
+    try:
+        async for response in stream:
+            if response.reasoning_text:
+                response.reasoning_text = ""
+            yield response
+    finally:
+        await stream.aclose()
+
+
 def worth_a_chunk(response: serving_pb2.GenerateResponse, logprobs: bool) -> bool:
     """False for a message whose text is held back (a possible stop string, half a character)
     and that carries nothing else a client asked for."""

@@ -224,6 +224,8 @@ class ChatCompletionRequest(GenerationParams):
     separate_reasoning: bool = True
     """SGLang's: a thinking model's reasoning comes in `reasoning_content`, apart from the
     answer in `content` (false: the whole text, tags and all, in `content`)."""
+    include_reasoning: bool = True
+    """vLLM's: false leaves the reasoning out of the response (told apart all the same)."""
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None

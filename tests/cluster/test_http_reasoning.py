@@ -76,6 +76,25 @@ def test_thinking_switched_off_by_the_template(client: openai.OpenAI) -> None:
     assert (message.model_extra or {}).get("reasoning_content") is None
 
 
+def test_include_reasoning_false_leaves_it_out_whole_or_streamed(client: openai.OpenAI) -> None:
+    """vLLM's `include_reasoning: false`: the answer alone, the reasoning still counted."""
+    ask = forced("it rains</think>\n\nParis", include_reasoning=False)
+    reply = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, extra_body=ask
+    )
+    message = reply.choices[0].message
+    assert message.content == "\n\nParis"
+    assert (message.model_extra or {}).get("reasoning_content") is None
+    assert reply.usage is not None and reply.usage.completion_tokens_details is not None
+    assert reply.usage.completion_tokens_details.reasoning_tokens > 0
+    stream = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, temperature=0.0, stream=True, extra_body=ask
+    )
+    deltas = [chunk.choices[0].delta for chunk in stream]
+    assert "".join(d.content or "" for d in deltas) == "\n\nParis"
+    assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas)
+
+
 def test_asked_not_to_separate_the_text_is_whole(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=SERVED_NAME, messages=QUESTION, temperature=0.0,
