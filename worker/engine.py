@@ -458,7 +458,8 @@ class Engine:
             self._active_ids.add(request.request_id)
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
-        state.grammar_waits = bool(inside) and not may_hold_reasoning(structured)
+        waits = bool(inside) and request.sampling.separate_reasoning  # the answer is apart
+        state.grammar_waits = waits and not may_hold_reasoning(structured)
         self._inbox.put(("add", state))
         self._wake.set()
         return len(prompt)
@@ -1148,9 +1149,11 @@ class Engine:
         assert isinstance(tokenizer, Tokenizer)  # `thinks` says so
         if sampling.thinking_token_budget is not None:
             _ = self._think_close_ids  # tokenized here, not on the engine's thread
+        if not (sampling.separate_reasoning or may_hold_reasoning(sampling.structured)):
+            return False  # held to its grammar from the first token: the answer, all of it
+        # a grammar of the answer alone (JSON, a required call) of a prompt that opened the
+        # reasoning waits for the reasoning's end, if the answer is told apart (`submit`)
         tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        # an output constrained from its first token (JSON, a required call) is the answer,
-        # unless the prompt opened the reasoning: then its grammar waits for the reasoning's end
         return prompt_opens(tail)
 
     def _penalties(self, state: RequestState) -> Penalties | None:

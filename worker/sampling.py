@@ -133,16 +133,19 @@ class Sampler:
 
     def _grammar(self) -> Constraint | None:
         """The constraint that applies to the next token: none while a grammar that waits for
-        the reasoning's end waits; at the end, it is first given the text after `</think>`
-        (`GrammarRefused` if it does not allow it)."""
+        the reasoning's end waits. At the end it is first given the text after `</think>` in
+        the closing token, less leading whitespace (which no grammar here allows); text it
+        does not allow stays before the answer, and the grammar starts at the next token, as
+        vLLM's does."""
         thinking = self.thinking
         if thinking is None or not thinking.grammar_waits or self.constraint is None:
             return self.constraint
         if thinking.split.reasoning:
             return None
         if thinking.after_close is not None:
-            text, thinking.after_close = thinking.after_close, None
-            self.constraint.accept_text(text)
+            text, thinking.after_close = thinking.after_close.lstrip(), None
+            if text:
+                self.constraint.accept_text(text)
         return self.constraint
 
     def _forced(self, grammar: Constraint | None) -> int | None:

@@ -180,11 +180,10 @@ class Constraint:
         trial = self._matcher.fork()
         return all(trial.accept_token(token) for token in tokens)
 
-    def accept_text(self, text: str) -> None:
+    def accept_text(self, text: str) -> bool:
         """Advance past `text` (the answer's start, written in a token that closed a
-        reasoning); `GrammarRefused` if the grammar does not allow it."""
-        if text and not self._matcher.accept_string(text):
-            raise GrammarRefused(f"{text!r} does not begin the structured output")
+        reasoning) if the grammar allows it; False, and nowhere else, if not."""
+        return self._matcher.accept_string(text)
 
     def accept(self, token: int) -> None:
         """Advance past `token`; `GrammarRefused` if the grammar does not allow it."""

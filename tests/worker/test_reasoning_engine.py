@@ -232,11 +232,18 @@ def test_a_turns_reasoning_counts_against_the_prompt_characters(thinking: Loaded
     engine.submit(GenerateRequest("short", messages=short), lambda _: None)
 
 
+@pytest.mark.parametrize(
+    ("closing", "after"),
+    [("</think>ab", "b"), ("</think>\n\nab", "b"), ("</think>,x", "a")],
+    ids=["answer", "whitespace-then-answer", "refused"],
+)
 def test_the_text_after_the_close_in_its_token_goes_to_the_waiting_grammar(
-    thinking: LoadedModel,
+    thinking: LoadedModel, closing: str, after: str
 ) -> None:
-    """A close written as "x</think>ab" in one token: the grammar starts after "ab", so "b"
-    may come next (it could not if the grammar began at the token after)."""
+    """A close written in one token with the answer's start ("x</think>ab"): the grammar
+    starts after "ab" (leading whitespace dropped, which no grammar here allows), so "b" may
+    come next. Text the grammar refuses (",x") stays before the answer; the grammar starts
+    fresh at the next token, which must then begin it ("a")."""
     engine = engine_for(thinking)
     assert thinking.tokenizer is not None
     grammar = engine.grammars.compile(StructuredOutput("regex", spec="ab[a-z]{0,4}"))
@@ -244,10 +251,27 @@ def test_the_text_after_the_close_in_its_token_goes_to_the_waiting_grammar(
     tokens = ThinkingTokens(None, (), inside=True, grammar_waits=True)
     sampler = Sampler.create(SamplingParams(), 0, constraint=constraint, thinking=tokens)
     (b,) = thinking.tokenizer.encode("b", add_special_tokens=False)
+    (next_token,) = thinking.tokenizer.encode(after, add_special_tokens=False)
     assert not constraint.allows([b])  # the grammar itself begins with "a"
     sampler.follow(b)  # while reasoning, nothing reaches the grammar
     tokens.step(b, "x")
     sampler.follow(b)
-    tokens.step(b, "</think>ab")
-    sampler.follow(b)  # the grammar is given "ab", then takes "b": "abb"
+    tokens.step(b, closing)
+    sampler.follow(next_token)  # the grammar is given the answer's start, then takes the token
     assert constraint.allows([b]) and not constraint.complete
+
+
+def test_without_the_split_a_budget_leaves_the_grammar_from_the_first_token(
+    thinking: LoadedModel,
+) -> None:
+    """`separate_reasoning: false` keeps the text whole: the grammar does not wait (so the
+    text is JSON, not reasoning and JSON), budget or not; the budget cannot force its close."""
+    outputs = {}
+    for budget in (None, 3):
+        params = SamplingParams(
+            max_tokens=12, temperature=0.0, thinking_token_budget=budget,
+            structured=StructuredOutput("json_object"),
+        )  # fmt: skip
+        request = GenerateRequest("j", messages=MESSAGES, sampling=params)
+        outputs[budget] = _seen(run_to_end(engine_for(thinking), request))
+    assert outputs[None] == outputs[3] and outputs[3][1].startswith("{")
