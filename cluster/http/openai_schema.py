@@ -249,7 +249,9 @@ class ChatCompletionRequest(GenerationParams):
     template reads it); "none" also sets `enable_thinking: false` (Qwen3's)."""
     web_search_options: Any = None
     verbosity: Any = None
-    prompt_cache_key: Any = None
+    prompt_cache_key: str | None = None
+    """Accepted: what OpenAI's asks for, a conversation routed to its cache, the router does for
+    every prompt by its prefix (docs/router.md)."""
     safety_identifier: str | None = None
 
 
@@ -272,10 +274,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "prediction": ("predicted outputs are not supported", ()),
     "web_search_options": ("web search is not supported", ()),
     "verbosity": ("not supported", ()),
-    "prompt_cache_key": (
-        "not needed: every prompt prefix is cached and routed to its cache automatically",
-        (),
-    ),
     "service_tier": ("there is one tier", ("auto", "default")),
     "metadata": ("stored completions are not supported", ({},)),
     "store": ("stored completions are not supported", (False,)),

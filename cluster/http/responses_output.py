@@ -1,9 +1,18 @@
 """The Responses API's response object (cluster/http/responses_schema.py), from the request as it
 starts and from a finished sample: a reasoning item for a thinking model's reasoning, a message
-item for the answer's text, a function_call item a call, the usage and the status."""
+item for the answer's text, a function_call item a call, the usage and the status.
+
+With `include: ["reasoning.encrypted_content"]` (what clients that keep no state on the server,
+such as Codex, ask for) a reasoning item carries its text in `encrypted_content`, for the client
+to send back in the next turn's input. radixmesh keeps nothing and has no key: the text is
+encoded, not encrypted (`sealed`), and an item sent back is read from it when it has neither
+`content` nor `summary` (`unsealed`).
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 import uuid
 from typing import Literal
@@ -51,6 +60,7 @@ def shell(body: ResponsesRequest, response_id: str, model: str) -> Response:
             else {"type": "text"}
         },
         reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
+        seal=ENCRYPTED_CONTENT in (body.include or ()),
     ).model_copy(update={"created_at": int(time.time())})
 
 
@@ -83,7 +93,8 @@ def done(
         status = "failed"
     output: list[ReasoningItem | OutputMessage | FunctionCallItem] = []
     if thought:
-        output.append(reasoning_item(reasoning_id, thought, bool(content or calls), status))
+        answered = bool(content or calls)
+        output.append(reasoning_item(reasoning_id, thought, answered, status, shell.seal))
     if content:
         item_status: Literal["completed", "incomplete"] = (
             "completed" if status == "completed" else "incomplete"
@@ -122,11 +133,35 @@ def done(
     )
 
 
-def reasoning_item(item_id: str | None, thought: str, answered: bool, status: str) -> ReasoningItem:
-    """The reasoning's item: complete once the answer began, else as the response ends."""
+def reasoning_item(
+    item_id: str | None, thought: str, answered: bool, status: str, seal: bool = False
+) -> ReasoningItem:
+    """The reasoning's item: complete once the answer began, else as the response ends
+    (`seal`: with its text in `encrypted_content` too)."""
     whole = answered or status == "completed"
     return ReasoningItem(
         id=item_id or new_item_id("rs"),
         content=[ReasoningText(text=thought)],
+        encrypted_content=sealed(thought) if seal else None,
         status="completed" if whole else "incomplete",
     )
+
+
+ENCRYPTED_CONTENT = "reasoning.encrypted_content"
+"""The one `include` served."""
+SEAL = "radixmesh-reasoning-v1:"
+
+
+def sealed(thought: str) -> str:
+    """A reasoning's text as `encrypted_content`: encoded, not encrypted."""
+    return SEAL + base64.b64encode(thought.encode()).decode()
+
+
+def unsealed(value: object) -> str | None:
+    """The text `sealed` encoded; None for anything else (another server's ciphertext)."""
+    if not isinstance(value, str) or not value.startswith(SEAL):
+        return None
+    try:
+        return base64.b64decode(value.removeprefix(SEAL), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None

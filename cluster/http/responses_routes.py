@@ -23,7 +23,7 @@ from fastapi.responses import Response as HttpResponse
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.openai_params import ROLES, effort_variables, refuse_unsupported, wire_tool
 from cluster.http.openai_responses import collect, served_by
-from cluster.http.responses_output import done, shell
+from cluster.http.responses_output import ENCRYPTED_CONTENT, done, shell, unsealed
 from cluster.http.responses_schema import REFUSED, NamedFunction, ResponsesRequest
 from cluster.http.responses_stream import events
 from cluster.http.sse import EventStream
@@ -102,6 +102,11 @@ def generate_request(
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
     """The request, and the field each turn of its chat came from."""
     refuse_unsupported(body, REFUSED)
+    for i, asked in enumerate(body.include or ()):
+        if asked != ENCRYPTED_CONTENT:
+            raise HttpError.invalid(
+                f"include[{i}]", f"{asked!r}: only {ENCRYPTED_CONTENT!r} can be included"
+            )
     message = serving_pb2.GenerateRequest(request_id=request_id)
     # a thinking model's reasoning is a reasoning item, apart from the answer's message
     message.sampling.separate_reasoning = True
@@ -206,7 +211,8 @@ def _think(turn: serving_pb2.ChatMessage, thoughts: list[str]) -> None:
 
 def _reasoning(item: dict[str, Any], where: str) -> str:
     """A reasoning item's text: its `content` (the reasoning text a thinking model wrote), else
-    its `summary`. Its `encrypted_content` (OpenAI's) is nothing radixmesh can read."""
+    its `summary`, else the text its `encrypted_content` holds if radixmesh wrote it
+    (responses_output.py `sealed`; another server's is nothing radixmesh can read)."""
     for name, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
         parts = item.get(name) or []
         if not isinstance(parts, list):
@@ -220,7 +226,7 @@ def _reasoning(item: dict[str, Any], where: str) -> str:
             texts.append(part["text"])
         if texts:
             return "\n".join(texts)
-    return ""
+    return unsealed(item.get("encrypted_content")) or ""
 
 
 def _message(item: dict[str, Any], where: str) -> serving_pb2.ChatMessage:

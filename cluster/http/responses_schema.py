@@ -81,13 +81,15 @@ class ResponsesRequest(Body):
     conversation: Any = None
     metadata: Any = None
     reasoning: ReasoningConfig | None = None
-    include: Any = None
+    include: list[str] | None = None
+    """"reasoning.encrypted_content" only (cluster/http/responses_output.py)."""
     truncation: Any = None
     background: Any = None
     max_tool_calls: Any = None
     service_tier: Any = None
     prompt: Any = None
-    prompt_cache_key: Any = None
+    prompt_cache_key: str | None = None
+    """Accepted, as on chat completions: the router routes every prompt to its cache."""
     top_logprobs: Any = None
 
 
@@ -100,16 +102,11 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     ),
     "conversation": ("conversations are not stored; send them in input", ()),
     "metadata": ("responses are not stored", ({},)),
-    "include": ("nothing more can be included", ([],)),
     "truncation": ("a prompt over the context is refused, never cut", ("disabled",)),
     "background": ("every response is answered in the foreground", (False,)),
     "max_tool_calls": ("not supported", ()),
     "service_tier": ("there is one tier", ("auto", "default")),
     "prompt": ("stored prompts are not supported", ()),
-    "prompt_cache_key": (
-        "not needed: every prompt prefix is cached and routed to its cache automatically",
-        (),
-    ),
     "top_logprobs": ("log-probabilities are served by chat completions", (0,)),
 }
 
@@ -134,6 +131,9 @@ class ReasoningItem(BaseModel):
     id: str
     summary: list[Any] = []
     content: list[ReasoningText]
+    encrypted_content: str | None = None
+    """With `include: ["reasoning.encrypted_content"]`: the reasoning, encoded
+    (cluster/http/responses_output.py `sealed`), for a client to send back."""
     status: Literal["in_progress", "completed", "incomplete"]
 
 
@@ -202,3 +202,6 @@ class Response(BaseModel):
     text: dict[str, Any] = {"format": {"type": "text"}}
     reasoning: dict[str, Any] | None = None
     store: bool = False
+    seal: bool = Field(default=False, exclude=True)
+    """radixmesh's, never sent: reasoning items carry `encrypted_content` (the request's
+    `include`)."""

@@ -45,7 +45,7 @@ async def events(
     tools: frozenset[str],
 ) -> AsyncIterator[bytes]:
     """The response's events (module docstring)."""
-    out = _Events()
+    out = _Events(shell.seal)
     yield out.event("response.created", {"response": shell.model_dump()})
     yield out.event("response.in_progress", {"response": shell.model_dump()})
     counts = Counts()
@@ -89,7 +89,9 @@ async def events(
 class _Events:
     """The events of one response, numbered, and its reasoning and message items as they go."""
 
-    def __init__(self) -> None:
+    def __init__(self, seal: bool) -> None:
+        self.seal = seal
+        """Reasoning items carry `encrypted_content` (responses_output.py)."""
         self.sequence = 0
         self.reasoning_id, self.message_id = new_item_id("rs"), new_item_id("msg")
         self.thought = ""
@@ -116,9 +118,10 @@ class _Events:
         out = b""
         if not self.text:
             if self.thought:  # the answer began: the reasoning is whole
-                out += self._closed(
-                    reasoning_item(self.reasoning_id, self.thought, True, "completed")
+                whole = reasoning_item(
+                    self.reasoning_id, self.thought, True, "completed", self.seal
                 )
+                out += self._closed(whole)
             item = OutputMessage(id=self.message_id, status="in_progress", content=[])
             out += self._opened(self._message_index, item, OutputText(text=""))
         self.text += delta

@@ -261,3 +261,51 @@ def test_a_stream_that_fails_keeps_the_reasoning_it_sent() -> None:
     state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
     for event in events:
         state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))
+
+
+def test_encrypted_content_carries_the_reasoning_to_the_next_turn(client: openai.OpenAI) -> None:
+    """`include: ["reasoning.encrypted_content"]`, as Codex sends it with `store: false`: the
+    reasoning item holds its text encoded, and the item sent back with nothing else (as a
+    client that drops `content` does) is the turn's reasoning, token for token."""
+    first = client.responses.create(
+        model=SERVED_NAME, input="Which city?", max_output_tokens=6, temperature=0.0,
+        include=["reasoning.encrypted_content"], store=False, prompt_cache_key="conversation-1",
+    )  # fmt: skip
+    item = first.output[0]
+    assert item.type == "reasoning" and item.encrypted_content and item.content
+    assert responses_output.unsealed(item.encrypted_content) == item.content[0].text
+    with client.responses.stream(
+        model=SERVED_NAME, input="Which city?", max_output_tokens=6, temperature=0.0,
+        include=["reasoning.encrypted_content"],
+    ) as stream:  # fmt: skip
+        done = [e for e in stream if e.type == "response.output_item.done"]
+    assert getattr(done[0].item, "encrypted_content", None) == item.encrypted_content
+    plain = client.responses.create(model=SERVED_NAME, input="Which city?", max_output_tokens=1)
+    assert all(getattr(i, "encrypted_content", None) is None for i in plain.output)
+    sent_back = {"type": "reasoning", "summary": [], "encrypted_content": item.encrypted_content}
+    answer = {"role": "assistant", "content": "Paris"}
+    again = client.responses.create(
+        model=SERVED_NAME, max_output_tokens=1,
+        input=[*QUESTION, sent_back, answer, {"role": "user", "content": "Why?"}],  # type: ignore[list-item]
+    )  # fmt: skip
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, max_tokens=1, prompt_cache_key="conversation-1",
+        messages=[
+            QUESTION[0],
+            {"role": "assistant", "content": "Paris", "reasoning_content": item.content[0].text},  # type: ignore[list-item, misc]
+            {"role": "user", "content": "Why?"},
+        ],
+    )  # fmt: skip
+    assert again.usage is not None and chat.usage is not None
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_other_includes_are_refused_by_name(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(
+            model=SERVED_NAME, input="Which city?", max_output_tokens=1,
+            include=["reasoning.encrypted_content", "message.output_text.logprobs"],
+        )  # fmt: skip
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "include[1]"
+    assert responses_output.unsealed("gAAAAAB-openai-ciphertext") is None
