@@ -134,18 +134,18 @@ class Sampler:
     def _grammar(self) -> Constraint | None:
         """The constraint that applies to the next token: none while a grammar that waits for
         the reasoning's end waits. At the end it is first given the text after `</think>` in
-        the closing token, less leading whitespace (which no grammar here allows); text it
-        does not allow stays before the answer, and the grammar starts at the next token, as
-        vLLM's does."""
+        the closing token, or, if it refuses that, the text less its leading whitespace (which
+        JSON and tool calls do not allow); text it refuses both ways stays before the answer,
+        and the grammar starts at the next token, as vLLM's does."""
         thinking = self.thinking
         if thinking is None or not thinking.grammar_waits or self.constraint is None:
             return self.constraint
         if thinking.split.reasoning:
             return None
         if thinking.after_close is not None:
-            text, thinking.after_close = thinking.after_close.lstrip(), None
-            if text:
-                self.constraint.accept_text(text)
+            text, thinking.after_close = thinking.after_close, None
+            if text and not self.constraint.accept_text(text) and text.lstrip():
+                self.constraint.accept_text(text.lstrip())  # a refusal changes nothing
         return self.constraint
 
     def _forced(self, grammar: Constraint | None) -> int | None:

@@ -24,8 +24,8 @@ that was cut mid-way.
 A structured output that constrains the answer from its first token (JSON, a required tool
 call) of a prompt that opened the reasoning waits for the reasoning to end (`grammar_waits`),
 as vLLM holds its grammar back: the sampler draws the reasoning freely, and the grammar starts
-with the text that follows `</think>` in the closing token (`after_close`, less leading
-whitespace: `Sampler._grammar`) and the tokens after.
+with the text that follows `</think>` in the closing token (`after_close`, less its leading
+whitespace if the grammar refuses it whole: `Sampler._grammar`) and the tokens after.
 """
 
 from __future__ import annotations

@@ -233,26 +233,31 @@ def test_a_turns_reasoning_counts_against_the_prompt_characters(thinking: Loaded
 
 
 @pytest.mark.parametrize(
-    ("closing", "after"),
-    [("</think>ab", "b"), ("</think>\n\nab", "b"), ("</think>,x", "a")],
-    ids=["answer", "whitespace-then-answer", "refused"],
+    ("pattern", "closing", "after"),
+    [
+        ("ab[a-z]{0,4}", "</think>ab", "b"),
+        ("ab[a-z]{0,4}", "</think>\n\nab", "b"),
+        (" ab[a-z]{0,4}", "</think> ab", "b"),
+        ("ab[a-z]{0,4}", "</think>,x", "a"),
+    ],
+    ids=["answer", "whitespace-then-answer", "answer-with-its-whitespace", "refused"],
 )
 def test_the_text_after_the_close_in_its_token_goes_to_the_waiting_grammar(
-    thinking: LoadedModel, closing: str, after: str
+    thinking: LoadedModel, pattern: str, closing: str, after: str
 ) -> None:
     """A close written in one token with the answer's start ("x</think>ab"): the grammar
-    starts after "ab" (leading whitespace dropped, which no grammar here allows), so "b" may
-    come next. Text the grammar refuses (",x") stays before the answer; the grammar starts
-    fresh at the next token, which must then begin it ("a")."""
+    starts after "ab" (with its leading whitespace if the grammar takes it, else without), so
+    "b" may come next. Text the grammar refuses (",x") stays before the answer; the grammar
+    starts fresh at the next token, which must then begin it ("a")."""
     engine = engine_for(thinking)
     assert thinking.tokenizer is not None
-    grammar = engine.grammars.compile(StructuredOutput("regex", spec="ab[a-z]{0,4}"))
+    grammar = engine.grammars.compile(StructuredOutput("regex", spec=pattern))
     constraint = Constraint(grammar)
     tokens = ThinkingTokens(None, (), inside=True, grammar_waits=True)
     sampler = Sampler.create(SamplingParams(), 0, constraint=constraint, thinking=tokens)
     (b,) = thinking.tokenizer.encode("b", add_special_tokens=False)
     (next_token,) = thinking.tokenizer.encode(after, add_special_tokens=False)
-    assert not constraint.allows([b])  # the grammar itself begins with "a"
+    assert not constraint.allows([b])  # the grammar itself begins with "a" or " a"
     sampler.follow(b)  # while reasoning, nothing reaches the grammar
     tokens.step(b, "x")
     sampler.follow(b)
