@@ -121,9 +121,11 @@ def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_with_the_gathers_
     page_size: int, length: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One sequence decoding alone on pages 3, 4, 5, ...: its K/V are the cache's own pages,
-    sliced, not gathered (no `index_select`). The output must be the gather's bit for bit (the
-    same sequence twice in a batch takes the gather) and agree with the reference; the slots
-    past its length hold NaN, which neither path may read."""
+    sliced, not gathered (no `index_select`). The output must be the gather's bit for bit: the
+    same K/V on scattered pages, which take the gather, at the same batch size (a batch of two
+    takes it too, and agrees to float32's last bits: SDPA's CPU kernels may block a batch of
+    two differently, as on an AMD EPYC host); and agree with the reference. The slots past its
+    length hold NaN, which neither path may read."""
     from kernels.torch_sdpa import _decode_plan
 
     seed = fresh_seed()
@@ -159,7 +161,18 @@ def test_a_lone_sequence_on_consecutive_pages_is_read_in_place_with_the_gathers_
         backend="torch_sdpa",
     )  # fmt: skip
     assert len(gathers) == 2
-    assert torch.equal(in_place[0], twice[0]) and torch.equal(in_place[0], twice[1])
+    torch.testing.assert_close(twice, in_place.repeat(2, 1, 1), rtol=1e-6, atol=1e-6)
+    k_scattered, v_scattered = (
+        torch.full_like(k_cache, float("nan")),
+        torch.full_like(v_cache, float("nan")),
+    )
+    for i, page in enumerate(scattered[0].tolist()):
+        k_scattered[page], v_scattered[page] = k_cache[3 + i], v_cache[3 + i]
+    gathered = decode_attention(
+        q, k_scattered, v_scattered, scattered, seq_lens, backend="torch_sdpa"
+    )
+    assert len(gathers) == (2 if n_pages == 1 else 4)  # one page is consecutive: in place too
+    assert torch.equal(in_place, gathered)
     expected = reference.decode_attention(
         q.double(), k_cache.double(), v_cache.double(), in_order, seq_lens
     )
