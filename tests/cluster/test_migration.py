@@ -86,6 +86,20 @@ def finish(streams: list[Stream]) -> None:
         assert not run.thread.is_alive(), "a request hung"
 
 
+def kill_the_busiest(cluster: LocalCluster, streams: list[Stream], messages: int) -> list[Stream]:
+    """Once every stream has `messages` messages, kill the worker serving most of the unfinished
+    ones and let every stream end; the streams it was serving at that message, each checked to
+    have ended elsewhere."""
+    wait_until(lambda: all(len(s.messages) >= messages for s in streams), "streams started", 60)
+    serving = Counter(s.messages[-1].worker for s in streams if not s.messages[-1].finished)
+    victim = serving.most_common(1)[0][0]
+    cluster.kill_worker(victim)
+    finish(streams)
+    moved = [s for s in streams if s.messages[messages - 1].worker == victim]
+    assert moved and all(s.messages[-1].worker != victim for s in moved)
+    return moved
+
+
 def undisturbed(cluster: LocalCluster, message: serving_pb2.GenerateRequest) -> Stream:
     run = stream(Client(cluster.target), message)
     finish([run])
@@ -112,18 +126,12 @@ def test_streams_cut_by_a_dying_worker_continue_exactly(tiny: LoadedModel) -> No
         assert expected[-1].seen()[2] == "stop"
         client = Client(cluster.target)
         streams = [stream(client, r) for r in requests]
-        wait_until(lambda: all(len(s.messages) >= 8 for s in streams), "every stream started", 60)
-        serving = Counter(s.messages[-1].worker for s in streams if not s.messages[-1].finished)
-        victim = serving.most_common(1)[0][0]
-        cluster.kill_worker(victim)
-        finish(streams)
+        moved = kill_the_busiest(cluster, streams, 8)
 
         for got, want, message in zip(streams, expected, requests, strict=True):
             assert got.error is None, got.error
             for index in range(message.sampling.n):
                 assert got.seen(index) == want.seen(index), f"{message.text!r} sample {index}"
-        moved = [s for s in streams if s.messages[7].worker == victim]
-        assert moved and all(s.messages[-1].worker != victim for s in moved)
         assert cluster.service.counters.migrated >= len(moved) > 0
         assert cluster.stats().requests_migrated == cluster.service.counters.migrated
         cluster.wait_idle()

@@ -5,12 +5,10 @@ reasoning token counts, all as the undisturbed run gives them, cut before or aft
 
 from __future__ import annotations
 
-from collections import Counter
-
 from cluster.client import Client, text_request
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import start_cluster
-from tests.cluster.test_migration import Stream, finish, stream, undisturbed, wait_until
+from tests.cluster.test_migration import Stream, kill_the_busiest, stream, undisturbed
 from worker.loader import LoadedModel
 
 ANSWER = '\\{"city": "[a-z ]{40,80}"\\}'
@@ -62,18 +60,12 @@ def test_thinking_streams_cut_by_a_dying_worker_continue_exactly(thinking: Loade
         client = Client(cluster.target)
         streams = [stream(client, r) for r in requests]
         # 20 messages in: the first stream still reasons, the JSON ones are past their close
-        wait_until(lambda: all(len(s.messages) >= 20 for s in streams), "every stream started", 60)
-        serving = Counter(s.messages[-1].worker for s in streams if not s.messages[-1].finished)
-        victim = serving.most_common(1)[0][0]
-        cluster.kill_worker(victim)
-        finish(streams)
+        moved = kill_the_busiest(cluster, streams, 20)
 
         for got, want, message in zip(streams, expected, requests, strict=True):
             assert got.error is None, got.error
             for index in range(message.sampling.n):
                 assert seen(got, index) == seen(want, index), f"{message.chat} {index}"
-        moved = [s for s in streams if s.messages[19].worker == victim]
-        assert moved and all(s.messages[-1].worker != victim for s in moved)
         assert cluster.service.counters.migrated >= len(moved) > 0
         cluster.wait_idle()
     finally:
