@@ -272,6 +272,10 @@ class RouterSection:
     max_concurrent_streams: int = _at_least(64, 1)
     """Per client connection."""
     max_restarts: int = _at_least(-1, -1)
+    response_store_bytes: int = _at_least(256 << 20, 0)
+    """The Responses API's stored responses (`store`, `previous_response_id`), in the router's
+    memory: at most this many bytes of conversations, least recently used dropped first; 0:
+    none stored (`store: true` is refused)."""
     text_index: TextIndexSection = field(default_factory=TextIndexSection)
 
 

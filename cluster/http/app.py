@@ -1,6 +1,7 @@
 """The HTTP API as a FastAPI app over the router's serving core.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
+    POST /v1/responses          GET, DELETE /v1/responses/{id}[/input_items]
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
     POST /tokenize              POST /detokenize    GET /tokenizer_info   (vLLM's)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
@@ -76,6 +77,7 @@ from cluster.http.openai_schema import (
     UnloadLoraAdapterRequest,
 )
 from cluster.http.prompt_logprobs import prompt_alone
+from cluster.http.response_store import ResponseStore
 from cluster.http.several_prompts import merged
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
 from cluster.http.token_texts import TokenTexts
@@ -102,6 +104,8 @@ class HttpApi:
         self.draining = False
         """Set when the router drains: /health says 503 and new generations are refused."""
         self._texts: tuple[Tokenizer | None, TokenTexts] | None = None
+        self.responses = ResponseStore(config.router.response_store_bytes)
+        """The Responses API's stored responses."""
 
     # -- who calls, and about what ---------------------------------------------------------------
     def caller(self, request: Request) -> Caller:

@@ -35,8 +35,8 @@ from cluster.http.responses_schema import (
 from worker.tool_calls import ToolCall
 
 
-def shell(body: ResponsesRequest, response_id: str, model: str) -> Response:
-    """The response as it starts: in progress, no output yet."""
+def shell(body: ResponsesRequest, response_id: str, model: str, store: bool = False) -> Response:
+    """The response as it starts: in progress, no output yet (`store`: to be stored)."""
     choice = body.tool_choice
     form = body.text.format if body.text is not None and body.text.format is not None else None
     return Response(
@@ -60,6 +60,9 @@ def shell(body: ResponsesRequest, response_id: str, model: str) -> Response:
             else {"type": "text"}
         },
         reasoning=body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
+        metadata=body.metadata or {},
+        store=store,
+        previous_response_id=body.previous_response_id,
         seal=ENCRYPTED_CONTENT in (body.include or ()),
     ).model_copy(update={"created_at": int(time.time())})
 

@@ -9,12 +9,19 @@ in `content`, as vLLM serves it), the answer's text a `message` item and its cal
 `function_call` items (worker/tool_calls.py reads them out of the text); `status` is
 `incomplete` (reason `max_output_tokens`) when max_output_tokens cut it. The response object is
 built in cluster/http/responses_output.py, its events in cluster/http/responses_stream.py.
+
+A response is stored as it ends unless `store: false` (cluster/http/responses_chain.py):
+    GET    /v1/responses/{id}               the response, as answered
+    DELETE /v1/responses/{id}
+    GET    /v1/responses/{id}/input_items   its input items (order, after, limit)
+and `previous_response_id` continues a stored one: its conversation comes before `input`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -23,8 +30,10 @@ from fastapi.responses import Response as HttpResponse
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.openai_params import ROLES, effort_variables, refuse_unsupported, wire_tool
 from cluster.http.openai_responses import collect, served_by
+from cluster.http.response_store import StoredResponse
+from cluster.http.responses_chain import continued, keep, owner, stored
 from cluster.http.responses_output import ENCRYPTED_CONTENT, done, shell, unsealed
-from cluster.http.responses_schema import REFUSED, NamedFunction, ResponsesRequest
+from cluster.http.responses_schema import REFUSED, NamedFunction, Response, ResponsesRequest
 from cluster.http.responses_stream import events
 from cluster.http.sse import EventStream
 from protos.radixmesh.v1 import serving_pb2
@@ -40,21 +49,33 @@ TEXT_PARTS = ("input_text", "output_text")
 def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def responses(body: ResponsesRequest, request: Request) -> HttpResponse:
         caller = api.caller(request)
+        tenant = owner(caller, api.tenant(request))
         adapter = api.check_model(body.model)
         rid = api.request_id(request)
-        message, origins = generate_request(body, rid, api.tenant(request))
+        storing = stored(body, api.responses)
+        earlier = continued(body, api.responses, tenant)
+        message, origins = generate_request(
+            body, rid, api.tenant(request), earlier.conversation if earlier else ()
+        )
         message.namespace.adapter = adapter or ""
-        started = shell(body, f"resp_{rid}", adapter or api.model)
+        started = shell(body, f"resp_{rid}", adapter or api.model, storing)
         tools = (
             frozenset(t.name for t in body.tools or [])
             if body.tool_choice != "none"
             else frozenset()
         )
+
+        def ended(answered: Response) -> Response:
+            """The response as it ends: stored, unless the request said not to."""
+            if not storing:
+                return answered
+            return keep(api.responses, tenant, body, answered, earlier)
+
         stream = api.start(message, caller, fill_context=True)
         rename = refusal_names(body, origins)
         if body.stream:
             first = await api.finish(request, anext(stream), rename)  # a refusal: a status
-            return EventStream(events(started, first, stream, tools), served_by(first))
+            return EventStream(events(started, first, stream, tools, ended), served_by(first))
         samples, counts = await api.finish(request, collect(stream), rename)
         sample = samples[0]
         text = "".join(sample.text)
@@ -64,10 +85,79 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             thought="".join(sample.reasoning),
         )  # fmt: skip
         return HttpResponse(
-            reply.model_dump_json(), media_type="application/json", headers=counts.served_by()
+            ended(reply).model_dump_json(),
+            media_type="application/json",
+            headers=counts.served_by(),
         )
 
+    async def retrieve(response_id: str, request: Request) -> HttpResponse:
+        if request.query_params.get("stream") not in (None, "false"):
+            raise HttpError.invalid("stream", "a stored response is retrieved whole")
+        kept = _stored(response_id, request)
+        return HttpResponse(json.dumps(kept.response), media_type="application/json")
+
+    async def delete(response_id: str, request: Request) -> HttpResponse:
+        if not api.responses.delete(owner(api.caller(request), api.tenant(request)), response_id):
+            raise _not_stored(response_id)
+        gone = {"id": response_id, "object": "response", "deleted": True}
+        return HttpResponse(json.dumps(gone), media_type="application/json")
+
+    async def input_items(response_id: str, request: Request) -> HttpResponse:
+        kept = _stored(response_id, request)
+        return HttpResponse(
+            json.dumps(item_page(kept.inputs, request.query_params)),
+            media_type="application/json",
+        )
+
+    def _stored(response_id: str, request: Request) -> StoredResponse:
+        tenant = owner(api.caller(request), api.tenant(request))
+        kept = api.responses.get(tenant, response_id)
+        if kept is None:
+            raise _not_stored(response_id)
+        return kept
+
     app.add_api_route("/v1/responses", responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
+
+
+def _not_stored(response_id: str) -> HttpError:
+    return HttpError(
+        404,
+        f"response {response_id!r} is not stored for this tenant (never stored, deleted, or "
+        "dropped from the router's store)",
+    )
+
+
+def item_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """A page of a stored response's input items, as OpenAI lists them: `order` (desc, the
+    default, or asc), after the item `after` names, at most `limit` (1-100, 20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise HttpError.invalid("order", f"{order!r} is not one of asc, desc")
+    raw = query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+        raise HttpError.invalid("limit", f"{raw!r}: a whole number from 1 to {MAX_PAGE}")
+    listed = list(items) if order == "asc" else list(reversed(items))
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in listed]
+        if after not in ids:
+            raise HttpError.invalid("after", f"{after!r} is not an input item of this response")
+        listed = listed[ids.index(after) + 1 :]
+    page = listed[: int(raw)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(listed) > len(page),
+    }
+
+
+MAX_PAGE = 100
+"""The most input items one page lists (OpenAI's bound)."""
 
 
 def refusal_names(body: ResponsesRequest, origins: list[str]) -> Renames:
@@ -98,9 +188,13 @@ _TURN = re.compile(r"messages\[(\d+)\](.*)")
 
 
 def generate_request(
-    body: ResponsesRequest, request_id: str, tenant: str
+    body: ResponsesRequest,
+    request_id: str,
+    tenant: str,
+    earlier: Sequence[dict[str, Any]] = (),
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
-    """The request, and the field each turn of its chat came from."""
+    """The request, and the field each turn of its chat came from (`earlier`: the stored
+    conversation it continues)."""
     refuse_unsupported(body, REFUSED)
     for i, asked in enumerate(body.include or ()):
         if asked != ENCRYPTED_CONTENT:
@@ -113,7 +207,7 @@ def generate_request(
     variables = effort_variables(body.reasoning.effort if body.reasoning is not None else None)
     if variables:
         message.chat_template_kwargs = json.dumps(variables)
-    origins = conversation(body, message.chat.messages)
+    origins = conversation(body, message.chat.messages, earlier)
     for name, value in (
         ("max_tokens", body.max_output_tokens),
         ("temperature", body.temperature),
@@ -151,9 +245,12 @@ def _format(body: ResponsesRequest, params: serving_pb2.SamplingParams) -> None:
     params.structured.json_schema = json.dumps(form.schema_)
 
 
-def conversation(body: ResponsesRequest, turns: Any) -> list[str]:
-    """Append `instructions` as the system message, then `input`'s items as the chat's turns,
-    to `turns`; returns the field each turn came from. A string is one user turn; consecutive
+def conversation(
+    body: ResponsesRequest, turns: Any, earlier: Sequence[dict[str, Any]] = ()
+) -> list[str]:
+    """Append `instructions` as the system message, then the items of the stored conversation
+    `previous_response_id` continues (`earlier`), then `input`'s items, as the chat's turns, to
+    `turns`; returns the field each turn came from. A string is one user turn; consecutive
     `function_call` items are one assistant turn's calls (with the assistant message before
     them, if any); a `function_call_output` is a tool turn. A `reasoning` item's text is the
     reasoning of the assistant turn it comes with (`reasoning_content`, which the template may
@@ -163,13 +260,17 @@ def conversation(body: ResponsesRequest, turns: Any) -> list[str]:
         turns.append(serving_pb2.ChatMessage(role="system", content=body.instructions))
         origins.append("instructions")
     if isinstance(body.input, str):
-        turns.append(serving_pb2.ChatMessage(role="user", content=body.input))
-        return [*origins, "input"]
-    if not body.input:
+        items = [{"role": "user", "content": body.input}]
+        named = ["input"]
+    elif not body.input:
         raise HttpError.invalid("input", "is empty; send at least one item")
+    else:
+        items, named = body.input, [f"input[{i}]" for i in range(len(body.input))]
+    given = len(origins)
     thoughts: list[str] = []  # reasoning items waiting for their assistant turn
-    for i, item in enumerate(body.input):
-        where = f"input[{i}]"
+    for item, where in zip(
+        [*earlier, *items], ["previous_response_id"] * len(earlier) + named, strict=True
+    ):
         kind = item.get("type", "message")
         if kind == "reasoning":
             thoughts.append(_reasoning(item, where))
@@ -195,7 +296,7 @@ def conversation(body: ResponsesRequest, turns: Any) -> list[str]:
             _think(turns[-1], thoughts)
         thoughts.clear()
         origins.append(where)
-    if len(origins) == int(body.instructions is not None):
+    if all(where == "previous_response_id" for where in origins[given:]):
         raise HttpError.invalid(
             "input",
             "holds no message or function call (a reasoning item goes with the turn after it)",

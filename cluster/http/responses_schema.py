@@ -4,8 +4,9 @@ pydantic models (the fields radixmesh serves; the SDK's `responses.create`, `.st
 
 As for chat completions (openai_schema.py): an undeclared parameter is refused by name, and a
 declared one radixmesh does not implement is refused unless it asks for nothing (`REFUSED`).
-Responses are not stored: `store: true` and `previous_response_id` are refused, and the
-conversation goes in `input`, as with `store: false` at OpenAI.
+A response is stored unless `store: false` says not to (OpenAI's default; the router keeps
+them in memory, cluster/http/response_store.py), and `previous_response_id` continues a stored
+one.
 """
 
 from __future__ import annotations
@@ -76,10 +77,15 @@ class ResponsesRequest(Body):
     stream: bool = False
     user: str | None = None
     safety_identifier: str | None = None
-    store: Any = None
-    previous_response_id: Any = None
+    store: bool | None = None
+    """None: stored when the router keeps responses (router.response_store_bytes > 0)."""
+    previous_response_id: str | None = None
+    """A stored response this one continues: its conversation comes before `input` (its
+    `instructions` do not)."""
     conversation: Any = None
-    metadata: Any = None
+    metadata: dict[str, str] | None = None
+    """Up to 16 pairs, keys of up to 64 characters, values of up to 512, as at OpenAI; returned
+    with the response."""
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
     """"reasoning.encrypted_content" only (cluster/http/responses_output.py)."""
@@ -95,13 +101,10 @@ class ResponsesRequest(Body):
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     # parameter: (why it is refused, the values that ask for nothing and are accepted)
-    "store": ("responses are not stored; send store: false", (False,)),
-    "previous_response_id": (
-        "responses are not stored; send the conversation in input",
+    "conversation": (
+        "conversations are not stored; send previous_response_id, or the turns in input",
         (),
     ),
-    "conversation": ("conversations are not stored; send them in input", ()),
-    "metadata": ("responses are not stored", ({},)),
     "truncation": ("a prompt over the context is refused, never cut", ("disabled",)),
     "background": ("every response is answered in the foreground", (False,)),
     "max_tool_calls": ("not supported", ()),
@@ -202,6 +205,7 @@ class Response(BaseModel):
     text: dict[str, Any] = {"format": {"type": "text"}}
     reasoning: dict[str, Any] | None = None
     store: bool = False
+    previous_response_id: str | None = None
     seal: bool = Field(default=False, exclude=True)
     """radixmesh's, never sent: reasoning items carry `encrypted_content` (the request's
     `include`)."""

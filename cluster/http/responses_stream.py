@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cluster.http.errors import GenerationFailed, HttpError
@@ -43,8 +43,10 @@ async def events(
     first: serving_pb2.GenerateResponse,
     rest: Responses,
     tools: frozenset[str],
+    ended: Callable[[Response], Response] = lambda response: response,
 ) -> AsyncIterator[bytes]:
-    """The response's events (module docstring)."""
+    """The response's events (module docstring); the response as it ends (completed,
+    incomplete or failed) goes through `ended` (storing it) before its last event."""
     out = _Events(shell.seal)
     yield out.event("response.created", {"response": shell.model_dump()})
     yield out.event("response.in_progress", {"response": shell.model_dump()})
@@ -77,13 +79,13 @@ async def events(
             thought=out.thought,
             reasoning_id=out.reasoning_id,
         )  # fmt: skip: with what was sent so far
-        yield out.event("response.failed", {"response": failed.model_dump()})
+        yield out.event("response.failed", {"response": ended(failed).model_dump()})
         return
     finished = done(
         shell, out.text or None, calls, finish, counts, out.message_id,
         thought=out.thought, reasoning_id=out.reasoning_id,
     )  # fmt: skip
-    yield out.end(finished)
+    yield out.end(ended(finished))
 
 
 class _Events:

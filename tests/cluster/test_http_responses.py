@@ -215,8 +215,14 @@ def test_a_stream_that_fails_ends_with_response_failed() -> None:
 @pytest.mark.parametrize(
     ("change", "param", "words"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
-        ({"store": True}, "store", "send store: false"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "is not a stored response"),
+        ({"previous_response_id": 7}, "previous_response_id", "string"),
+        ({"store": "yes"}, "store", "boolean"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "17 pairs; at most 16"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata", "over 64 characters"),
+        ({"metadata": {"k": "v" * 513}}, "metadata.k", "over 512 characters"),
+        ({"metadata": {"k": 1}}, "metadata.k", "string"),
+        ({"conversation": "conv_1"}, "conversation", "send previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "'item_reference'"),
         (

@@ -205,6 +205,32 @@ def http_answer(config_file: Path) -> openai.types.Completion:
         return client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
 
 
+def stored_response(config_file: Path) -> str:
+    """The id of a response the router actor's HTTP API stored."""
+    url = http_url(config_file)
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        made = client.responses.create(model=model, input=PROMPT, max_output_tokens=3)
+        assert client.responses.retrieve(made.id).store
+        return made.id
+
+
+def lost_response(config_file: Path, response_id: str) -> str:
+    """What continuing a stored response answers after the router restarted: refused by name
+    (the store is the router's memory)."""
+    url = http_url(config_file)
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(
+                model=model, input="Go on.", previous_response_id=response_id, max_output_tokens=3
+            )
+        assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+        return refused.value.message
+
+
 def structured_answer(config_file: Path) -> str:
     """A chat answered in a JSON schema through the router actor's HTTP API (the random tiny
     model writes JSON only under the constraint)."""
@@ -314,6 +340,7 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         wait_for(rejoined, 180, f"{victim_name} did not rejoin")
         assert ray_call(head, describe) != pid_before, "the worker was not restarted"
 
+        kept = stored_response(config_file)
         ray_call(head, "ray.kill(actor('radixmesh-router'), no_restart=False)")
         wait_serving(target)
         wait_for(
@@ -323,6 +350,7 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         )
         assert list(client.generate(text_request(PROMPT, max_tokens=3)))[-1].finished
         assert http_answer(config_file).choices[0].finish_reason == "length"  # the same port
+        assert "nothing across a restart" in lost_response(config_file, kept)
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=120)
         stderr = serve.stderr.read()  # type: ignore[union-attr]

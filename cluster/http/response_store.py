@@ -1,0 +1,97 @@
+"""The Responses API's stored responses (`store`, `previous_response_id`, `GET` and `DELETE
+/v1/responses/{id}`), kept in the router's memory, per tenant, within a bound in bytes.
+
+A stored response keeps three things: the response object as it was answered, the request's
+own `input` items (`GET .../input_items`), and the conversation a follow-up continues: the
+items of every earlier turn of its chain, its input and its output. A request that names it in
+`previous_response_id` is answered as if it had sent that conversation before its own input,
+so agents send only their new turn; the router renders the same chat and routes it to the
+worker whose cache holds it.
+
+The bound is on what each stored response would need alone (its whole conversation, encoded
+as JSON, and its response object), so it holds however the turns share their items. The least
+recently stored or read response is dropped first; a response larger than the whole store is
+not kept (its `store` then says false). Nothing survives a restart of the router, as nothing
+survives one of vLLM's or SGLang's in-memory stores: a follow-up naming a lost response is
+refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+Item = dict[str, Any]
+"""An item of the Responses API, as JSON: a message, reasoning, function_call or its output."""
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]
+    """The response object, as answered."""
+    inputs: tuple[Item, ...]
+    """The request's own input items, each with an `id`."""
+    conversation: tuple[Item, ...]
+    """What a follow-up continues: every earlier turn's items, `inputs` and the output."""
+    conversation_bytes: int
+    """`conversation` as JSON, in bytes (grown turn by turn, never encoded whole)."""
+
+    @property
+    def size(self) -> int:
+        """What the store counts against its bound."""
+        return self.conversation_bytes + len(json.dumps(self.response))
+
+
+def json_bytes(items: tuple[Item, ...] | list[Item]) -> int:
+    return sum(len(json.dumps(item)) for item in items)
+
+
+class ResponseStore:
+    """Stored responses by (tenant, id), least recently used dropped first beyond `max_bytes`.
+    Used from the router's event loop only."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._kept: OrderedDict[tuple[str, str], tuple[StoredResponse, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def put(self, tenant: str, response_id: str, stored: StoredResponse) -> bool:
+        """Keep `stored` (replacing the tenant's response of that id), dropping the least
+        recently used until it fits; False, keeping nothing new, when it is larger than the
+        whole store."""
+        size = stored.size
+        if size > self.max_bytes:
+            return False
+        self.delete(tenant, response_id)
+        while self.bytes + size > self.max_bytes:
+            _, (_, dropped) = self._kept.popitem(last=False)
+            self.bytes -= dropped
+        self._kept[tenant, response_id] = (stored, size)
+        self.bytes += size
+        return True
+
+    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """The tenant's response of that id (None: never stored, deleted or dropped), now the
+        most recently used."""
+        key = (tenant, response_id)
+        kept = self._kept.get(key)
+        if kept is None:
+            return None
+        self._kept.move_to_end(key)
+        return kept[0]
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        kept = self._kept.pop((tenant, response_id), None)
+        if kept is None:
+            return False
+        self.bytes -= kept[1]
+        return True

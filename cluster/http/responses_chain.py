@@ -1,0 +1,113 @@
+"""A Responses API request against the stored responses (cluster/http/response_store.py): whose
+they are, whether it is stored, the stored response it continues, and what storing it keeps.
+
+A response belongs to the tenant that asked for it: the token's tenant, or for a token bound
+to every tenant (or none configured) the one `X-Radixmesh-Tenant` names ("" without it). A
+tenant sees only its own; another's id is answered as one never stored.
+"""
+
+from __future__ import annotations
+
+from cluster.config import ANY_TENANT
+from cluster.http.errors import HttpError
+from cluster.http.response_store import Item, ResponseStore, StoredResponse, json_bytes
+from cluster.http.responses_output import new_item_id
+from cluster.http.responses_schema import Response, ResponsesRequest
+from cluster.serving_call import Caller
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+_ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
+
+
+def owner(caller: Caller, named: str) -> str:
+    """The tenant whose responses a caller reads and writes (`named`: the tenant header)."""
+    if caller.tenant == ANY_TENANT:
+        return named
+    if named and named != caller.tenant:
+        raise HttpError(403, f"this token may only use tenant {caller.tenant!r}")
+    return caller.tenant
+
+
+def stored(body: ResponsesRequest, store: ResponseStore) -> bool:
+    """Whether the response will be stored: unless `store: false`, when the router keeps
+    responses; `store: true` is refused when it keeps none."""
+    if body.store and not store.enabled:
+        raise HttpError.invalid(
+            "store",
+            "this router keeps no responses (router.response_store_bytes is 0); "
+            "send store: false, and the conversation in input",
+        )
+    _check_metadata(body.metadata)
+    return body.store is not False and store.enabled
+
+
+def continued(body: ResponsesRequest, store: ResponseStore, tenant: str) -> StoredResponse | None:
+    """The stored response `previous_response_id` names (None: it names none)."""
+    if body.previous_response_id is None:
+        return None
+    earlier = store.get(tenant, body.previous_response_id)
+    if earlier is None:
+        raise HttpError.invalid(
+            "previous_response_id",
+            f"{body.previous_response_id!r} is not a stored response of this tenant (never "
+            "stored, deleted, or dropped from the router's store, which keeps the most "
+            f"recently used {store.max_bytes:,} bytes and nothing across a restart)",
+        )
+    return earlier
+
+
+def keep(
+    store: ResponseStore,
+    tenant: str,
+    body: ResponsesRequest,
+    answered: Response,
+    earlier: StoredResponse | None,
+) -> Response:
+    """Store the response as `answered` ends; the response as stored (`store` false when it is
+    larger than the whole store and was not kept)."""
+    response = answered.model_copy(update={"store": True})
+    inputs = input_items(body)
+    outputs = tuple(item.model_dump() for item in response.output)
+    before = earlier.conversation if earlier is not None else ()
+    grown = json_bytes(inputs) + json_bytes(outputs)
+    kept = StoredResponse(
+        response=response.model_dump(),
+        inputs=inputs,
+        conversation=(*before, *inputs, *outputs),
+        conversation_bytes=(earlier.conversation_bytes if earlier is not None else 0) + grown,
+    )
+    if store.put(tenant, response.id, kept):
+        return response
+    return answered.model_copy(update={"store": False})
+
+
+def input_items(body: ResponsesRequest) -> tuple[Item, ...]:
+    """The request's `input` as items, each with an `id` (a string input is one user message)."""
+    if isinstance(body.input, str):
+        text = {"type": "input_text", "text": body.input}
+        return ({"type": "message", "role": "user", "content": [text], "id": new_item_id("msg")},)
+    items = []
+    for item in body.input:
+        kind = item.get("type", "message")
+        items.append(
+            {"type": kind, **item, "id": item.get("id") or new_item_id(_ID_PREFIX.get(kind, "fco"))}
+        )
+    return tuple(items)
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise HttpError.invalid("metadata", f"{len(metadata)} pairs; at most {MAX_METADATA_PAIRS}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise HttpError.invalid(
+                "metadata", f"key {key[:16]!r}... is over {MAX_METADATA_KEY_CHARS} characters"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise HttpError.invalid(
+                f"metadata.{key}", f"is over {MAX_METADATA_VALUE_CHARS} characters"
+            )
