@@ -677,6 +677,12 @@ def _route(path: str) -> str:
     """The path as a metric label: one of the routes, never what a client made up."""
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
+    stored = path.split("/")  # "", "v1", "responses", id[, "input_items"]
+    if stored[1:3] == ["v1", "responses"] and stored[3:] and stored[3]:
+        if len(stored) == 4:
+            return "/v1/responses/{id}"
+        if stored[4:] == ["input_items"]:
+            return "/v1/responses/{id}/input_items"
     return path if path in _ROUTES else "other"
 
 

@@ -644,15 +644,21 @@ def test_answers_are_counted_by_route_and_status(
     count_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     httpx.post(f"{url}/v1/messages/count_tokens", json=count_body, headers=AUTH)
     httpx.get(f"{url}/health")
+    for made_up in ("resp_1", "resp_2"):  # ids a client makes up are not labels
+        httpx.get(f"{url}/v1/responses/{made_up}", headers=AUTH)
+        httpx.get(f"{url}/v1/responses/{made_up}/input_items", headers=AUTH)
+        httpx.get(f"{url}/v1/responses/{made_up}/more", headers=AUTH)
     added = {k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)}
     assert added == {
         ("/v1/completions", 200): 1,
         ("/v1/chat/completions", 400): 1,
         ("/v1/models", 401): 1,
-        ("other", 404): 1,
         ("/v1/completions", 413): 1,
         ("/v1/messages/count_tokens", 200): 1,
         ("/health", 200): 1,
+        ("/v1/responses/{id}", 404): 2,
+        ("/v1/responses/{id}/input_items", 404): 2,
+        ("other", 404): 3,
     }
     registry = CollectorRegistry()
     registry.register(RouterCollector(cluster.service))
