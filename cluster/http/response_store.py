@@ -8,10 +8,11 @@ items of every earlier turn of its chain, its input and its output. A request th
 so agents send only their new turn; the router renders the same chat and routes it to the
 worker whose cache holds it.
 
-The bound is on what each stored response would need alone (its whole conversation, encoded
-as JSON, and its response object), so it holds however the turns share their items. The least
-recently stored or read response is dropped first; a response larger than the whole store is
-not kept (its `store` then says false). Nothing survives a restart of the router, as nothing
+Everything is kept encoded as JSON. The bound is on what each stored response would need
+alone (its whole conversation and its response object), so it holds however the turns share
+their items; it is one bound over every tenant's responses. The least recently stored or read
+response is dropped first; a response larger than the whole store is not kept (its `store`
+then says false). Nothing survives a restart of the router, as nothing
 survives one of vLLM's or SGLang's in-memory stores: a follow-up naming a lost response is
 refused by name.
 """
@@ -29,23 +30,31 @@ Item = dict[str, Any]
 
 @dataclass(frozen=True)
 class StoredResponse:
-    response: dict[str, Any]
+    """Kept encoded (JSON bytes), so the bound is on what the store holds, not on an estimate
+    of Python objects three times their JSON's size."""
+
+    response: bytes
     """The response object, as answered."""
-    inputs: tuple[Item, ...]
+    inputs: tuple[bytes, ...]
     """The request's own input items, each with an `id`."""
-    conversation: tuple[Item, ...]
-    """What a follow-up continues: every earlier turn's items, `inputs` and the output."""
+    conversation: tuple[bytes, ...]
+    """What a follow-up continues: every earlier turn's items, `inputs` and the output (the
+    earlier turns' are the same bytes objects as in the response they came from)."""
     conversation_bytes: int
-    """`conversation` as JSON, in bytes (grown turn by turn, never encoded whole)."""
+    """The sum of `conversation`'s lengths (grown turn by turn, never summed whole)."""
 
     @property
     def size(self) -> int:
         """What the store counts against its bound."""
-        return self.conversation_bytes + len(json.dumps(self.response))
+        return self.conversation_bytes + len(self.response)
 
+    @staticmethod
+    def encoded(item: Item) -> bytes:
+        return json.dumps(item).encode()
 
-def json_bytes(items: tuple[Item, ...] | list[Item]) -> int:
-    return sum(len(json.dumps(item)) for item in items)
+    @staticmethod
+    def decoded(items: tuple[bytes, ...]) -> list[Item]:
+        return [json.loads(item) for item in items]
 
 
 class ResponseStore:
@@ -68,10 +77,10 @@ class ResponseStore:
         """Keep `stored` (replacing the tenant's response of that id), dropping the least
         recently used until it fits; False, keeping nothing new, when it is larger than the
         whole store."""
+        self.delete(tenant, response_id)  # a request id used again: the older one goes
         size = stored.size
         if size > self.max_bytes:
             return False
-        self.delete(tenant, response_id)
         while self.bytes + size > self.max_bytes:
             _, (_, dropped) = self._kept.popitem(last=False)
             self.bytes -= dropped

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from cluster.config import ANY_TENANT
 from cluster.http.errors import HttpError
-from cluster.http.response_store import Item, ResponseStore, StoredResponse, json_bytes
+from cluster.http.response_store import Item, ResponseStore, StoredResponse
 from cluster.http.responses_output import new_item_id
 from cluster.http.responses_schema import Response, ResponsesRequest
 from cluster.serving_call import Caller
@@ -47,13 +47,20 @@ def continued(body: ResponsesRequest, store: ResponseStore, tenant: str) -> Stor
     """The stored response `previous_response_id` names (None: it names none)."""
     if body.previous_response_id is None:
         return None
+    if not store.enabled:
+        raise HttpError.invalid(
+            "previous_response_id",
+            "this router keeps no responses (router.response_store_bytes is 0); "
+            "send the conversation in input",
+        )
     earlier = store.get(tenant, body.previous_response_id)
     if earlier is None:
         raise HttpError.invalid(
             "previous_response_id",
             f"{body.previous_response_id!r} is not a stored response of this tenant (never "
             "stored, deleted, or dropped from the router's store, which keeps the most "
-            f"recently used {store.max_bytes:,} bytes and nothing across a restart)",
+            f"recently used {store.max_bytes:,} bytes and nothing across a restart); "
+            "send the conversation in input",
         )
     return earlier
 
@@ -68,33 +75,43 @@ def keep(
     """Store the response as `answered` ends; the response as stored (`store` false when it is
     larger than the whole store and was not kept)."""
     response = answered.model_copy(update={"store": True})
-    inputs = input_items(body)
-    outputs = tuple(item.model_dump() for item in response.output)
+    inputs = tuple(map(StoredResponse.encoded, input_items(body)))
+    outputs = tuple(StoredResponse.encoded(item.model_dump()) for item in response.output)
     before = earlier.conversation if earlier is not None else ()
-    grown = json_bytes(inputs) + json_bytes(outputs)
     kept = StoredResponse(
-        response=response.model_dump(),
+        response=response.model_dump_json().encode(),
         inputs=inputs,
         conversation=(*before, *inputs, *outputs),
-        conversation_bytes=(earlier.conversation_bytes if earlier is not None else 0) + grown,
+        conversation_bytes=(earlier.conversation_bytes if earlier is not None else 0)
+        + sum(map(len, inputs + outputs)),
     )
     if store.put(tenant, response.id, kept):
         return response
     return answered.model_copy(update={"store": False})
 
 
-def input_items(body: ResponsesRequest) -> tuple[Item, ...]:
-    """The request's `input` as items, each with an `id` (a string input is one user message)."""
-    if isinstance(body.input, str):
-        text = {"type": "input_text", "text": body.input}
-        return ({"type": "message", "role": "user", "content": [text], "id": new_item_id("msg")},)
+def input_items(body: ResponsesRequest) -> list[Item]:
+    """The request's `input` as OpenAI lists it back: items with an `id` and a `status`, a
+    message's content as text parts (a string input is one user message). The chat they
+    render is the one the request's own items render."""
+    given = (
+        [{"type": "message", "role": "user", "content": body.input}]
+        if isinstance(body.input, str)
+        else body.input
+    )
     items = []
-    for item in body.input:
+    for item in given:
         kind = item.get("type", "message")
-        items.append(
-            {"type": kind, **item, "id": item.get("id") or new_item_id(_ID_PREFIX.get(kind, "fco"))}
-        )
-    return tuple(items)
+        listed = {"type": kind, **item}
+        if not listed.get("id"):
+            listed["id"] = new_item_id(_ID_PREFIX.get(kind, "fco"))
+        if kind != "reasoning":
+            listed.setdefault("status", "completed")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            listed["content"] = [{"type": part, "text": item["content"]}]
+        items.append(listed)
+    return items
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

@@ -82,13 +82,16 @@ def done(
     failure: str | None = None,
     thought: str = "",
     reasoning_id: str | None = None,
+    cancelled: bool = False,
 ) -> Response:
     """The finished response: a reasoning item for a thinking model's reasoning (if any), a
     message item for the text (if any), a function_call item a call, the usage; incomplete
     with its reason when max_output_tokens cut it, failed when the generation was aborted (the
-    worker stopping) or failed (`failure`)."""
-    status: Literal["completed", "incomplete", "failed"] = "completed"
-    if finish == "length":
+    worker stopping) or failed (`failure`), cancelled when its client went away."""
+    status: Literal["completed", "incomplete", "failed", "cancelled"] = "completed"
+    if cancelled:
+        status = "cancelled"
+    elif finish == "length":
         status = "incomplete"
     elif finish == "abort" and failure is None:
         failure = "the generation was aborted (its worker is stopping): send it again"

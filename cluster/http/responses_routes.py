@@ -55,7 +55,10 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         storing = stored(body, api.responses)
         earlier = continued(body, api.responses, tenant)
         message, origins = generate_request(
-            body, rid, api.tenant(request), earlier.conversation if earlier else ()
+            body,
+            rid,
+            api.tenant(request),
+            StoredResponse.decoded(earlier.conversation) if earlier else (),
         )
         message.namespace.adapter = adapter or ""
         started = shell(body, f"resp_{rid}", adapter or api.model, storing)
@@ -91,10 +94,10 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         )
 
     async def retrieve(response_id: str, request: Request) -> HttpResponse:
+        kept = _stored(response_id, request)
         if request.query_params.get("stream") not in (None, "false"):
             raise HttpError.invalid("stream", "a stored response is retrieved whole")
-        kept = _stored(response_id, request)
-        return HttpResponse(json.dumps(kept.response), media_type="application/json")
+        return HttpResponse(kept.response, media_type="application/json")
 
     async def delete(response_id: str, request: Request) -> HttpResponse:
         if not api.responses.delete(owner(api.caller(request), api.tenant(request)), response_id):
@@ -105,7 +108,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def input_items(response_id: str, request: Request) -> HttpResponse:
         kept = _stored(response_id, request)
         return HttpResponse(
-            json.dumps(item_page(kept.inputs, request.query_params)),
+            json.dumps(item_page(StoredResponse.decoded(kept.inputs), request.query_params)),
             media_type="application/json",
         )
 
@@ -266,7 +269,7 @@ def conversation(
         raise HttpError.invalid("input", "is empty; send at least one item")
     else:
         items, named = body.input, [f"input[{i}]" for i in range(len(body.input))]
-    given = len(origins)
+    said = False  # whether `input` gave a turn, or calls to the turn before it
     thoughts: list[str] = []  # reasoning items waiting for their assistant turn
     for item, where in zip(
         [*earlier, *items], ["previous_response_id"] * len(earlier) + named, strict=True
@@ -275,6 +278,7 @@ def conversation(
         if kind == "reasoning":
             thoughts.append(_reasoning(item, where))
             continue
+        said |= where != "previous_response_id"
         if kind == "message":
             turns.append(_message(item, where))
         elif kind == "function_call":
@@ -296,7 +300,7 @@ def conversation(
             _think(turns[-1], thoughts)
         thoughts.clear()
         origins.append(where)
-    if all(where == "previous_response_id" for where in origins[given:]):
+    if not said:
         raise HttpError.invalid(
             "input",
             "holds no message or function call (a reasoning item goes with the turn after it)",

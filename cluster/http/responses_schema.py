@@ -188,7 +188,8 @@ class Response(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    """"cancelled": its stream's client went away before it ended (as stored)."""
     model: str
     output: list[ReasoningItem | OutputMessage | FunctionCallItem]
     usage: ResponseUsage | None = None

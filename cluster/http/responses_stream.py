@@ -11,12 +11,15 @@
         output_item.done
     response.completed (or .incomplete), with the whole response; response.failed mid-way
 
+A client that goes away mid-stream leaves a `cancelled` response, with what it was sent.
+
 An item opens only when it has text, so the streamed response is the one a request that is not
 streamed gets.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -46,15 +49,16 @@ async def events(
     ended: Callable[[Response], Response] = lambda response: response,
 ) -> AsyncIterator[bytes]:
     """The response's events (module docstring); the response as it ends (completed,
-    incomplete or failed) goes through `ended` (storing it) before its last event."""
+    incomplete, failed, or cancelled by the client going away) goes through `ended` (storing
+    it) before its last event."""
     out = _Events(shell.seal)
-    yield out.event("response.created", {"response": shell.model_dump()})
-    yield out.event("response.in_progress", {"response": shell.model_dump()})
     counts = Counts()
     held = HeldCalls(tools) if tools else None
     calls: list[ToolCall] = []
     finish = None
     try:
+        yield out.event("response.created", {"response": shell.model_dump()})
+        yield out.event("response.in_progress", {"response": shell.model_dump()})
         async with contextlib.aclosing(read(prepend(first, rest), counts)) as responses:
             async for response in responses:
                 if response.reasoning_text:
@@ -81,6 +85,14 @@ async def events(
         )  # fmt: skip: with what was sent so far
         yield out.event("response.failed", {"response": ended(failed).model_dump()})
         return
+    except (GeneratorExit, asyncio.CancelledError):  # the client went away (closed or cancelled
+        # at a yield, or cancelled waiting for a token): what it was sent, as the response ends
+        gone = done(
+            shell, out.text or None, [], None, counts, out.message_id,
+            thought=out.thought, reasoning_id=out.reasoning_id, cancelled=True,
+        )  # fmt: skip
+        ended(gone)
+        raise
     finished = done(
         shell, out.text or None, calls, finish, counts, out.message_id,
         thought=out.thought, reasoning_id=out.reasoning_id,

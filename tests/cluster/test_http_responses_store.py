@@ -19,7 +19,8 @@ from cluster.config import RouterSection, SecuritySection
 from cluster.http import responses_output, responses_stream
 from cluster.http.errors import HttpError
 from cluster.http.response_store import ResponseStore
-from cluster.http.responses_chain import stored
+from cluster.http.responses_chain import continued, stored
+from cluster.http.responses_routes import conversation
 from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
@@ -28,7 +29,7 @@ from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
 GREEDY: dict[str, Any] = {"model": MODEL, "max_output_tokens": 6, "temperature": 0}
-TOKENS = {"token-acme": "acme", "token-globex": "globex"}
+TOKENS = {"token-acme": "acme", "token-globex": "globex", "token-admin": "*"}
 WEATHER_TOOL: list[Any] = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 SMALL_STORE = 8_000
 """Bytes: room for a few short responses, not for one with all the metadata it may carry."""
@@ -193,19 +194,27 @@ def test_a_stream_is_stored_as_it_ends(client: openai.OpenAI, cluster: LocalClus
     cluster.wait_idle()
 
 
+def text(item: dict[str, Any]) -> str:
+    """A listed message's text: as OpenAI lists it, one input_text part for a string."""
+    (part,) = item["content"]
+    assert part["type"] == "input_text"
+    return part["text"]  # type: ignore[no-any-return]
+
+
 def test_input_items_page_as_openai_lists_them(cluster: LocalCluster) -> None:
     url = f"{cluster.http_url}/v1/responses"
     turns = [{"role": "user", "content": f"turn {i}"} for i in range(5)]
     created = httpx.post(url, json={**GREEDY, "input": turns}).json()
     listing = f"{url}/{created['id']}/input_items"
     newest = httpx.get(listing, params={"limit": 2}).json()
-    assert [i["content"] for i in newest["data"]] == ["turn 4", "turn 3"]
+    assert [text(i) for i in newest["data"]] == ["turn 4", "turn 3"]
+    assert all(i["status"] == "completed" and i["type"] == "message" for i in newest["data"])
     assert newest["has_more"] is True and newest["last_id"] == newest["data"][1]["id"]
     rest = httpx.get(listing, params={"limit": 20, "after": newest["last_id"]}).json()
-    assert [i["content"] for i in rest["data"]] == ["turn 2", "turn 1", "turn 0"]
+    assert [text(i) for i in rest["data"]] == ["turn 2", "turn 1", "turn 0"]
     assert rest["has_more"] is False
     oldest = httpx.get(listing, params={"order": "asc", "limit": 1}).json()
-    assert [i["content"] for i in oldest["data"]] == ["turn 0"]
+    assert [text(i) for i in oldest["data"]] == ["turn 0"]
     for params, param in (
         ({"limit": 0}, "limit"),
         ({"limit": "x"}, "limit"),
@@ -252,7 +261,7 @@ def test_the_store_keeps_within_its_bound(tenants: LocalCluster) -> None:
     for i in range(40):
         made.append(acme.responses.create(input=f"Response {i}.", **GREEDY))
         acme.responses.retrieve(read.id)  # the most recently used, again
-        assert store.bytes <= SMALL_STORE
+    assert 3 <= len(store) < 20
     with pytest.raises(openai.NotFoundError):
         acme.responses.retrieve(made[0].id)
     assert acme.responses.retrieve(made[-1].id).id == made[-1].id
@@ -266,11 +275,90 @@ def test_the_store_keeps_within_its_bound(tenants: LocalCluster) -> None:
     tenants.wait_idle()
 
 
+def test_a_token_for_every_tenant_reads_the_one_it_names(tenants: LocalCluster) -> None:
+    mine = as_tenant(tenants, "token-acme").responses.create(input="Acme's.", **GREEDY)
+    url = f"{tenants.http_url}/v1/responses/{mine.id}"
+    admin = {"authorization": "Bearer token-admin"}
+    assert httpx.get(url, headers=admin | {"x-radixmesh-tenant": "acme"}).status_code == 200
+    assert httpx.get(url, headers=admin).status_code == 404  # tenant "": not acme's
+    own = {"authorization": "Bearer token-acme", "x-radixmesh-tenant": "acme"}
+    assert httpx.get(url, headers=own).status_code == 200
+    tenants.wait_idle()
+
+
+def test_a_request_id_used_again_replaces_the_response(tenants: LocalCluster) -> None:
+    """Response ids are `resp_` + the request id, which X-Request-Id sets: the newer response
+    of an id is the stored one, and one too large for the store leaves none behind."""
+    url = f"{tenants.http_url}/v1/responses"
+    headers = {"authorization": "Bearer token-acme", "x-request-id": "again"}
+    for n in ("1", "2"):
+        made = httpx.post(
+            url, json={**GREEDY, "input": "Hi.", "metadata": {"n": n}}, headers=headers
+        )
+        assert made.json()["id"] == "resp_again" and made.json()["store"] is True
+    assert httpx.get(f"{url}/resp_again", headers=headers).json()["metadata"] == {"n": "2"}
+    most = {f"k{i}": "v" * 512 for i in range(16)}
+    large = httpx.post(url, json={**GREEDY, "input": "Hi.", "metadata": most}, headers=headers)
+    assert large.json()["store"] is False
+    assert httpx.get(f"{url}/resp_again", headers=headers).status_code == 404
+    tenants.wait_idle()
+
+
+def test_a_client_that_leaves_mid_stream_leaves_a_cancelled_response(
+    cluster: LocalCluster,
+) -> None:
+    """What it was sent is stored, `cancelled`; and the generation stops."""
+    body = {**GREEDY, "input": "Tell a long story.", "max_output_tokens": 600, "stream": True}
+    sent, response_id = "", None
+    with httpx.stream("POST", f"{cluster.http_url}/v1/responses", json=body) as streaming:
+        for line in streaming.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if event["type"] == "response.created":
+                response_id = event["response"]["id"]
+            if event["type"] == "response.output_text.delta":
+                sent += event["delta"]
+                if len(sent) >= 8:
+                    break  # and close the connection
+    assert response_id is not None
+    cluster.wait_idle()
+    kept = httpx.get(f"{cluster.http_url}/v1/responses/{response_id}").json()
+    assert kept["status"] == "cancelled", kept
+    (message,) = kept["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"].startswith(sent)
+    assert kept["usage"]["output_tokens"] < 600
+
+
+def test_continuing_with_only_a_call_is_a_turn() -> None:
+    """An input of calls alone joins the stored answer's turn, as in the whole conversation."""
+    answer = [{"type": "output_text", "text": "I'll look."}]
+    earlier = [
+        {"type": "message", "role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "content": answer},
+    ]
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    follow = ResponsesRequest(model=MODEL, input=[call], previous_response_id="resp_1")
+    turns: list[Any] = []
+    assert conversation(follow, turns, earlier) == ["previous_response_id"] * 2
+    whole: list[Any] = []
+    conversation(ResponsesRequest(model=MODEL, input=[*earlier, call]), whole)
+    assert turns == whole and len(turns[1].tool_calls) == 1
+    with pytest.raises(HttpError, match="holds no message") as refused:
+        reasoning = {"type": "reasoning", "summary": [], "content": []}
+        conversation(ResponsesRequest(model=MODEL, input=[reasoning]), [], earlier)
+    assert refused.value.param == "input"
+
+
 def test_store_true_is_refused_where_none_are_kept() -> None:
     off = ResponseStore(0)
     with pytest.raises(HttpError, match="keeps no responses") as refused:
         stored(ResponsesRequest(model=MODEL, input="x", store=True), off)
     assert refused.value.param == "store"
+    follow = ResponsesRequest(model=MODEL, input="x", previous_response_id="resp_1")
+    with pytest.raises(HttpError, match="keeps no responses") as refused:
+        continued(follow, off, "")
+    assert refused.value.param == "previous_response_id"
     assert stored(ResponsesRequest(model=MODEL, input="x"), off) is False
     assert stored(ResponsesRequest(model=MODEL, input="x", store=False), off) is False
     assert stored(ResponsesRequest(model=MODEL, input="x"), ResponseStore(1)) is True
