@@ -263,6 +263,34 @@ def test_a_stream_that_fails_keeps_the_reasoning_it_sent() -> None:
         state.handle_event(construct_type_unchecked(type_=ResponseStreamEvent, value=event))
 
 
+def test_a_stored_conversations_reasoning_reaches_the_follow_up(client: openai.OpenAI) -> None:
+    """Reasoning items in a stored response's input are its assistant turn's reasoning in a
+    follow-up naming it, token for token as when the whole conversation is sent again."""
+    reasoning = {
+        "type": "reasoning", "summary": [],
+        "content": [{"type": "reasoning_text", "text": "it rains"}],
+    }  # fmt: skip
+    answer = {"role": "assistant", "content": "Paris"}
+    first_input: list[Any] = [*QUESTION, reasoning, answer, {"role": "user", "content": "Why?"}]
+    first = client.responses.create(model=SERVED_NAME, input=first_input, max_output_tokens=2)
+    follow = client.responses.create(
+        model=SERVED_NAME, input="And?", previous_response_id=first.id, max_output_tokens=1
+    )
+    sent_back = [item.model_dump(exclude_none=True) for item in first.output]
+    and_then = {"role": "user", "content": "And?"}
+    whole, without = (
+        client.responses.create(
+            model=SERVED_NAME,
+            input=[*turns, *sent_back, and_then],
+            max_output_tokens=1,
+            store=False,
+        )
+        for turns in (first_input, [*QUESTION, answer, first_input[-1]])
+    )
+    assert follow.usage is not None and whole.usage is not None and without.usage is not None
+    assert follow.usage.input_tokens == whole.usage.input_tokens > without.usage.input_tokens
+
+
 def test_encrypted_content_carries_the_reasoning_to_the_next_turn(client: openai.OpenAI) -> None:
     """`include: ["reasoning.encrypted_content"]`, as Codex sends it with `store: false`: the
     reasoning item holds its text encoded, and the item sent back with nothing else (as a
