@@ -1,5 +1,5 @@
 """The Responses API's stored responses (`store`, `previous_response_id`, `GET` and `DELETE
-/v1/responses/{id}`), kept in the router's memory, per tenant, within a bound in bytes.
+/v1/responses/{id}`), kept in the router's memory, each its tenant's, within one bound in bytes.
 
 A stored response keeps three things: the response object as it was answered, the request's
 own `input` items (`GET .../input_items`), and the conversation a follow-up continues: the
