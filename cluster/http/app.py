@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
     POST /v1/responses          GET, DELETE /v1/responses/{id}[/input_items]
+                                POST /v1/responses/{id}/cancel
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
     POST /tokenize              POST /detokenize    GET /tokenizer_info   (vLLM's)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
@@ -78,6 +79,7 @@ from cluster.http.openai_schema import (
 )
 from cluster.http.prompt_logprobs import prompt_alone
 from cluster.http.response_store import ResponseStore
+from cluster.http.responses_background import BackgroundResponses
 from cluster.http.several_prompts import merged
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
 from cluster.http.token_texts import TokenTexts
@@ -106,6 +108,8 @@ class HttpApi:
         self._texts: tuple[Tokenizer | None, TokenTexts] | None = None
         self.responses = ResponseStore(config.router.response_store_bytes)
         """The Responses API's stored responses."""
+        self.background = BackgroundResponses()
+        """The Responses API's background generations running."""
 
     # -- who calls, and about what ---------------------------------------------------------------
     def caller(self, request: Request) -> Caller:
@@ -681,8 +685,8 @@ def _route(path: str) -> str:
     if stored[1:3] == ["v1", "responses"] and stored[3:] and stored[3]:
         if len(stored) == 4:
             return "/v1/responses/{id}"
-        if stored[4:] == ["input_items"]:
-            return "/v1/responses/{id}/input_items"
+        if stored[4:] in (["input_items"], ["cancel"]):
+            return "/v1/responses/{id}/" + stored[4]
     return path if path in _ROUTES else "other"
 
 

@@ -63,6 +63,7 @@ def shell(body: ResponsesRequest, response_id: str, model: str, store: bool = Fa
         metadata=body.metadata or {},
         store=store,
         previous_response_id=body.previous_response_id,
+        background=bool(body.background),
         seal=ENCRYPTED_CONTENT in (body.include or ()),
     ).model_copy(update={"created_at": int(time.time())})
 
@@ -83,6 +84,7 @@ def done(
     thought: str = "",
     reasoning_id: str | None = None,
     cancelled: bool = False,
+    failure_code: str = "server_error",
 ) -> Response:
     """The finished response: a reasoning item for a thinking model's reasoning (if any), a
     message item for the text (if any), a function_call item a call, the usage; incomplete
@@ -127,7 +129,7 @@ def done(
         total_tokens=counts.prompt_tokens + counts.completion_tokens,
     )
     details = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
-    error = ResponseError(code="server_error", message=failure) if failure is not None else None
+    error = ResponseError(code=failure_code, message=failure) if failure is not None else None
     return shell.model_copy(
         update={
             "status": status,

@@ -10,23 +10,23 @@ in `content`, as vLLM serves it), the answer's text a `message` item and its cal
 `incomplete` (reason `max_output_tokens`) when max_output_tokens cut it. The response object is
 built in cluster/http/responses_output.py, its events in cluster/http/responses_stream.py.
 
-A response is stored as it ends unless `store: false` (cluster/http/responses_chain.py):
-    GET    /v1/responses/{id}               the response, as answered
-    DELETE /v1/responses/{id}
-    GET    /v1/responses/{id}/input_items   its input items (order, after, limit)
-and `previous_response_id` continues a stored one: its conversation comes before `input`.
+A response is stored as it ends unless `store: false` (cluster/http/responses_chain.py; read,
+deleted and cancelled by id in cluster/http/stored_routes.py), and `previous_response_id`
+continues a stored one: its conversation comes before `input`. `background: true` answers at
+once and generates apart from the request (cluster/http/responses_background.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response as HttpResponse
 
+from cluster.http import stored_routes
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.openai_params import ROLES, effort_variables, refuse_unsupported, wire_tool
 from cluster.http.openai_responses import collect, served_by
@@ -74,8 +74,13 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
                 return answered
             return keep(api.responses, tenant, body, answered, earlier)
 
+        _background(body, storing)
         stream = api.start(message, caller, fill_context=True)
         rename = refusal_names(body, origins)
+        if body.background:
+            queued = started.model_copy(update={"status": "queued"})
+            reply = api.background.start(tenant, queued, stream, tools, rename, ended)
+            return HttpResponse(reply.model_dump_json(), media_type="application/json")
         if body.stream:
             first = await api.finish(request, anext(stream), rename)  # a refusal: a status
             return EventStream(events(started, first, stream, tools, ended), served_by(first))
@@ -93,74 +98,20 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             headers=counts.served_by(),
         )
 
-    async def retrieve(response_id: str, request: Request) -> HttpResponse:
-        kept = _stored(response_id, request)
-        if request.query_params.get("stream") not in (None, "false"):
-            raise HttpError.invalid("stream", "a stored response is retrieved whole")
-        return HttpResponse(kept.response, media_type="application/json")
-
-    async def delete(response_id: str, request: Request) -> HttpResponse:
-        if not api.responses.delete(owner(api.caller(request), api.tenant(request)), response_id):
-            raise _not_stored(response_id)
-        gone = {"id": response_id, "object": "response", "deleted": True}
-        return HttpResponse(json.dumps(gone), media_type="application/json")
-
-    async def input_items(response_id: str, request: Request) -> HttpResponse:
-        kept = _stored(response_id, request)
-        return HttpResponse(
-            json.dumps(item_page(StoredResponse.decoded(kept.inputs), request.query_params)),
-            media_type="application/json",
-        )
-
-    def _stored(response_id: str, request: Request) -> StoredResponse:
-        tenant = owner(api.caller(request), api.tenant(request))
-        kept = api.responses.get(tenant, response_id)
-        if kept is None:
-            raise _not_stored(response_id)
-        return kept
-
     app.add_api_route("/v1/responses", responses, methods=["POST"])
-    app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
-    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
-    app.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
+    stored_routes.add_routes(app, api)
 
 
-def _not_stored(response_id: str) -> HttpError:
-    return HttpError(
-        404,
-        f"response {response_id!r} is not stored for this tenant (never stored, deleted, or "
-        "dropped from the router's store)",
-    )
-
-
-def item_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
-    """A page of a stored response's input items, as OpenAI lists them: `order` (desc, the
-    default, or asc), after the item `after` names, at most `limit` (1-100, 20)."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise HttpError.invalid("order", f"{order!r} is not one of asc, desc")
-    raw = query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
-        raise HttpError.invalid("limit", f"{raw!r}: a whole number from 1 to {MAX_PAGE}")
-    listed = list(items) if order == "asc" else list(reversed(items))
-    after = query.get("after")
-    if after is not None:
-        ids = [item["id"] for item in listed]
-        if after not in ids:
-            raise HttpError.invalid("after", f"{after!r} is not an input item of this response")
-        listed = listed[ids.index(after) + 1 :]
-    page = listed[: int(raw)]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(listed) > len(page),
-    }
-
-
-MAX_PAGE = 100
-"""The most input items one page lists (OpenAI's bound)."""
+def _background(body: ResponsesRequest, storing: bool) -> None:
+    """A background response is polled: refused streamed, or not stored."""
+    if not body.background:
+        return
+    if body.stream:
+        raise HttpError.invalid("background", "a background response is polled: send stream: false")
+    if not storing:
+        raise HttpError.invalid(
+            "background", "a background response is polled from the store: leave store true"
+        )
 
 
 def refusal_names(body: ResponsesRequest, origins: list[str]) -> Renames:

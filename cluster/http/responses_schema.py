@@ -90,7 +90,9 @@ class ResponsesRequest(Body):
     include: list[str] | None = None
     """"reasoning.encrypted_content" only (cluster/http/responses_output.py)."""
     truncation: Any = None
-    background: Any = None
+    background: bool | None = None
+    """Answered at once, `queued`, and generated apart from the request
+    (cluster/http/responses_background.py): needs the response stored."""
     max_tool_calls: Any = None
     service_tier: Any = None
     prompt: Any = None
@@ -106,7 +108,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
         (),
     ),
     "truncation": ("a prompt over the context is refused, never cut", ("disabled",)),
-    "background": ("every response is answered in the foreground", (False,)),
     "max_tool_calls": ("not supported", ()),
     "service_tier": ("there is one tier", ("auto", "default")),
     "prompt": ("stored prompts are not supported", ()),
@@ -188,8 +189,9 @@ class Response(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
-    """"cancelled": its stream's client went away before it ended (as stored)."""
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    """"queued": a background response not started; "cancelled": cancelled, or its stream's
+    client went away before it ended (as stored)."""
     model: str
     output: list[ReasoningItem | OutputMessage | FunctionCallItem]
     usage: ResponseUsage | None = None
@@ -207,6 +209,7 @@ class Response(BaseModel):
     reasoning: dict[str, Any] | None = None
     store: bool = False
     previous_response_id: str | None = None
+    background: bool = False
     seal: bool = Field(default=False, exclude=True)
     """radixmesh's, never sent: reasoning items carry `encrypted_content` (the request's
     `include`)."""

@@ -34,11 +34,13 @@ class HttpServer:
     scheme: str
 
     async def stop(self, grace: float) -> None:
-        """Stop taking connections; give the requests in flight `grace` seconds; stop."""
+        """Stop taking connections; give the requests in flight `grace` seconds; stop, with the
+        background responses still running."""
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.task), grace + 1.0)
         self.task.cancel()
+        await self.api.background.close()  # their worker calls closed, not left to the GC
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -239,6 +239,11 @@ def test_a_tenant_sees_only_its_own_responses(tenants: LocalCluster) -> None:
         globex.responses.delete(mine.id)
     with pytest.raises(openai.BadRequestError, match="is not a stored response"):
         globex.responses.create(input="Go on.", previous_response_id=mine.id, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.cancel(mine.id)
+    queued = acme.responses.create(input="Acme's long plan.", background=True, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.cancel(queued.id)  # running, and still not globex's
     assert acme.responses.retrieve(mine.id).output_text == mine.output_text
     answer = httpx.get(
         f"{tenants.http_url}/v1/responses/{mine.id}",

@@ -1,0 +1,107 @@
+"""The stored responses of the Responses API (cluster/http/response_store.py), by id:
+
+    GET    /v1/responses/{id}               the response, as answered (or as it stands)
+    DELETE /v1/responses/{id}
+    GET    /v1/responses/{id}/input_items   its input items (order, after, limit)
+    POST   /v1/responses/{id}/cancel        a background response's generation
+
+Each is the caller's tenant's (cluster/http/responses_chain.py `owner`): another's id is 404,
+as one never stored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response as HttpResponse
+
+from cluster.http.errors import HttpError
+from cluster.http.response_store import StoredResponse
+from cluster.http.responses_chain import owner
+
+if TYPE_CHECKING:
+    from cluster.http.app import HttpApi
+
+
+def add_routes(app: FastAPI, api: HttpApi) -> None:
+    async def retrieve(response_id: str, request: Request) -> HttpResponse:
+        kept = _stored(response_id, request)
+        if request.query_params.get("stream") not in (None, "false"):
+            raise HttpError.invalid("stream", "a stored response is retrieved whole")
+        return HttpResponse(kept.response, media_type="application/json")
+
+    async def delete(response_id: str, request: Request) -> HttpResponse:
+        if not api.responses.delete(owner(api.caller(request), api.tenant(request)), response_id):
+            raise _not_stored(response_id)
+        gone = {"id": response_id, "object": "response", "deleted": True}
+        return HttpResponse(json.dumps(gone), media_type="application/json")
+
+    async def input_items(response_id: str, request: Request) -> HttpResponse:
+        kept = _stored(response_id, request)
+        return HttpResponse(
+            json.dumps(item_page(StoredResponse.decoded(kept.inputs), request.query_params)),
+            media_type="application/json",
+        )
+
+    async def cancel(response_id: str, request: Request) -> HttpResponse:
+        tenant = owner(api.caller(request), api.tenant(request))
+        if not await api.background.cancel(tenant, response_id):
+            kept = _stored(response_id, request)
+            if not json.loads(kept.response).get("background"):
+                raise HttpError.invalid(
+                    "response_id", f"{response_id!r} is not a background response"
+                )  # a finished background one is answered as it is: cancelling it again is fine
+        return HttpResponse(_stored(response_id, request).response, media_type="application/json")
+
+    def _stored(response_id: str, request: Request) -> StoredResponse:
+        tenant = owner(api.caller(request), api.tenant(request))
+        kept = api.responses.get(tenant, response_id)
+        if kept is None:
+            raise _not_stored(response_id)
+        return kept
+
+    app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
+
+
+def _not_stored(response_id: str) -> HttpError:
+    return HttpError(
+        404,
+        f"response {response_id!r} is not stored for this tenant (never stored, deleted, or "
+        "dropped from the router's store)",
+    )
+
+
+def item_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """A page of a stored response's input items, as OpenAI lists them: `order` (desc, the
+    default, or asc), after the item `after` names, at most `limit` (1-100, 20)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise HttpError.invalid("order", f"{order!r} is not one of asc, desc")
+    raw = query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+        raise HttpError.invalid("limit", f"{raw!r}: a whole number from 1 to {MAX_PAGE}")
+    listed = list(items) if order == "asc" else list(reversed(items))
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in listed]
+        if after not in ids:
+            raise HttpError.invalid("after", f"{after!r} is not an input item of this response")
+        listed = listed[ids.index(after) + 1 :]
+    page = listed[: int(raw)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(listed) > len(page),
+    }
+
+
+MAX_PAGE = 100
+"""The most input items one page lists (OpenAI's bound)."""
