@@ -42,6 +42,8 @@ class StoredResponse:
     earlier turns' are the same bytes objects as in the response they came from)."""
     conversation_bytes: int
     """The sum of `conversation`'s lengths (grown turn by turn, never summed whole)."""
+    status: str = "completed"
+    """The response's status: a follow-up of one "queued" or "in_progress" is refused."""
 
     @property
     def size(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from cluster.http.responses_schema import Response
 from cluster.serving_call import ServingError
 from worker.tool_calls import read_calls
 
+log = logging.getLogger(__name__)
 ERROR_CODES = {400: "invalid_prompt", 413: "invalid_prompt", 429: "rate_limit_exceeded"}
 """A refusal's status -> the code of OpenAI's ResponseError (else "server_error")."""
 Keep = Callable[[Response], Response]
@@ -30,12 +32,13 @@ Keep = Callable[[Response], Response]
 
 @dataclass
 class _Written:
-    """What a generation wrote so far."""
+    """What a generation wrote so far, and whether its end was stored."""
 
     text: list[str] = field(default_factory=list)
     thought: list[str] = field(default_factory=list)
     finish: str | None = None
     counts: Counts = field(default_factory=Counts)
+    ended: bool = False
 
 
 class BackgroundResponses:
@@ -47,7 +50,7 @@ class BackgroundResponses:
     def __len__(self) -> int:
         return len(self._running)
 
-    def start(
+    async def start(
         self,
         tenant: str,
         queued: Response,
@@ -56,14 +59,35 @@ class BackgroundResponses:
         rename: Renames,
         keep: Keep,
     ) -> Response:
-        """Store `queued` and run its generation (`stream`) to the end; the response as stored."""
-        stored = keep(queued)
+        """Store `queued` and run its generation (`stream`) to the end; the response as stored.
+        Refused (the stream closed) while one of its id runs, or when the store cannot hold it:
+        nobody could poll it."""
         key = (tenant, queued.id)
+        if key in self._running:
+            await stream.aclose()
+            raise HttpError(
+                400,
+                f"X-Request-Id: a background response of this id ({queued.id}) is running; "
+                "send another request id",
+            )
+        stored = keep(queued)
+        if not stored.store:
+            await stream.aclose()
+            raise HttpError.invalid(
+                "background", "the response is larger than the router's whole store"
+            )
+        written = _Written()
         task = asyncio.get_running_loop().create_task(
-            _generate(queued, stream, tools, rename, keep), name=f"background {queued.id}"
+            _generate(queued, stream, tools, rename, keep, written), name=f"background {queued.id}"
         )
         self._running[key] = task
-        task.add_done_callback(lambda _: self._running.pop(key, None))
+
+        def finished(task: asyncio.Task[None]) -> None:
+            self._running.pop(key, None)
+            if task.cancelled() and not written.ended:  # before its first step: still queued
+                keep(_ended(queued, written, cancelled=True))
+
+        task.add_done_callback(finished)
         return stored
 
     async def cancel(self, tenant: str, response_id: str) -> bool:
@@ -86,9 +110,13 @@ class BackgroundResponses:
 
 
 async def _generate(
-    queued: Response, stream: Responses, tools: frozenset[str], rename: Renames, keep: Keep
+    queued: Response,
+    stream: Responses,
+    tools: frozenset[str],
+    rename: Renames,
+    keep: Keep,
+    written: _Written,
 ) -> None:
-    written = _Written()
     failure, code = None, "server_error"
     try:
         async with contextlib.aclosing(read(stream, written.counts)) as responses:
@@ -103,15 +131,20 @@ async def _generate(
         refusal = HttpError.of(err).renamed(rename)
         failure, code = refusal.message, ERROR_CODES.get(refusal.status, code)
     except asyncio.CancelledError:
-        keep(_ended(queued, written, frozenset(), cancelled=True))
+        written.ended = True
+        keep(_ended(queued, written, cancelled=True))
         raise
+    except Exception as err:  # a bug: the response must still end, and say so
+        log.exception("background response %s failed", queued.id)
+        failure = f"the router failed generating it: {type(err).__name__}: {err}"
+    written.ended = True
     keep(_ended(queued, written, tools if failure is None else frozenset(), failure, code))
 
 
 def _ended(
     queued: Response,
     written: _Written,
-    tools: frozenset[str],
+    tools: frozenset[str] = frozenset(),
     failure: str | None = None,
     code: str = "server_error",
     cancelled: bool = False,

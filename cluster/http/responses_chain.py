@@ -18,6 +18,7 @@ from cluster.serving_call import Caller
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+UNFINISHED = ("queued", "in_progress")
 _ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc"}
 
 
@@ -54,6 +55,12 @@ def continued(body: ResponsesRequest, store: ResponseStore, tenant: str) -> Stor
             "send the conversation in input",
         )
     earlier = store.get(tenant, body.previous_response_id)
+    if earlier is not None and earlier.status in UNFINISHED:
+        raise HttpError.invalid(
+            "previous_response_id",
+            f"{body.previous_response_id!r} is {earlier.status} (a background response): "
+            "poll it until it ends, then continue it",
+        )
     if earlier is None:
         raise HttpError.invalid(
             "previous_response_id",
@@ -68,14 +75,14 @@ def continued(body: ResponsesRequest, store: ResponseStore, tenant: str) -> Stor
 def keep(
     store: ResponseStore,
     tenant: str,
-    body: ResponsesRequest,
+    inputs: tuple[bytes, ...],
     answered: Response,
     earlier: StoredResponse | None,
 ) -> Response:
-    """Store the response as `answered` ends; the response as stored (`store` false when it is
-    larger than the whole store and was not kept)."""
+    """Store the response as `answered` stands (`inputs`: the request's `input_items`, encoded
+    once, so their ids stay the same however often it is stored); the response as stored
+    (`store` false when it is larger than the whole store and was not kept)."""
     response = answered.model_copy(update={"store": True})
-    inputs = tuple(map(StoredResponse.encoded, input_items(body)))
     outputs = tuple(StoredResponse.encoded(item.model_dump()) for item in response.output)
     before = earlier.conversation if earlier is not None else ()
     kept = StoredResponse(
@@ -84,10 +91,15 @@ def keep(
         conversation=(*before, *inputs, *outputs),
         conversation_bytes=(earlier.conversation_bytes if earlier is not None else 0)
         + sum(map(len, inputs + outputs)),
+        status=response.status,
     )
     if store.put(tenant, response.id, kept):
         return response
     return answered.model_copy(update={"store": False})
+
+
+def encoded_inputs(body: ResponsesRequest) -> tuple[bytes, ...]:
+    return tuple(map(StoredResponse.encoded, input_items(body)))
 
 
 def input_items(body: ResponsesRequest) -> list[Item]:

@@ -31,7 +31,7 @@ from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.openai_params import ROLES, effort_variables, refuse_unsupported, wire_tool
 from cluster.http.openai_responses import collect, served_by
 from cluster.http.response_store import StoredResponse
-from cluster.http.responses_chain import continued, keep, owner, stored
+from cluster.http.responses_chain import continued, encoded_inputs, keep, owner, stored
 from cluster.http.responses_output import ENCRYPTED_CONTENT, done, shell, unsealed
 from cluster.http.responses_schema import REFUSED, NamedFunction, Response, ResponsesRequest
 from cluster.http.responses_stream import events
@@ -68,18 +68,20 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             else frozenset()
         )
 
+        inputs = encoded_inputs(body) if storing else ()
+
         def ended(answered: Response) -> Response:
             """The response as it ends: stored, unless the request said not to."""
             if not storing:
                 return answered
-            return keep(api.responses, tenant, body, answered, earlier)
+            return keep(api.responses, tenant, inputs, answered, earlier)
 
         _background(body, storing)
         stream = api.start(message, caller, fill_context=True)
         rename = refusal_names(body, origins)
         if body.background:
             queued = started.model_copy(update={"status": "queued"})
-            reply = api.background.start(tenant, queued, stream, tools, rename, ended)
+            reply = await api.background.start(tenant, queued, stream, tools, rename, ended)
             return HttpResponse(reply.model_dump_json(), media_type="application/json")
         if body.stream:
             first = await api.finish(request, anext(stream), rename)  # a refusal: a status

@@ -40,7 +40,8 @@ class HttpServer:
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.task), grace + 1.0)
         self.task.cancel()
-        await self.api.background.close()  # their worker calls closed, not left to the GC
+        with contextlib.suppress(TimeoutError):  # their worker calls closed, not left to the GC
+            await asyncio.wait_for(self.api.background.close(), grace + 1.0)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -34,7 +34,9 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         return HttpResponse(kept.response, media_type="application/json")
 
     async def delete(response_id: str, request: Request) -> HttpResponse:
-        if not api.responses.delete(owner(api.caller(request), api.tenant(request)), response_id):
+        tenant = owner(api.caller(request), api.tenant(request))
+        await api.background.cancel(tenant, response_id)  # else it would store it again
+        if not api.responses.delete(tenant, response_id):
             raise _not_stored(response_id)
         gone = {"id": response_id, "object": "response", "deleted": True}
         return HttpResponse(json.dumps(gone), media_type="application/json")

@@ -6,6 +6,7 @@ outright."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,10 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from cluster.http import responses_output
+from cluster.http.responses_background import BackgroundResponses
+from cluster.http.responses_schema import ResponsesRequest
+from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from tests.cluster.tool_fixtures import openai_client, served
 from worker.loader import LoadedModel
@@ -33,24 +38,38 @@ def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
     yield from openai_client(cluster)
 
 
+ENDED = ("completed", "incomplete", "failed", "cancelled")
+
+
 def polled(client: openai.OpenAI, response_id: str, until: tuple[str, ...]) -> Any:
-    """The response once its status is one of `until` (a bounded wait)."""
+    """The response once its status is one of `until`, or it ended (a bounded wait)."""
     deadline = time.monotonic() + 60
     while True:
         response = client.responses.retrieve(response_id)
-        if response.status in until or time.monotonic() > deadline:
+        if response.status in (*until, *ENDED) or time.monotonic() > deadline:
             return response
-        time.sleep(0.02)
+        time.sleep(0.01)
+
+
+def running(client: openai.OpenAI) -> Any:
+    """A long background response, once it is generating."""
+    queued = client.responses.create(background=True, **LONG)
+    assert polled(client, queued.id, ("in_progress",)).status == "in_progress"
+    return queued
 
 
 def test_a_background_response_is_polled_to_the_foreground_answer(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
     queued = client.responses.create(input="Name a colour.", background=True, **GREEDY)
+    queued_items = httpx.get(f"{cluster.http_url}/v1/responses/{queued.id}/input_items").json()
+    queued_items = queued_items["data"]
     assert queued.status == "queued" and queued.background is True and queued.output == []
-    ended = polled(client, queued.id, ("completed", "incomplete", "failed"))
+    ended = polled(client, queued.id, ENDED)
     foreground = client.responses.create(input="Name a colour.", store=False, **GREEDY)
     assert ended.status == foreground.status and ended.background is True
+    listed = [item.id for item in client.responses.input_items.list(queued.id)]
+    assert listed == [item["id"] for item in queued_items]  # the same ids, queued or ended
     assert ended.output_text == foreground.output_text and ended.output_text
     assert ended.usage.output_tokens == foreground.usage.output_tokens  # type: ignore[union-attr]
     follow = client.responses.create(input="Another?", previous_response_id=queued.id, **GREEDY)
@@ -61,8 +80,7 @@ def test_a_background_response_is_polled_to_the_foreground_answer(
 def test_cancel_stops_the_generation_and_frees_its_pages(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
-    queued = client.responses.create(background=True, **LONG)
-    polled(client, queued.id, ("in_progress",))
+    queued = running(client)
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.background is True
     assert cancelled.usage is not None and 0 < cancelled.usage.output_tokens < 700
@@ -76,8 +94,7 @@ def test_cancel_stops_the_generation_and_frees_its_pages(
 def test_a_router_that_stops_cancels_its_background_generations(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
-    queued = client.responses.create(background=True, **LONG)
-    polled(client, queued.id, ("in_progress",))
+    queued = running(client)
     assert cluster.http is not None
     background = cluster.http.api.background
     assert len(background) == 1
@@ -85,6 +102,26 @@ def test_a_router_that_stops_cancels_its_background_generations(
     assert len(background) == 0
     assert client.responses.retrieve(queued.id).status == "cancelled"
     cluster.wait_idle()
+
+
+def test_a_running_response_is_neither_continued_nor_started_again(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    queued = running(client)
+    with pytest.raises(openai.BadRequestError, match="is in_progress") as refused:
+        client.responses.create(input="And?", previous_response_id=queued.id, **GREEDY)
+    assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    again = httpx.post(
+        f"{cluster.http_url}/v1/responses",
+        json={**LONG, "background": True},
+        headers={"x-request-id": queued.id.removeprefix("resp_")},
+    )
+    assert again.status_code == 400 and "is running" in again.text
+    client.responses.delete(queued.id)  # cancels it: it is not stored again as it ends
+    cluster.wait_idle()
+    assert cluster.http is not None and len(cluster.http.api.background) == 0
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(queued.id)
 
 
 def test_only_a_background_response_is_cancelled(
@@ -106,7 +143,7 @@ def test_a_refused_background_request_ends_failed_naming_the_field(
         **GREEDY,
     )  # fmt: skip
     assert queued.status == "queued"
-    ended = polled(client, queued.id, ("failed",))
+    ended = polled(client, queued.id, ENDED)
     assert ended.status == "failed" and ended.error is not None
     assert ended.error.message.startswith("input: ") and ended.error.code == "invalid_prompt"
     assert "maximum context length" in ended.error.message
@@ -129,3 +166,39 @@ def test_background_refusals_name_it(
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "background" and words in answer.text
     assert cluster.http is not None and len(cluster.http.api.background) == 0
+
+
+def test_a_generation_cancelled_before_it_starts_or_broken_still_ends() -> None:
+    """Made-up streams: cancelled before its first step (the router stopping right after the
+    POST), a response is stored cancelled, not left queued; a bug in the generation stores
+    it failed, not in_progress forever."""
+    kept: dict[str, Any] = {}
+
+    def keep(response: Any) -> Any:
+        kept[response.id] = response
+        return response.model_copy(update={"store": True})
+
+    async def broken() -> Any:
+        yield serving_pb2.GenerateResponse(index=0, text="Hi", token_ids=[5], worker="w")
+        raise RuntimeError("a bug")
+
+    async def never() -> Any:
+        await asyncio.sleep(60)
+        yield serving_pb2.GenerateResponse()
+
+    async def run() -> None:
+        background = BackgroundResponses()
+        for name, stream in (("broken", broken()), ("early", never())):
+            queued = responses_output.shell(
+                ResponsesRequest(model=MODEL, input="q", background=True), f"resp_{name}", MODEL
+            ).model_copy(update={"status": "queued"})
+            await background.start("", queued, stream, frozenset(), lambda p: None, keep)
+        assert await background.cancel("", "resp_early")  # before its first step
+        await asyncio.sleep(0.05)
+        assert len(background) == 0
+
+    asyncio.run(run())
+    assert kept["resp_early"].status == "cancelled"
+    broken_one = kept["resp_broken"]
+    assert broken_one.status == "failed" and "RuntimeError: a bug" in broken_one.error.message
+    assert broken_one.output[0].content[0].text == "Hi"

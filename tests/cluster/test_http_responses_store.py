@@ -241,9 +241,13 @@ def test_a_tenant_sees_only_its_own_responses(tenants: LocalCluster) -> None:
         globex.responses.create(input="Go on.", previous_response_id=mine.id, **GREEDY)
     with pytest.raises(openai.NotFoundError):
         globex.responses.cancel(mine.id)
-    queued = acme.responses.create(input="Acme's long plan.", background=True, **GREEDY)
+    queued = acme.responses.create(
+        input="Acme's long plan.", background=True, **GREEDY | {"max_output_tokens": 300}
+    )
     with pytest.raises(openai.NotFoundError):
         globex.responses.cancel(queued.id)  # running, and still not globex's
+    tenants.wait_idle()
+    assert acme.responses.retrieve(queued.id).status in ("completed", "incomplete")
     assert acme.responses.retrieve(mine.id).output_text == mine.output_text
     answer = httpx.get(
         f"{tenants.http_url}/v1/responses/{mine.id}",
@@ -277,6 +281,8 @@ def test_the_store_keeps_within_its_bound(tenants: LocalCluster) -> None:
     with pytest.raises(openai.NotFoundError):
         acme.responses.retrieve(large.id)
     assert acme.responses.retrieve(made[-1].id).id == made[-1].id  # nothing dropped for it
+    with pytest.raises(openai.BadRequestError, match="larger than the router's whole store"):
+        acme.responses.create(input="Large.", metadata=most, background=True, **GREEDY)
     tenants.wait_idle()
 
 
