@@ -81,7 +81,11 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         rename = refusal_names(body, origins)
         if body.background:
             queued = started.model_copy(update={"status": "queued"})
-            reply = await api.background.start(tenant, queued, stream, tools, rename, ended)
+            reply, written = await api.background.start(
+                tenant, queued, stream, tools, rename, ended
+            )
+            if body.stream:
+                return EventStream(written.follow())
             return HttpResponse(reply.model_dump_json(), media_type="application/json")
         if body.stream:
             first = await api.finish(request, anext(stream), rename)  # a refusal: a status
@@ -105,12 +109,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
 
 
 def _background(body: ResponsesRequest, storing: bool) -> None:
-    """A background response is polled: refused streamed, or not stored."""
-    if not body.background:
-        return
-    if body.stream:
-        raise HttpError.invalid("background", "a background response is polled: send stream: false")
-    if not storing:
+    """A background response is polled from the store: refused when not stored."""
+    if body.background and not storing:
         raise HttpError.invalid(
             "background", "a background response is polled from the store: leave store true"
         )

@@ -22,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from cluster.http.errors import GenerationFailed, HttpError
+from cluster.http.errors import GenerationFailed, HttpError, Renames
 from cluster.http.openai_responses import Counts, HeldCalls, Responses, prepend, read
 from cluster.http.responses_output import done, new_item_id, reasoning_item
 from cluster.http.responses_schema import (
@@ -40,26 +41,36 @@ from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 from worker.tool_calls import ToolCall
 
+log = logging.getLogger(__name__)
+
 
 async def events(
     shell: Response,
-    first: serving_pb2.GenerateResponse,
+    first: serving_pb2.GenerateResponse | None,
     rest: Responses,
     tools: frozenset[str],
     ended: Callable[[Response], Response] = lambda response: response,
-) -> AsyncIterator[bytes]:
-    """The response's events (module docstring); the response as it ends (completed,
-    incomplete, failed, or cancelled by the client going away) goes through `ended` (storing
-    it) before its last event."""
+    rename: Renames | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """The response's events (module docstring), from `first` and `rest` (the whole stream in
+    `rest` when `first` is None). The response as it stands goes through `ended` (storing it):
+    `in_progress` at the start when `shell` is a background one's `queued`, and as it ends
+    (completed, incomplete, failed, or cancelled by the client going away) before its last
+    event. A refusal's message names the field as the request did (`rename`)."""
     out = _Events(shell.seal)
     counts = Counts()
     held = HeldCalls(tools) if tools else None
     calls: list[ToolCall] = []
     finish = None
+    failure, code = None, "server_error"
+    started = shell.model_copy(update={"status": "in_progress"})
     try:
         yield out.event("response.created", {"response": shell.model_dump()})
-        yield out.event("response.in_progress", {"response": shell.model_dump()})
-        async with contextlib.aclosing(read(prepend(first, rest), counts)) as responses:
+        yield out.event("response.in_progress", {"response": started.model_dump()})
+        if shell.status == "queued":
+            ended(started)
+        stream = prepend(first, rest) if first is not None else rest
+        async with contextlib.aclosing(read(stream, counts)) as responses:
             async for response in responses:
                 if response.reasoning_text:
                     yield out.think(response.reasoning_text)
@@ -72,32 +83,37 @@ async def events(
                 if delta:
                     yield out.write(delta)
     except (ServingError, GenerationFailed) as err:  # as OpenAI ends a stream that failed
-        failed = done(
-            shell,
-            out.text or None,
-            [],
-            None,
-            counts,
-            out.message_id,
-            failure=HttpError.of(err).message,
-            thought=out.thought,
-            reasoning_id=out.reasoning_id,
-        )  # fmt: skip: with what was sent so far
-        yield out.event("response.failed", {"response": ended(failed).model_dump()})
-        return
+        refusal = HttpError.of(err)
+        failure = (refusal.renamed(rename) if rename else refusal).message
+        code = ERROR_CODES.get(refusal.status, code)
     except (GeneratorExit, asyncio.CancelledError):  # the client went away (closed or cancelled
         # at a yield, or cancelled waiting for a token): what it was sent, as the response ends
         gone = done(
-            shell, out.text or None, [], None, counts, out.message_id,
+            started, out.text or None, [], None, counts, out.message_id,
             thought=out.thought, reasoning_id=out.reasoning_id, cancelled=True,
         )  # fmt: skip
         ended(gone)
         raise
+    except Exception as err:  # a bug: the response still ends, and says so
+        log.exception("response %s failed", shell.id)
+        failure = f"the router failed generating it: {type(err).__name__}: {err}"
+    if failure is not None:  # with what was sent so far
+        failed = done(
+            started, out.text or None, [], None, counts, out.message_id,
+            failure=failure, thought=out.thought, reasoning_id=out.reasoning_id,
+            failure_code=code,
+        )  # fmt: skip
+        yield out.event("response.failed", {"response": ended(failed).model_dump()})
+        return
     finished = done(
-        shell, out.text or None, calls, finish, counts, out.message_id,
+        started, out.text or None, calls, finish, counts, out.message_id,
         thought=out.thought, reasoning_id=out.reasoning_id,
     )  # fmt: skip
     yield out.end(ended(finished))
+
+
+ERROR_CODES = {400: "invalid_prompt", 413: "invalid_prompt", 429: "rate_limit_exceeded"}
+"""A refusal's status -> the code of OpenAI's ResponseError (else "server_error")."""
 
 
 class _Events:

@@ -1,6 +1,8 @@
 """The stored responses of the Responses API (cluster/http/response_store.py), by id:
 
-    GET    /v1/responses/{id}               the response, as answered (or as it stands)
+    GET    /v1/responses/{id}               the response, as answered (or as it stands);
+                                            ?stream=true[&starting_after=N]: a background
+                                            response's events, resumed after event N
     DELETE /v1/responses/{id}
     GET    /v1/responses/{id}/input_items   its input items (order, after, limit)
     POST   /v1/responses/{id}/cancel        a background response's generation
@@ -19,8 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response as HttpResponse
 
 from cluster.http.errors import HttpError
+from cluster.http.event_log import EventLog
 from cluster.http.response_store import StoredResponse
 from cluster.http.responses_chain import owner
+from cluster.http.sse import EventStream
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
@@ -29,13 +33,15 @@ if TYPE_CHECKING:
 def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def retrieve(response_id: str, request: Request) -> HttpResponse:
         kept = _stored(response_id, request)
-        if request.query_params.get("stream") not in (None, "false"):
-            raise HttpError.invalid("stream", "a stored response is retrieved whole")
-        return HttpResponse(kept.response, media_type="application/json")
+        if request.query_params.get("stream", "false") == "false":
+            return HttpResponse(kept.response, media_type="application/json")
+        tenant = owner(api.caller(request), api.tenant(request))
+        return _resumed(api.background.events(tenant, response_id), request.query_params)
 
     async def delete(response_id: str, request: Request) -> HttpResponse:
         tenant = owner(api.caller(request), api.tenant(request))
         await api.background.cancel(tenant, response_id)  # else it would store it again
+        api.background.drop(tenant, response_id)
         if not api.responses.delete(tenant, response_id):
             raise _not_stored(response_id)
         gone = {"id": response_id, "object": "response", "deleted": True}
@@ -69,6 +75,22 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
     app.add_api_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
+
+
+def _resumed(written: EventLog | None, query: Mapping[str, str]) -> EventStream:
+    """A background response's events after `starting_after` (from the first without it)."""
+    if query["stream"] != "true":
+        raise HttpError.invalid("stream", "true or false")
+    if written is None:
+        raise HttpError.invalid(
+            "stream",
+            "only a background response's events are kept (while it runs, and for a while "
+            "after it ended): retrieve it whole",
+        )
+    raw = query.get("starting_after", "-1")
+    if raw != "-1" and not raw.isdigit():
+        raise HttpError.invalid("starting_after", f"{raw!r}: an event's sequence_number, from 0")
+    return EventStream(written.follow(int(raw)))
 
 
 def _not_stored(response_id: str) -> HttpError:

@@ -15,7 +15,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from cluster.http import responses_output
+from cluster.http import responses_output, responses_stream
+from cluster.http.event_log import EventLog
 from cluster.http.responses_background import BackgroundResponses
 from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
@@ -124,6 +125,43 @@ def test_a_running_response_is_neither_continued_nor_started_again(
         client.responses.retrieve(queued.id)
 
 
+def test_a_background_stream_is_resumed_where_it_dropped(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """OpenAI's way back into a stream whose connection dropped: the events after the last
+    one seen, by `sequence_number`, with nothing lost or repeated, while it runs and after."""
+    first: list[Any] = []
+    with client.responses.create(background=True, stream=True, **LONG) as stream:
+        for event in stream:
+            first.append(event)
+            if event.type == "response.output_text.delta" and len(first) > 12:
+                break  # the connection drops
+    created = first[0].response
+    assert (first[0].type, created.status, created.background) == (
+        "response.created",
+        "queued",
+        True,
+    )
+    cursor = first[-1].sequence_number
+    with client.responses.retrieve(created.id, stream=True, starting_after=cursor) as rest:
+        resumed = list(rest)
+    seen = [*first, *resumed]
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))
+    assert seen[-1].type == "response.incomplete"  # 700 tokens, cut by max_output_tokens
+    text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    kept = client.responses.retrieve(created.id)
+    assert kept.output_text == text and kept.model_dump() == seen[-1].response.model_dump()
+    with client.responses.retrieve(created.id, stream=True) as again:  # ended: from the start
+        assert [e.sequence_number for e in again] == list(range(len(seen)))
+    url = f"{cluster.http_url}/v1/responses/{created.id}"
+    bad = httpx.get(url, params={"stream": "true", "starting_after": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+    foreground = client.responses.create(input="Hi.", **GREEDY)
+    refused = httpx.get(f"{cluster.http_url}/v1/responses/{foreground.id}?stream=true")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+    cluster.wait_idle()
+
+
 def test_only_a_background_response_is_cancelled(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
@@ -153,7 +191,6 @@ def test_a_refused_background_request_ends_failed_naming_the_field(
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ({"stream": True}, "send stream: false"),
         ({"store": False}, "leave store true"),
         ({"background": "yes"}, "boolean"),
     ],
@@ -202,3 +239,51 @@ def test_a_generation_cancelled_before_it_starts_or_broken_still_ends() -> None:
     broken_one = kept["resp_broken"]
     assert broken_one.status == "failed" and "RuntimeError: a bug" in broken_one.error.message
     assert broken_one.output[0].content[0].text == "Hi"
+
+
+def test_the_events_of_ended_responses_are_kept_within_their_bound() -> None:
+    """Made-up streams: the most recent ended responses' events are kept, the least recent
+    dropped past the bound; a response too large for it keeps none."""
+
+    async def short(text: str) -> Any:
+        yield serving_pb2.GenerateResponse(
+            index=0, text=text, token_ids=[5], finished=True, finish_reason="stop", worker="w"
+        )
+
+    async def run() -> dict[str, int | None]:
+        one = EventLog()
+        one.append(
+            b"".join(
+                [
+                    e
+                    async for e in responses_stream.events(
+                        shell("resp_x"), None, short("Hi"), frozenset()
+                    )
+                ]
+            )
+        )
+        background = BackgroundResponses(ended_log_bytes=2 * one.bytes + 10)
+        for name in ("a", "b", "c"):
+            await background.start(
+                "", shell(f"resp_{name}"), short("Hi"), frozenset(), lambda p: None, stored
+            )
+        await asyncio.sleep(0.05)
+        large = BackgroundResponses(ended_log_bytes=one.bytes // 2)
+        await large.start("", shell("resp_d"), short("Hi"), frozenset(), lambda p: None, stored)
+        await asyncio.sleep(0.05)
+        kept = {n: background.events("", f"resp_{n}") for n in "abc"}
+        kept["d"] = large.events("", "resp_d")
+        return {n: log.bytes if log is not None else None for n, log in kept.items()}
+
+    def shell(response_id: str) -> Any:
+        body = ResponsesRequest(model=MODEL, input="q", background=True)
+        return responses_output.shell(body, response_id, MODEL).model_copy(
+            update={"status": "queued"}
+        )
+
+    def stored(response: Any) -> Any:
+        return response.model_copy(update={"store": True})
+
+    kept = asyncio.run(run())
+    assert kept["a"] is None and kept["b"] is not None and kept["c"] is not None
+    assert kept["d"] is None, kept
