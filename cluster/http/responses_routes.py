@@ -89,7 +89,9 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             return HttpResponse(reply.model_dump_json(), media_type="application/json")
         if body.stream:
             first = await api.finish(request, anext(stream), rename)  # a refusal: a status
-            return EventStream(events(started, first, stream, tools, ended), served_by(first))
+            return EventStream(
+                events(started, first, stream, tools, ended, rename), served_by(first)
+            )
         samples, counts = await api.finish(request, collect(stream), rename)
         sample = samples[0]
         text = "".join(sample.text)
