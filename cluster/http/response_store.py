@@ -24,6 +24,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+ENTRY_BYTES = 640
+"""What Python takes to hold one stored response beside its items' bytes (the key, the entry,
+the dataclass, the response's bytes object)."""
+ITEM_BYTES = 64
+"""What Python takes to hold one item beside its bytes (a bytes object, its tuple slots)."""
 Item = dict[str, Any]
 """An item of the Responses API, as JSON: a message, reasoning, function_call or its output."""
 
@@ -47,8 +52,10 @@ class StoredResponse:
 
     @property
     def size(self) -> int:
-        """What the store counts against its bound."""
-        return self.conversation_bytes + len(self.response)
+        """What the store counts against its bound: the bytes, and what Python adds to keep
+        them (an object a bytes string, the tuples, the entry: measured with tracemalloc)."""
+        items = len(self.conversation) + len(self.inputs)
+        return self.conversation_bytes + len(self.response) + ENTRY_BYTES + items * ITEM_BYTES
 
     @staticmethod
     def encoded(item: Item) -> bytes:
