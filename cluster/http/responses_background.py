@@ -3,10 +3,10 @@ once with the response `queued`, stored; the generation runs on the router's eve
 from the HTTP request, and stores the response as it goes (`in_progress` as it starts) and as
 it ends. The client polls `GET /v1/responses/{id}` and may `POST .../cancel`.
 
-Its events (cluster/http/responses_stream.py, as a streamed response's) go to an `EventLog`:
-with `stream: true` the POST answers with them, and `GET /v1/responses/{id}?stream=true`
+With `stream: true` its events (cluster/http/responses_stream.py, as a streamed response's)
+are kept in an `EventLog`: the POST answers with them, and `GET /v1/responses/{id}?stream=true`
 (`starting_after=N`) follows them from any point, while the generation runs and, within
-`ENDED_LOG_BYTES`, after it ended.
+`ENDED_LOG_BYTES` with the running ones', after it ended.
 
 A generation that is refused (a prompt over the context, say) or fails ends the response
 `failed`, with the error; a cancelled one ends it `cancelled`, with what it wrote. Either way
@@ -22,15 +22,15 @@ from collections.abc import Callable
 
 from cluster.http.errors import HttpError, Renames
 from cluster.http.event_log import EventLog
-from cluster.http.openai_responses import Counts, Responses
-from cluster.http.responses_output import done
+from cluster.http.openai_responses import Responses
 from cluster.http.responses_schema import Response
 from cluster.http.responses_stream import events
 
 Keep = Callable[[Response], Response]
 """Stores a response as it stands; returns it as stored."""
 ENDED_LOG_BYTES = 32 << 20
-"""The events kept of background responses that ended, most recent first."""
+"""The events kept of background responses that ended, most recent first, while these and
+the running ones' take no more."""
 
 
 class BackgroundResponses:
@@ -44,6 +44,7 @@ class BackgroundResponses:
         """Of those that ended, least recent first, within `ended_log_bytes`."""
         self._ended_log_bytes = ended_log_bytes
         self._ended_bytes = 0
+        self._closing = False
 
     def __len__(self) -> int:
         return len(self._running)
@@ -56,26 +57,32 @@ class BackgroundResponses:
         tools: frozenset[str],
         rename: Renames,
         keep: Keep,
+        streamed: bool = False,
     ) -> tuple[Response, EventLog]:
         """Store `queued` and run its generation (`stream`) to the end; the response as stored,
-        and its events. Refused (the stream closed) while one of its id runs, or when the store
-        cannot hold it: nobody could poll it."""
+        and its events (kept when `streamed`, to be resumed). Refused (the stream closed)
+        while one of its id runs, when the store cannot hold it (nobody could poll it), and
+        once the router is stopping."""
         key = (tenant, queued.id)
-        if key in self._running:
-            await stream.aclose()
-            raise HttpError(
+        refusal = None
+        if self._closing:
+            refusal = HttpError(503, "the router is stopping; retry on another")
+        elif key in self._running:
+            refusal = HttpError(
                 400,
                 f"X-Request-Id: a background response of this id ({queued.id}) is running; "
                 "send another request id",
             )
-        stored = keep(queued)
-        if not stored.store:
-            await stream.aclose()
-            raise HttpError.invalid(
+        stored = keep(queued) if refusal is None else queued
+        if refusal is None and not stored.store:
+            refusal = HttpError.invalid(
                 "background", "the response is larger than the router's whole store"
             )
+        if refusal is not None:
+            await stream.aclose()
+            raise refusal
         self.drop(tenant, queued.id)  # an ended one of the same id: its events are not these
-        written = EventLog()
+        written = EventLog(kept=streamed)
         task = asyncio.get_running_loop().create_task(
             _generate(queued, stream, tools, rename, keep, written), name=f"background {queued.id}"
         )
@@ -83,18 +90,20 @@ class BackgroundResponses:
 
         def finished(task: asyncio.Task[None]) -> None:
             del self._running[key], self._logs[key]
-            if task.cancelled() and not written.closed:  # before its first step: still queued
-                keep(done(queued, None, [], None, Counts(), cancelled=True))
-            written.close()
-            self._keep_ended(key, written)
+            written.close()  # first: whatever follows, no reader waits on it
+            if written.kept:
+                self._keep_ended(key, written)
 
         task.add_done_callback(finished)
+        await asyncio.sleep(0)  # its first step (created, in_progress, stored) before anything
+        # can cancel it: a cancellation then always finds the events' handler, which stores it
         return stored, written
 
     def events(self, tenant: str, response_id: str) -> EventLog | None:
         """The events of the tenant's background response of that id, if still kept."""
         key = (tenant, response_id)
-        return self._logs.get(key) or self._ended.get(key)
+        written = self._logs.get(key) or self._ended.get(key)
+        return written if written is not None and written.kept else None
 
     async def cancel(self, tenant: str, response_id: str) -> bool:
         """Cancel the tenant's running generation of that id and wait for it to store the
@@ -113,7 +122,8 @@ class BackgroundResponses:
             self._ended_bytes -= log.bytes
 
     async def close(self) -> None:
-        """Cancel every generation still running (the router stopping)."""
+        """Cancel every generation still running, and refuse new ones (the router stopping)."""
+        self._closing = True
         tasks = list(self._running.values())
         for task in tasks:
             task.cancel()
@@ -121,11 +131,14 @@ class BackgroundResponses:
             await asyncio.wait(tasks)
 
     def _keep_ended(self, key: tuple[str, str], log: EventLog) -> None:
-        if log.bytes > self._ended_log_bytes:
+        """Keep an ended log, the least recent dropped first, while the ended and the running
+        logs hold no more than the bound."""
+        running = sum(each.bytes for each in self._logs.values())
+        if running + log.bytes > self._ended_log_bytes:
             return
         self._ended[key] = log
         self._ended_bytes += log.bytes
-        while self._ended_bytes > self._ended_log_bytes:
+        while running + self._ended_bytes > self._ended_log_bytes:
             _, dropped = self._ended.popitem(last=False)
             self._ended_bytes -= dropped.bytes
 

@@ -82,7 +82,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         if body.background:
             queued = started.model_copy(update={"status": "queued"})
             reply, written = await api.background.start(
-                tenant, queued, stream, tools, rename, ended
+                tenant, queued, stream, tools, rename, ended, streamed=body.stream
             )
             if body.stream:
                 return EventStream(written.follow())

@@ -36,7 +36,9 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         if request.query_params.get("stream", "false") == "false":
             return HttpResponse(kept.response, media_type="application/json")
         tenant = owner(api.caller(request), api.tenant(request))
-        return _resumed(api.background.events(tenant, response_id), request.query_params)
+        background = json.loads(kept.response).get("background")  # not an id used again
+        written = api.background.events(tenant, response_id) if background else None
+        return _resumed(written, request.query_params)
 
     async def delete(response_id: str, request: Request) -> HttpResponse:
         tenant = owner(api.caller(request), api.tenant(request))
@@ -84,12 +86,16 @@ def _resumed(written: EventLog | None, query: Mapping[str, str]) -> EventStream:
     if written is None:
         raise HttpError.invalid(
             "stream",
-            "only a background response's events are kept (while it runs, and for a while "
-            "after it ended): retrieve it whole",
+            "only a background response created with stream: true keeps its events (while it "
+            "runs, and for a while after it ended): retrieve it whole",
         )
     raw = query.get("starting_after", "-1")
-    if raw != "-1" and not raw.isdigit():
+    if raw != "-1" and not (raw.isascii() and raw.isdigit()):
         raise HttpError.invalid("starting_after", f"{raw!r}: an event's sequence_number, from 0")
+    if written.closed and int(raw) >= len(written.events):
+        raise HttpError.invalid(
+            "starting_after", f"{raw}: the response ended at event {len(written.events) - 1}"
+        )
     return EventStream(written.follow(int(raw)))
 
 

@@ -26,7 +26,8 @@ from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
 GREEDY: dict[str, Any] = {"model": MODEL, "max_output_tokens": 8, "temperature": 0}
-LONG: dict[str, Any] = {**GREEDY, "input": "Tell a long story.", "max_output_tokens": 700}
+LONG: dict[str, Any] = {**GREEDY, "input": "Tell a long story.", "max_output_tokens": 960}
+"""About 1.5 s of generation here: the tests that stop one mid-way have a second to do it."""
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def test_cancel_stops_the_generation_and_frees_its_pages(
     queued = running(client)
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.background is True
-    assert cancelled.usage is not None and 0 < cancelled.usage.output_tokens < 700
+    assert cancelled.usage is not None and cancelled.usage.output_tokens < 960
     cluster.wait_idle()  # the worker's call closed: no request, no private page left
     assert not cluster.service.in_flight
     kept = client.responses.retrieve(queued.id)
@@ -102,6 +103,9 @@ def test_a_router_that_stops_cancels_its_background_generations(
     cluster.loop.run(background.close())
     assert len(background) == 0
     assert client.responses.retrieve(queued.id).status == "cancelled"
+    with pytest.raises(openai.InternalServerError, match="stopping"):
+        client.responses.create(background=True, **LONG)
+    cluster.http.api.background = BackgroundResponses()  # a new router's, for the next tests
     cluster.wait_idle()
 
 
@@ -147,18 +151,38 @@ def test_a_background_stream_is_resumed_where_it_dropped(
         resumed = list(rest)
     seen = [*first, *resumed]
     assert [e.sequence_number for e in seen] == list(range(len(seen)))
-    assert seen[-1].type == "response.incomplete"  # 700 tokens, cut by max_output_tokens
+    assert seen[-1].type == "response.incomplete"  # cut by max_output_tokens
     text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
     kept = client.responses.retrieve(created.id)
     assert kept.output_text == text and kept.model_dump() == seen[-1].response.model_dump()
     with client.responses.retrieve(created.id, stream=True) as again:  # ended: from the start
         assert [e.sequence_number for e in again] == list(range(len(seen)))
     url = f"{cluster.http_url}/v1/responses/{created.id}"
-    bad = httpx.get(url, params={"stream": "true", "starting_after": "x"})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
-    foreground = client.responses.create(input="Hi.", **GREEDY)
-    refused = httpx.get(f"{cluster.http_url}/v1/responses/{foreground.id}?stream=true")
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+    for after in ("x", "²", str(len(seen))):  # past the end of an ended one, too
+        bad = httpx.get(url, params={"stream": "true", "starting_after": after})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+    last = httpx.get(url, params={"stream": "true", "starting_after": len(seen) - 1})
+    assert last.status_code == 200 and last.text == ""  # nothing after the last event
+    cluster.wait_idle()
+
+
+def test_only_a_background_stream_is_resumed(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    """A foreground response, a background one not streamed, and a foreground one that took
+    an ended background stream's id: none has events to resume."""
+    url = f"{cluster.http_url}/v1/responses"
+    polled_one = client.responses.create(input="Hi.", background=True, **GREEDY)
+    polled(client, polled_one.id, ENDED)
+    reused = {"x-request-id": "reused"}
+    with httpx.stream(
+        "POST", url, json={**GREEDY, "input": "Hi.", "background": True, "stream": True},
+        headers=reused,
+    ) as streaming:  # fmt: skip
+        assert streaming.read().decode().count("event: ") > 2
+    assert httpx.get(f"{url}/resp_reused?stream=true").status_code == 200
+    foreground = httpx.post(url, json={**GREEDY, "input": "Hi."}, headers=reused).json()
+    for response_id in (polled_one.id, foreground["id"]):
+        refused = httpx.get(f"{url}/{response_id}?stream=true")
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
     cluster.wait_idle()
 
 
@@ -205,10 +229,10 @@ def test_background_refusals_name_it(
     assert cluster.http is not None and len(cluster.http.api.background) == 0
 
 
-def test_a_generation_cancelled_before_it_starts_or_broken_still_ends() -> None:
-    """Made-up streams: cancelled before its first step (the router stopping right after the
-    POST), a response is stored cancelled, not left queued; a bug in the generation stores
-    it failed, not in_progress forever."""
+def test_a_generation_cancelled_early_or_broken_still_ends() -> None:
+    """Made-up streams: cancelled while it waits for its first token, a response is stored
+    cancelled, not left in progress; a bug in the generation stores it failed, not
+    in_progress forever."""
     kept: dict[str, Any] = {}
 
     def keep(response: Any) -> Any:
@@ -230,7 +254,7 @@ def test_a_generation_cancelled_before_it_starts_or_broken_still_ends() -> None:
                 ResponsesRequest(model=MODEL, input="q", background=True), f"resp_{name}", MODEL
             ).model_copy(update={"status": "queued"})
             await background.start("", queued, stream, frozenset(), lambda p: None, keep)
-        assert await background.cancel("", "resp_early")  # before its first step
+        assert await background.cancel("", "resp_early")  # before its first token
         await asyncio.sleep(0.05)
         assert len(background) == 0
 
@@ -265,11 +289,13 @@ def test_the_events_of_ended_responses_are_kept_within_their_bound() -> None:
         background = BackgroundResponses(ended_log_bytes=2 * one.bytes + 10)
         for name in ("a", "b", "c"):
             await background.start(
-                "", shell(f"resp_{name}"), short("Hi"), frozenset(), lambda p: None, stored
+                "", shell(f"resp_{name}"), short("Hi"), frozenset(), lambda p: None, stored, True
             )
         await asyncio.sleep(0.05)
         large = BackgroundResponses(ended_log_bytes=one.bytes // 2)
-        await large.start("", shell("resp_d"), short("Hi"), frozenset(), lambda p: None, stored)
+        await large.start(
+            "", shell("resp_d"), short("Hi"), frozenset(), lambda p: None, stored, True
+        )
         await asyncio.sleep(0.05)
         kept = {n: background.events("", f"resp_{n}") for n in "abc"}
         kept["d"] = large.events("", "resp_d")
