@@ -410,3 +410,31 @@ def test_a_failed_stream_is_stored_failed() -> None:
     assert response.status == "failed" and response.output[0].content[0].text == "Hel"
     assert event["type"] == "response.failed"
     assert event["response"]["metadata"] == {"kept": "yes"}  # the stored one is what is sent
+
+
+def test_a_stream_closed_at_an_event_is_stored_cancelled() -> None:
+    """The other way a client leaves: the stream closed while it waits at an event (the
+    server writing), not cancelled while it waits for a token; what was sent is stored."""
+    shell = responses_output.shell(
+        ResponsesRequest(model=MODEL, input="q"), "resp_x", MODEL, store=True
+    )
+    ended: list[Any] = []
+
+    async def rest() -> Any:
+        yield serving_pb2.GenerateResponse(index=0, text="Hel", token_ids=[5], worker="w")
+        yield serving_pb2.GenerateResponse(index=0, text="lo", token_ids=[6], worker="w")
+
+    def keep(response: Any) -> Any:
+        ended.append(response)
+        return response
+
+    async def leave() -> None:
+        stream = responses_stream.events(shell, None, rest(), frozenset(), keep)
+        async for raw in stream:
+            if b"output_text.delta" in raw:
+                break  # at the first delta's event
+        await stream.aclose()
+
+    asyncio.run(leave())
+    (response,) = ended
+    assert response.status == "cancelled" and response.output[0].content[0].text == "Hel"
