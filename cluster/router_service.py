@@ -32,6 +32,7 @@ from cache import CacheNamespace
 from cluster.adapter_admin import AdapterAdmin
 from cluster.auth import allowed_tenant
 from cluster.config import ANY_TENANT, ClusterConfig
+from cluster.grpc_tool_calls import with_tool_calls
 from cluster.policies import router_config
 from cluster.requests import PreparedRequest, TenantRefused, prepare, request_namespace
 from cluster.serving_call import Caller, ServingError
@@ -112,7 +113,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         caller = Caller.within(allowed_tenant(context, self.security), context.time_remaining())
         try:
             self._check_size(request)
-            async for response in self.generate(request, caller):
+            async for response in with_tool_calls(request, self.generate(request, caller)):
                 yield response
         except ServingError as err:
             await context.abort(err.code, err.message, err.trailing_metadata())
