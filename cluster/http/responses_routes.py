@@ -35,9 +35,7 @@ from cluster.http.responses_chain import continued, encoded_inputs, keep, owner,
 from cluster.http.responses_output import ENCRYPTED_CONTENT, done, shell, unsealed
 from cluster.http.responses_schema import REFUSED, NamedFunction, Response, ResponsesRequest
 from cluster.http.responses_stream import events
-from cluster.http.responses_truncation import truncate
 from cluster.http.sse import EventStream
-from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 from worker.tool_calls import read_calls
 
@@ -79,13 +77,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             return keep(api.responses, tenant, inputs, answered, earlier)
 
         _background(body, storing)
-        rename = refusal_names(body, origins)
-        if body.truncation == "auto":
-            try:
-                await truncate(api, message, caller, origins, body.max_output_tokens or 1)
-            except ServingError as err:
-                raise HttpError.of(err).renamed(rename) from err
         stream = api.start(message, caller, fill_context=True)
+        rename = refusal_names(body, origins)
         if body.background:
             queued = started.model_copy(update={"status": "queued"})
             reply, written = await api.background.start(
