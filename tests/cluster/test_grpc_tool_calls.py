@@ -4,6 +4,7 @@ OpenAI API returns for the same request; none when no tool may be called."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from cluster.client import Client, text_request
+from cluster.grpc_tool_calls import with_tool_calls
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER, openai_client, served
@@ -96,3 +98,31 @@ def test_no_calls_are_read_when_none_may_be_made(cluster: LocalCluster) -> None:
         for last, _ in last_messages(cluster, request).values():
             assert not last.tool_calls
     cluster.wait_idle()
+
+
+def test_calls_are_read_per_sample_from_the_answer_only() -> None:
+    """Made-up streams of two interleaved samples: each last message carries its own sample's
+    calls; a call inside a thinking model's reasoning is not one; none with tool_choice
+    "none" or without tools."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    parts = [
+        (0, "<think>maybe " + call, False),
+        (1, "Sure. ", False),
+        (0, " no.</think>Fine.", True),
+        (1, call, True),
+    ]
+
+    async def stream() -> Any:
+        for index, text, finished in parts:
+            yield serving_pb2.GenerateResponse(index=index, text=text, finished=finished)
+
+    async def lasts(request: serving_pb2.GenerateRequest) -> dict[int, list[str]]:
+        out = {}
+        async for response in with_tool_calls(request, stream()):
+            if response.finished:
+                out[response.index] = [c.name for c in response.tool_calls]
+        return out
+
+    assert asyncio.run(lasts(asking("auto"))) == {0: [], 1: ["get_time"]}
+    assert asyncio.run(lasts(asking("none"))) == {0: [], 1: []}
+    assert asyncio.run(lasts(text_request(chat=[("user", QUESTION)]))) == {0: [], 1: []}
