@@ -49,6 +49,8 @@ class StoredResponse:
     """The sum of `conversation`'s lengths (grown turn by turn, never summed whole)."""
     status: str = "completed"
     """The response's status: a follow-up of one "queued" or "in_progress" is refused."""
+    background: bool = False
+    """A background response's (only one can be cancelled, or its events followed)."""
 
     @property
     def size(self) -> int:

@@ -151,10 +151,8 @@ async def _generate(
     keep: Keep,
     written: EventLog,
 ) -> None:
-    """Run the generation, its events into `written` (the response stored by `events`)."""
-    try:
-        async with contextlib.aclosing(events(queued, None, stream, tools, keep, rename)) as out:
-            async for chunk in out:
-                written.append(chunk)
-    finally:
-        written.close()
+    """Run the generation, its events into `written` (the response stored by `events`; the
+    log closed by the task's done-callback, however it ends)."""
+    async with contextlib.aclosing(events(queued, None, stream, tools, keep, rename)) as out:
+        async for chunk in out:
+            written.append(chunk)

@@ -92,6 +92,7 @@ def keep(
         conversation_bytes=(earlier.conversation_bytes if earlier is not None else 0)
         + sum(map(len, inputs + outputs)),
         status=response.status,
+        background=response.background,
     )
     if store.put(tenant, response.id, kept):
         return response

@@ -36,8 +36,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         if request.query_params.get("stream", "false") == "false":
             return HttpResponse(kept.response, media_type="application/json")
         tenant = owner(api.caller(request), api.tenant(request))
-        background = json.loads(kept.response).get("background")  # not an id used again
-        written = api.background.events(tenant, response_id) if background else None
+        # not a foreground response that took an ended background one's id
+        written = api.background.events(tenant, response_id) if kept.background else None
         return _resumed(written, request.query_params)
 
     async def delete(response_id: str, request: Request) -> HttpResponse:
@@ -60,7 +60,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         tenant = owner(api.caller(request), api.tenant(request))
         if not await api.background.cancel(tenant, response_id):
             kept = _stored(response_id, request)
-            if not json.loads(kept.response).get("background"):
+            if not kept.background:
                 raise HttpError.invalid(
                     "response_id", f"{response_id!r} is not a background response"
                 )  # a finished background one is answered as it is: cancelling it again is fine
@@ -114,7 +114,7 @@ def item_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]) -> dict
     if order not in ("asc", "desc"):
         raise HttpError.invalid("order", f"{order!r} is not one of asc, desc")
     raw = query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_PAGE:
         raise HttpError.invalid("limit", f"{raw!r}: a whole number from 1 to {MAX_PAGE}")
     listed = list(items) if order == "asc" else list(reversed(items))
     after = query.get("after")

@@ -219,6 +219,7 @@ def test_input_items_page_as_openai_lists_them(cluster: LocalCluster) -> None:
     for params, param in (
         ({"limit": 0}, "limit"),
         ({"limit": "x"}, "limit"),
+        ({"limit": "²"}, "limit"),  # a digit to str.isdigit, not to int
         ({"order": "up"}, "order"),
         ({"after": "msg_none"}, "after"),
     ):
