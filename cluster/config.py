@@ -31,7 +31,7 @@ from cache import CacheConfig
 from router.policies import POLICIES
 from worker.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from worker.validation import DEFAULT_MAX_PROMPT_CHARS
+from worker.validation import DEFAULT_MAX_PROMPT_CHARS, SCHEDULING_POLICIES
 from worker.weight_quality import (
     AUTO,
     DEFAULT_CHECKPOINT,
@@ -156,6 +156,10 @@ class EngineSection:
     max_prefill_chunk: int = _at_least(512, 1)
     max_model_len: int | None = _at_least(2048, 1)
     max_waiting: int = _at_least(256, 0)
+    scheduling_policy: str = _one_of("fcfs", SCHEDULING_POLICIES)
+    """"fcfs": first come, first served, and a request's priority other than 0 is refused;
+    "priority": each worker admits waiting requests by their priority (lower first, vLLM's
+    meaning) and preempts running ones of a higher value when a lower one needs the room."""
     block_size: int = _at_least(16, 1)
     host_pages: int = _at_least(0, 0)
     """Pages of the host tier: evicted KV moves to CPU memory instead of vanishing, and a later

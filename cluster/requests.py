@@ -83,6 +83,8 @@ class PreparedRequest:
     cache_keys: Keys | None = None
     """An image prompt's cache keys, one per position of `token_ids` (its routing blocks hash
     them); None: a text prompt, whose ids are its keys."""
+    priority: int = 0
+    """The client's scheduling priority, lower first (`limits.priorities` allowed it)."""
 
     @property
     def routing_keys(self) -> Sequence[int]:
@@ -132,6 +134,7 @@ def prepare(
         continue_final_message=message.continue_final_message,
         add_generation_prompt=not message.HasField("add_generation_prompt")
         or message.add_generation_prompt,
+        priority=message.priority,
         **prompt,
     )
     if request.template_variables is not None and request.messages is None:
@@ -164,7 +167,15 @@ def prepare(
         encoder.keep()
         turn = encoder.turn
     return PreparedRequest(
-        request_id, tuple(ids), request.namespace, sampling, turn, adapter, request.images, keys
+        request_id,
+        tuple(ids),
+        request.namespace,
+        sampling,
+        turn,
+        adapter,
+        request.images,
+        keys,
+        request.priority,
     )
 
 

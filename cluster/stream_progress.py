@@ -72,6 +72,7 @@ class StreamProgress:
                     predicted_cached_tokens=predicted_cached_tokens,
                     prompt_block_hashes=prompt_block_hashes,
                     images=p.images,
+                    priority=p.priority,
                 )
             ]
         alone = sampling_to_proto(p.sampling)
@@ -86,6 +87,7 @@ class StreamProgress:
                 resume=resume_to_proto(Resume(index, len(sample.token_ids))),
                 prompt_block_hashes=prompt_block_hashes,
                 images=p.images,
+                priority=p.priority,
             )
             for index, sample in enumerate(self.samples)
             if not sample.finished

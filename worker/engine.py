@@ -127,6 +127,9 @@ class EngineConfig:
     max_model_len: int | None = None
     """Positions per sequence; defaults to the model's max_position_embeddings."""
     max_waiting: int = 1024
+    scheduling_policy: str = "fcfs"
+    """"fcfs", or "priority": requests by their `priority`, lower first, preempting running
+    ones of a lower priority for room (worker/scheduler.py; vLLM's `--scheduling-policy`)."""
     block_size: int = 16
     host_pages: int = 0
     """Pages of the host tier (CPU memory; pinned on CUDA hosts); 0: evicted pages are gone."""
@@ -373,7 +376,12 @@ class Engine:
         )
         self.scheduler = Scheduler(
             self.cache,
-            SchedulerConfig(config.token_budget, config.max_prefill_chunk, config.max_running),
+            SchedulerConfig(
+                config.token_budget,
+                config.max_prefill_chunk,
+                config.max_running,
+                config.scheduling_policy,
+            ),
             self.runner.copy_pages,
             self._from_disk if config.persist_dir is not None else None,
             self.adapters,
@@ -899,7 +907,7 @@ class Engine:
             self.scheduler.hold_slot(sibling, parent.lora_slot)
             sibling.computed, sibling.prefilled = parent.computed, True
             sibling.phase = Phase.RUNNING
-            self.scheduler.running.append(sibling)
+            self.scheduler.add_running(sibling)
             born.append(sibling)
         return born
 

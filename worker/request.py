@@ -61,6 +61,9 @@ class GenerateRequest:
     """A chat's last message is continued (worker/chat_continuation.py), not answered."""
     add_generation_prompt: bool = True
     """Whether a chat's template writes the reply's opening (off when continuing)."""
+    priority: int = 0
+    """Lower is served earlier, under the `priority` scheduling policy (vLLM's); any other
+    value than 0 is refused under `fcfs` (worker/scheduler.py)."""
 
     @property
     def generated_before(self) -> int:

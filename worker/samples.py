@@ -131,6 +131,8 @@ class RequestState:
     """Of those, the positions read back from the disk tier for it."""
     admitted: bool = False
     forked: bool = False
+    queue_order: int = -1
+    """When it was first queued, among all requests (the scheduler sets it; -1: not yet)."""
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
     """The prompt's logprobs so far (`SamplingParams.prompt_logprobs`), of its tokens 1, 2, ..."""
     stops: StopStrings = field(init=False)

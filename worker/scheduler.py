@@ -14,21 +14,36 @@ eviction) and allocates the whole prompt's pages, so a prefill is never preempte
 its own pages. A running sample that cannot grow by the pages it needs preempts the youngest
 running sample (possibly itself): its computed KV goes to the cache, its pages are freed, and it
 waits at the head of the queue to resume, mostly from the cache.
+
+With `policy="priority"` (vLLM's `--scheduling-policy priority`) every sample has a key,
+(request priority, the order its request was first queued, sample index), lower first:
+
+    step budget (tokens): [ running and waiting merged by key: a running sample computes its
+                            chunk, a waiting one is admitted, preempting running samples of a
+                            strictly lower priority (higher value) when it has no room        ]
+
+Both queues stay sorted by key, so the sample a page shortage preempts is the last running
+one: the lowest priority, and of those the youngest. A preempted sample waits at its key's
+place, not at the head. Samples of one priority keep FCFS's order and never preempt each
+other to be admitted.
 """
 
 from __future__ import annotations
 
 import logging
+from bisect import insort
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
+from itertools import count
 
 from cache import OutOfPages, OutOfSlots, SequenceCache
 from cache.sequences import PageCopy
 from cache.tiers import QueuedCopy
 from worker.lora_slots import AdapterSlots
 from worker.samples import Phase, SampleState
+from worker.validation import SCHEDULING_POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +67,24 @@ class SchedulerConfig:
     max_prefill_chunk: int = 512
     """The longest piece of one sample's prompt in one step."""
     max_running: int = 64
+    policy: str = "fcfs"
+    """"fcfs": first come, first served, every request's priority 0; "priority": by each
+    request's priority, lower first (module docstring)."""
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_prefill_chunk", "max_running"):
             if getattr(self, name) < 1:  # 0 would schedule nothing, forever
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}"
+            )
+
+
+def priority_key(sample: SampleState) -> tuple[int, int, int]:
+    """Where a sample stands under the priority policy: lower first."""
+    state = sample.request
+    return state.request.priority, state.queue_order, sample.index
 
 
 class Scheduler:
@@ -76,7 +104,9 @@ class Scheduler:
         puts in the cache what was read; False while its read is in flight, None when no read
         may begin now."""
         self.adapters = adapters
-        self.waiting: deque[SampleState] = deque()
+        self.by_priority = config.policy == "priority"
+        self._arrivals = count()
+        self.waiting: deque[SampleState] | list[SampleState] = [] if self.by_priority else deque()
         self.running: list[SampleState] = []
         self.refused: list[SampleState] = []
         self.swap_failures: dict[str, str] = {}
@@ -89,11 +119,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def enqueue(self, sample: SampleState, front: bool = False) -> None:
+        """Queue a sample: at the back, or `front` (preempted); by its key under the priority
+        policy (which places a preempted sample by its old arrival)."""
         sample.phase = Phase.WAITING
-        if front:
-            self.waiting.appendleft(sample)
+        if sample.request.queue_order < 0:
+            sample.request.queue_order = next(self._arrivals)
+        if self.by_priority:
+            insort(self.waiting, sample, key=priority_key)
+        elif front:
+            self.waiting.appendleft(sample)  # type: ignore[union-attr]
         else:
             self.waiting.append(sample)
+
+    def add_running(self, sample: SampleState) -> None:
+        """A sample now running (admitted, or forked from a running one)."""
+        if self.by_priority:
+            insort(self.running, sample, key=priority_key)
+        else:
+            self.running.append(sample)
 
     def remove(self, sample: SampleState) -> None:
         """Take a sample out of the queues (its sequence, if any, is the caller's to end)."""
@@ -105,6 +148,8 @@ class Scheduler:
     def schedule(self, skip: Collection[SampleState] = ()) -> list[tuple[SampleState, int]]:
         """The (sample, tokens to compute) of the next step, in a stable order. Running samples
         in `skip` (waiting for their images' encoder) sit the step out: no budget, no pages."""
+        if self.by_priority:
+            return self._schedule_by_priority(skip)
         budget, plan = self.config.token_budget, []
         i = 0
         while i < len(self.running) and budget > 0:
@@ -138,11 +183,66 @@ class Scheduler:
                 at += 1
                 continue
             del self.waiting[at]
-            self.running.append(sample)
+            self.add_running(sample)
             take = min(sample.pending, budget, self.config.max_prefill_chunk)
             plan.append((sample, take))
             budget -= take
         return plan
+
+    def _schedule_by_priority(self, skip: Collection[SampleState]) -> list[tuple[SampleState, int]]:
+        """`schedule` under the priority policy: running and waiting samples merged by key.
+        Every sample visited has a lower key than any preemption victim (the last running
+        sample, the highest key), so nothing planned is ever preempted, and a victim is queued
+        behind the waiting sample being visited."""
+        budget, plan = self.config.token_budget, []
+        i = at = 0
+        blocked = slots_busy = False
+        while budget > 0:
+            running = self.running[i] if i < len(self.running) else None
+            waiting = None if blocked or at >= len(self.waiting) else self.waiting[at]
+            if waiting is not None and (
+                running is None or priority_key(waiting) < priority_key(running)
+            ):
+                if slots_busy and waiting.request.adapter is not None:
+                    admission = Admission.NO_ADAPTER_SLOT  # its turn for a slot comes first
+                else:
+                    admission = self._admit_over_lower(waiting)
+                if admission is not Admission.ADMITTED:
+                    blocked = admission is Admission.NO_ROOM  # nothing behind it passes
+                    at += not blocked
+                    slots_busy = slots_busy or admission is Admission.NO_ADAPTER_SLOT
+                    if admission is Admission.REFUSED:  # stays queued until the engine ends it
+                        self.refused.append(waiting)
+                    continue
+                del self.waiting[at]
+                self.add_running(waiting)  # at i: every running sample before it is lower
+                sample, take = waiting, min(waiting.pending, budget, self.config.max_prefill_chunk)
+            elif running is None:
+                break
+            elif running in skip:
+                i += 1
+                continue
+            else:
+                sample, take = running, min(running.pending, budget, self.config.max_prefill_chunk)
+                if not self._make_room(sample, sample.computed + take):
+                    continue  # itself the lowest: preempted, queued behind what was visited
+            plan.append((sample, take))
+            budget -= take
+            i += 1
+        return plan
+
+    def _admit_over_lower(self, sample: SampleState) -> Admission:
+        """Admit `sample`, preempting running samples of a strictly lower priority (the last
+        first) while it has no room or no free running slot."""
+        mine = sample.request.request.priority
+        while True:
+            full = len(self.running) >= self.config.max_running
+            admission = Admission.NO_ROOM if full else self._admit(sample)
+            if admission is not Admission.NO_ROOM:
+                return admission
+            if not self.running or self.running[-1].request.request.priority <= mine:
+                return admission
+            self.preempt(self.running[-1])
 
     def take_refused(self) -> list[SampleState]:
         refused, self.refused = self.refused, []

@@ -79,6 +79,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 resume=resume_from_proto(request),
                 prompt_block_hashes=tuple(request.prompt_block_hashes),
                 images=tuple(request.images),
+                priority=request.priority,
             )
             # decoding and checking images, and compiling a structured output's grammar,
             # never stall the event loop

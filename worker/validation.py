@@ -52,6 +52,11 @@ HEAD_SLACK_TOKENS = 16
 """Cutting a text may split its last word into more tokens than it has whole."""
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""How a worker orders its queue (worker/scheduler.py): first come, first served, or by each
+request's priority."""
+
+
 class LimitSettings(Protocol):
     """The operator's request limits, as the engine's config and the cluster's engine section
     both spell them."""
@@ -64,6 +69,9 @@ class LimitSettings(Protocol):
 
     @property
     def max_prompt_chars(self) -> int: ...
+
+    @property
+    def scheduling_policy(self) -> str: ...
 
 
 class PromptTokenizer(Protocol):
@@ -97,6 +105,9 @@ class RequestLimits:
     end_token_ids: frozenset[int] = frozenset()
     """The model's end-of-sequence ids, where known (the worker's): `min_tokens` holds them
     back."""
+    priorities: bool = False
+    """Whether a request may carry a priority other than 0 (the "priority" scheduling
+    policy)."""
 
     @classmethod
     def of(
@@ -118,6 +129,7 @@ class RequestLimits:
             image_spec,
             images if images is not None else ImageLimits(),
             frozenset(end_token_ids),
+            settings.scheduling_policy == "priority",
         )
 
 
@@ -398,6 +410,12 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
     ends with tokens already generated: they count against max_tokens, not the prompt."""
     if not prompt:
         raise InvalidRequest("prompt", "is empty")
+    if request.priority and not limits.priorities:
+        raise InvalidRequest(
+            "priority",
+            f"{request.priority}: priority scheduling is off (engine.scheduling_policy is "
+            "fcfs); send 0, or serve with scheduling_policy: priority",
+        )
     generated = _check_resume(request, len(prompt))
     original = len(prompt) - generated
     if original >= limits.max_model_len:  # before the scan below: a huge prompt costs no loop

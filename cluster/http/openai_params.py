@@ -98,6 +98,7 @@ def chat_request(
     message.sampling.separate_reasoning = request.separate_reasoning
     message.namespace.tenant = tenant
     message.text_match = TEXT_MATCH[request.text_match]
+    set_priority(message, request.priority)
     _tools(request, message)
     variables = effort_variables(request.reasoning_effort) | (request.chat_template_kwargs or {})
     if variables or request.chat_template_kwargs is not None:
@@ -252,6 +253,7 @@ def completion_requests(
             message.token_ids.ids.extend(prompt)
         message.namespace.tenant = tenant
         message.text_match = TEXT_MATCH[request.text_match]
+        set_priority(message, request.priority)
         messages.append(message)
     return messages
 
@@ -435,6 +437,14 @@ def _one(kind: str, value: object, where: str) -> serving_pb2.StructuredOutput:
         assert isinstance(value, str)
         setattr(message, kind, value)
     return message
+
+
+def set_priority(message: serving_pb2.GenerateRequest, priority: int | None) -> None:
+    """vLLM's `priority` (lower first), as the int32 the wire carries; whether the workers
+    schedule by it is the router's check."""
+    if priority is not None:
+        _check_range("priority", [priority], _INT32)
+        message.priority = priority
 
 
 def _check_range(name: str, values: list[int], bounds: tuple[int, int]) -> None:

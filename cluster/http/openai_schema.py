@@ -5,7 +5,7 @@ declared one that radixmesh does not implement (tools, audio, ...) is refused un
 no-op value (`REFUSED`, checked in cluster/http/openai_params.py). vLLM's extensions that
 radixmesh implements (top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
 allowed_token_ids, include_stop_str_in_output, skip_special_tokens, structured_outputs and its
-older guided_* fields, prompt_logprobs) are accepted.
+older guided_* fields, prompt_logprobs, priority) are accepted.
 Responses follow OpenAI's schema field for field, so its SDK parses them as it parses OpenAI's.
 """
 
@@ -178,6 +178,9 @@ class GenerationParams(Body):
     `prompt_logprobs` (not with `stream`, as vLLM)."""
     text_match: Literal["exact", "anchored", "off"] | None = None
     """radixmesh: how the prompt's text reuses the router's text index (docs/router.md)."""
+    priority: int | None = None
+    """vLLM's: lower is served earlier (engine.scheduling_policy "priority"; refused unless 0
+    under "fcfs")."""
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | bool | str | None = None

@@ -28,7 +28,13 @@ from fastapi.responses import Response as HttpResponse
 
 from cluster.http import stored_routes
 from cluster.http.errors import HttpError, Renames, renames
-from cluster.http.openai_params import ROLES, effort_variables, refuse_unsupported, wire_tool
+from cluster.http.openai_params import (
+    ROLES,
+    effort_variables,
+    refuse_unsupported,
+    set_priority,
+    wire_tool,
+)
 from cluster.http.openai_responses import collect, served_by
 from cluster.http.response_store import StoredResponse
 from cluster.http.responses_chain import continued, encoded_inputs, keep, owner, stored
@@ -185,6 +191,7 @@ def generate_request(
     if body.parallel_tool_calls is not None:
         message.parallel_tool_calls = body.parallel_tool_calls
     message.namespace.tenant = tenant
+    set_priority(message, body.priority)
     return message, origins
 
 

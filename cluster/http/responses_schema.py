@@ -99,6 +99,8 @@ class ResponsesRequest(Body):
     prompt_cache_key: str | None = None
     """Accepted, as on chat completions: the router routes every prompt to its cache."""
     top_logprobs: Any = None
+    priority: int | None = None
+    """vLLM's: lower is served earlier (engine.scheduling_policy "priority")."""
 
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes", "images")
+    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes", "images", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class WorkerGenerateRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: _serving_pb2.Namespace
@@ -25,7 +26,8 @@ class WorkerGenerateRequest(_message.Message):
     resume: Resume
     prompt_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("sample_index", "generated")
