@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--system", default=None, help="a system message")
             sub.add_argument("--adapter", default="", help="a LoRA adapter's name")
             sub.add_argument(
+                "--priority",
+                type=int32,
+                default=0,
+                help="lower is served earlier (a cluster with scheduling_policy: priority)",
+            )
+            sub.add_argument(
                 "--thinking-budget",
                 type=int32,
                 default=None,
@@ -144,6 +150,7 @@ def generate(args: argparse.Namespace, client: Client) -> int:
         tenant=args.tenant,
         adapter=args.adapter,
         images=images,
+        priority=args.priority,
     )
     try:
         structured = _structured(args)
@@ -239,6 +246,7 @@ def _answer_turn(
             seed=args.seed,
             tenant=args.tenant,
             adapter=args.adapter,
+            priority=args.priority,
         )
         request.sampling.separate_reasoning = True  # the history keeps the answers alone
         _budget(args, request)

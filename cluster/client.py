@@ -87,10 +87,12 @@ def text_request(
     n: int = 1,
     adapter: str = "",
     images: Sequence[bytes] = (),
+    priority: int = 0,
 ) -> serving_pb2.GenerateRequest:
     """`adapter`: a LoRA adapter's name ("": the base model). `images`: image files (PNG, JPEG,
     WebP) for a vision model; in a chat they come before the text of the last user message, in
-    a text they go where its "<image>" placeholders are, in token ids at its image token ids."""
+    a text they go where its "<image>" placeholders are, in token ids at its image token ids.
+    `priority`: lower is served earlier (a cluster serving with scheduling_policy priority)."""
     sampling = serving_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, n=n)
     if seed is not None:
         sampling.seed = seed
@@ -99,6 +101,7 @@ def text_request(
         sampling=sampling,
         namespace=serving_pb2.Namespace(tenant=tenant, adapter=adapter),
         images=images,
+        priority=priority,
     )
     if text is not None:
         request.text = text

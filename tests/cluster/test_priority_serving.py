@@ -1,0 +1,161 @@
+"""A request's priority through the router to its worker (engine.scheduling_policy), driven by
+the `openai` SDK over real HTTP and by radixmesh's gRPC client, on local clusters of one
+tiny-model worker: under "priority" a high-priority request preempts a long low-priority one
+that holds the worker's only running slot, and the low one still streams exactly its answer;
+under "fcfs" a priority other than 0 is refused by name, on both faces."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+
+from cluster.client import Client, text_request
+from cluster.requests import prepare
+from cluster.stream_progress import StreamProgress
+from protos.radixmesh.v1 import serving_pb2
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
+from worker.error_details import refusal_of
+from worker.errors import InvalidRequest
+from worker.loader import LoadedModel
+from worker.validation import RequestLimits
+
+PRIORITY = replace(ENGINE, scheduling_policy="priority", max_running=1)
+LONG: dict[str, Any] = {
+    "model": SERVED_NAME,
+    "messages": [{"role": "user", "content": "Tell a long story."}],
+    "max_tokens": 400,
+    "temperature": 0,
+    "extra_body": {"ignore_eos": True, "priority": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def by_priority(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    cluster = start_cluster(tiny, workers=1, engine=PRIORITY, http=True)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def fcfs(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    cluster = start_cluster(tiny, workers=1, http=True)
+    yield cluster
+    cluster.close()
+
+
+def test_a_high_priority_request_is_served_while_a_long_low_one_waits_then_resumes(
+    by_priority: LocalCluster,
+) -> None:
+    (engine,) = by_priority.engines.values()
+    with openai.OpenAI(
+        base_url=f"{by_priority.http_url}/v1", api_key="none", max_retries=0
+    ) as client:
+        alone = client.chat.completions.create(**LONG)
+        before = engine.stats().preemptions
+        stream = client.chat.completions.create(stream=True, **LONG)
+        pieces = []
+        for chunk in stream:  # the low one is generating: it holds the only running slot
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                break
+        high = client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"priority": -1},
+        )
+        assert high.choices[0].finish_reason in ("stop", "length")
+        assert engine.stats().preemptions == before + 1  # the low one made room for it
+        finish = None
+        for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+    # preempted and resumed, mostly from the cache: the client sees nothing of it
+    assert finish == "length"
+    assert "".join(pieces) == alone.choices[0].message.content
+    by_priority.wait_idle()
+
+
+def test_priority_is_taken_on_completions_responses_and_grpc(by_priority: LocalCluster) -> None:
+    with openai.OpenAI(
+        base_url=f"{by_priority.http_url}/v1", api_key="none", max_retries=0
+    ) as client:
+        text = client.completions.create(
+            model=SERVED_NAME, prompt="Hi", max_tokens=4, extra_body={"priority": 3}
+        )
+        assert text.usage is not None and text.usage.completion_tokens == 4
+        answer = client.responses.create(
+            model=SERVED_NAME, input="Hi", max_output_tokens=4, extra_body={"priority": -7}
+        )
+        assert answer.status in ("completed", "incomplete")
+    request = text_request("Hi", max_tokens=4, priority=2**31 - 1)
+    streamed = list(Client(by_priority.target).generate(request, timeout=60))
+    assert streamed[-1].finished and sum(len(r.token_ids) for r in streamed) == 4
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/responses", {"input": "Hi"}),
+    ],
+)
+def test_a_priority_is_refused_by_name_under_fcfs_and_zero_asks_nothing(
+    fcfs: LocalCluster, path: str, body: dict[str, Any]
+) -> None:
+    url = f"{fcfs.http_url}{path}"
+    refused = httpx.post(url, json={"model": SERVED_NAME, **body, "priority": -1}, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "priority"
+    assert "scheduling_policy" in error["message"] and "fcfs" in error["message"]
+    zero = httpx.post(url, json={"model": SERVED_NAME, **body, "priority": 0}, timeout=60)
+    assert zero.status_code == 200, zero.text
+
+
+@pytest.mark.parametrize(("value", "why"), [(2**31, "out of range"), (True, "integer")])
+def test_a_priority_that_is_no_int32_is_refused_by_name(
+    by_priority: LocalCluster, value: object, why: str
+) -> None:
+    body = {"model": SERVED_NAME, "prompt": "Hi", "max_tokens": 2, "priority": value}
+    refused = httpx.post(f"{by_priority.http_url}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "priority" and why in error["message"]
+
+
+def test_grpc_refuses_a_priority_under_fcfs_with_the_field(fcfs: LocalCluster) -> None:
+    request = text_request("Hi", max_tokens=4, priority=1)
+    with pytest.raises(grpc.RpcError) as err:
+        list(Client(fcfs.target).generate(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refusal_of(err.value)[0] == "priority"
+    assert "scheduling_policy" in (err.value.details() or "")
+
+
+def test_a_priority_goes_with_every_call_a_request_makes_resumed_ones_included() -> None:
+    limits = RequestLimits(vocab_size=100, max_model_len=256, priorities=True)
+    prepared = prepare(
+        text_request(token_ids=[1, 2, 3], n=2, temperature=1, priority=-3), None, limits
+    )
+    progress = StreamProgress(prepared)
+    (first,) = progress.worker_requests(0)
+    assert first.priority == -3
+    progress.record(serving_pb2.GenerateResponse(index=0, token_ids=[5]))  # then its worker dies
+    resumed = progress.worker_requests(0)
+    assert [call.resume.sample_index for call in resumed] == [0, 1]
+    assert [call.priority for call in resumed] == [-3, -3]
+    with pytest.raises(InvalidRequest) as refused:
+        prepare(
+            text_request(token_ids=[1, 2, 3], priority=1), None, replace(limits, priorities=False)
+        )
+    assert refused.value.field == "priority"
