@@ -1,4 +1,5 @@
-"""Which tokens the next step computes: running samples first, then admissions, in a budget.
+"""Which tokens the next step computes, in a budget. Under the default policy, FCFS, running
+samples first, then admissions:
 
     step budget (tokens): [ running, oldest first: 1 token each decoding, a chunk if prefilling ]
                           [ waiting, FIFO: admitted while slots, pages and budget allow       ]

@@ -247,3 +247,20 @@ def test_random_traffic_keeps_priority_order_pages_and_outputs() -> None:
     _random_traffic()
     # preemption happens in most runs, not in every one (the tests above make it on purpose)
     assert SEEN["runs"] >= 40 and SEEN["preemptions"] > 0, SEEN
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_nothing_passes_a_request_that_waits_for_room(policy: str) -> None:
+    """Within a priority, as under FCFS: a small request behind one too large for the pages
+    left waits its turn, even though it would fit."""
+    engine, recorder = _engine(policy, num_pages=14, max_running=3)  # 13 pages of 4
+    engine.submit(_request("running", 0, list(range(3, 23)), 16), recorder.outputs.append)
+    engine.step()
+    engine.submit(_request("large", 0, list(range(40, 76)), 4), recorder.outputs.append)
+    engine.submit(_request("small", 0, [90, 91, 92], 4), recorder.outputs.append)
+    engine.step()
+    assert [s.request.request_id for s in engine.scheduler.running] == ["running"]
+    assert [s.request.request_id for s in engine.scheduler.waiting] == ["large", "small"]
+    drain(engine)
+    assert _first_token_order(recorder) == ["running", "large", "small"]
+    check_sequence_cache(engine.cache)
