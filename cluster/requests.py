@@ -117,6 +117,7 @@ def prepare(
     fields = _image_fields(message, limits, image_fields)
     adapter = message.namespace.adapter or None
     adapter_identity(adapter, adapters)  # refused before any tokenising
+    validation.check_priority(message.priority, limits)
     tenant = message.namespace.tenant
     if len(tenant) > MAX_TENANT_CHARS:
         raise InvalidRequest("namespace.tenant", f"at most {MAX_TENANT_CHARS} characters")

@@ -234,11 +234,13 @@ class Scheduler:
 
     def _admit_over_lower(self, sample: SampleState) -> Admission:
         """Admit `sample`, preempting running samples of a strictly lower priority (the last
-        first) while it has no room or no free running slot."""
+        first) while it has no room or no free running slot; never while it waits for anything
+        else (its disk read, an adapter slot), which a preemption would not bring. One that
+        still has no room once every lower sample is preempted holds them back until it
+        starts, as FCFS holds back whatever queues behind a request waiting for room."""
         mine = sample.request.request.priority
         while True:
-            full = len(self.running) >= self.config.max_running
-            admission = Admission.NO_ROOM if full else self._admit(sample)
+            admission = self._admit(sample, full=len(self.running) >= self.config.max_running)
             if admission is not Admission.NO_ROOM:
                 return admission
             if not self.running or self.running[-1].request.request.priority <= mine:
@@ -285,19 +287,17 @@ class Scheduler:
             self.adapters.unpin(sample.lora_slot)
         sample.lora_slot = -1
 
-    def _admit(self, sample: SampleState) -> Admission:
+    def _admit(self, sample: SampleState, full: bool = False) -> Admission:
+        """`full`: every running slot is taken (NO_ROOM once nothing else holds it back)."""
         if sample.disk_read is not None and not sample.disk_read.done():
             return Admission.READING  # before its adapter takes a slot it cannot use yet
         slot = self._adapter_slot(sample)
         if isinstance(slot, Admission):
             return slot
         request = sample.request.request
-        if self.from_disk is not None:
-            ready = self.from_disk(sample)
-            if ready is None:
-                return Admission.NO_ROOM
-            if not ready:
-                return Admission.READING
+        ready = None if full else True if self.from_disk is None else self.from_disk(sample)
+        if not ready:  # no running slot, or no read may begin now; or its read is in flight
+            return Admission.NO_ROOM if ready is None else Admission.READING
         try:
             seq = self.cache.start_keys(
                 sample.cache_keys(),

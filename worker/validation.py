@@ -405,17 +405,22 @@ def _check_chars(name: str, chars: int, limits: RequestLimits) -> None:
         )
 
 
+def check_priority(priority: int, limits: RequestLimits) -> None:
+    """A priority other than 0 needs the priority scheduling policy."""
+    if priority and not limits.priorities:
+        raise InvalidRequest(
+            "priority",
+            f"{priority}: priority scheduling is off (engine.scheduling_policy is fcfs); send "
+            "0, or serve with scheduling_policy: priority",
+        )
+
+
 def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLimits) -> None:
     """The prompt and the sampling parameters fit the model. For a resumed sample the prompt
     ends with tokens already generated: they count against max_tokens, not the prompt."""
     if not prompt:
         raise InvalidRequest("prompt", "is empty")
-    if request.priority and not limits.priorities:
-        raise InvalidRequest(
-            "priority",
-            f"{request.priority}: priority scheduling is off (engine.scheduling_policy is "
-            "fcfs); send 0, or serve with scheduling_policy: priority",
-        )
+    check_priority(request.priority, limits)
     generated = _check_resume(request, len(prompt))
     original = len(prompt) - generated
     if original >= limits.max_model_len:  # before the scan below: a huge prompt costs no loop

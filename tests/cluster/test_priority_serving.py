@@ -6,7 +6,10 @@ under "fcfs" a priority other than 0 is refused by name, on both faces."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -64,13 +67,25 @@ def test_a_high_priority_request_is_served_while_a_long_low_one_waits_then_resum
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
                 break
-        high = client.chat.completions.create(
-            model=SERVED_NAME,
-            messages=[{"role": "user", "content": "Name a colour."}],
-            max_tokens=8,
-            temperature=0,
-            extra_body={"priority": -1},
-        )
+        # hold the engine between two steps until the high one has reached it, so that the
+        # low one is surely still running when it is scheduled, however fast this machine is
+        gate = threading.Event()
+        engine.call(lambda: gate.wait(60))
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(
+                client.chat.completions.create,
+                model=SERVED_NAME,
+                messages=[{"role": "user", "content": "Name a colour."}],
+                max_tokens=8,
+                temperature=0,
+                extra_body={"priority": -1},
+                extra_headers={"X-Request-Id": "high-1"},
+            )
+            deadline = time.monotonic() + 30
+            while "high-1" not in engine._active_ids and time.monotonic() < deadline:
+                time.sleep(0.005)
+            gate.set()
+            high = asked.result(timeout=60)
         assert high.choices[0].finish_reason in ("stop", "length")
         assert engine.stats().preemptions == before + 1  # the low one made room for it
         finish = None
@@ -154,8 +169,17 @@ def test_a_priority_goes_with_every_call_a_request_makes_resumed_ones_included()
     resumed = progress.worker_requests(0)
     assert [call.resume.sample_index for call in resumed] == [0, 1]
     assert [call.priority for call in resumed] == [-3, -3]
-    with pytest.raises(InvalidRequest) as refused:
-        prepare(
-            text_request(token_ids=[1, 2, 3], priority=1), None, replace(limits, priorities=False)
-        )
+    fcfs = replace(limits, priorities=False)
+    with pytest.raises(InvalidRequest) as refused:  # before any tokenising
+        prepare(text_request("a text never tokenised", priority=1), Untouchable(), fcfs)
     assert refused.value.field == "priority"
+
+
+class Untouchable:
+    """A tokenizer that fails the test if it is asked anything."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise AssertionError("a refused priority must be refused before any tokenising")
+
+    def apply_chat_template(self, messages: list[dict[str, object]]) -> str:
+        raise AssertionError("a refused priority must be refused before any tokenising")

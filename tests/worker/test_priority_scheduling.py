@@ -7,16 +7,28 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache.integrity import check_sequence_cache
-from tests.worker.helpers import LLAMA, Recorder, drain
+from tests.worker.helpers import LLAMA, Recorder, drain, greedy
+from tests.worker.test_disk_reads import (
+    PROMPT,
+    SAVED,
+    cold_answer,
+    drained,
+    gate_reads,
+    reading,
+    saved_and_cleared,
+)
+from tests.worker.test_kv_persistence import TURNS
 from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
-from worker.request import GenerateRequest
+from worker.request import GenerateRequest, RequestOutput
 from worker.samples import Phase, SampleState
 from worker.sampling_params import SamplingParams
 from worker.tiny_model import tiny_model
@@ -263,4 +275,32 @@ def test_nothing_passes_a_request_that_waits_for_room(policy: str) -> None:
     assert [s.request.request_id for s in engine.scheduler.waiting] == ["large", "small"]
     drain(engine)
     assert _first_token_order(recorder) == ["running", "large", "small"]
+    check_sequence_cache(engine.cache)
+
+
+def test_a_high_priority_request_reading_from_disk_preempts_no_more_than_to_begin_its_read(
+    tmp_path: Path,
+) -> None:
+    """Its read needs a running slot's worth of room to begin (one preemption); while the read
+    is in flight it waits, and the low one it displaced runs again: preempting it each step
+    would bring the read no sooner."""
+    engine = saved_and_cleared(tmp_path, scheduling_policy="priority", max_running=1)
+    assert engine.store is not None
+    gate, _ = gate_reads(engine.store)
+    decoding: list[int] = []
+    low = replace(greedy("low", TURNS[2][::-1], 24), priority=1)
+    engine.submit(low, lambda o: decoding.extend(o.token_ids))
+    engine.step()
+    outputs: list[RequestOutput] = []
+    engine.submit(greedy("hit", PROMPT, 6), outputs.append)
+    before = len(decoding)
+    for _ in range(8):
+        assert engine.step()
+    assert reading(engine), "the high one waits for its read"
+    assert engine.stats().preemptions <= 1
+    assert len(decoding) - before >= 6, "the low one decoded while the read was held"
+    gate.set()
+    final, tokens = drained(engine, outputs)
+    assert final.cached_prompt_tokens == SAVED and len(decoding) == 24
+    assert tokens == cold_answer(PROMPT)[0]
     check_sequence_cache(engine.cache)
