@@ -33,7 +33,7 @@ Item = dict[str, Any]
 """An item of the Responses API, as JSON: a message, reasoning, function_call or its output."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoredResponse:
     """Kept encoded (JSON bytes), so the bound is on what the store holds, not on an estimate
     of Python objects three times their JSON's size."""
@@ -51,6 +51,9 @@ class StoredResponse:
     """The response's status: a follow-up of one "queued" or "in_progress" is refused."""
     background: bool = False
     """A background response's (only one can be cancelled, or its events followed)."""
+    dropped: int = 0
+    """With truncation auto: the turns after the conversation's head its prompt left out
+    (cluster/http/responses_truncation.py); a follow-up starts from the same cut."""
 
     @property
     def size(self) -> int:

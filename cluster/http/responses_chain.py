@@ -78,10 +78,12 @@ def keep(
     inputs: tuple[bytes, ...],
     answered: Response,
     earlier: StoredResponse | None,
+    dropped: int = 0,
 ) -> Response:
     """Store the response as `answered` stands (`inputs`: the request's `input_items`, encoded
-    once, so their ids stay the same however often it is stored); the response as stored
-    (`store` false when it is larger than the whole store and was not kept)."""
+    once, so their ids stay the same however often it is stored; `dropped`: the turns its
+    prompt left out, with truncation auto); the response as stored (`store` false when it is
+    larger than the whole store and was not kept)."""
     response = answered.model_copy(update={"store": True})
     outputs = tuple(StoredResponse.encoded(item.model_dump()) for item in response.output)
     before = earlier.conversation if earlier is not None else ()
@@ -93,6 +95,7 @@ def keep(
         + sum(map(len, inputs + outputs)),
         status=response.status,
         background=response.background,
+        dropped=dropped,
     )
     if store.put(tenant, response.id, kept):
         return response

@@ -64,6 +64,7 @@ def shell(body: ResponsesRequest, response_id: str, model: str, store: bool = Fa
         store=store,
         previous_response_id=body.previous_response_id,
         background=bool(body.background),
+        truncation=body.truncation or "disabled",
         seal=ENCRYPTED_CONTENT in (body.include or ()),
     ).model_copy(update={"created_at": int(time.time())})
 

@@ -14,6 +14,8 @@ A response is stored as it ends unless `store: false` (cluster/http/responses_ch
 deleted and cancelled by id in cluster/http/stored_routes.py), and `previous_response_id`
 continues a stored one: its conversation comes before `input`. `background: true` answers at
 once and generates apart from the request (cluster/http/responses_background.py).
+`truncation: "auto"` cuts a conversation the core refuses for its length
+(cluster/http/responses_truncation.py).
 """
 
 from __future__ import annotations
@@ -41,12 +43,15 @@ from cluster.http.responses_chain import continued, encoded_inputs, keep, owner,
 from cluster.http.responses_output import ENCRYPTED_CONTENT, done, shell, unsealed
 from cluster.http.responses_schema import REFUSED, NamedFunction, Response, ResponsesRequest
 from cluster.http.responses_stream import events
+from cluster.http.responses_truncation import Truncation
 from cluster.http.sse import EventStream
 from protos.radixmesh.v1 import serving_pb2
 from worker.tool_calls import read_calls
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
+    from cluster.http.openai_responses import Responses
+    from cluster.serving_call import Caller
 
 TEXT_PARTS = ("input_text", "output_text")
 """The content parts of an input message served (an assistant's earlier turn is output_text)."""
@@ -75,16 +80,18 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         )
 
         inputs = encoded_inputs(body) if storing else ()
+        truncation = truncated(body, message, origins, earlier)
 
         def ended(answered: Response) -> Response:
             """The response as it ends: stored, unless the request said not to."""
             if not storing:
                 return answered
-            return keep(api.responses, tenant, inputs, answered, earlier)
+            dropped = truncation.dropped if truncation is not None else 0
+            return keep(api.responses, tenant, inputs, answered, earlier, dropped)
 
         _background(body, storing)
-        stream = api.start(message, caller, fill_context=True)
         rename = refusal_names(body, origins)
+        stream = served(api, message, caller, truncation)
         if body.background:
             queued = started.model_copy(update={"status": "queued"})
             reply, written = await api.background.start(
@@ -114,6 +121,40 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
 
     app.add_api_route("/v1/responses", responses, methods=["POST"])
     stored_routes.add_routes(app, api)
+
+
+def truncated(
+    body: ResponsesRequest,
+    message: serving_pb2.GenerateRequest,
+    origins: list[str],
+    earlier: StoredResponse | None,
+) -> Truncation | None:
+    """The request's truncation with `truncation: "auto"`, starting from the cut of the
+    response it continues (None: it is never cut)."""
+    if body.truncation != "auto":
+        return None
+    reserve = body.max_output_tokens or 1
+    return Truncation(message, origins, reserve, earlier.dropped if earlier is not None else 0)
+
+
+def served(
+    api: HttpApi,
+    message: serving_pb2.GenerateRequest,
+    caller: Caller,
+    truncation: Truncation | None,
+) -> Responses:
+    """The request's stream; cut and sent again with a truncation, if the core refuses it for its
+    length."""
+    limits = api.service.request_limits()
+    if truncation is None or limits is None:  # no worker: the core says so
+        return api.start(message, caller, fill_context=True)
+
+    async def count(trial: serving_pb2.GenerateRequest) -> int:
+        return len(await api.service.count_prompt(trial, caller))
+
+    return truncation.serve(
+        lambda cut: api.start(cut, caller, fill_context=True), count, limits.max_model_len
+    )
 
 
 def _background(body: ResponsesRequest, storing: bool) -> None:

@@ -89,7 +89,9 @@ class ResponsesRequest(Body):
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
     """"reasoning.encrypted_content" only (cluster/http/responses_output.py)."""
-    truncation: Any = None
+    truncation: Literal["auto", "disabled"] | None = None
+    """"auto": a conversation refused as over the context loses turns from its beginning
+    (cluster/http/responses_truncation.py); else it is refused, never cut."""
     background: bool | None = None
     """Answered at once, `queued`, and generated apart from the request
     (cluster/http/responses_background.py): needs the response stored."""
@@ -109,7 +111,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
         "conversations are not stored; send previous_response_id, or the turns in input",
         (),
     ),
-    "truncation": ("a prompt over the context is refused, never cut", ("disabled",)),
     "max_tool_calls": ("not supported", ()),
     "service_tier": ("there is one tier", ("auto", "default")),
     "prompt": ("stored prompts are not supported", ()),
@@ -212,6 +213,7 @@ class Response(BaseModel):
     store: bool = False
     previous_response_id: str | None = None
     background: bool = False
+    truncation: Literal["auto", "disabled"] = "disabled"
     seal: bool = Field(default=False, exclude=True)
     """radixmesh's, never sent: reasoning items carry `encrypted_content` (the request's
     `include`)."""

@@ -1,0 +1,141 @@
+"""`truncation: "auto"` on the Responses API: a conversation the serving core refuses as over the
+model's context loses turns from its beginning (OpenAI's rule: items dropped from the start of
+the conversation), so a long session continued with `previous_response_id` keeps being served.
+
+    turns:  [ system (instructions) | first turn | dropped ......... | kept ................ ]
+                      the head, always kept        a cut: a user turn, or an assistant turn
+                                                   right after a tool's output
+
+- **Only when refused.** A request is served as it comes; only one the serving core refuses for
+  its length (`context_length_exceeded`, or over `engine.max_prompt_chars`) is counted and cut,
+  so a conversation that fits costs nothing more.
+- **The head stays**: the instructions and the first turn, which in an agent's loop of calls
+  is the task itself. A cut never separates a call from its output: it falls before a user
+  turn, or before an assistant turn that follows a tool's output (the next step of a loop of
+  calls after a single user turn).
+- **With slack.** The cut is the first that leaves the prompt within three quarters of the
+  room (the context less `max_output_tokens`, or one token), found by bisection over counted
+  prompts; failing that, the first that fits the room at all. The response keeps its cut in the
+  store, and a follow-up starts from it: the next turns' prompts begin as this one did, so they
+  hit the cache it left, until the conversation outgrows the room again and the cut moves on
+  by a quarter of it. Cutting only what is needed each time would change the prompt's start,
+  and miss the cache, on every turn.
+- Nothing fits (the head and the last turn alone are over it): the original refusal stands.
+
+The stored conversation keeps every item: only what the model reads is cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from cluster.serving_call import ServingError
+from protos.radixmesh.v1 import serving_pb2
+from worker.errors import ContextOverflow, PromptTooLarge
+
+if TYPE_CHECKING:
+    from cluster.http.openai_responses import Responses
+
+KEPT_ROLES = ("system", "developer")
+"""The leading turns the head keeps before the first turn."""
+SLACK = 0.75
+"""A new cut leaves the prompt within this fraction of the room."""
+OVER_LENGTH = (ContextOverflow.reason, PromptTooLarge.reason)
+
+
+def cuts(turns: serving_pb2.ChatMessages | list[serving_pb2.ChatMessage]) -> tuple[int, list[int]]:
+    """(head, the turns a conversation may be cut before): `turns[head:cut]` may be dropped."""
+    roles = [turn.role for turn in turns]
+    head = next((i for i, role in enumerate(roles) if role not in KEPT_ROLES), len(roles)) + 1
+    return head, [
+        j
+        for j in range(head + 1, len(roles))
+        if roles[j] == "user" or (roles[j] == "assistant" and roles[j - 1] == "tool")
+    ]
+
+
+class Truncation:
+    """One request's cut: `dropped` turns after the head (0: none), set as it is served."""
+
+    def __init__(
+        self,
+        message: serving_pb2.GenerateRequest,
+        origins: list[str],
+        reserve: int,
+        earlier: int = 0,
+    ) -> None:
+        """`origins`: the field each turn came from, cut with the turns (refusals name them).
+        `reserve`: the tokens the answer needs after the prompt. `earlier`: the cut of the
+        response this one continues, tried first."""
+        self.message, self.origins, self.reserve = message, origins, reserve
+        self.head, self.cuts = cuts(message.chat.messages)
+        self.dropped = 0
+        cut = self.head + earlier
+        if earlier and cut in self.cuts:
+            self._drop(cut)
+
+    def _drop(self, cut: int) -> None:
+        """Drop the turns before `cut` after the head (of the conversation as it came)."""
+        now = self.head + self.dropped  # the turns already dropped are gone from the message
+        del self.message.chat.messages[self.head : self.head + cut - now]
+        del self.origins[self.head : self.head + cut - now]
+        self.dropped = cut - self.head
+
+    async def serve(
+        self,
+        start: Callable[[serving_pb2.GenerateRequest], Responses],
+        count: Callable[[serving_pb2.GenerateRequest], Awaitable[int]],
+        max_model_len: int,
+    ) -> Responses:
+        """The stream of the request, cut again and sent again when the serving core refuses it
+        for its length. `count`: a prompt's tokens (raises ServingError when it cannot even be
+        counted: over the characters the core reads)."""
+        stream = start(self.message)
+        try:
+            first = await anext(stream)
+        except ServingError as err:
+            if err.reason not in OVER_LENGTH:
+                raise
+            cut = await self._cut(count, max_model_len)
+            if cut is None:
+                raise
+            self._drop(cut)
+            stream = start(self.message)
+            first = await anext(stream)
+        yield first
+        async for response in stream:
+            yield response
+
+    async def _cut(
+        self, count: Callable[[serving_pb2.GenerateRequest], Awaitable[int]], max_model_len: int
+    ) -> int | None:
+        """The first cut past the current one that leaves the prompt within SLACK of the room,
+        else the first that fits it; None when none does."""
+        room = max_model_len - self.reserve
+        later = [cut for cut in self.cuts if cut > self.head + self.dropped]
+
+        async def fits(cut: int, within: int) -> bool:
+            trial = serving_pb2.GenerateRequest()
+            trial.CopyFrom(self.message)
+            now = self.head + self.dropped
+            del trial.chat.messages[self.head : self.head + cut - now]
+            try:
+                return await count(trial) <= within
+            except ServingError as err:
+                if err.reason in OVER_LENGTH:
+                    return False
+                raise
+
+        for within in (int(SLACK * room), room):
+            if not later or not await fits(later[-1], within):
+                continue
+            low, high = 0, len(later) - 1  # later[high] fits: the first that does
+            while low < high:
+                middle = (low + high) // 2
+                if await fits(later[middle], within):
+                    high = middle
+                else:
+                    low = middle + 1
+            return later[high]
+        return None

@@ -1,0 +1,194 @@
+"""`truncation: "auto"` on the Responses API, with the `openai` SDK over real HTTP on loopback
+against a local cluster of two tiny-model workers (a 1,024-token context, a byte-level
+vocabulary, so a turn's characters are about its tokens): a chain continued past the context is
+cut with slack and answered exactly as the conversation without the dropped turns is; its
+follow-up starts from the same cut and hits the cache the cut prompt left; an agent's single
+task with a loop of calls past the context keeps the task and drops whole calls with their
+outputs; what fits is never cut; and a conversation nothing can make fit is refused as
+before."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from cluster.http.responses_truncation import SLACK, cuts
+from protos.radixmesh.v1 import serving_pb2
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.tool_fixtures import openai_client, served
+from worker.loader import LoadedModel
+
+CONTEXT, ANSWER = 1024, 6
+BRIEF: dict[str, Any] = {
+    "model": SERVED_NAME,
+    "instructions": "Be brief.",
+    "max_output_tokens": ANSWER,
+    "temperature": 0,
+}
+TURN = "Tell me about page {} of the radix tree. " + "x" * 160
+"""About 200 tokens with the template's markup: four turns and their answers fit the
+context, five do not; the head and two turns fit three quarters of it, the head and three do
+not."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    yield from served(tiny)
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    yield from openai_client(cluster)
+
+
+def said(turn: int) -> dict[str, Any]:
+    return {"role": "user", "content": TURN.format(turn)}
+
+
+def items(response: Any) -> list[dict[str, Any]]:
+    return [item.model_dump(exclude_none=True) for item in response.output]
+
+
+def test_a_chain_past_the_context_is_cut_with_slack_and_its_follow_up_keeps_the_cut(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    chain: list[Any] = []
+    for turn in range(4):
+        previous = {"previous_response_id": chain[-1].id} if chain else {}
+        chain.append(client.responses.create(input=[said(turn)], **BRIEF, **previous))
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as refused:
+        client.responses.create(input=[said(4)], previous_response_id=chain[-1].id, **BRIEF)
+    assert refused.value.code == "context_length_exceeded"
+    cut = client.responses.create(
+        input=[said(4)], previous_response_id=chain[-1].id, truncation="auto", **BRIEF
+    )
+    assert cut.truncation == "auto" and cut.usage is not None
+    # kept: the instructions and the first turn (the head), then turn 3 onwards; dropping
+    # less (from turn 2) would be over three quarters of the room
+    kept = [said(0), said(3), *items(chain[3]), said(4)]
+    whole = client.responses.create(input=kept, store=False, **BRIEF)
+    assert whole.usage is not None
+    assert (cut.usage.input_tokens, cut.output_text) == (
+        whole.usage.input_tokens,
+        whole.output_text,
+    )
+    assert cut.usage.input_tokens <= SLACK * (CONTEXT - ANSWER)
+    longer = [said(0), said(2), *items(chain[2]), *kept[1:]]
+    over = client.responses.create(input=longer, store=False, **BRIEF)
+    assert over.usage is not None and over.usage.input_tokens > SLACK * (CONTEXT - ANSWER)
+    listed = client.responses.input_items.list(cut.id)  # the store keeps what was sent
+    assert [i.content[0].text for i in listed] == [TURN.format(4)]  # type: ignore[union-attr]
+
+    follow = client.responses.create(
+        input=[said(5)], previous_response_id=cut.id, truncation="auto", **BRIEF
+    )
+    assert follow.usage is not None
+    again = client.responses.create(input=[*kept, *items(cut), said(5)], store=False, **BRIEF)
+    assert again.usage is not None
+    assert (follow.usage.input_tokens, follow.output_text) == (
+        again.usage.input_tokens,
+        again.output_text,
+    )
+    # it begins as the cut prompt did: that prompt is cached (pages of 4 positions)
+    cached = follow.usage.input_tokens_details.cached_tokens
+    assert cached >= cut.usage.input_tokens - 4
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(input=[said(5)], previous_response_id=cut.id, **BRIEF)
+    cluster.wait_idle()
+
+
+def test_an_agents_task_stays_and_its_oldest_calls_go_with_their_outputs(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    task = {"role": "user", "content": "Find the page. " + "t" * 120}
+    loop: list[dict[str, Any]] = []
+    for step in range(7):
+        call_id = f"call_{step}"
+        loop.append(
+            {"type": "function_call", "call_id": call_id, "name": "read", "arguments": "{}"}
+        )
+        loop.append(
+            {"type": "function_call_output", "call_id": call_id, "output": f"{step} " + "o" * 150}
+        )
+    conversation = [task, *loop]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(input=conversation, store=False, **BRIEF)
+    cut = client.responses.create(input=conversation, store=False, truncation="auto", **BRIEF)
+    assert cut.usage is not None and cut.usage.input_tokens <= SLACK * (CONTEXT - ANSWER)
+    for kept_steps in range(1, 8):  # the cut keeps whole steps: some last calls and outputs
+        whole = client.responses.create(
+            input=[task, *loop[-2 * kept_steps :]], store=False, **BRIEF
+        )
+        assert whole.usage is not None
+        if whole.usage.input_tokens == cut.usage.input_tokens:
+            assert whole.output_text == cut.output_text
+            break
+    else:
+        raise AssertionError("the cut prompt is no task with a run of its last steps")
+    more = client.responses.create(
+        input=[task, *loop[-2 * (kept_steps + 1) :]], store=False, **BRIEF
+    )
+    assert more.usage is not None
+    assert more.usage.input_tokens > SLACK * (CONTEXT - ANSWER)  # the first cut with slack
+    cluster.wait_idle()
+
+
+def test_what_fits_is_never_cut(client: openai.OpenAI) -> None:
+    conversation = [said(0), said(1), said(2)]
+    cut = client.responses.create(input=conversation, store=False, truncation="auto", **BRIEF)
+    whole = client.responses.create(input=conversation, store=False, **BRIEF)
+    assert cut.usage is not None and whole.usage is not None
+    assert cut.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_a_conversation_nothing_makes_fit_is_still_refused(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    for truncation in ("auto", "disabled"):
+        with pytest.raises(openai.BadRequestError, match="maximum context length") as refused:
+            client.responses.create(
+                input=[said(0), said(1), {"role": "user", "content": "y" * 1100}],
+                truncation=truncation,  # type: ignore[arg-type]
+                **BRIEF,
+            )
+        assert refused.value.body["param"] == "input"  # type: ignore[index]
+    cluster.wait_idle()
+
+
+def test_cuts_fall_before_a_user_turn_or_the_step_after_a_tools_output() -> None:
+    roles = ["system", "user", "assistant", "tool", "assistant", "tool", "user", "assistant"]
+    turns = [serving_pb2.ChatMessage(role=role) for role in roles]
+    assert cuts(turns) == (2, [4, 6])
+    assert cuts([serving_pb2.ChatMessage(role="user")]) == (1, [])
+
+
+def test_a_streamed_or_background_response_is_cut_as_a_plain_one(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    conversation = [said(k) for k in range(6)]  # over the context: cut
+    plain = client.responses.create(input=conversation, store=False, truncation="auto", **BRIEF)
+    assert plain.usage is not None
+    events = client.responses.create(
+        input=conversation, stream=True, store=False, truncation="auto", **BRIEF
+    )
+    ends = [e.response for e in events if e.type in ("response.completed", "response.incomplete")]
+    (streamed,) = ends
+    assert streamed.usage is not None and streamed.status in ("completed", "incomplete")
+    assert (streamed.usage.input_tokens, streamed.output_text) == (
+        plain.usage.input_tokens,
+        plain.output_text,
+    )
+    queued = client.responses.create(
+        input=conversation, background=True, truncation="auto", **BRIEF
+    )
+    deadline = time.monotonic() + 60
+    while (ended := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response never ended"
+        time.sleep(0.01)
+    assert ended.status in ("completed", "incomplete") and ended.usage is not None
+    assert ended.usage.input_tokens == plain.usage.input_tokens
+    cluster.wait_idle()
