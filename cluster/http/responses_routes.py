@@ -145,15 +145,16 @@ def served(
 ) -> Responses:
     """The request's stream; cut and sent again with a truncation, if the core refuses it for its
     length."""
+    stream = api.start(message, caller, fill_context=True)  # a draining router: 503 now
     limits = api.service.request_limits()
     if truncation is None or limits is None:  # no worker: the core says so
-        return api.start(message, caller, fill_context=True)
+        return stream
 
     async def count(trial: serving_pb2.GenerateRequest) -> int:
         return len(await api.service.count_prompt(trial, caller))
 
     return truncation.serve(
-        lambda cut: api.start(cut, caller, fill_context=True), count, limits.max_model_len
+        stream, lambda cut: api.start(cut, caller, fill_context=True), count, limits.max_model_len
     )
 
 

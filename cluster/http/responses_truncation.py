@@ -2,17 +2,20 @@
 model's context loses turns from its beginning (OpenAI's rule: items dropped from the start of
 the conversation), so a long session continued with `previous_response_id` keeps being served.
 
-    turns:  [ system (instructions) | first turn | dropped ......... | kept ................ ]
-                      the head, always kept        a cut: a user turn, or an assistant turn
-                                                   right after a tool's output
+    turns:  [ system | first exchange | dropped ........... | kept .................. ]
+              the head, always kept         a cut: a user turn, or an assistant turn
+                                            right after a tool's output
 
 - **Only when refused.** A request is served as it comes; only one the serving core refuses for
   its length (`context_length_exceeded`, or over `engine.max_prompt_chars`) is counted and cut,
   so a conversation that fits costs nothing more.
-- **The head stays**: the instructions and the first turn, which in an agent's loop of calls
-  is the task itself. A cut never separates a call from its output: it falls before a user
-  turn, or before an assistant turn that follows a tool's output (the next step of a loop of
-  calls after a single user turn).
+- **The head stays**: the instructions and the first exchange, up to the first place a cut
+  could fall: the first turn and its answer, or an agent's task with its first call and that
+  call's output. A cut falls before a user turn, or before an assistant turn that follows a
+  tool's output (the next step of a loop of calls after a single user turn), so it never parts
+  a call from its output, and what is kept still alternates as the head did (templates that
+  insist on alternating turns accept it). A cut the core refuses for another reason than
+  length (a template's) counts as one that does not fit.
 - **With slack.** The cut is the first that leaves the prompt within three quarters of the
   room (the context less `max_output_tokens`, or one token), found by bisection over counted
   prompts; failing that, the first that fits the room at all. The response keeps its cut in the
@@ -21,14 +24,18 @@ the conversation), so a long session continued with `previous_response_id` keeps
   by a quarter of it. Cutting only what is needed each time would change the prompt's start,
   and miss the cache, on every turn.
 - Nothing fits (the head and the last turn alone are over it): the original refusal stands.
+- A follow-up of a cut response starts from the cut even if its whole conversation would fit:
+  that is the prompt the cache holds.
 
 The stored conversation keeps every item: only what the model reads is cut.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
+
+import grpc
 
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
@@ -44,15 +51,18 @@ SLACK = 0.75
 OVER_LENGTH = (ContextOverflow.reason, PromptTooLarge.reason)
 
 
-def cuts(turns: serving_pb2.ChatMessages | list[serving_pb2.ChatMessage]) -> tuple[int, list[int]]:
-    """(head, the turns a conversation may be cut before): `turns[head:cut]` may be dropped."""
+def cuts(turns: Sequence[serving_pb2.ChatMessage]) -> tuple[int, list[int]]:
+    """(head, the turns a conversation may be cut before): `turns[head:cut]` may be dropped.
+    The head runs to the first place a cut could fall after the first turn that is not a
+    system one."""
     roles = [turn.role for turn in turns]
-    head = next((i for i, role in enumerate(roles) if role not in KEPT_ROLES), len(roles)) + 1
-    return head, [
+    first = next((i for i, role in enumerate(roles) if role not in KEPT_ROLES), len(roles))
+    points = [
         j
-        for j in range(head + 1, len(roles))
+        for j in range(first + 1, len(roles))
         if roles[j] == "user" or (roles[j] == "assistant" and roles[j - 1] == "tool")
     ]
+    return (points[0], points[1:]) if points else (len(roles), [])
 
 
 class Truncation:
@@ -84,28 +94,32 @@ class Truncation:
 
     async def serve(
         self,
+        stream: Responses,
         start: Callable[[serving_pb2.GenerateRequest], Responses],
         count: Callable[[serving_pb2.GenerateRequest], Awaitable[int]],
         max_model_len: int,
     ) -> Responses:
-        """The stream of the request, cut again and sent again when the serving core refuses it
-        for its length. `count`: a prompt's tokens (raises ServingError when it cannot even be
-        counted: over the characters the core reads)."""
-        stream = start(self.message)
+        """`stream`, the request's, as it is; cut and sent again (`start`) when the serving core
+        refuses it for its length. `count`: a prompt's tokens (raises ServingError when it
+        cannot even be counted: over the characters the core reads). The stream served is
+        closed with this one, so its worker call ends with the client's."""
         try:
-            first = await anext(stream)
-        except ServingError as err:
-            if err.reason not in OVER_LENGTH:
-                raise
-            cut = await self._cut(count, max_model_len)
-            if cut is None:
-                raise
-            self._drop(cut)
-            stream = start(self.message)
-            first = await anext(stream)
-        yield first
-        async for response in stream:
-            yield response
+            try:
+                first = await anext(stream)
+            except ServingError as err:
+                if err.reason not in OVER_LENGTH:
+                    raise
+                cut = await self._cut(count, max_model_len)
+                if cut is None:
+                    raise
+                self._drop(cut)
+                stream = start(self.message)
+                first = await anext(stream)
+            yield first
+            async for response in stream:
+                yield response
+        finally:
+            await stream.aclose()
 
     async def _cut(
         self, count: Callable[[serving_pb2.GenerateRequest], Awaitable[int]], max_model_len: int
@@ -114,18 +128,22 @@ class Truncation:
         else the first that fits it; None when none does."""
         room = max_model_len - self.reserve
         later = [cut for cut in self.cuts if cut > self.head + self.dropped]
+        counted: dict[int, int | None] = {}  # cut -> its prompt's tokens (None: refused)
 
         async def fits(cut: int, within: int) -> bool:
-            trial = serving_pb2.GenerateRequest()
-            trial.CopyFrom(self.message)
-            now = self.head + self.dropped
-            del trial.chat.messages[self.head : self.head + cut - now]
-            try:
-                return await count(trial) <= within
-            except ServingError as err:
-                if err.reason in OVER_LENGTH:
-                    return False
-                raise
+            if cut not in counted:
+                trial = serving_pb2.GenerateRequest()
+                trial.CopyFrom(self.message)
+                now = self.head + self.dropped
+                del trial.chat.messages[self.head : self.head + cut - now]
+                try:
+                    counted[cut] = await count(trial)
+                except ServingError as err:  # too long to count, or a template's refusal
+                    if err.code != grpc.StatusCode.INVALID_ARGUMENT:
+                        raise
+                    counted[cut] = None
+            tokens = counted[cut]
+            return tokens is not None and tokens <= within
 
         for within in (int(SLACK * room), room):
             if not later or not await fits(later[-1], within):

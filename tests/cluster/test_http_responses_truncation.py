@@ -9,14 +9,19 @@ before."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
+import httpx2 as httpx
 import openai
 import pytest
 
-from cluster.http.responses_truncation import SLACK, cuts
+from cluster.http.responses_truncation import SLACK, Truncation, cuts
+from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from tests.cluster.tool_fixtures import openai_client, served
@@ -67,9 +72,10 @@ def test_a_chain_past_the_context_is_cut_with_slack_and_its_follow_up_keeps_the_
         input=[said(4)], previous_response_id=chain[-1].id, truncation="auto", **BRIEF
     )
     assert cut.truncation == "auto" and cut.usage is not None
-    # kept: the instructions and the first turn (the head), then turn 3 onwards; dropping
+    # kept: the instructions and the first exchange (the head), then turn 3 onwards; dropping
     # less (from turn 2) would be over three quarters of the room
-    kept = [said(0), said(3), *items(chain[3]), said(4)]
+    head = [said(0), *items(chain[0])]
+    kept = [*head, said(3), *items(chain[3]), said(4)]
     whole = client.responses.create(input=kept, store=False, **BRIEF)
     assert whole.usage is not None
     assert (cut.usage.input_tokens, cut.output_text) == (
@@ -77,7 +83,7 @@ def test_a_chain_past_the_context_is_cut_with_slack_and_its_follow_up_keeps_the_
         whole.output_text,
     )
     assert cut.usage.input_tokens <= SLACK * (CONTEXT - ANSWER)
-    longer = [said(0), said(2), *items(chain[2]), *kept[1:]]
+    longer = [*head, said(2), *items(chain[2]), *kept[len(head) :]]
     over = client.responses.create(input=longer, store=False, **BRIEF)
     assert over.usage is not None and over.usage.input_tokens > SLACK * (CONTEXT - ANSWER)
     listed = client.responses.input_items.list(cut.id)  # the store keeps what was sent
@@ -98,6 +104,17 @@ def test_a_chain_past_the_context_is_cut_with_slack_and_its_follow_up_keeps_the_
     assert cached >= cut.usage.input_tokens - 4
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.responses.create(input=[said(5)], previous_response_id=cut.id, **BRIEF)
+    # without the instructions the head is one turn shorter, and the cut the same turns
+    bare = {key: value for key, value in BRIEF.items() if key != "instructions"}
+    plain = client.responses.create(
+        input=[said(5)], previous_response_id=cut.id, truncation="auto", **bare
+    )
+    sent = client.responses.create(input=[*kept, *items(cut), said(5)], store=False, **bare)
+    assert plain.usage is not None and sent.usage is not None
+    assert (plain.usage.input_tokens, plain.output_text) == (
+        sent.usage.input_tokens,
+        sent.output_text,
+    )
     cluster.wait_idle()
 
 
@@ -119,9 +136,10 @@ def test_an_agents_task_stays_and_its_oldest_calls_go_with_their_outputs(
         client.responses.create(input=conversation, store=False, **BRIEF)
     cut = client.responses.create(input=conversation, store=False, truncation="auto", **BRIEF)
     assert cut.usage is not None and cut.usage.input_tokens <= SLACK * (CONTEXT - ANSWER)
-    for kept_steps in range(1, 8):  # the cut keeps whole steps: some last calls and outputs
+    head = [task, *loop[:2]]  # the task, its first call and that call's output
+    for kept_steps in range(1, 7):  # the cut keeps whole steps: some last calls and outputs
         whole = client.responses.create(
-            input=[task, *loop[-2 * kept_steps :]], store=False, **BRIEF
+            input=[*head, *loop[-2 * kept_steps :]], store=False, **BRIEF
         )
         assert whole.usage is not None
         if whole.usage.input_tokens == cut.usage.input_tokens:
@@ -130,7 +148,7 @@ def test_an_agents_task_stays_and_its_oldest_calls_go_with_their_outputs(
     else:
         raise AssertionError("the cut prompt is no task with a run of its last steps")
     more = client.responses.create(
-        input=[task, *loop[-2 * (kept_steps + 1) :]], store=False, **BRIEF
+        input=[*head, *loop[-2 * (kept_steps + 1) :]], store=False, **BRIEF
     )
     assert more.usage is not None
     assert more.usage.input_tokens > SLACK * (CONTEXT - ANSWER)  # the first cut with slack
@@ -160,10 +178,17 @@ def test_a_conversation_nothing_makes_fit_is_still_refused(
 
 
 def test_cuts_fall_before_a_user_turn_or_the_step_after_a_tools_output() -> None:
-    roles = ["system", "user", "assistant", "tool", "assistant", "tool", "user", "assistant"]
-    turns = [serving_pb2.ChatMessage(role=role) for role in roles]
-    assert cuts(turns) == (2, [4, 6])
-    assert cuts([serving_pb2.ChatMessage(role="user")]) == (1, [])
+    def turns(*roles: str) -> list[serving_pb2.ChatMessage]:
+        return [serving_pb2.ChatMessage(role=role) for role in roles]
+
+    # the head runs through the first exchange: the task, its call and the call's output
+    loop = turns("system", "user", "assistant", "tool", "assistant", "tool", "user", "assistant")
+    assert cuts(loop) == (4, [6])
+    chat = turns("user", "assistant", "user", "assistant", "user")
+    assert cuts(chat) == (2, [4])
+    # a conversation that opens with a call keeps the call with its output
+    assert cuts(turns("assistant", "tool", "assistant", "tool", "user")) == (2, [4])
+    assert cuts(turns("user")) == (1, [])
 
 
 def test_a_streamed_or_background_response_is_cut_as_a_plain_one(
@@ -192,3 +217,64 @@ def test_a_streamed_or_background_response_is_cut_as_a_plain_one(
     assert ended.status in ("completed", "incomplete") and ended.usage is not None
     assert ended.usage.input_tokens == plain.usage.input_tokens
     cluster.wait_idle()
+
+
+def test_a_truncated_stream_dropped_mid_way_ends_its_call(
+    cluster: LocalCluster,
+) -> None:
+    conversation = [said(k) for k in range(6)]
+    body = {**BRIEF, "input": conversation, "truncation": "auto", "stream": True}
+    body |= {"max_output_tokens": 200, "store": False}
+    with (
+        httpx.Client(base_url=cluster.http_url, timeout=60) as http,
+        http.stream("POST", "/v1/responses", json=body) as reply,
+    ):
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        while "response.output_text.delta" not in next(lines):
+            pass  # generating: then the client goes away
+    deadline = time.monotonic() + 10
+    while cluster.service.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not cluster.service.in_flight
+    cluster.wait_idle()
+
+
+def _message(*roles: str) -> serving_pb2.GenerateRequest:
+    message = serving_pb2.GenerateRequest()
+    message.chat.messages.extend(
+        serving_pb2.ChatMessage(role=role, content=f"{role} {i}") for i, role in enumerate(roles)
+    )
+    return message
+
+
+async def _counted(
+    refusals: dict[int, grpc.StatusCode], sizes: list[int], trial: serving_pb2.GenerateRequest
+) -> int:
+    """A prompt's tokens by its turns' sizes (turn i's is sizes[i], named by its content), or
+    the refusal given for its turn count."""
+    turns = len(trial.chat.messages)
+    if turns in refusals:
+        raise ServingError(refusals[turns], "messages: refused")
+    return sum(sizes[int(turn.content.split()[1])] for turn in trial.chat.messages)
+
+
+@pytest.mark.parametrize(
+    ("refusals", "expected"),
+    [
+        ({}, 4),  # every cut fits: the first
+        ({8: grpc.StatusCode.INVALID_ARGUMENT}, 6),  # a template refuses the first: the next
+    ],
+)
+def test_a_cut_the_core_refuses_for_another_reason_counts_as_one_that_does_not_fit(
+    refusals: dict[int, grpc.StatusCode], expected: int
+) -> None:
+    chat = ["user", "assistant"] * 5  # head: the first exchange; cuts before turns 4, 6, 8
+    truncation = Truncation(_message(*chat), [f"input[{i}]" for i in range(10)], reserve=0)
+    assert (truncation.head, truncation.cuts) == (2, [4, 6, 8])
+    count = functools.partial(_counted, refusals, [1] * 10)
+    assert asyncio.run(truncation._cut(count, 100)) == expected
+    # anything but a refusal of the request is no answer about the cut: it propagates
+    broken = functools.partial(_counted, {8: grpc.StatusCode.UNAVAILABLE}, [1] * 10)
+    with pytest.raises(ServingError):
+        asyncio.run(truncation._cut(broken, 100))
