@@ -6,26 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
-import pytest
 
 from cluster.client import Client, text_request
 from cluster.grpc_tool_calls import with_tool_calls
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
-from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER, openai_client, served
-from worker.loader import LoadedModel
+from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER
 
 QUESTION = "What is the weather in Oslo?"
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    yield from served(tiny)
 
 
 def asking(choice: str, n: int = 1, temperature: float = 0.0) -> serving_pb2.GenerateRequest:
@@ -50,11 +42,6 @@ def last_messages(cluster: LocalCluster, request: serving_pb2.GenerateRequest) -
         if response.finished:
             last[response.index] = (response, texts[response.index])
     return last
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 def test_the_last_message_carries_the_calls_openai_returns(

@@ -13,19 +13,13 @@ import jsonschema
 import pytest
 
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
-from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER, served
-from worker.loader import LoadedModel
+from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER
 
 MODEL = SERVED_NAME
 TOOLS: list[Any] = [
     {"name": "get_weather", "description": "A forecast", "input_schema": WEATHER},
     {"name": "get_time", "input_schema": TIME},
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    yield from served(tiny)
 
 
 @pytest.fixture

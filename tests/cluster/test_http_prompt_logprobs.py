@@ -14,7 +14,7 @@ import pytest
 
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak, grpc_tokens
-from tests.cluster.tool_fixtures import openai_client, served
+from tests.cluster.tool_fixtures import served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -24,11 +24,6 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
     yield from served(tiny, ENGINE)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 def ids_of(cluster: LocalCluster, text: str) -> list[int]:

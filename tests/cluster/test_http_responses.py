@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import httpx2 as httpx
@@ -24,8 +23,7 @@ from cluster.http import responses_output, responses_stream
 from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
-from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER, openai_client, served
-from worker.loader import LoadedModel
+from tests.cluster.tool_fixtures import SCHEMAS, TIME, WEATHER
 
 MODEL = SERVED_NAME
 TOOLS: list[Any] = [
@@ -38,16 +36,6 @@ QUESTION = "What is the weather in Oslo?"
 class Tier(BaseModel):
     tier: Literal["device", "host", "disk"]
     warm: bool
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    yield from served(tiny)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 def test_a_text_response_has_openais_shape_and_its_cache_hits(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
@@ -21,23 +20,11 @@ from cluster.http.responses_background import BackgroundResponses
 from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
-from tests.cluster.tool_fixtures import openai_client, served
-from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
 GREEDY: dict[str, Any] = {"model": MODEL, "max_output_tokens": 8, "temperature": 0}
 LONG: dict[str, Any] = {**GREEDY, "input": "Tell a long story.", "max_output_tokens": 960}
 """About 1.5 s of generation here: the tests that stop one mid-way have a second to do it."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    yield from served(tiny)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 ENDED = ("completed", "incomplete", "failed", "cancelled")

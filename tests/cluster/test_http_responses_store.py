@@ -25,7 +25,7 @@ from cluster.http.responses_routes import conversation
 from cluster.http.responses_schema import ResponsesRequest
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
-from tests.cluster.tool_fixtures import LONG_CONTEXT, WEATHER, openai_client, served
+from tests.cluster.tool_fixtures import LONG_CONTEXT, WEATHER
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -34,16 +34,6 @@ TOKENS = {"token-acme": "acme", "token-globex": "globex", "token-admin": "*"}
 WEATHER_TOOL: list[Any] = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 SMALL_STORE = 8_000
 """Bytes: room for a few short responses, not for one with all the metadata it may carry."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    yield from served(tiny)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -24,8 +23,6 @@ from cluster.http.responses_truncation import SLACK, Truncation, cuts
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
-from tests.cluster.tool_fixtures import openai_client, served
-from worker.loader import LoadedModel
 
 CONTEXT, ANSWER = 1024, 6
 BRIEF: dict[str, Any] = {
@@ -38,16 +35,6 @@ TURN = "Tell me about page {} of the radix tree. " + "x" * 160
 """About 200 tokens with the template's markup: four turns and their answers fit the
 context, five do not; the head and two turns fit three quarters of it, the head and three do
 not."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    yield from served(tiny)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 def said(turn: int) -> dict[str, Any]:

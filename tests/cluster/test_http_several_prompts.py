@@ -18,7 +18,7 @@ import pytest
 
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak
-from tests.cluster.tool_fixtures import openai_client, served
+from tests.cluster.tool_fixtures import served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -28,11 +28,6 @@ PROMPTS = ["the quick brown fox", "jumps over the lazy dog", "a cache keeps the 
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
     yield from served(tiny, ENGINE)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 ASK: dict[str, Any] = {"max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2}

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Literal
 
 import jsonschema
 import openai
-import pytest
 from pydantic import BaseModel, Field
 
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
-from tests.cluster.tool_fixtures import openai_client, served
-from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
 CHAT = [{"role": "user", "content": "Describe a cache tier as JSON."}]
@@ -37,16 +33,6 @@ class Tier(BaseModel):
     tier: Literal["device", "host", "disk"]
     pages: int = Field(ge=0, le=99)
     label: str = Field(max_length=5)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    yield from served(tiny)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 def test_response_format_json_schema_holds_for_every_choice(

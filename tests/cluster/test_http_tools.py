@@ -6,18 +6,15 @@ random, so every well-formed call in these answers is the constraint's doing."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import httpx2 as httpx
 import jsonschema
 import openai
-import pytest
 from pydantic import BaseModel, Field
 
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
-from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER, openai_client, served
-from worker.loader import LoadedModel
+from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER
 
 MODEL = SERVED_NAME
 TOOLS = [
@@ -34,16 +31,6 @@ class Lookup(BaseModel):
 
     word: Literal["cache", "page", "tree"]
     limit: int = Field(ge=1, le=9)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    yield from served(tiny)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 def assert_valid_calls(calls: list) -> None:  # type: ignore[type-arg]

@@ -15,7 +15,7 @@ import pytest
 
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak
-from tests.cluster.tool_fixtures import openai_client, served
+from tests.cluster.tool_fixtures import served
 from worker.loader import LoadedModel
 
 MODEL = SERVED_NAME
@@ -27,11 +27,6 @@ EOS = 2
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
     yield from served(tiny, ENGINE)
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(cluster)
 
 
 def complete(client: openai.OpenAI, max_tokens: int = 12, **kwargs: Any) -> Any:
