@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -89,8 +90,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         """Loads and unloads LoRA adapters on every worker (the Admin RPCs, the HTTP API)."""
         self.in_flight: dict[str, InFlight] = {}
         """request id -> its tenant and the worker serving it."""
-        self.preparing = 0
-        """Requests being checked and tokenised: they count against max_in_flight already."""
+        self.priorities: Counter[int] = Counter()
+        """The priorities of the calls counted against router.max_in_flight: every call from
+        its check to its end, tokenising included. A call counts those of its priority or a
+        more urgent one, so lower-priority work never turns a more urgent call away."""
         self.text_prompts: TextPrompts | None = None
         """The router's text index (cluster/text_prompts.py), built with the first text prompt."""
         self._text_prompts_failed: object = None
@@ -140,18 +143,34 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         messages, or ServingError. Closing the stream early cancels the worker's call (the
         worker frees the request's pages). `fill_context`, `image_fields`: see
         cluster/requests.py `prepare`."""
-        taken = len(self.in_flight) + self.preparing
+        mine = request.priority
+        taken = sum(n for theirs, n in self.priorities.items() if theirs <= mine)
         if taken >= self.config.max_in_flight:  # refused before any tokenising
+            levels = mine or len(self.priorities) > 1  # priorities in use: say which count
+            urgent = f" at priority {mine} or more urgent" if levels else ""
             raise self._error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{taken} requests in flight, the limit is {self.config.max_in_flight}; "
+                f"{taken} requests in flight{urgent}, the limit is {self.config.max_in_flight}; "
                 "retry later",
             )
-        self.preparing += 1  # held across the tokeniser's thread, where other calls get in
+        self.priorities[mine] += 1  # until the call ends, however it ends
         try:
-            prepared = await self._prepare(request, caller, fill_context, image_fields)
+            async for response in self._admitted(request, caller, fill_context, image_fields):
+                yield response
         finally:
-            self.preparing -= 1
+            self.priorities[mine] -= 1
+            if not self.priorities[mine]:
+                del self.priorities[mine]
+
+    async def _admitted(
+        self,
+        request: serving_pb2.GenerateRequest,
+        caller: Caller,
+        fill_context: bool,
+        image_fields: Sequence[str],
+    ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
+        """`generate` once the request counts against router.max_in_flight."""
+        prepared = await self._prepare(request, caller, fill_context, image_fields)
         if prepared.request_id in self.in_flight:
             raise self._error(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -389,7 +389,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._requests: dict[str, RequestState] = {}
         self._lock = threading.Lock()
-        self._active_ids: set[str] = set()
+        self._active_ids: dict[str, int] = {}  # submitted, not finished -> its priority
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._finished = 0
@@ -455,15 +455,16 @@ class Engine:
                 raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
             # a resumed sample was admitted by the cluster already (its worker died): refusing
             # it for load would end a stream its client has half received
-            if (
-                request.resume is None
-                and len(self._active_ids) >= self.config.max_waiting + self.config.max_running
-            ):
+            taken, most = (
+                self._taken(request.priority),
+                self.config.max_waiting + self.config.max_running,
+            )
+            if request.resume is None and taken >= most:
                 raise EngineOverloaded(
-                    f"{len(self._active_ids)} requests in flight; the engine takes at most "
-                    f"{self.config.max_waiting + self.config.max_running}"
+                    f"{taken} requests in flight{self._of_priority(request.priority)}; the "
+                    f"engine takes at most {most}"
                 )
-            self._active_ids.add(request.request_id)
+            self._active_ids[request.request_id] = request.priority
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
         waits = bool(inside) and request.sampling.separate_reasoning  # the answer is apart
@@ -471,6 +472,17 @@ class Engine:
         self._inbox.put(("add", state))
         self._wake.set()
         return len(prompt)
+
+    def _taken(self, priority: int) -> int:
+        """The requests in flight a request of `priority` counts against the engine's limit:
+        under the priority policy, those of its priority or a higher one (lower first), so a
+        queue full of lower-priority work never turns a higher-priority request away."""
+        if not self.scheduler.by_priority:
+            return len(self._active_ids)
+        return sum(1 for theirs in self._active_ids.values() if theirs <= priority)
+
+    def _of_priority(self, priority: int) -> str:
+        return f" at priority {priority} or more urgent" if self.scheduler.by_priority else ""
 
     def load_adapter(self, name: str, path: str) -> AdapterState:
         """Read the PEFT adapter at `path` (in the caller's thread: file reads never stall the
@@ -1029,7 +1041,7 @@ class Engine:
         if request.finished:
             self._requests.pop(request.request_id, None)
             with self._lock:
-                self._active_ids.discard(request.request_id)
+                self._active_ids.pop(request.request_id, None)
             self._finished += 1
             self._prompt_tokens += request.prompt_tokens
             self._cached_tokens += request.cached_prompt_tokens

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from cluster.client import Client, text_request
+from cluster.config import RouterSection
 from cluster.requests import prepare
 from cluster.stream_progress import StreamProgress
 from protos.radixmesh.v1 import serving_pb2
@@ -183,3 +184,29 @@ class Untouchable:
 
     def apply_chat_template(self, messages: list[dict[str, object]]) -> str:
         raise AssertionError("a refused priority must be refused before any tokenising")
+
+
+def test_the_routers_in_flight_limit_counts_only_what_is_as_urgent(tiny: LoadedModel) -> None:
+    router = RouterSection(port=0, max_in_flight=2)
+    engine = replace(PRIORITY, max_running=4)  # both low streams run at once
+    cluster = start_cluster(tiny, workers=1, engine=engine, router=router)
+    client = Client(cluster.target)
+    try:
+        held = []
+        for k in range(2):  # two long low-priority streams hold the limit
+            call = client.generate(text_request(f"Story {k}", max_tokens=400, priority=5))
+            next(call)
+            held.append(call)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.generate(text_request("Hi", max_tokens=2, priority=5), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 requests in flight at priority 5 or more urgent" in (
+            refused.value.details() or ""
+        )
+        urgent = list(client.generate(text_request("Hi", max_tokens=2, priority=-1), timeout=60))
+        assert urgent[-1].finished
+        for call in held:
+            call.cancel()
+    finally:
+        client.close()
+        cluster.close()

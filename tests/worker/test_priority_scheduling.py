@@ -27,7 +27,7 @@ from tests.worker.test_disk_reads import (
 )
 from tests.worker.test_kv_persistence import TURNS
 from worker.engine import Engine, EngineConfig
-from worker.errors import InvalidRequest
+from worker.errors import EngineOverloaded, InvalidRequest
 from worker.request import GenerateRequest, RequestOutput
 from worker.samples import Phase, SampleState
 from worker.sampling_params import SamplingParams
@@ -303,4 +303,29 @@ def test_a_high_priority_request_reading_from_disk_preempts_no_more_than_to_begi
     final, tokens = drained(engine, outputs)
     assert final.cached_prompt_tokens == SAVED and len(decoding) == 24
     assert tokens == cold_answer(PROMPT)[0]
+    check_sequence_cache(engine.cache)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_full_engine_turns_away_only_what_is_no_more_urgent_than_what_fills_it(
+    policy: str,
+) -> None:
+    engine, recorder = _engine(policy, max_running=1, max_waiting=1)  # 2 requests at most
+    low = 3 if policy == "priority" else 0
+    for k in range(2):
+        engine.submit(_request(f"low{k}", low, _prompt("a")), recorder.outputs.append)
+    with pytest.raises(EngineOverloaded, match="2 requests in flight"):
+        engine.submit(_request("low2", low, _prompt("b")), recorder.outputs.append)
+    if policy == "priority":  # the low ones do not count against a more urgent request
+        for k in range(2):
+            engine.submit(_request(f"high{k}", 0, _prompt("c")), recorder.outputs.append)
+        with pytest.raises(EngineOverloaded, match="2 requests in flight at priority 0 or more"):
+            engine.submit(_request("high2", 0, _prompt("d")), recorder.outputs.append)
+    drain(engine)
+    ended = sorted(o.request_id for o in recorder.outputs if o.finished)
+    assert ended == (
+        ["high0", "high1", "low0", "low1"] if policy == "priority" else ["low0", "low1"]
+    )
+    engine.submit(_request("later", low, _prompt("b")), recorder.outputs.append)  # room again
+    drain(engine)
     check_sequence_cache(engine.cache)
