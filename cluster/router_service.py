@@ -21,6 +21,7 @@ healthy worker, or every worker tried failed), DEADLINE_EXCEEDED, CANCELLED.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -155,8 +156,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         self.priorities[mine] += 1  # until the call ends, however it ends
         try:
-            async for response in self._admitted(request, caller, fill_context, image_fields):
-                yield response
+            admitted = self._admitted(request, caller, fill_context, image_fields)
+            async with contextlib.aclosing(admitted):  # closed with this: the worker call too
+                async for response in admitted:
+                    yield response
         finally:
             self.priorities[mine] -= 1
             if not self.priorities[mine]:
