@@ -47,7 +47,7 @@ from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
 from worker.error_details import refusal_of
 from worker.errors import ContextOverflow, InvalidRequest
-from worker.validation import RequestLimits
+from worker.validation import URGENT_ROOM, RequestLimits
 
 log = logging.getLogger(__name__)
 ANSWER_JOIN_WAIT_S = 1.0
@@ -144,15 +144,20 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         messages, or ServingError. Closing the stream early cancels the worker's call (the
         worker frees the request's pages). `fill_context`, `image_fields`: see
         cluster/requests.py `prepare`."""
-        mine = request.priority
+        # under fcfs every request is 0 here (a priority is refused later, in prepare)
+        mine = request.priority if self.engine.scheduling_policy == "priority" else 0
         taken = sum(n for theirs, n in self.priorities.items() if theirs <= mine)
-        if taken >= self.config.max_in_flight:  # refused before any tokenising
-            levels = mine or len(self.priorities) > 1  # priorities in use: say which count
-            urgent = f" at priority {mine} or more urgent" if levels else ""
+        total = sum(self.priorities.values())
+        limit = self.config.max_in_flight
+        over = taken >= limit
+        if over or total >= URGENT_ROOM * limit:  # refused before any tokenising
+            urgent = f" at priority {mine} or more urgent" if self.priorities.keys() - {0} else ""
             raise self._error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{taken} requests in flight{urgent}, the limit is {self.config.max_in_flight}; "
-                "retry later",
+                f"{taken} requests in flight{urgent}, the limit is {limit}; retry later"
+                if over
+                else f"{total} requests in flight of every priority, the limit is "
+                f"{URGENT_ROOM} x {limit}; retry later",
             )
         self.priorities[mine] += 1  # until the call ends, however it ends
         try:
@@ -183,12 +188,14 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         entry = self.in_flight[prepared.request_id] = InFlight(prepared.namespace.tenant)
         progress = StreamProgress(prepared)
         remembered = False
+        served = self._serve(prepared, entry, caller, progress)
         try:
-            async for response in self._serve(prepared, entry, caller, progress):
-                if not remembered and all(sample.finished for sample in progress.samples):
-                    remembered = True  # registered before the client has the last message
-                    self._remember_answers(prepared, progress)
-                yield response
+            async with contextlib.aclosing(served):  # closed with this: the worker call ends
+                async for response in served:
+                    if not remembered and all(sample.finished for sample in progress.samples):
+                        remembered = True  # registered before the client has the last message
+                        self._remember_answers(prepared, progress)
+                    yield response
             self._count("OK")
         finally:
             self.in_flight.pop(prepared.request_id, None)
@@ -318,7 +325,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         entry: InFlight,
         caller: Caller,
         progress: StreamProgress,
-    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         assert self.links.hasher is not None
         hashes = tuple(self.links.hasher.hashes(prepared.routing_keys, prepared.namespace))
         route = RouteRequest(

@@ -91,7 +91,12 @@ from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
 from worker.thinking_tokens import ThinkingTokens
 from worker.tier_costs import TierCosts
 from worker.tokenizer import Tokenizer
-from worker.validation import DEFAULT_MAX_PROMPT_CHARS, PromptTokenizer, RequestLimits
+from worker.validation import (
+    DEFAULT_MAX_PROMPT_CHARS,
+    URGENT_ROOM,
+    PromptTokenizer,
+    RequestLimits,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -455,15 +460,8 @@ class Engine:
                 raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
             # a resumed sample was admitted by the cluster already (its worker died): refusing
             # it for load would end a stream its client has half received
-            taken, most = (
-                self._taken(request.priority),
-                self.config.max_waiting + self.config.max_running,
-            )
-            if request.resume is None and taken >= most:
-                raise EngineOverloaded(
-                    f"{taken} requests in flight{self._of_priority(request.priority)}; the "
-                    f"engine takes at most {most}"
-                )
+            if request.resume is None and (why := self._overloaded(request.priority)):
+                raise EngineOverloaded(why)
             self._active_ids[request.request_id] = request.priority
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
@@ -473,16 +471,24 @@ class Engine:
         self._wake.set()
         return len(prompt)
 
-    def _taken(self, priority: int) -> int:
-        """The requests in flight a request of `priority` counts against the engine's limit:
-        under the priority policy, those of its priority or a higher one (lower first), so a
-        queue full of lower-priority work never turns a higher-priority request away."""
-        if not self.scheduler.by_priority:
-            return len(self._active_ids)
-        return sum(1 for theirs in self._active_ids.values() if theirs <= priority)
-
-    def _of_priority(self, priority: int) -> str:
-        return f" at priority {priority} or more urgent" if self.scheduler.by_priority else ""
+    def _overloaded(self, priority: int) -> str | None:
+        """Why the engine turns a new request of `priority` away (None: it takes it). Under the
+        priority policy it counts only the requests of its priority or a more urgent one, so a
+        queue full of less urgent work does not turn it away; all together stay under
+        URGENT_ROOM times the limit."""
+        most, held = self.config.max_waiting + self.config.max_running, len(self._active_ids)
+        taken = held
+        if self.scheduler.by_priority:
+            taken = sum(1 for theirs in self._active_ids.values() if theirs <= priority)
+        if taken >= most:
+            urgent = f" at priority {priority} or more urgent" if self.scheduler.by_priority else ""
+            return f"{taken} requests in flight{urgent}; the engine takes at most {most}"
+        if held >= URGENT_ROOM * most:
+            return (
+                f"{held} requests in flight of every priority; the engine takes at most "
+                f"{URGENT_ROOM} x {most}"
+            )
+        return None
 
     def load_adapter(self, name: str, path: str) -> AdapterState:
         """Read the PEFT adapter at `path` (in the caller's thread: file reads never stall the

@@ -57,6 +57,13 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 request's priority."""
 
 
+URGENT_ROOM = 2
+"""Under the priority policy a request counts against a limit on what waits (the router's
+max_in_flight, a worker's max_waiting + max_running) only the requests of its priority or a
+more urgent one, so less urgent work never turns it away; all together may take this many
+times the limit."""
+
+
 class LimitSettings(Protocol):
     """The operator's request limits, as the engine's config and the cluster's engine section
     both spell them."""

@@ -188,25 +188,40 @@ class Untouchable:
 
 def test_the_routers_in_flight_limit_counts_only_what_is_as_urgent(tiny: LoadedModel) -> None:
     router = RouterSection(port=0, max_in_flight=2)
-    engine = replace(PRIORITY, max_running=4)  # both low streams run at once
+    engine = replace(PRIORITY, max_running=4)  # the long streams all run at once
     cluster = start_cluster(tiny, workers=1, engine=engine, router=router)
     client = Client(cluster.target)
+
+    def long(text: str, priority: int) -> serving_pb2.GenerateRequest:
+        request = text_request(text, max_tokens=400, priority=priority)
+        request.sampling.ignore_eos = True  # in flight for all 400 tokens
+        return request
+
+    def refused(priority: int) -> str:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(text_request("Hi", max_tokens=2, priority=priority), timeout=60))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return err.value.details() or ""
+
     try:
         held = []
-        for k in range(2):  # two long low-priority streams hold the limit
-            call = client.generate(text_request(f"Story {k}", max_tokens=400, priority=5))
+        for priority in (5, 5, -1, -1):  # each pair fills the limit at its own priority
+            if priority == -1:
+                assert "at priority 5 or more urgent" in refused(5)
+            call = client.generate(long(f"Story {len(held)}", priority))
             next(call)
             held.append(call)
-        with pytest.raises(grpc.RpcError) as refused:
-            list(client.generate(text_request("Hi", max_tokens=2, priority=5), timeout=60))
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "2 requests in flight at priority 5 or more urgent" in (
-            refused.value.details() or ""
-        )
-        urgent = list(client.generate(text_request("Hi", max_tokens=2, priority=-1), timeout=60))
-        assert urgent[-1].finished
+        assert "2 requests in flight at priority -1 or more urgent" in refused(-1)
+        # however urgent a call says it is, all together stay within twice the limit
+        assert "4 requests in flight of every priority, the limit is 2 x 2" in refused(-9)
         for call in held:
             call.cancel()
+        deadline = time.monotonic() + 10
+        while cluster.service.priorities and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not cluster.service.priorities  # every call counted is uncounted as it ends
+        urgent = list(client.generate(text_request("Hi", max_tokens=2, priority=-1), timeout=60))
+        assert urgent[-1].finished
     finally:
         client.close()
         cluster.close()

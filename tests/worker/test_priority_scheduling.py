@@ -321,6 +321,9 @@ def test_a_full_engine_turns_away_only_what_is_no_more_urgent_than_what_fills_it
             engine.submit(_request(f"high{k}", 0, _prompt("c")), recorder.outputs.append)
         with pytest.raises(EngineOverloaded, match="2 requests in flight at priority 0 or more"):
             engine.submit(_request("high2", 0, _prompt("d")), recorder.outputs.append)
+        # all together stay within twice the limit, however urgent a request says it is
+        with pytest.raises(EngineOverloaded, match="4 requests in flight of every priority"):
+            engine.submit(_request("urgent", -9, _prompt("d")), recorder.outputs.append)
     drain(engine)
     ended = sorted(o.request_id for o in recorder.outputs if o.finished)
     assert ended == (
