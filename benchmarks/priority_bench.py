@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from cluster.loadtest.metrics import percentiles
 from worker.actor import SWITCH_INTERVAL_S
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel, load_model
@@ -75,25 +76,20 @@ class Run:
     batch_window: float = 0.0
     preemptions: int = 0
 
-    def report(self) -> dict[str, float | str]:
-        ttft = [self.first[r] - self.submitted[r] for r in self.submitted]
-        latency = [self.ended[r] - self.submitted[r] for r in self.submitted]
+    def report(self) -> dict[str, float | str | None]:
+        ttft = percentiles(self.first[r] - self.submitted[r] for r in self.submitted)
+        latency = percentiles(self.ended[r] - self.submitted[r] for r in self.submitted)
         return {
             "policy": self.policy,
-            "interactive": len(ttft),
-            "ttft_p50_ms": 1000 * percentile(ttft, 0.5),
-            "ttft_p90_ms": 1000 * percentile(ttft, 0.9),
-            "ttft_p99_ms": 1000 * percentile(ttft, 0.99),
-            "latency_p50_ms": 1000 * percentile(latency, 0.5),
+            "interactive": len(self.submitted),
+            "ttft_p50_ms": ttft["p50"],
+            "ttft_p90_ms": ttft["p90"],
+            "ttft_p99_ms": ttft["p99"],
+            "latency_p50_ms": latency["p50"],
             "batch_tokens_per_s": self.batch_tokens / self.batch_window,
             "all_tokens_per_s": (self.batch_tokens + self.interactive_tokens) / self.batch_window,
             "preemptions_per_interactive": self.preemptions / max(1, len(ttft)),
         }
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class PolicyRun:
@@ -187,7 +183,7 @@ class PolicyRun:
         return run
 
 
-def table(reports: list[dict[str, float | str]], rounds: int) -> Table:
+def table(reports: list[dict[str, float | str | None]], rounds: int) -> Table:
     out = Table(title=f"interactive TTFT under batch load (median of {rounds} rounds)")
     columns = [
         ("ttft_p50_ms", "TTFT p50 ms"),
@@ -205,7 +201,7 @@ def table(reports: list[dict[str, float | str]], rounds: int) -> Table:
         mine = [r for r in reports if r["policy"] == policy]
         cells = []
         for key, _ in columns:
-            values = [float(r[key]) for r in mine]
+            values = [float(r[key] or 0.0) for r in mine]  # every run has its requests
             low, mid, high = min(values), statistics.median(values), max(values)
             cells.append(f"{mid:,.1f} ({low:,.1f}-{high:,.1f})" if rounds > 1 else f"{mid:,.1f}")
         out.add_row(policy, *cells)

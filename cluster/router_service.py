@@ -47,7 +47,7 @@ from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
 from router.interface import RouteRequest
 from worker.error_details import refusal_of
 from worker.errors import ContextOverflow, InvalidRequest
-from worker.validation import URGENT_ROOM, RequestLimits
+from worker.validation import RequestLimits, crowded
 
 log = logging.getLogger(__name__)
 ANSWER_JOIN_WAIT_S = 1.0
@@ -146,19 +146,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         cluster/requests.py `prepare`."""
         # under fcfs every request is 0 here (a priority is refused later, in prepare)
         mine = request.priority if self.engine.scheduling_policy == "priority" else 0
-        taken = sum(n for theirs, n in self.priorities.items() if theirs <= mine)
-        total = sum(self.priorities.values())
         limit = self.config.max_in_flight
-        over = taken >= limit
-        if over or total >= URGENT_ROOM * limit:  # refused before any tokenising
-            urgent = f" at priority {mine} or more urgent" if self.priorities.keys() - {0} else ""
-            raise self._error(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{taken} requests in flight{urgent}, the limit is {limit}; retry later"
-                if over
-                else f"{total} requests in flight of every priority, the limit is "
-                f"{URGENT_ROOM} x {limit}; retry later",
-            )
+        says = "the limit is {} (router.max_in_flight)"
+        why = crowded(self.priorities.items(), mine, limit, says)
+        if why:  # refused before any tokenising
+            raise self._error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry later")
         self.priorities[mine] += 1  # until the call ends, however it ends
         try:
             admitted = self._admitted(request, caller, fill_context, image_fields)

@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,12 +92,7 @@ from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
 from worker.thinking_tokens import ThinkingTokens
 from worker.tier_costs import TierCosts
 from worker.tokenizer import Tokenizer
-from worker.validation import (
-    DEFAULT_MAX_PROMPT_CHARS,
-    URGENT_ROOM,
-    PromptTokenizer,
-    RequestLimits,
-)
+from worker.validation import DEFAULT_MAX_PROMPT_CHARS, PromptTokenizer, RequestLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -472,23 +468,12 @@ class Engine:
         return len(prompt)
 
     def _overloaded(self, priority: int) -> str | None:
-        """Why the engine turns a new request of `priority` away (None: it takes it). Under the
-        priority policy it counts only the requests of its priority or a more urgent one, so a
-        queue full of less urgent work does not turn it away; all together stay under
-        URGENT_ROOM times the limit."""
-        most, held = self.config.max_waiting + self.config.max_running, len(self._active_ids)
-        taken = held
-        if self.scheduler.by_priority:
-            taken = sum(1 for theirs in self._active_ids.values() if theirs <= priority)
-        if taken >= most:
-            urgent = f" at priority {priority} or more urgent" if self.scheduler.by_priority else ""
-            return f"{taken} requests in flight{urgent}; the engine takes at most {most}"
-        if held >= URGENT_ROOM * most:
-            return (
-                f"{held} requests in flight of every priority; the engine takes at most "
-                f"{URGENT_ROOM} x {most}"
-            )
-        return None
+        """Why the engine turns a new request of `priority` away (None: it takes it): see
+        `validation.crowded`. Under fcfs every priority is 0, and a count does."""
+        ids = self._active_ids
+        held = Counter(ids.values()).items() if self.scheduler.by_priority else [(0, len(ids))]
+        most = self.config.max_waiting + self.config.max_running
+        return validation.crowded(held, priority, most, "the engine takes at most {}")
 
     def load_adapter(self, name: str, path: str) -> AdapterState:
         """Read the PEFT adapter at `path` (in the caller's thread: file reads never stall the

@@ -64,6 +64,28 @@ more urgent one, so less urgent work never turns it away; all together may take 
 times the limit."""
 
 
+def crowded(held: Iterable[tuple[int, int]], priority: int, limit: int, says: str) -> str | None:
+    """Why a limit on what waits (the router's in-flight calls, a worker's queue) turns away a
+    new request of `priority`, given the (priority, count) pairs it holds; None: it is taken.
+    It counts only the requests of its priority or a more urgent one, so less urgent work never
+    turns it away, and all together stay within URGENT_ROOM times the limit. Where every
+    priority is 0 (fcfs) that is a plain count. `says`: how the caller states its limit, with
+    a {} for the number."""
+    taken = total = 0
+    levels = priority != 0
+    for theirs, count in held:
+        total += count
+        taken += count if theirs <= priority else 0
+        levels = levels or theirs != 0
+    if taken >= limit:
+        urgent = f" at priority {priority} or more urgent" if levels else ""
+        return f"{taken} requests in flight{urgent}; {says.format(limit)}"
+    if total >= URGENT_ROOM * limit:
+        every = says.format(f"{URGENT_ROOM} x {limit}")
+        return f"{total} requests in flight of every priority; {every}"
+    return None
+
+
 class LimitSettings(Protocol):
     """The operator's request limits, as the engine's config and the cluster's engine section
     both spell them."""

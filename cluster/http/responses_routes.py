@@ -146,8 +146,10 @@ def served(
     """The request's stream; cut and sent again with a truncation, if the core refuses it for its
     length."""
     stream = api.start(message, caller, fill_context=True)  # a draining router: 503 now
+    if truncation is None:
+        return stream
     limits = api.service.request_limits()
-    if truncation is None or limits is None:  # no worker: the core says so
+    if limits is None:  # no worker: the core says so
         return stream
 
     async def count(trial: serving_pb2.GenerateRequest) -> int:

@@ -213,7 +213,7 @@ def test_the_routers_in_flight_limit_counts_only_what_is_as_urgent(tiny: LoadedM
             held.append(call)
         assert "2 requests in flight at priority -1 or more urgent" in refused(-1)
         # however urgent a call says it is, all together stay within twice the limit
-        assert "4 requests in flight of every priority, the limit is 2 x 2" in refused(-9)
+        assert "4 requests in flight of every priority; the limit is 2 x 2" in refused(-9)
         for call in held:
             call.cancel()
         deadline = time.monotonic() + 10
