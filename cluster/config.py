@@ -31,6 +31,7 @@ from cache import CacheConfig
 from router.policies import POLICIES
 from worker.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from worker.speculation import MAX_SPECULATIVE_TOKENS
 from worker.validation import DEFAULT_MAX_PROMPT_CHARS, SCHEDULING_POLICIES
 from worker.weight_quality import (
     AUTO,
@@ -160,6 +161,15 @@ class EngineSection:
     """"fcfs": first come, first served, and a request's priority other than 0 is refused;
     "priority": each worker admits waiting requests by their priority (lower first, vLLM's
     meaning) and preempts running ones of a higher value when a lower one needs the room."""
+    num_speculative_tokens: int = _at_least(0, 0, MAX_SPECULATIVE_TOKENS)
+    """Speculative decoding by n-gram lookup: a decoding request whose last tokens occurred
+    before in its prompt or output has what followed them verified with its next token in one
+    pass, up to this many (vLLM's speculative_config, method ngram); 0: off. Outputs do not
+    change: every token is still drawn by the request's own sampler."""
+    prompt_lookup_max: int = _at_least(4, 1)
+    """The longest suffix an n-gram draft is matched by."""
+    prompt_lookup_min: int = _at_least(2, 1)
+    """The shortest (at most prompt_lookup_max)."""
     block_size: int = _at_least(16, 1)
     host_pages: int = _at_least(0, 0)
     """Pages of the host tier: evicted KV moves to CPU memory instead of vanishing, and a later
@@ -213,6 +223,11 @@ class EngineSection:
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
             raise ConfigError(
                 "kv_cache_memory_bytes: set with num_pages; the pool is sized by one of them"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min: {self.prompt_lookup_min} is above prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
             )
         try:
             CacheConfig(

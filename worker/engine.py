@@ -87,6 +87,7 @@ from worker.samples import Phase, RequestState, SampleState, TextDecoder
 from worker.sampling import Sampler
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from worker.scheduler import Scheduler, SchedulerConfig
+from worker.speculation import NgramIndex, SpeculationConfig, draft_limit
 from worker.stop import StopChecker
 from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
 from worker.thinking_tokens import ThinkingTokens
@@ -131,6 +132,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     """"fcfs", or "priority": requests by their `priority`, lower first, preempting running
     ones of a lower priority for room (worker/scheduler.py; vLLM's `--scheduling-policy`)."""
+    num_speculative_tokens: int = 0
+    """Speculative decoding by n-gram lookup (worker/speculation.py): the longest draft a
+    decoding sample verifies in a step; 0: none (vLLM's `speculative_config`, method ngram)."""
+    prompt_lookup_max: int = 4
+    """The longest suffix of a sample's tokens an n-gram draft is matched by."""
+    prompt_lookup_min: int = 2
+    """The shortest: the n-grams indexed (an n-gram draft's `prompt_lookup_min`)."""
     block_size: int = 16
     host_pages: int = 0
     """Pages of the host tier (CPU memory; pinned on CUDA hosts); 0: evicted pages are gone."""
@@ -178,6 +186,7 @@ class EngineConfig:
     """With `num_pages` None: the pool's bytes, on either device (vLLM's option)."""
 
     def __post_init__(self) -> None:
+        self.speculation  # noqa: B018 (raises ValueError naming the bad setting)
         pairs = []
         for entry in self.adapters:
             pair = (entry.get("name"), entry.get("path")) if isinstance(entry, Mapping) else entry
@@ -212,6 +221,12 @@ class EngineConfig:
 
     def image_limits(self) -> ImageLimits:
         return ImageLimits(self.max_images, self.max_image_pixels, self.max_image_bytes)
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        return SpeculationConfig(
+            self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +272,10 @@ class EngineStats:
     """Bytes of KV the saved cache holds on disk (`persist_dir`)."""
     disk_bytes_bound: int = 0
     """The most it may hold: `persist_max_bytes`, lowered when the disk filled up."""
+    draft_tokens: int = 0
+    """Draft tokens verified (speculative decoding, `num_speculative_tokens`)."""
+    accepted_draft_tokens: int = 0
+    """Of those, the ones the sample drew too: each saved a step."""
 
 
 def context_length(positions: int, config: EngineConfig, pool: PoolSize) -> int:
@@ -395,9 +414,10 @@ class Engine:
         self._stopping = threading.Event()
         self._finished = 0
         self._prompt_tokens = self._cached_tokens = self._generated = 0
+        self._drafted = self._accepted_drafts = 0  # draft tokens verified, and drawn too
         self.store: KvStore | None = None
+        # what recomputing a position costs against reading it back from disk (learned)
         self.tier_costs = TierCosts()
-        """What recomputing a position costs against reading it back from disk (learned)."""
         self.disk_reads: DiskReads | None = None
         self._disk_blocks: frozenset[int] = frozenset()
         """The routing blocks the KV events have said are on disk (`saved` / `unsaved`)."""
@@ -461,6 +481,10 @@ class Engine:
             self._active_ids[request.request_id] = request.priority
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
+        if self.speculation.enabled:  # its prompt's n-grams, indexed here, not on the engine
+            spec = self.speculation
+            state.ngrams = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            state.ngrams.extend(prompt, len(prompt))
         waits = bool(inside) and request.sampling.separate_reasoning  # the answer is apart
         state.grammar_waits = waits and not may_hold_reasoning(structured)
         self._inbox.put(("add", state))
@@ -631,6 +655,8 @@ class Engine:
             encoder_seconds=encoder.seconds if encoder is not None else 0.0,
             disk_bytes=self.store.held_bytes() if self.store is not None else 0,
             disk_bytes_bound=self.store.max_bytes if self.store is not None else 0,
+            draft_tokens=self._drafted,
+            accepted_draft_tokens=self._accepted_drafts,
         )
 
     # -- validation (caller's thread) ----------------------------------------------------------
@@ -720,6 +746,8 @@ class Engine:
             self._end_refused()
         if not plan:
             return self._nothing_planned(awaiting)
+        if self.speculation.enabled:
+            self._draft(plan)
         if any(sample.lora_slot >= 0 for sample, _ in plan):
             plan.sort(key=lambda item: item[0].lora_slot)  # one adapter segment per slot
         plan, chunks = self._chunks(plan)
@@ -750,14 +778,16 @@ class Engine:
         at = 0
         for (sample, take), chunk in zip(plan, chunks, strict=True):
             sample.computed += take
-            rows = logits[at : at + (len(chunk.token_ids) if chunk.every_row else chunk.sample)]
+            rows = logits[at : at + chunk.rows]
             at += rows.shape[0]
-            if sample.phase is not Phase.RUNNING or not (chunk.sample or chunk.every_row):
+            if sample.phase is not Phase.RUNNING or not chunk.rows:
                 continue
             try:
-                if chunk.every_row:
+                if chunk.drafted:
+                    self._verify(sample, chunk, rows)
+                elif chunk.every_row:
                     self._score_prompt(sample.request, chunk, rows)
-                if chunk.sample:
+                if chunk.sample and not chunk.drafted:
                     self._sampled(sample, rows[-1])
             except Exception as err:  # this request's outputs cannot be made: end it alone
                 log.exception("sampling or decoding for %s failed", sample.request.request_id)
@@ -851,6 +881,9 @@ class Engine:
         assert sample.seq is not None
         start = sample.computed
         tokens = sample.tokens[start : start + take]
+        drafted = take - len(tokens)  # `_draft` gave it more than its pending token
+        if drafted:
+            tokens.extend(sample.draft[:drafted])
         pages = self.cache.table.row(sample.seq.slot)
         offsets: list[int] = []
         embeds = None
@@ -862,12 +895,68 @@ class Engine:
             tokens,
             start,
             pages,
-            sample=start + take == len(sample.tokens),
+            sample=start + take >= len(sample.tokens),
             every_row=sample.request.scoring_prompt,
+            drafted=drafted,
             lora_slot=sample.lora_slot,
             embed_offsets=offsets,
             embeds=embeds,
         )
+
+    def _draft(self, plan: list[tuple[SampleState, int]]) -> None:
+        """Give the plan's decoding samples a draft each to verify with their pending token
+        (worker/speculation.py), within the budget the plan leaves and the pages the pool
+        gives without preempting anyone."""
+        room = self.config.token_budget - sum(take for _, take in plan)
+        spec = self.speculation
+        for i, (sample, take) in enumerate(plan):
+            if room <= 0:
+                return
+            if take != 1 or sample.pending != 1 or not sample.prefilled:
+                continue
+            sampling = sample.request.request.sampling
+            context = self.max_model_len - len(sample.tokens)
+            limit = min(room, draft_limit(spec, sample.generated, sampling.max_tokens, context))
+            if sample.ngrams is None:  # the prompt's index: sample 0's own when it is alone
+                prompt = sample.request.ngrams
+                assert prompt is not None
+                alone = sample.request.request.sampling.n == 1
+                sample.ngrams = prompt if alone else prompt.copy()
+            draft = sample.ngrams.propose(sample.tokens, limit)
+            if not draft:
+                continue
+            assert sample.seq is not None
+            try:
+                self.cache.grow(sample.seq, sample.computed + 1 + len(draft))
+            except OutOfPages:
+                continue
+            sample.draft = draft
+            plan[i] = (sample, 1 + len(draft))
+            room -= len(draft)
+
+    def _verify(self, sample: SampleState, chunk: Chunk, rows: torch.Tensor) -> None:
+        """Draw a drafted sample's tokens from its rows in order, while each equals the draft
+        token at its place; its computed positions end after the last draft token kept."""
+        draft = chunk.token_ids[1:]
+        sample.computed = chunk.start + 1
+        top = sample.request.request.sampling.logprobs
+        self._drafted += len(draft)
+        for i, row in enumerate(rows):
+            position = len(sample.tokens)
+            if self.observe_logits is not None:
+                self.observe_logits(sample.request.request_id, sample.index, position, row)
+            try:
+                token = sample.sampler(row, position)
+            except GrammarRefused as err:
+                self._abort(sample.request, FINISH_ERROR, f"structured output: {err}")
+                return
+            logprobs = () if top is None else (token_logprob(row, token, top),)
+            self._accept(sample, token, logprobs)
+            accepted = i < len(draft) and token == draft[i]
+            self._accepted_drafts += accepted
+            if not accepted or sample.phase is not Phase.RUNNING:
+                return
+            sample.computed += 1  # the draft token's KV, written this step, is the sample's
 
     def _sampled(self, sample: SampleState, logits: torch.Tensor) -> None:
         assert sample.seq is not None
@@ -1123,6 +1212,11 @@ class Engine:
                 return
             if first_sample.stop.stopped:  # it had already ended: nothing more to send
                 self._abort(state, FINISH_STOP)
+
+    @functools.cached_property
+    def speculation(self) -> SpeculationConfig:
+        """Speculative decoding's settings (worker/speculation.py)."""
+        return self.config.speculation
 
     @functools.cached_property
     def thinks(self) -> bool:

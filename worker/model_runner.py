@@ -58,6 +58,16 @@ class Chunk:
     """[len(embed_offsets), hidden] the input embeddings of those positions."""
     every_row: bool = field(default=False, kw_only=True)
     """Whether logits are wanted at every token of the chunk (a prompt being scored)."""
+    drafted: int = field(default=0, kw_only=True)
+    """Draft tokens after the chunk's first (speculative decoding, worker/speculation.py):
+    logits are wanted at every token."""
+
+    @property
+    def rows(self) -> int:
+        """Rows of logits the chunk gets."""
+        if self.every_row or self.drafted:
+            return len(self.token_ids)
+        return int(self.sample)
 
 
 class ModelRunner:
@@ -165,7 +175,7 @@ class ModelRunner:
                 embeds.append(chunk.embeds)
             cu.append(cu[-1] + len(chunk.token_ids))
             lens_k.append(end)
-            if chunk.every_row:
+            if chunk.every_row or chunk.drafted:
                 sample_rows.extend(range(cu[-2], cu[-1]))
             elif chunk.sample:
                 sample_rows.append(cu[-1] - 1)
@@ -210,7 +220,7 @@ class ModelRunner:
 
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Compute the chunks' K/V; float32 logits in chunk order: a row for each sampling
-        chunk's last token, and for every token of an `every_row` chunk."""
+        chunk's last token, and for every token of an `every_row` or drafted chunk."""
         batch = self.build_batch(chunks)
         if not self.copier.pending:
             return self.model(batch, self.kv, self.lora)

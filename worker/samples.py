@@ -29,6 +29,7 @@ from worker.lora_adapter import LoraAdapter
 from worker.reasoning import ReasoningSplit
 from worker.request import GenerateRequest, RequestOutput, TokenLogprob
 from worker.sampling import Sampler
+from worker.speculation import NgramIndex
 from worker.stop import StopChecker, StopStrings, compile_stops
 from worker.thinking_tokens import ThinkingTokens
 
@@ -80,6 +81,10 @@ class SampleState:
     """Its reasoning read from its raw text (a thinking model's, when told apart or given a
     budget): its tokens counted and closed at the budget; None: neither. Its sampler holds it
     too, to write what it forces."""
+    ngrams: NgramIndex | None = None
+    """Where the n-grams of its tokens occurred (speculative decoding; None: not yet, or off)."""
+    draft: list[int] = field(default_factory=list)
+    """Its latest draft (worker/speculation.py); a step verifies it only when planned so."""
 
     @property
     def pending(self) -> int:
@@ -133,6 +138,8 @@ class RequestState:
     forked: bool = False
     queue_order: int = -1
     """When it was first queued, among all requests (the scheduler sets it; -1: not yet)."""
+    ngrams: NgramIndex | None = None
+    """Its prompt's n-grams, indexed at submission when the engine speculates (None: off)."""
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
     """The prompt's logprobs so far (`SamplingParams.prompt_logprobs`), of its tokens 1, 2, ..."""
     stops: StopStrings = field(init=False)
