@@ -40,6 +40,14 @@ class EngineCollector(Collector):
                 stats.evicted_pages,
             ),
             "radixmesh_worker_preemptions": ("Sequences preempted for pages", stats.preemptions),
+            "radixmesh_worker_draft_tokens": (
+                "Draft tokens verified by speculative decoding",
+                stats.draft_tokens,
+            ),
+            "radixmesh_worker_accepted_draft_tokens": (
+                "Draft tokens the sample drew too (each saved a decoding step)",
+                stats.accepted_draft_tokens,
+            ),
             "radixmesh_worker_demoted_pages": (
                 "KV pages copied from the device to the host tier on eviction",
                 stats.demoted_pages,
