@@ -155,7 +155,7 @@ def test_drafts_take_only_the_budget_the_plan_leaves() -> None:
             seen.append([len(c.token_ids) for c in step])
             return run(step)
 
-        engine.runner.run = spy  # type: ignore[method-assign]
+        engine.runner.run = spy  # type: ignore[method-assign,assignment]
         drain(engine)
         chunks[k] = seen
         assert all(sum(step) <= budget for step in seen)
