@@ -1,0 +1,320 @@
+"""What n-gram speculative decoding buys (engine.num_speculative_tokens): decoding speed with
+drafts of up to k tokens against none, on chats that copy their prompt and chats that do not.
+
+One in-process engine per run (the worker's engine, on its own thread, real model), greedy
+chats through the model's chat template, `--concurrency` requests in flight (closed loop) until
+`--requests` have finished. Workloads:
+
+- `edit`: rewrite a given function with one name changed (the answer copies most of the prompt);
+- `repeat`: repeat a given paragraph;
+- `free`: an open question (little to copy: what drafts cost when they miss).
+
+Runs alternate k within each round (`--rounds`, which k goes first rotating), so every k sees
+the same machine. Reported per (workload, k), median and min-max over rounds: output tokens a
+second over the run, time per output token (TPOT: a request's decoding time over its tokens
+after the first, median over requests), TTFT p50, the draft tokens kept of those verified, and
+whether every answer equals the k=0 run's (greedy: it must). One JSON line per run, then a
+table; `--plot` draws tokens a second per workload.
+
+Run: `python benchmarks/speculative_bench.py [--model default|tiny|PATH] [--k 0 4] [--rounds 2]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from cluster.loadtest.metrics import percentiles
+from worker.actor import SWITCH_INTERVAL_S
+from worker.engine import Engine, EngineConfig
+from worker.loader import LoadedModel, load_model
+from worker.request import GenerateRequest, RequestOutput
+from worker.sampling_params import SamplingParams
+from worker.tiny_model import build_tiny_checkpoint
+
+console = Console(stderr=True)
+
+FUNCTION = '''def merge_intervals(intervals):
+    """Merge overlapping intervals given as (start, end) pairs."""
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(pair) for pair in merged]
+'''
+PARAGRAPHS = (
+    "The lighthouse stood at the edge of the cliff, its white tower striped with red, and every "
+    "night its lamp turned slowly over the dark water so that the fishing boats could find "
+    "their way home through the rocks.",
+    "A radix tree stores strings by their shared prefixes: each edge holds a run of characters, "
+    "and a lookup walks from the root, matching one edge after another until the key ends or "
+    "no edge matches.",
+    "On Monday the market opens at seven; the bakers arrive first, then the fruit sellers, and "
+    "by nine the square is so full of voices that you can hardly hear the church bell ring.",
+)
+QUESTIONS = (
+    "Write a short poem about the sea.",
+    "What are three good habits for learning a new language?",
+    "Describe a busy city street in the morning.",
+)
+
+
+def workload(name: str, i: int) -> tuple[dict[str, str], ...]:
+    """The chat of request `i` of a workload (they cycle through a few variants)."""
+    if name == "edit":
+        old, new = [("intervals", "spans"), ("merged", "result"), ("ordered", "by_start")][i % 3]
+        text = (
+            f"Rewrite this Python function, renaming `{old}` to `{new}` everywhere. "
+            f"Reply with the code only.\n\n```python\n{FUNCTION}```"
+        )
+    elif name == "repeat":
+        text = f"Repeat the following paragraph exactly.\n\n{PARAGRAPHS[i % len(PARAGRAPHS)]}"
+    elif name == "free":
+        text = QUESTIONS[i % len(QUESTIONS)]
+    else:
+        raise ValueError(f"unknown workload {name!r}: edit, repeat or free")
+    return ({"role": "user", "content": text},)
+
+
+WORKLOADS = ("edit", "repeat", "free")
+
+
+@dataclass
+class Run:
+    workload: str
+    k: int
+    submitted: dict[str, float] = field(default_factory=dict)
+    first: dict[str, float] = field(default_factory=dict)
+    ended: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    wall: float = 0.0
+
+    def report(self) -> dict[str, float | str | int | None]:
+        decoding = [
+            (self.ended[r] - self.first[r]) / (len(self.tokens[r]) - 1)
+            for r in self.ended
+            if len(self.tokens[r]) > 1
+        ]
+        output = sum(len(t) for t in self.tokens.values())
+        ttft = percentiles(self.first[r] - self.submitted[r] for r in self.first)
+        return {
+            "workload": self.workload,
+            "k": self.k,
+            "requests": len(self.ended),
+            "output_tokens": output,
+            "tokens_per_s": output / self.wall if self.wall else None,
+            "tpot_ms": 1000 * statistics.median(decoding) if decoding else None,
+            "ttft_p50_ms": ttft["p50"],  # percentiles gives milliseconds
+            "draft_tokens": self.draft_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "acceptance": self.accepted_draft_tokens / self.draft_tokens
+            if self.draft_tokens
+            else None,
+        }
+
+
+class SpeculationRun:
+    """One run: `--requests` chats of one workload, `--concurrency` in flight, drafts of up to
+    `k` tokens (0: none)."""
+
+    def __init__(self, loaded: LoadedModel, name: str, k: int, args: argparse.Namespace) -> None:
+        config = EngineConfig(
+            num_pages=args.pages,
+            page_size=16,
+            max_running=max(args.concurrency, 1),
+            max_model_len=2048,
+            num_speculative_tokens=k,
+            model_revision=loaded.revision,
+        )
+        self.engine = Engine(loaded.model, loaded.tokenizer, config)
+        self.args, self.run = args, Run(name, k)
+        self.lock, self.done = threading.Lock(), threading.Event()
+        self.slots = threading.Semaphore(args.concurrency)
+
+    def on_output(self, output: RequestOutput, advance: object) -> None:
+        now = time.perf_counter()
+        run = self.run
+        with self.lock:
+            if output.token_ids:
+                run.first.setdefault(output.request_id, now)
+                run.tokens.setdefault(output.request_id, []).extend(output.token_ids)
+            if output.finished:
+                if output.error:
+                    console.print(f"{output.request_id}: {output.error}")
+                run.ended[output.request_id] = now
+                run.tokens.setdefault(output.request_id, [])
+                self.slots.release()
+                advance()  # type: ignore[operator]
+                if len(run.ended) == self.args.requests:
+                    self.done.set()
+
+    def __call__(self, progress: Progress) -> Run:
+        args, run = self.args, self.run
+        task = progress.add_task(f"{run.workload}, k={run.k}", total=args.requests)
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        self.engine.start()
+        began = time.perf_counter()
+        try:
+            for i in range(args.requests):
+                self.slots.acquire()
+                request = GenerateRequest(
+                    f"{run.workload}-{i}", messages=workload(run.workload, i), sampling=sampling
+                )
+                with self.lock:
+                    run.submitted[request.request_id] = time.perf_counter()
+                self.engine.submit(
+                    request, lambda o: self.on_output(o, lambda: progress.advance(task))
+                )
+            if not self.done.wait(timeout=args.timeout):
+                raise RuntimeError(f"{run.workload}, k={run.k}: unfinished after {args.timeout} s")
+            run.wall = time.perf_counter() - began
+            stats = self.engine.stats()
+            run.draft_tokens, run.accepted_draft_tokens = (
+                stats.draft_tokens,
+                stats.accepted_draft_tokens,
+            )
+        finally:
+            self.engine.stop()
+        progress.remove_task(task)
+        return run
+
+
+def same_answers(runs: list[Run]) -> list[bool | None]:
+    """For each run, whether its answers equal those of its workload's first k=0 run (None:
+    there is none)."""
+    plain: dict[str, dict[str, list[int]]] = {}
+    for run in runs:
+        if run.k == 0:
+            plain.setdefault(run.workload, run.tokens)
+    return [run.tokens == plain[run.workload] if run.workload in plain else None for run in runs]
+
+
+def table(reports: list[dict[str, float | str | int | None]], rounds: int) -> Table:
+    out = Table(title=f"n-gram speculative decoding (median of {rounds} rounds, min-max)")
+    columns = [
+        ("tokens_per_s", "output tok/s"),
+        ("tpot_ms", "TPOT ms"),
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("acceptance", "drafts kept"),
+    ]
+    out.add_column("workload")
+    out.add_column("k", justify="right")
+    for _, title in columns:
+        out.add_column(title, justify="right")
+    out.add_column("same answers as k=0")
+    keys = sorted({(str(r["workload"]), int(r["k"] or 0)) for r in reports}, key=_order)
+    for name, k in keys:
+        mine = [r for r in reports if r["workload"] == name and r["k"] == k]
+        cells = []
+        for key, _ in columns:
+            values = [float(v) for r in mine if (v := r[key]) is not None]
+            if not values:
+                cells.append("-")
+                continue
+            low, mid, high = min(values), statistics.median(values), max(values)
+            digits = 2 if key == "acceptance" else 1
+            cells.append(
+                f"{mid:,.{digits}f} ({low:,.{digits}f}-{high:,.{digits}f})"
+                if rounds > 1
+                else f"{mid:,.{digits}f}"
+            )
+        same = {r.get("same_as_k0") for r in mine}
+        out.add_row(
+            name, str(k), *cells, "yes" if same == {True} else "no" if False in same else "-"
+        )
+    return out
+
+
+def _order(key: tuple[str, int]) -> tuple[int, int]:
+    name, k = key
+    return (WORKLOADS.index(name) if name in WORKLOADS else len(WORKLOADS), k)
+
+
+def plot(reports: list[dict[str, float | str | int | None]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in WORKLOADS if any(r["workload"] == n for r in reports)]
+    ks = sorted({int(r["k"] or 0) for r in reports})
+    figure, axes = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(ks)
+    for j, k in enumerate(ks):
+        heights = [
+            statistics.median(
+                float(r["tokens_per_s"] or 0.0)
+                for r in reports
+                if r["workload"] == name and r["k"] == k
+            )
+            for name in names
+        ]
+        axes.bar([i + j * width for i in range(len(names))], heights, width, label=f"k={k}")
+    axes.set_xticks([i + width * (len(ks) - 1) / 2 for i in range(len(names))], names)
+    axes.set_ylabel("output tokens a second")
+    axes.legend()
+    axes.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2), 'tiny' or a path")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--k", nargs="+", type=int, default=[0, 4], help="draft lengths (0: off)")
+    parser.add_argument("--requests", type=int, default=6, help="chats a run")
+    parser.add_argument("--concurrency", type=int, default=1, help="chats in flight")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--pages", type=int, default=1024, help="KV pool pages of 16")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--plot", type=Path, default=None, help="a PNG of tokens a second")
+    args = parser.parse_args()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as in the worker actor
+    source = args.model
+    if source == "tiny":
+        source = str(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="radixmesh-tiny-"))))
+    loaded = load_model(source)
+    runs, reports = [], []
+    with Progress(console=console, transient=True) as progress:
+        for round_ in range(args.rounds):
+            for name in args.workloads:
+                order = args.k[round_ % len(args.k) :] + args.k[: round_ % len(args.k)]
+                for k in order:
+                    run = SpeculationRun(loaded, name, k, args)(progress)
+                    runs.append(run)
+                    reports.append(run.report() | {"round": round_, "model": args.model})
+    for report, same in zip(reports, same_answers(runs), strict=True):
+        report["same_as_k0"] = same
+        print(json.dumps(report), flush=True)
+    console.print(table(reports, args.rounds))
+    if args.plot is not None:
+        plot(reports, args.plot)
+        console.print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
