@@ -46,7 +46,7 @@ from worker.request import GenerateRequest, RequestOutput
 from worker.sampling_params import SamplingParams
 from worker.tiny_model import build_tiny_checkpoint
 
-console = Console(stderr=True)
+console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 FUNCTION = '''def merge_intervals(intervals):
     """Merge overlapping intervals given as (start, end) pairs."""

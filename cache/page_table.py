@@ -136,6 +136,19 @@ class PageTable:
         """Return private pages that were never mapped (or were unmapped) to the pool."""
         self.pool.free_private(pages)
 
+    def truncate(self, slot: int, keep: int) -> int:
+        """Return the slot's pages after its first `keep` (private pages) to the pool; returns
+        how many."""
+        row = self._row(slot)
+        if keep < 0:
+            raise PageMappingError(f"cannot keep {keep} pages of slot {slot}")
+        if keep >= len(row):
+            return 0
+        freed = len(row) - keep
+        self.pool.free_private(row[keep:])  # checks that each is private, or changes nothing
+        del row[keep:]
+        return freed
+
     def erase(self, slot: int, cached_page_count: int = 0) -> None:
         """Release the slot; its pages after the first `cached_page_count` return to the pool."""
         row = self._row(slot)

@@ -7,6 +7,7 @@ lives here and is tested without a model:
     commit  the KV of positions [0, computed) is written: insert them, swap any duplicate pages
             for the tree's and free them, move the lock to the inserted node
     grow    map more private pages (decode, chunked prefill)
+    trim    free the private pages past a length (a rejected draft's)
     fork    a clone for n > 1 sampling: shares the cached pages, copies the partial last page
     finish  offer what was computed (prompt and generated) to the cache, unlock, free the rest
     abort   unlock and free, caching nothing; valid at any point
@@ -247,6 +248,14 @@ class SequenceCache:
         need = _pages_for(positions, self.page_size) - have
         if need > 0:
             self.table.map_pages(seq.slot, have, self.table.allocate_pages(need), validate=False)
+
+    def trim(self, seq: CachedSequence, positions: int) -> int:
+        """Free the private pages past those `positions` positions need (pages a sequence grew
+        for positions it did not keep, such as a rejected speculative draft's); never the
+        cached pages nor a computed position's. Returns the pages freed."""
+        self._require_live(seq)
+        keep = max(_pages_for(max(positions, seq.computed), self.page_size), seq.cached_pages)
+        return self.table.truncate(seq.slot, keep)
 
     def commit(self, seq: CachedSequence, computed: int) -> int:
         """Record that the KV of positions [0, computed) is written and cache its whole pages.

@@ -481,7 +481,8 @@ class Engine:
             self._active_ids[request.request_id] = request.priority
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
-        if self.speculation.enabled:  # its prompt's n-grams, indexed here, not on the engine
+        if self.speculation.enabled and request.sampling.max_tokens > 1:  # else none to verify
+            # its prompt's n-grams, indexed here, not on the engine thread
             spec = self.speculation
             state.ngrams = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
             state.ngrams.extend(prompt, len(prompt))
@@ -905,10 +906,10 @@ class Engine:
 
     def _draft(self, plan: list[tuple[SampleState, int]]) -> None:
         """Give the plan's decoding samples a draft each to verify with their pending token
-        (worker/speculation.py), within the budget the plan leaves and the pages the pool
-        gives without preempting anyone."""
+        (worker/speculation.py), within the budget the plan leaves (and a prefill chunk's
+        length) and the free pages: a draft evicts nothing and preempts no one."""
         room = self.config.token_budget - sum(take for _, take in plan)
-        spec = self.speculation
+        spec, longest = self.speculation, self.config.max_prefill_chunk - 1
         for i, (sample, take) in enumerate(plan):
             if room <= 0:
                 return
@@ -916,7 +917,10 @@ class Engine:
                 continue
             sampling = sample.request.request.sampling
             context = self.max_model_len - len(sample.tokens)
-            limit = min(room, draft_limit(spec, sample.generated, sampling.max_tokens, context))
+            most = draft_limit(spec, sample.generated, sampling.max_tokens, context)
+            limit = min(room, longest, most)
+            if limit <= 0:
+                continue
             if sample.ngrams is None:  # the prompt's index: sample 0's own when it is alone
                 prompt = sample.request.ngrams
                 assert prompt is not None
@@ -926,17 +930,20 @@ class Engine:
             if not draft:
                 continue
             assert sample.seq is not None
-            try:
-                self.cache.grow(sample.seq, sample.computed + 1 + len(draft))
-            except OutOfPages:
+            mapped = len(self.cache.table.row(sample.seq.slot))
+            if cdiv(sample.computed + 1 + len(draft), self.config.page_size) - mapped > (
+                self.cache.pool.num_free
+            ):
                 continue
+            self.cache.grow(sample.seq, sample.computed + 1 + len(draft))
             sample.draft = draft
             plan[i] = (sample, 1 + len(draft))
             room -= len(draft)
 
     def _verify(self, sample: SampleState, chunk: Chunk, rows: torch.Tensor) -> None:
         """Draw a drafted sample's tokens from its rows in order, while each equals the draft
-        token at its place; its computed positions end after the last draft token kept."""
+        token at its place; its computed positions end after the last draft token kept, and
+        the pages past its next position go back to the pool."""
         draft = chunk.token_ids[1:]
         sample.computed = chunk.start + 1
         top = sample.request.request.sampling.logprobs
@@ -955,8 +962,10 @@ class Engine:
             accepted = i < len(draft) and token == draft[i]
             self._accepted_drafts += accepted
             if not accepted or sample.phase is not Phase.RUNNING:
-                return
+                break
             sample.computed += 1  # the draft token's KV, written this step, is the sample's
+        if sample.seq is not None:  # still running: as many pages as decoding would hold
+            self.cache.trim(sample.seq, sample.computed + 1)
 
     def _sampled(self, sample: SampleState, logits: torch.Tensor) -> None:
         assert sample.seq is not None

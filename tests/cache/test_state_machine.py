@@ -68,7 +68,7 @@ FAMILY_LENGTHS = (4, 64, 81)
 """`image_seq_len` of the Idefics3 family: the tiny checkpoint, SmolVLM-256M/500M, -2.2B."""
 FAKE, GLOBAL, ROW = 501, 502, 510
 """The wrapper token, the global image's tag and the first row tag of a vision prompt."""
-STEPS = {"count": 0}
+STEPS = {"count": 0, "drafts": 0}
 MOVED = {
     "demoted": 0, "promoted": 0, "adopted": 0, "host_evicted": 0, "host_reads": 0, "spilled": 0
 }  # fmt: skip
@@ -288,6 +288,42 @@ class CacheMachine(RuleBasedStateMachine):
             assert len(self.cache.table.row(run.seq.slot)) == rows_before
             self._end(run, finish=True)
 
+    @precondition(lambda self: any(len(r.seq.keys) - r.done == 1 for r in self.running))
+    @rule(
+        pick=st.integers(0, 100),
+        draft=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+        kept=st.integers(0, 6),
+        token=st.integers(0, 5),
+    )
+    def verify_draft(self, pick: int, draft: list[int], kept: int, token: int) -> None:
+        """A speculative step (worker/speculation.py): the pending token and a draft computed
+        together, the first `kept` draft tokens kept and one more token drawn, then the
+        sequence trimmed to what it keeps. The rejected draft's slots hold keys no sequence
+        has: a cached node must never read them."""
+        ready = [r for r in self.running if len(r.seq.keys) - r.done == 1]
+        run = ready[pick % len(ready)]
+        seq, ps, start = run.seq, self.page_size, run.done
+        try:
+            self.cache.grow(seq, start + 1 + len(draft))
+        except OutOfPages:
+            return
+        self._flush()
+        row = self.cache.table.row(seq.slot)
+        written = [seq.keys[start], *(1000 + t for t in draft)]  # a draft's keys: all wrong
+        kept = min(kept, len(draft))
+        for i, key in enumerate(written):
+            p = start + i
+            self._page(DEVICE, row[p // ps])[p % ps] = (seq.namespace, key, p)
+        drawn = [1000 + t for t in draft[:kept]] + [token]  # kept ones equal their draw
+        self.cache.append(seq, drawn)
+        run.tokens.extend(drawn)
+        run.done = start + 1 + kept
+        grown = len(row)
+        self.cache.trim(seq, run.done + 1)
+        wanted = max(-(-(run.done + 1) // ps), seq.cached_pages)
+        assert len(self.cache.table.row(seq.slot)) == min(grown, wanted)
+        STEPS["drafts"] += 1
+
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, 100))
     def fork(self, pick: int) -> None:
@@ -421,7 +457,7 @@ def _run(machine: type[CacheMachine], examples: int) -> int:
     would repeat the miss, and an edit of the machine could move every cell's coverage (the
     CI of the change that added the spilling machines drew no reuse inside an image at page
     1, three runs alike, where unseeded runs miss about one in five)."""
-    STEPS["count"] = 0
+    STEPS.update(dict.fromkeys(STEPS, 0))
     MOVED.update(dict.fromkeys(MOVED, 0))
     REUSED.update(dict.fromkeys(REUSED, 0))
     run_state_machine_as_test(
@@ -434,7 +470,8 @@ def _run(machine: type[CacheMachine], examples: int) -> int:
 
 
 def _reused_images() -> bool:
-    return bool(REUSED["image"] and REUSED["inside_image"])
+    """Also: a speculative draft was verified (`verify_draft`), which every run draws."""
+    return bool(REUSED["image"] and REUSED["inside_image"] and STEPS["drafts"])
 
 
 def test_random_operations_page_size_1() -> None:

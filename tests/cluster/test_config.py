@@ -36,6 +36,12 @@ from cluster.config import ClusterConfig, ConfigError, ModelSection, build, engi
         ("engine: {page_size: 3}", "engine.page_size: must be a power of two, got 3"),
         ("engine: {page_size: 4, block_size: 6}", "engine.block_size: must be a positive multiple"),
         ("engine: {host_pages: 1}", "engine.host_pages: must be 0 (no host tier) or >= 2"),
+        ("engine: {num_speculative_tokens: 65}", "engine.num_speculative_tokens: must be from 0"),
+        ("engine: {prompt_lookup_min: 0}", "engine.prompt_lookup_min: must be at least 1, got 0"),
+        (
+            "engine: {prompt_lookup_min: 5}",
+            "engine.prompt_lookup_min: 5 is above prompt_lookup_max (4)",
+        ),
         ("metrics: {worker_port: -1}", "metrics.worker_port: must be from 0 to 65535"),
         ("drain_timeout_s: -5", "drain_timeout_s: must be at least 0, got -5.0"),
         ("router: {text_index: {mode: fuzzy}}", "router.text_index.mode: 'fuzzy' is not one of"),

@@ -25,7 +25,7 @@ from worker.engine import Engine, EngineConfig
 from worker.model_runner import Chunk
 from worker.request import FINISH_LENGTH, FINISH_STOP, GenerateRequest
 from worker.sampling_params import SamplingParams, StructuredOutput
-from worker.speculation import CANDIDATES, NgramIndex, SpeculationConfig
+from worker.speculation import CANDIDATES, NgramIndex, SpeculationConfig, draft_limit
 from worker.tiny_model import tiny_model
 
 MODEL = tiny_model(LLAMA, seed=11)
@@ -119,6 +119,22 @@ def test_speculation_changes_the_steps_not_the_tokens(name: str) -> None:
         torch.testing.assert_close(logits, plain.logits[key], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["greedy", "seeded", "n=3"])
+def test_on_cuda_drafts_verified_by_the_prefill_kernel_give_the_decode_kernels_tokens(
+    name: str,
+) -> None:
+    """On a GPU a step with drafts runs the append-prefill kernel (its chunks are longer than
+    one token), a step without them the decode kernel (and its CUDA graph): the same tokens."""
+    model = tiny_model(LLAMA, seed=11).to("cuda")
+    requests = _requests(SAMPLINGS[name])
+    plain, _ = _run(_engine(0, model), requests)
+    engine = _engine(4, model)
+    drafted, _ = _run(engine, requests)
+    assert _streams(drafted) == _streams(plain)
+    assert engine.stats().accepted_draft_tokens > 0
+
+
 def test_a_draft_is_cut_at_max_tokens_and_the_length_finish_is_exact() -> None:
     for max_tokens in (1, 2, 3, 7):
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -141,6 +157,7 @@ def test_drafts_take_only_the_budget_the_plan_leaves() -> None:
     first = GenerateRequest("a", tuple([*REPEATING, 1]), sampling=SAMPLINGS["greedy"])
     late = GenerateRequest("b", tuple(range(30, 90)), sampling=SAMPLINGS["greedy"])
     chunks: dict[int, list[list[int]]] = {}
+    drafted: dict[int, int] = {}
     for k in (0, 6):
         engine = _engine(k, token_budget=budget, max_prefill_chunk=budget)
         recorder = Recorder()
@@ -157,11 +174,11 @@ def test_drafts_take_only_the_budget_the_plan_leaves() -> None:
 
         engine.runner.run = spy  # type: ignore[method-assign,assignment]
         drain(engine)
-        chunks[k] = seen
+        chunks[k], drafted[k] = seen, engine.stats().draft_tokens
         assert all(sum(step) <= budget for step in seen)
     # "b"'s prefill: the same chunks in the same steps
     assert [step[-1] for step in chunks[6][:3]] == [step[-1] for step in chunks[0][:3]]
-    assert any(step[0] > 1 for step in chunks[6]), "no draft was verified"
+    assert drafted == {0: 0, 6: drafted[6]} and drafted[6] > 0
 
 
 def test_a_pool_too_small_for_every_draft_still_gives_the_same_tokens() -> None:
@@ -225,6 +242,94 @@ def test_a_structured_output_and_stop_strings_come_out_the_same(tiny: Any) -> No
             o.text for o in drafted.outputs if o.request_id == "json" and o.index == index
         )
         jsonschema.validate(json.loads(out), schema)
+
+
+def test_a_follow_up_turn_reads_only_kept_draft_kv() -> None:
+    """The next turn's prompt is the first turn's prompt and answer: it reuses the KV the
+    drafted turn cached, which must hold the answer's tokens, not a rejected draft's. Its
+    logits equal those of the same turns served without drafts."""
+    sampling = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = [*REPEATING, 2]
+    runs = []
+    for k in (0, 4):
+        engine = _engine(k)
+        first, _ = _run(engine, [GenerateRequest("t1", tuple(prompt), sampling=sampling)])
+        follow = (*prompt, *first.tokens("t1"), 7, 8)
+        second, _ = _run(engine, [GenerateRequest("t2", follow, sampling=sampling)])
+        assert second.final("t2").cached_prompt_tokens > len(prompt)  # the answer's KV, reused
+        runs.append((first, second, engine.stats().accepted_draft_tokens))
+    assert runs[1][2] > 0
+    assert _streams(runs[1][1]) == _streams(runs[0][1])
+    for key, logits in runs[1][1].logits.items():
+        torch.testing.assert_close(logits, runs[0][1].logits[key], rtol=1e-4, atol=1e-4)
+
+
+def _spy_on_verify(engine: Engine) -> list[tuple[int, int, bool]]:
+    """Per verification: how many tokens its sample had generated before it, how many it
+    drew, and whether its sample ended there."""
+    verified: list[tuple[int, int, bool]] = []
+    verify = engine._verify
+
+    def spy(sample: Any, chunk: Chunk, rows: torch.Tensor) -> None:
+        before = sample.generated
+        verify(sample, chunk, rows)
+        verified.append((before, sample.generated - before, sample.seq is None))
+
+    engine._verify = spy  # type: ignore[method-assign]
+    return verified
+
+
+def test_a_stop_token_drawn_after_a_kept_draft_token_ends_the_sample_mid_draft() -> None:
+    """Find a prompt whose answer meets a new token right after a kept draft token (the
+    second or later draw of a step), stop on that token, and the sample ends there, mid-step,
+    with the tokens decoding gives."""
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    for _ in range(40):
+        prompt = tuple(rng.randrange(3, 60) for _ in range(6)) * 3
+        engine = _engine(4)
+        verified = _spy_on_verify(engine)
+        answer = _run(engine, [GenerateRequest("s", prompt, sampling=sampling)])[0].tokens("s")
+        after_kept = {at + row for at, drawn, _ in verified for row in range(1, drawn)}
+        found = [p for p, t in enumerate(answer) if p in after_kept and t not in answer[:p]]
+        if found:
+            break
+    else:
+        pytest.fail("no answer met a new token after a kept draft token")
+    stop = dataclasses.replace(sampling, stop_token_ids=(answer[found[0]],))
+    requests = [GenerateRequest("s", prompt, sampling=stop)]
+    plain, _ = _run(_engine(0), requests)
+    engine = _engine(4)
+    verified = _spy_on_verify(engine)
+    drafted, _ = _run(engine, requests)
+    assert _streams(drafted) == _streams(plain)
+    assert drafted.tokens("s") == answer[: found[0] + 1]
+    assert drafted.final("s").finish_reason == FINISH_STOP
+    _, drawn, ended = verified[-1]
+    assert ended and drawn >= 2, verified
+
+
+def test_drafts_stop_short_of_the_context() -> None:
+    """A request that fills the context to its last position (more is refused at submit)."""
+    sampling = SamplingParams(max_tokens=48 - 21, temperature=0.0, ignore_eos=True)
+    requests = [GenerateRequest("c", tuple([*REPEATING, 4]), sampling=sampling)]
+    plain, _ = _run(_engine(0, max_model_len=48), requests)
+    engine = _engine(8, max_model_len=48)
+    drafted, _ = _run(engine, requests)
+    assert _streams(drafted) == _streams(plain)
+    assert len(drafted.tokens("c")) == 48 - 21 and drafted.final("c").finish_reason == FINISH_LENGTH
+    assert engine.stats().accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("k", "generated", "max_tokens", "room", "expected"),
+    [(4, 0, 100, 1000, 4), (4, 95, 100, 1000, 4), (4, 96, 100, 1000, 3), (4, 99, 100, 1000, 0),
+     (4, 0, 100, 3, 2), (4, 0, 100, 1, 0), (0, 0, 100, 1000, 0)],
+)  # fmt: skip
+def test_a_draft_leaves_room_for_the_token_drawn_after_it(
+    k: int, generated: int, max_tokens: int, room: int, expected: int
+) -> None:
+    assert draft_limit(SpeculationConfig(k), generated, max_tokens, room) == expected
 
 
 def test_the_settings_are_checked_by_name() -> None:
