@@ -197,6 +197,47 @@ def test_a_pool_too_small_for_every_draft_still_gives_the_same_tokens() -> None:
     assert engine.stats().preemptions > 0 and engine.stats().accepted_draft_tokens > 0
 
 
+def test_drafts_take_free_pages_only() -> None:
+    """A pool full of cached prompts: decoding evicts for its pages, a draft never does (it is
+    cut to the pages the sequence has)."""
+    engine = _engine(6, num_pages=40, page_size=4)
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    rng = random.Random(5)
+    prompts = [tuple(rng.randrange(3, 300) for _ in range(28)) for _ in range(5)]
+    _run(engine, [GenerateRequest(f"w{i}", p, sampling=warm) for i, p in enumerate(prompts)])
+    assert engine.cache.pool.num_free < 8
+    evicted_by_drafts = []
+    draft = engine._draft
+
+    def spy(plan: list[Any]) -> None:
+        before = engine.cache.tree.evicted_pages
+        draft(plan)
+        evicted_by_drafts.append(engine.cache.tree.evicted_pages - before)
+
+    engine._draft = spy  # type: ignore[method-assign]
+    sampling = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    _run(engine, [GenerateRequest("d", (*REPEATING, 3), sampling=sampling)])
+    assert engine.cache.tree.evicted_pages > 0  # decoding evicted
+    assert not any(evicted_by_drafts) and engine.stats().accepted_draft_tokens > 0
+
+
+def test_between_steps_a_drafted_sample_holds_the_pages_decoding_would() -> None:
+    """A rejected draft's pages go back to the pool after its step: a running sample holds
+    no page past its next position."""
+    engine = _engine(6, page_size=2)
+    for request in _requests(SAMPLINGS["seeded"]):
+        engine.submit(request, lambda o: None)
+    ps, grown = engine.config.page_size, 0
+    while engine.step():
+        for sample in engine.scheduler.running:
+            if sample.prefilled and sample.seq is not None:
+                held = len(engine.cache.table.row(sample.seq.slot))
+                assert held <= max(-(-(sample.computed + 1) // ps), sample.seq.cached_pages)
+        grown = max(grown, engine.stats().draft_tokens - engine.stats().accepted_draft_tokens)
+    assert grown > 0, "no draft was rejected"
+    check_sequence_cache(engine.cache)
+
+
 def test_a_structured_output_and_stop_strings_come_out_the_same(tiny: Any) -> None:
     schema = {
         "type": "object",
