@@ -33,7 +33,6 @@ import json
 import queue
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -49,6 +48,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from benchmarks.model_source import model_source
 from cluster.client import Client, text_request
 from cluster.config import (
     ClusterConfig,
@@ -64,7 +64,6 @@ from worker.engine import Engine, EngineConfig
 from worker.loader import load_model
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling_params import SamplingParams
-from worker.tiny_model import build_tiny_checkpoint
 
 console = Console(stderr=True)
 ENGINE = EngineSection(num_pages=1024, page_size=16, max_running=8, max_model_len=1024)
@@ -257,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="'tiny', 'default' (SmolLM2) or a path")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
-    source = args.model
-    if source == "tiny":
-        source = str(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="radixmesh-tiny-"))))
+    source = model_source(args.model)
     engine = in_process(source, prompts(args.requests, 0, 2), args.tokens)
     served, http = through_ray(source, args.requests, args.tokens)
     grpc_overhead = {key: served[key] - engine[key] for key in engine}

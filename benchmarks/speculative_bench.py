@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,13 +37,13 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from benchmarks.model_source import model_source
 from cluster.loadtest.metrics import percentiles
 from worker.actor import SWITCH_INTERVAL_S
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel, load_model
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling_params import SamplingParams
-from worker.tiny_model import build_tiny_checkpoint
 
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
@@ -294,9 +293,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of tokens a second")
     args = parser.parse_args()
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as in the worker actor
-    source = args.model
-    if source == "tiny":
-        source = str(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="radixmesh-tiny-"))))
+    source = model_source(args.model)
     loaded = load_model(source)
     runs, reports = [], []
     with Progress(console=console, transient=True) as progress:

@@ -30,12 +30,12 @@ import itertools
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.model_source import model_source
 from cluster.progress import track
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel, load_model
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling_params import SamplingParams, StructuredOutput
-from worker.tiny_model import build_tiny_checkpoint
 from worker.tool_calls import Tool, tool_constraint
 
 console = Console(stderr=True)
@@ -61,11 +61,7 @@ TOOLS = (
 
 
 def loaded_model(name: str) -> LoadedModel:
-    if name == "tiny":
-        import tempfile
-
-        return load_model(build_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="structured-"))))
-    return load_model(name)
+    return load_model(model_source(name))
 
 
 def request(variant: str, tokens: int, rid: str) -> GenerateRequest:

@@ -946,19 +946,11 @@ class Engine:
         the pages past its next position go back to the pool."""
         draft = chunk.token_ids[1:]
         sample.computed = chunk.start + 1
-        top = sample.request.request.sampling.logprobs
         self._drafted += len(draft)
         for i, row in enumerate(rows):
-            position = len(sample.tokens)
-            if self.observe_logits is not None:
-                self.observe_logits(sample.request.request_id, sample.index, position, row)
-            try:
-                token = sample.sampler(row, position)
-            except GrammarRefused as err:
-                self._abort(sample.request, FINISH_ERROR, f"structured output: {err}")
+            token = self._draw(sample, row)
+            if token is None:
                 return
-            logprobs = () if top is None else (token_logprob(row, token, top),)
-            self._accept(sample, token, logprobs)
             accepted = i < len(draft) and token == draft[i]
             self._accepted_drafts += accepted
             if not accepted or sample.phase is not Phase.RUNNING:
@@ -975,18 +967,25 @@ class Engine:
             if sample.request.images is not None:  # its image positions are all computed
                 sample.request.images.encoded.clear()
         siblings = self._fork(sample) if not sample.request.forked else []
-        top_logprobs = sample.request.request.sampling.logprobs
         for each in (sample, *siblings):
-            position = len(each.tokens)
-            if self.observe_logits is not None:
-                self.observe_logits(each.request.request_id, each.index, position, logits)
-            try:
-                token = each.sampler(logits, position)
-            except GrammarRefused as err:
-                self._abort(sample.request, FINISH_ERROR, f"structured output: {err}")
+            if self._draw(each, logits) is None:
                 return
-            logprobs = () if top_logprobs is None else (token_logprob(logits, token, top_logprobs),)
-            self._accept(each, token, logprobs)
+
+    def _draw(self, sample: SampleState, logits: torch.Tensor) -> int | None:
+        """Draw the sample's next token from a logits row and accept it; None when a
+        structured output's grammar allowed nothing (its request is then ended)."""
+        position = len(sample.tokens)
+        if self.observe_logits is not None:
+            self.observe_logits(sample.request.request_id, sample.index, position, logits)
+        try:
+            token = sample.sampler(logits, position)
+        except GrammarRefused as err:
+            self._abort(sample.request, FINISH_ERROR, f"structured output: {err}")
+            return None
+        top = sample.request.request.sampling.logprobs
+        logprobs = () if top is None else (token_logprob(logits, token, top),)
+        self._accept(sample, token, logprobs)
+        return token
 
     def _fork(self, parent: SampleState) -> list[SampleState]:
         """At the end of sample 0's prompt, the other n - 1 samples start from its pages."""
