@@ -776,11 +776,14 @@ class Engine:
         """Account each sample's computed positions; score the prompt of each whose chunk has
         a row per token; draw the next token of each that has a row of logits (a chunk that
         ends its prompt, or a decode)."""
-        at = 0
+        at, computed = 0, []
         for (sample, take), chunk in zip(plan, chunks, strict=True):
             sample.computed += take
-            rows = logits[at : at + chunk.rows]
-            at += rows.shape[0]
+            computed.append((sample, chunk, logits[at : at + chunk.rows]))
+            at += chunk.rows
+        if self.speculation.enabled:  # drafted samples first: the pages past what they keep
+            computed.sort(key=lambda item: not item[1].drafted)  # go back before a fork takes any
+        for sample, chunk, rows in computed:
             if sample.phase is not Phase.RUNNING or not chunk.rows:
                 continue
             try:
@@ -907,7 +910,7 @@ class Engine:
     def _draft(self, plan: list[tuple[SampleState, int]]) -> None:
         """Give the plan's decoding samples a draft each to verify with their pending token
         (worker/speculation.py), within the budget the plan leaves (and a prefill chunk's
-        length) and the free pages: a draft evicts nothing and preempts no one."""
+        length) and the free pages: a draft is cut to what they hold, and evicts nothing."""
         room = self.config.token_budget - sum(take for _, take in plan)
         spec, longest = self.speculation, self.config.max_prefill_chunk - 1
         for i, (sample, take) in enumerate(plan):
@@ -926,14 +929,11 @@ class Engine:
                 assert prompt is not None
                 alone = sample.request.request.sampling.n == 1
                 sample.ngrams = prompt if alone else prompt.copy()
-            draft = sample.ngrams.propose(sample.tokens, limit)
-            if not draft:
-                continue
             assert sample.seq is not None
-            mapped = len(self.cache.table.row(sample.seq.slot))
-            if cdiv(sample.computed + 1 + len(draft), self.config.page_size) - mapped > (
-                self.cache.pool.num_free
-            ):
+            mapped = len(self.cache.table.row(sample.seq.slot)) + self.cache.pool.num_free
+            fits = mapped * self.config.page_size - sample.computed - 1  # with no eviction
+            draft = sample.ngrams.propose(sample.tokens, min(limit, fits))
+            if not draft:
                 continue
             self.cache.grow(sample.seq, sample.computed + 1 + len(draft))
             sample.draft = draft
