@@ -311,3 +311,21 @@ def test_start_keys_takes_keys_made_earlier_and_keeps_its_own_copy() -> None:
     with pytest.raises(TypeError, match="give tokens to start"):
         cache.start_keys([1, 2, 3])  # type: ignore[arg-type]
     check_sequence_cache(cache)
+
+
+def test_trim_frees_only_private_pages_past_a_length() -> None:
+    """What a rejected speculative draft's pages go back by: never a cached page, nor one
+    holding a computed position."""
+    cache = make(page_size=4)
+    seq = cache.start(list(range(10)))  # 3 pages
+    cache.commit(seq, 8)  # 2 of them cached
+    cache.grow(seq, 30)  # 8 pages
+    free = cache.pool.num_free
+    assert cache.trim(seq, 13) == 4 and len(cache.table.row(seq.slot)) == 4
+    assert cache.trim(seq, 1) == 2  # down to the computed positions' pages, the cached ones
+    assert cache.trim(seq, 0) == 0 and len(cache.table.row(seq.slot)) == seq.cached_pages == 2
+    assert cache.pool.num_free == free + 6
+    check_sequence_cache(cache)
+    cache.finish(seq)
+    assert cache.pool.num_private == 0
+    check_sequence_cache(cache)
