@@ -927,8 +927,7 @@ class Engine:
             if sample.ngrams is None:  # the prompt's index: sample 0's own when it is alone
                 prompt = sample.request.ngrams
                 assert prompt is not None
-                alone = sample.request.request.sampling.n == 1
-                sample.ngrams = prompt if alone else prompt.copy()
+                sample.ngrams = prompt if sampling.n == 1 else prompt.copy()
             assert sample.seq is not None
             mapped = len(self.cache.table.row(sample.seq.slot)) + self.cache.pool.num_free
             fits = mapped * self.config.page_size - sample.computed - 1  # with no eviction

@@ -1,9 +1,10 @@
 """Speculative decoding by n-gram lookup (vLLM's `method: ngram`, "prompt lookup decoding").
 
-A decoding sample whose last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
-occurred earlier in its prompt or output proposes the tokens that followed them then, up to
-`num_speculative_tokens`: a draft. The step computes the sample's pending token and its draft
-in one chunk, with logits at every row, and the engine draws from them in order:
+A decoding sample whose last tokens (at least `prompt_lookup_min` of them, the longest match
+up to `prompt_lookup_max` preferred: `NgramIndex`) occurred earlier in its prompt or output
+proposes the tokens that followed them then, up to `num_speculative_tokens`: a draft. The
+step computes the sample's pending token and its draft in one chunk, with logits at every row,
+and the engine draws from them in order:
 
     chunk      [ t  d1  d2  d3 ]          t: the pending token; d: the draft
     row i      logits after t, d1 .. di
