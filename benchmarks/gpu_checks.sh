@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine runs in one call (docs/kernels.md, "On a GPU machine without the
-# project's environment"): the `gpu` tests named below (default: the KV copies and the engine on
-# CUDA), then the copy-stream benchmark. Wheels under .whl/ are installed to /tmp/site first when
-# present; logs and the benchmark's JSON go to $OUT (default ./out).
+# project's environment"): the `gpu` tests under the paths named (default: every one, in tests/),
+# then the benchmarks in $BENCHES (default: the drafted-step benchmark). Wheels under .whl/ are
+# installed to /tmp/site first when present; logs and the benchmarks' JSON go to $OUT (default
+# ./out). The tests that read the whole device's memory run alone first; the rest in
+# $WORKERS pytest-xdist processes (default 6: compiling the Triton kernels is most of the time).
 # Run: bash benchmarks/gpu_checks.sh [pytest paths...]
 set -u
 OUT=${OUT:-out}
@@ -16,10 +18,18 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 tests=("$@")
-[ ${#tests[@]} -eq 0 ] && tests=(tests/worker/test_kv_copies.py tests/worker/test_engine_equivalence.py)
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider "${tests[@]}" \
-    2>&1 | tee "$OUT/tests.log" | tail -25
-timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/copy_stream_bench.py --repeats "${REPEATS:-5}" \
-    >"$OUT/copy_stream.json" 2>"$OUT/copy_stream.log"
-echo "copy_stream_bench exit $?"
-tail -30 "$OUT/copy_stream.log"
+[ ${#tests[@]} -eq 0 ] && tests=(tests)
+alone=tests/worker/test_kv_sizing.py  # total - free of the device: no other process may hold any
+began=$SECONDS
+timeout "${TEST_TIMEOUT:-300}" bash -c '
+    python3 -m pytest -q -m gpu -p no:cacheprovider "$0" 2>&1
+    python3 -m pytest -q -m gpu -p no:cacheprovider -n "$1" --durations=15 --ignore="$0" "${@:2}" 2>&1
+' "$alone" "${WORKERS:-6}" "${tests[@]}" | tee "$OUT/tests.log" | grep -v "^\(PASSED\|SKIPPED\)" | tail -45
+echo "tests took $((SECONDS - began)) s"
+read -r -a benches <<<"${BENCHES:-draft_step_bench.py}"
+for bench in "${benches[@]}"; do
+    name=${bench%.py}
+    timeout "${BENCH_TIMEOUT:-240}" python3 "benchmarks/$bench" >"$OUT/$name.json" 2>"$OUT/$name.log"
+    echo "$bench exit $?"
+    tail -40 "$OUT/$name.log"
+done

@@ -16,6 +16,7 @@ CUDA_ONLY = {
     "kernels_bench.py": ["--quick"],
     "copy_stream_bench.py": ["--repeats", "1"],
     "gpu_decode_bench.py": ["--repeats", "1"],
+    "draft_step_bench.py": ["--steps", "1"],
     "quant_matmul_gpu_bench.py": ["--quick"],
 }
 
