@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--k", type=int, nargs="+", default=[4, 8], help="draft lengths")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--weights", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--weights", nargs="+", default=["float32", "bf16"], choices=("float32", "bf16")
+    )
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks a lent GPU machine runs in one call (docs/kernels.md, "On a GPU machine without the
-# project's environment"): the `gpu` tests under the paths named (default: every one, in tests/),
+# project's environment"): the `gpu` tests under the paths named (default: every file with one),
 # then the benchmarks in $BENCHES (default: the drafted-step benchmark). Wheels under .whl/ are
 # installed to /tmp/site first when present; logs and the benchmarks' JSON go to $OUT (default
 # ./out). The tests that read the whole device's memory run alone first; the rest in
@@ -18,7 +18,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 tests=("$@")
-[ ${#tests[@]} -eq 0 ] && tests=(tests)
+[ ${#tests[@]} -eq 0 ] && mapfile -t tests < <(grep -rl "mark.gpu" tests --include="test_*.py" | sort)
 alone=tests/worker/test_kv_sizing.py  # total - free of the device: no other process may hold any
 began=$SECONDS
 timeout "${TEST_TIMEOUT:-300}" bash -c '
