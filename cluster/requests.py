@@ -40,11 +40,11 @@ from protos.radixmesh.v1 import serving_pb2
 from worker import validation
 from worker.errors import InvalidRequest
 from worker.images import CheckedImage
-from worker.request import GenerateRequest
+from worker.request import GenerateRequest, PoolingParams
 from worker.sampling_params import SamplingParams
 from worker.tool_calls import check_tools, tool_constraint
 from worker.validation import RequestLimits
-from worker.wire import sampling_from_proto, tools_from_proto
+from worker.wire import pooling_from_proto, sampling_from_proto, tools_from_proto
 
 if TYPE_CHECKING:
     from cluster.text_prompts import TextPrompts, TextTurn
@@ -66,6 +66,8 @@ class ModelLimits:
     max_model_len: int
     vision: ModelVision | None = None
     """Their vision model (None: a text model, images refused)."""
+    hidden_size: int = 0
+    """An embedding's length (0: a worker did not say)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class PreparedRequest:
     them); None: a text prompt, whose ids are its keys."""
     priority: int = 0
     """The client's scheduling priority, lower first (`limits.priorities` allowed it)."""
+    pooling: PoolingParams | None = None
+    """Set for an embedding request (serving.proto's GenerateRequest.pooling)."""
 
     @property
     def routing_keys(self) -> Sequence[int]:
@@ -136,6 +140,7 @@ def prepare(
         add_generation_prompt=not message.HasField("add_generation_prompt")
         or message.add_generation_prompt,
         priority=message.priority,
+        pooling=pooling_from_proto(message),
         **prompt,
     )
     if request.template_variables is not None and request.messages is None:
@@ -151,7 +156,7 @@ def prepare(
     if text_prompts is not None and not images and message.WhichOneof("prompt") in ("text", "chat"):
         encoder = text_prompts.encoder(request.namespace, text_prompts.mode(message.text_match))
     ids = validation.prompt_ids(request, encoder or tokenizer, limits, images)
-    if fill_context and not message.sampling.HasField("max_tokens"):
+    if fill_context and not message.sampling.HasField("max_tokens") and not request.pooling:
         room = max(1, limits.max_model_len - len(ids))
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))
     if not counting:
@@ -177,6 +182,7 @@ def prepare(
         request.images,
         keys,
         request.priority,
+        request.pooling,
     )
 
 

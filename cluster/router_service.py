@@ -204,6 +204,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             self.engine,
             vision.spec if vision else None,
             vision.limits if vision else None,
+            hidden_size=model.hidden_size,
         )
 
     async def count_prompt(

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from cluster.requests import PreparedRequest
 from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.request import Resume
-from worker.wire import namespace_to_proto, resume_to_proto, sampling_to_proto
+from worker.wire import namespace_to_proto, pooling_to_proto, resume_to_proto, sampling_to_proto
 
 
 @dataclass
@@ -73,6 +73,7 @@ class StreamProgress:
                     prompt_block_hashes=prompt_block_hashes,
                     images=p.images,
                     priority=p.priority,
+                    pooling=pooling_to_proto(p.pooling) if p.pooling is not None else None,
                 )
             ]
         alone = sampling_to_proto(p.sampling)

@@ -260,13 +260,14 @@ class WorkerLinks:
         model's spec is the cluster's: `_checked` said so)."""
         vision = ModelVision.of(info)
         if self.limits is None:
-            return ModelLimits(info.vocab_size, info.max_model_len, vision)
+            return ModelLimits(info.vocab_size, info.max_model_len, vision, info.hidden_size)
         if vision is not None and self.limits.vision is not None:
             vision = self.limits.vision.smallest(vision)
         return ModelLimits(
             min(self.limits.vocab_size, info.vocab_size),
             min(self.limits.max_model_len, info.max_model_len),
             vision,
+            min(self.limits.hidden_size, info.hidden_size),
         )
 
     @staticmethod

@@ -67,6 +67,7 @@ from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
 from worker.penalties import Penalties
+from worker.pooling import pooled
 from worker.reasoning import (
     CLOSE,
     ReasoningSplit,
@@ -359,6 +360,7 @@ class Engine:
             vision.spec if vision is not None else None,
             config.image_limits(),
             self.eos_token_ids,
+            model.config.hidden_size,
         )
         self._wake = threading.Event()
         self.embedder = (
@@ -481,8 +483,9 @@ class Engine:
             self._active_ids[request.request_id] = request.priority
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
-        if self.speculation.enabled and request.sampling.max_tokens > 1:  # else none to verify
-            # its prompt's n-grams, indexed here, not on the engine thread
+        if self.speculation.enabled and request.sampling.max_tokens > 1 and not request.pooling:
+            # its prompt's n-grams, indexed here, not on the engine thread (none to verify
+            # for one token, or for an embedding)
             spec = self.speculation
             state.ngrams = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
             state.ngrams.extend(prompt, len(prompt))
@@ -663,13 +666,18 @@ class Engine:
     # -- validation (caller's thread) ----------------------------------------------------------
     def _validate(self, request: GenerateRequest, prompt: list[int]) -> None:
         validation.validate(request, prompt, self.limits)
-        positions = len(prompt) - request.generated_before + request.sampling.max_tokens
+        positions = len(prompt) - request.generated_before
+        if request.pooling is None:
+            positions += request.sampling.max_tokens
         pages = cdiv(positions, self.config.page_size)
         if pages > self.cache.pool.usable_pages:
+            field, what = (
+                ("max_tokens", "prompt and max_tokens")
+                if request.pooling is None
+                else ("input", "the input")
+            )
             raise InvalidRequest(
-                "max_tokens",
-                f"prompt and max_tokens need {pages} pages; the pool holds "
-                f"{self.cache.pool.usable_pages}",
+                field, f"{what} need {pages} pages; the pool holds {self.cache.pool.usable_pages}"
             )
 
     # -- the engine thread ---------------------------------------------------------------------
@@ -758,44 +766,66 @@ class Engine:
             # pages demoted while growing: read before this pass may write them again
             self.runner.copy_pages(self.cache.take_tier_copies())
             began = time.perf_counter()
-            logits = self.runner.run(chunks)
+            hidden = None
+            if any(sample.request.request.pooling is not None for sample, _ in plan):
+                logits, hidden = self.runner.run_pooled(chunks)
+            else:
+                logits = self.runner.run(chunks)
         except Exception as err:
             log.exception("forward pass failed; failing the %d samples of the step", len(plan))
             for sample, _ in plan:
                 self._abort(sample.request, FINISH_ERROR, f"forward pass failed: {err}")
             return True
-        self._sample_all(plan, chunks, logits)
+        self._sample_all(plan, chunks, logits, hidden)
         # after sampling, which waits for the device: the pass's whole time
         computed = sum(take for _, take in plan)
         self.tier_costs.observe_pass(computed, time.perf_counter() - began)
         return True
 
     def _sample_all(
-        self, plan: list[tuple[SampleState, int]], chunks: list[Chunk], logits: torch.Tensor
+        self,
+        plan: list[tuple[SampleState, int]],
+        chunks: list[Chunk],
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None = None,
     ) -> None:
         """Account each sample's computed positions; score the prompt of each whose chunk has
         a row per token; draw the next token of each that has a row of logits (a chunk that
-        ends its prompt, or a decode)."""
+        ends its prompt, or a decode), or pool an embedding request's from `hidden`, the
+        final hidden states the logits were read from, row for row."""
         at, computed = 0, []
         for (sample, take), chunk in zip(plan, chunks, strict=True):
             sample.computed += take
-            computed.append((sample, chunk, logits[at : at + chunk.rows]))
+            computed.append((sample, chunk, at))
             at += chunk.rows
         if self.speculation.enabled:  # drafted samples first: the pages past what they keep
             computed.sort(key=lambda item: not item[1].drafted)  # go back before a fork takes any
-        for sample, chunk, rows in computed:
+        for sample, chunk, at in computed:
             if sample.phase is not Phase.RUNNING or not chunk.rows:
                 continue
+            last = hidden[at + chunk.rows - 1] if hidden is not None else None
             try:
-                if chunk.drafted:
-                    self._verify(sample, chunk, rows)
-                elif chunk.every_row:
-                    self._score_prompt(sample.request, chunk, rows)
-                if chunk.sample and not chunk.drafted:
-                    self._sampled(sample, rows[-1])
+                self._sample_chunk(sample, chunk, logits[at : at + chunk.rows], last)
             except Exception as err:  # this request's outputs cannot be made: end it alone
                 log.exception("sampling or decoding for %s failed", sample.request.request_id)
                 self._abort(sample.request, FINISH_ERROR, f"{type(err).__name__}: {err}")
+
+    def _sample_chunk(
+        self, sample: SampleState, chunk: Chunk, rows: torch.Tensor, last: torch.Tensor | None
+    ) -> None:
+        """What one chunk's logits `rows` (and its last row's hidden state) give its sample."""
+        if chunk.drafted:
+            self._verify(sample, chunk, rows)
+            return
+        if chunk.every_row:
+            self._score_prompt(sample.request, chunk, rows)
+        if not chunk.sample:
+            return
+        if sample.request.request.pooling is None:
+            self._sampled(sample, rows[-1])
+        else:
+            assert last is not None, "a step with an embedding request pools its hidden states"
+            self._pooled(sample, last)
 
     @staticmethod
     def _score_prompt(state: RequestState, chunk: Chunk, rows: torch.Tensor) -> None:
@@ -959,16 +989,31 @@ class Engine:
             self.cache.trim(sample.seq, sample.computed + 1)
 
     def _sampled(self, sample: SampleState, logits: torch.Tensor) -> None:
-        assert sample.seq is not None
         if not sample.prefilled:
-            self.cache.commit(sample.seq, sample.computed)
-            sample.prefilled = True
-            if sample.request.images is not None:  # its image positions are all computed
-                sample.request.images.encoded.clear()
+            self._prefilled(sample)
         siblings = self._fork(sample) if not sample.request.forked else []
         for each in (sample, *siblings):
             if self._draw(each, logits) is None:
                 return
+
+    def _prefilled(self, sample: SampleState) -> None:
+        """The sample's prompt is computed: into the cache with it."""
+        assert sample.seq is not None
+        self.cache.commit(sample.seq, sample.computed)
+        sample.prefilled = True
+        if sample.request.images is not None:  # its image positions are all computed
+            sample.request.images.encoded.clear()
+
+    def _pooled(self, sample: SampleState, hidden: torch.Tensor) -> None:
+        """An embedding request's end, at its prompt's end: its one output is the embedding
+        pooled from the last token's final hidden state (worker/pooling.py); its prompt's KV
+        stays in the cache as any finished prompt's does."""
+        self._prefilled(sample)
+        params = sample.request.request.pooling
+        assert params is not None
+        embedding = pooled(hidden, params)
+        self._finish_sample(sample, FINISH_STOP)
+        self._emit(sample, (), "", FINISH_STOP, embedding=embedding)
 
     def _draw(self, sample: SampleState, logits: torch.Tensor) -> int | None:
         """Draw the sample's next token from a logits row and accept it; None when a
@@ -1077,9 +1122,10 @@ class Engine:
         scored_prompt: bool = False,
         thought: str = "",
         thinking: int = 0,
+        embedding: tuple[float, ...] = (),
     ) -> None:
         """Stream one output (`thought`: its reasoning, apart from `text`; `thinking`: how many
-        tokens it makes the reasoning's). A sample's last one
+        tokens it makes the reasoning's; `embedding`: an embedding request's). A sample's last one
         goes out after the sample is finished: its pages are back in the pool and its request
         id free by the time a client sees the end."""
         request = sample.request
@@ -1101,6 +1147,7 @@ class Engine:
             prompt_token_ids=tuple(request.prompt_ids) if scored_prompt else (),
             reasoning_text=thought,
             reasoning_tokens=thinking,
+            embedding=embedding,
         )
         try:
             request.sink(output)

@@ -279,6 +279,19 @@ class CausalLM(nn.Module):
         """Float32 logits [len(batch.logits_indices), vocab] of one step; writes its K/V.
         With `lora`, rows in adapter segments get their adapter's terms. `layer_ready(l)` is
         called before layer l (the copy stream's wait: worker/kv_copies.py)."""
+        return self.logits(self.hidden_states(batch, kv_caches, lora, layer_ready))
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        batch: ForwardBatch,
+        kv_caches: list[KvCache],
+        lora: LoraStacks | None = None,
+        layer_ready: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """[len(batch.logits_indices), hidden] the final norm's output at the logits rows, in
+        the model's dtype: what the head reads, and what an embedding is pooled from. Writes
+        the step's K/V, as `forward`."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for {self.config.num_layers} layers")
         x = self.model.embed_tokens(batch.input_ids).to(self.dtype)  # a bf16 table: upcast
@@ -299,7 +312,11 @@ class CausalLM(nn.Module):
                 if layer_ready is not None:
                     layer_ready(i)
                 x = layer(x, step, cache)
-        x = self.model.norm(x[batch.logits_indices])
+        return self.model.norm(x[batch.logits_indices])
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of `hidden_states` rows."""
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(x)
             return logits.float()

@@ -221,12 +221,22 @@ class ModelRunner:
     def run(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """Compute the chunks' K/V; float32 logits in chunk order: a row for each sampling
         chunk's last token, and for every token of an `every_row` or drafted chunk."""
+        return self.model.logits(self.hidden_states(chunks))
+
+    def run_pooled(self, chunks: Sequence[Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run`'s logits and, row for row, the final hidden states they were read from (an
+        embedding request's output: worker/pooling.py)."""
+        hidden = self.hidden_states(chunks)
+        return self.model.logits(hidden), hidden
+
+    def hidden_states(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         batch = self.build_batch(chunks)
         if not self.copier.pending:
-            return self.model(batch, self.kv, self.lora)
-        logits = self.model(batch, self.kv, self.lora, layer_ready=self.copier.layer_ready)
+            return self.model.hidden_states(batch, self.kv, self.lora)
+        ready = self.copier.layer_ready
+        hidden = self.model.hidden_states(batch, self.kv, self.lora, layer_ready=ready)
         self.copier.forward_done()
-        return logits
+        return hidden
 
 
 def _check_embeds(chunk: Chunk) -> None:

@@ -33,6 +33,18 @@ class Resume:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """An embedding request's (vLLM's pooling parameters): the prompt's last token's final
+    hidden state is its output, and no token is generated (worker/pooling.py)."""
+
+    dimensions: int | None = None
+    """Keep the first this many values (a Matryoshka-trained model's shorter embedding);
+    None: all of the model's hidden size."""
+    normalize: bool = True
+    """Scale to unit L2 norm (after the cut), as vLLM's embed task does by default."""
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """Exactly one of `prompt_token_ids`, `prompt` (text) or `messages` (chat) is set."""
 
@@ -64,6 +76,9 @@ class GenerateRequest:
     priority: int = 0
     """Lower is served earlier, under the `priority` scheduling policy (vLLM's); any other
     value than 0 is refused under `fcfs` (worker/scheduler.py)."""
+    pooling: PoolingParams | None = None
+    """Set for an embedding request: the prompt's embedding is its one output (`sampling`
+    is not used but for `n`, which must be 1)."""
 
     @property
     def generated_before(self) -> int:
@@ -117,3 +132,5 @@ class RequestOutput:
     previous message (`text` holds only what comes after its `</think>`)."""
     reasoning_tokens: int = 0
     """Of `token_ids`, those of the reasoning (with `separate_reasoning`, of a thinking model)."""
+    embedding: tuple[float, ...] = ()
+    """An embedding request's output, on its one (finished) message."""

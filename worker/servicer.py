@@ -36,6 +36,7 @@ from worker.wire import (
     adapter_info_to_proto,
     namespace_from_proto,
     output_to_proto,
+    pooling_from_proto,
     resume_from_proto,
     sampling_from_proto,
 )
@@ -80,6 +81,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 prompt_block_hashes=tuple(request.prompt_block_hashes),
                 images=tuple(request.images),
                 priority=request.priority,
+                pooling=pooling_from_proto(request),
             )
             # decoding and checking images, and compiling a structured output's grammar,
             # never stall the event loop
@@ -221,6 +223,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_model_len=self.engine.max_model_len,
             max_running=self.engine.config.max_running,
             vision=vision_info(self.engine),
+            hidden_size=self.engine.limits.hidden_size,
         )
 
     async def Abort(

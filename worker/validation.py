@@ -137,6 +137,9 @@ class RequestLimits:
     priorities: bool = False
     """Whether a request may carry a priority other than 0 (the "priority" scheduling
     policy)."""
+    hidden_size: int = 0
+    """The model's hidden size, an embedding's length (0: not known here, as on a router
+    whose workers did not say; the worker checks `dimensions` then)."""
 
     @classmethod
     def of(
@@ -147,6 +150,7 @@ class RequestLimits:
         image_spec: ImagePromptSpec | None = None,
         images: ImageLimits | None = None,
         end_token_ids: Iterable[int] = (),
+        hidden_size: int = 0,
     ) -> RequestLimits:
         """The model's limits with the operator's: what the router and every worker check."""
         stop = StopLimits(settings.max_stop_strings, settings.max_stop_chars)
@@ -159,6 +163,7 @@ class RequestLimits:
             images if images is not None else ImageLimits(),
             frozenset(end_token_ids),
             settings.scheduling_policy == "priority",
+            hidden_size,
         )
 
 
@@ -450,6 +455,9 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
     if not prompt:
         raise InvalidRequest("prompt", "is empty")
     check_priority(request.priority, limits)
+    if request.pooling is not None:
+        validate_embedding(request, prompt, limits)
+        return
     generated = _check_resume(request, len(prompt))
     original = len(prompt) - generated
     if original >= limits.max_model_len:  # before the scan below: a huge prompt costs no loop
@@ -459,12 +467,8 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
             f"tokens, which leave no room to generate. {SHORTEN}",
             f"prompt is too long: {original} tokens > {limits.max_model_len - 1} maximum",
         )
+    _check_vocabulary(prompt, limits.vocab_size)
     vocab_size = limits.vocab_size
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(
-            "prompt_token_ids", f"token {bad} is outside the vocabulary [0, {vocab_size})"
-        )
     max_tokens = request.sampling.max_tokens
     if isinstance(max_tokens, int) and max_tokens > limits.max_model_len - original:
         raise ContextOverflow(
@@ -485,6 +489,52 @@ def validate(request: GenerateRequest, prompt: Sequence[int], limits: RequestLim
             "allowed_token_ids",
             f"every allowed token ends the sample, and min_tokens {sampling.min_tokens} "
             "holds them back: nothing could be drawn",
+        )
+
+
+def validate_embedding(
+    request: GenerateRequest, prompt: Sequence[int], limits: RequestLimits
+) -> None:
+    """An embedding request's prompt fits the context (all of it: nothing is generated), and
+    it asks for nothing of generation's but one sample."""
+    assert request.pooling is not None
+    if len(prompt) > limits.max_model_len:
+        raise ContextOverflow(
+            "input",
+            f"{CONTEXT_IS.format(limits.max_model_len)} However, you requested "
+            f"{len(prompt)} tokens in the input for embedding generation. Please reduce the "
+            "length of the input.",
+            f"input is too long: {len(prompt)} tokens > {limits.max_model_len} maximum",
+        )
+    _check_vocabulary(prompt, limits.vocab_size)
+    sampling = request.sampling
+    if request.resume is not None:
+        raise InvalidRequest("resume", "an embedding request generates nothing to resume")
+    if sampling.n != 1:
+        raise InvalidRequest("n", f"an embedding request has one output, not {sampling.n}")
+    asked = {
+        "logprobs": sampling.logprobs is not None,
+        "prompt_logprobs": sampling.prompt_logprobs is not None,
+        "structured": sampling.structured is not None,
+        "tools": bool(request.tools),
+    }
+    for name, given in asked.items():
+        if given:
+            raise InvalidRequest(name, "is for generating text, not for an embedding request")
+    dimensions, hidden = request.pooling.dimensions, limits.hidden_size
+    if dimensions is not None and dimensions < 1:
+        raise InvalidRequest("dimensions", f"{dimensions}: an embedding keeps at least 1 value")
+    if dimensions is not None and hidden and dimensions > hidden:
+        raise InvalidRequest(
+            "dimensions", f"{dimensions}: this model's embeddings have {hidden} values"
+        )
+
+
+def _check_vocabulary(prompt: Sequence[int], vocab_size: int) -> None:
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            "prompt_token_ids", f"token {bad} is outside the vocabulary [0, {vocab_size})"
         )
 
 

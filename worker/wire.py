@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from cache import CacheNamespace
 from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.errors import InvalidRequest
-from worker.request import RequestOutput, Resume, TokenLogprob
+from worker.request import PoolingParams, RequestOutput, Resume, TokenLogprob
 from worker.sampling_params import SamplingParams, StructuredOutput
 from worker.tool_calls import NO_PARAMETERS, Tool
 
@@ -118,6 +118,25 @@ def resume_to_proto(resume: Resume) -> worker_pb2.Resume:
     return worker_pb2.Resume(sample_index=resume.sample_index, generated=resume.generated)
 
 
+def pooling_from_proto(
+    message: serving_pb2.GenerateRequest | worker_pb2.WorkerGenerateRequest,
+) -> PoolingParams | None:
+    """The request's pooling parameters; None: it generates (no `pooling` field)."""
+    if not message.HasField("pooling"):
+        return None
+    pooling = message.pooling
+    dimensions = pooling.dimensions if pooling.HasField("dimensions") else None
+    normalize = not pooling.HasField("normalize") or pooling.normalize
+    return PoolingParams(dimensions, normalize)
+
+
+def pooling_to_proto(params: PoolingParams) -> serving_pb2.PoolingParams:
+    message = serving_pb2.PoolingParams(normalize=params.normalize)
+    if params.dimensions is not None:
+        message.dimensions = params.dimensions
+    return message
+
+
 def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
     message = serving_pb2.SamplingParams(
         max_tokens=params.max_tokens,
@@ -175,6 +194,7 @@ def output_to_proto(
         prompt_token_ids=list(output.prompt_token_ids),
         reasoning_text=output.reasoning_text,
         reasoning_tokens=output.reasoning_tokens,
+        embedding=output.embedding,
     )
 
 

@@ -44,6 +44,8 @@ from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.http import anthropic_routes, openai_params, responses_routes
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.body_limit import BodyLimit
+from cluster.http.embeddings import embed_all, embedding_requests, embedding_response
+from cluster.http.embeddings_schema import EmbeddingRequest
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.image_parts import image_body_bytes
 from cluster.http.openai_responses import (
@@ -235,6 +237,19 @@ class HttpApi:
             logprobs,
             openai_params.refusal_names(body),
         )
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        """OpenAI's embeddings: one embedding request per input (cluster/http/embeddings.py)."""
+        caller = self.caller(request)
+        adapter = self.check_model(body.model)
+        messages = embedding_requests(body, self.request_id(request), self.tenant(request))
+        for message in messages:
+            message.namespace.adapter = adapter or ""
+        counts = Counts()
+        work = embed_all(lambda message: self.start(message, caller), messages, counts)
+        outputs = await self.finish(request, work)
+        form, model = body.encoding_format, adapter or self.model
+        return await _answer(lambda: embedding_response(outputs, counts, form, model), counts, True)
 
     async def echo_text(self, message: serving_pb2.GenerateRequest) -> str:
         """The prompt as an echoing completion begins with it: as sent, or token ids decoded
@@ -516,6 +531,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app = FastAPI(title="radixmesh", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/embeddings", api.embeddings, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.retrieve_model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])

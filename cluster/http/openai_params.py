@@ -239,7 +239,7 @@ def completion_requests(
     alone = request.echo and request.max_tokens == 0  # the prompt alone: one token, dropped
     params = sampling(request, 1 if alone else request.max_tokens, request.logprobs)
     if request.echo and request.logprobs is not None:  # the prompt's logprobs too
-        _check_range("logprobs", [request.logprobs], _INT32)
+        check_range("logprobs", [request.logprobs], _INT32)
         params.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)
     messages = []
     for i, prompt in enumerate(prompts):
@@ -249,7 +249,7 @@ def completion_requests(
         if isinstance(prompt, str):
             message.text = prompt
         else:
-            _check_range("prompt", prompt, _INT64)
+            check_range("prompt", prompt, _INT64)
             message.token_ids.ids.extend(prompt)
         message.namespace.tenant = tenant
         message.text_match = TEXT_MATCH[request.text_match]
@@ -289,18 +289,18 @@ def sampling(
         message.skip_special_tokens = False
     for name, value in ints.items():
         if value is not None:
-            _check_range(name, [value], _INT32)
+            check_range(name, [value], _INT32)
             setattr(message, name, value)
     for name, float_value in floats.items():
         if float_value is not None:
             setattr(message, name, float_value)
     if request.seed is not None:  # OpenAI takes any 64-bit seed; the sampler's are non-negative
-        _check_range("seed", [request.seed], _SEED)
+        check_range("seed", [request.seed], _SEED)
         message.seed = request.seed & _INT64[1]
     stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
     message.stop.extend(stop)
     if request.stop_token_ids:
-        _check_range("stop_token_ids", request.stop_token_ids, _INT64)
+        check_range("stop_token_ids", request.stop_token_ids, _INT64)
         message.stop_token_ids.extend(request.stop_token_ids)
     _token_fields(request, message)
     asked = structured_output(request)
@@ -314,14 +314,14 @@ def _token_fields(request: GenerationParams, message: serving_pb2.SamplingParams
     if request.allowed_token_ids is not None:
         if not request.allowed_token_ids:
             raise HttpError.invalid("allowed_token_ids", "is empty: give at least one token id")
-        _check_range("allowed_token_ids", request.allowed_token_ids, _INT64)
+        check_range("allowed_token_ids", request.allowed_token_ids, _INT64)
         message.allowed_token_ids.extend(request.allowed_token_ids)
     message.logit_bias.update(logit_bias(request.logit_bias or {}))
     message.bad_words.extend(request.bad_words or [])
     if request.prompt_logprobs is not None:
         if request.stream:
             raise HttpError.invalid("prompt_logprobs", "not available with stream, as in vLLM")
-        _check_range("prompt_logprobs", [request.prompt_logprobs], _INT32)
+        check_range("prompt_logprobs", [request.prompt_logprobs], _INT32)
         message.prompt_logprobs = request.prompt_logprobs
 
 
@@ -443,11 +443,11 @@ def set_priority(message: serving_pb2.GenerateRequest, priority: int | None) -> 
     """vLLM's `priority` (lower first), as the int32 the wire carries; whether the workers
     schedule by it is the router's check."""
     if priority is not None:
-        _check_range("priority", [priority], _INT32)
+        check_range("priority", [priority], _INT32)
         message.priority = priority
 
 
-def _check_range(name: str, values: list[int], bounds: tuple[int, int]) -> None:
+def check_range(name: str, values: list[int], bounds: tuple[int, int]) -> None:
     low, high = bounds
     bad = next((v for v in values if not low <= v <= high), None)
     if bad is not None:

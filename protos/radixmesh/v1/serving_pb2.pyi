@@ -242,7 +242,7 @@ class Choices(_message.Message):
     def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "namespace", "sampling", "images", "text_match", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "continue_final_message", "add_generation_prompt", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "namespace", "sampling", "images", "text_match", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "continue_final_message", "add_generation_prompt", "priority", "pooling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class GenerateRequest(_message.Message):
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -273,10 +274,19 @@ class GenerateRequest(_message.Message):
     continue_final_message: bool
     add_generation_prompt: bool
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ..., text_match: _Optional[_Union[TextMatch, str]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+    pooling: PoolingParams
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[bytes]] = ..., text_match: _Optional[_Union[TextMatch, str]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., priority: _Optional[int] = ..., pooling: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
+
+class PoolingParams(_message.Message):
+    __slots__ = ("dimensions", "normalize")
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    dimensions: int
+    normalize: bool
+    def __init__(self, dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "predicted_cached_tokens", "worker", "logprobs", "stop_string", "host_cached_tokens", "disk_cached_tokens", "prompt_logprobs", "prompt_token_ids", "reasoning_text", "reasoning_tokens", "tool_calls")
+    __slots__ = ("request_id", "index", "token_ids", "text", "finished", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "predicted_cached_tokens", "worker", "logprobs", "stop_string", "host_cached_tokens", "disk_cached_tokens", "prompt_logprobs", "prompt_token_ids", "reasoning_text", "reasoning_tokens", "tool_calls", "embedding")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +306,7 @@ class GenerateResponse(_message.Message):
     REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -315,7 +326,8 @@ class GenerateResponse(_message.Message):
     reasoning_text: str
     reasoning_tokens: int
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_string: _Optional[str] = ..., host_cached_tokens: _Optional[int] = ..., disk_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reasoning_text: _Optional[str] = ..., reasoning_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., worker: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_string: _Optional[str] = ..., host_cached_tokens: _Optional[int] = ..., disk_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., reasoning_text: _Optional[str] = ..., reasoning_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs", "rank")

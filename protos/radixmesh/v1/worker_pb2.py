@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.radixmesh.v1 import serving_pb2 as protos_dot_radixmesh_dot_v1_dot_serving__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/radixmesh/v1/worker.proto\x12\x0cradixmesh.v1\x1a!protos/radixmesh/v1/serving.proto\"\xa0\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12*\n\tnamespace\x18\x03 \x01(\x0b\x32\x17.radixmesh.v1.Namespace\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x1f\n\x17predicted_cached_tokens\x18\x05 \x01(\r\x12$\n\x06resume\x18\x06 \x01(\x0b\x32\x14.radixmesh.v1.Resume\x12\x1b\n\x13prompt_block_hashes\x18\x07 \x03(\x06\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x10\n\x08priority\x18\t \x01(\x05\"1\n\x06Resume\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\tgenerated\x18\x02 \x01(\r\"\x17\n\x15StreamKvEventsRequest\":\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"E\n\x0cKvEventBatch\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.radixmesh.v1.KvEvent\"\x14\n\x12GetSnapshotRequest\"u\n\nKvSnapshot\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x19\n\x11host_block_hashes\x18\x04 \x03(\x06\x12\x19\n\x11\x64isk_block_hashes\x18\x05 \x03(\x06\"\x10\n\x0eGetLoadRequest\"\xb4\x01\n\x04Load\x12\x1d\n\x15queued_prefill_tokens\x18\x01 \x01(\x04\x12\x19\n\x11running_sequences\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12+\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x19.radixmesh.v1.AdapterInfo\x12\x1c\n\x14\x61\x64\x61pter_swap_seconds\x18\x06 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xf4\x01\n\nWorkerInfo\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x18\n\x10identity_version\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0emodel_revision\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x13\n\x0bmax_running\x18\t \x01(\r\x12(\n\x06vision\x18\n \x01(\x0b\x32\x18.radixmesh.v1.VisionInfo\"\xc7\x01\n\nVisionInfo\x12\x16\n\x0eimage_token_id\x18\x01 \x01(\r\x12\x15\n\rimage_seq_len\x18\x02 \x01(\r\x12\x11\n\ttile_size\x18\x03 \x01(\r\x12\x14\n\x0clongest_edge\x18\x04 \x01(\r\x12\x1a\n\x12\x64o_image_splitting\x18\x05 \x01(\x08\x12\x12\n\nmax_images\x18\x06 \x01(\r\x12\x18\n\x10max_image_pixels\x18\x07 \x01(\x04\x12\x17\n\x0fmax_image_bytes\x18\x08 \x01(\x04\"\x15\n\x13GetTokenizerRequest\"v\n\x0eTokenizerFiles\x12\x36\n\x05\x66iles\x18\x01 \x03(\x0b\x32\'.radixmesh.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xcf\x06\n\x06Worker\x12Q\n\x08Generate\x12#.radixmesh.v1.WorkerGenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12S\n\x0eStreamKvEvents\x12#.radixmesh.v1.StreamKvEventsRequest\x1a\x1a.radixmesh.v1.KvEventBatch0\x01\x12I\n\x0bGetSnapshot\x12 .radixmesh.v1.GetSnapshotRequest\x1a\x18.radixmesh.v1.KvSnapshot\x12;\n\x07GetLoad\x12\x1c.radixmesh.v1.GetLoadRequest\x1a\x12.radixmesh.v1.Load\x12\x44\n\x08GetStats\x12\x1d.radixmesh.v1.GetStatsRequest\x1a\x19.radixmesh.v1.WorkerStats\x12\x43\n\x08\x44\x65scribe\x12\x1d.radixmesh.v1.DescribeRequest\x1a\x18.radixmesh.v1.WorkerInfo\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12Q\n\nClearCache\x12 .radixmesh.v1.ClearCachesRequest\x1a!.radixmesh.v1.ClearCachesResponse\x12O\n\x0cGetTokenizer\x12!.radixmesh.v1.GetTokenizerRequest\x1a\x1c.radixmesh.v1.TokenizerFiles\x12J\n\x0bLoadAdapter\x12 .radixmesh.v1.LoadAdapterRequest\x1a\x19.radixmesh.v1.AdapterInfo\x12X\n\rUnloadAdapter\x12\".radixmesh.v1.UnloadAdapterRequest\x1a#.radixmesh.v1.UnloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/radixmesh/v1/worker.proto\x12\x0cradixmesh.v1\x1a!protos/radixmesh/v1/serving.proto\"\xce\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12*\n\tnamespace\x18\x03 \x01(\x0b\x32\x17.radixmesh.v1.Namespace\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.radixmesh.v1.SamplingParams\x12\x1f\n\x17predicted_cached_tokens\x18\x05 \x01(\r\x12$\n\x06resume\x18\x06 \x01(\x0b\x32\x14.radixmesh.v1.Resume\x12\x1b\n\x13prompt_block_hashes\x18\x07 \x03(\x06\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x12\x10\n\x08priority\x18\t \x01(\x05\x12,\n\x07pooling\x18\n \x01(\x0b\x32\x1b.radixmesh.v1.PoolingParams\"1\n\x06Resume\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\tgenerated\x18\x02 \x01(\r\"\x17\n\x15StreamKvEventsRequest\":\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"E\n\x0cKvEventBatch\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.radixmesh.v1.KvEvent\"\x14\n\x12GetSnapshotRequest\"u\n\nKvSnapshot\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\x12\x19\n\x11host_block_hashes\x18\x04 \x03(\x06\x12\x19\n\x11\x64isk_block_hashes\x18\x05 \x03(\x06\"\x10\n\x0eGetLoadRequest\"\xb4\x01\n\x04Load\x12\x1d\n\x15queued_prefill_tokens\x18\x01 \x01(\x04\x12\x19\n\x11running_sequences\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12+\n\x08\x61\x64\x61pters\x18\x05 \x03(\x0b\x32\x19.radixmesh.v1.AdapterInfo\x12\x1c\n\x14\x61\x64\x61pter_swap_seconds\x18\x06 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\x89\x02\n\nWorkerInfo\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x18\n\x10identity_version\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0emodel_revision\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x13\n\x0btotal_pages\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x13\n\x0bmax_running\x18\t \x01(\r\x12(\n\x06vision\x18\n \x01(\x0b\x32\x18.radixmesh.v1.VisionInfo\x12\x13\n\x0bhidden_size\x18\x0b \x01(\r\"\xc7\x01\n\nVisionInfo\x12\x16\n\x0eimage_token_id\x18\x01 \x01(\r\x12\x15\n\rimage_seq_len\x18\x02 \x01(\r\x12\x11\n\ttile_size\x18\x03 \x01(\r\x12\x14\n\x0clongest_edge\x18\x04 \x01(\r\x12\x1a\n\x12\x64o_image_splitting\x18\x05 \x01(\x08\x12\x12\n\nmax_images\x18\x06 \x01(\r\x12\x18\n\x10max_image_pixels\x18\x07 \x01(\x04\x12\x17\n\x0fmax_image_bytes\x18\x08 \x01(\x04\"\x15\n\x13GetTokenizerRequest\"v\n\x0eTokenizerFiles\x12\x36\n\x05\x66iles\x18\x01 \x03(\x0b\x32\'.radixmesh.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\xcf\x06\n\x06Worker\x12Q\n\x08Generate\x12#.radixmesh.v1.WorkerGenerateRequest\x1a\x1e.radixmesh.v1.GenerateResponse0\x01\x12S\n\x0eStreamKvEvents\x12#.radixmesh.v1.StreamKvEventsRequest\x1a\x1a.radixmesh.v1.KvEventBatch0\x01\x12I\n\x0bGetSnapshot\x12 .radixmesh.v1.GetSnapshotRequest\x1a\x18.radixmesh.v1.KvSnapshot\x12;\n\x07GetLoad\x12\x1c.radixmesh.v1.GetLoadRequest\x1a\x12.radixmesh.v1.Load\x12\x44\n\x08GetStats\x12\x1d.radixmesh.v1.GetStatsRequest\x1a\x19.radixmesh.v1.WorkerStats\x12\x43\n\x08\x44\x65scribe\x12\x1d.radixmesh.v1.DescribeRequest\x1a\x18.radixmesh.v1.WorkerInfo\x12@\n\x05\x41\x62ort\x12\x1a.radixmesh.v1.AbortRequest\x1a\x1b.radixmesh.v1.AbortResponse\x12Q\n\nClearCache\x12 .radixmesh.v1.ClearCachesRequest\x1a!.radixmesh.v1.ClearCachesResponse\x12O\n\x0cGetTokenizer\x12!.radixmesh.v1.GetTokenizerRequest\x1a\x1c.radixmesh.v1.TokenizerFiles\x12J\n\x0bLoadAdapter\x12 .radixmesh.v1.LoadAdapterRequest\x1a\x19.radixmesh.v1.AdapterInfo\x12X\n\rUnloadAdapter\x12\".radixmesh.v1.UnloadAdapterRequest\x1a#.radixmesh.v1.UnloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERFILES_FILESENTRY']._loaded_options = None
   _globals['_TOKENIZERFILES_FILESENTRY']._serialized_options = b'8\001'
   _globals['_WORKERGENERATEREQUEST']._serialized_start=86
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=374
-  _globals['_RESUME']._serialized_start=376
-  _globals['_RESUME']._serialized_end=425
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=427
-  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=450
-  _globals['_KVEVENT']._serialized_start=452
-  _globals['_KVEVENT']._serialized_end=510
-  _globals['_KVEVENTBATCH']._serialized_start=512
-  _globals['_KVEVENTBATCH']._serialized_end=581
-  _globals['_GETSNAPSHOTREQUEST']._serialized_start=583
-  _globals['_GETSNAPSHOTREQUEST']._serialized_end=603
-  _globals['_KVSNAPSHOT']._serialized_start=605
-  _globals['_KVSNAPSHOT']._serialized_end=722
-  _globals['_GETLOADREQUEST']._serialized_start=724
-  _globals['_GETLOADREQUEST']._serialized_end=740
-  _globals['_LOAD']._serialized_start=743
-  _globals['_LOAD']._serialized_end=923
-  _globals['_DESCRIBEREQUEST']._serialized_start=925
-  _globals['_DESCRIBEREQUEST']._serialized_end=942
-  _globals['_WORKERINFO']._serialized_start=945
-  _globals['_WORKERINFO']._serialized_end=1189
-  _globals['_VISIONINFO']._serialized_start=1192
-  _globals['_VISIONINFO']._serialized_end=1391
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1393
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1414
-  _globals['_TOKENIZERFILES']._serialized_start=1416
-  _globals['_TOKENIZERFILES']._serialized_end=1534
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=1490
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=1534
-  _globals['_WORKER']._serialized_start=1537
-  _globals['_WORKER']._serialized_end=2384
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=420
+  _globals['_RESUME']._serialized_start=422
+  _globals['_RESUME']._serialized_end=471
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_start=473
+  _globals['_STREAMKVEVENTSREQUEST']._serialized_end=496
+  _globals['_KVEVENT']._serialized_start=498
+  _globals['_KVEVENT']._serialized_end=556
+  _globals['_KVEVENTBATCH']._serialized_start=558
+  _globals['_KVEVENTBATCH']._serialized_end=627
+  _globals['_GETSNAPSHOTREQUEST']._serialized_start=629
+  _globals['_GETSNAPSHOTREQUEST']._serialized_end=649
+  _globals['_KVSNAPSHOT']._serialized_start=651
+  _globals['_KVSNAPSHOT']._serialized_end=768
+  _globals['_GETLOADREQUEST']._serialized_start=770
+  _globals['_GETLOADREQUEST']._serialized_end=786
+  _globals['_LOAD']._serialized_start=789
+  _globals['_LOAD']._serialized_end=969
+  _globals['_DESCRIBEREQUEST']._serialized_start=971
+  _globals['_DESCRIBEREQUEST']._serialized_end=988
+  _globals['_WORKERINFO']._serialized_start=991
+  _globals['_WORKERINFO']._serialized_end=1256
+  _globals['_VISIONINFO']._serialized_start=1259
+  _globals['_VISIONINFO']._serialized_end=1458
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1460
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1481
+  _globals['_TOKENIZERFILES']._serialized_start=1483
+  _globals['_TOKENIZERFILES']._serialized_end=1601
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=1557
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=1601
+  _globals['_WORKER']._serialized_start=1604
+  _globals['_WORKER']._serialized_end=2451
 # @@protoc_insertion_point(module_scope)

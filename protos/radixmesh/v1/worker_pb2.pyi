@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes", "images", "priority")
+    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes", "images", "priority", "pooling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class WorkerGenerateRequest(_message.Message):
     PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: _serving_pb2.Namespace
@@ -27,7 +28,8 @@ class WorkerGenerateRequest(_message.Message):
     prompt_block_hashes: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedScalarFieldContainer[bytes]
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ...) -> None: ...
+    pooling: _serving_pb2.PoolingParams
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., pooling: _Optional[_Union[_serving_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("sample_index", "generated")
@@ -102,7 +104,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker", "identity_version", "block_size", "model_revision", "page_size", "total_pages", "vocab_size", "max_model_len", "max_running", "vision")
+    __slots__ = ("worker", "identity_version", "block_size", "model_revision", "page_size", "total_pages", "vocab_size", "max_model_len", "max_running", "vision", "hidden_size")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class WorkerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker: str
     identity_version: int
     block_size: int
@@ -123,7 +126,8 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     max_running: int
     vision: VisionInfo
-    def __init__(self, worker: _Optional[str] = ..., identity_version: _Optional[int] = ..., block_size: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_running: _Optional[int] = ..., vision: _Optional[_Union[VisionInfo, _Mapping]] = ...) -> None: ...
+    hidden_size: int
+    def __init__(self, worker: _Optional[str] = ..., identity_version: _Optional[int] = ..., block_size: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_running: _Optional[int] = ..., vision: _Optional[_Union[VisionInfo, _Mapping]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class VisionInfo(_message.Message):
     __slots__ = ("image_token_id", "image_seq_len", "tile_size", "longest_edge", "do_image_splitting", "max_images", "max_image_pixels", "max_image_bytes")

@@ -1,0 +1,135 @@
+"""`POST /v1/embeddings` (OpenAI's API, as vLLM serves it for embedding models): each input is
+one embedding request (serving.proto's `pooling`), routed on its own as any prompt is, so an
+input that shares a prefix with what a worker has seen goes there and reads that prefix's KV
+from its cache; only the rest is computed. Its embedding is the last token's final hidden
+state (worker/pooling.py).
+
+Inputs run at most `CONCURRENCY` at a time, so one request of 2,048 inputs does not fill the
+workers' queues; the first refusal or failure ends the request, every input still running
+cancelled, and names the input (`input[3]: is empty`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from cluster.http.embeddings_schema import (
+    MAX_INPUTS,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from cluster.http.errors import GenerationFailed, HttpError
+from cluster.http.openai_params import TEXT_MATCH, check_range, set_priority
+from cluster.http.openai_responses import Counts, Responses, read
+from cluster.http.openai_schema import PromptTokensDetails
+from cluster.http.several_prompts import prompts_of
+from cluster.serving_call import ServingError
+from protos.radixmesh.v1 import serving_pb2
+
+CONCURRENCY = 64
+"""Inputs of one request in flight at once."""
+INPUT_FIELDS = frozenset({"prompt", "prompt_token_ids", "input"})
+"""What the serving core calls an input when it refuses one."""
+_UINT32 = (1, 2**32 - 1)
+_TOKEN_ID = (0, 2**63 - 1)
+
+
+def embedding_requests(
+    body: EmbeddingRequest, request_id: str, tenant: str
+) -> list[serving_pb2.GenerateRequest]:
+    """One embedding request per input: `request_id`, or `{request_id}-{i}` for input i of
+    several."""
+    inputs = prompts_of(body.input)
+    if len(inputs) > MAX_INPUTS:
+        raise HttpError.invalid(
+            "input", f"{len(inputs)} inputs in one request; send 1 to {MAX_INPUTS}"
+        )
+    pooling = serving_pb2.PoolingParams(normalize=body.normalize)
+    if body.dimensions is not None:
+        check_range("dimensions", [body.dimensions], _UINT32)
+        pooling.dimensions = body.dimensions
+    messages = []
+    for i, item in enumerate(inputs):
+        message = serving_pb2.GenerateRequest(
+            request_id=request_id if len(inputs) == 1 else f"{request_id}-{i}", pooling=pooling
+        )
+        if isinstance(item, str):
+            message.text = item
+        else:
+            check_range(input_name(i, len(inputs)), item, _TOKEN_ID)
+            message.token_ids.ids.extend(item)
+        message.namespace.tenant = tenant
+        message.text_match = TEXT_MATCH[body.text_match]
+        set_priority(message, body.priority)
+        messages.append(message)
+    return messages
+
+
+def input_name(index: int, inputs: int) -> str:
+    return "input" if inputs == 1 else f"input[{index}]"
+
+
+async def embed_all(
+    start: Callable[[serving_pb2.GenerateRequest], Responses],
+    messages: Sequence[serving_pb2.GenerateRequest],
+    counts: Counts,
+) -> list[serving_pb2.GenerateResponse]:
+    """Each message's finished response (with its embedding), in order, at most `CONCURRENCY`
+    in flight. The first refusal (an HttpError naming its input) or failure cancels the rest."""
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(index: int, message: serving_pb2.GenerateRequest) -> serving_pb2.GenerateResponse:
+        async with gate:
+            try:
+                return await _embedding(start(message), counts)
+            except ServingError as err:
+                name = input_name(index, len(messages))
+                refusal = HttpError.of(err)
+                raise refusal.renamed(lambda p: name if p in INPUT_FIELDS else None) from err
+
+    tasks = [asyncio.ensure_future(one(i, m)) for i, m in enumerate(messages)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _embedding(stream: Responses, counts: Counts) -> serving_pb2.GenerateResponse:
+    async with contextlib.aclosing(read(stream, counts)) as responses:
+        async for response in responses:
+            if response.finished:
+                if not response.embedding:
+                    raise GenerationFailed(
+                        f"{response.request_id} ended ({response.finish_reason}) with no embedding"
+                    )
+                return response
+    raise GenerationFailed("an embedding's stream ended before its embedding")
+
+
+def embedding_response(
+    outputs: Sequence[serving_pb2.GenerateResponse], counts: Counts, form: str, model: str
+) -> EmbeddingResponse:
+    data = [
+        Embedding(index=i, embedding=_encoded(output.embedding, form))
+        for i, output in enumerate(outputs)
+    ]
+    usage = EmbeddingUsage(
+        prompt_tokens=counts.prompt_tokens,
+        total_tokens=counts.prompt_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens),
+    )
+    return EmbeddingResponse(data=data, model=model, usage=usage)
+
+
+def _encoded(values: Sequence[float], form: str) -> list[float] | str:
+    if form == "float":
+        return list(values)
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
