@@ -13,6 +13,7 @@ radixmesh ray-token FILE                 a Ray token file for `ray start` and it
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from importlib.metadata import version
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (
         ("generate", "stream one completion"),
         ("chat", "an interactive conversation"),
+        ("embed", "the embedding of each text, a JSON line each"),
         ("stats", "per-worker counters"),
         ("adapters", "LoRA adapters: list, load NAME PATH, unload NAME (every worker)"),
     ):
@@ -86,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("file", help="e.g. the RAY_AUTH_TOKEN_PATH given to `ray start`")
     loadtest_parser = commands.add_parser("loadtest", help="drive a cluster with a workload")
     add_loadtest_arguments(loadtest_parser)
+    embed = commands.choices["embed"]
+    embed.add_argument("text", nargs="+")
+    embed.add_argument("--dimensions", type=int, default=None, help="keep the first N values")
+    embed.add_argument(
+        "--no-normalize", action="store_true", help="the hidden state's own scale, not unit norm"
+    )
+    embed.add_argument("--tenant", default="")
+    embed.add_argument("--adapter", default="", help="a LoRA adapter's name")
     commands.choices["generate"].add_argument("text")
     commands.choices["generate"].add_argument(
         "--raw", action="store_true", help="complete the text as is (no chat template)"
@@ -167,6 +177,30 @@ def generate(args: argparse.Namespace, client: Client) -> int:
     if structured is not None:
         request.sampling.structured.CopyFrom(structured)
     _stream(client, request)
+    return 0
+
+
+def embed(args: argparse.Namespace, client: Client) -> int:
+    """One JSON line per text: its embedding, the prompt's tokens and how many of them the
+    worker read from its cache, and which worker that was."""
+    pooling = serving_pb2.PoolingParams(normalize=not args.no_normalize)
+    if args.dimensions is not None:
+        if not 1 <= args.dimensions < 2**32:
+            console.print(f"[red]--dimensions: {args.dimensions} is out of range[/]")
+            return 2
+        pooling.dimensions = args.dimensions
+    for index, text in enumerate(args.text):
+        request = text_request(text, tenant=args.tenant, adapter=args.adapter)
+        request.pooling.CopyFrom(pooling)
+        (*_, last) = client.generate(request)
+        line = {
+            "index": index,
+            "prompt_tokens": last.prompt_tokens,
+            "cached_tokens": last.cached_prompt_tokens,
+            "worker": last.worker,
+            "embedding": list(last.embedding),
+        }
+        sys.stdout.write(json.dumps(line) + "\n")
     return 0
 
 
@@ -374,7 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]{escape(str(err))}[/]", soft_wrap=True)
         return 2
     try:
-        commands = {"generate": generate, "chat": chat, "stats": stats, "adapters": adapters}
+        commands = {
+            "generate": generate,
+            "embed": embed,
+            "chat": chat,
+            "stats": stats,
+            "adapters": adapters,
+        }
         return commands[args.command](args, client)
     except grpc.RpcError as err:
         console.print(f"[red]{err.code().name}[/]: {escape(err.details() or '')}", soft_wrap=True)

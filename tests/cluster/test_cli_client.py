@@ -137,3 +137,22 @@ def test_generate_with_a_thinking_model_answers_on_stdout_and_reasons_on_stderr(
         assert too_big.returncode == 2 and "does not fit in 32 bits" in too_big.stderr
     finally:
         cluster.close()
+
+
+def test_embed_prints_a_json_line_per_text_and_the_second_reads_the_first_from_the_cache(
+    cluster: LocalCluster,
+) -> None:
+    text = "A cache-aware router sends each prompt to the worker holding its prefix."
+    out = run("embed", text, text + " Again.", "--target", cluster.target, "--dimensions", "8")
+    assert out.returncode == 0, out.stderr
+    first, second = (json.loads(line) for line in out.stdout.splitlines())
+    assert [first["index"], second["index"]] == [0, 1]
+    assert len(first["embedding"]) == 8
+    assert sum(v * v for v in first["embedding"]) == pytest.approx(1, abs=1e-5)
+    assert first["cached_tokens"] == 0 < second["cached_tokens"]
+    assert second["worker"] == first["worker"]
+    raw = run("embed", text, "--target", cluster.target, "--no-normalize")
+    assert raw.returncode == 0, raw.stderr
+    assert sum(v * v for v in json.loads(raw.stdout)["embedding"]) != pytest.approx(1, abs=1e-2)
+    bad = run("embed", text, "--target", cluster.target, "--dimensions", "100000")
+    assert bad.returncode == 1 and "dimensions" in bad.stderr

@@ -550,11 +550,12 @@ def test_unknown_model_is_404_on_every_route(cluster: LocalCluster) -> None:
         ("/v1/completions", {"model": "gpt-4o", "prompt": "x"}),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": []}),
         ("/tokenize", {"model": "gpt-4o", "prompt": "x"}),
+        ("/v1/embeddings", {"model": "gpt-4o", "input": "x"}),
     ]:
         response = httpx.post(f"{url}{path}", json=body, headers=AUTH)
         assert assert_openai_error(response, 404, "'gpt-4o'")["param"] == "model"
-    unknown_path = httpx.get(f"{url}/v1/embeddings", headers=AUTH)
-    assert_openai_error(unknown_path, 404, "no such endpoint: GET /v1/embeddings")
+    unknown_path = httpx.get(f"{url}/v1/audio/speech", headers=AUTH)
+    assert_openai_error(unknown_path, 404, "no such endpoint: GET /v1/audio/speech")
     wrong_method = httpx.get(f"{url}/v1/completions", headers=AUTH)
     assert_openai_error(wrong_method, 405, "/v1/completions does not take GET")
     assert wrong_method.headers["Allow"] == "POST"

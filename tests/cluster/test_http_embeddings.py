@@ -1,0 +1,163 @@
+"""OpenAI's embeddings API (`POST /v1/embeddings`) on a local cluster of two tiny-model workers,
+through the `openai` SDK, raw HTTP and the router's gRPC service: each embedding is
+transformers' final hidden state at the input's last token, whichever encoding the client asks
+for; inputs are routed to the worker that holds their prefix and read it from its cache; a bad
+input refuses the request naming it; a client that goes away cancels what is left; no request
+or page outlives its call."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+import httpx2 as httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
+from tests.cluster.test_http_openai import assert_no_leak
+from tests.cluster.tool_fixtures import served
+from worker.loader import LoadedModel
+
+MODEL = SERVED_NAME
+DOCUMENT = "radixmesh routes each prompt to the worker that already holds its prefix. " * 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    yield from served(tiny, ENGINE)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny: LoadedModel) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModel.from_pretrained(tiny.path, dtype=torch.float32).eval()
+
+
+def oracle(hf_model: torch.nn.Module, prompt: Sequence[int], normalize: bool = True) -> np.ndarray:
+    with torch.no_grad():
+        state = hf_model(torch.tensor([list(prompt)])).last_hidden_state[0, -1].numpy()
+    return state / np.linalg.norm(state) if normalize else state
+
+
+def close_to(got: Sequence[float], expected: np.ndarray) -> bool:
+    return bool(np.linalg.norm(np.asarray(got) - expected) < 1e-5 * np.linalg.norm(expected))
+
+
+def test_the_sdk_reads_base64_and_floats_alike_and_each_is_transformers_state(
+    client: openai.OpenAI, cluster: LocalCluster, hf_model: torch.nn.Module
+) -> None:
+    inputs = [list(range(10, 50)), [*range(10, 30), 7, 8, 9]]
+    default = client.embeddings.create(model=MODEL, input=inputs)  # the SDK asks for base64
+    floats = client.embeddings.create(model=MODEL, input=inputs, encoding_format="float")
+    assert default.object == "list" and default.model == MODEL
+    assert [d.index for d in default.data] == [0, 1]
+    for i, prompt in enumerate(inputs):
+        assert default.data[i].object == "embedding"
+        # the second call read the first's KV from the cache: equal up to float32 rounding
+        assert np.allclose(default.data[i].embedding, floats.data[i].embedding, atol=1e-6)
+        assert close_to(floats.data[i].embedding, oracle(hf_model, prompt)), i
+    assert default.usage.prompt_tokens == default.usage.total_tokens == 40 + 23
+    raw = httpx.post(
+        f"{cluster.http_url}/v1/embeddings",
+        json={"model": MODEL, "input": inputs[0], "encoding_format": "base64"},
+    ).json()
+    values = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(values, floats.data[0].embedding, atol=1e-6)
+    assert raw["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its prompt was cached
+    assert_no_leak(cluster)
+
+
+def test_dimensions_and_normalize(client: openai.OpenAI, hf_model: torch.nn.Module) -> None:
+    prompt = list(range(40, 70))
+    raw = oracle(hf_model, prompt, normalize=False)
+    plain = client.embeddings.create(
+        model=MODEL, input=prompt, encoding_format="float", extra_body={"normalize": False}
+    )
+    assert close_to(plain.data[0].embedding, raw)
+    short = client.embeddings.create(model=MODEL, input=prompt, dimensions=8)
+    (vector,) = [d.embedding for d in short.data]
+    assert len(vector) == 8 and np.linalg.norm(vector) == pytest.approx(1, abs=1e-6)
+    assert close_to(vector, raw[:8] / np.linalg.norm(raw[:8]))
+
+
+def test_an_input_goes_to_the_worker_holding_its_prefix_and_reads_it_from_the_cache(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    first = client.embeddings.with_raw_response.create(model=MODEL, input=DOCUMENT)
+    again = client.embeddings.with_raw_response.create(model=MODEL, input=DOCUMENT + "Twice.")
+    worker = first.headers["x-radixmesh-worker"]
+    assert again.headers["x-radixmesh-worker"] == worker
+    assert int(again.headers["x-radixmesh-predicted-cached-tokens"]) > 0
+    details = again.parse().usage.model_extra["prompt_tokens_details"]  # type: ignore[index]
+    assert details["cached_tokens"] >= first.parse().usage.prompt_tokens - 4  # page of 4
+    chat = client.completions.with_raw_response.create(
+        model=MODEL, prompt=DOCUMENT, max_tokens=2, temperature=0
+    )  # a generation of an embedded prompt reads the embedding's KV
+    assert chat.headers["x-radixmesh-worker"] == worker
+    usage = chat.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 4
+    assert_no_leak(cluster)
+
+
+def test_the_routers_grpc_service_embeds(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    over_http = client.embeddings.create(model=MODEL, input="over the wire", dimensions=16)
+    with grpc.insecure_channel(cluster.target) as channel:
+        stub = serving_pb2_grpc.ServingStub(channel)
+        request = serving_pb2.GenerateRequest(
+            text="over the wire", pooling=serving_pb2.PoolingParams(dimensions=16)
+        )
+        (message,) = list(stub.Generate(request, timeout=30))
+    assert message.finished and not message.token_ids and message.prompt_tokens > 0
+    assert np.allclose(list(message.embedding), over_http.data[0].embedding, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": ["fine", ""]}, "input[1]", "is empty"),
+        ({"input": []}, "input", "is empty"),
+        ({"input": [[5, 10**6]]}, "input", "outside the vocabulary"),
+        ({"input": "x", "dimensions": 0}, "dimensions", "out of range"),
+        ({"input": "x", "dimensions": 10**6}, "dimensions", "embeddings have 64 values"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format", "float"),
+        ({"input": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens", "unknown"),
+        ({"input": ["x"] * 2049}, "input", "send 1 to 2048"),
+        ({"input": list(range(3, 600))}, "input", "maximum context length is 512"),
+        ({"input": "x", "priority": 1}, "priority", "fcfs"),
+    ],
+)
+def test_a_bad_request_is_refused_naming_its_field_and_leaves_nothing_behind(
+    cluster: LocalCluster, body: dict[str, object], param: str, words: str
+) -> None:
+    reply = httpx.post(f"{cluster.http_url}/v1/embeddings", json={"model": MODEL} | body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert_no_leak(cluster)
+    ok = httpx.post(f"{cluster.http_url}/v1/embeddings", json={"model": MODEL, "input": "ok"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_client_that_goes_away_cancels_the_inputs_left(cluster: LocalCluster) -> None:
+    inputs = [[3 + (i * 7 + j) % 250 for j in range(200)] for i in range(2048)]
+    served_before = sum(e.stats().requests_finished for e in cluster.engines.values())
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{cluster.http_url}/v1/embeddings",
+            json={"model": MODEL, "input": inputs},
+            timeout=httpx.Timeout(30, read=1.0),
+        )
+    left = time.monotonic()
+    while cluster.service.in_flight and time.monotonic() - left < 10.0:
+        time.sleep(0.02)
+    assert not cluster.service.in_flight, "inputs outlived their client"
+    assert_no_leak(cluster)
+    served = sum(e.stats().requests_finished for e in cluster.engines.values()) - served_before
+    assert served < len(inputs), "every input was embedded for a client that had gone"
