@@ -4,6 +4,12 @@ samples first, then admissions:
     step budget (tokens): [ running, oldest first: 1 token each decoding, a chunk if prefilling ]
                           [ waiting, FIFO: admitted while slots, pages and budget allow       ]
 
+A waiting sample whose prompt begins with tokens that a running sample is computing right now
+(past what the cache held for it, at least `IN_BATCH_SHARED` of them) is passed over until that
+prompt is computed and cached, then admitted with those tokens read from the cache: requests
+sent together with a shared prefix (a system prompt, an instruction before every query) compute
+it once, not once each.
+
 A sample of a LoRA adapter is admitted only once its adapter holds a device slot
 (`AdapterSlots.acquire`), which it pins while it runs. When every slot is pinned it waits, and
 the adapter samples behind it wait too (they queue for slots in FIFO order), but base-model
@@ -48,6 +54,11 @@ from worker.validation import SCHEDULING_POLICIES
 
 log = logging.getLogger(__name__)
 
+IN_BATCH_SHARED = 32
+"""Tokens (at least; a page when pages are longer) that a waiting sample must share, uncached,
+with a prompt being computed to wait for it (`Scheduler._shares_a_prefill`): SGLang's
+threshold for the same check."""
+
 
 class Admission(Enum):
     ADMITTED = "admitted"
@@ -71,6 +82,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     """"fcfs": first come, first served, every request's priority 0; "priority": by each
     request's priority, lower first (module docstring)."""
+    in_batch_shared: int = IN_BATCH_SHARED
+    """Uncached tokens shared with a prompt being computed that hold a waiting sample back
+    until it is cached (at least a page; 0: none do). FCFS only."""
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_prefill_chunk", "max_running"):
@@ -170,6 +184,9 @@ class Scheduler:
             if slots_busy and sample.request.adapter is not None:
                 at += 1  # behind a sample waiting for a slot: its turn comes first
                 continue
+            if self._shares_a_prefill(sample):
+                at += 1  # admitted once that prefill is in the cache
+                continue
             admission = self._admit(sample)
             if admission is Admission.NO_ROOM:
                 break
@@ -246,6 +263,26 @@ class Scheduler:
             if not self.running or self.running[-1].request.request.priority <= mine:
                 return admission
             self.preempt(self.running[-1])
+
+    def _shares_a_prefill(self, sample: SampleState) -> bool:
+        """Whether a running sample still computing its prompt computes, past its cache hit,
+        `IN_BATCH_SHARED` or more tokens that begin `sample`'s too. Admitted now, `sample`
+        would compute them a second time; admitted once that prompt is done (and committed),
+        it reads them from the cache (SGLang's in-batch prefix caching). A sample that scores
+        its prompt (it reuses nothing) is never held back."""
+        if sample.request.scoring_prompt or not self.config.in_batch_shared:
+            return False
+        keys = sample.cache_keys()
+        for other in self.running:
+            if other.prefilled or other.seq is None:
+                continue
+            shared = other.seq.reused + max(self.config.in_batch_shared, self.cache.page_size)
+            theirs = other.request.prompt_keys
+            if shared > min(len(keys), len(theirs)) or keys[shared - 1] != theirs[shared - 1]:
+                continue  # the last shared key first: most prompts differ there already
+            if keys[:shared] == theirs[:shared]:
+                return True
+        return False
 
     def take_refused(self) -> list[SampleState]:
         refused, self.refused = self.refused, []

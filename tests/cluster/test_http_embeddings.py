@@ -140,6 +140,8 @@ def test_a_bad_request_is_refused_naming_its_field_and_leaves_nothing_behind(
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
+    too_long = "maximum context length" in words
+    assert (error["code"] == "context_length_exceeded") == too_long, error
     assert_no_leak(cluster)
     ok = httpx.post(f"{cluster.http_url}/v1/embeddings", json={"model": MODEL, "input": "ok"})
     assert ok.status_code == 200, ok.text
