@@ -272,10 +272,10 @@ class Scheduler:
         its prompt (it reuses nothing) is never held back."""
         if sample.request.scoring_prompt or not self.config.in_batch_shared:
             return False
-        keys = sample.cache_keys()
+        keys, namespace = sample.cache_keys(), sample.request.request.namespace
         for other in self.running:
-            if other.prefilled or other.seq is None:
-                continue
+            if other.prefilled or other.seq is None or other.request.request.namespace != namespace:
+                continue  # done, or its cache is not this one's (another tenant or adapter)
             shared = other.seq.reused + max(self.config.in_batch_shared, self.cache.page_size)
             theirs = other.request.prompt_keys
             if shared > min(len(keys), len(theirs)) or keys[shared - 1] != theirs[shared - 1]:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cache import CacheNamespace
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import Recorder, drain, greedy
 from worker.engine import Engine, EngineConfig
@@ -126,5 +127,17 @@ def test_a_prompt_being_scored_is_never_held_back(tiny: LoadedModel) -> None:
     engine.submit(greedy("scored", (*PREFIX, 7, 8), 3, prompt_logprobs=1), lambda _: None)
     engine.step()
     assert (engine.stats().running, engine.stats().waiting) == (2, 0)
+    drain(engine)
+    check_sequence_cache(engine.cache)
+
+
+def test_another_tenants_prompt_holds_no_one_back(tiny: LoadedModel) -> None:
+    """Its cache is not this one's: waiting would read nothing."""
+    engine = Engine(tiny.model, tiny.tokenizer, CONFIG)
+    for tenant in ("a", "b", "c"):
+        request = replace(greedy(tenant, (*PREFIX, 1), 3), namespace=CacheNamespace(tenant=tenant))
+        engine.submit(request, lambda _: None)
+    engine.step()
+    assert (engine.stats().running, engine.stats().waiting) == (3, 0)
     drain(engine)
     check_sequence_cache(engine.cache)
