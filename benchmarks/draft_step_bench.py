@@ -39,9 +39,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.gpu_decode_bench import SMOLLM2_SHAPED
+from benchmarks.gpu_decode_bench import CONTEXT, SMOLLM2_SHAPED, decode_config
 from worker.config import ModelConfig
-from worker.engine import Engine, EngineConfig
+from worker.engine import Engine
 from worker.model import CausalLM
 from worker.request import GenerateRequest, RequestOutput
 from worker.sampling_params import SamplingParams
@@ -50,7 +50,6 @@ from worker.tiny_model import TINY_CONFIG, tiny_model
 from worker.weight_formats import apply_weight_format
 
 console = Console(stderr=True, width=150)
-CONTEXT = 64
 WARMUP = 5
 MODES = ("kept", "rejected")
 
@@ -93,16 +92,7 @@ class Oracle:
 
 
 def engine_for(model: CausalLM, setup: Setup, batch: int, k: int) -> Engine:
-    length = CONTEXT + setup.longest + 16
-    config = EngineConfig(
-        num_pages=batch * (length // 16 + 2) + 8,
-        page_size=16,
-        max_running=batch,
-        token_budget=batch * CONTEXT + 16,
-        max_prefill_chunk=CONTEXT + 16,
-        max_model_len=length,
-        num_speculative_tokens=k,
-    )
+    config = decode_config(batch, CONTEXT + setup.longest + 16, num_speculative_tokens=k)
     return Engine(model, None, config)
 
 

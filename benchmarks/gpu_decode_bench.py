@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -94,17 +95,22 @@ def formatted(fmt: str) -> CausalLM:
     return apply_weight_format(model, fmt)  # type: ignore[arg-type]
 
 
-def measure(model: CausalLM, fmt: str, batch: int, steps: int) -> dict[str, object]:
-    length = CONTEXT + steps + 64
-    config = EngineConfig(
+def decode_config(batch: int, length: int, **more: Any) -> EngineConfig:
+    """An engine for `batch` requests of `CONTEXT`-token prompts growing to `length`: pages for
+    all of them, and every prompt's prefill in the first step's budget."""
+    return EngineConfig(
         num_pages=batch * (length // 16 + 2) + 8,
         page_size=16,
         max_running=batch,
         token_budget=batch * CONTEXT + 16,
         max_prefill_chunk=CONTEXT + 16,
         max_model_len=length,
+        **more,
     )
-    engine = Engine(model, None, config)
+
+
+def measure(model: CausalLM, fmt: str, batch: int, steps: int) -> dict[str, object]:
+    engine = Engine(model, None, decode_config(batch, CONTEXT + steps + 64))
     gen = torch.Generator().manual_seed(0)
     sampling = SamplingParams(max_tokens=steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(batch):

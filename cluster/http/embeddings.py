@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -25,7 +26,7 @@ from cluster.http.embeddings_schema import (
     EmbeddingUsage,
 )
 from cluster.http.errors import GenerationFailed, HttpError
-from cluster.http.openai_params import TEXT_MATCH, check_range, set_priority
+from cluster.http.openai_params import check_range, prompt_requests
 from cluster.http.openai_responses import Counts, Responses, read
 from cluster.http.openai_schema import PromptTokensDetails
 from cluster.http.several_prompts import prompts_of
@@ -37,7 +38,6 @@ CONCURRENCY = 64
 INPUT_FIELDS = frozenset({"prompt", "prompt_token_ids", "input"})
 """What the serving core calls an input when it refuses one."""
 _UINT32 = (1, 2**32 - 1)
-_TOKEN_ID = (0, 2**63 - 1)
 
 
 def embedding_requests(
@@ -54,21 +54,8 @@ def embedding_requests(
     if body.dimensions is not None:
         check_range("dimensions", [body.dimensions], _UINT32)
         pooling.dimensions = body.dimensions
-    messages = []
-    for i, item in enumerate(inputs):
-        message = serving_pb2.GenerateRequest(
-            request_id=request_id if len(inputs) == 1 else f"{request_id}-{i}", pooling=pooling
-        )
-        if isinstance(item, str):
-            message.text = item
-        else:
-            check_range(input_name(i, len(inputs)), item, _TOKEN_ID)
-            message.token_ids.ids.extend(item)
-        message.namespace.tenant = tenant
-        message.text_match = TEXT_MATCH[body.text_match]
-        set_priority(message, body.priority)
-        messages.append(message)
-    return messages
+    name = functools.partial(input_name, inputs=len(inputs))
+    return prompt_requests(inputs, request_id, tenant, body, name, pooling=pooling)
 
 
 def input_name(index: int, inputs: int) -> str:

@@ -12,12 +12,13 @@ placed by a ChatPart where it was, and named by its part when refused
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
+from cluster.http.embeddings_schema import EmbeddingRequest
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.image_parts import openai_image
 from cluster.http.openai_schema import (
@@ -31,7 +32,7 @@ from cluster.http.openai_schema import (
     StructuredOutputs,
     ToolParam,
 )
-from cluster.http.several_prompts import MAX_PROMPTS, prompts_of
+from cluster.http.several_prompts import MAX_PROMPTS, Prompt, prompts_of
 from protos.radixmesh.v1 import serving_pb2
 
 ROLES = {
@@ -241,19 +242,35 @@ def completion_requests(
     if request.echo and request.logprobs is not None:  # the prompt's logprobs too
         check_range("logprobs", [request.logprobs], _INT32)
         params.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)
+    return prompt_requests(
+        prompts, request_id, tenant, request, lambda _: "prompt", sampling=params
+    )
+
+
+def prompt_requests(
+    prompts: Sequence[Prompt],
+    request_id: str,
+    tenant: str,
+    body: CompletionRequest | EmbeddingRequest,
+    name: Callable[[int], str],
+    **fields: Any,
+) -> list[serving_pb2.GenerateRequest]:
+    """One request per prompt, with `fields` (its sampling, or its pooling) and the body's
+    `text_match` and `priority`: `request_id`, or `{request_id}-{i}` for prompt i of several.
+    `name(i)`: what refusals call prompt i's token ids."""
     messages = []
     for i, prompt in enumerate(prompts):
         message = serving_pb2.GenerateRequest(
-            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", sampling=params
+            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", **fields
         )
         if isinstance(prompt, str):
             message.text = prompt
         else:
-            check_range("prompt", prompt, _INT64)
+            check_range(name(i), prompt, _INT64)
             message.token_ids.ids.extend(prompt)
         message.namespace.tenant = tenant
-        message.text_match = TEXT_MATCH[request.text_match]
-        set_priority(message, request.priority)
+        message.text_match = TEXT_MATCH[body.text_match]
+        set_priority(message, body.priority)
         messages.append(message)
     return messages
 
