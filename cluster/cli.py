@@ -3,6 +3,8 @@
 radixmesh serve [--config FILE]          run the cluster until SIGTERM / Ctrl-C
 radixmesh generate "text" [--image PATH ...]
                                          stream one completion to the terminal
+radixmesh embed "text" ... [--dimensions N]
+                                         each text's embedding, a JSON line each
 radixmesh chat [...]                     an interactive conversation (each turn hits the cache)
 radixmesh stats [...]                    per-worker counters and page usage
 radixmesh adapters list|load NAME PATH|unload NAME [...]

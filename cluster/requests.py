@@ -40,7 +40,7 @@ from protos.radixmesh.v1 import serving_pb2
 from worker import validation
 from worker.errors import InvalidRequest
 from worker.images import CheckedImage
-from worker.request import GenerateRequest, PoolingParams
+from worker.request import EMBEDDING_SAMPLING, GenerateRequest, PoolingParams
 from worker.sampling_params import SamplingParams
 from worker.tool_calls import check_tools, tool_constraint
 from worker.validation import RequestLimits
@@ -137,8 +137,7 @@ def prepare(
         tools=tools_from_proto(message.tools),
         template_variables=validation.template_variables(message.chat_template_kwargs),
         continue_final_message=message.continue_final_message,
-        add_generation_prompt=not message.HasField("add_generation_prompt")
-        or message.add_generation_prompt,
+        add_generation_prompt=_add_generation_prompt(message),
         priority=message.priority,
         pooling=pooling_from_proto(message),
         **prompt,
@@ -161,9 +160,7 @@ def prepare(
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))
     if not counting:
         validation.validate(request, ids, limits)
-    sampling = request.sampling
-    if sampling.seed is None and not sampling.greedy:
-        sampling = replace(sampling, seed=secrets.randbits(63))
+    sampling = _served_sampling(request)
     keys = None
     if images:
         assert limits.image_spec is not None
@@ -184,6 +181,25 @@ def prepare(
         request.priority,
         request.pooling,
     )
+
+
+def _served_sampling(request: GenerateRequest) -> SamplingParams:
+    """What the workers get of a checked request's sampling: a seed drawn for a random one (so
+    a migrated sample goes on as it began); nothing of it for an embedding."""
+    if request.pooling is not None:
+        return EMBEDDING_SAMPLING
+    sampling = request.sampling
+    if sampling.seed is None and not sampling.greedy:
+        sampling = replace(sampling, seed=secrets.randbits(63))
+    return sampling
+
+
+def _add_generation_prompt(message: serving_pb2.GenerateRequest) -> bool:
+    """As the request says; by default true, but for an embedding (an embedded chat is not
+    answered: vLLM's default)."""
+    if message.HasField("add_generation_prompt"):
+        return message.add_generation_prompt
+    return not message.HasField("pooling")
 
 
 def _image_fields(

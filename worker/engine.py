@@ -76,6 +76,7 @@ from worker.reasoning import (
     template_thinks,
 )
 from worker.request import (
+    EMBEDDING_SAMPLING,
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -461,6 +462,8 @@ class Engine:
         checked = validation.request_images(request, self.limits)
         prompt = validation.prompt_ids(request, self.tokenizer, self.limits, checked)
         self._validate(request, prompt)
+        if request.pooling is not None:  # checked: nothing of generation's was asked for
+            request = dataclasses.replace(request, sampling=EMBEDDING_SAMPLING)
         structured = request.sampling.structured
         grammar = self.grammars.compile(structured) if structured is not None else None
         bad_words = bad_word_ids(request.sampling.bad_words, self.tokenizer, self.vocab_size)
@@ -1196,7 +1199,11 @@ class Engine:
                 return
             if kind == "add":
                 assert isinstance(payload, RequestState)
-                self._add(payload)
+                try:
+                    self._add(payload)
+                except Exception as err:  # a bug: this request fails alone, its id freed
+                    log.exception("adding %s failed", payload.request_id)
+                    self._not_added(payload, f"{type(err).__name__}: {err}")
             elif kind == "call":
                 function, future = cast(
                     tuple[Callable[[], object], concurrent.futures.Future[object]], payload
@@ -1219,6 +1226,30 @@ class Engine:
             failed = self.scheduler.swap_failures.pop(state.request_id, None)
             if sample.phase is not Phase.FINISHED and state.adapter is not None:
                 self._abort(state, FINISH_ERROR, failed or self.lora.why_gone(state.adapter))
+
+    def _not_added(self, state: RequestState, error: str) -> None:
+        """End a request `_add` failed on: its samples made so far as `_abort` ends them, and
+        an error message for each one it did not make, so its stream ends."""
+        self._requests.pop(state.request_id, None)
+        made = {sample.index for sample in state.samples}
+        for sample in state.samples:
+            if sample.phase is not Phase.FINISHED:
+                self._finish_sample(sample, FINISH_ERROR)
+                self._emit(sample, (), "", FINISH_ERROR, error)
+        with self._lock:
+            self._active_ids.pop(state.request_id, None)
+        request = state.request
+        first = request.resume.sample_index if request.resume is not None else 0
+        for index in range(first, first + request.sampling.n):
+            if index not in made:
+                output = RequestOutput(
+                    request.request_id, index, (), "", state.prompt_tokens, 0, finished=True,
+                    finish_reason=FINISH_ERROR, error=error,
+                )  # fmt: skip
+                try:
+                    state.sink(output)
+                except Exception:
+                    log.exception("output sink of %s failed", state.request_id)
 
     def _add(self, state: RequestState) -> None:
         request = state.request

@@ -44,6 +44,11 @@ class PoolingParams:
     """Scale to unit L2 norm (after the cut), as vLLM's embed task does by default."""
 
 
+EMBEDDING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+"""What an embedding request runs with once checked (it draws nothing): whatever else its
+sampling fields held is dropped, so nothing of generation's is built from them."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """Exactly one of `prompt_token_ids`, `prompt` (text) or `messages` (chat) is set."""

@@ -4,11 +4,11 @@ samples first, then admissions:
     step budget (tokens): [ running, oldest first: 1 token each decoding, a chunk if prefilling ]
                           [ waiting, FIFO: admitted while slots, pages and budget allow       ]
 
-A waiting sample whose prompt begins with tokens that a running sample is computing right now
-(past what the cache held for it, at least `IN_BATCH_SHARED` of them) is passed over until that
-prompt is computed and cached, then admitted with those tokens read from the cache: requests
-sent together with a shared prefix (a system prompt, an instruction before every query) compute
-it once, not once each.
+A waiting sample whose prompt begins with tokens that a running sample of its namespace is
+computing right now (past what the cache held for it, at least `IN_BATCH_SHARED` of them) waits,
+and the samples behind it with it (FIFO), until that prompt is computed and cached; it is then
+admitted with those tokens read from the cache. Requests sent together with a shared prefix (a
+system prompt, an instruction before every query) compute it once, not once each.
 
 A sample of a LoRA adapter is admitted only once its adapter holds a device slot
 (`AdapterSlots.acquire`), which it pins while it runs. When every slot is pinned it waits, and
@@ -40,12 +40,12 @@ from __future__ import annotations
 import logging
 from bisect import insort
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from itertools import count
 
-from cache import OutOfPages, OutOfSlots, SequenceCache
+from cache import CacheNamespace, Keys, OutOfPages, OutOfSlots, SequenceCache
 from cache.sequences import PageCopy
 from cache.tiers import QueuedCopy
 from worker.lora_slots import AdapterSlots
@@ -100,6 +100,18 @@ def priority_key(sample: SampleState) -> tuple[int, int, int]:
     """Where a sample stands under the priority policy: lower first."""
     state = sample.request
     return state.request.priority, state.queue_order, sample.index
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """A running prompt being computed, as a waiting one is compared with it."""
+
+    namespace: CacheNamespace
+    keys: Keys
+    """Its prompt's cache keys."""
+    shared: int
+    """How many leading keys a waiting prompt must share with it to wait for it: its cache
+    hit, then at least `IN_BATCH_SHARED` (and a page) computed now."""
 
 
 class Scheduler:
@@ -179,14 +191,14 @@ class Scheduler:
             budget -= take
             i += 1
         at, slots_busy = 0, False
+        prefilling = self._prefilling() if self.waiting else []
         while budget > 0 and at < len(self.waiting) and len(self.running) < self.config.max_running:
             sample = self.waiting[at]
             if slots_busy and sample.request.adapter is not None:
                 at += 1  # behind a sample waiting for a slot: its turn comes first
                 continue
-            if self._shares_a_prefill(sample):
-                at += 1  # admitted once that prefill is in the cache
-                continue
+            if self._shares_a_prefill(sample, prefilling):
+                break  # it waits for that prompt to be cached; what is behind it, for it (FIFO)
             admission = self._admit(sample)
             if admission is Admission.NO_ROOM:
                 break
@@ -202,6 +214,7 @@ class Scheduler:
                 continue
             del self.waiting[at]
             self.add_running(sample)
+            prefilling.extend(self._prefilling([sample]))
             take = min(sample.pending, budget, self.config.max_prefill_chunk)
             plan.append((sample, take))
             budget -= take
@@ -264,23 +277,34 @@ class Scheduler:
                 return admission
             self.preempt(self.running[-1])
 
-    def _shares_a_prefill(self, sample: SampleState) -> bool:
-        """Whether a running sample still computing its prompt computes, past its cache hit,
-        `IN_BATCH_SHARED` or more tokens that begin `sample`'s too. Admitted now, `sample`
-        would compute them a second time; admitted once that prompt is done (and committed),
-        it reads them from the cache (SGLang's in-batch prefix caching). A sample that scores
-        its prompt (it reuses nothing) is never held back."""
-        if sample.request.scoring_prompt or not self.config.in_batch_shared:
+    def _prefilling(self, samples: Iterable[SampleState] | None = None) -> list[Prefill]:
+        """The running `samples` (default: all) computing their prompt now, as
+        `_shares_a_prefill` compares them. A prompt being scored is left out: it reuses nothing,
+        so its cache hit says nothing of what is cached."""
+        if not self.config.in_batch_shared:
+            return []
+        least = max(self.config.in_batch_shared, self.cache.page_size)
+        return [
+            Prefill(s.request.request.namespace, s.request.prompt_keys, s.seq.reused + least)
+            for s in (self.running if samples is None else samples)
+            if not s.prefilled and s.seq is not None and not s.request.scoring_prompt
+        ]
+
+    @staticmethod
+    def _shares_a_prefill(sample: SampleState, prefilling: list[Prefill]) -> bool:
+        """Whether a prompt being computed now computes, past its cache hit, `IN_BATCH_SHARED`
+        or more tokens (a page at least) that begin `sample`'s prompt too, in the same
+        namespace. Admitted now, `sample` would compute them a second time; admitted once that
+        prompt is done (and committed), it reads them from the cache. A sample that scores its
+        prompt (it reuses nothing) or that has begun a disk read never waits."""
+        if not prefilling or sample.request.scoring_prompt or sample.disk_read is not None:
             return False
-        keys, namespace = sample.cache_keys(), sample.request.request.namespace
-        for other in self.running:
-            if other.prefilled or other.seq is None or other.request.request.namespace != namespace:
-                continue  # done, or its cache is not this one's (another tenant or adapter)
-            shared = other.seq.reused + max(self.config.in_batch_shared, self.cache.page_size)
-            theirs = other.request.prompt_keys
+        keys, namespace = sample.request.prompt_keys, sample.request.request.namespace
+        for other in prefilling:
+            shared, theirs = other.shared, other.keys
             if shared > min(len(keys), len(theirs)) or keys[shared - 1] != theirs[shared - 1]:
                 continue  # the last shared key first: most prompts differ there already
-            if keys[:shared] == theirs[:shared]:
+            if other.namespace == namespace and keys[:shared] == theirs[:shared]:
                 return True
         return False
 

@@ -498,6 +498,10 @@ def validate_embedding(
     """An embedding request's prompt fits the context (all of it: nothing is generated), and
     it asks for nothing of generation's but one sample."""
     assert request.pooling is not None
+    if not limits.hidden_size:  # the router's, when a worker predates embeddings
+        raise InvalidRequest(
+            "pooling", "a worker of this cluster does not serve embeddings (an older version)"
+        )
     if len(prompt) > limits.max_model_len:
         raise ContextOverflow(
             "input",

@@ -25,6 +25,7 @@ expected it to find cached (`X-Radixmesh-Predicted-Cached-Tokens`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -44,7 +45,12 @@ from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.http import anthropic_routes, openai_params, responses_routes
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.body_limit import BodyLimit
-from cluster.http.embeddings import embed_all, embedding_requests, embedding_response
+from cluster.http.embeddings import (
+    embed_all,
+    embedding_calls,
+    embedding_requests,
+    embedding_response,
+)
 from cluster.http.embeddings_schema import EmbeddingRequest
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.image_parts import image_body_bytes
@@ -112,6 +118,8 @@ class HttpApi:
         """The Responses API's stored responses."""
         self.background = BackgroundResponses()
         """The Responses API's background generations running."""
+        self.embedding_calls = asyncio.Semaphore(embedding_calls(config.router.max_in_flight))
+        """The embeddings API's inputs in flight, all its requests together."""
 
     # -- who calls, and about what ---------------------------------------------------------------
     def caller(self, request: Request) -> Caller:
@@ -246,7 +254,8 @@ class HttpApi:
         for message in messages:
             message.namespace.adapter = adapter or ""
         counts = Counts()
-        work = embed_all(lambda message: self.start(message, caller), messages, counts)
+        start = functools.partial(self.start, caller=caller)
+        work = embed_all(start, messages, counts, self.embedding_calls)
         outputs = await self.finish(request, work)
         form, model = body.encoding_format, adapter or self.model
         return await _answer(lambda: embedding_response(outputs, counts, form, model), counts, True)
@@ -680,6 +689,7 @@ class StatusCounter:
 _ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/embeddings",
     "/v1/models",
     "/v1/messages",
     "/v1/messages/count_tokens",

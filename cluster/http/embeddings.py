@@ -4,9 +4,10 @@ input that shares a prefix with what a worker has seen goes there and reads that
 from its cache; only the rest is computed. Its embedding is the last token's final hidden
 state (worker/pooling.py).
 
-Inputs run at most `CONCURRENCY` at a time, so one request of 2,048 inputs does not fill the
-workers' queues; the first refusal or failure ends the request, every input still running
-cancelled, and names the input (`input[3]: is empty`)."""
+The router runs at most half its in-flight calls (`router.max_in_flight`) of embedding inputs
+at a time, all requests together (`embedding_calls`): a request of 2,048 inputs waits its turn
+input by input, and leaves room for chats. The first refusal or failure ends the request, every
+input still running cancelled, and names the input (`input[3]: is empty`)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,15 @@ from cluster.http.several_prompts import prompts_of
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 
-CONCURRENCY = 64
-"""Inputs of one request in flight at once."""
+
+def embedding_calls(max_in_flight: int) -> int:
+    """How many embedding inputs the router runs at once, all requests together: half its
+    in-flight calls (`router.max_in_flight`), so a burst of embeddings neither fills the
+    workers' queues nor leaves no room for chats (each input waits its turn, none is refused
+    for it)."""
+    return max(1, max_in_flight // 2)
+
+
 INPUT_FIELDS = frozenset({"prompt", "prompt_token_ids", "input"})
 """What the serving core calls an input when it refuses one."""
 _UINT32 = (1, 2**32 - 1)
@@ -66,10 +74,11 @@ async def embed_all(
     start: Callable[[serving_pb2.GenerateRequest], Responses],
     messages: Sequence[serving_pb2.GenerateRequest],
     counts: Counts,
+    gate: asyncio.Semaphore,
 ) -> list[serving_pb2.GenerateResponse]:
-    """Each message's finished response (with its embedding), in order, at most `CONCURRENCY`
-    in flight. The first refusal (an HttpError naming its input) or failure cancels the rest."""
-    gate = asyncio.Semaphore(CONCURRENCY)
+    """Each message's finished response (with its embedding), in order, each started once
+    `gate` lets it. The first refusal (an HttpError naming its input) or failure cancels the
+    rest."""
 
     async def one(index: int, message: serving_pb2.GenerateRequest) -> serving_pb2.GenerateResponse:
         async with gate:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx2 as httpx
@@ -18,8 +19,9 @@ import openai
 import pytest
 import torch
 
+from cluster.config import RouterSection
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
-from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_http_openai import assert_no_leak
 from tests.cluster.tool_fixtures import served
 from worker.loader import LoadedModel
@@ -163,3 +165,40 @@ def test_a_client_that_goes_away_cancels_the_inputs_left(cluster: LocalCluster) 
     assert_no_leak(cluster)
     served = sum(e.stats().requests_finished for e in cluster.engines.values()) - served_before
     assert served < len(inputs), "every input was embedded for a client that had gone"
+
+
+def test_a_burst_of_inputs_waits_its_turn_within_the_routers_in_flight_limit(
+    tiny: LoadedModel,
+) -> None:
+    """router.max_in_flight 4: two inputs at a time, all requests together, so 40 inputs (and
+    a chat beside them) are served, none refused as over the limit."""
+    small = start_cluster(tiny, http=True, router=RouterSection(port=0, max_in_flight=4))
+    try:
+        body = {"model": MODEL, "input": [[3 + i, 4, 5, 6, 7] for i in range(40)]}
+        url = f"{small.http_url}/v1"
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(2) as pool:
+            burst = pool.submit(http.post, f"{url}/embeddings", json=body)
+            time.sleep(0.05)  # the burst under way
+            chat = http.post(f"{url}/completions", json={"model": MODEL, "prompt": "hi"})
+            embedded = burst.result()
+        assert embedded.status_code == 200, embedded.text
+        assert len(embedded.json()["data"]) == 40
+        assert chat.status_code == 200, chat.text
+        assert_no_leak(small)
+    finally:
+        small.close()
+
+
+def test_an_embedded_chat_is_not_answered_unless_asked(cluster: LocalCluster) -> None:
+    """vLLM's default for a chat embedding: no generation prompt after the last message."""
+    chat = serving_pb2.ChatMessages(messages=[serving_pb2.ChatMessage(role="user", content="hi")])
+    with grpc.insecure_channel(cluster.target) as channel:
+        stub = serving_pb2_grpc.ServingStub(channel)
+        lengths = []
+        for answered in (None, False, True):
+            request = serving_pb2.GenerateRequest(chat=chat, pooling=serving_pb2.PoolingParams())
+            if answered is not None:
+                request.add_generation_prompt = answered
+            (message,) = list(stub.Generate(request, timeout=30))
+            lengths.append(message.prompt_tokens)
+    assert lengths[0] == lengths[1] < lengths[2]

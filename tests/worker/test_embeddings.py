@@ -22,9 +22,11 @@ from worker.engine import Engine, EngineConfig
 from worker.error_details import refusal_of
 from worker.errors import ContextOverflow, InvalidRequest
 from worker.loader import LoadedModel
+from worker.logit_shaping import LogitShaping
 from worker.pooling import pooled
 from worker.request import GenerateRequest, PoolingParams, RequestOutput, Resume
 from worker.sampling_params import SamplingParams, StructuredOutput
+from worker.validation import RequestLimits, validate
 
 CONFIG = EngineConfig(
     num_pages=96, page_size=4, max_running=4, token_budget=48, max_prefill_chunk=16,
@@ -208,3 +210,47 @@ def test_the_worker_service_streams_one_message_holding_the_embedding(tiny: Load
 
     asyncio.run(scenario())
     check_sequence_cache(engine.cache)
+
+
+def test_sampling_fields_an_embedding_does_not_use_are_dropped(tiny: LoadedModel) -> None:
+    """An allowed token, a bias or a bad word outside what the model could draw would fail
+    the sampler's making; an embedding draws nothing, so none is made of them."""
+    engine = Engine(tiny.model, tiny.tokenizer, CONFIG)
+    plain = vector(run(engine, embed("plain", PROMPT))["plain"])
+    odd = SamplingParams(allowed_token_ids=[10**6], logit_bias={10**6: 1.0}, bad_words=["zz"])
+    asked = vector(run(engine, embed("odd", PROMPT, sampling=odd))["odd"])
+    assert relative_error(asked, plain) < 1e-5
+    assert not engine.stats().running and not engine.stats().waiting
+
+
+def test_a_router_with_a_worker_from_before_embeddings_refuses_them_by_name() -> None:
+    limits = RequestLimits(vocab_size=256, max_model_len=64)  # hidden_size 0: not told
+    with pytest.raises(InvalidRequest) as err:
+        validate(embed("old", PROMPT[:10]), PROMPT[:10], limits)
+    assert err.value.field == "pooling"
+    validate(embed("new", PROMPT[:10]), PROMPT[:10], replace(limits, hidden_size=64))
+
+
+def test_a_request_the_engine_fails_to_add_ends_in_an_error_and_frees_its_id(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault: making a request's samples raises (a bug). The request ends with an error on
+    every sample, the engine serves on, and the id can be used again."""
+    engine = Engine(tiny.model, tiny.tokenizer, CONFIG)
+    real = LogitShaping.create
+    calls = iter([True])
+
+    def failing_once(*args: object, **kwargs: object) -> object:
+        if next(calls, False):
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LogitShaping, "create", staticmethod(failing_once))
+    two = SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=1)
+    outputs = run(engine, GenerateRequest("x", prompt_token_ids=PROMPT, sampling=two))["x"]
+    assert sorted(o.index for o in outputs) == [0, 1]
+    assert all(
+        o.finished and o.finish_reason == "error" and "injected" in (o.error or "") for o in outputs
+    )
+    again = run(engine, greedy("x", PROMPT, 3))["x"]
+    assert again[-1].finished and again[-1].finish_reason == "length"

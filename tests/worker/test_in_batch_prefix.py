@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cache import CacheNamespace
@@ -98,6 +98,43 @@ def test_a_request_behind_waits_only_for_the_prefill(tiny: LoadedModel) -> None:
     check_sequence_cache(engine.cache)
 
 
+def test_the_samples_behind_one_that_waits_keep_their_place(tiny: LoadedModel) -> None:
+    """FIFO: an unrelated request behind the one waiting is not admitted before it (it would
+    take the running slot the waiting one is to have)."""
+    engine = Engine(tiny.model, tiny.tokenizer, replace(CONFIG, max_running=2))
+    recorder = Recorder()
+    for request in (greedy("o", (*PREFIX, 1), 20), greedy("w", (*PREFIX, 2), 20)):
+        engine.submit(request, recorder.outputs.append)
+    engine.submit(greedy("u", range(100, 140), 20), recorder.outputs.append)
+    first: dict[str, int] = {}
+    for step in range(1, 200):
+        if not engine.step():
+            break
+        for request_id in ("o", "w", "u"):
+            if recorder.tokens(request_id):
+                first.setdefault(request_id, step)
+    assert first["o"] == 1 and first["w"] == 2  # w waited one prefill, then read it cached
+    assert first["u"] > 20  # a slot frees only when o ends
+    assert recorder.final("w").cached_prompt_tokens == 60
+    check_sequence_cache(engine.cache)
+
+
+def test_a_prompt_being_scored_holds_no_one_back(tiny: LoadedModel) -> None:
+    """It computes every position, cached or not: its hit says nothing of what is cached, and
+    the prefix a request shares with it here is cached already."""
+    engine = Engine(tiny.model, tiny.tokenizer, CONFIG)
+    computed(engine, [greedy("warm", (*PREFIX, 9), 1)])
+    engine.submit(greedy("s", (*PREFIX, *range(100, 140)), 2, prompt_logprobs=1), lambda _: None)
+    engine.submit(greedy("w", (*PREFIX, 1, 2), 2), lambda _: None)
+    engine.step()
+    assert (engine.stats().running, engine.stats().waiting) == (2, 0)
+    drain(engine)
+    check_sequence_cache(engine.cache)
+
+
+@example(  # a review's case: holding w must not cost the x's the hits they would have had
+    shapes=[(54, [3] * 12), (60, [4] * 12), (28, [5, 6]), (28, [7, 8])], budget=64
+)
 @settings(max_examples=20, deadline=None)
 @given(
     shapes=st.lists(
