@@ -161,6 +161,11 @@ class EngineSection:
     """"fcfs": first come, first served, and a request's priority other than 0 is refused;
     "priority": each worker admits waiting requests by their priority (lower first, vLLM's
     meaning) and preempts running ones of a higher value when a lower one needs the room."""
+    in_batch_prefix_tokens: int = _at_least(32, 0)
+    """Under fcfs, a waiting request whose prompt begins with at least this many tokens (and a
+    page) that a running prompt of its namespace is computing now waits for that prompt to be
+    cached and reads them from there, instead of computing them a second time (SGLang's
+    in-batch prefix check); 0: never waits."""
     num_speculative_tokens: int = _at_least(0, 0, MAX_SPECULATIVE_TOKENS)
     """Speculative decoding by n-gram lookup: a decoding request whose last tokens occurred
     before in its prompt or output has what followed them verified with its next token in one

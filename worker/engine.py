@@ -88,7 +88,7 @@ from worker.request import (
 from worker.samples import Phase, RequestState, SampleState, TextDecoder
 from worker.sampling import Sampler
 from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from worker.scheduler import Scheduler, SchedulerConfig
+from worker.scheduler import IN_BATCH_SHARED, Scheduler, SchedulerConfig
 from worker.speculation import NgramIndex, SpeculationConfig, draft_limit
 from worker.stop import StopChecker
 from worker.structured_output import Constraint, GrammarCompiler, GrammarRefused
@@ -134,6 +134,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     """"fcfs", or "priority": requests by their `priority`, lower first, preempting running
     ones of a lower priority for room (worker/scheduler.py; vLLM's `--scheduling-policy`)."""
+    in_batch_prefix_tokens: int = IN_BATCH_SHARED
+    """Under fcfs, the uncached tokens (a page at least) a waiting sample must share with a
+    prompt being computed to wait for it to be cached (worker/scheduler.py); 0: none waits."""
     num_speculative_tokens: int = 0
     """Speculative decoding by n-gram lookup (worker/speculation.py): the longest draft a
     decoding sample verifies in a step; 0: none (vLLM's `speculative_config`, method ngram)."""
@@ -404,6 +407,7 @@ class Engine:
                 config.max_prefill_chunk,
                 config.max_running,
                 config.scheduling_policy,
+                config.in_batch_prefix_tokens,
             ),
             self.runner.copy_pages,
             self._from_disk if config.persist_dir is not None else None,

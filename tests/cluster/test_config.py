@@ -37,6 +37,10 @@ from cluster.config import ClusterConfig, ConfigError, ModelSection, build, engi
         ("engine: {page_size: 4, block_size: 6}", "engine.block_size: must be a positive multiple"),
         ("engine: {host_pages: 1}", "engine.host_pages: must be 0 (no host tier) or >= 2"),
         ("engine: {num_speculative_tokens: 65}", "engine.num_speculative_tokens: must be from 0"),
+        (
+            "engine: {in_batch_prefix_tokens: -1}",
+            "engine.in_batch_prefix_tokens: must be at least 0",
+        ),
         ("engine: {prompt_lookup_min: 0}", "engine.prompt_lookup_min: must be at least 1, got 0"),
         (
             "engine: {prompt_lookup_min: 5}",
@@ -208,3 +212,10 @@ def test_adapters_reach_each_worker_engine_as_name_path_pairs(tmp_path: Path) ->
     assert (options["max_loras"], options["max_lora_rank"]) == (2, 16)
     assert ClusterConfig().engine.max_loras == 4 and ClusterConfig().engine.max_lora_rank == 64
     assert engine_options(ClusterConfig())["adapters"] == []
+
+
+def test_the_in_batch_prefix_setting_reaches_each_worker_engine(tmp_path: Path) -> None:
+    (tmp_path / "radixmesh.yaml").write_text("engine: {in_batch_prefix_tokens: 0}\n")
+    options = engine_options(ClusterConfig.load(tmp_path / "radixmesh.yaml"))
+    assert options["in_batch_prefix_tokens"] == 0
+    assert engine_options(ClusterConfig())["in_batch_prefix_tokens"] == 32

@@ -178,3 +178,14 @@ def test_another_tenants_prompt_holds_no_one_back(tiny: LoadedModel) -> None:
     assert (engine.stats().running, engine.stats().waiting) == (3, 0)
     drain(engine)
     check_sequence_cache(engine.cache)
+
+
+def test_the_setting_sets_the_threshold_and_zero_turns_the_wait_off(tiny: LoadedModel) -> None:
+    """EngineConfig.in_batch_prefix_tokens (the cluster's engine.in_batch_prefix_tokens)."""
+    requests = [greedy(f"r{i}", (*PREFIX, 200 + i), 2) for i in range(3)]
+    for tokens in (0, 80):  # none waits; more than the 60 shared: none waits
+        config = replace(CONFIG, in_batch_prefix_tokens=tokens)
+        engine = Engine(tiny.model, tiny.tokenizer, config)
+        assert engine.scheduler.config.in_batch_shared == tokens
+        assert computed(engine, requests)[0] == 3 * 61
+    assert computed(Engine(tiny.model, tiny.tokenizer, CONFIG), requests)[0] == 61 + 2 * 1
