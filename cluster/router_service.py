@@ -52,7 +52,15 @@ from worker.validation import RequestLimits, crowded
 log = logging.getLogger(__name__)
 ANSWER_JOIN_WAIT_S = 1.0
 """How long a text prompt waits for its namespace's last answers to join the text index."""
-WORKER_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+WORKER_FAILURES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+)
+"""How a worker's call ends when the worker failed, not the request: the router tries another.
+CANCELLED is a worker's server stopping under calls that had sent nothing yet (a process
+killed, or a drain's grace over); the router's own cancellations never reach it as errors."""
 
 
 @dataclass

@@ -15,8 +15,10 @@ import asyncio
 import base64
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 
+import grpc
 import numpy as np
 
 from cluster.http.embeddings_schema import (
@@ -43,6 +45,10 @@ def embedding_calls(max_in_flight: int) -> int:
     return max(1, max_in_flight // 2)
 
 
+OVERLOAD_WAIT_S = 60.0
+"""How long an input refused for load is tried again before the request fails with it (429)."""
+OVERLOAD_PAUSE_S = 0.05
+"""The first pause before trying it again; each next one doubles, up to a second."""
 INPUT_FIELDS = frozenset({"prompt", "prompt_token_ids", "input"})
 """What the serving core calls an input when it refuses one."""
 _UINT32 = (1, 2**32 - 1)
@@ -83,7 +89,7 @@ async def embed_all(
     async def one(index: int, message: serving_pb2.GenerateRequest) -> serving_pb2.GenerateResponse:
         async with gate:
             try:
-                return await _embedding(start(message), counts)
+                return await _through_overload(lambda: _embedding(start(message), counts))
             except ServingError as err:
                 name = input_name(index, len(messages))
                 refusal = HttpError.of(err)
@@ -96,6 +102,24 @@ async def embed_all(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _through_overload(
+    attempt: Callable[[], Awaitable[serving_pb2.GenerateResponse]],
+) -> serving_pb2.GenerateResponse:
+    """`attempt()`, again after a pause while the cluster refuses it for load (its workers'
+    queues or the router's in-flight limit full: RESOURCE_EXHAUSTED), for up to
+    `OVERLOAD_WAIT_S`: an input of a large request waits for room rather than failing the
+    inputs already embedded (a worker that died leaves the others less room)."""
+    pause, give_up = OVERLOAD_PAUSE_S, time.monotonic() + OVERLOAD_WAIT_S
+    while True:
+        try:
+            return await attempt()
+        except ServingError as err:
+            if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > give_up:
+                raise
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, 1.0)
 
 
 async def _embedding(stream: Responses, counts: Counts) -> serving_pb2.GenerateResponse:

@@ -202,3 +202,31 @@ def test_an_embedded_chat_is_not_answered_unless_asked(cluster: LocalCluster) ->
             (message,) = list(stub.Generate(request, timeout=30))
             lengths.append(message.prompt_tokens)
     assert lengths[0] == lengths[1] < lengths[2]
+
+
+def test_a_worker_dying_under_a_batch_is_invisible_to_its_client(tiny: LoadedModel) -> None:
+    """A fault: one of two workers is killed (its server stopped with no grace) while a
+    request's inputs run. Its inputs are retried on the other, and the client gets every
+    embedding as an undisturbed run gives it."""
+    cluster = start_cluster(tiny, http=True)
+    try:
+        url = f"{cluster.http_url}/v1/embeddings"
+        inputs = [[3 + (i * 11 + j) % 250 for j in range(120)] for i in range(200)]
+        body = {"model": MODEL, "input": inputs, "encoding_format": "float"}
+        undisturbed = httpx.post(url, json=body, timeout=120)
+        assert undisturbed.status_code == 200, undisturbed.text
+        fresh = {"X-Radixmesh-Tenant": "another"}  # nothing cached for it: all computed again
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, url, json=body, headers=fresh, timeout=120)
+            while not cluster.service.in_flight:
+                time.sleep(0.005)
+            time.sleep(0.05)
+            cluster.kill_worker("worker-0")
+            disturbed = answer.result()
+        assert disturbed.status_code == 200, disturbed.text
+        assert cluster.service.counters.retried > 0, "the kill met no input in flight"
+        for before, after in zip(undisturbed.json()["data"], disturbed.json()["data"], strict=True):
+            assert np.allclose(before["embedding"], after["embedding"], atol=1e-5)
+        assert_no_leak(cluster)
+    finally:
+        cluster.close()
