@@ -15,8 +15,9 @@ import asyncio
 import base64
 import contextlib
 import functools
+import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -45,7 +46,8 @@ def embedding_calls(max_in_flight: int) -> int:
     return max(1, max_in_flight // 2)
 
 
-OVERLOAD_WAIT_S = 60.0
+OVERLOADED = grpc.StatusCode.RESOURCE_EXHAUSTED
+OVERLOAD_WAIT_S = 20.0
 """How long an input refused for load is tried again before the request fails with it (429)."""
 OVERLOAD_PAUSE_S = 0.05
 """The first pause before trying it again; each next one doubles, up to a second."""
@@ -87,13 +89,16 @@ async def embed_all(
     rest."""
 
     async def one(index: int, message: serving_pb2.GenerateRequest) -> serving_pb2.GenerateResponse:
-        async with gate:
-            try:
-                return await _through_overload(lambda: _embedding(start(message), counts))
-            except ServingError as err:
-                name = input_name(index, len(messages))
-                refusal = HttpError.of(err)
-                raise refusal.renamed(lambda p: name if p in INPUT_FIELDS else None) from err
+        waits = overload_pauses()
+        while True:
+            async with gate:  # held for an attempt, not for the pause after a refusal
+                try:
+                    return await _embedding(start(message), counts)
+                except ServingError as err:
+                    pause = next(waits, None) if err.code == OVERLOADED else None
+                    if pause is None:
+                        raise _refused(err, input_name(index, len(messages))) from err
+            await asyncio.sleep(pause)
 
     tasks = [asyncio.ensure_future(one(i, m)) for i, m in enumerate(messages)]
     try:
@@ -104,21 +109,21 @@ async def embed_all(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _through_overload(
-    attempt: Callable[[], Awaitable[serving_pb2.GenerateResponse]],
-) -> serving_pb2.GenerateResponse:
-    """`attempt()`, again after a pause while the cluster refuses it for load (its workers'
-    queues or the router's in-flight limit full: RESOURCE_EXHAUSTED), for up to
-    `OVERLOAD_WAIT_S`: an input of a large request waits for room rather than failing the
-    inputs already embedded (a worker that died leaves the others less room)."""
+def _refused(err: ServingError, name: str) -> HttpError:
+    """The refusal of one input, the field called what the request calls that input."""
+    return HttpError.of(err).renamed(lambda field: name if field in INPUT_FIELDS else None)
+
+
+def overload_pauses() -> Iterator[float]:
+    """The pauses before an input refused for load (its workers' queues or the router's
+    in-flight limit full: RESOURCE_EXHAUSTED) is tried again: from `OVERLOAD_PAUSE_S`, doubling
+    to a second, each with up to a quarter more at random (inputs refused together do not come
+    back together), until `OVERLOAD_WAIT_S` have passed. An input of a large request so waits
+    for room instead of failing the inputs already embedded (a worker that died leaves the
+    others less room)."""
     pause, give_up = OVERLOAD_PAUSE_S, time.monotonic() + OVERLOAD_WAIT_S
-    while True:
-        try:
-            return await attempt()
-        except ServingError as err:
-            if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > give_up:
-                raise
-        await asyncio.sleep(pause)
+    while time.monotonic() < give_up:
+        yield pause * (1 + random.random() / 4)
         pause = min(2 * pause, 1.0)
 
 

@@ -8,6 +8,7 @@ or page outlives its call."""
 from __future__ import annotations
 
 import base64
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from cluster.config import RouterSection
+from cluster.http import embeddings
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_http_openai import assert_no_leak
@@ -211,16 +213,15 @@ def test_a_worker_dying_under_a_batch_is_invisible_to_its_client(tiny: LoadedMod
     cluster = start_cluster(tiny, http=True)
     try:
         url = f"{cluster.http_url}/v1/embeddings"
-        inputs = [[3 + (i * 11 + j) % 250 for j in range(120)] for i in range(200)]
+        inputs = [[3 + (i * 11 + j) % 250 for j in range(120)] for i in range(300)]
         body = {"model": MODEL, "input": inputs, "encoding_format": "float"}
         undisturbed = httpx.post(url, json=body, timeout=120)
         assert undisturbed.status_code == 200, undisturbed.text
         fresh = {"X-Radixmesh-Tenant": "another"}  # nothing cached for it: all computed again
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, url, json=body, headers=fresh, timeout=120)
-            while not cluster.service.in_flight:
-                time.sleep(0.005)
-            time.sleep(0.05)
+            while len(cluster.service.in_flight) < 8:  # inputs on both workers by now
+                time.sleep(0.002)
             cluster.kill_worker("worker-0")
             disturbed = answer.result()
         assert disturbed.status_code == 200, disturbed.text
@@ -230,3 +231,13 @@ def test_a_worker_dying_under_a_batch_is_invisible_to_its_client(tiny: LoadedMod
         assert_no_leak(cluster)
     finally:
         cluster.close()
+
+
+def test_an_input_refused_for_load_pauses_longer_each_time_and_then_gives_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pauses = list(itertools.islice(embeddings.overload_pauses(), 8))
+    bases = [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    assert all(base <= p <= 1.25 * base for p, base in zip(pauses, bases, strict=True)), pauses
+    monkeypatch.setattr(embeddings, "OVERLOAD_WAIT_S", 0.0)
+    assert list(embeddings.overload_pauses()) == []
