@@ -153,7 +153,7 @@ def prepare(
     images = _checked_images(request, limits, fields)
     encoder = None
     if text_prompts is not None and not images and message.WhichOneof("prompt") in ("text", "chat"):
-        encoder = text_prompts.encoder(request.namespace, text_prompts.mode(message.text_match))
+        encoder = text_prompts.encoder(request.namespace, text_prompts.mode(_text_match(message)))
     ids = validation.prompt_ids(request, encoder or tokenizer, limits, images)
     if fill_context and not message.sampling.HasField("max_tokens") and not request.pooling:
         room = max(1, limits.max_model_len - len(ids))
@@ -181,6 +181,15 @@ def prepare(
         request.priority,
         request.pooling,
     )
+
+
+def _text_match(message: serving_pb2.GenerateRequest) -> int:
+    """How a text prompt reuses the text index: as asked; an embedding that does not ask takes
+    `exact`, whatever the router's default (under `anchored`, the same text could embed
+    differently after another conversation left generated ids for it)."""
+    if message.text_match or not message.HasField("pooling"):
+        return message.text_match
+    return serving_pb2.TEXT_MATCH_EXACT
 
 
 def _served_sampling(request: GenerateRequest) -> SamplingParams:

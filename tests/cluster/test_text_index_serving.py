@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from cluster.client import Client, text_request
+from cluster.config import RouterSection, TextIndexSection
 from cluster.router_metrics import RouterCollector
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import LocalCluster, start_cluster
@@ -138,3 +139,44 @@ def test_http_requests_choose_a_mode_and_a_bad_one_is_named(cluster: LocalCluste
             )
     texts = cluster.service.text_prompts
     assert texts is not None and texts.counters.prompts == 2  # "off" bypasses the index
+
+
+def test_an_embedding_takes_exact_ids_under_an_anchored_default(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router's default is `anchored`; a generation then leaves ids for a text that a full
+    tokenization spells otherwise. A chat's next turn reuses them; an embedding of that text
+    that does not ask for a mode takes the full tokenization (the same text embeds the same
+    whatever was said before), and one that asks for `anchored` gets it."""
+    router = RouterSection(port=0, text_index=TextIndexSection(mode="anchored"))
+    cluster = start_cluster(tiny, workers=1, router=router)
+    try:
+        client, tokenizer = Client(cluster.target), tiny.tokenizer
+        generate(client, "warm", serving_pb2.TEXT_MATCH_DEFAULT, tenant="warm-up")
+        generated, _ = generate(client, HISTORY, serving_pb2.TEXT_MATCH_DEFAULT)
+        cluster.wait_idle()
+        prompt = HISTORY + tokenizer.decode(generated, skip_special_tokens=False) + QUESTIONS[0]
+        anchored = [
+            *tokenizer.encode(HISTORY),
+            *generated,
+            *tokenizer.encode(QUESTIONS[0], add_special_tokens=False),
+        ]
+        exact = tokenizer.encode(prompt)
+        assert anchored != exact
+
+        def embedded(mode: int, text: str | None, ids: list[int] | None = None) -> list[float]:
+            request = text_request(text, token_ids=ids)
+            request.pooling.SetInParent()
+            request.text_match = mode
+            (message,) = list(client.generate(request, timeout=30))
+            return list(message.embedding)
+
+        asked = embedded(serving_pb2.TEXT_MATCH_ANCHORED, prompt)  # first: once a request
+        by_default = embedded(serving_pb2.TEXT_MATCH_DEFAULT, prompt)  # keeps exact ids, they match
+        of_exact = embedded(serving_pb2.TEXT_MATCH_DEFAULT, None, exact)
+        of_anchored = embedded(serving_pb2.TEXT_MATCH_DEFAULT, None, anchored)
+        assert by_default == pytest.approx(of_exact, abs=1e-5)
+        assert asked == pytest.approx(of_anchored, abs=1e-5)
+        assert of_exact != pytest.approx(of_anchored, abs=1e-3)
+    finally:
+        cluster.close()
