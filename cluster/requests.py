@@ -67,7 +67,7 @@ class ModelLimits:
     vision: ModelVision | None = None
     """Their vision model (None: a text model, images refused)."""
     hidden_size: int = 0
-    """An embedding's length (0: a worker did not say)."""
+    """An embedding's length (0: a worker did not say; embeddings are then refused)."""
 
 
 @dataclass(frozen=True)

@@ -138,8 +138,8 @@ class RequestLimits:
     """Whether a request may carry a priority other than 0 (the "priority" scheduling
     policy)."""
     hidden_size: int = 0
-    """The model's hidden size, an embedding's length (0: not known here, as on a router
-    whose workers did not say; the worker checks `dimensions` then)."""
+    """The model's hidden size, an embedding's length (0: not known, as on a router with a
+    worker older than embeddings, which then refuses them: `validate_embedding`)."""
 
     @classmethod
     def of(

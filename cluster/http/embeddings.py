@@ -6,8 +6,9 @@ state (worker/pooling.py).
 
 The router runs at most half its in-flight calls (`router.max_in_flight`) of embedding inputs
 at a time, all requests together (`embedding_calls`): a request of 2,048 inputs waits its turn
-input by input, and leaves room for chats. The first refusal or failure ends the request, every
-input still running cancelled, and names the input (`input[3]: is empty`)."""
+input by input, and leaves room for chats; an input refused for load pauses and is tried again
+(`overload_pauses`). Any other refusal or failure ends the request, every input still running
+cancelled, and names the input (`input[3]: is empty`)."""
 
 from __future__ import annotations
 
