@@ -1,10 +1,12 @@
-"""Prometheus metrics of the router, read from the service's counters at scrape time."""
+"""Prometheus metrics of the router, read from the service's counters at scrape time, and its
+latency histograms (cluster/request_latency.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from cache.text_index import TextIndexStats
@@ -16,7 +18,7 @@ class RouterCollector(Collector):
     def __init__(self, service: RouterService) -> None:
         self.service = service
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         c = self.service.counters
         counters = {
             "radixmesh_router_routing_decisions": ("Routing decisions made", c.routed),
@@ -92,6 +94,8 @@ class RouterCollector(Collector):
             gauge.add_metric([], value)
             yield gauge
         yield from self._text_index()
+        for histogram in self.service.latencies.histograms():
+            yield from histogram.collect()
 
     def _text_index(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         texts = self.service.text_prompts

@@ -36,6 +36,7 @@ from cluster.auth import allowed_tenant
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.grpc_tool_calls import with_tool_calls
 from cluster.policies import router_config
+from cluster.request_latency import RouterLatencies
 from cluster.requests import PreparedRequest, TenantRefused, prepare, request_namespace
 from cluster.serving_call import Caller, ServingError
 from cluster.stream_merge import merge_streams
@@ -95,6 +96,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.engine = config.engine
         self.security = config.security
         self.counters = RouterCounters()
+        self.latencies = RouterLatencies()
+        """Each call's times as its client saw them (cluster/request_latency.py)."""
         self.adapter_admin = AdapterAdmin(links, config)
         """Loads and unloads LoRA adapters on every worker (the Admin RPCs, the HTTP API)."""
         self.in_flight: dict[str, InFlight] = {}
@@ -178,6 +181,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         image_fields: Sequence[str],
     ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         """`generate` once the request counts against router.max_in_flight."""
+        clock = self.latencies.call(embedding=request.HasField("pooling"))
         prepared = await self._prepare(request, caller, fill_context, image_fields)
         if prepared.request_id in self.in_flight:
             raise self._error(
@@ -187,16 +191,20 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         entry = self.in_flight[prepared.request_id] = InFlight(prepared.namespace.tenant)
         progress = StreamProgress(prepared)
-        remembered = False
+        done = False
         served = self._serve(prepared, entry, caller, progress)
         try:
             async with contextlib.aclosing(served):  # closed with this: the worker call ends
                 async for response in served:
-                    if not remembered and all(sample.finished for sample in progress.samples):
-                        remembered = True  # registered before the client has the last message
+                    clock.forwarded(response)
+                    if not done and all(sample.finished for sample in progress.samples):
+                        # before the client has the last message: one that stops reading
+                        # there (an embedding's) ended well all the same
+                        done = True
                         self._remember_answers(prepared, progress)
+                        self._count("OK")
+                        clock.ended()
                     yield response
-            self._count("OK")
         finally:
             self.in_flight.pop(prepared.request_id, None)
 

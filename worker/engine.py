@@ -59,6 +59,7 @@ from worker.images import (
 from worker.kv_copies import MIN_STREAM_BYTES
 from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
 from worker.kv_sizing import PoolSize, size_pool
+from worker.latency_metrics import EngineLatencies
 from worker.logit_shaping import LogitShaping
 from worker.logprobs import prompt_logprobs, token_logprob
 from worker.lora_serving import AdapterLifecycle, adapter_slots
@@ -419,9 +420,9 @@ class Engine:
         self._active_ids: dict[str, int] = {}  # submitted, not finished -> its priority
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._finished = 0
-        self._prompt_tokens = self._cached_tokens = self._generated = 0
+        self._finished = self._prompt_tokens = self._cached_tokens = self._generated = 0
         self._drafted = self._accepted_drafts = 0  # draft tokens verified, and drawn too
+        self.latencies = EngineLatencies()  # where requests' time went, for the metrics
         self.store: KvStore | None = None
         # what recomputing a position costs against reading it back from disk (learned)
         self.tier_costs = TierCosts()
@@ -460,6 +461,7 @@ class Engine:
         """Validate and queue a request; returns its prompt length. Raises `InvalidRequest`,
         `EngineOverloaded` (never for a resumed sample) or `EngineStopped` without queueing
         anything."""
+        began = time.perf_counter()
         if self._stopping.is_set():
             raise EngineStopped("the engine is stopping")
         request, adapter = self.lora.bind(request)
@@ -490,6 +492,7 @@ class Engine:
             self._active_ids[request.request_id] = request.priority
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
+        state.submitted = began
         if self.speculation.enabled and request.sampling.max_tokens > 1 and not request.pooling:
             # its prompt's n-grams, indexed here, not on the engine thread (none to verify
             # for one token, or for an embedding)
@@ -785,8 +788,9 @@ class Engine:
             return True
         self._sample_all(plan, chunks, logits, hidden)
         # after sampling, which waits for the device: the pass's whole time
-        computed = sum(take for _, take in plan)
-        self.tier_costs.observe_pass(computed, time.perf_counter() - began)
+        computed, seconds = sum(take for _, take in plan), time.perf_counter() - began
+        self.tier_costs.observe_pass(computed, seconds)
+        self.latencies.step(computed, seconds)
         return True
 
     def _sample_all(
@@ -1136,6 +1140,7 @@ class Engine:
         goes out after the sample is finished: its pages are back in the pool and its request
         id free by the time a client sees the end."""
         request = sample.request
+        self._time(request, bool(token_ids or embedding), reason)
         output = RequestOutput(
             request_id=request.request_id,
             index=sample.index,
@@ -1160,6 +1165,18 @@ class Engine:
             request.sink(output)
         except Exception:  # a broken consumer must not take the engine down
             log.exception("output sink of %s failed", request.request_id)
+
+    def _time(self, request: RequestState, computed: bool, reason: str | None) -> None:
+        """Time a request's first output (`computed`: a token or an embedding goes out) and its
+        end by a stop or its length (worker/latency_metrics.py)."""
+        if request.first_output_at is None and computed:
+            assert request.admitted_at is not None, "an output is computed after admission"
+            request.first_output_at = self.latencies.first_output(
+                request.submitted, request.admitted_at, request.timed_from_start
+            )
+        ended = reason in (FINISH_STOP, FINISH_LENGTH) and request.finished
+        if ended and request.timed_from_start and request.first_output_at is not None:
+            self.latencies.finished(request.submitted, request.first_output_at)
 
     def _finish_sample(self, sample: SampleState, reason: str) -> None:
         if sample.phase in (Phase.RUNNING, Phase.WAITING):

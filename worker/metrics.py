@@ -1,6 +1,8 @@
-"""Prometheus metrics of one worker, read from the engine's counters at scrape time.
+"""Prometheus metrics of one worker, read from the engine's counters at scrape time, and its
+latency histograms (worker/latency_metrics.py).
 
-Nothing is counted twice: the engine keeps its counters, this collector only exposes them.
+Nothing is counted twice: the engine keeps its counters and histograms, this collector only
+exposes them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from worker.latency_metrics import labelled
 
 if TYPE_CHECKING:  # the router process serves its metrics with this module and has no torch
     from worker.engine import Engine
@@ -21,7 +26,7 @@ class EngineCollector(Collector):
         self.engine = engine
         self.worker = worker
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
         labels = ["worker"]
         counters = {
@@ -152,6 +157,7 @@ class EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, text, labels=labels)
             gauge.add_metric([self.worker], value)
             yield gauge
+        yield from labelled(self.engine.latencies.histograms(), "worker", self.worker)
 
 
 def serve_metrics(collector: Collector, host: str, port: int) -> int:

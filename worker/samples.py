@@ -18,6 +18,7 @@ hashes (they cannot stand for image keys; `BlockHasher.accepts` refuses typed ke
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -136,6 +137,12 @@ class RequestState:
     """Of those, the positions read back from the disk tier for it."""
     admitted: bool = False
     forked: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    """When the worker received it (`time.perf_counter`; `Engine.submit` sets it as it begins)."""
+    admitted_at: float | None = None
+    """When its first sample was admitted (None: not yet)."""
+    first_output_at: float | None = None
+    """When its first token (or its embedding) went out (None: not yet)."""
     queue_order: int = -1
     """When it was first queued, among all requests (the scheduler sets it; -1: not yet)."""
     ngrams: NgramIndex | None = None
@@ -177,6 +184,12 @@ class RequestState:
     def prompt_tokens(self) -> int:
         """The prompt as the client sent it (a resumed sample's ids end with generated ones)."""
         return len(self.prompt_ids) - self.request.generated_before
+
+    @property
+    def timed_from_start(self) -> bool:
+        """Whether its time to first token and its end-to-end time are the client's: a
+        generation, not a sample resumed on this worker after another failed."""
+        return self.request.pooling is None and self.request.resume is None
 
     @property
     def request_id(self) -> str:

@@ -38,6 +38,7 @@ other to be admitted.
 from __future__ import annotations
 
 import logging
+import time
 from bisect import insort
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
@@ -376,6 +377,7 @@ class Scheduler:
         self.hold_slot(sample, slot)
         if not sample.request.admitted:
             sample.request.admitted = True
+            sample.request.admitted_at = time.perf_counter()
             # a resumed sample's ids end with generated tokens: its cache hit counts the prompt
             sample.request.cached_prompt_tokens = min(seq.reused, sample.request.prompt_tokens)
             sample.request.host_cached_tokens = min(

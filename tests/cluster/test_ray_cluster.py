@@ -298,13 +298,18 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         assert {w.worker for w in stats.workers if w.healthy} == {"worker-0", "worker-1"}
 
         config = yaml.safe_load(config_file.read_text())["metrics"]
-        for port in (config["router_port"], config["worker_port"], config["worker_port"] + 1):
+        for i, port in enumerate((config["worker_port"], config["worker_port"] + 1)):
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-            assert b"radixmesh_" in body
+            assert f'radixmesh_worker_running{{worker="worker-{i}"}}'.encode() in body
+            # the latency histograms, on the endpoint of the worker that served the calls
+            timed = f'radixmesh_worker_time_to_first_token_seconds_count{{worker="worker-{i}"}}'
+            assert timed.encode() in body
         router_metrics = urllib.request.urlopen(
             f"http://127.0.0.1:{config['router_port']}/metrics", timeout=10
         ).read()
         assert b'radixmesh_router_requests_total{status="OK"}' in router_metrics
+        # two gRPC calls, one chat and one structured answer over HTTP: each timed once
+        assert b"radixmesh_router_time_to_first_token_seconds_count 4.0" in router_metrics
 
         victim_name = first.worker
         describe = f"print(ray.get(actor('radixmesh-{victim_name}').describe.remote())['pid'])"

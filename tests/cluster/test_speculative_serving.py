@@ -13,7 +13,9 @@ import openai
 import pytest
 
 from cluster.client import Client, text_request
+from cluster.router_metrics import RouterCollector
 from tests.cluster.local_cluster import ENGINE, LocalCluster, start_cluster
+from tests.prometheus_text import histograms
 from worker.loader import LoadedModel
 
 MESSAGES = [{"role": "user", "content": "one two one two one two one two one two"}]
@@ -76,3 +78,23 @@ def test_grpc_reads_the_same(clusters: dict[int, LocalCluster]) -> None:
         finally:
             client.close()
     assert texts[4] == texts[0] and texts[0]
+
+
+def test_the_router_times_a_gap_before_every_token_but_the_first_of_drafted_steps_too(
+    clusters: dict[int, LocalCluster],
+) -> None:
+    """The router's inter-token histogram (cluster/request_latency.py) counts one gap per token
+    after the first when a worker keeps several drafted tokens a step (each its own message)."""
+    cluster = clusters[4]
+    gap = "radixmesh_router_inter_token_latency_seconds"
+    before, kept = histograms(RouterCollector(cluster.service))[gap], _drafts_kept(cluster)
+    client = Client(cluster.target)
+    try:
+        request = text_request(PROMPT, max_tokens=40, temperature=0.0)
+        request.sampling.ignore_eos = True
+        tokens = sum(len(m.token_ids) for m in client.generate(request, timeout=60))
+    finally:
+        client.close()
+    assert tokens == 40 and _drafts_kept(cluster) > kept
+    got = histograms(RouterCollector(cluster.service))[gap].minus(before)
+    assert got.count == 40 - 1
