@@ -5,8 +5,8 @@ every message it forwards, so a retry or a migration to another worker is inside
 as it is inside the client's wait:
 
 - time to first token: to the first message carrying a token (generations);
-- inter-token latency: between two messages of one sample, divided among the tokens the later
-  one carries (a speculative step's several tokens are each one gap);
+- inter-token latency: between two messages of one sample carrying tokens (a worker streams
+  each token in a message of its own, a speculative step's kept drafts too);
 - end to end: to the last message, for calls that ended well (generations, and embeddings
   apart);
 - per call that ended well: its prompt's tokens, the share of them served from cache (the
@@ -116,9 +116,7 @@ class CallClock:
             self._latencies.first_token.observe(now - self._began)
         last = self._last.get(response.index)
         if last is not None:
-            gap = (now - last) / tokens
-            for _ in range(tokens):
-                self._latencies.inter_token.observe(gap)
+            self._latencies.inter_token.observe(now - last)
         self._last[response.index] = now
 
     def ended(self) -> None:

@@ -84,7 +84,8 @@ def test_the_router_times_a_gap_before_every_token_but_the_first_of_drafted_step
     clusters: dict[int, LocalCluster],
 ) -> None:
     """The router's inter-token histogram (cluster/request_latency.py) counts one gap per token
-    after the first when a worker keeps several drafted tokens a step (each its own message)."""
+    after the first when a worker keeps several drafted tokens a step: each token is a message
+    of its own."""
     cluster = clusters[4]
     gap = "radixmesh_router_inter_token_latency_seconds"
     before, kept = histograms(RouterCollector(cluster.service))[gap], _drafts_kept(cluster)

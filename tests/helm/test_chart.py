@@ -46,6 +46,7 @@ EXPECTED = {
     ],
     "values-cpu-variants": [
         *COMMON,
+        ("ConfigMap", "radixmesh-dashboard"),
         ("NetworkPolicy", "radixmesh"),
         ("Secret", "radixmesh-tokens"),
         ("ServiceMonitor", "radixmesh"),
@@ -417,6 +418,15 @@ def test_chart_files_are_the_ones_in_the_configmap() -> None:
     data = find(render("values"), "ConfigMap", RELEASE)["data"]
     for name in ("render_config.py", "health_check.py"):
         assert data[name] == (CHART / "files" / name).read_text()
+
+
+def test_the_grafana_dashboard_is_the_chart_file_under_the_sidecar_label() -> None:
+    dashboard = find(render("values-cpu-variants"), "ConfigMap", f"{RELEASE}-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    text = dashboard["data"]["radixmesh.json"]
+    assert text == (CHART / "files" / "grafana-dashboard.json").read_text()
+    assert json.loads(text)["uid"] == "radixmesh"
+    assert "radixmesh-dashboard" not in {m["metadata"]["name"] for m in render("values")}
 
 
 def test_serve_shares_rays_sockets_with_the_ray_head() -> None:
