@@ -29,10 +29,11 @@ from prometheus_client import Histogram
 from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 7.5, 10.0,
-    15.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
-"""Seconds a request waits or runs: from a GPU's few milliseconds to a CPU's minutes."""
+"""Seconds a request waits or runs: from a GPU's few milliseconds to a CPU's minutes, tens of
+milliseconds apart where a GPU's first tokens fall."""
 
 STEP_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,

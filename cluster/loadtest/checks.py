@@ -96,6 +96,12 @@ def check_combinations(args: argparse.Namespace) -> None:
         raise UsageError(
             "--text-match is for text and chat prompts: the trace workload sends token ids"
         )
+    for url in args.server_metrics or ():
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(
+                f"--server-metrics {url} is not an http(s):// URL (a metrics endpoint: "
+                "http://HOST:PORT/metrics)"
+            )
 
 
 def check_api(args: argparse.Namespace) -> tuple[str, str | None]:

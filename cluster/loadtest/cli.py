@@ -34,7 +34,7 @@ from rich.markup import escape
 
 from cluster.client_auth import add_token_argument
 from cluster.client_tls import add_tls_arguments
-from cluster.loadtest import chaos, openai_api, report, workloads
+from cluster.loadtest import chaos, openai_api, report, server_metrics, workloads
 from cluster.loadtest.checks import Checked, check
 from cluster.loadtest.control import ServerError, admin, probe
 from cluster.loadtest.grpc_api import Target
@@ -110,6 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--warmup", type=int, default=64, help="requests sent (and discarded) before measuring"
     )
+    parser.add_argument(
+        "--server-metrics",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="the router's Prometheus endpoint (and any workers'), e.g. "
+        "http://127.0.0.1:9400/metrics: read before and after each run, the report puts the "
+        "cluster's own latency percentiles beside the client's",
+    )
     add_token_argument(
         parser,
         "with tokens configured, --compare, --sweep and several --text-match modes need one "
@@ -174,6 +183,8 @@ async def one_run(
 ) -> tuple[RunResult, dict[str, object] | None]:
     bounds = Bounds(args.num_requests, args.max_seconds, args.request_timeout)
     run = Run(target, sessions, arrivals, bounds, console, chaos=plan)
+    urls = args.server_metrics or ()
+    before = await asyncio.to_thread(server_metrics.scrape, urls) if urls else None
     records = await run.run()
     settings = {
         **run_settings(target),
@@ -187,6 +198,12 @@ async def one_run(
         "text_match": text_match,
     }
     summary = summarize(records, run.duration, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
+    if before is not None:
+        try:
+            after = await asyncio.to_thread(server_metrics.scrape, urls)
+            summary["server"] = server_metrics.summary(before, after)
+        except ServerError as err:  # a --chaos kill of the router, say: the run still counts
+            console.print(f"[yellow]{escape(str(err))}[/]; the report has no server figures")
     return RunResult(label, settings, summary, records), run.chaos_report
 
 
@@ -231,6 +248,8 @@ def chaos_exit(chaos_report: dict[str, object] | None) -> int:
 
 async def main_async(args: argparse.Namespace, checked: Checked) -> int:
     probed = await probe_target(args, checked)
+    if args.server_metrics:  # unreadable: said now, not after the warmup
+        await asyncio.to_thread(server_metrics.scrape, args.server_metrics)
     target = probed.endpoint
     options = workloads.WorkloadOptions(
         requests=args.num_requests, seed=args.seed, max_tokens=args.max_tokens,

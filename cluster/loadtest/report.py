@@ -21,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from cluster.loadtest import server_metrics
 from cluster.loadtest.chaos import KILL_FAILED, RUN_ENDED_FIRST
 from cluster.loadtest.records import RequestRecord
 
@@ -106,6 +107,11 @@ def markdown(runs: list[RunResult], chaos: dict[str, Any] | None = None) -> str:
                 for t, v in run.summary["tenants"].items()
             )
             text += f"\n\nTenants of {run.label}: {tenants}"
+    server = server_metrics.markdown(
+        [r.label for r in runs], [r.summary.get("server", {}) for r in runs]
+    )
+    if server:
+        text += "\n\n" + server
     if chaos:
         text += "\n\n" + chaos_markdown(chaos)
     return text + "\n"
