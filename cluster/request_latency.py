@@ -7,12 +7,14 @@ as it is inside the client's wait:
 - time to first token: to the first message carrying a token (generations);
 - inter-token latency: between two messages of one sample carrying tokens (a worker streams
   each token in a message of its own, a speculative step's kept drafts too);
-- end to end: to the last message, for calls that ended well (generations, and embeddings
-  apart);
+- end to end: to the last message, for calls that ended well: every sample's last message
+  reached the router, none ended by an error or an abort (generations, and embeddings apart);
 - per call that ended well: its prompt's tokens, the share of them served from cache (the
   number radixmesh is for), and the tokens generated.
 
-A refused or failed call is counted by `radixmesh_router_requests{status}`, not timed. The
+A call is counted once by `radixmesh_router_requests{status}`: OK when it ended well; a
+refusal or a failure under its gRPC status; a call whose worker ended a sample with an error
+`INTERNAL`, with an abort `CANCELLED`. Only those that ended well are timed to their end. The
 worker's side (queue, prefill, decode, steps) is worker/latency_metrics.py.
 """
 
@@ -30,6 +32,7 @@ from worker.latency_metrics import (
     TOKEN_BUCKETS,
     histogram,
 )
+from worker.request import FINISH_ABORT, FINISH_ERROR
 
 
 class RouterLatencies:
@@ -89,7 +92,8 @@ class RouterLatencies:
 
 class CallClock:
     """One call's stopwatch: `forwarded` for each message on its way to the client, `ended` once
-    the call ended well. Only reads a clock and observes: never fails the call."""
+    the call ended well (its `outcome`). Only reads a clock and observes: never fails the
+    call."""
 
     def __init__(self, latencies: RouterLatencies, embedding: bool) -> None:
         self._latencies = latencies
@@ -98,18 +102,24 @@ class CallClock:
         self._first: float | None = None
         self._last: dict[int, float] = {}
         """Sample index -> when its latest message with tokens went out."""
+        self._latest = self._began
+        """When the latest message went out."""
+        self._reasons: set[str] = set()
+        """The finish reasons of the samples that ended."""
         self._generated = 0
         self._prompt: tuple[int, int] | None = None
         """The prompt's tokens and those cached, as the first message said (a worker that
         resumes the call after a failure reports its own hit: not the client's)."""
 
     def forwarded(self, response: serving_pb2.GenerateResponse) -> None:
+        now = self._latest = time.perf_counter()
         if self._prompt is None:
             self._prompt = (response.prompt_tokens, response.cached_prompt_tokens)
+        if response.finished:
+            self._reasons.add(response.finish_reason)
         tokens = len(response.token_ids)
         if not tokens:
             return
-        now = time.perf_counter()
         self._generated += tokens
         if self._first is None:
             self._first = now
@@ -119,9 +129,18 @@ class CallClock:
             self._latencies.inter_token.observe(now - last)
         self._last[response.index] = now
 
+    def outcome(self) -> str:
+        """How the call ended once every sample has: the status it is counted under (a worker
+        that failed a sample ends it with an error; an Abort, or a stopping engine, with
+        `abort`)."""
+        if FINISH_ERROR in self._reasons:
+            return "INTERNAL"
+        return "CANCELLED" if FINISH_ABORT in self._reasons else "OK"
+
     def ended(self) -> None:
+        """The call ended well, at its latest message."""
         latencies = self._latencies
-        seconds = time.perf_counter() - self._began
+        seconds = self._latest - self._began
         (latencies.embedding if self._embedding else latencies.end_to_end).observe(seconds)
         prompt, cached = self._prompt or (0, 0)
         latencies.prompt_tokens.observe(prompt)

@@ -36,7 +36,7 @@ from cluster.auth import allowed_tenant
 from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.grpc_tool_calls import with_tool_calls
 from cluster.policies import router_config
-from cluster.request_latency import RouterLatencies
+from cluster.request_latency import CallClock, RouterLatencies
 from cluster.requests import PreparedRequest, TenantRefused, prepare, request_namespace
 from cluster.serving_call import Caller, ServingError
 from cluster.stream_merge import merge_streams
@@ -191,22 +191,32 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             )
         entry = self.in_flight[prepared.request_id] = InFlight(prepared.namespace.tenant)
         progress = StreamProgress(prepared)
-        done = False
+        done, failed = False, False
         served = self._serve(prepared, entry, caller, progress)
         try:
             async with contextlib.aclosing(served):  # closed with this: the worker call ends
                 async for response in served:
                     clock.forwarded(response)
                     if not done and all(sample.finished for sample in progress.samples):
-                        # before the client has the last message: one that stops reading
-                        # there (an embedding's) ended well all the same
-                        done = True
+                        done = True  # registered before the client has the last message
                         self._remember_answers(prepared, progress)
-                        self._count("OK")
-                        clock.ended()
                     yield response
+        except ServingError:
+            failed = True  # counted under its status where it was raised
+            raise
         finally:
             self.in_flight.pop(prepared.request_id, None)
+            if done and not failed:  # a client that stopped reading at the last message (an
+                self._ended(clock)  # embedding's, over HTTP) is served all the same
+
+    def _ended(self, clock: CallClock) -> None:
+        """Count a call whose every sample's last message reached the router, by how its
+        samples ended (an error or an abort on the worker ends a stream, not the call), and
+        time it if it ended well."""
+        outcome = clock.outcome()
+        self._count(outcome)
+        if outcome == "OK":
+            clock.ended()
 
     def request_limits(self) -> RequestLimits | None:
         """What a request may be: the workers' model, the operator's limits (None: no worker)."""

@@ -15,7 +15,8 @@ queue and prefill for every request (an embedding's prefill is its whole computa
 first token, decode and end to end for generations a client asked for from their start (not a
 sample resumed after its worker failed: the router's histograms hold what its client saw), the
 last two only when it ended by a stop or its length. A request refused, aborted or failed is
-counted by the counters, not timed. Each engine step adds its tokens and its seconds.
+timed up to its first output if it had one, and never to its end (the counters count it).
+Each engine step adds its tokens and its seconds.
 
 The router's side is cluster/request_latency.py.
 """

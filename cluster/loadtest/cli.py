@@ -183,8 +183,7 @@ async def one_run(
 ) -> tuple[RunResult, dict[str, object] | None]:
     bounds = Bounds(args.num_requests, args.max_seconds, args.request_timeout)
     run = Run(target, sessions, arrivals, bounds, console, chaos=plan)
-    urls = args.server_metrics or ()
-    before = await asyncio.to_thread(server_metrics.scrape, urls) if urls else None
+    before = await _scraped(args.server_metrics)
     records = await run.run()
     settings = {
         **run_settings(target),
@@ -198,13 +197,23 @@ async def one_run(
         "text_match": text_match,
     }
     summary = summarize(records, run.duration, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
-    if before is not None:
-        try:
-            after = await asyncio.to_thread(server_metrics.scrape, urls)
-            summary["server"] = server_metrics.summary(before, after)
-        except ServerError as err:  # a --chaos kill of the router, say: the run still counts
-            console.print(f"[yellow]{escape(str(err))}[/]; the report has no server figures")
+    after = await _scraped(args.server_metrics) if before is not None else None
+    if before is not None and after is not None:
+        summary["server"] = server_metrics.summary(before, after)
     return RunResult(label, settings, summary, records), run.chaos_report
+
+
+async def _scraped(urls: list[str] | None) -> server_metrics.Scrape | None:
+    """The endpoints' histograms; None without --server-metrics, or when one cannot be read
+    now (a --chaos kill of the router, say: the run and the runs before it still count). The
+    command read them once before its first run, so a wrong URL has ended it already."""
+    if not urls:
+        return None
+    try:
+        return await asyncio.to_thread(server_metrics.scrape, urls)
+    except ServerError as err:
+        console.print(f"[yellow]{escape(str(err))}[/]; this run has no server figures")
+        return None
 
 
 async def warm_up(

@@ -51,6 +51,14 @@ class Buckets:
             {le: n - before.cumulative.get(le, 0.0) for le, n in self.cumulative.items()},
         )
 
+    def plus(self, other: Buckets) -> Buckets:
+        bounds = self.cumulative.keys() | other.cumulative.keys()
+        return Buckets(
+            self.count + other.count,
+            self.sum + other.sum,
+            {le: self.cumulative.get(le, 0.0) + other.cumulative.get(le, 0.0) for le in bounds},
+        )
+
     def quantile(self, q: float) -> float | None:
         """`histogram_quantile(q, ...)`: None with no observation; the highest finite bound when
         the rank falls in the +Inf bucket."""
@@ -90,37 +98,39 @@ def parse(text: str) -> dict[str, Buckets]:
     return out
 
 
-def scrape(urls: Iterable[str]) -> dict[str, Buckets]:
-    """The histograms of every endpoint, summed across them. ServerError naming the endpoint
-    that cannot be read."""
+Scrape = list[dict[str, Buckets]]
+"""Each endpoint's histograms, in the order given."""
+
+
+def scrape(urls: Iterable[str]) -> Scrape:
+    """Every endpoint's histograms. ServerError naming the endpoint that cannot be read."""
     pages = []
     for url in urls:
         try:
             with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as answer:
-                pages.append(answer.read().decode())
+                pages.append(parse(answer.read().decode()))
         except (OSError, ValueError) as err:
             raise ServerError(f"--server-metrics: cannot read {url}: {err}") from err
-    merged: dict[str, Buckets] = {}
-    for page in pages:
-        for name, h in parse(page).items():
-            into = merged.setdefault(name, Buckets())
-            into.count += h.count
-            into.sum += h.sum
-            for le, n in h.cumulative.items():
-                into.cumulative[le] = into.cumulative.get(le, 0.0) + n
-    return merged
+    return pages
 
 
-def summary(before: dict[str, Buckets], after: dict[str, Buckets]) -> dict[str, object]:
+def summary(before: Scrape, after: Scrape) -> dict[str, object]:
     """The run's server-side figures: per row, observations and p50 / p90 / p99 in ms (None
-    where an endpoint did not expose the histogram, or nothing was observed). A count that went
-    down (a process restarted during the run) leaves that row out: its buckets started over."""
+    where nothing was observed), the endpoints' differences summed. A row is left out where no
+    endpoint exposes its histogram, and says `reset` where one endpoint's went down (its process
+    restarted during the run: its buckets started over)."""
     rows: dict[str, object] = {}
     for label, name in SERVER_ROWS:
-        if name not in after:
+        if not any(name in page for page in after):
             continue
-        run = after[name].minus(before.get(name, Buckets()))
-        if run.count < 0 or any(n < 0 for n in run.cumulative.values()):
+        run, reset = Buckets(), False
+        for old, new in zip(before, after, strict=True):
+            if name not in new:
+                continue
+            part = new[name].minus(old.get(name, Buckets()))
+            reset |= part.count < 0 or any(n < 0 for n in part.cumulative.values())
+            run = run.plus(part)
+        if reset:
             rows[label] = {"reset": True}
             continue
         rows[label] = {"observations": int(run.count)} | {

@@ -124,10 +124,21 @@ def test_a_percentile_lies_in_the_bucket_of_the_true_one(values: list[float], q:
 
 def test_no_observation_is_no_percentile_and_a_restart_is_said() -> None:
     assert Buckets().quantile(0.5) is None
-    before = {
-        "radixmesh_router_time_to_first_token_seconds": Buckets(5, 1.0, {1.0: 5, math.inf: 5})
-    }
-    after = {"radixmesh_router_time_to_first_token_seconds": Buckets(2, 0.2, {1.0: 2, math.inf: 2})}
-    assert summary(before, after) == {"TTFT": {"reset": True}}
-    quiet = summary(before, before)
+    ttft = "radixmesh_router_time_to_first_token_seconds"
+    queue = "radixmesh_worker_request_queue_seconds"
+    router = {ttft: Buckets(5, 1.0, {1.0: 5, math.inf: 5})}
+    quiet = summary([router], [router])
     assert quiet == {"TTFT": {"observations": 0, "p50": None, "p90": None, "p99": None}}
+    restarted = {ttft: Buckets(2, 0.2, {1.0: 2, math.inf: 2})}
+    assert summary([router], [restarted]) == {"TTFT": {"reset": True}}
+    # two workers: one restarted, the other served more than the first lost; the sum alone
+    # would look like 3 observations
+    one, other = Buckets(4, 1.0, {1.0: 4, math.inf: 4}), Buckets(1, 0.1, {1.0: 1, math.inf: 1})
+    before = [{queue: one}, {queue: other}]
+    after = [
+        {queue: Buckets(1, 0.1, {1.0: 1, math.inf: 1})},
+        {queue: Buckets(7, 1, {1.0: 7, math.inf: 7})},
+    ]
+    assert summary(before, after) == {"worker queue": {"reset": True}}
+    both = summary(before, [{queue: one.plus(other)}, {queue: other.plus(one)}])
+    assert both["worker queue"]["observations"] == 5  # type: ignore[index]

@@ -27,6 +27,7 @@ import grpc
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.client import Client, text_request
 from cluster.ray_runtime import NAMESPACE
@@ -298,12 +299,16 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         assert {w.worker for w in stats.workers if w.healthy} == {"worker-0", "worker-1"}
 
         config = yaml.safe_load(config_file.read_text())["metrics"]
+        first_tokens = 0.0
         for i, port in enumerate((config["worker_port"], config["worker_port"] + 1)):
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
             assert f'radixmesh_worker_running{{worker="worker-{i}"}}'.encode() in body
-            # the latency histograms, on the endpoint of the worker that served the calls
-            timed = f'radixmesh_worker_time_to_first_token_seconds_count{{worker="worker-{i}"}}'
-            assert timed.encode() in body
+            for family in text_string_to_metric_families(body.decode()):
+                if family.name == "radixmesh_worker_time_to_first_token_seconds":
+                    counts = [s for s in family.samples if s.name.endswith("_count")]
+                    assert [s.labels for s in counts] == [{"worker": f"worker-{i}"}]
+                    first_tokens += counts[0].value
+        assert first_tokens == 4  # the workers timed the four calls above, once each
         router_metrics = urllib.request.urlopen(
             f"http://127.0.0.1:{config['router_port']}/metrics", timeout=10
         ).read()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from cluster.client import Client
+from cluster.client import Client, text_request
 from cluster.router_metrics import RouterCollector
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_http_openai import assert_no_leak
@@ -127,3 +127,55 @@ def test_a_call_moved_off_a_killed_worker_is_one_call_timed_from_its_start(
         assert got[GENERATED].sum == sum(tokens)
     finally:
         cluster.close()
+
+
+def _a_token_spelled_alone_and_twice(tiny: LoadedModel) -> tuple[int, str]:
+    """A token whose text spells it alone and twice over (tests/worker/test_bad_words.py)."""
+    tokenizer = tiny.tokenizer
+
+    def spelled(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return next(
+        (t, p)
+        for t in range(3, tiny.config.vocab_size)
+        if (p := tokenizer.decode([t])).strip()
+        and not p.startswith(" ")
+        and spelled(p) == (t,)
+        and spelled(p + p) == (t, t)
+    )
+
+
+def test_a_sample_ended_by_an_error_or_an_abort_is_counted_so_and_not_timed_to_its_end(
+    cluster: LocalCluster, tiny: LoadedModel
+) -> None:
+    """gRPC ends such a call with status OK and a last message saying why; the router counts it
+    INTERNAL or CANCELLED, times its first token, and never its end."""
+    before, statuses = scrape(cluster), dict(cluster.service.counters.by_status)
+    client = Client(cluster.target)
+    try:
+        token, piece = _a_token_spelled_alone_and_twice(tiny)
+        failing = text_request("the quick", max_tokens=8)
+        failing.sampling.ignore_eos = True
+        failing.sampling.allowed_token_ids.append(token)  # after one token, nothing is left
+        failing.sampling.bad_words.append(piece + piece)
+        last = list(client.generate(failing, timeout=60))[-1]
+        assert last.finish_reason == "error"
+        aborted = text_request("Abort me after my first token.", max_tokens=400)
+        aborted.request_id = "to-abort"
+        aborted.sampling.ignore_eos = True
+        messages = []
+        for message in client.generate(aborted, timeout=60):
+            messages.append(message)
+            if len(messages) == 1:
+                assert client.abort("to-abort")
+        assert messages[-1].finish_reason == "abort"
+    finally:
+        client.close()
+    got = since(before, cluster)
+    after = cluster.service.counters.by_status
+    changed = {k: after[k] - statuses.get(k, 0) for k in after if after[k] != statuses.get(k, 0)}
+    assert changed == {"INTERNAL": 1, "CANCELLED": 1}
+    assert got[FIRST].count == 2  # both had a first token
+    assert got[E2E].count == got[PROMPT].count == got[GENERATED].count == 0
+    assert_no_leak(cluster)
