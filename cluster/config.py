@@ -48,6 +48,7 @@ MAX_ADAPTER_NAME_CHARS = 128
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_ENCODER_CACHE_BYTES = 64 << 20
 WEIGHT_FORMATS = ("float32", "bf16", "int8", "int4")
+BATCH_ORDERS = ("prefix", "file")
 """worker/quantized_weights.py's WEIGHT_FORMATS, spelled out: this module must not import torch
 (the router loads it); a test holds the two equal."""
 
@@ -300,6 +301,15 @@ class RouterSection:
     """The Responses API's stored responses (`store`, `previous_response_id`), in the router's
     memory: at most this many bytes of conversations, least recently used dropped first; 0:
     none stored (`store: true` is refused)."""
+    files_bytes: int = _at_least(1 << 30, 0)
+    """The Files API's files (batch inputs, and the batches' output files), in the router's
+    memory: an upload past this is refused (413); 0: no Files or Batch API."""
+    batch_max_in_flight: int = _at_least(16, 1)
+    """A batch's requests running at once, every batch's together (each also counts against
+    max_in_flight)."""
+    batch_order: str = _one_of("prefix", BATCH_ORDERS)
+    """prefix: a batch's requests run sorted by their prompts, so that those sharing a prefix
+    run together while it is cached; file: in the file's order."""
     text_index: TextIndexSection = field(default_factory=TextIndexSection)
 
 

@@ -1,8 +1,11 @@
 """The HTTP API as a FastAPI app over the router's serving core.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
+    POST /v1/embeddings
     POST /v1/responses          GET, DELETE /v1/responses/{id}[/input_items]
                                 POST /v1/responses/{id}/cancel
+    POST, GET /v1/files         GET, DELETE /v1/files/{id}   GET /v1/files/{id}/content
+    POST, GET /v1/batches       GET /v1/batches/{id}         POST /v1/batches/{id}/cancel
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
     POST /tokenize              POST /detokenize    GET /tokenizer_info   (vLLM's)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
@@ -42,8 +45,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.auth import known_token
 from cluster.config import ANY_TENANT, ClusterConfig
-from cluster.http import anthropic_routes, openai_params, responses_routes
+from cluster.http import anthropic_routes, batch_routes, openai_params, responses_routes
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
+from cluster.http.batches import Batches
 from cluster.http.body_limit import BodyLimit
 from cluster.http.embeddings import (
     embed_all,
@@ -53,6 +57,7 @@ from cluster.http.embeddings import (
 )
 from cluster.http.embeddings_schema import EmbeddingRequest
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
+from cluster.http.file_store import FileStore
 from cluster.http.image_parts import image_body_bytes
 from cluster.http.openai_responses import (
     DONE,
@@ -120,6 +125,11 @@ class HttpApi:
         """The Responses API's background generations running."""
         self.embedding_calls = asyncio.Semaphore(embedding_calls(config.router.max_in_flight))
         """The embeddings API's inputs in flight, all its requests together."""
+        router = config.router
+        self.files = FileStore(router.files_bytes)
+        """The Files API's files: batch inputs and outputs."""
+        self.batches = Batches(self.files, router.batch_max_in_flight, router.batch_order)
+        """The Batch API's batches; each runs its requests through this app (`build_app`)."""
 
     # -- who calls, and about what ---------------------------------------------------------------
     def caller(self, request: Request) -> Caller:
@@ -551,6 +561,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/health", api.health, methods=["GET"])
     anthropic_routes.add_routes(app, api)
     responses_routes.add_routes(app, api)
+    batch_routes.add_routes(app, api)
 
     async def http_error(request: Request, err: Exception) -> Response:
         assert isinstance(err, HttpError)
@@ -584,7 +595,9 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(ClientGone, client_gone)
 
-    def body_limit() -> tuple[int, str]:
+    def body_limit(path: str) -> tuple[int, str]:
+        if path == "/v1/files" and config.router.files_bytes:  # an upload: the store bounds it
+            return config.router.files_bytes, "router.files_bytes"
         limits = service.links.limits
         images = image_body_bytes(limits.vision if limits else None)
         if not images:
@@ -596,7 +609,9 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
         )
 
     limited = BodyLimit(app, body_limit, error_body)
-    return StatusCounter(limited, service.counters.http_responses), api  # 413s counted too
+    counted = StatusCounter(limited, service.counters.http_responses)  # 413s counted too
+    api.batches.app = counted  # a batch's requests are served as the same requests sent here
+    return counted, api
 
 
 async def _answer(build: Callable[[], BaseModel], counts: Counts, large: bool) -> Response:

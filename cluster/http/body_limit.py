@@ -21,12 +21,13 @@ class BodyLimit:
     def __init__(
         self,
         app: ASGIApp,
-        limit: Callable[[], tuple[int, str]],
+        limit: Callable[[str], tuple[int, str]],
         body: Callable[[str, HttpError], Any],
     ):
         self.app = app
         self.limit = limit
-        """The most bytes a body may have now, and what sets it (named in the 413)."""
+        """The most bytes a body to a path may have now, and what sets it (named in the
+        413)."""
         self.body = body
         """The error body for a path (each API writes its errors its own way)."""
 
@@ -41,7 +42,7 @@ class BodyLimit:
             )
             await self._send(scope, send, error)
             return
-        max_bytes, source = self.limit()
+        max_bytes, source = self.limit(scope["path"])
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             await self._refuse(scope, send, int(declared), max_bytes, source)

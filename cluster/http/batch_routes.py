@@ -1,0 +1,147 @@
+"""OpenAI's Files and Batch APIs, as the `openai` SDK calls them (`client.files`,
+`client.batches`):
+
+    POST   /v1/files                    upload (multipart: `file`, `purpose: batch`)
+    GET    /v1/files                    the caller's files (`purpose`, `order`, `after`, `limit`)
+    GET    /v1/files/{id}               one
+    GET    /v1/files/{id}/content       its bytes
+    DELETE /v1/files/{id}
+    POST   /v1/batches                  run a file's requests (cluster/http/batches.py)
+    GET    /v1/batches                  the caller's batches, most recent first (`after`, `limit`)
+    GET    /v1/batches/{id}             one, as it stands
+    POST   /v1/batches/{id}/cancel
+
+Each file and batch is its tenant's (cluster/http/responses_chain.py `owner`): another's id is
+404, as one never kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Form, Request, UploadFile
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from cluster.http.batch_schema import BatchCreateRequest
+from cluster.http.batches import CREDENTIALS
+from cluster.http.errors import HttpError
+from cluster.http.responses_chain import owner
+
+if TYPE_CHECKING:
+    from cluster.http.app import HttpApi
+
+UPLOAD_PURPOSES = ("batch",)
+"""What this router keeps files for."""
+MAX_PAGE = 10_000
+"""The most files a list answers with (OpenAI's)."""
+
+
+def add_routes(app: FastAPI, api: HttpApi) -> None:
+    _file_routes(app, api)
+    _batch_routes(app, api)
+
+
+def _file_routes(app: FastAPI, api: HttpApi) -> None:
+    def tenant_of(request: Request) -> str:
+        return owner(api.caller(request), api.tenant(request))
+
+    async def upload(request: Request, file: UploadFile, purpose: str = Form()) -> Response:
+        tenant = tenant_of(request)
+        if purpose not in UPLOAD_PURPOSES:
+            raise HttpError.invalid("purpose", f"must be one of {list(UPLOAD_PURPOSES)}")
+        content = await file.read()
+        return _json(api.files.upload(tenant, file.filename or "upload", purpose, content))
+
+    async def list_files(request: Request) -> Response:
+        query = request.query_params
+        cards = api.files.cards(tenant_of(request), query.get("purpose"))
+        if query.get("order", "desc") == "desc":
+            cards.reverse()
+        limit = _limit(query.get("limit"), MAX_PAGE, MAX_PAGE)
+        page, more = _page(cards, query.get("after"), limit)
+        return _listed(page, more)
+
+    async def retrieve_file(file_id: str, request: Request) -> Response:
+        return _json(api.files.get(tenant_of(request), file_id).card)
+
+    async def file_content(file_id: str, request: Request) -> Response:
+        found = api.files.get(tenant_of(request), file_id)
+        return Response(found.content, media_type="application/octet-stream")
+
+    async def delete_file(file_id: str, request: Request) -> Response:
+        api.files.delete(tenant_of(request), file_id)
+        return _raw({"id": file_id, "object": "file", "deleted": True})
+
+    app.add_api_route("/v1/files", upload, methods=["POST"])
+    app.add_api_route("/v1/files", list_files, methods=["GET"])
+    app.add_api_route("/v1/files/{file_id}", retrieve_file, methods=["GET"])
+    app.add_api_route("/v1/files/{file_id}/content", file_content, methods=["GET"])
+    app.add_api_route("/v1/files/{file_id}", delete_file, methods=["DELETE"])
+
+
+def _batch_routes(app: FastAPI, api: HttpApi) -> None:
+    def tenant_of(request: Request) -> str:
+        return owner(api.caller(request), api.tenant(request))
+
+    async def create_batch(body: BatchCreateRequest, request: Request) -> Response:
+        tenant = tenant_of(request)
+        headers = {k: v for k in CREDENTIALS if (v := request.headers.get(k)) is not None}
+        headers["x-radixmesh-tenant"] = tenant
+        return _json(api.batches.create(tenant, headers, body))
+
+    async def list_batches(request: Request) -> Response:
+        query = request.query_params
+        batches = api.batches.listed(tenant_of(request))
+        page, more = _page(batches, query.get("after"), _limit(query.get("limit"), 20, 100))
+        return _listed(page, more)
+
+    async def retrieve_batch(batch_id: str, request: Request) -> Response:
+        return _json(api.batches.get(tenant_of(request), batch_id))
+
+    async def cancel_batch(batch_id: str, request: Request) -> Response:
+        return _json(await api.batches.cancel(tenant_of(request), batch_id))
+
+    app.add_api_route("/v1/batches", create_batch, methods=["POST"])
+    app.add_api_route("/v1/batches", list_batches, methods=["GET"])
+    app.add_api_route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"])
+    app.add_api_route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])
+
+
+def _limit(given: str | None, default: int, most: int) -> int:
+    if given is None:
+        return default
+    if not given.isdigit() or not 1 <= int(given) <= most:
+        raise HttpError.invalid("limit", f"must be a whole number in [1, {most}], got {given!r}")
+    return int(given)
+
+
+def _page(items: Sequence[Any], after: str | None, limit: int) -> tuple[list[Any], bool]:
+    """The items past the one whose id is `after` (from the first without it), at most
+    `limit`, and whether more follow. An `after` that names none is refused."""
+    start = 0
+    if after is not None:
+        ids = [item.id for item in items]
+        if after not in ids:
+            raise HttpError.invalid("after", f"{after!r} is not in the list")
+        start = ids.index(after) + 1
+    page = list(items[start : start + limit])
+    return page, start + limit < len(items)
+
+
+def _listed(page: Sequence[BaseModel], more: bool) -> Response:
+    data = [item.model_dump() for item in page]
+    first, last = (page[0].id, page[-1].id) if page else (None, None)  # type: ignore[attr-defined]
+    return _raw(
+        {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
+    )
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _raw(body: dict[str, Any]) -> Response:
+    return Response(json.dumps(body), media_type="application/json")

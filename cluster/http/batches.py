@@ -1,0 +1,257 @@
+"""OpenAI's Batch API on the router: a file of requests, run in the background, its answers
+written to an output file (and the refusals to an error file) the client downloads.
+
+Each request of a batch is sent to this router's own HTTP app, in the process (httpx2's
+ASGI transport), with its creator's credentials and tenant: it is served exactly as the same
+request sent by the client would be (the endpoint's schema, limits, routing, errors, metrics),
+and its answer is the line's `response` (`status_code`, `request_id`, `body`).
+
+Order: the requests run `router.batch_order`: `prefix` (the default) sorted by their prompts,
+so that requests sharing a prefix (a system prompt, a document asked several questions) run
+one after another while their prefix is cached, wherever the file put them; `file` in the
+file's order. `router.batch_max_in_flight` requests of all batches run at once, each also
+counted against `router.max_in_flight` as any request is. The output file keeps the input's
+order whatever the order run.
+
+Statuses: `in_progress` from creation (the file is read and checked then: a bad file makes the
+batch `failed` at once, its errors naming each line at fault), `finalizing` while the files are
+written, `completed`; `cancelling` from a cancel until the requests running have ended (their
+worker calls closed, their pages freed), then `cancelled`, with the answers received so far.
+Batches live in the router's memory: a restart loses them (and their files), as vLLM's and
+SGLang's in-memory stores are lost; `completion_window` is accepted and not enforced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+from starlette.types import ASGIApp
+
+from cluster.http.batch_schema import (
+    COMPLETION_WINDOW,
+    ENDPOINTS,
+    Batch,
+    BatchCreateRequest,
+    BatchErrors,
+    BatchLine,
+    BatchUsage,
+    prefix_order,
+    read_lines,
+)
+from cluster.http.errors import HttpError
+from cluster.http.file_store import FileStore
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 24 * 3600
+OUTPUT_PURPOSE = "batch_output"
+BASE_URL = "http://batch.internal"
+"""What the in-process requests are addressed to (never resolved: the transport is the app)."""
+CREDENTIALS = ("authorization", "x-api-key")
+"""The creator's headers each of its batch's requests carries."""
+
+
+@dataclass
+class RunningBatch:
+    batch: Batch
+    tenant: str
+    headers: dict[str, str]
+    lines: list[BatchLine]
+    answers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Line number -> its output or error line, as it ended."""
+    task: asyncio.Task[None] | None = None
+
+
+class Batches:
+    def __init__(
+        self, files: FileStore, max_in_flight: int, order: str, app: ASGIApp | None = None
+    ) -> None:
+        self.files = files
+        self.order = order
+        self.app = app
+        """The router's HTTP app, which runs each request (set once it is built)."""
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._batches: dict[tuple[str, str], RunningBatch] = {}
+        """(tenant, batch id) -> the batch, in the order created."""
+
+    # -- the API ---------------------------------------------------------------------------
+    def create(self, tenant: str, headers: dict[str, str], body: BatchCreateRequest) -> Batch:
+        """The batch, running (or `failed` when its file is not a batch's requests)."""
+        self.files.require()
+        if body.endpoint not in ENDPOINTS:
+            raise HttpError.invalid("endpoint", f"must be one of {list(ENDPOINTS)}")
+        if body.completion_window != COMPLETION_WINDOW:
+            raise HttpError.invalid("completion_window", f"must be {COMPLETION_WINDOW!r}")
+        source = self.files.get(tenant, body.input_file_id)
+        if source.card.purpose != "batch":
+            raise HttpError.invalid(
+                "input_file_id", f"{body.input_file_id!r} is a {source.card.purpose!r} file"
+            )
+        now = int(time.time())
+        batch = Batch(
+            id=f"batch_{uuid.uuid4().hex}",
+            endpoint=body.endpoint,
+            input_file_id=body.input_file_id,
+            completion_window=body.completion_window,
+            created_at=now,
+            expires_at=now + WINDOW_S,
+            metadata=body.metadata,
+        )
+        lines, errors = read_lines(source.content, body.endpoint)
+        running = RunningBatch(batch, tenant, headers, lines)
+        self._batches[(tenant, batch.id)] = running
+        if errors:
+            batch.status, batch.failed_at = "failed", now
+            batch.errors = BatchErrors(data=errors)
+            return batch.model_copy(deep=True)
+        batch.status, batch.in_progress_at = "in_progress", now
+        batch.request_counts.total = len(lines)
+        running.task = asyncio.ensure_future(self._run(running))
+        return batch.model_copy(deep=True)
+
+    def get(self, tenant: str, batch_id: str) -> Batch:
+        return self._running(tenant, batch_id).batch.model_copy(deep=True)
+
+    def listed(self, tenant: str) -> list[Batch]:
+        """The tenant's batches, most recent first."""
+        self.files.require()
+        mine = [r.batch for (owner, _), r in self._batches.items() if owner == tenant]
+        return [b.model_copy(deep=True) for b in reversed(mine)]
+
+    async def cancel(self, tenant: str, batch_id: str) -> Batch:
+        running = self._running(tenant, batch_id)
+        batch = running.batch
+        if batch.status in ("in_progress", "validating"):
+            batch.status, batch.cancelling_at = "cancelling", int(time.time())
+            assert running.task is not None
+            running.task.cancel()
+        return batch.model_copy(deep=True)
+
+    def _running(self, tenant: str, batch_id: str) -> RunningBatch:
+        self.files.require()
+        found = self._batches.get((tenant, batch_id))
+        if found is None:
+            raise HttpError(404, f"no batch {batch_id!r}", "batch_id")
+        return found
+
+    # -- running it ------------------------------------------------------------------------
+    async def _run(self, running: RunningBatch) -> None:
+        """Send the requests in order, as slots free up; on a cancel, end those running."""
+        order = prefix_order(running.lines) if self.order == "prefix" else running.lines
+        assert self.app is not None, "the app is attached when it is built"
+        transport = httpx2.ASGITransport(app=self.app)
+        sent: set[asyncio.Task[None]] = set()
+        async with httpx2.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None) as c:
+            try:
+                for line in order:
+                    await self._slots.acquire()  # released by the request as it ends
+                    task = asyncio.ensure_future(self._one(c, running, line))
+                    sent.add(task)
+                    task.add_done_callback(sent.discard)
+                while sent:
+                    await asyncio.wait(set(sent))
+            except asyncio.CancelledError:
+                for task in sent:
+                    task.cancel()
+                await asyncio.gather(*sent, return_exceptions=True)
+            finally:
+                self._finish(running)
+
+    async def _one(
+        self, client: httpx2.AsyncClient, running: RunningBatch, line: BatchLine
+    ) -> None:
+        request_id = f"batch_req_{uuid.uuid4().hex}"
+        headers = running.headers | {"x-request-id": request_id}
+        try:
+            answer = await client.post(running.batch.endpoint, json=line.body, headers=headers)
+            status, body = answer.status_code, answer.json()
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the app failed, or answered other than JSON: this line only
+            log.exception("batch %s: line %d failed", running.batch.id, line.number)
+            self._record(running, line, request_id, None, None, f"{type(err).__name__}: {err}")
+        else:
+            self._record(running, line, request_id, status, body, None)
+        finally:
+            self._slots.release()
+
+    def _record(
+        self,
+        running: RunningBatch,
+        line: BatchLine,
+        request_id: str,
+        status: int | None,
+        body: Any,
+        failure: str | None,
+    ) -> None:
+        counts = running.batch.request_counts
+        ok = status == 200
+        counts.completed += ok
+        counts.failed += not ok
+        response = None if status is None else {"status_code": status, "request_id": request_id}
+        if response is not None:
+            response["body"] = body
+        error = None if failure is None else {"code": "request_failed", "message": failure}
+        running.answers[line.number] = {
+            "id": request_id,
+            "custom_id": line.custom_id,
+            "response": response,
+            "error": error,
+        }
+        if ok and isinstance(body, dict):
+            _add_usage(running.batch, body.get("usage"))
+
+    def _finish(self, running: RunningBatch) -> None:
+        """Write the output and error files (the input's order), and end the batch."""
+        batch = running.batch
+        now = int(time.time())
+        if batch.status != "cancelling":
+            batch.status, batch.finalizing_at = "finalizing", now
+        good: list[dict[str, Any]] = []
+        bad: list[dict[str, Any]] = []
+        for line in running.lines:  # the input's order
+            answer = running.answers.get(line.number)
+            if answer is not None:
+                response = answer["response"]
+                ok = response is not None and response["status_code"] == 200
+                (good if ok else bad).append(answer)
+        batch.output_file_id = self._write(running, "output", good)
+        batch.error_file_id = self._write(running, "errors", bad)
+        if batch.status == "cancelling":
+            batch.status, batch.cancelled_at = "cancelled", now
+        else:
+            batch.status, batch.completed_at = "completed", now
+
+    def _write(
+        self, running: RunningBatch, kind: str, answers: Sequence[dict[str, Any]]
+    ) -> str | None:
+        if not answers:
+            return None
+        content = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers).encode()
+        name = f"{running.batch.id}_{kind}.jsonl"
+        return self.files.keep(running.tenant, name, OUTPUT_PURPOSE, content).id
+
+
+def _add_usage(batch: Batch, usage: Any) -> None:
+    """Add a completed request's usage (the chat and completions APIs' names, or the Responses
+    API's) to the batch's."""
+    if not isinstance(usage, dict):
+        return
+    total = batch.usage = batch.usage or BatchUsage()
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
+    output = usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    reasoning = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
+    total.input_tokens += prompt
+    total.output_tokens += output
+    total.total_tokens += prompt + output
+    total.input_tokens_details.cached_tokens += details.get("cached_tokens", 0) or 0
+    total.output_tokens_details.reasoning_tokens += reasoning.get("reasoning_tokens", 0) or 0

@@ -1,0 +1,378 @@
+"""OpenAI's Files and Batch APIs (cluster/http/batches.py) on a local cluster of two tiny-model
+workers, through the `openai` SDK: each request of a batch is answered as the same request sent
+to its endpoint would be, in the input's order; a refused request is its line in the error file
+and the others run; a file that is not a batch's requests fails the batch naming each line at
+fault; a cancel ends the requests running and keeps what was answered; a worker killed under a
+batch costs it nothing; files and batches are their tenant's; and the prefix order serves more
+of the prompts from cache than the file's order."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cluster.config import RouterSection, SecuritySection
+from cluster.http.batch_schema import BatchLine, prefix_order, prompt_key
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.test_http_openai import assert_no_leak
+from tests.cluster.tool_fixtures import served
+from worker.loader import LoadedModel
+
+MODEL = SERVED_NAME
+CHAT = "/v1/chat/completions"
+SYSTEMS = ["You answer in one word. " * 6, "You answer at length, citing sources. " * 5]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    yield from served(tiny, ENGINE)
+
+
+def sdk(cluster: LocalCluster, token: str = "none") -> openai.OpenAI:
+    """The SDK on a cluster a test started (closed with the cluster's HTTP server)."""
+    return openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key=token, max_retries=0)
+
+
+def line(custom_id: str, body: dict[str, Any], url: str = CHAT) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def chat(system: str, question: str, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, **extra}
+
+
+def upload(client: openai.OpenAI, lines: Sequence[dict[str, Any] | str]) -> str:
+    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n"
+    return client.files.create(file=("requests.jsonl", text.encode()), purpose="batch").id
+
+
+def finished(client: openai.OpenAI, batch_id: str, within_s: float = 60) -> Any:
+    deadline = time.monotonic() + within_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled"):
+            return batch
+        assert time.monotonic() < deadline, f"batch {batch_id} still {batch.status}"
+        time.sleep(0.05)
+
+
+def run(client: openai.OpenAI, lines: Sequence[dict[str, Any]], endpoint: str = CHAT) -> Any:
+    file_id = upload(client, lines)
+    batch = client.batches.create(
+        input_file_id=file_id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window="24h",
+    )
+    assert batch.status == "in_progress" and batch.request_counts.total == len(lines)
+    return finished(client, batch.id)
+
+
+def answers(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def test_each_request_is_answered_as_its_endpoint_answers_it_in_the_inputs_order(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    questions = [(SYSTEMS[i % 2], f"Question {i}?") for i in range(8)]  # the systems interleaved
+    lines = [line(f"q{i}", chat(s, q)) for i, (s, q) in enumerate(questions)]
+    batch = run(client, lines)
+    assert batch.status == "completed" and batch.error_file_id is None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (8, 0)
+    out = answers(client, batch.output_file_id)
+    assert [a["custom_id"] for a in out] == [f"q{i}" for i in range(8)]
+    prompt = completion = cached = 0
+    for (system, question), answer in zip(questions, out, strict=True):
+        assert answer["error"] is None and answer["response"]["status_code"] == 200
+        assert answer["response"]["request_id"] == answer["id"]
+        body = answer["response"]["body"]
+        assert body["object"] == "chat.completion" and body["id"].endswith(answer["id"])
+        alone = client.chat.completions.create(**chat(system, question))
+        assert body["choices"][0]["message"]["content"] == alone.choices[0].message.content
+        prompt += body["usage"]["prompt_tokens"]
+        completion += body["usage"]["completion_tokens"]
+        cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    usage = batch.usage
+    assert (usage.input_tokens, usage.output_tokens) == (prompt, completion)
+    assert usage.total_tokens == prompt + completion
+    assert usage.input_tokens_details.cached_tokens == cached > 0
+    assert_no_leak(cluster)
+
+
+def test_completions_and_embeddings_run_as_batches_too(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    prompts = [[*range(30, 60), i] for i in range(4)]
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    done = run(
+        client,
+        [line(f"c{i}", {**body, "prompt": p}, "/v1/completions") for i, p in enumerate(prompts)],
+        "/v1/completions",
+    )
+    texts = [
+        a["response"]["body"]["choices"][0]["text"] for a in answers(client, done.output_file_id)
+    ]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=3, temperature=0)
+        for p in prompts
+    ]
+    assert texts == [a.choices[0].text for a in alone]
+    embedded = run(
+        client,
+        [
+            line(f"e{i}", {"model": MODEL, "input": p}, "/v1/embeddings")
+            for i, p in enumerate(prompts)
+        ],
+        "/v1/embeddings",
+    )
+    vectors = [
+        a["response"]["body"]["data"][0]["embedding"]
+        for a in answers(client, embedded.output_file_id)
+    ]
+    direct = client.embeddings.create(model=MODEL, input=prompts, encoding_format="float")
+    for got, want in zip(vectors, direct.data, strict=True):
+        assert max(abs(a - b) for a, b in zip(got, want.embedding, strict=True)) < 1e-5
+    assert embedded.usage.output_tokens == 0 and embedded.usage.input_tokens == 4 * 31
+    assert_no_leak(cluster)
+
+
+def test_a_refused_request_is_its_line_in_the_error_file_and_the_others_run(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    lines = [
+        line("fine", chat(SYSTEMS[0], "Fine?")),
+        line("too-long", chat(SYSTEMS[0], "Too long?", max_tokens=10**6)),
+        line("unknown", chat(SYSTEMS[0], "Unknown?", temperature_x=1)),
+        line("fine-too", chat(SYSTEMS[1], "Fine too?")),
+    ]
+    batch = run(client, lines)
+    assert batch.status == "completed"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 2)
+    assert [a["custom_id"] for a in answers(client, batch.output_file_id)] == ["fine", "fine-too"]
+    errors = {a["custom_id"]: a["response"] for a in answers(client, batch.error_file_id)}
+    assert list(errors) == ["too-long", "unknown"]
+    assert errors["too-long"]["status_code"] == 400
+    assert errors["too-long"]["body"]["error"]["param"] == "max_tokens"
+    assert errors["unknown"]["status_code"] == 400
+    assert "temperature_x" in errors["unknown"]["body"]["error"]["message"]
+    assert_no_leak(cluster)
+
+
+def test_a_file_that_is_not_a_batchs_requests_fails_the_batch_naming_each_line(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    routed = cluster.service.counters.routed
+    lines: list[dict[str, Any] | str] = [
+        line("ok", chat(SYSTEMS[0], "Fine?")),
+        "{not json",
+        line("other", chat(SYSTEMS[0], "Other?"), url="/v1/completions"),
+        line("ok", chat(SYSTEMS[0], "Again?")),
+        "",  # a blank line is skipped
+        line("streams", chat(SYSTEMS[0], "Stream?", stream=True)),
+        {"custom_id": "extra", "method": "POST", "url": CHAT, "body": {}, "header": 1},
+    ]
+    batch = client.batches.create(
+        input_file_id=upload(client, lines), endpoint=CHAT, completion_window="24h"
+    )
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert batch.errors is not None
+    got = [(e.line, e.code, e.param) for e in batch.errors.data]
+    assert got == [
+        (2, "invalid_json_line", None),
+        (3, "mismatched_url", "url"),
+        (4, "duplicate_custom_id", "custom_id"),
+        (6, "invalid_request", "body.stream"),
+        (7, "invalid_request", "header"),
+    ]
+    assert batch.errors.data[2].message == "line 4: custom_id 'ok' is line 1's too"
+    assert cluster.service.counters.routed == routed  # nothing ran
+
+
+def test_creating_a_batch_refuses_what_it_cannot_run_by_name(client: openai.OpenAI) -> None:
+    good = upload(client, [line("a", chat(SYSTEMS[0], "A?"))])
+    with pytest.raises(openai.NotFoundError, match="no file 'file-nope'"):
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="endpoint: must be one of"):
+        client.batches.create(
+            input_file_id=good,
+            endpoint="/v1/images/generations",  # type: ignore[arg-type]
+            completion_window="24h",
+        )
+    with pytest.raises(openai.BadRequestError, match="completion_window: must be '24h'"):
+        client.batches.create(
+            input_file_id=good,
+            endpoint=CHAT,
+            completion_window="1h",  # type: ignore[arg-type]
+        )
+    with pytest.raises(openai.NotFoundError, match="no batch 'batch_nope'"):
+        client.batches.retrieve("batch_nope")
+    output = run(client, [line("a", chat(SYSTEMS[0], "A?"))]).output_file_id
+    with pytest.raises(openai.BadRequestError, match="is a 'batch_output' file"):
+        client.batches.create(input_file_id=output, endpoint=CHAT, completion_window="24h")
+
+
+def test_files_are_listed_read_and_deleted(client: openai.OpenAI) -> None:
+    content = json.dumps(line("a", chat(SYSTEMS[0], "A?"))).encode()
+    card = client.files.create(file=("mine.jsonl", content), purpose="batch")
+    assert (card.filename, card.bytes, card.purpose, card.object) == (
+        "mine.jsonl", len(content), "batch", "file",
+    )  # fmt: skip
+    assert client.files.retrieve(card.id) == card
+    assert client.files.content(card.id).content == content
+    assert card.id in [f.id for f in client.files.list(purpose="batch")]
+    assert card.id not in [f.id for f in client.files.list(purpose="batch_output")]
+    assert client.files.delete(card.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(card.id)
+    with pytest.raises(openai.BadRequestError, match="purpose: must be one of"):
+        client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+
+
+def test_a_cancel_ends_the_requests_running_and_keeps_what_was_answered(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    lines = [
+        line(f"l{i}", chat(SYSTEMS[i % 2], f"Talk {i}.", max_tokens=300, ignore_eos=True))
+        for i in range(40)
+    ]
+    file_id = upload(client, lines)
+    batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    ended = finished(client, batch.id)
+    assert ended.status == "cancelled" and ended.cancelled_at is not None
+    kept = answers(client, ended.output_file_id)
+    assert 1 <= len(kept) == ended.request_counts.completed < 40
+    assert all(a["response"]["body"]["usage"]["completion_tokens"] == 300 for a in kept)
+    assert_no_leak(cluster)  # the requests running were ended, their pages freed
+
+
+def test_a_worker_killed_under_a_batch_costs_it_nothing(tiny: LoadedModel) -> None:
+    cluster = start_cluster(tiny, http=True)
+    try:
+        client = sdk(cluster)
+        lines = [
+            line(f"k{i}", chat(SYSTEMS[i % 2], f"Go on {i}.", max_tokens=60, ignore_eos=True))
+            for i in range(16)
+        ]
+        file_id = upload(client, lines)
+        batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        cluster.kill_worker("worker-0")
+        ended = finished(client, batch.id)
+        assert ended.status == "completed" and ended.error_file_id is None
+        assert ended.request_counts.completed == 16
+        assert {a["custom_id"] for a in answers(client, ended.output_file_id)} == {
+            f"k{i}" for i in range(16)
+        }
+    finally:
+        cluster.close()
+
+
+def test_files_and_batches_are_their_tenants(tiny: LoadedModel) -> None:
+    tokens = {"acme-token": "acme", "globex-token": "globex", "admin-token": "*"}
+    cluster = start_cluster(tiny, http=True, security=SecuritySection(auth_tokens=tokens))
+    try:
+        acme, globex = sdk(cluster, "acme-token"), sdk(cluster, "globex-token")
+        file_id = upload(acme, [line("a", chat(SYSTEMS[0], "Mine?"))])
+        with pytest.raises(openai.NotFoundError):
+            globex.files.retrieve(file_id)
+        with pytest.raises(openai.NotFoundError):
+            globex.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+        batch = finished(
+            acme,
+            acme.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h").id,
+        )
+        assert batch.status == "completed" and batch.request_counts.completed == 1
+        with pytest.raises(openai.NotFoundError):
+            globex.batches.retrieve(batch.id)
+        assert [b.id for b in globex.batches.list()] == []
+        assert [b.id for b in acme.batches.list()] == [batch.id]
+        with pytest.raises(openai.AuthenticationError):
+            sdk(cluster, "wrong").files.list()
+    finally:
+        cluster.close()
+
+
+def test_an_upload_past_the_bound_is_refused_naming_it(tiny: LoadedModel) -> None:
+    router = RouterSection(port=0, files_bytes=4096)
+    cluster = start_cluster(tiny, workers=1, http=True, router=router)
+    try:
+        client = sdk(cluster)
+        client.files.create(file=("a.jsonl", b"x" * 2000), purpose="batch")
+        with pytest.raises(openai.APIStatusError, match=r"router\.files_bytes") as refused:
+            client.files.create(file=("b.jsonl", b"x" * 2000), purpose="batch")
+        assert refused.value.status_code == 413
+    finally:
+        cluster.close()
+    off = start_cluster(tiny, workers=1, http=True, router=replace(router, files_bytes=0))
+    try:
+        client = sdk(off)
+        with pytest.raises(openai.NotFoundError, match="keeps no files"):
+            client.batches.list()
+    finally:
+        off.close()
+
+
+def test_the_prefix_order_serves_more_from_cache_than_the_files(tiny: LoadedModel) -> None:
+    """One worker whose pool holds one document's prompt at a time, one request at a time, two
+    documents asked alternately: in the file's order each question evicts the other document;
+    sorted by prompt, each document's questions follow one another."""
+    documents = [" ".join(f"{w}{i}" for i in range(40)) for w in ("alpha", "omega")]
+    lines = [
+        line(f"d{i % 2}-{i}", chat(documents[i % 2], f"Question {i}?", max_tokens=2))
+        for i in range(8)
+    ]
+    cached = {}
+    for order in ("file", "prefix"):
+        router = RouterSection(port=0, batch_order=order, batch_max_in_flight=1)
+        engine = replace(ENGINE, num_pages=80, max_model_len=320)  # 320 positions
+        cluster = start_cluster(tiny, workers=1, http=True, router=router, engine=engine)
+        try:
+            client = sdk(cluster)
+            batch = run(client, lines)
+            assert batch.request_counts.completed == 8
+            cached[order] = batch.usage.input_tokens_details.cached_tokens
+        finally:
+            cluster.close()
+    prompt = batch.usage.input_tokens // 8
+    assert cached["prefix"] >= 6 * (prompt // 2) > cached["file"], (cached, prompt)
+
+
+@given(st.lists(st.text("ab ", max_size=6), min_size=3, max_size=12))
+def test_the_prefix_order_keeps_requests_sharing_a_prefix_together(texts: list[str]) -> None:
+    """Sorted keys are a walk of their prefix tree: the common prefix of two requests is never
+    longer than that of any request between them and either."""
+    lines = [BatchLine(i, f"c{i}", {"prompt": t}) for i, t in enumerate(texts)]
+    keys = [prompt_key(x) for x in prefix_order(lines)]
+
+    def common(a: str, b: str) -> int:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for i in range(len(keys)):
+        for j in range(i + 2, len(keys)):
+            for k in range(i + 1, j):
+                assert common(keys[i], keys[j]) <= min(
+                    common(keys[i], keys[k]), common(keys[k], keys[j])
+                )
