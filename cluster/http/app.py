@@ -103,6 +103,7 @@ from worker.tokenizer import Tokenizer, TokenizerError
 from worker.validation import RequestLimits
 
 T = TypeVar("T")
+UPLOAD_LIMIT = "router.files_bytes less the files kept, at most 200 MiB an upload"
 TENANT_HEADER = "x-radixmesh-tenant"
 CLIENT_GONE = 499
 """What the log says of a request whose client left (nginx's code; nobody receives it)."""
@@ -128,7 +129,12 @@ class HttpApi:
         router = config.router
         self.files = FileStore(router.files_bytes)
         """The Files API's files: batch inputs and outputs."""
-        self.batches = Batches(self.files, router.batch_max_in_flight, router.batch_order)
+        self.batches = Batches(
+            self.files,
+            router.batch_max_in_flight,
+            router.batch_order,
+            accepting=lambda: not self.draining,
+        )
         """The Batch API's batches; each runs its requests through this app (`build_app`)."""
 
     # -- who calls, and about what ---------------------------------------------------------------
@@ -165,6 +171,16 @@ class HttpApi:
         raise HttpError(
             404, f"model {model!r} does not exist; this cluster serves {served}", "model"
         )
+
+    def may_upload(self, headers: dict[bytes, bytes]) -> bool:
+        """Whether a request's raw headers carry a known token (or none is configured): only
+        then may its body be an upload's size, read before the handler checks the token."""
+        tokens = self.config.security.auth_tokens
+        if not tokens:
+            return True
+        given = _bearer(headers.get(b"authorization", b"").decode("latin-1"))
+        given = given or headers.get(b"x-api-key", b"").decode("latin-1") or None
+        return known_token(given, self.config.security) is not None
 
     def require_admin(self, request: Request) -> None:
         """403 unless the caller's token is bound to every tenant (the Admin service's rule)."""
@@ -595,9 +611,10 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(ClientGone, client_gone)
 
-    def body_limit(path: str) -> tuple[int, str]:
-        if path == "/v1/files" and config.router.files_bytes:  # an upload: the store bounds it
-            return config.router.files_bytes, "router.files_bytes"
+    def body_limit(path: str, headers: dict[bytes, bytes]) -> tuple[int, str]:
+        if path == "/v1/files" and api.files.enabled and api.may_upload(headers):
+            # an upload, from a caller with a known token: what the files kept leave
+            return api.files.room(), UPLOAD_LIMIT
         limits = service.links.limits
         images = image_body_bytes(limits.vision if limits else None)
         if not images:

@@ -58,7 +58,10 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
     async def list_files(request: Request) -> Response:
         query = request.query_params
         cards = api.files.cards(tenant_of(request), query.get("purpose"))
-        if query.get("order", "desc") == "desc":
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise HttpError.invalid("order", f"must be 'asc' or 'desc', got {order!r}")
+        if order == "desc":
             cards.reverse()
         limit = _limit(query.get("limit"), MAX_PAGE, MAX_PAGE)
         page, more = _page(cards, query.get("after"), limit)
@@ -90,7 +93,7 @@ def _batch_routes(app: FastAPI, api: HttpApi) -> None:
         tenant = tenant_of(request)
         headers = {k: v for k in CREDENTIALS if (v := request.headers.get(k)) is not None}
         headers["x-radixmesh-tenant"] = tenant
-        return _json(api.batches.create(tenant, headers, body))
+        return _json(await api.batches.create(tenant, headers, body))
 
     async def list_batches(request: Request) -> Response:
         query = request.query_params

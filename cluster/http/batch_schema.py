@@ -3,10 +3,11 @@ requests.
 
 An input file is JSON Lines, one request a line: `{"custom_id": ..., "method": "POST", "url":
 <the batch's endpoint>, "body": {...}}`. The file as a whole is checked when the batch is
-created: a line that is not such an object, a `custom_id` used twice, another endpoint or a
-streamed body fails the batch, with one error per line at fault (OpenAI's `errors`, each naming
-its line, 1-based). What a body asks is checked when its request runs, by the endpoint itself:
-a refusal is that request's line in the error file, and the other requests run.
+created: a line that is not such an object, a `custom_id` used twice, another endpoint, or a
+streamed or background body fails the batch, with one error per line at fault (OpenAI's
+`errors`, each naming its line, 1-based). What a body asks is checked when its request runs,
+by the endpoint itself: a refusal is that request's line in the error file, and the other
+requests run.
 """
 
 from __future__ import annotations
@@ -128,7 +129,10 @@ def read_lines(content: bytes, endpoint: str) -> tuple[list[BatchLine], list[Bat
         text = content.decode("utf-8")
     except UnicodeDecodeError as err:
         return [], [BatchError(code="invalid_file", message=f"the file is not UTF-8: {err}")]
-    numbered = [(i, raw) for i, raw in enumerate(text.splitlines(), 1) if raw.strip()]
+    # JSON Lines end at "\n" only: str.splitlines would also cut at U+2028 and the like, which
+    # JSON text may hold unescaped
+    rows = (raw.removesuffix("\r") for raw in text.split("\n"))
+    numbered = [(i, raw) for i, raw in enumerate(rows, 1) if raw.strip()]
     if not numbered:
         return [], [BatchError(code="empty_file", message="the file holds no request")]
     if len(numbered) > MAX_REQUESTS:
@@ -176,28 +180,35 @@ def _line(number: int, raw: str, endpoint: str, seen: dict[str, int]) -> BatchLi
         raise _BadLine("invalid_request", "body must be a JSON object", "body")
     if body.get("stream"):
         raise _BadLine("invalid_request", "a batch request cannot stream", "body.stream")
+    if body.get("background"):  # it would answer at once and run outside the batch's bound
+        raise _BadLine(
+            "invalid_request", "a batch request cannot run in the background", "body.background"
+        )
     return BatchLine(number, custom_id, body)
 
 
 def prompt_key(line: BatchLine) -> str:
     """What a request's prompt begins with, as one string, for `prefix_order`: its model (an
-    adapter's cache is its own), then the parts of the body a prompt is made of, in the order
-    the prompt puts them (instructions before input, tools and messages as sent)."""
+    adapter's cache is its own), then the parts of the body a prompt is made of, in about the
+    order the prompt puts them: a stored conversation it continues, instructions, the messages
+    (a system message's content first: JSON keys are sorted, `content` before `role`), the
+    prompt or input, then the tools (chat templates put them after the system message, or
+    last)."""
     body = line.body
     parts = [
         body.get("model"),
-        body.get("system"),
+        body.get("previous_response_id"),
         body.get("instructions"),
-        body.get("tools"),
         body.get("messages"),
         body.get("prompt"),
         body.get("input"),
+        body.get("tools"),
     ]
     return json.dumps(parts, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
 def prefix_order(lines: list[BatchLine]) -> list[BatchLine]:
-    """The requests sorted by `prompt_key`: the order of a walk of their prompts' prefix tree,
-    so that requests sharing a prefix run one after another, while it is cached (whatever the
-    file's order). Ties keep the file's order."""
+    """The requests sorted by `prompt_key`: the order of a walk of the keys' prefix tree, so
+    that requests whose keys share a prefix (and so, mostly, their prompts) run one after
+    another while it is cached, whatever the file's order. Ties keep the file's order."""
     return sorted(lines, key=prompt_key)

@@ -2,9 +2,12 @@
 written to an output file (and the refusals to an error file) the client downloads.
 
 Each request of a batch is sent to this router's own HTTP app, in the process (httpx2's
-ASGI transport), with its creator's credentials and tenant: it is served exactly as the same
-request sent by the client would be (the endpoint's schema, limits, routing, errors, metrics),
-and its answer is the line's `response` (`status_code`, `request_id`, `body`).
+ASGI transport), with its creator's credentials and tenant: it is served as the same request
+sent by the client would be (the endpoint's schema, limits, routing, errors, metrics; a
+streamed or background body is refused with the file), and its answer is the line's
+`response` (`status_code`, `request_id`, `body`). A request refused for load (429: the
+router's or the workers' queues full) is sent again after a pause, for up to
+OVERLOAD_WAIT_S, before its line records the refusal.
 
 Order: the requests run `router.batch_order`: `prefix` (the default) sorted by their prompts,
 so that requests sharing a prefix (a system prompt, a document asked several questions) run
@@ -17,8 +20,12 @@ Statuses: `in_progress` from creation (the file is read and checked then: a bad 
 batch `failed` at once, its errors naming each line at fault), `finalizing` while the files are
 written, `completed`; `cancelling` from a cancel until the requests running have ended (their
 worker calls closed, their pages freed), then `cancelled`, with the answers received so far.
-Batches live in the router's memory: a restart loses them (and their files), as vLLM's and
-SGLang's in-memory stores are lost; `completion_window` is accepted and not enforced.
+A router that drains sends no more requests: its batches end `cancelled` once those running
+have, with an error saying so; one that stops cancels them. An ended batch keeps only its
+object (its requests, answers and the creator's credentials are let go), the last MAX_ENDED
+of them. Batches live in the router's memory: a restart loses them (and their files), as
+vLLM's and SGLang's in-memory stores are lost; `completion_window` is accepted and not
+enforced.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import httpx2
@@ -40,12 +49,14 @@ from cluster.http.batch_schema import (
     ENDPOINTS,
     Batch,
     BatchCreateRequest,
+    BatchError,
     BatchErrors,
     BatchLine,
     BatchUsage,
     prefix_order,
     read_lines,
 )
+from cluster.http.embeddings import overload_pauses
 from cluster.http.errors import HttpError
 from cluster.http.file_store import FileStore
 
@@ -57,6 +68,12 @@ BASE_URL = "http://batch.internal"
 """What the in-process requests are addressed to (never resolved: the transport is the app)."""
 CREDENTIALS = ("authorization", "x-api-key")
 """The creator's headers each of its batch's requests carries."""
+OVERLOAD_WAIT_S = 600.0
+"""How long a request refused for load (429: the router's or the workers' queues full) is
+tried again before its line records the refusal: a batch is in no hurry."""
+ENDED = ("failed", "completed", "cancelled", "expired")
+MAX_ENDED = 10_000
+"""Ended batches kept (their objects, a kilobyte or two each; the oldest forgotten first)."""
 
 
 @dataclass
@@ -64,26 +81,33 @@ class RunningBatch:
     batch: Batch
     tenant: str
     headers: dict[str, str]
+    """The creator's credentials and tenant (dropped once the batch ends)."""
     lines: list[BatchLine]
     answers: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """Line number -> its output or error line, as it ended."""
+    """Line number -> its output or error line, as it ended (dropped once written)."""
     task: asyncio.Task[None] | None = None
 
 
 class Batches:
     def __init__(
-        self, files: FileStore, max_in_flight: int, order: str, app: ASGIApp | None = None
+        self,
+        files: FileStore,
+        max_in_flight: int,
+        order: str,
+        accepting: Callable[[], bool] = lambda: True,
     ) -> None:
         self.files = files
         self.order = order
-        self.app = app
+        self.accepting = accepting
+        """False once the router drains: no batch sends another request."""
+        self.app: ASGIApp | None = None
         """The router's HTTP app, which runs each request (set once it is built)."""
         self._slots = asyncio.Semaphore(max_in_flight)
-        self._batches: dict[tuple[str, str], RunningBatch] = {}
-        """(tenant, batch id) -> the batch, in the order created."""
+        self._batches: OrderedDict[tuple[str, str], RunningBatch] = OrderedDict()
+        """(tenant, batch id) -> the batch, in the order created; at most MAX_ENDED ended."""
 
     # -- the API ---------------------------------------------------------------------------
-    def create(self, tenant: str, headers: dict[str, str], body: BatchCreateRequest) -> Batch:
+    async def create(self, tenant: str, headers: dict[str, str], body: BatchCreateRequest) -> Batch:
         """The batch, running (or `failed` when its file is not a batch's requests)."""
         self.files.require()
         if body.endpoint not in ENDPOINTS:
@@ -95,6 +119,14 @@ class Batches:
             raise HttpError.invalid(
                 "input_file_id", f"{body.input_file_id!r} is a {source.card.purpose!r} file"
             )
+        if self.files.full:  # its output would be kept past the bound
+            raise HttpError(
+                400,
+                f"the files kept take {self.files.held} bytes of {self.files.max_bytes} "
+                "(router.files_bytes): delete files before creating a batch",
+            )
+        if not self.accepting():
+            raise HttpError(503, "the router is draining; retry on another")
         now = int(time.time())
         batch = Batch(
             id=f"batch_{uuid.uuid4().hex}",
@@ -105,15 +137,18 @@ class Batches:
             expires_at=now + WINDOW_S,
             metadata=body.metadata,
         )
-        lines, errors = read_lines(source.content, body.endpoint)
+        # a large file takes a while to read: off the loop every stream shares
+        lines, errors = await asyncio.to_thread(read_lines, source.content, body.endpoint)
         running = RunningBatch(batch, tenant, headers, lines)
-        self._batches[(tenant, batch.id)] = running
+        self._keep(running)
         if errors:
             batch.status, batch.failed_at = "failed", now
             batch.errors = BatchErrors(data=errors)
+            self._ended(running)
             return batch.model_copy(deep=True)
         batch.status, batch.in_progress_at = "in_progress", now
         batch.request_counts.total = len(lines)
+        batch.model = next((m for x in lines if isinstance(m := x.body.get("model"), str)), None)
         running.task = asyncio.ensure_future(self._run(running))
         return batch.model_copy(deep=True)
 
@@ -127,13 +162,24 @@ class Batches:
         return [b.model_copy(deep=True) for b in reversed(mine)]
 
     async def cancel(self, tenant: str, batch_id: str) -> Batch:
+        """Stop a running batch (one that ended is answered as it stands)."""
         running = self._running(tenant, batch_id)
         batch = running.batch
-        if batch.status in ("in_progress", "validating"):
+        if batch.status == "in_progress":
             batch.status, batch.cancelling_at = "cancelling", int(time.time())
             assert running.task is not None
             running.task.cancel()
         return batch.model_copy(deep=True)
+
+    async def close(self) -> None:
+        """Cancel every running batch and wait for their ends (the router stops)."""
+        tasks = [r.task for r in self._batches.values() if r.task is not None and not r.task.done()]
+        for running in self._batches.values():
+            if running.batch.status == "in_progress":
+                running.batch.status, running.batch.cancelling_at = "cancelling", int(time.time())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _running(self, tenant: str, batch_id: str) -> RunningBatch:
         self.files.require()
@@ -142,17 +188,31 @@ class Batches:
             raise HttpError(404, f"no batch {batch_id!r}", "batch_id")
         return found
 
+    def _keep(self, running: RunningBatch) -> None:
+        """Add a batch; beyond MAX_ENDED ended ones, the oldest ended is forgotten."""
+        self._batches[(running.tenant, running.batch.id)] = running
+        ended = [key for key, r in self._batches.items() if r.batch.status in ENDED]
+        for key in ended[: max(0, len(ended) - MAX_ENDED)]:
+            del self._batches[key]
+
     # -- running it ------------------------------------------------------------------------
     async def _run(self, running: RunningBatch) -> None:
-        """Send the requests in order, as slots free up; on a cancel, end those running."""
-        order = prefix_order(running.lines) if self.order == "prefix" else running.lines
+        """Send the requests in order, as slots free up; on a cancel, end those running; once
+        the router drains, send no more."""
+        lines = running.lines
+        order = await asyncio.to_thread(prefix_order, lines) if self.order == "prefix" else lines
         assert self.app is not None, "the app is attached when it is built"
         transport = httpx2.ASGITransport(app=self.app)
         sent: set[asyncio.Task[None]] = set()
+        stopped = False
         async with httpx2.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None) as c:
             try:
                 for line in order:
                     await self._slots.acquire()  # released by the request as it ends
+                    if not self.accepting():
+                        self._slots.release()
+                        stopped = True
+                        break
                     task = asyncio.ensure_future(self._one(c, running, line))
                     sent.add(task)
                     task.add_done_callback(sent.discard)
@@ -163,7 +223,7 @@ class Batches:
                     task.cancel()
                 await asyncio.gather(*sent, return_exceptions=True)
             finally:
-                self._finish(running)
+                await self._finish(running, stopped)
 
     async def _one(
         self, client: httpx2.AsyncClient, running: RunningBatch, line: BatchLine
@@ -171,7 +231,11 @@ class Batches:
         request_id = f"batch_req_{uuid.uuid4().hex}"
         headers = running.headers | {"x-request-id": request_id}
         try:
-            answer = await client.post(running.batch.endpoint, json=line.body, headers=headers)
+            for pause in chain(overload_pauses(OVERLOAD_WAIT_S), [None]):
+                answer = await client.post(running.batch.endpoint, json=line.body, headers=headers)
+                if answer.status_code != 429 or pause is None or not self.accepting():
+                    break
+                await asyncio.sleep(pause)  # the router or the workers are full: wait for room
             status, body = answer.status_code, answer.json()
         except asyncio.CancelledError:
             raise
@@ -209,35 +273,50 @@ class Batches:
         if ok and isinstance(body, dict):
             _add_usage(running.batch, body.get("usage"))
 
-    def _finish(self, running: RunningBatch) -> None:
-        """Write the output and error files (the input's order), and end the batch."""
+    async def _finish(self, running: RunningBatch, stopped: bool) -> None:
+        """Write the output and error files (the input's order), end the batch, and let go of
+        its requests, answers and credentials. `stopped`: the router drained before every
+        request was sent."""
         batch = running.batch
-        now = int(time.time())
+        if stopped:
+            batch.status, batch.cancelling_at = "cancelling", int(time.time())
+            message = "the router drained before every request ran"
+            batch.errors = BatchErrors(data=[BatchError(code="router_draining", message=message)])
         if batch.status != "cancelling":
-            batch.status, batch.finalizing_at = "finalizing", now
-        good: list[dict[str, Any]] = []
-        bad: list[dict[str, Any]] = []
-        for line in running.lines:  # the input's order
-            answer = running.answers.get(line.number)
-            if answer is not None:
-                response = answer["response"]
-                ok = response is not None and response["status_code"] == 200
-                (good if ok else bad).append(answer)
-        batch.output_file_id = self._write(running, "output", good)
-        batch.error_file_id = self._write(running, "errors", bad)
+            batch.status, batch.finalizing_at = "finalizing", int(time.time())
+        good, bad = await asyncio.to_thread(_encoded, running)
+        name = f"{batch.id}_{{}}.jsonl"
+        if good:
+            batch.output_file_id = self.files.keep(
+                running.tenant, name.format("output"), OUTPUT_PURPOSE, good
+            ).id
+        if bad:
+            batch.error_file_id = self.files.keep(
+                running.tenant, name.format("errors"), OUTPUT_PURPOSE, bad
+            ).id
+        now = int(time.time())
         if batch.status == "cancelling":
             batch.status, batch.cancelled_at = "cancelled", now
         else:
             batch.status, batch.completed_at = "completed", now
+        self._ended(running)
 
-    def _write(
-        self, running: RunningBatch, kind: str, answers: Sequence[dict[str, Any]]
-    ) -> str | None:
-        if not answers:
-            return None
-        content = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers).encode()
-        name = f"{running.batch.id}_{kind}.jsonl"
-        return self.files.keep(running.tenant, name, OUTPUT_PURPOSE, content).id
+    @staticmethod
+    def _ended(running: RunningBatch) -> None:
+        running.lines, running.answers, running.headers = [], {}, {}
+
+
+def _encoded(running: RunningBatch) -> tuple[bytes, bytes]:
+    """The output file's and the error file's JSON Lines, in the input's order."""
+    good: list[str] = []
+    bad: list[str] = []
+    for line in running.lines:
+        answer = running.answers.get(line.number)
+        if answer is not None:
+            response = answer["response"]
+            ok = response is not None and response["status_code"] == 200
+            (good if ok else bad).append(json.dumps(answer, ensure_ascii=False) + "\n")
+    return "".join(good).encode(), "".join(bad).encode()
 
 
 def _add_usage(batch: Batch, usage: Any) -> None:

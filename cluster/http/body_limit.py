@@ -21,13 +21,13 @@ class BodyLimit:
     def __init__(
         self,
         app: ASGIApp,
-        limit: Callable[[str], tuple[int, str]],
+        limit: Callable[[str, dict[bytes, bytes]], tuple[int, str]],
         body: Callable[[str, HttpError], Any],
     ):
         self.app = app
         self.limit = limit
-        """The most bytes a body to a path may have now, and what sets it (named in the
-        413)."""
+        """The most bytes a body to a path, with these headers, may have now, and what sets it
+        (named in the 413)."""
         self.body = body
         """The error body for a path (each API writes its errors its own way)."""
 
@@ -42,8 +42,9 @@ class BodyLimit:
             )
             await self._send(scope, send, error)
             return
-        max_bytes, source = self.limit(scope["path"])
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        max_bytes, source = self.limit(scope["path"], headers)
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             await self._refuse(scope, send, int(declared), max_bytes, source)
             return

@@ -115,14 +115,14 @@ def _refused(err: ServingError, name: str) -> HttpError:
     return HttpError.of(err).renamed(lambda field: name if field in INPUT_FIELDS else None)
 
 
-def overload_pauses() -> Iterator[float]:
+def overload_pauses(wait_s: float = OVERLOAD_WAIT_S) -> Iterator[float]:
     """The pauses before an input refused for load (its workers' queues or the router's
     in-flight limit full: RESOURCE_EXHAUSTED) is tried again: from `OVERLOAD_PAUSE_S`, doubling
     to a second, each with up to a quarter more at random (inputs refused together do not come
-    back together), until `OVERLOAD_WAIT_S` have passed. An input of a large request so waits
-    for room instead of failing the inputs already embedded (a worker that died leaves the
-    others less room)."""
-    pause, give_up = OVERLOAD_PAUSE_S, time.monotonic() + OVERLOAD_WAIT_S
+    back together), until `wait_s` have passed. An input of a large request so waits for room
+    instead of failing the inputs already embedded (a worker that died leaves the others less
+    room); a batch's request waits longer (cluster/http/batches.py)."""
+    pause, give_up = OVERLOAD_PAUSE_S, time.monotonic() + wait_s
     while time.monotonic() < give_up:
         yield pause * (1 + random.random() / 4)
         pause = min(2 * pause, 1.0)

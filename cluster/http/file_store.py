@@ -2,9 +2,11 @@
 batches write (`batch_output`), kept in the router's memory, each its tenant's.
 
 One bound in bytes over every tenant's files (`router.files_bytes`): an upload that would pass
-it is refused (413, naming the setting), and deleting files makes room. A batch's output and
-error files are kept even past it (refusing them would lose work already done), and count
-against it for the uploads that follow. Nothing survives a restart of the router.
+it, or MAX_UPLOAD_BYTES, is refused (413, naming the setting) before its body is read past
+that, and deleting files makes room. A batch's output and error files are kept even past it
+(refusing them would lose work already done); they count against it for the uploads that
+follow, and no batch is created while the files fill it. Nothing survives a restart of the
+router.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from cluster.http.errors import HttpError
 
 ENTRY_BYTES = 512
 """What Python takes to hold one file beside its content (the key, the entry, the strings)."""
+MAX_UPLOAD_BYTES = 200 << 20
+"""The largest file one upload may bring: OpenAI's limit for a batch's input file."""
 
 
 class FileObject(BaseModel):
@@ -54,6 +58,14 @@ class FileStore:
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
+
+    @property
+    def full(self) -> bool:
+        return self.held >= self.max_bytes
+
+    def room(self) -> int:
+        """The most bytes an upload may have now: MAX_UPLOAD_BYTES, or what the bound leaves."""
+        return max(0, min(MAX_UPLOAD_BYTES, self.max_bytes - self.held - ENTRY_BYTES))
 
     def require(self) -> None:
         """404 when this router keeps no files: the Files and Batch APIs are off."""

@@ -35,13 +35,15 @@ class HttpServer:
 
     async def stop(self, grace: float) -> None:
         """Stop taking connections; give the requests in flight `grace` seconds; stop, with the
-        background responses still running."""
+        background responses and the batches still running."""
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(self.task), grace + 1.0)
         self.task.cancel()
         with contextlib.suppress(TimeoutError):  # their worker calls closed, not left to the GC
             await asyncio.wait_for(self.api.background.close(), grace + 1.0)
+        with contextlib.suppress(TimeoutError):  # the batches still running end cancelled
+            await asyncio.wait_for(self.api.batches.close(), grace + 1.0)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -51,8 +51,17 @@ def chat(system: str, question: str, **extra: Any) -> dict[str, Any]:
 
 
 def upload(client: openai.OpenAI, lines: Sequence[dict[str, Any] | str]) -> str:
-    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n"
+    # as most writers of JSON Lines write them: unescaped, so a U+2028 in a text stays one
+    rows = (x if isinstance(x, str) else json.dumps(x, ensure_ascii=False) for x in lines)
+    text = "\n".join(rows) + "\n"
     return client.files.create(file=("requests.jsonl", text.encode()), purpose="batch").id
+
+
+def upload_anyway(cluster: LocalCluster, lines: Sequence[dict[str, Any]]) -> str:
+    """A batch file put in the store past its bound (as a batch's output is)."""
+    assert cluster.http is not None
+    content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    return cluster.http.api.files.keep("", "late.jsonl", "batch", content).id
 
 
 def finished(client: openai.OpenAI, batch_id: str, within_s: float = 60) -> Any:
@@ -154,7 +163,7 @@ def test_a_refused_request_is_its_line_in_the_error_file_and_the_others_run(
         line("fine", chat(SYSTEMS[0], "Fine?")),
         line("too-long", chat(SYSTEMS[0], "Too long?", max_tokens=10**6)),
         line("unknown", chat(SYSTEMS[0], "Unknown?", temperature_x=1)),
-        line("fine-too", chat(SYSTEMS[1], "Fine too?")),
+        line("fine-too", chat(SYSTEMS[1], "Fine\u2028too?")),  # a line separator, not a line end
     ]
     batch = run(client, lines)
     assert batch.status == "completed"
@@ -181,6 +190,7 @@ def test_a_file_that_is_not_a_batchs_requests_fails_the_batch_naming_each_line(
         "",  # a blank line is skipped
         line("streams", chat(SYSTEMS[0], "Stream?", stream=True)),
         {"custom_id": "extra", "method": "POST", "url": CHAT, "body": {}, "header": 1},
+        line("behind", chat(SYSTEMS[0], "Later?", background=True)),
     ]
     batch = client.batches.create(
         input_file_id=upload(client, lines), endpoint=CHAT, completion_window="24h"
@@ -194,6 +204,7 @@ def test_a_file_that_is_not_a_batchs_requests_fails_the_batch_naming_each_line(
         (4, "duplicate_custom_id", "custom_id"),
         (6, "invalid_request", "body.stream"),
         (7, "invalid_request", "header"),
+        (8, "invalid_request", "body.background"),
     ]
     assert batch.errors.data[2].message == "line 4: custom_id 'ok' is line 1's too"
     assert cluster.service.counters.routed == routed  # nothing ran
@@ -308,19 +319,34 @@ def test_files_and_batches_are_their_tenants(tiny: LoadedModel) -> None:
         assert [b.id for b in acme.batches.list()] == [batch.id]
         with pytest.raises(openai.AuthenticationError):
             sdk(cluster, "wrong").files.list()
+        # an upload's size is allowed only to a known token: a stranger's body is bounded as
+        # any request's is, and refused before it is read past that
+        big = b"x" * (5 << 20)  # past router.max_message_bytes (4 MiB)
+        with pytest.raises(openai.APIStatusError, match=r"router\.max_message_bytes") as refused:
+            sdk(cluster, "wrong").files.create(file=("big.jsonl", big), purpose="batch")
+        assert refused.value.status_code == 413
+        assert acme.files.create(file=("big.jsonl", big), purpose="batch").bytes == len(big)
+        # an ended batch keeps no credentials
+        assert all(not kept.headers for kept in cluster.http.api.batches._batches.values())  # type: ignore[union-attr]
     finally:
         cluster.close()
 
 
 def test_an_upload_past_the_bound_is_refused_naming_it(tiny: LoadedModel) -> None:
-    router = RouterSection(port=0, files_bytes=4096)
+    router = RouterSection(port=0, files_bytes=6000)
     cluster = start_cluster(tiny, workers=1, http=True, router=router)
     try:
         client = sdk(cluster)
         client.files.create(file=("a.jsonl", b"x" * 2000), purpose="batch")
         with pytest.raises(openai.APIStatusError, match=r"router\.files_bytes") as refused:
-            client.files.create(file=("b.jsonl", b"x" * 2000), purpose="batch")
+            client.files.create(file=("b.jsonl", b"x" * 3000), purpose="batch")
         assert refused.value.status_code == 413
+        # a batch's output is kept past the bound; then no batch starts until files go
+        batch = run(client, [line(f"f{i}", chat(SYSTEMS[0], f"Q{i}?")) for i in range(4)])
+        assert batch.status == "completed" and batch.output_file_id is not None
+        source = upload_anyway(cluster, [line("late", chat(SYSTEMS[0], "Late?"))])
+        with pytest.raises(openai.BadRequestError, match=r"delete files before creating a batch"):
+            client.batches.create(input_file_id=source, endpoint=CHAT, completion_window="24h")
     finally:
         cluster.close()
     off = start_cluster(tiny, workers=1, http=True, router=replace(router, files_bytes=0))
@@ -330,6 +356,52 @@ def test_an_upload_past_the_bound_is_refused_naming_it(tiny: LoadedModel) -> Non
             client.batches.list()
     finally:
         off.close()
+
+
+def test_requests_refused_for_load_wait_for_room(tiny: LoadedModel) -> None:
+    """A router that takes 2 requests at once, a batch that sends 8: every request is served
+    (each refused one sent again after a pause), none recorded as refused."""
+    router = RouterSection(port=0, max_in_flight=2, batch_max_in_flight=8)
+    cluster = start_cluster(tiny, workers=1, http=True, router=router)
+    try:
+        client = sdk(cluster)
+        refused = cluster.service.counters.by_status.get("RESOURCE_EXHAUSTED", 0)
+        batch = run(client, [line(f"w{i}", chat(SYSTEMS[i % 2], f"W{i}?")) for i in range(16)])
+        assert batch.request_counts.completed == 16 and batch.error_file_id is None
+        assert cluster.service.counters.by_status.get("RESOURCE_EXHAUSTED", 0) > refused
+    finally:
+        cluster.close()
+
+
+def test_a_router_that_drains_sends_no_more_and_the_batch_ends_cancelled(
+    tiny: LoadedModel,
+) -> None:
+    router = RouterSection(port=0, batch_max_in_flight=2)
+    cluster = start_cluster(tiny, workers=1, http=True, router=router)
+    try:
+        client = sdk(cluster)
+        lines = [
+            line(f"d{i}", chat(SYSTEMS[0], f"D{i}.", max_tokens=40, ignore_eos=True))
+            for i in range(30)
+        ]
+        batch = client.batches.create(
+            input_file_id=upload(client, lines), endpoint=CHAT, completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert cluster.http is not None
+        cluster.http.api.draining = True
+        ended = finished(client, batch.id)
+        assert ended.status == "cancelled" and ended.errors is not None
+        assert [e.code for e in ended.errors.data] == ["router_draining"]
+        done = ended.request_counts.completed
+        assert 2 <= done < 30 and ended.request_counts.failed == 0  # none sent into the drain
+        assert len(answers(client, ended.output_file_id)) == done
+        assert_no_leak(cluster)
+    finally:
+        cluster.close()
 
 
 def test_the_prefix_order_serves_more_from_cache_than_the_files(tiny: LoadedModel) -> None:
