@@ -74,6 +74,17 @@ def finished(client: openai.OpenAI, batch_id: str, within_s: float = 60) -> Any:
         time.sleep(0.05)
 
 
+def started(client: openai.OpenAI, lines: Sequence[dict[str, Any]], answered: int) -> str:
+    """A chat batch's id, once `answered` of its requests have been."""
+    file_id = upload(client, lines)
+    batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < answered:
+        assert time.monotonic() < deadline, f"fewer than {answered} answered"
+        time.sleep(0.02)
+    return batch.id
+
+
 def run(client: openai.OpenAI, lines: Sequence[dict[str, Any]], endpoint: str = CHAT) -> Any:
     file_id = upload(client, lines)
     batch = client.batches.create(
@@ -257,15 +268,10 @@ def test_a_cancel_ends_the_requests_running_and_keeps_what_was_answered(
         line(f"l{i}", chat(SYSTEMS[i % 2], f"Talk {i}.", max_tokens=300, ignore_eos=True))
         for i in range(40)
     ]
-    file_id = upload(client, lines)
-    batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
-    deadline = time.monotonic() + 60
-    while client.batches.retrieve(batch.id).request_counts.completed < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    cancelling = client.batches.cancel(batch.id)
+    batch_id = started(client, lines, 1)
+    cancelling = client.batches.cancel(batch_id)
     assert cancelling.status in ("cancelling", "cancelled")
-    ended = finished(client, batch.id)
+    ended = finished(client, batch_id)
     assert ended.status == "cancelled" and ended.cancelled_at is not None
     kept = answers(client, ended.output_file_id)
     assert 1 <= len(kept) == ended.request_counts.completed < 40
@@ -281,14 +287,9 @@ def test_a_worker_killed_under_a_batch_costs_it_nothing(tiny: LoadedModel) -> No
             line(f"k{i}", chat(SYSTEMS[i % 2], f"Go on {i}.", max_tokens=60, ignore_eos=True))
             for i in range(16)
         ]
-        file_id = upload(client, lines)
-        batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
-        deadline = time.monotonic() + 60
-        while client.batches.retrieve(batch.id).request_counts.completed < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        batch_id = started(client, lines, 2)
         cluster.kill_worker("worker-0")
-        ended = finished(client, batch.id)
+        ended = finished(client, batch_id)
         assert ended.status == "completed" and ended.error_file_id is None
         assert ended.request_counts.completed == 16
         assert {a["custom_id"] for a in answers(client, ended.output_file_id)} == {
@@ -384,16 +385,10 @@ def test_a_router_that_drains_sends_no_more_and_the_batch_ends_cancelled(
             line(f"d{i}", chat(SYSTEMS[0], f"D{i}.", max_tokens=40, ignore_eos=True))
             for i in range(30)
         ]
-        batch = client.batches.create(
-            input_file_id=upload(client, lines), endpoint=CHAT, completion_window="24h"
-        )
-        deadline = time.monotonic() + 60
-        while client.batches.retrieve(batch.id).request_counts.completed < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        batch_id = started(client, lines, 2)
         assert cluster.http is not None
         cluster.http.api.draining = True
-        ended = finished(client, batch.id)
+        ended = finished(client, batch_id)
         assert ended.status == "cancelled" and ended.errors is not None
         assert [e.code for e in ended.errors.data] == ["router_draining"]
         done = ended.request_counts.completed

@@ -105,6 +105,17 @@ def drain(engine: Engine, limit: int = 10_000) -> int:
     return steps
 
 
+def run_all(engine: Engine, *requests: GenerateRequest) -> Recorder:
+    """Every output of `requests`, submitted together, the engine stepped until idle and its
+    cache then checked."""
+    recorder = Recorder()
+    for request in requests:
+        engine.submit(request, recorder.outputs.append)
+    drain(engine)
+    check_sequence_cache(engine.cache)
+    return recorder
+
+
 def run_to_end(engine: Engine, request: GenerateRequest) -> list[RequestOutput]:
     """Every output of `request`, the engine stepped until idle and its cache then checked."""
     recorder = Recorder()

@@ -14,9 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache.integrity import check_sequence_cache
 from tests.prometheus_text import Histogram, histograms
-from tests.worker.helpers import Recorder, drain, greedy
+from tests.worker.helpers import Recorder, drain, greedy, run_all
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel
 from worker.metrics import EngineCollector
@@ -37,15 +36,6 @@ def scrape(engine: Engine, worker: str = "w0") -> dict[str, Histogram]:
     return seen
 
 
-def run(engine: Engine, *requests: GenerateRequest) -> Recorder:
-    recorder = Recorder()
-    for request in requests:
-        engine.submit(request, recorder.outputs.append)
-    drain(engine)
-    check_sequence_cache(engine.cache)
-    return recorder
-
-
 W = "radixmesh_worker_"
 QUEUE, PREFILL = f"{W}request_queue_seconds", f"{W}request_prefill_seconds"
 FIRST, DECODE = f"{W}time_to_first_token_seconds", f"{W}request_decode_seconds"
@@ -59,7 +49,7 @@ def test_each_generation_is_timed_once_and_its_parts_add_up(tiny: LoadedModel) -
     # five requests for four running slots: the fifth queues behind one of them; one token
     # only is a request whose first output is its last
     requests = [greedy(f"r{i}", range(3 + i, 40 + 5 * i), 6) for i in range(4)]
-    run(engine, *requests, greedy("one", range(50, 70), 1))
+    run_all(engine, *requests, greedy("one", range(50, 70), 1))
     wall = time.perf_counter() - began
     seen = scrape(engine)
     for name in (QUEUE, PREFILL, FIRST, DECODE, E2E):
@@ -100,7 +90,7 @@ def test_an_embedding_is_timed_to_its_output_and_an_abort_to_nothing_more(
 
 def test_the_histograms_are_labelled_with_the_worker_and_cumulative(tiny: LoadedModel) -> None:
     engine = Engine(tiny.model, tiny.tokenizer, CONFIG)
-    run(engine, *(greedy(f"r{i}", range(i, i + 20), 3) for i in range(3)))
+    run_all(engine, *(greedy(f"r{i}", range(i, i + 20), 3) for i in range(3)))
     seen = scrape(engine, worker="w7")  # scrape asserts the label of every series
     for name, h in seen.items():
         counts = [h.buckets[le] for le in sorted(h.buckets)]
@@ -139,7 +129,7 @@ def test_steps_count_exactly_the_tokens_requests_computed(
         )
         for i, (head, tail, most, n) in enumerate(specs)
     ]
-    recorder = run(engine, *requests)
+    recorder = run_all(engine, *requests)
     expected = 0
     for request in requests:
         finals = [o for o in recorder.outputs if o.request_id == request.request_id and o.finished]

@@ -13,8 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from cache.integrity import check_sequence_cache
-from tests.worker.helpers import Recorder, drain
+from tests.worker.helpers import Recorder, run_all
 from tests.worker.test_engine_resume import resumed, seen
 from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
@@ -62,15 +61,6 @@ def engine_for(loaded: LoadedModel) -> Engine:
     return Engine(loaded.model, loaded.tokenizer, config)
 
 
-def run(engine: Engine, *requests: GenerateRequest) -> Recorder:
-    recorder = Recorder()
-    for request in requests:
-        engine.submit(request, recorder.outputs.append)
-    drain(engine)
-    check_sequence_cache(engine.cache)
-    return recorder
-
-
 def texts(recorder: Recorder, request_id: str, n: int) -> list[str]:
     return [
         "".join(o.text for o in recorder.by_request()[request_id] if o.index == i) for i in range(n)
@@ -96,7 +86,7 @@ def assert_all_stopped(recorder: Recorder, request_id: str, n: int) -> None:
 
 def test_a_json_schema_is_obeyed_by_every_sample(tiny: LoadedModel) -> None:
     sampling = structured("json_schema", json.dumps(SCHEMA))
-    recorder = run(engine_for(tiny), GenerateRequest("s", prompt=PROMPT, sampling=sampling))
+    recorder = run_all(engine_for(tiny), GenerateRequest("s", prompt=PROMPT, sampling=sampling))
     assert_all_stopped(recorder, "s", 4)
     values = [json.loads(text) for text in texts(recorder, "s", 4)]
     for value in values:
@@ -112,14 +102,14 @@ def test_a_json_schema_is_obeyed_by_every_sample(tiny: LoadedModel) -> None:
 def test_without_the_constraint_the_random_model_writes_no_json(tiny: LoadedModel) -> None:
     """What makes the test above able to fail: the same draws unconstrained are not JSON."""
     free = SamplingParams(max_tokens=40, temperature=1.0, seed=7, n=4)
-    recorder = run(engine_for(tiny), GenerateRequest("f", prompt=PROMPT, sampling=free))
+    recorder = run_all(engine_for(tiny), GenerateRequest("f", prompt=PROMPT, sampling=free))
     for text in texts(recorder, "f", 4):
         with pytest.raises(ValueError):
             json.loads(text)
 
 
 def test_json_object_is_an_object(tiny: LoadedModel) -> None:
-    recorder = run(
+    recorder = run_all(
         engine_for(tiny),
         GenerateRequest("o", prompt=PROMPT, sampling=structured("json_object", max_tokens=400)),
     )
@@ -134,7 +124,7 @@ def test_json_object_is_an_object(tiny: LoadedModel) -> None:
 
 def test_a_regex_matches_the_whole_text(tiny: LoadedModel) -> None:
     pattern = r"[a-c]{3}-\d{2}( ok| no)?"
-    recorder = run(
+    recorder = run_all(
         engine_for(tiny), GenerateRequest("r", prompt=PROMPT, sampling=structured("regex", pattern))
     )
     assert_all_stopped(recorder, "r", 4)
@@ -144,7 +134,7 @@ def test_a_regex_matches_the_whole_text(tiny: LoadedModel) -> None:
 
 def test_a_choice_is_one_of_them_exactly(tiny: LoadedModel) -> None:
     sampling = structured("choice", choices=CHOICES, n=8)
-    recorder = run(engine_for(tiny), GenerateRequest("c", prompt=PROMPT, sampling=sampling))
+    recorder = run_all(engine_for(tiny), GenerateRequest("c", prompt=PROMPT, sampling=sampling))
     assert_all_stopped(recorder, "c", 8)
     outputs = texts(recorder, "c", 8)
     assert set(outputs) <= set(CHOICES), outputs
@@ -153,7 +143,7 @@ def test_a_choice_is_one_of_them_exactly(tiny: LoadedModel) -> None:
 
 def test_an_ebnf_grammar(tiny: LoadedModel) -> None:
     grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
-    recorder = run(
+    recorder = run_all(
         engine_for(tiny),
         GenerateRequest("g", prompt=PROMPT, sampling=structured("grammar", grammar)),
     )
@@ -164,7 +154,7 @@ def test_an_ebnf_grammar(tiny: LoadedModel) -> None:
 
 def test_a_structural_tag_shapes_the_tagged_part(tiny: LoadedModel) -> None:
     sampling = structured("structural_tag", json.dumps(CALLS_ONLY))
-    recorder = run(engine_for(tiny), GenerateRequest("t", prompt=PROMPT, sampling=sampling))
+    recorder = run_all(engine_for(tiny), GenerateRequest("t", prompt=PROMPT, sampling=sampling))
     assert_all_stopped(recorder, "t", 4)
     for text in texts(recorder, "t", 4):
         found = re.fullmatch(r'<call name="lookup">(.*)</call>', text, re.S)
@@ -174,7 +164,7 @@ def test_a_structural_tag_shapes_the_tagged_part(tiny: LoadedModel) -> None:
 
 def test_a_complete_text_ends_the_sample_even_with_ignore_eos(tiny: LoadedModel) -> None:
     sampling = structured("choice", choices=("alpha", "beta"), ignore_eos=True, n=2)
-    recorder = run(engine_for(tiny), GenerateRequest("i", prompt=PROMPT, sampling=sampling))
+    recorder = run_all(engine_for(tiny), GenerateRequest("i", prompt=PROMPT, sampling=sampling))
     assert_all_stopped(recorder, "i", 2)
     assert set(texts(recorder, "i", 2)) <= {"alpha", "beta"}
 
@@ -183,7 +173,7 @@ def test_penalties_and_logprobs_go_with_a_constraint(tiny: LoadedModel) -> None:
     sampling = structured(
         "json_schema", json.dumps(SCHEMA), presence_penalty=1.0, repetition_penalty=1.3, logprobs=2
     )
-    recorder = run(engine_for(tiny), GenerateRequest("p", prompt=PROMPT, sampling=sampling))
+    recorder = run_all(engine_for(tiny), GenerateRequest("p", prompt=PROMPT, sampling=sampling))
     for text in texts(recorder, "p", 4):
         jsonschema.validate(json.loads(text), SCHEMA)
     outputs = recorder.by_request()["p"]
@@ -196,7 +186,7 @@ def test_logprobs_are_the_raw_distributions_not_the_masked_ones(tiny: LoadedMode
     tops = []
     for constraint in (None, StructuredOutput("json_object")):
         sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, structured=constraint)
-        recorder = run(engine_for(tiny), GenerateRequest("l", prompt=PROMPT, sampling=sampling))
+        recorder = run_all(engine_for(tiny), GenerateRequest("l", prompt=PROMPT, sampling=sampling))
         tops.append(recorder.outputs[0].logprobs[0].top)
     assert [t for t, _ in tops[0]] == [t for t, _ in tops[1]]
     assert tiny.tokenizer is not None
@@ -205,8 +195,8 @@ def test_logprobs_are_the_raw_distributions_not_the_masked_ones(tiny: LoadedMode
 
 def test_free_requests_in_the_same_batch_are_unchanged(tiny: LoadedModel) -> None:
     free = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    alone = run(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free))
-    mixed = run(
+    alone = run_all(engine_for(tiny), GenerateRequest("free", prompt=PROMPT, sampling=free))
+    mixed = run_all(
         engine_for(tiny),
         GenerateRequest(
             "json", prompt=PROMPT, sampling=structured("json_schema", json.dumps(SCHEMA))
@@ -247,7 +237,7 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(
     assert "Check failed" not in message
     assert engine.cache.pool.num_free == free_pages
     # the engine serves on, and the id is free again
-    ok = run(
+    ok = run_all(
         engine,
         GenerateRequest("bad", prompt=PROMPT, sampling=structured("choice", choices=("a",), n=1)),
     )
@@ -305,7 +295,7 @@ def test_a_resumed_structured_sample_continues_exactly(
         seed=3,
         structured=StructuredOutput("json_schema", json.dumps(SCHEMA)),
     )
-    whole = run(
+    whole = run_all(
         engine_for(tiny), GenerateRequest("whole", prompt=PROMPT, sampling=sampling)
     ).outputs
     expected = seen(whole)
@@ -354,7 +344,7 @@ def test_on_cuda_the_mask_is_applied_on_the_device(tiny: LoadedModel) -> None:
     config = EngineConfig(num_pages=512, page_size=4, model_revision=tiny.revision)
     engine = Engine(model, tiny.tokenizer, config)
     sampling = structured("json_schema", json.dumps(SCHEMA))
-    recorder = run(engine, GenerateRequest("cuda", prompt=PROMPT, sampling=sampling))
+    recorder = run_all(engine, GenerateRequest("cuda", prompt=PROMPT, sampling=sampling))
     assert_all_stopped(recorder, "cuda", 4)
     for text in texts(recorder, "cuda", 4):
         jsonschema.validate(json.loads(text), SCHEMA)
