@@ -129,11 +129,13 @@ class HttpApi:
         router = config.router
         self.files = FileStore(router.files_bytes)
         """The Files API's files: batch inputs and outputs."""
+        by_priority = config.engine.scheduling_policy == "priority"
         self.batches = Batches(
             self.files,
             router.batch_max_in_flight,
             router.batch_order,
             accepting=lambda: not self.draining,
+            priority=router.batch_priority if by_priority else None,
         )
         """The Batch API's batches; each runs its requests through this app (`build_app`)."""
 

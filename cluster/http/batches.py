@@ -13,8 +13,9 @@ Order: the requests run `router.batch_order`: `prefix` (the default) sorted by t
 so that requests sharing a prefix (a system prompt, a document asked several questions) run
 one after another while their prefix is cached, wherever the file put them; `file` in the
 file's order. `router.batch_max_in_flight` requests of all batches run at once, each also
-counted against `router.max_in_flight` as any request is. The output file keeps the input's
-order whatever the order run.
+counted against `router.max_in_flight` as any request is; under the `priority` scheduling
+policy those that set no `priority` run at `router.batch_priority` (1: after interactive
+requests, at 0 by default). The output file keeps the input's order whatever the order run.
 
 Statuses: `in_progress` from creation (the file is read and checked then: a bad file makes the
 batch `failed` at once, its errors naming each line at fault), `finalizing` while the files are
@@ -95,9 +96,12 @@ class Batches:
         max_in_flight: int,
         order: str,
         accepting: Callable[[], bool] = lambda: True,
+        priority: int | None = None,
     ) -> None:
         self.files = files
         self.order = order
+        self.priority = priority
+        """The priority of the requests whose body sets none (None: leave them at 0)."""
         self.accepting = accepting
         """False once the router drains: no batch sends another request."""
         self.app: ASGIApp | None = None
@@ -230,9 +234,12 @@ class Batches:
     ) -> None:
         request_id = f"batch_req_{uuid.uuid4().hex}"
         headers = running.headers | {"x-request-id": request_id}
+        sent = line.body
+        if self.priority is not None and sent.get("priority") is None:
+            sent = sent | {"priority": self.priority}
         try:
             for pause in chain(overload_pauses(OVERLOAD_WAIT_S), [None]):
-                answer = await client.post(running.batch.endpoint, json=line.body, headers=headers)
+                answer = await client.post(running.batch.endpoint, json=sent, headers=headers)
                 if answer.status_code != 429 or pause is None or not self.accepting():
                     break
                 await asyncio.sleep(pause)  # the router or the workers are full: wait for room

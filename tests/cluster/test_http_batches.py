@@ -443,3 +443,34 @@ def test_the_prefix_order_keeps_requests_sharing_a_prefix_together(texts: list[s
                 assert common(keys[i], keys[j]) <= min(
                     common(keys[i], keys[k]), common(keys[k], keys[j])
                 )
+
+
+def test_under_the_priority_policy_a_batch_yields_to_interactive_requests(
+    tiny: LoadedModel,
+) -> None:
+    """One running slot, a batch of long requests in it: an interactive request (priority 0)
+    preempts the batch's (router.batch_priority 1) and is answered before it ends."""
+    engine = replace(ENGINE, scheduling_policy="priority", max_running=1)
+    cluster = start_cluster(tiny, workers=1, http=True, engine=engine)
+    try:
+        client = sdk(cluster)
+        (worker,) = cluster.engines.values()
+        lines = [
+            line(f"b{i}", chat(SYSTEMS[0], f"B{i}.", max_tokens=300, ignore_eos=True))
+            for i in range(2)
+        ]
+        batch = client.batches.create(
+            input_file_id=upload(client, lines), endpoint=CHAT, completion_window="24h"
+        )
+        deadline = time.monotonic() + 60
+        while worker.stats().running < 1 or worker.stats().generated_tokens < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        answer = client.chat.completions.create(**chat(SYSTEMS[1], "Now?", max_tokens=2))
+        assert answer.choices[0].finish_reason == "length"
+        assert client.batches.retrieve(batch.id).request_counts.completed == 0  # still running
+        assert worker.stats().preemptions >= 1
+        ended = finished(client, batch.id)
+        assert ended.request_counts.completed == 2
+    finally:
+        cluster.close()
