@@ -203,14 +203,15 @@ class Batches:
     async def _run(self, running: RunningBatch) -> None:
         """Send the requests in order, as slots free up; on a cancel, end those running; once
         the router drains, send no more."""
-        lines = running.lines
-        order = await asyncio.to_thread(prefix_order, lines) if self.order == "prefix" else lines
         assert self.app is not None, "the app is attached when it is built"
         transport = httpx2.ASGITransport(app=self.app)
         sent: set[asyncio.Task[None]] = set()
         stopped = False
         async with httpx2.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None) as c:
-            try:
+            try:  # a cancel from the first await on still ends the batch (`_finish`)
+                lines = running.lines
+                prefix = self.order == "prefix"
+                order = await asyncio.to_thread(prefix_order, lines) if prefix else lines
                 for line in order:
                     await self._slots.acquire()  # released by the request as it ends
                     if not self.accepting():
