@@ -348,7 +348,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         assert self.links.hasher is not None
         hashes = tuple(self.links.hasher.hashes(prepared.routing_keys, prepared.namespace))
         route = RouteRequest(
-            prepared.request_id, prepared.namespace, hashes, len(prepared.token_ids)
+            prepared.request_id,
+            prepared.namespace,
+            hashes,
+            len(prepared.token_ids),
+            prepared.priority,
         )
         failure = ""
         for attempt in range(self.config.max_retries + 1):

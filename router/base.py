@@ -98,7 +98,12 @@ class BaseRouter:
         worker = decision.worker
         cached = min(decision.predicted_cached_tokens, request.num_tokens)
         self.loads.routed(
-            request.request_id, worker, request.num_tokens - cached, request.num_tokens, now
+            request.request_id,
+            worker,
+            request.num_tokens - cached,
+            request.num_tokens,
+            now,
+            request.priority,
         )
         if self.tracks_blocks and request.block_hashes:
             bit = self.members.bit[worker]

@@ -5,7 +5,9 @@ about its own routes (pending routes), nor count load only from completed respon
 For each candidate worker W, with `cached(W)` read from the exact block index plus pending
 routes, and `best` the most any worker holds:
 
-    cost(W) = wait(W)                          W's queued prefill, drained to now (router/load.py)
+    cost(W) = wait(W)                          W's queued prefill, drained to now (router/load.py);
+                                               under the workers' priority policy, the share of
+                                               it of this request's priority or more urgent
             + (n - cached(W)) / rate           this request's own prefill there
             + beta * (best - cached(W)) / rate     prefill it redoes that another worker holds
             + reserved(W)                      the wait it imposes on later members of its burst
@@ -43,7 +45,10 @@ dispatched very long first, then shortest first (router/burst.py).
 Candidates: every member of a small match group, the least loaded few of a large one, so a
 decision costs O(log matched blocks + groups x scan), not O(workers). Once `calibrate`d with a
 decode cost, a large group's members are looked at while their wait alone is under the best
-cost seen, which can be all of its idle members.
+cost seen, which can be all of its idle members. While some queue holds work at a priority
+other than 0, or the request has one, the waits no longer follow the load book's order and
+every member of every group is looked at (O(workers)); with every priority 0 (fcfs), nothing
+changes.
 """
 
 from __future__ import annotations
@@ -210,13 +215,17 @@ class CacheAware(BaseRouter):
         waiting = self._total_wait(now) if guarded else 0.0
         bound = float("inf")
         states, by_bit, scan = loads.workers, members.by_bit, self.scan
+        # with priorities in the queues, a worker's wait is the share of its queue ahead of this
+        # request: no longer in `by_free` order, so every member is looked at
+        priority = request.priority
+        ranked = not (priority or loads.prioritized)
         out: list[tuple[WorkerId, float, float, int]] = []
         best_ttft = float("inf")
         for mask, cached in matched:
             own = (n - cached) / rate
             if guarded:
                 bound = self._bound(waiting, own)
-            if mask.bit_count() > scan:
+            if ranked and mask.bit_count() > scan:
                 least = len(out)
                 self._least_loaded(out, mask, own, cached, bound, now)
                 if len(out) > least:
@@ -228,8 +237,11 @@ class CacheAware(BaseRouter):
                 left ^= low
                 worker = by_bit[low.bit_length() - 1]
                 assert worker is not None
-                free_at = states[worker].free_at
+                state = states[worker]
+                free_at = state.free_at
                 wait = free_at - now if free_at > now else 0.0
+                if not ranked and wait:
+                    wait *= loads.ahead(state, priority)
                 if wait <= bound:
                     out.append((worker, wait, own, cached))
                     best_ttft = min(best_ttft, wait + own)

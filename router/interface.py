@@ -46,6 +46,10 @@ class RouteRequest:
     """Chained hashes of the prompt's complete routing blocks (cache.BlockHasher)."""
     num_tokens: int
     """Prompt length in tokens (KV positions), complete blocks and the partial tail."""
+    priority: int = 0
+    """Lower first, as the workers' `priority` scheduling policy admits them: a request waits
+    only for queued work of its priority or a more urgent one (0 for every request under
+    fcfs)."""
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:  # it would book negative work on the worker

@@ -16,7 +16,7 @@ whole burst to the worker that looked idle.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.interface import WorkerId, WorkerLoad
 
@@ -37,6 +37,8 @@ class WorkerState:
     routed_tokens: int = 0
     """Prefill tokens ever routed here (a counter for reports)."""
     reported: WorkerLoad | None = None
+    by_priority: dict[int, int] = field(default_factory=dict)
+    """Of `queued_tokens`, those of priorities other than 0, by priority (empty: all at 0)."""
 
 
 @dataclass(slots=True)
@@ -45,6 +47,7 @@ class _Route:
     prefill_tokens: int
     kv_tokens: int
     prefilled: bool = False
+    priority: int = 0
 
 
 class LoadBook:
@@ -57,6 +60,9 @@ class LoadBook:
         """(free_at, bit) of every worker, ascending."""
         self.queued_tokens = 0
         """Sum of every worker's queued prefill tokens."""
+        self.prioritized = 0
+        """Queued (not yet prefilled) routes of a priority other than 0: while there are none,
+        every request waits for a worker's whole queue."""
         self._routes: dict[str, _Route] = {}
 
     def add(self, worker: WorkerId, bit: int, capacity_tokens: int, now: float) -> None:
@@ -68,21 +74,42 @@ class LoadBook:
         self._unlist(state)
         self.queued_tokens -= state.queued_tokens
         for request_id in [r for r, route in self._routes.items() if route.worker == worker]:
-            del self._routes[request_id]
+            route = self._routes.pop(request_id)
+            self.prioritized -= bool(route.priority and not route.prefilled)
 
     def wait_s(self, worker: WorkerId, now: float) -> float:
         """Seconds a request routed to `worker` now would wait before its prefill starts."""
         return max(0.0, self.workers[worker].free_at - now)
 
+    @staticmethod
+    def ahead(state: WorkerState, priority: int) -> float:
+        """The share of `state`'s queued prefill tokens a request of `priority` waits for: those
+        of its priority or a more urgent one (the workers admit it before the rest)."""
+        if not state.queued_tokens:
+            return 1.0
+        later = sum(tokens for p, tokens in state.by_priority.items() if p > priority)
+        if priority < 0:  # the requests at 0 are less urgent too
+            later += state.queued_tokens - sum(state.by_priority.values())
+        return (state.queued_tokens - later) / state.queued_tokens
+
     def routed(
-        self, request_id: str, worker: WorkerId, prefill_tokens: int, kv_tokens: int, now: float
+        self,
+        request_id: str,
+        worker: WorkerId,
+        prefill_tokens: int,
+        kv_tokens: int,
+        now: float,
+        priority: int = 0,
     ) -> None:
         """Book the request on `worker`. An id still in flight is routed anew: its earlier
         booking ends first (as `finished` would), or its work would stay queued for good."""
         state = self.workers[worker]
         if request_id in self._routes:
             self.finished(request_id, now)
-        self._routes[request_id] = _Route(worker, prefill_tokens, kv_tokens)
+        self._routes[request_id] = _Route(worker, prefill_tokens, kv_tokens, priority=priority)
+        if priority:
+            state.by_priority[priority] = state.by_priority.get(priority, 0) + prefill_tokens
+            self.prioritized += 1
         start = now if state.queued_requests == 0 else max(state.free_at, now)
         self._move(state, start + prefill_tokens / self.prefill_rate)
         state.queued_tokens += prefill_tokens
@@ -98,6 +125,7 @@ class LoadBook:
             return False
         route.prefilled = True
         state = self.workers[route.worker]
+        self._dequeue_priority(state, route)
         state.queued_tokens -= route.prefill_tokens
         state.queued_requests -= 1
         state.kv_tokens += route.kv_tokens
@@ -117,6 +145,7 @@ class LoadBook:
             state.kv_tokens -= route.kv_tokens
             return True
         # aborted before its prefill was done: its predicted work leaves the queue
+        self._dequeue_priority(state, route)
         state.queued_tokens -= route.prefill_tokens
         state.queued_requests -= 1
         self.queued_tokens -= route.prefill_tokens
@@ -127,6 +156,16 @@ class LoadBook:
     def worker_of(self, request_id: str) -> WorkerId | None:
         route = self._routes.get(request_id)
         return None if route is None else route.worker
+
+    def _dequeue_priority(self, state: WorkerState, route: _Route) -> None:
+        if not route.priority:
+            return
+        left = state.by_priority.get(route.priority, 0) - route.prefill_tokens
+        if left > 0:
+            state.by_priority[route.priority] = left
+        else:  # (a route with nothing to prefill booked no tokens)
+            state.by_priority.pop(route.priority, None)
+        self.prioritized -= 1
 
     def _move(self, state: WorkerState, free_at: float) -> None:
         self._unlist(state)

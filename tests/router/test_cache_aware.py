@@ -3,6 +3,8 @@ against recomputing, keeps load bounded under a hot prefix, and is deterministic
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from router.cache_aware import CacheAware
 from router.interface import RouteDecision, RouteRequest
 from router.least_ttft import LeastTtft
@@ -224,3 +226,22 @@ def test_calibrated_decode_cost_looks_past_the_longest_idle_workers() -> None:
         clock.now = 2.0
         policy.calibrate(ServiceRates(RATE, decode_s))
         assert policy.route(request("r", prompt(1, 40))).worker in expected, decode_s
+
+
+def test_an_urgent_request_waits_only_for_the_queue_ahead_of_it() -> None:
+    """Under the workers' priority policy a queue of less urgent work does not delay a request:
+    the holder of its prefix is worth it while that queue would not be (`RouteRequest.priority`,
+    the load book's share of the queue ahead)."""
+    for queued_priority, priority, expected in ((0, 0, "w0"), (1, 1, "w0"), (1, 0, "w1")):
+        policy, _ = cluster(2, work_weight=0.0, burst=False)
+        holder = Worker("w1")
+        history = prompt(9, 800)
+        holder.serve(history)
+        holder.deliver(policy)
+        # 1.2 s of cold work queued on w1 at `queued_priority`
+        policy.loads.routed("queued", "w1", 1200, 1200, 0.0, queued_priority)
+        urgent = replace(request("t", prompt(90, 840, history)), priority=priority)
+        decision = policy.route(urgent)
+        assert decision.worker == expected, (queued_priority, priority)
+        if expected == "w1":
+            assert decision.predicted_cached_tokens == 800

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.load import LoadBook
 
@@ -57,3 +59,64 @@ def test_routing_an_id_in_flight_again_ends_its_earlier_booking() -> None:
     assert loads.prefill_done("r", now=0.3) and loads.finished("r", now=0.4)
     assert all(s.queued_tokens == s.running == s.kv_tokens == 0 for s in loads.workers.values())
     assert loads.queued_tokens == 0
+
+
+def test_a_request_waits_only_for_the_queue_of_its_priority_or_a_more_urgent_one() -> None:
+    loads = book()
+    loads.routed("urgent", "a", 400, 400, now=0.0)  # priority 0
+    loads.routed("batch", "a", 600, 600, now=0.0, priority=1)
+    state = loads.workers["a"]
+    assert loads.prioritized == 1 and state.by_priority == {1: 600}
+    assert LoadBook.ahead(state, 0) == pytest.approx(0.4)
+    assert LoadBook.ahead(state, 1) == LoadBook.ahead(state, 5) == 1.0
+    assert LoadBook.ahead(state, -1) == 0.0  # more urgent than everything queued
+    assert LoadBook.ahead(loads.workers["b"], 0) == 1.0  # nothing queued
+    loads.prefill_done("batch", now=0.6)
+    assert loads.prioritized == 0 and state.by_priority == {}
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["route", "prefill", "finish", "remove"]),
+            st.integers(0, 5),  # request id
+            st.sampled_from(["a", "b"]),
+            st.integers(0, 900),  # prefill tokens
+            st.integers(-1, 2),  # priority
+        ),
+        max_size=40,
+    )
+)
+def test_priority_books_balance_through_any_routes(
+    ops: list[tuple[str, int, str, int, int]],
+) -> None:
+    """Whatever is routed, prefilled, finished, re-routed or lost with its worker: each worker's
+    tokens by priority are those of its queued routes, the count of queued routes at a priority
+    other than 0 is exact, and everything ends at zero."""
+    loads, now = book(), 0.0
+    for op, rid, worker, tokens, priority in ops:
+        now += 0.01
+        request_id = f"r{rid}"
+        if op == "route" and worker in loads.workers:
+            loads.routed(request_id, worker, tokens, tokens, now, priority)
+        elif op == "prefill":
+            loads.prefill_done(request_id, now)
+        elif op == "finish":
+            loads.finished(request_id, now)
+        elif op == "remove" and worker in loads.workers and len(loads.workers) > 1:
+            loads.remove(worker)
+        queued = [r for r in loads._routes.values() if not r.prefilled]
+        assert loads.prioritized == sum(1 for r in queued if r.priority)
+        for name, state in loads.workers.items():
+            mine = [r for r in queued if r.worker == name and r.priority]
+            expected: dict[int, int] = {}
+            for r in mine:
+                expected[r.priority] = expected.get(r.priority, 0) + r.prefill_tokens
+            assert {p: t for p, t in state.by_priority.items() if t} == {
+                p: t for p, t in expected.items() if t
+            }
+            assert 0.0 <= LoadBook.ahead(state, 0) <= 1.0
+    for request_id in list(loads._routes):
+        loads.finished(request_id, now)
+    assert loads.prioritized == 0
+    assert all(not state.by_priority for state in loads.workers.values())
