@@ -115,13 +115,15 @@ def _refused(err: ServingError, name: str) -> HttpError:
     return HttpError.of(err).renamed(lambda field: name if field in INPUT_FIELDS else None)
 
 
-def overload_pauses(wait_s: float = OVERLOAD_WAIT_S) -> Iterator[float]:
+def overload_pauses(wait_s: float | None = None) -> Iterator[float]:
     """The pauses before an input refused for load (its workers' queues or the router's
     in-flight limit full: RESOURCE_EXHAUSTED) is tried again: from `OVERLOAD_PAUSE_S`, doubling
     to a second, each with up to a quarter more at random (inputs refused together do not come
-    back together), until `wait_s` have passed. An input of a large request so waits for room
+    back together), until `wait_s` (OVERLOAD_WAIT_S) have passed. An input of a large request
+    so waits for room
     instead of failing the inputs already embedded (a worker that died leaves the others less
     room); a batch's request waits longer (cluster/http/batches.py)."""
+    wait_s = OVERLOAD_WAIT_S if wait_s is None else wait_s
     pause, give_up = OVERLOAD_PAUSE_S, time.monotonic() + wait_s
     while time.monotonic() < give_up:
         yield pause * (1 + random.random() / 4)
