@@ -310,7 +310,7 @@ class RouterSection:
     batch_order: str = _one_of("prefix", BATCH_ORDERS)
     """prefix: a batch's requests run sorted by their prompts, so that those sharing a prefix
     run together while it is cached; file: in the file's order."""
-    batch_priority: int = 1
+    batch_priority: int = _at_least(1, -(2**31), 2**31 - 1)
     """Under engine.scheduling_policy priority: the priority of a batch's requests that set none
     (lower first; interactive requests default to 0, so a batch yields to them). Under fcfs
     every request runs at 0."""

@@ -215,10 +215,11 @@ class CacheAware(BaseRouter):
         waiting = self._total_wait(now) if guarded else 0.0
         bound = float("inf")
         states, by_bit, scan = loads.workers, members.by_bit, self.scan
-        # with priorities in the queues, a worker's wait is the share of its queue ahead of this
-        # request: no longer in `by_free` order, so every member is looked at
+        # with priorities in the queues (or an urgent request), a worker's wait is the share of
+        # its queue ahead of this request: no longer in `by_free` order, so every member is
+        # looked at
         priority = request.priority
-        ranked = not (priority or loads.prioritized)
+        ranked = not (priority < 0 or loads.prioritized)
         out: list[tuple[WorkerId, float, float, int]] = []
         best_ttft = float("inf")
         for mask, cached in matched:

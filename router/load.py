@@ -61,8 +61,8 @@ class LoadBook:
         self.queued_tokens = 0
         """Sum of every worker's queued prefill tokens."""
         self.prioritized = 0
-        """Queued (not yet prefilled) routes of a priority other than 0: while there are none,
-        every request waits for a worker's whole queue."""
+        """Queued (not yet prefilled) routes of a priority other than 0 with tokens to prefill:
+        while there are none, every queued token is at 0."""
         self._routes: dict[str, _Route] = {}
 
     def add(self, worker: WorkerId, bit: int, capacity_tokens: int, now: float) -> None:
@@ -75,7 +75,9 @@ class LoadBook:
         self.queued_tokens -= state.queued_tokens
         for request_id in [r for r, route in self._routes.items() if route.worker == worker]:
             route = self._routes.pop(request_id)
-            self.prioritized -= bool(route.priority and not route.prefilled)
+            self.prioritized -= bool(
+                route.priority and route.prefill_tokens and not route.prefilled
+            )
 
     def wait_s(self, worker: WorkerId, now: float) -> float:
         """Seconds a request routed to `worker` now would wait before its prefill starts."""
@@ -107,7 +109,7 @@ class LoadBook:
         if request_id in self._routes:
             self.finished(request_id, now)
         self._routes[request_id] = _Route(worker, prefill_tokens, kv_tokens, priority=priority)
-        if priority:
+        if priority and prefill_tokens:
             state.by_priority[priority] = state.by_priority.get(priority, 0) + prefill_tokens
             self.prioritized += 1
         start = now if state.queued_requests == 0 else max(state.free_at, now)
@@ -158,13 +160,13 @@ class LoadBook:
         return None if route is None else route.worker
 
     def _dequeue_priority(self, state: WorkerState, route: _Route) -> None:
-        if not route.priority:
+        if not (route.priority and route.prefill_tokens):
             return
-        left = state.by_priority.get(route.priority, 0) - route.prefill_tokens
-        if left > 0:
+        left = state.by_priority[route.priority] - route.prefill_tokens
+        if left:
             state.by_priority[route.priority] = left
-        else:  # (a route with nothing to prefill booked no tokens)
-            state.by_priority.pop(route.priority, None)
+        else:
+            del state.by_priority[route.priority]
         self.prioritized -= 1
 
     def _move(self, state: WorkerState, free_at: float) -> None:

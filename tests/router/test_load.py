@@ -106,7 +106,7 @@ def test_priority_books_balance_through_any_routes(
         elif op == "remove" and worker in loads.workers and len(loads.workers) > 1:
             loads.remove(worker)
         queued = [r for r in loads._routes.values() if not r.prefilled]
-        assert loads.prioritized == sum(1 for r in queued if r.priority)
+        assert loads.prioritized == sum(1 for r in queued if r.priority and r.prefill_tokens)
         for name, state in loads.workers.items():
             mine = [r for r in queued if r.worker == name and r.priority]
             expected: dict[int, int] = {}
