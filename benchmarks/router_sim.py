@@ -13,6 +13,13 @@ capacity, and the reference service model, so that numbers compare across implem
   `--host-rate` tokens/s before its prefill (TTFT adds host tokens / host rate). The router is
   told that rate (a live router learns it).
 
+- batch work (`--batch-share F`): a seeded share F of the requests is at priority 1; each
+  worker then admits by priority (first come, first served within one) and an urgent arrival
+  preempts a less urgent prefill, which resumes with what it had left (a worker's chunked
+  prefill under the `priority` policy gives an urgent request the next step). The report adds
+  TTFT per class, and a `cache_aware-priority_blind` run that routes every request as if at
+  priority 0.
+
 - LoRA adapters (`--workload lora-zipf`: Zipf over `--adapters` adapters, each with its own
   system prompts): each worker holds every adapter in host memory and `--max-loras` of them
   in device slots (least recently used leaves); a prefill whose adapter is not in a slot first
@@ -38,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import heapq
+import itertools
 import json
 import random
 import sys
@@ -45,7 +53,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -102,7 +110,17 @@ class Stream:
 class SimWorker:
     name: str
     cache: SequenceCache
-    queue: deque[int] = field(default_factory=deque)
+    queue: list[tuple[int, int, int]] = field(default_factory=list)
+    """(priority, order queued, request index), a heap: first come, first served within a
+    priority, as the workers' `priority` policy admits (fcfs: every priority 0)."""
+    until: float = 0.0
+    """When the prefill running ends."""
+    running: tuple[int, int] = (0, 0)
+    """The running prefill's (priority, order queued)."""
+    epoch: int = 0
+    """Counts preemptions: an end scheduled before the last one is stale."""
+    paused: dict[int, tuple[CachedSequence | None, float]] = field(default_factory=dict)
+    """Request index -> its sequence and the seconds of prefill it has left, once preempted."""
     busy: tuple[int, CachedSequence | None] | None = None
     work_tokens: int = 0
     slots: OrderedDict[str, None] = field(default_factory=OrderedDict)
@@ -183,12 +201,23 @@ def _requests(
     return out
 
 
+def batch_priorities(count: int, share: float, seed: int) -> list[int]:
+    """1 for about `share` of `count` requests, drawn with `seed` (batch work), else 0."""
+    if not share:
+        return [0] * count
+    draw = random.Random(f"batch-{seed}").random
+    return [1 if draw() < share else 0 for _ in range(count)]
+
+
 # -- one policy over the stream ----------------------------------------------------------------
 ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "least_ttft+burst_order": ("least_ttft", {"burst": True}),
     "cache_aware-in_arrival_order": ("cache_aware", {"burst": False}),
 }
 ADAPTER_BLIND = ("cache_aware-adapter_blind", "cache_aware", {"adapter_swaps": False})
+PRIORITY_BLIND = ("cache_aware-priority_blind", "cache_aware", {})
+"""The run `--batch-share` adds: cache_aware routing every request as if at priority 0 (the
+workers still admit by priority), as before decision 84."""
 """The run a LoRA workload adds: cache_aware without its swap term (holders only still)."""
 """Rows of `--ablations`: what the burst dispatch order alone is worth, with and without the
 rest of cache_aware's score."""
@@ -202,6 +231,7 @@ class Simulation:
         args: argparse.Namespace,
         knobs: dict[str, Any] | None = None,
         label: str | None = None,
+        priority_blind: bool = False,
     ) -> None:
         self.stream = stream
         self.args = args
@@ -245,7 +275,20 @@ class Simulation:
         for name in self.workers:
             self._report_slots(self.workers[name], delay=0.0)
         self._deliver(0.0)
-        self.heap: list[tuple[float, int, str]] = []
+        self.heap: list[tuple[float, int, str, int]] = []
+        self.priorities = batch_priorities(len(stream.requests), args.batch_share, args.seed)
+        """Each request's priority: 1 for the `--batch-share` drawn as batch work, else 0."""
+        self.routes = [
+            replace(r.route, priority=p) if p and not priority_blind else r.route
+            for r, p in zip(stream.requests, self.priorities, strict=True)
+        ]
+        self.queued = itertools.count()
+        self.ttft_priority: list[int] = []
+        self.ttft_at: dict[int, int] = {}
+        """Request index -> its place in `ttft` (a preempted prefill's is rewritten later)."""
+        self.preempts = bool(args.batch_share)
+        """Batch work in the stream: an urgent arrival preempts a less urgent prefill, as the
+        workers' chunked prefill under the priority policy gives it the next step."""
         self.route_ns: list[int] = []
         self._time_each_route()
         self.ttft: list[float] = []
@@ -333,17 +376,20 @@ class Simulation:
             self._advance(heapq.heappop(heap))
         self.peak_index_bytes = max(self.peak_index_bytes, self.policy.index_bytes())
 
-    def _advance(self, item: tuple[float, int, str]) -> None:
+    def _advance(self, item: tuple[float, int, str, int]) -> None:
+        worker = self.workers[item[2]]
+        if item[3] != worker.epoch:  # a preempted prefill's end: it was rescheduled
+            return
         self.now = item[0]
         self._deliver(self.now)
-        self._finish(self.workers[item[2]])
+        self._finish(worker)
 
     def _arrive(self, burst: range) -> None:
         """Requests arriving at one instant go to the router together (`route_burst`)."""
-        requests, timings = self.stream.requests, self.route_ns
+        routes, timings = self.routes, self.route_ns
         first = len(timings)
         t0 = time.perf_counter_ns()
-        routed = self.policy.route_burst([requests[i].route for i in burst])
+        routed = self.policy.route_burst([routes[i] for i in burst])
         total = time.perf_counter_ns() - t0
         share = (total - sum(timings[first:])) // len(burst)  # ordering, spread evenly
         for k in range(first, len(timings)):
@@ -351,13 +397,34 @@ class Simulation:
         for request, decision in routed:
             self.predicted[request.request_id] = decision.predicted_cached_tokens
             worker = self.workers[decision.worker]
-            worker.queue.append(int(request.request_id))
+            i = int(request.request_id)
+            heapq.heappush(worker.queue, (self.priorities[i], next(self.queued), i))
             if worker.busy is None:
                 self._start(worker)
+            elif self.preempts and worker.queue[0][0] < worker.running[0]:
+                self._preempt(worker)
+
+    def _preempt(self, worker: SimWorker) -> None:
+        """Put the running prefill back in the queue, with what it has left, and start the more
+        urgent one."""
+        assert worker.busy is not None
+        i, seq = worker.busy
+        worker.paused[i] = (seq, max(0.0, worker.until - self.now))
+        heapq.heappush(worker.queue, (*worker.running, i))
+        worker.busy = None
+        worker.epoch += 1
+        self._start(worker)
 
     def _start(self, worker: SimWorker) -> None:
-        i = worker.queue.popleft()
+        priority, order, i = heapq.heappop(worker.queue)
+        worker.running = (priority, order)
         req = self.stream.requests[i]
+        if i in worker.paused:  # resumed: the rest of its prefill
+            seq, left = worker.paused.pop(i)
+            worker.busy, worker.until = (i, seq), self.now + left
+            self.ttft[self.ttft_at[i]] = worker.until - req.arrival_s
+            heapq.heappush(self.heap, (worker.until, i, worker.name, worker.epoch))
+            return
         n = len(req.positions)
         try:
             seq: CachedSequence | None = worker.cache.start(req.positions, req.namespace)
@@ -372,7 +439,9 @@ class Simulation:
         duration = uncached / self.rate + host * self.scale / self.host_rate
         duration += self._swap_in(worker, req.namespace.adapter)
         self.host_reused += host
+        self.ttft_at[i] = len(self.ttft)
         self.ttft.append(self.now - req.arrival_s + duration)
+        self.ttft_priority.append(self.priorities[i])
         self.reused += reused
         self.total += n
         self.predicted_error += abs(self.predicted.pop(req.rid) - reused * self.scale)
@@ -380,8 +449,8 @@ class Simulation:
         window = self.windows.setdefault(int(self.now // WINDOW_S), [0, {}])
         window[0] += 1
         window[1][worker.name] = window[1].get(worker.name, 0) + uncached
-        worker.busy = (i, seq)
-        heapq.heappush(self.heap, (self.now + duration, i, worker.name))
+        worker.busy, worker.until = (i, seq), self.now + duration
+        heapq.heappush(self.heap, (worker.until, i, worker.name, worker.epoch))
 
     def _finish(self, worker: SimWorker) -> None:
         assert worker.busy is not None
@@ -418,6 +487,13 @@ class Simulation:
                 "host_rate": self.host_rate,
                 "host_hit_rate": self.host_reused / max(1, self.total),
             }
+        if self.args.batch_share:  # (absent without batch work, as the tiers')
+            tiers |= {"batch_share": self.args.batch_share}
+            for name, level in (("interactive", 0), ("batch", 1)):
+                mine = [t for t, p in zip(self.ttft, self.ttft_priority, strict=True) if p == level]
+                tiers[f"{name}_requests"] = len(mine)
+                for q in (0.5, 0.9, 0.99):
+                    tiers[f"{name}_ttft_p{int(q * 100)}_s"] = _percentile(mine, q)
         return tiers | {
             "policy": self.label,
             "source": self.stream.source,
@@ -642,6 +718,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapter-zipf", type=float, default=1.1, help="lora-zipf: exponent")
     parser.add_argument("--max-loras", type=int, default=4, help="adapter slots per worker")
     parser.add_argument("--swap-ms", type=float, default=50.0, help="an adapter's swap-in")
+    parser.add_argument(
+        "--batch-share",
+        type=float,
+        default=0.0,
+        help="share of requests that are batch work at priority 1 (workers admit by priority)",
+    )
     parser.add_argument("--decisions", type=int, default=0, help="measure decision rate only")
     parser.add_argument("--prompt-tokens", type=int, default=10_000)
     parser.add_argument("--block-tokens", type=int, default=512, help="decision-rate blocks")
@@ -668,11 +750,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         runs += [(label, name, knobs) for label, (name, knobs) in ABLATIONS.items()]
     if args.workload == "lora-zipf" and args.policy in (None, "cache_aware"):
         runs.append(ADAPTER_BLIND)
+    if args.batch_share and args.policy in (None, "cache_aware"):
+        runs.append(PRIORITY_BLIND)
     with progress_bar(console=console, transient=True, disable=args.quiet) as progress:
         for label, name, knobs in runs:
             task = progress.add_task(label, total=len(stream.requests))
             began = time.perf_counter()
-            sim = Simulation(stream, name, args, knobs, label)
+            blind = label == PRIORITY_BLIND[0]
+            sim = Simulation(stream, name, args, knobs, label, priority_blind=blind)
             with paused_gc():
                 sim.run(progress, task)
             row = sim.result(pooled, time.perf_counter() - began)

@@ -114,3 +114,23 @@ def test_lora_workload_draws_adapters_by_zipf() -> None:
         heads[r.adapter].add(tuple(r.prompt[:64]))
     assert all(len(h) == 2 for h in heads.values())
     assert len(set().union(*heads.values())) == 16
+
+
+def test_batch_work_at_priority_1_and_routing_that_knows_it() -> None:
+    """`--batch-share`: 40 % of multi-turn requests are batch work at priority 1, the workers
+    admit by priority and preempt a less urgent prefill; routing that prices each queue by the
+    share ahead of the request (cache_aware) serves the interactive ones sooner than routing
+    that counts whole queues (the priority_blind run)."""
+    rows = simulate(
+        "--workload", "multi-turn", "--limit", "400", "--workers", "4", "--load", "0.9",
+        "--capacity-tokens", "40000", "--policy", "cache_aware", "--batch-share", "0.4",
+        "--seed", "1",
+    )  # fmt: skip
+    aware, blind = rows["cache_aware"], rows["cache_aware-priority_blind"]
+    for row in (aware, blind):
+        assert row["batch_share"] == 0.4
+        assert row["interactive_requests"] + row["batch_requests"] == row["requests"]
+        assert 0.3 < row["batch_requests"] / row["requests"] < 0.5
+        assert row["interactive_ttft_p50_s"] <= row["batch_ttft_p50_s"]
+    assert aware["interactive_ttft_p90_s"] < 0.8 * blind["interactive_ttft_p90_s"], (aware, blind)
+    assert "batch_share" not in simulate("--workload", "multi-turn", "--limit", "30")["cache_aware"]
