@@ -1,7 +1,7 @@
 """The HTTP API as a FastAPI app over the router's serving core.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
-    POST /v1/embeddings
+    POST /v1/embeddings         POST /v1/score, /score   POST /v1/rerank, /rerank, /v2/rerank
     POST /v1/responses          GET, DELETE /v1/responses/{id}[/input_items]
                                 POST /v1/responses/{id}/cancel
     POST, GET /v1/files         GET, DELETE /v1/files/{id}   GET /v1/files/{id}/content
@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.auth import known_token
 from cluster.config import ANY_TENANT, ClusterConfig
-from cluster.http import anthropic_routes, batch_routes, openai_params, responses_routes
+from cluster.http import anthropic_routes, batch_routes, openai_params, responses_routes, scores
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.batches import Batches
 from cluster.http.body_limit import BodyLimit
@@ -276,6 +276,15 @@ class HttpApi:
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """OpenAI's embeddings: one embedding request per input (cluster/http/embeddings.py)."""
+        outputs, counts, model = await self.embedded(body, request)
+        form = body.encoding_format
+        return await _answer(lambda: embedding_response(outputs, counts, form, model), counts, True)
+
+    async def embedded(
+        self, body: EmbeddingRequest, request: Request
+    ) -> tuple[list[serving_pb2.GenerateResponse], Counts, str]:
+        """Each input's finished response (its embedding), the counts, and the model's name
+        (the embeddings API; score and rerank: cluster/http/scores.py)."""
         caller = self.caller(request)
         adapter = self.check_model(body.model)
         messages = embedding_requests(body, self.request_id(request), self.tenant(request))
@@ -284,9 +293,7 @@ class HttpApi:
         counts = Counts()
         start = functools.partial(self.start, caller=caller)
         work = embed_all(start, messages, counts, self.embedding_calls)
-        outputs = await self.finish(request, work)
-        form, model = body.encoding_format, adapter or self.model
-        return await _answer(lambda: embedding_response(outputs, counts, form, model), counts, True)
+        return await self.finish(request, work), counts, adapter or self.model
 
     async def echo_text(self, message: serving_pb2.GenerateRequest) -> str:
         """The prompt as an echoing completion begins with it: as sent, or token ids decoded
@@ -580,6 +587,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     anthropic_routes.add_routes(app, api)
     responses_routes.add_routes(app, api)
     batch_routes.add_routes(app, api)
+    scores.add_routes(app, api)
 
     async def http_error(request: Request, err: Exception) -> Response:
         assert isinstance(err, HttpError)

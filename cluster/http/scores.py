@@ -1,0 +1,204 @@
+"""vLLM's score and rerank APIs for an embedding model, over the embeddings API:
+
+    POST /v1/score, /score            {"text_1": str | [str], "text_2": str | [str]}
+    POST /v1/rerank, /rerank, /v2/rerank   {"query": str, "documents": [str], "top_n": int}
+
+A score is the cosine similarity of two texts' embeddings (cluster/http/embeddings.py: the last
+token's final hidden state, unit length), as vLLM scores with an embedding model. `text_1` and
+`text_2` pair one with many, many with one, or as many with as many, in order. Rerank scores
+each document against the query and answers the best first (Jina's and Cohere's shape, as vLLM
+answers it), the `top_n` first if asked, with their texts unless `return_documents` is false.
+
+Each distinct text is embedded once, routed on its own: a document reranked again, against
+another query, reads its KV from the cache of the worker that embedded it, so only its last
+position is computed. A refusal names the text it is about (`documents[2]: is empty`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from cluster.http.embeddings_schema import MAX_INPUTS, EmbeddingRequest
+from cluster.http.errors import HttpError
+from cluster.http.openai_schema import Body
+
+if TYPE_CHECKING:
+    from cluster.http.app import HttpApi
+
+
+class ScoreRequest(Body):
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    priority: int | None = None
+    """vLLM's: lower is served earlier, under the workers' `priority` scheduling policy."""
+    user: str | None = None
+
+
+class RerankRequest(Body):
+    query: str
+    documents: list[str]
+    model: str | None = None
+    top_n: int | None = None
+    """The best this many; unset or 0: every document."""
+    return_documents: bool = True
+    priority: int | None = None
+    user: str | None = None
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: ScoreUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument | None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+def add_routes(app: FastAPI, api: HttpApi) -> None:
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+        seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        pairs = _pairs(firsts, seconds)
+        names = [f"text_1[{i}]" for i in range(len(firsts))]
+        names += [f"text_2[{i}]" for i in range(len(seconds))]
+        vectors, tokens, model = await _embedded(api, request, body, [*firsts, *seconds], names)
+        a, b = vectors[: len(firsts)], vectors[len(firsts) :]
+        data = [ScoreData(index=k, score=float(a[i] @ b[j])) for k, (i, j) in enumerate(pairs)]
+        answer = ScoreResponse(
+            id=f"score-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model,
+            data=data,
+            usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens),
+        )
+        return Response(answer.model_dump_json(), media_type="application/json")
+
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        if not body.documents:
+            raise HttpError.invalid("documents", "is empty: send at least one document")
+        if body.top_n is not None and body.top_n < 0:
+            raise HttpError.invalid("top_n", f"must be >= 0, got {body.top_n}")
+        names = ["query", *(f"documents[{i}]" for i in range(len(body.documents)))]
+        texts = [body.query, *body.documents]
+        vectors, tokens, model = await _embedded(api, request, body, texts, names)
+        scores = vectors[1:] @ vectors[0]
+        ranked = sorted(range(len(body.documents)), key=lambda i: (-scores[i], i))
+        results = [
+            RerankResult(
+                index=i,
+                document=RerankDocument(text=body.documents[i]) if body.return_documents else None,
+                relevance_score=float(scores[i]),
+            )
+            for i in ranked[: body.top_n or None]
+        ]
+        answer = RerankResponse(
+            id=f"rerank-{uuid.uuid4().hex}",
+            model=model,
+            usage=RerankUsage(total_tokens=tokens),
+            results=results,
+        )
+        return Response(answer.model_dump_json(), media_type="application/json")
+
+    for path in ("/v1/score", "/score"):
+        app.add_api_route(path, score, methods=["POST"])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
+
+
+def _pairs(firsts: Sequence[str], seconds: Sequence[str]) -> list[tuple[int, int]]:
+    """Which text of each side each score pairs: one with many, many with one, or in order."""
+    if not firsts or not seconds:
+        field = "text_1" if not firsts else "text_2"
+        raise HttpError.invalid(field, "is empty: send at least one text")
+    if len(firsts) == 1:
+        return [(0, j) for j in range(len(seconds))]
+    if len(seconds) == 1:
+        return [(i, 0) for i in range(len(firsts))]
+    if len(firsts) != len(seconds):
+        raise HttpError.invalid(
+            "text_2",
+            f"has {len(seconds)} texts and text_1 {len(firsts)}: send one on either side, or as "
+            "many on both",
+        )
+    return [(i, i) for i in range(len(firsts))]
+
+
+INPUT = re.compile(r"^input(?:\[(\d+)\])?")
+
+
+async def _embedded(
+    api: HttpApi,
+    request: Request,
+    body: ScoreRequest | RerankRequest,
+    texts: list[str],
+    names: list[str],
+) -> tuple[np.ndarray, int, str]:
+    """Each text's unit-length embedding (a row each, in order; a text given twice is embedded
+    once), the prompt tokens embedded, and the model's name. A refusal names its text."""
+    if len(texts) > MAX_INPUTS:
+        raise HttpError.invalid(
+            names[-1].split("[")[0], f"{len(texts)} texts; at most {MAX_INPUTS}"
+        )
+    distinct = list(dict.fromkeys(texts))
+    where = {text: i for i, text in enumerate(distinct)}
+    first_name = {text: names[i] for i, text in reversed(list(enumerate(texts)))}
+    inner = EmbeddingRequest(
+        input=distinct, model=body.model, priority=body.priority, user=body.user
+    )
+    try:
+        outputs, counts, model = await api.embedded(inner, request)
+    except HttpError as err:
+        raise err.renamed(lambda param: _renamed(param, distinct, first_name)) from None
+    rows = np.asarray([list(output.embedding) for output in outputs], dtype=np.float64)
+    return rows[[where[text] for text in texts]], counts.prompt_tokens, model
+
+
+def _renamed(param: str, distinct: list[str], first_name: dict[str, str]) -> str | None:
+    """`input[i]` (or `input`, for one text) -> the name the request gave that text."""
+    found = INPUT.match(param)
+    if found is None:
+        return None
+    index = int(found.group(1) or 0)
+    return first_name[distinct[index]] if index < len(distinct) else None
