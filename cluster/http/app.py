@@ -59,6 +59,7 @@ from cluster.http.embeddings_schema import EmbeddingRequest
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.file_store import FileStore
 from cluster.http.image_parts import image_body_bytes
+from cluster.http.json_answer import answer
 from cluster.http.openai_responses import (
     DONE,
     Counts,
@@ -278,7 +279,7 @@ class HttpApi:
         """OpenAI's embeddings: one embedding request per input (cluster/http/embeddings.py)."""
         outputs, counts, model = await self.embedded(body, request)
         form = body.encoding_format
-        return await _answer(lambda: embedding_response(outputs, counts, form, model), counts, True)
+        return await answer(lambda: embedding_response(outputs, counts, form, model), counts, True)
 
     async def embedded(
         self, body: EmbeddingRequest, request: Request
@@ -327,7 +328,7 @@ class HttpApi:
             first = await self.finish(request, anext(stream), rename)
             return EventStream(_guarded(events(prepend(first, stream))), served_by(first))
         samples, counts = await self.finish(request, collect(stream), rename)
-        return await _answer(lambda: whole(samples, counts), counts, large)
+        return await answer(lambda: whole(samples, counts), counts, large)
 
     async def finish(
         self, request: Request, work: Awaitable[T], rename: Renames | None = None
@@ -641,17 +642,6 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     return counted, api
 
 
-async def _answer(build: Callable[[], BaseModel], counts: Counts, large: bool) -> Response:
-    """A whole response as JSON. One with logprobs can be megabytes (20 alternatives for each of
-    thousands of tokens): it is built and encoded on a thread, off the loop every stream shares."""
-
-    def encode() -> bytes:
-        return build().model_dump_json().encode()
-
-    body = await asyncio.to_thread(encode) if large else encode()
-    return Response(body, media_type="application/json", headers=counts.served_by())
-
-
 ANTHROPIC_VERSION = "anthropic-version"
 
 
@@ -741,6 +731,13 @@ _ROUTES = (
     "/tokenizer_info",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
+    "/v1/score",
+    "/score",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/files",
+    "/v1/batches",
     "/health",
 )
 
@@ -755,6 +752,12 @@ def _route(path: str) -> str:
             return "/v1/responses/{id}"
         if stored[4:] in (["input_items"], ["cancel"]):
             return "/v1/responses/{id}/" + stored[4]
+    for kind, tail in (("files", ["content"]), ("batches", ["cancel"])):
+        if stored[1:3] == ["v1", kind] and stored[3:] and stored[3]:
+            if len(stored) == 4:
+                return f"/v1/{kind}/{{id}}"
+            if stored[4:] == tail:
+                return f"/v1/{kind}/{{id}}/{tail[0]}"
     return path if path in _ROUTES else "other"
 
 

@@ -9,13 +9,15 @@ token's final hidden state, unit length), as vLLM scores with an embedding model
 each document against the query and answers the best first (Jina's and Cohere's shape, as vLLM
 answers it), the `top_n` first if asked, with their texts unless `return_documents` is false.
 
-Each distinct text is embedded once, routed on its own: a document reranked again, against
+Each distinct text (at most 2,048 a call, the query included) is embedded once, routed on its
+own: a document reranked again, against
 another query, reads its KV from the cache of the worker that embedded it, so only its last
 position is computed. A refusal names the text it is about (`documents[2]: is empty`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -29,7 +31,10 @@ from pydantic import BaseModel
 
 from cluster.http.embeddings_schema import MAX_INPUTS, EmbeddingRequest
 from cluster.http.errors import HttpError
+from cluster.http.json_answer import answer
+from cluster.http.openai_responses import Counts
 from cluster.http.openai_schema import Body
+from protos.radixmesh.v1 import serving_pb2
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
@@ -101,28 +106,30 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         pairs = _pairs(firsts, seconds)
-        names = [f"text_1[{i}]" for i in range(len(firsts))]
-        names += [f"text_2[{i}]" for i in range(len(seconds))]
-        vectors, tokens, model = await _embedded(api, request, body, [*firsts, *seconds], names)
+        names = _names("text_1", body.text_1) + _names("text_2", body.text_2)
+        longer = "text_1" if len(firsts) > len(seconds) else "text_2"
+        texts = [*firsts, *seconds]
+        vectors, counts, model = await _embedded(api, request, body, texts, names, longer)
         a, b = vectors[: len(firsts)], vectors[len(firsts) :]
         data = [ScoreData(index=k, score=float(a[i] @ b[j])) for k, (i, j) in enumerate(pairs)]
-        answer = ScoreResponse(
+        tokens = counts.prompt_tokens
+        scored = ScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=model,
             data=data,
             usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens),
         )
-        return Response(answer.model_dump_json(), media_type="application/json")
+        return await answer(lambda: scored, counts, len(data) > LARGE)
 
     async def rerank(body: RerankRequest, request: Request) -> Response:
         if not body.documents:
             raise HttpError.invalid("documents", "is empty: send at least one document")
         if body.top_n is not None and body.top_n < 0:
             raise HttpError.invalid("top_n", f"must be >= 0, got {body.top_n}")
-        names = ["query", *(f"documents[{i}]" for i in range(len(body.documents)))]
+        names = ["query", *_names("documents", body.documents)]
         texts = [body.query, *body.documents]
-        vectors, tokens, model = await _embedded(api, request, body, texts, names)
+        vectors, counts, model = await _embedded(api, request, body, texts, names, "documents")
         scores = vectors[1:] @ vectors[0]
         ranked = sorted(range(len(body.documents)), key=lambda i: (-scores[i], i))
         results = [
@@ -133,13 +140,13 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             )
             for i in ranked[: body.top_n or None]
         ]
-        answer = RerankResponse(
+        ranking = RerankResponse(
             id=f"rerank-{uuid.uuid4().hex}",
             model=model,
-            usage=RerankUsage(total_tokens=tokens),
+            usage=RerankUsage(total_tokens=counts.prompt_tokens),
             results=results,
         )
-        return Response(answer.model_dump_json(), media_type="application/json")
+        return await answer(lambda: ranking, counts, len(results) > LARGE)
 
     for path in ("/v1/score", "/score"):
         app.add_api_route(path, score, methods=["POST"])
@@ -166,6 +173,13 @@ def _pairs(firsts: Sequence[str], seconds: Sequence[str]) -> list[tuple[int, int
 
 
 INPUT = re.compile(r"^input(?:\[(\d+)\])?")
+LARGE = 256
+"""Results past which the answer is encoded on a thread (off the loop every stream shares)."""
+
+
+def _names(field: str, given: str | list[str]) -> list[str]:
+    """What a refusal calls each text of a field: the field, or its item."""
+    return [field] if isinstance(given, str) else [f"{field}[{i}]" for i in range(len(given))]
 
 
 async def _embedded(
@@ -174,14 +188,15 @@ async def _embedded(
     body: ScoreRequest | RerankRequest,
     texts: list[str],
     names: list[str],
-) -> tuple[np.ndarray, int, str]:
+    field: str,
+) -> tuple[np.ndarray, Counts, str]:
     """Each text's unit-length embedding (a row each, in order; a text given twice is embedded
-    once), the prompt tokens embedded, and the model's name. A refusal names its text."""
-    if len(texts) > MAX_INPUTS:
-        raise HttpError.invalid(
-            names[-1].split("[")[0], f"{len(texts)} texts; at most {MAX_INPUTS}"
-        )
+    once), the counts, and the model's name. A refusal names its text; too many distinct texts,
+    `field`."""
     distinct = list(dict.fromkeys(texts))
+    if len(distinct) > MAX_INPUTS:
+        message = f"{len(distinct)} distinct texts in all; at most {MAX_INPUTS}"
+        raise HttpError.invalid(field, message)
     where = {text: i for i, text in enumerate(distinct)}
     first_name = {text: names[i] for i, text in reversed(list(enumerate(texts)))}
     inner = EmbeddingRequest(
@@ -191,8 +206,17 @@ async def _embedded(
         outputs, counts, model = await api.embedded(inner, request)
     except HttpError as err:
         raise err.renamed(lambda param: _renamed(param, distinct, first_name)) from None
-    rows = np.asarray([list(output.embedding) for output in outputs], dtype=np.float64)
-    return rows[[where[text] for text in texts]], counts.prompt_tokens, model
+    rows = await asyncio.to_thread(_rows, outputs, [where[text] for text in texts])
+    return rows, counts, model
+
+
+def _rows(outputs: Sequence[serving_pb2.GenerateResponse], order: list[int]) -> np.ndarray:
+    """The embeddings as rows, in `order` (off the loop: 2,048 of 4,096 floats take a while)."""
+    width = len(outputs[0].embedding)
+    rows = np.fromiter(
+        (x for output in outputs for x in output.embedding), np.float64, len(outputs) * width
+    ).reshape(len(outputs), width)
+    return rows[order]
 
 
 def _renamed(param: str, distinct: list[str], first_name: dict[str, str]) -> str | None:

@@ -55,6 +55,8 @@ def test_rerank_orders_documents_by_the_cosine_of_their_embeddings(
         for r in results:
             assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
             assert r["document"] == {"text": documents[r["index"]]}
+    assert answer.headers["x-radixmesh-worker"]  # which worker served, as for embeddings
+    assert cluster.service.counters.http_responses[("/v2/rerank", 200)] >= 1
     top = post(cluster, "/v1/rerank", {"query": query, "documents": documents, "top_n": 2,
                                        "return_documents": False}).json()  # fmt: skip
     assert [r["index"] for r in top["results"]] == [r["index"] for r in results][:2]
@@ -115,6 +117,13 @@ def test_a_text_given_twice_is_embedded_once_and_a_document_again_reads_the_cach
         ("/v1/score", {"text_1": [], "text_2": "c"}, "text_1", "at least one"),
         ("/v1/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2[1]", "is empty"),
         ("/v1/score", {"text_1": "a", "text_2": "b", "model": "nope"}, "model", "does not exist"),
+        ("/v1/score", {"text_1": "", "text_2": ["b"]}, "text_1", "is empty"),
+        (
+            "/v1/rerank",
+            {"query": "q", "documents": [f"d{i}" for i in range(2048)] + ["d0"] * 5},
+            "documents",
+            "2049 distinct texts",
+        ),
     ],
 )
 def test_every_refusal_names_its_text(
