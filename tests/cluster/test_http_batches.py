@@ -301,7 +301,11 @@ def test_a_worker_killed_under_a_batch_costs_it_nothing(tiny: LoadedModel) -> No
 
 def test_files_and_batches_are_their_tenants(tiny: LoadedModel) -> None:
     tokens = {"acme-token": "acme", "globex-token": "globex", "admin-token": "*"}
-    cluster = start_cluster(tiny, http=True, security=SecuritySection(auth_tokens=tokens))
+    # a small body bound: a body just past it fits the sockets' buffers, so the client reads
+    # the early 413 instead of racing the server's close while it still sends
+    router = RouterSection(port=0, max_message_bytes=1 << 16)
+    security = SecuritySection(auth_tokens=tokens)
+    cluster = start_cluster(tiny, http=True, router=router, security=security)
     try:
         acme, globex = sdk(cluster, "acme-token"), sdk(cluster, "globex-token")
         file_id = upload(acme, [line("a", chat(SYSTEMS[0], "Mine?"))])
@@ -322,7 +326,7 @@ def test_files_and_batches_are_their_tenants(tiny: LoadedModel) -> None:
             sdk(cluster, "wrong").files.list()
         # an upload's size is allowed only to a known token: a stranger's body is bounded as
         # any request's is, and refused before it is read past that
-        big = b"x" * (5 << 20)  # past router.max_message_bytes (4 MiB)
+        big = b"x" * (80 << 10)  # past router.max_message_bytes (64 KiB)
         with pytest.raises(openai.APIStatusError, match=r"router\.max_message_bytes") as refused:
             sdk(cluster, "wrong").files.create(file=("big.jsonl", big), purpose="batch")
         assert refused.value.status_code == 413
