@@ -45,11 +45,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
 
 
 def _file_routes(app: FastAPI, api: HttpApi) -> None:
-    def tenant_of(request: Request) -> str:
-        return owner(api.caller(request), api.tenant(request))
-
     async def upload(request: Request, file: UploadFile, purpose: str = Form()) -> Response:
-        tenant = tenant_of(request)
+        tenant = _tenant(api, request)
         if purpose not in UPLOAD_PURPOSES:
             raise HttpError.invalid("purpose", f"must be one of {list(UPLOAD_PURPOSES)}")
         content = await file.read()
@@ -57,7 +54,7 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
 
     async def list_files(request: Request) -> Response:
         query = request.query_params
-        cards = api.files.cards(tenant_of(request), query.get("purpose"))
+        cards = api.files.cards(_tenant(api, request), query.get("purpose"))
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise HttpError.invalid("order", f"must be 'asc' or 'desc', got {order!r}")
@@ -68,14 +65,14 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
         return _listed(page, more)
 
     async def retrieve_file(file_id: str, request: Request) -> Response:
-        return _json(api.files.get(tenant_of(request), file_id).card)
+        return _json(api.files.get(_tenant(api, request), file_id).card)
 
     async def file_content(file_id: str, request: Request) -> Response:
-        found = api.files.get(tenant_of(request), file_id)
+        found = api.files.get(_tenant(api, request), file_id)
         return Response(found.content, media_type="application/octet-stream")
 
     async def delete_file(file_id: str, request: Request) -> Response:
-        api.files.delete(tenant_of(request), file_id)
+        api.files.delete(_tenant(api, request), file_id)
         return _raw({"id": file_id, "object": "file", "deleted": True})
 
     app.add_api_route("/v1/files", upload, methods=["POST"])
@@ -86,31 +83,32 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
 
 
 def _batch_routes(app: FastAPI, api: HttpApi) -> None:
-    def tenant_of(request: Request) -> str:
-        return owner(api.caller(request), api.tenant(request))
-
     async def create_batch(body: BatchCreateRequest, request: Request) -> Response:
-        tenant = tenant_of(request)
+        tenant = _tenant(api, request)
         headers = {k: v for k in CREDENTIALS if (v := request.headers.get(k)) is not None}
         headers["x-radixmesh-tenant"] = tenant
         return _json(await api.batches.create(tenant, headers, body))
 
     async def list_batches(request: Request) -> Response:
         query = request.query_params
-        batches = api.batches.listed(tenant_of(request))
+        batches = api.batches.listed(_tenant(api, request))
         page, more = _page(batches, query.get("after"), _limit(query.get("limit"), 20, 100))
         return _listed(page, more)
 
     async def retrieve_batch(batch_id: str, request: Request) -> Response:
-        return _json(api.batches.get(tenant_of(request), batch_id))
+        return _json(api.batches.get(_tenant(api, request), batch_id))
 
     async def cancel_batch(batch_id: str, request: Request) -> Response:
-        return _json(await api.batches.cancel(tenant_of(request), batch_id))
+        return _json(await api.batches.cancel(_tenant(api, request), batch_id))
 
     app.add_api_route("/v1/batches", create_batch, methods=["POST"])
     app.add_api_route("/v1/batches", list_batches, methods=["GET"])
     app.add_api_route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"])
     app.add_api_route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])
+
+
+def _tenant(api: HttpApi, request: Request) -> str:
+    return owner(api.caller(request), api.tenant(request))
 
 
 def _limit(given: str | None, default: int, most: int) -> int:

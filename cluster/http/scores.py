@@ -29,11 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from cluster.http.embeddings_schema import MAX_INPUTS, EmbeddingRequest
+from cluster.http.embeddings_schema import MAX_INPUTS, EmbeddingRequest, EmbeddingUsage
 from cluster.http.errors import HttpError
 from cluster.http.json_answer import answer
 from cluster.http.openai_responses import Counts
-from cluster.http.openai_schema import Body
+from cluster.http.openai_schema import Body, PromptTokensDetails
 from protos.radixmesh.v1 import serving_pb2
 
 if TYPE_CHECKING:
@@ -66,18 +66,13 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
 class ScoreResponse(BaseModel):
     id: str
     object: Literal["list"] = "list"
     created: int
     model: str
     data: list[ScoreData]
-    usage: ScoreUsage
+    usage: EmbeddingUsage
 
 
 class RerankDocument(BaseModel):
@@ -118,7 +113,11 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             created=int(time.time()),
             model=model,
             data=data,
-            usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens),
+            usage=EmbeddingUsage(
+                prompt_tokens=tokens,
+                total_tokens=tokens,
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens),
+            ),
         )
         return await answer(lambda: scored, counts, len(data) > LARGE)
 

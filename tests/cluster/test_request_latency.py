@@ -13,12 +13,13 @@ import openai
 import pytest
 
 from cluster.client import Client, text_request
+from cluster.loadtest.server_metrics import Buckets
 from cluster.router_metrics import RouterCollector
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_http_openai import assert_no_leak
 from tests.cluster.test_migration import finish, request, stream, wait_until
 from tests.cluster.tool_fixtures import served
-from tests.prometheus_text import Histogram, histograms
+from tests.prometheus_text import at_most, histograms
 from worker.loader import LoadedModel
 
 R = "radixmesh_router_"
@@ -33,11 +34,11 @@ def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
     yield from served(tiny, ENGINE)
 
 
-def scrape(cluster: LocalCluster) -> dict[str, Histogram]:
+def scrape(cluster: LocalCluster) -> dict[str, Buckets]:
     return histograms(RouterCollector(cluster.service))
 
 
-def since(before: dict[str, Histogram], cluster: LocalCluster) -> dict[str, Histogram]:
+def since(before: dict[str, Buckets], cluster: LocalCluster) -> dict[str, Buckets]:
     return {name: h.minus(before[name]) for name, h in scrape(cluster).items()}
 
 
@@ -71,8 +72,8 @@ def test_streamed_calls_are_timed_once_and_no_later_than_their_client_saw_them(
     assert got[FIRST].count == got[E2E].count == len(seen_first) == 6
     # every call's time to first token, as the router took it, is no later than its client's
     # first text: at every bucket bound, at least as many router figures lie below
-    for bound in got[FIRST].buckets:
-        assert got[FIRST].at_most(bound) >= sum(f <= bound for f in seen_first), bound
+    for bound in got[FIRST].cumulative:
+        assert at_most(got[FIRST], bound) >= sum(f <= bound for f in seen_first), bound
     assert got[E2E].sum >= got[FIRST].sum
     # one gap per token after each sample's first (nothing drafted: no speculative decoding)
     samples = sum(1 + i % 2 for i in range(6))
@@ -81,7 +82,7 @@ def test_streamed_calls_are_timed_once_and_no_later_than_their_client_saw_them(
     assert got[PROMPT].sum == sum(u.prompt_tokens for u in usages) == 6 * 41
     cached = [u.prompt_tokens_details.cached_tokens / u.prompt_tokens for u in usages]
     assert got[CACHED].sum == pytest.approx(sum(cached))
-    assert got[CACHED].count == 6 and got[CACHED].at_most(0.0) == sum(c == 0 for c in cached)
+    assert got[CACHED].count == 6 and at_most(got[CACHED], 0.0) == sum(c == 0 for c in cached)
     assert max(cached) > 0.5  # the shared head was read from a cache
     assert got[EMBED].count == 0
     assert_no_leak(cluster)

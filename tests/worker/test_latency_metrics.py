@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.prometheus_text import Histogram, histograms
+from cluster.loadtest.server_metrics import Buckets
+from tests.prometheus_text import histograms, series_labels
 from tests.worker.helpers import Recorder, drain, greedy, run_all
 from worker.engine import Engine, EngineConfig
 from worker.loader import LoadedModel
@@ -28,12 +29,13 @@ CONFIG = EngineConfig(
 )  # fmt: skip
 
 
-def scrape(engine: Engine, worker: str = "w0") -> dict[str, Histogram]:
-    """The engine's histograms as its metrics endpoint writes them, parsed back."""
-    seen = histograms(EngineCollector(engine, worker))
-    for name, h in seen.items():
-        assert h.labels == {"worker": worker}, name
-    return seen
+def scrape(engine: Engine, worker: str = "w0") -> dict[str, Buckets]:
+    """The engine's histograms as its metrics endpoint writes them, parsed back; each one a
+    single series, labelled with the worker."""
+    collector = EngineCollector(engine, worker)
+    for name, series in series_labels(collector).items():
+        assert series == [{"worker": worker}], name
+    return histograms(collector)
 
 
 W = "radixmesh_worker_"
@@ -54,7 +56,7 @@ def test_each_generation_is_timed_once_and_its_parts_add_up(tiny: LoadedModel) -
     seen = scrape(engine)
     for name in (QUEUE, PREFILL, FIRST, DECODE, E2E):
         assert seen[name].count == 5, name
-        assert seen[name].buckets[math.inf] == 5, name
+        assert seen[name].cumulative[math.inf] == 5, name
         assert 0 <= seen[name].sum <= 5 * wall, name
     # time to first token = queue + prefill, end to end = time to first token + decode
     assert seen[FIRST].sum == pytest.approx(seen[QUEUE].sum + seen[PREFILL].sum, rel=1e-9)
@@ -93,7 +95,7 @@ def test_the_histograms_are_labelled_with_the_worker_and_cumulative(tiny: Loaded
     run_all(engine, *(greedy(f"r{i}", range(i, i + 20), 3) for i in range(3)))
     seen = scrape(engine, worker="w7")  # scrape asserts the label of every series
     for name, h in seen.items():
-        counts = [h.buckets[le] for le in sorted(h.buckets)]
+        counts = [h.cumulative[le] for le in sorted(h.cumulative)]
         assert counts == sorted(counts), name
         assert counts[-1] == h.count, name
 
