@@ -322,7 +322,7 @@ def stats(args: argparse.Namespace, client: Client) -> int:
     table.add_column("worker", no_wrap=True)
     for column in ("ok", "reqs", "prompt", "cached", "gen", "run", "queue", "free pg",
                    "cached pg", "priv pg", "evicted", "preempt", "host pg", "down/up",
-                   "host hit", "disk hit/skip/spill"):  # fmt: skip
+                   "host hit", "disk hit/skip/spill", "peer read/fail"):  # fmt: skip
         table.add_column(column, justify="right", no_wrap=True)
     for w in response.workers:
         table.add_row(
@@ -333,6 +333,7 @@ def stats(args: argparse.Namespace, client: Client) -> int:
             f"{w.host_cached_pages}/{w.host_total_pages}" if w.host_total_pages else "-",
             f"{w.demoted_pages}/{w.promoted_pages}", str(w.host_hit_tokens),
             f"{w.disk_hit_tokens}/{w.disk_skipped_tokens}/{w.disk_spilled_pages}",
+            f"{w.peer_read_tokens}/{w.peer_read_failures}",
         )  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     print(

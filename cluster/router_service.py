@@ -45,7 +45,7 @@ from cluster.stream_timing import StreamTiming
 from cluster.text_prompts import TextPrompts
 from cluster.worker_links import ChannelClosed, WorkerLink, WorkerLinks, responses
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
-from router.interface import RouteRequest
+from router.interface import RouteDecision, RouteRequest
 from worker.error_details import refusal_of
 from worker.errors import ContextOverflow, InvalidRequest
 from worker.validation import RequestLimits, crowded
@@ -369,7 +369,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             self.counters.routed += 1
             self.counters.predicted_cached_tokens += decision.predicted_cached_tokens
             link = self.links.links[decision.worker]
-            requests = progress.worker_requests(decision.predicted_cached_tokens, hashes)
+            requests = progress.worker_requests(
+                decision.predicted_cached_tokens, hashes, self._kv_peer(route, decision)
+            )
             entry.worker, entry.worker_ids = link.name, [r.request_id for r in requests]
             calls = [link.stub.Generate(r, timeout=caller.time_remaining()) for r in requests]
             try:
@@ -383,6 +385,20 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                     call.cancel()
                 if self.links.links.get(link.name) is link:  # not detached (or replaced) since
                     self.links.policy.finished(link.name, prepared.request_id)
+
+    def _kv_peer(self, route: RouteRequest, decision: RouteDecision) -> worker_pb2.KvPeer | None:
+        """The worker holding at least `peer_kv_min_tokens` more of the prompt in memory than
+        the one chosen, if any (router.peer_kv_min_tokens; worker/peer_reads.py)."""
+        least = self.config.peer_kv_min_tokens
+        if not least:
+            return None
+        holder = self.links.policy.deeper_holder(route, decision.worker)
+        if holder is None or holder[1] - decision.predicted_cached_tokens < least:
+            return None
+        link = self.links.links.get(holder[0])
+        if link is None:
+            return None
+        return worker_pb2.KvPeer(worker=link.name, address=link.address, positions=holder[1])
 
     async def _forward(
         self,

@@ -51,12 +51,16 @@ class StreamProgress:
         sample.finished = sample.finished or response.finished
 
     def worker_requests(
-        self, predicted_cached_tokens: int, prompt_block_hashes: Sequence[int] = ()
+        self,
+        predicted_cached_tokens: int,
+        prompt_block_hashes: Sequence[int] = (),
+        kv_peer: worker_pb2.KvPeer | None = None,
     ) -> list[worker_pb2.WorkerGenerateRequest]:
         """The calls that serve what is left: the whole request, or one per unfinished sample.
         `prompt_block_hashes`, the prompt's chain as routed, goes with each (a resumed sample's
         ids start with the prompt, so its chain starts with the same hashes), but for an image
-        prompt: its worker hashes image prompts itself. The images go with every call."""
+        prompt: its worker hashes image prompts itself. The images and `kv_peer` (a worker
+        holding more of the prompt) go with every call."""
         p = self.prepared
         namespace = namespace_to_proto(p.namespace)
         namespace.adapter = p.adapter or ""  # workers know an adapter by its name
@@ -74,6 +78,7 @@ class StreamProgress:
                     images=p.images,
                     priority=p.priority,
                     pooling=pooling_to_proto(p.pooling) if p.pooling is not None else None,
+                    kv_peer=kv_peer,
                 )
             ]
         alone = sampling_to_proto(p.sampling)
@@ -89,6 +94,7 @@ class StreamProgress:
                 prompt_block_hashes=prompt_block_hashes,
                 images=p.images,
                 priority=p.priority,
+                kv_peer=kv_peer,
             )
             for index, sample in enumerate(self.samples)
             if not sample.finished

@@ -173,6 +173,30 @@ class BaseRouter:
         self.members.require(worker)
         self.adapters.report(worker, adapters)
 
+    def deeper_holder(self, request: RouteRequest, worker: WorkerId) -> tuple[WorkerId, int] | None:
+        """The worker other than `worker` whose device or host tier holds the most leading
+        blocks of `request` (its saved cache alone does not count: a peer sends what it
+        holds in memory), with the positions they cover, when that is more than `worker`
+        holds in any tier; None otherwise, and for a policy that tracks no blocks. The first
+        such worker by membership order on a tie. A worker told to serve the request may read
+        their KV from it rather than recompute them (worker/peer_reads.py)."""
+        hashes = request.block_hashes
+        if not self.tracks_blocks or not hashes:
+            return None
+        index, own = self.index, self.members.bit[worker]
+        best, deepest = None, index.depth(own, hashes)
+        for bit, other in enumerate(self.members.by_bit):
+            if other is None or bit == own:
+                continue
+            depth = index.depth(bit, hashes)
+            if depth > deepest:
+                depth = index.disk_from(bit, hashes, depth)
+                if depth > deepest:
+                    best, deepest = other, depth
+        if best is None:
+            return None
+        return best, self.predicted_tokens(deepest, request)
+
     # -- reports -------------------------------------------------------------------------------
     def index_bytes(self) -> int:
         """Bytes held by the block index and the pending routes (counted, not sampled)."""

@@ -106,6 +106,11 @@ class RoutingPolicy(Protocol):
         """Cost time with rates learned from the served streams (router/service_model.py)."""
         ...
 
+    def deeper_holder(self, request: RouteRequest, worker: WorkerId) -> tuple[WorkerId, int] | None:
+        """Another worker holding more of the request's prompt in memory than `worker` does,
+        with the positions it holds (None: none, or the policy tracks no blocks)."""
+        ...
+
     def index_bytes(self) -> int:
         """Memory held by the per-worker indexes (counted, for reports and bounds)."""
         ...

@@ -57,7 +57,7 @@ from worker.images import (
     ImageLimits,
 )
 from worker.kv_copies import MIN_STREAM_BYTES
-from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport
+from worker.kv_persistence import BackgroundSaver, KvStore, LoadReport, StoreIdentity
 from worker.kv_sizing import PoolSize, size_pool
 from worker.latency_metrics import EngineLatencies
 from worker.logit_shaping import LogitShaping
@@ -67,6 +67,7 @@ from worker.lora_slots import AdapterState
 from worker.lora_weights import LoraStacks
 from worker.model import CausalLM
 from worker.model_runner import Chunk, ModelRunner
+from worker.peer_reads import PeerReads
 from worker.penalties import Penalties
 from worker.pooling import pooled
 from worker.reasoning import (
@@ -253,6 +254,12 @@ class EngineStats:
     """Prompt positions read back from the disk tier."""
     disk_skipped_tokens: int
     """Prompt positions found on disk and recomputed instead: that was priced faster."""
+    peer_read_tokens: int
+    """Prompt positions read from other workers' caches (the router's `kv_peer`)."""
+    peer_read_failures: int
+    """Reads from other workers that failed or brought less than asked (recomputed instead)."""
+    peer_skipped_tokens: int
+    """Prompt positions another worker held that were recomputed: that was priced faster."""
     disk_spilled_pages: int
     """Pages of nodes eviction dropped that were written to disk (`persist_evicted`)."""
     disk_spill_skipped_pages: int
@@ -411,7 +418,7 @@ class Engine:
                 config.in_batch_prefix_tokens,
             ),
             self.runner.copy_pages,
-            self._from_disk if config.persist_dir is not None else None,
+            self._before_admission,
             self.adapters,
         )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -427,34 +434,40 @@ class Engine:
         # what recomputing a position costs against reading it back from disk (learned)
         self.tier_costs = TierCosts()
         self.disk_reads: DiskReads | None = None
+        self.peer_reads = PeerReads(StoreIdentity.of(self), self.tier_costs, self._wake.set)
         self._disk_blocks: frozenset[int] = frozenset()
         """The routing blocks the KV events have said are on disk (`saved` / `unsaved`)."""
         self.saver: BackgroundSaver | None = None
         self.spill: DiskSpill | None = None
         self.loaded = LoadReport(0, 0, 0)
         if config.persist_dir is not None:
-            directory = Path(config.persist_dir) / source
-            try:  # a directory we cannot write is a config error now, not a lost save later
-                directory.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                raise ValueError(f"persist_dir {config.persist_dir!r}: {err}") from None
-            if not os.access(directory, os.W_OK | os.X_OK):
-                raise ValueError(f"persist_dir {config.persist_dir!r}: {directory} is not writable")
-            self.store = KvStore(directory, config.persist_max_bytes)
-            self.loaded = self.store.load(self)
-            self.publish_disk_blocks()
-            self.disk_reads = DiskReads(self.store, self.tier_costs, self._wake.set)
-            if config.persist_evicted:
-                self.spill = DiskSpill(self, self.store)
-                self.cache.tree.on_drop = self.spill.on_drop
-                self.runner.spill = self.spill.take
-                self.runner.spill_lost = self.spill.lose
-            if config.persist_interval_s > 0 or self.spill is not None:
-                interval = config.persist_interval_s or math.inf
-                self.saver = BackgroundSaver(self, self.store, interval, self.spill)
+            self._open_store(config.persist_dir, source)
         self.observe_logits: Callable[[str, int, int, torch.Tensor], None] | None = None
         """Called on the engine thread with (request id, sample index, position, logits) before
         each token is drawn (tests and logprobs)."""
+
+    def _open_store(self, persist_dir: str | Path, source: str) -> None:
+        """The saved cache in `persist_dir/source`: loaded now, read back, saved while serving."""
+        config = self.config
+        directory = Path(persist_dir) / source
+        try:  # a directory we cannot write is a config error now, not a lost save later
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"persist_dir {persist_dir!r}: {err}") from None
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise ValueError(f"persist_dir {persist_dir!r}: {directory} is not writable")
+        self.store = KvStore(directory, config.persist_max_bytes)
+        self.loaded = self.store.load(self)
+        self.publish_disk_blocks()
+        self.disk_reads = DiskReads(self.store, self.tier_costs, self._wake.set)
+        if config.persist_evicted:
+            self.spill = DiskSpill(self, self.store)
+            self.cache.tree.on_drop = self.spill.on_drop
+            self.runner.spill = self.spill.take
+            self.runner.spill_lost = self.spill.lose
+        if config.persist_interval_s > 0 or self.spill is not None:
+            interval = config.persist_interval_s or math.inf
+            self.saver = BackgroundSaver(self, self.store, interval, self.spill)
 
     # -- any thread ----------------------------------------------------------------------------
     def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> int:
@@ -595,6 +608,7 @@ class Engine:
             self.embedder.close()
         if self.disk_reads is not None:
             self.disk_reads.close()
+        self.peer_reads.close()
         if self.store is not None:
             began = time.perf_counter()
             try:
@@ -652,6 +666,9 @@ class Engine:
             host_hit_tokens=self.cache.stats.host_positions,
             disk_hit_tokens=self.store.disk_hit_tokens if self.store is not None else 0,
             disk_skipped_tokens=self.tier_costs.skipped_positions,
+            peer_read_tokens=self.peer_reads.read_tokens,
+            peer_read_failures=self.peer_reads.failures,
+            peer_skipped_tokens=self.tier_costs.peer.skipped_positions,
             disk_spilled_pages=self.spill.spilled_pages if self.spill is not None else 0,
             disk_spill_skipped_pages=self.spill.skipped_pages if self.spill is not None else 0,
             preemptions=self.scheduler.preemptions,
@@ -691,6 +708,51 @@ class Engine:
             )
 
     # -- the engine thread ---------------------------------------------------------------------
+    def _before_admission(self, sample: SampleState) -> bool | None:
+        """At admission: the KV another worker holds (`_from_peer`), then the saved KV
+        (`_from_disk`). True: start the sample; False: its read is in flight (it waits; the
+        samples behind it may pass); None: no read may begin now (nothing behind it passes)."""
+        ready = self._from_peer(sample)
+        if ready and self.disk_reads is not None:
+            return self._from_disk(sample)
+        return ready
+
+    def _from_peer(self, sample: SampleState) -> bool | None:
+        """Begin reading the KV the request's `kv_peer` holds of its prompt past both tiers, if
+        reading pays (worker/peer_reads.py), and once it is in put it into the cache. A failed
+        read is logged and its positions recomputed."""
+        request, reads = sample.request, self.peer_reads
+        peer = request.request.kv_peer
+        if peer is None or request.peer_checked:
+            return True
+        pending = request.peer_read
+        try:
+            if pending is None:
+                if request.images is not None or request.scoring_prompt:
+                    request.peer_checked = True
+                    return True
+                disk = self.disk_reads.pending if self.disk_reads is not None else 0
+                if len(self.scheduler.running) + reads.pending + disk >= self.config.max_running:
+                    return None  # each read holds its tensors until its request starts
+                keys, namespace = sample.cache_keys(), request.request.namespace
+                pending = reads.begin(self, keys, namespace, sample.tokens, peer)
+                if pending is None:
+                    request.peer_checked = True
+                    return True
+                request.peer_read = pending
+            if not pending.done():
+                return False
+            request.peer_checked, request.peer_read = True, None
+            if pending.namespace == request.request.namespace:  # not an adapter replaced since
+                request.peer_cached_tokens = reads.finish(self, pending)
+            reads.release(pending)
+        except Exception:  # a peer's cache must never fail a request
+            log.exception("reading KV from a peer for %s failed", request.request.request_id)
+            if request.peer_read is not None:
+                reads.release(request.peer_read)
+            request.peer_checked, request.peer_read = True, None
+        return True
+
     def _from_disk(self, sample: SampleState) -> bool | None:
         """At admission: begin reading the saved KV that continues the sample's prompt past
         both tiers, if reading pays (worker/disk_reads.py), and once it is read put it into
@@ -1185,6 +1247,9 @@ class Engine:
             assert self.disk_reads is not None
             self.disk_reads.release(sample.disk_read)
             sample.disk_read = None
+        if sample.request.finished and sample.request.peer_read is not None:
+            self.peer_reads.release(sample.request.peer_read)  # ended while read: let go of it
+            sample.request.peer_read = None
         if sample.seq is not None:
             if reason == FINISH_ERROR:
                 self.cache.abort(sample.seq)

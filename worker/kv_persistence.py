@@ -57,11 +57,11 @@ from xxhash import xxh3_128_hexdigest
 
 from cache import (
     IDENTITY_SCHEME_VERSION,
-    CacheError,
     CacheNamespace,
     Keys,
     Node,
 )
+from worker.kv_attach import attach_kv
 
 if TYPE_CHECKING:
     from worker.disk_spill import DiskSpill
@@ -159,7 +159,7 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def _tensors_of(data: numpy.ndarray) -> dict[str, torch.Tensor]:
+def tensors_of(data: numpy.ndarray) -> dict[str, torch.Tensor]:
     """The tensors of safetensors file bytes `data`, as views of `data` (the format: an 8-byte
     little-endian header length, a JSON header of dtype, shape and data offsets per tensor,
     then the data). Written here because the library offers no view of a buffer already read:
@@ -560,7 +560,8 @@ class KvStore:
                 own = tensors["keys"].numpy().tobytes()
                 prefix = keys_of[record.parent] if record.parent is not None else array("Q")
                 keys = prefix + array("Q", own)
-                if self._attach(engine, _namespace(record.namespace), prefix, keys, tensors):
+                k, v = tensors["k"], tensors["v"]
+                if attach_kv(engine, _namespace(record.namespace), prefix, keys, k, v):
                     keys_of[record.name] = keys
                     loaded += 1
                     positions += record.positions
@@ -672,7 +673,7 @@ class KvStore:
                 pages = (end - node.record.start) // ps
                 if pages < node.record.positions // ps:  # a prefix of the node's pages
                     got = {"k": got["k"][:, :pages], "v": got["v"][:, :pages]}
-                if not self._attach(engine, namespace, prefix, keys[:end], got):
+                if not attach_kv(engine, namespace, prefix, keys[:end], got["k"], got["v"]):
                     break
                 read += end - max(node.record.start, have)
             prefix = keys[:end]
@@ -748,7 +749,7 @@ class KvStore:
         try:
             # views of the very bytes checksummed (no copy, no mapping of the file: nothing a
             # concurrent save or a damaged disk can change or fault under them afterwards)
-            tensors = _tensors_of(data)
+            tensors = tensors_of(data)
         except (ValueError, KeyError, TypeError, RuntimeError) as err:
             log.warning("dropping cached node %s: unreadable (%s)", record.name, err)
             return None
@@ -764,42 +765,6 @@ class KvStore:
             log.warning("dropping cached node %s: its tensors do not fit", record.name)
             return None
         return tensors
-
-    def _attach(
-        self,
-        engine: Engine,
-        namespace: CacheNamespace,
-        prefix: array[int],
-        keys: array[int],
-        tensors: dict[str, torch.Tensor],
-    ) -> bool:
-        """Insert `keys` (its parent's path `prefix` is cached) with the node's KV."""
-        cache, runner, ps = engine.cache, engine.runner, engine.config.page_size
-        parent = None
-        before = array("i")
-        if prefix:
-            match = cache.tree.match(prefix, namespace)
-            if match.host_node is not None:
-                match = cache.tree.promote(match)
-                runner.copy_pages(cache.take_tier_copies())
-            if match.length != len(prefix):
-                return False  # the parent was evicted meanwhile (a full pool): skip this node
-            parent, before = match.last_node, match.pages
-        cache.tree.lock(parent)
-        try:
-            try:
-                fresh = cache.table.allocate_pages((len(keys) - len(prefix)) // ps)
-            except CacheError:
-                return False
-            runner.copy_pages(cache.take_tier_copies())  # demotions read their pages first
-            runner.write_pages(fresh, tensors["k"], tensors["v"])
-            result = cache.tree.insert(keys, before + fresh, namespace, from_node=parent)
-            # positions the tree already held (read back on demand past a partial match):
-            # ours there are duplicates
-            cache.pool.free_private(fresh[: len(result.existing_pages)])
-        finally:
-            cache.tree.unlock(parent)
-        return True
 
 
 class BackgroundSaver:

@@ -77,6 +77,18 @@ class EngineCollector(Collector):
                 "Prompt positions on disk recomputed instead: recomputing was priced faster",
                 stats.disk_skipped_tokens,
             ),
+            "radixmesh_worker_peer_read_tokens": (
+                "Prompt positions read from another worker's cache instead of recomputed",
+                stats.peer_read_tokens,
+            ),
+            "radixmesh_worker_peer_read_failures": (
+                "Reads from another worker's cache that failed or brought less than asked",
+                stats.peer_read_failures,
+            ),
+            "radixmesh_worker_peer_skipped_tokens": (
+                "Prompt positions another worker held, recomputed: that was priced faster",
+                stats.peer_skipped_tokens,
+            ),
             "radixmesh_worker_disk_spilled_pages": (
                 "Pages eviction dropped from the last tier that were written to disk",
                 stats.disk_spilled_pages,

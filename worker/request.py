@@ -17,6 +17,16 @@ FINISH_ERROR = "error"
 
 
 @dataclass(frozen=True, slots=True)
+class KvPeer:
+    """Another worker whose cache holds the prompt's first `positions` positions, as the
+    router's index says (worker/peer_reads.py reads them from it)."""
+
+    worker: str
+    address: str
+    positions: int
+
+
+@dataclass(frozen=True, slots=True)
 class Resume:
     """A sample continued here after the worker streaming it died (cluster/router_service.py).
 
@@ -84,6 +94,8 @@ class GenerateRequest:
     pooling: PoolingParams | None = None
     """Set for an embedding request: the prompt's embedding is its one output (`sampling`
     is not used but for `n`, which must be 1)."""
+    kv_peer: KvPeer | None = None
+    """A worker to read the prompt's cached KV from rather than recompute it (the router's)."""
 
     @property
     def generated_before(self) -> int:

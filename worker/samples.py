@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
     from worker.disk_reads import PendingRead
+    from worker.peer_reads import PendingPeerRead
 
 
 class TextDecoder(Protocol):
@@ -135,6 +136,13 @@ class RequestState:
     """Of those, the positions that came back from the host tier."""
     disk_cached_tokens: int = 0
     """Of those, the positions read back from the disk tier for it."""
+    peer_read: PendingPeerRead | None = None
+    """Its prompt's KV being read from the router's `kv_peer` (worker/peer_reads.py): its samples
+    wait queued until the read ends."""
+    peer_checked: bool = False
+    """Whether its peer was asked (or found not worth asking), once, at first admission."""
+    peer_cached_tokens: int = 0
+    """Prompt positions read from its peer into the cache for it."""
     admitted: bool = False
     forked: bool = False
     submitted: float = field(default_factory=time.perf_counter)

@@ -19,21 +19,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
+from safetensors.torch import save as save_tensors
 
-from cache import IDENTITY_SCHEME_VERSION, KvEvent
+from cache import IDENTITY_SCHEME_VERSION, KvEvent, to_cache_keys
 from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
+from worker import kv_export
 from worker.engine import Engine
 from worker.error_details import details_metadata
 from worker.errors import EngineOverloaded, EngineStopped, InvalidRequest
+from worker.kv_persistence import StoreIdentity
 from worker.lora_adapter import AdapterError
 from worker.request import GenerateRequest, RequestOutput
 from worker.tokenizer import tokenizer_files
 from worker.wire import (
     adapter_info_to_proto,
+    kv_peer_from_proto,
     namespace_from_proto,
     output_to_proto,
     pooling_from_proto,
@@ -82,6 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 images=tuple(request.images),
                 priority=request.priority,
                 pooling=pooling_from_proto(request),
+                kv_peer=kv_peer_from_proto(request),
             )
             # decoding and checking images, and compiling a structured output's grammar,
             # never stall the event loop
@@ -126,6 +132,45 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
             submitted.add_done_callback(abort)
             raise
+
+    async def ReadKv(
+        self, request: worker_pb2.ReadKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.KvPages]:
+        """The KV of the cached prefix of `token_ids` past `start`, in chunks of whole pages
+        (worker/kv_export.py)."""
+        engine = self.engine
+        ps = engine.config.page_size
+        differs = kv_export.layout_differences(StoreIdentity.of(engine), request.layout)
+        if differs:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "KV layouts differ: " + ", ".join(differs)
+            )
+        if request.start % ps:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"start {request.start} is not a multiple of the page size {ps}",
+            )
+        try:
+            keys = to_cache_keys(request.token_ids)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {err}")
+        namespace = namespace_from_proto(request.namespace)
+        held = await self._on_engine(
+            partial(kv_export.lease, engine, keys, namespace, request.start)
+        )
+        if held is None:
+            return
+        try:
+            step = kv_export.chunk_pages(engine)
+            for first in range(0, len(held.pages), step):
+                last = min(first + step, len(held.pages))
+                k, v = await self._on_engine(partial(kv_export.read, engine, held, first, last))
+                data = await asyncio.to_thread(save_tensors, {"k": k, "v": v})
+                yield worker_pb2.KvPages(
+                    start=held.start + first * ps, positions=(last - first) * ps, tensors=data
+                )
+        finally:  # not awaited: the lease ends even when the reader went away (a cancel)
+            engine.call(partial(kv_export.end, engine, held))
 
     async def StreamKvEvents(
         self, request: worker_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext
@@ -298,6 +343,9 @@ def worker_stats(engine: Engine, name: str, address: str = "") -> serving_pb2.Wo
         host_hit_tokens=stats.host_hit_tokens,
         disk_hit_tokens=stats.disk_hit_tokens,
         disk_skipped_tokens=stats.disk_skipped_tokens,
+        peer_read_tokens=stats.peer_read_tokens,
+        peer_read_failures=stats.peer_read_failures,
+        peer_skipped_tokens=stats.peer_skipped_tokens,
         disk_spilled_pages=stats.disk_spilled_pages,
         disk_spill_skipped_pages=stats.disk_spill_skipped_pages,
         preemptions=stats.preemptions,

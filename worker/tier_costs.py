@@ -64,8 +64,38 @@ class TierCostsConfig:
             raise ValueError(f"min_spread_tokens must be finite and >= 0: {self.min_spread_tokens}")
 
 
+class ReadRate:
+    """What reading positions back from one source costs: decayed sums over its reads, and
+    the reads priced out (`TierCosts.read_pays`)."""
+
+    def __init__(self, decay: float) -> None:
+        self._decay = decay
+        self._positions = 0.0
+        self._seconds = 0.0
+        self.reads = 0
+        self.skips = 0
+        self.skipped_positions = 0
+        """Positions this source held that were recomputed because that was priced cheaper."""
+
+    def observe(self, positions: int, seconds: float) -> None:
+        if positions < 1 or not 0.0 <= seconds < math.inf:
+            return  # a non-finite value would stay in the decayed sums for good
+        d = self._decay
+        self._positions = self._positions * d + positions
+        self._seconds = self._seconds * d + seconds
+        self.reads += 1
+
+    @property
+    def seconds_per_position(self) -> float | None:
+        """None until one read was seen."""
+        if self.reads == 0 or self._positions <= 0:
+            return None
+        return self._seconds / self._positions
+
+
 class TierCosts:
-    """Engine thread only."""
+    """Engine thread only. `disk` is the saved cache's rate, `peer` that of reading another
+    worker's KV over gRPC (worker/peer_kv.py); both are priced against the same passes."""
 
     def __init__(self, config: TierCostsConfig | None = None) -> None:
         self.config = config or TierCostsConfig()
@@ -73,12 +103,13 @@ class TierCosts:
         self._passes = [0.0] * 5  # decayed sums of 1, tokens, tokens^2, seconds, tokens x seconds
         self._pass_count = 0
         self._warmup = self.config.warmup_passes
-        self._read_positions = 0.0  # decayed sums over the reads
-        self._read_seconds = 0.0
-        self._reads = 0
-        self._skips = 0
-        self.skipped_positions = 0
+        self.disk = ReadRate(self._decay)
+        self.peer = ReadRate(self._decay)
+
+    @property
+    def skipped_positions(self) -> int:
         """Positions found on disk and recomputed because that was priced cheaper."""
+        return self.disk.skipped_positions
 
     def observe_pass(self, tokens: int, seconds: float) -> None:
         """A forward pass computed `tokens` new positions in `seconds`."""
@@ -92,15 +123,10 @@ class TierCosts:
             self._passes[i] = self._passes[i] * d + value
         self._pass_count += 1
 
-    def observe_read(self, positions: int, seconds: float) -> None:
-        """Files of `positions` positions were read back from disk, and what a hit used of
-        them put into the cache, in `seconds`."""
-        if positions < 1 or not 0.0 <= seconds < math.inf:
-            return
-        d = self._decay
-        self._read_positions = self._read_positions * d + positions
-        self._read_seconds = self._read_seconds * d + seconds
-        self._reads += 1
+    def observe_read(self, positions: int, seconds: float, rate: ReadRate | None = None) -> None:
+        """Files of `positions` positions were read back from disk (or `rate`'s source), and
+        what a hit used of them put into the cache, in `seconds`."""
+        (rate or self.disk).observe(positions, seconds)
 
     @property
     def recompute_s(self) -> float | None:
@@ -134,24 +160,29 @@ class TierCosts:
     @property
     def read_s(self) -> float | None:
         """Seconds a position takes to read back from disk; None until one read was seen."""
-        if self._reads == 0 or self._read_positions <= 0:
-            return None
-        return self._read_seconds / self._read_positions
+        return self.disk.seconds_per_position
 
     def read_pays(
-        self, positions: int, rest: int = 1, chunk: int = 1 << 30, files: int | None = None
+        self,
+        positions: int,
+        rest: int = 1,
+        chunk: int = 1 << 30,
+        files: int | None = None,
+        rate: ReadRate | None = None,
     ) -> bool:
-        """Whether to read `positions` saved positions back rather than recompute them ahead of
-        the `rest` of their prompt in passes of `chunk` tokens, reading files of `files`
-        positions in all (default `positions`: a hit may use part of a file it reads whole).
-        Counts the positions when not."""
-        recompute, read = self.recompute_seconds(positions, rest, max(chunk, 1)), self.read_s
+        """Whether to read `positions` saved positions back (from disk, or `rate`'s source)
+        rather than recompute them ahead of the `rest` of their prompt in passes of `chunk`
+        tokens, reading files of `files` positions in all (default `positions`: a hit may use
+        part of a file it reads whole). Counts the positions when not."""
+        rate = rate or self.disk
+        recompute = self.recompute_seconds(positions, rest, max(chunk, 1))
+        read = rate.seconds_per_position
         read_positions = positions if files is None else files
         if recompute is None or read is None or read_positions * read < recompute:
             return True
-        self._skips += 1
+        rate.skips += 1
         probe = self.config.probe_every
-        if probe and self._skips % probe == 0:
+        if probe and rate.skips % probe == 0:
             return True
-        self.skipped_positions += positions
+        rate.skipped_positions += positions
         return False

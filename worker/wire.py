@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from cache import CacheNamespace
 from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.errors import InvalidRequest
-from worker.request import PoolingParams, RequestOutput, Resume, TokenLogprob
+from worker.request import KvPeer, PoolingParams, RequestOutput, Resume, TokenLogprob
 from worker.sampling_params import SamplingParams, StructuredOutput
 from worker.tool_calls import NO_PARAMETERS, Tool
 
@@ -112,6 +112,13 @@ def resume_from_proto(message: worker_pb2.WorkerGenerateRequest) -> Resume | Non
     if not message.HasField("resume"):
         return None
     return Resume(message.resume.sample_index, message.resume.generated)
+
+
+def kv_peer_from_proto(message: worker_pb2.WorkerGenerateRequest) -> KvPeer | None:
+    if not message.HasField("kv_peer") or not message.kv_peer.address:
+        return None
+    peer = message.kv_peer
+    return KvPeer(peer.worker, peer.address, peer.positions)
 
 
 def resume_to_proto(resume: Resume) -> worker_pb2.Resume:

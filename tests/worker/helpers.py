@@ -133,13 +133,23 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 async def served(engine: Engine) -> AsyncIterator[worker_pb2_grpc.WorkerStub]:
     """`engine` started behind a real worker gRPC server on loopback; a stub to it. The engine,
     the server and the channel are stopped on the way out."""
+    async with served_at(engine) as (stub, _):
+        yield stub
+
+
+@contextlib.asynccontextmanager
+async def served_at(
+    engine: Engine, name: str = "w0"
+) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, str]]:
+    """`served`, as worker `name`, with the server's address."""
     engine.start()
-    servicer = WorkerServicer(engine, "w0")
+    servicer = WorkerServicer(engine, name)
     register = [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, "radixmesh.v1.Worker")]
     server = await start_server(register, "127.0.0.1", 0)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    address = f"127.0.0.1:{server.port}"
+    channel = grpc.aio.insecure_channel(address)
     try:
-        yield worker_pb2_grpc.WorkerStub(channel)
+        yield worker_pb2_grpc.WorkerStub(channel), address
     finally:
         await channel.close()
         await server.stop(grace=0)

@@ -358,7 +358,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker", "healthy", "requests_finished", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "running", "waiting", "free_pages", "cached_pages", "private_pages", "evicted_pages", "preemptions", "total_pages", "address", "host_total_pages", "host_cached_pages", "demoted_pages", "promoted_pages", "host_evicted_pages", "host_hit_tokens", "disk_hit_tokens", "disk_skipped_tokens", "disk_spilled_pages", "disk_spill_skipped_pages")
+    __slots__ = ("worker", "healthy", "requests_finished", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "running", "waiting", "free_pages", "cached_pages", "private_pages", "evicted_pages", "preemptions", "total_pages", "address", "host_total_pages", "host_cached_pages", "demoted_pages", "promoted_pages", "host_evicted_pages", "host_hit_tokens", "disk_hit_tokens", "disk_skipped_tokens", "disk_spilled_pages", "disk_spill_skipped_pages", "peer_read_tokens", "peer_read_failures", "peer_skipped_tokens")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,9 @@ class WorkerStats(_message.Message):
     DISK_SKIPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISK_SPILLED_PAGES_FIELD_NUMBER: _ClassVar[int]
     DISK_SPILL_SKIPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PEER_READ_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_READ_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PEER_SKIPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker: str
     healthy: bool
     requests_finished: int
@@ -409,7 +412,10 @@ class WorkerStats(_message.Message):
     disk_skipped_tokens: int
     disk_spilled_pages: int
     disk_spill_skipped_pages: int
-    def __init__(self, worker: _Optional[str] = ..., healthy: _Optional[bool] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., preemptions: _Optional[int] = ..., total_pages: _Optional[int] = ..., address: _Optional[str] = ..., host_total_pages: _Optional[int] = ..., host_cached_pages: _Optional[int] = ..., demoted_pages: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., host_evicted_pages: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., disk_hit_tokens: _Optional[int] = ..., disk_skipped_tokens: _Optional[int] = ..., disk_spilled_pages: _Optional[int] = ..., disk_spill_skipped_pages: _Optional[int] = ...) -> None: ...
+    peer_read_tokens: int
+    peer_read_failures: int
+    peer_skipped_tokens: int
+    def __init__(self, worker: _Optional[str] = ..., healthy: _Optional[bool] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., preemptions: _Optional[int] = ..., total_pages: _Optional[int] = ..., address: _Optional[str] = ..., host_total_pages: _Optional[int] = ..., host_cached_pages: _Optional[int] = ..., demoted_pages: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., host_evicted_pages: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., disk_hit_tokens: _Optional[int] = ..., disk_skipped_tokens: _Optional[int] = ..., disk_spilled_pages: _Optional[int] = ..., disk_spill_skipped_pages: _Optional[int] = ..., peer_read_tokens: _Optional[int] = ..., peer_read_failures: _Optional[int] = ..., peer_skipped_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes", "vocab_size", "max_model_len", "requests_migrated", "text_index")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes", "images", "priority", "pooling")
+    __slots__ = ("request_id", "token_ids", "namespace", "sampling", "predicted_cached_tokens", "resume", "prompt_block_hashes", "images", "priority", "pooling", "kv_peer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class WorkerGenerateRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    KV_PEER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: _serving_pb2.Namespace
@@ -29,7 +30,60 @@ class WorkerGenerateRequest(_message.Message):
     images: _containers.RepeatedScalarFieldContainer[bytes]
     priority: int
     pooling: _serving_pb2.PoolingParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., pooling: _Optional[_Union[_serving_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
+    kv_peer: KvPeer
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., sampling: _Optional[_Union[_serving_pb2.SamplingParams, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., prompt_block_hashes: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., pooling: _Optional[_Union[_serving_pb2.PoolingParams, _Mapping]] = ..., kv_peer: _Optional[_Union[KvPeer, _Mapping]] = ...) -> None: ...
+
+class KvPeer(_message.Message):
+    __slots__ = ("worker", "address", "positions")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    address: str
+    positions: int
+    def __init__(self, worker: _Optional[str] = ..., address: _Optional[str] = ..., positions: _Optional[int] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("identity_version", "model_revision", "page_size", "block_size", "dtype", "num_layers", "kv_heads", "head_dim")
+    IDENTITY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    identity_version: int
+    model_revision: str
+    page_size: int
+    block_size: int
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    def __init__(self, identity_version: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class ReadKvRequest(_message.Message):
+    __slots__ = ("token_ids", "namespace", "start", "layout")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: _serving_pb2.Namespace
+    start: int
+    layout: KvLayout
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[_Union[_serving_pb2.Namespace, _Mapping]] = ..., start: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+
+class KvPages(_message.Message):
+    __slots__ = ("start", "positions", "tensors")
+    START_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    positions: int
+    tensors: bytes
+    def __init__(self, start: _Optional[int] = ..., positions: _Optional[int] = ..., tensors: _Optional[bytes] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("sample_index", "generated")

@@ -90,6 +90,11 @@ class WorkerStub:
                 request_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.ReadKv = channel.unary_stream(
+                '/radixmesh.v1.Worker/ReadKv',
+                request_serializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.ReadKvRequest.SerializeToString,
+                response_deserializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.KvPages.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -173,6 +178,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadKv(self, request, context):
+        """The KV of the longest cached prefix of token_ids, from position `start` on, in chunks of
+        whole pages: another worker told to serve the prompt reads it instead of recomputing it
+        (worker/peer_kv.py). FAILED_PRECONDITION when the layouts differ (naming the field).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +244,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ReadKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadKv,
+                    request_deserializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.ReadKvRequest.FromString,
+                    response_serializer=protos_dot_radixmesh_dot_v1_dot_worker__pb2.KvPages.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -529,6 +548,33 @@ class Worker:
             '/radixmesh.v1.Worker/UnloadAdapter',
             protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterRequest.SerializeToString,
             protos_dot_radixmesh_dot_v1_dot_serving__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/radixmesh.v1.Worker/ReadKv',
+            protos_dot_radixmesh_dot_v1_dot_worker__pb2.ReadKvRequest.SerializeToString,
+            protos_dot_radixmesh_dot_v1_dot_worker__pb2.KvPages.FromString,
             options,
             channel_credentials,
             insecure,
