@@ -1,0 +1,75 @@
+"""`deeper_holder`: which other worker holds more of a request's prompt in memory, as the index
+says, for the router to name as the request's `kv_peer` (worker/peer_reads.py reads from it).
+Real caches publish the events the index is built from."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from router.cache_aware import CacheAware
+from router.round_robin import RoundRobin
+from tests.router.helpers import BLOCK, CONFIG, Clock, Worker, prompt, request
+from tests.router.test_disk_tier_routing import saved
+from tests.router.test_host_tier_routing import HISTORY, demoted
+
+
+def three(policy: CacheAware | None = None) -> CacheAware:
+    policy = policy or CacheAware(CONFIG, Clock())
+    for w in range(3):
+        policy.add_worker(f"w{w}", 100_000)
+    return policy
+
+
+def test_the_deepest_other_holder_is_named_with_the_positions_it_holds() -> None:
+    policy = three()
+    deep, shallow = Worker("w1"), Worker("w2")
+    deep.serve(HISTORY)
+    shallow.serve(HISTORY[:400])
+    for worker in (deep, shallow):
+        worker.deliver(policy)
+    ask = request("r", [*HISTORY, 9, 9])
+    assert policy.deeper_holder(ask, "w0") == ("w1", 800)
+    assert policy.deeper_holder(ask, "w2") == ("w1", 800)
+    assert policy.deeper_holder(ask, "w1") is None, "nobody holds more than w1"
+    assert policy.deeper_holder(request("r", HISTORY[:400]), "w2") is None, "as much is not more"
+    assert policy.deeper_holder(request("r", prompt(5, 300)), "w0") is None, "nobody holds it"
+
+
+def test_the_positions_stop_short_of_the_prompts_last_token() -> None:
+    policy = three()
+    holder = Worker("w1")
+    holder.serve(HISTORY)
+    holder.deliver(policy)
+    assert policy.deeper_holder(request("r", HISTORY), "w0") == ("w1", len(HISTORY) - 1)
+
+
+def test_a_host_tier_counts_and_a_saved_cache_alone_does_not() -> None:
+    policy = three(CacheAware(replace(CONFIG), Clock()))
+    demoted(policy, "w1")  # all of HISTORY on w1's host tier
+    ask = request("r", [*HISTORY, 9])
+    assert policy.deeper_holder(ask, "w0") == ("w1", 800)
+    extra = prompt(3, 400)
+    on_disk = Worker("w2")
+    on_disk.serve([*HISTORY, *extra])
+    saved(on_disk)
+    on_disk.cache.tree.clear()
+    on_disk.deliver(policy)
+    ask = request("r", [*HISTORY, *extra, 9])
+    assert policy.index.depth(policy.members.bit["w2"], ask.block_hashes) == 1200 // BLOCK
+    assert policy.deeper_holder(ask, "w0") == ("w1", 800), "w2 holds more, on disk alone"
+    # once the holder of the most in memory is told to serve it, nobody holds more
+    assert policy.deeper_holder(ask, "w1") is None
+
+
+def test_a_removed_worker_is_never_named_and_a_blind_policy_names_none() -> None:
+    policy = three()
+    holder = Worker("w1")
+    holder.serve(HISTORY)
+    holder.deliver(policy)
+    policy.remove_worker("w1")
+    assert policy.deeper_holder(request("r", [*HISTORY, 9]), "w0") is None
+    blind = RoundRobin(CONFIG, Clock())
+    blind.add_worker("w0", 100_000)
+    blind.add_worker("w1", 100_000)
+    holder.deliver(blind)
+    assert blind.deeper_holder(request("r", [*HISTORY, 9]), "w0") is None

@@ -1,0 +1,199 @@
+"""A worker reads a prompt's KV from the worker the router names (`kv_peer`) instead of
+recomputing it, over real gRPC on loopback: the answer is the one it would have computed, every
+page on both sides is accounted for, and whatever goes wrong with the peer (gone, another
+layout, another tenant, a reader that leaves mid-stream) costs a recompute, never a request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from cache.integrity import check_sequence_cache
+from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
+from tests.worker.helpers import LLAMA, served_at
+from worker import kv_export
+from worker.engine import Engine, EngineConfig
+from worker.kv_export import layout_to_proto
+from worker.kv_persistence import StoreIdentity
+from worker.tiny_model import tiny_model
+
+PAGE = 4
+PROMPT = list(range(1, 42))  # 41 tokens: 10 whole pages cached
+HELD = len(PROMPT) // PAGE * PAGE
+LONGER = [*PROMPT, 7, 8, 9]
+
+
+def engine(name: str, **overrides: object) -> Engine:
+    config = EngineConfig(num_pages=64, page_size=PAGE, **overrides)  # type: ignore[arg-type]
+    return Engine(tiny_model(LLAMA, seed=2), None, config, source=name)
+
+
+def request(
+    request_id: str,
+    tokens: list[int],
+    peer: worker_pb2.KvPeer | None = None,
+    tenant: str = "",
+) -> worker_pb2.WorkerGenerateRequest:
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=request_id,
+        token_ids=tokens,
+        sampling=serving_pb2.SamplingParams(max_tokens=6, temperature=0.0),
+        kv_peer=peer,
+        namespace=serving_pb2.Namespace(tenant=tenant),
+    )
+
+
+async def answer(
+    stub: worker_pb2_grpc.WorkerStub, message: worker_pb2.WorkerGenerateRequest
+) -> tuple[list[int], int]:
+    """The tokens of a request's answer, and the prompt positions it served from cache."""
+    responses = [r async for r in stub.Generate(message)]
+    return [t for r in responses for t in r.token_ids], responses[0].cached_prompt_tokens
+
+
+def accounted(engine: Engine) -> None:
+    """Nothing is left locked or private, and the pool's books balance (engine idle)."""
+    pool = engine.cache.pool
+    assert pool.num_private == 0
+    assert pool.num_free + pool.num_cached == pool.usable_pages
+    check_sequence_cache(engine.cache)
+    assert engine.cache.tree.evictable_pages == pool.num_cached, "a lease was left locked"
+
+
+@contextlib.asynccontextmanager
+async def pair(
+    reader: Engine | None = None, holder: Engine | None = None
+) -> AsyncIterator[tuple[worker_pb2_grpc.WorkerStub, str, worker_pb2_grpc.WorkerStub, Engine]]:
+    """The holder (serving PROMPT once, so that it caches its whole pages) and the reader:
+    (holder's stub, its address, reader's stub, reader's engine)."""
+    holder, reader = holder or engine("a"), reader or engine("b")
+    async with served_at(holder, "a") as (a, address), served_at(reader, "b") as (b, _):
+        await answer(a, request("warm", PROMPT))
+        yield a, address, b, reader
+        for each in (holder, reader):
+            await asyncio.wrap_future(each.call(lambda each=each: accounted(each)))
+
+
+def peer(address: str, positions: int = len(LONGER) - 1) -> worker_pb2.KvPeer:
+    return worker_pb2.KvPeer(worker="a", address=address, positions=positions)
+
+
+def test_the_reader_answers_as_the_holder_does_from_the_pages_it_read() -> None:
+    async def scenario() -> None:
+        async with pair() as (a, address, b, reader):
+            expected, held = await answer(a, request("on-a", LONGER))
+            assert held == HELD
+            tokens, cached = await answer(b, request("on-b", LONGER, peer(address)))
+            assert (tokens, cached) == (expected, HELD)
+            stats = reader.stats()
+            assert (stats.peer_read_tokens, stats.peer_read_failures) == (HELD, 0)
+            # the read pages are the reader's own cache now: a second request hits them
+            again, cached = await answer(b, request("again", LONGER))
+            assert again == expected and cached >= HELD
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_is_gone_costs_a_recompute_not_the_request() -> None:
+    async def scenario() -> None:
+        async with pair() as (a, _, b, reader):
+            expected, _ = await answer(a, request("on-a", LONGER))
+            gone = peer("127.0.0.1:9")  # nothing listens on the discard port
+            tokens, cached = await answer(b, request("on-b", LONGER, gone))
+            assert (tokens, cached) == (expected, 0)
+            stats = reader.stats()
+            assert (stats.peer_read_tokens, stats.peer_read_failures) == (0, 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_with_another_layout_is_refused_by_name_and_recomputed() -> None:
+    async def scenario() -> None:
+        other = engine("a", model_revision="another-revision")
+        async with pair(holder=other) as (a, address, b, reader):
+            refused = worker_pb2.ReadKvRequest(
+                token_ids=PROMPT, layout=layout_to_proto(StoreIdentity.of(reader))
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in a.ReadKv(refused):
+                    pass
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model_revision" in (err.value.details() or "")
+            expected, _ = await answer(a, request("on-a", LONGER))
+            tokens, cached = await answer(b, request("on-b", LONGER, peer(address)))
+            assert cached == 0 and reader.stats().peer_read_failures == 1
+            assert len(tokens) == len(expected)
+
+    asyncio.run(scenario())
+
+
+def test_another_tenants_prefix_is_never_read() -> None:
+    async def scenario() -> None:
+        async with pair() as (a, address, b, reader):
+            tokens, cached = await answer(b, request("t2", LONGER, peer(address), tenant="t2"))
+            assert cached == 0, "the holder cached PROMPT for the default tenant only"
+            assert reader.stats().peer_read_tokens == 0
+            expected, _ = await answer(a, request("t2-on-a", LONGER, tenant="t2"))
+            assert tokens == expected
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_that_leaves_mid_stream_ends_the_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_export, "CHUNK_BYTES", 1)  # a page a message
+
+    async def scenario() -> None:
+        async with pair() as (a, _, _, reader):
+            ask = worker_pb2.ReadKvRequest(
+                token_ids=PROMPT, start=PAGE, layout=layout_to_proto(StoreIdentity.of(reader))
+            )
+            call = a.ReadKv(ask)
+            first = await call.read()
+            assert (first.start, first.positions) == (PAGE, PAGE)
+            call.cancel()
+            await asyncio.sleep(0.2)  # the lease ends on the holder's engine thread
+            whole = [m async for m in a.ReadKv(ask)]
+            assert [m.start for m in whole] == list(range(PAGE, HELD, PAGE))
+
+    asyncio.run(scenario())
+
+
+def test_a_start_inside_a_page_or_a_bad_token_is_invalid_argument() -> None:
+    async def scenario() -> None:
+        async with pair() as (a, _, _, reader):
+            layout = layout_to_proto(StoreIdentity.of(reader))
+            for ask, named in (
+                (worker_pb2.ReadKvRequest(token_ids=PROMPT, start=3, layout=layout), "start"),
+                (worker_pb2.ReadKvRequest(token_ids=[1, -5], layout=layout), "token_ids"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in a.ReadKv(ask):
+                        pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert named in (err.value.details() or "")
+
+    asyncio.run(scenario())
+
+
+def test_a_read_priced_slower_than_recomputing_is_not_made() -> None:
+    reader = engine("b")
+    costs = reader.tier_costs
+    for i in range(12):  # recomputing: a microsecond a position
+        tokens = 16 * (1 + i % 4)
+        costs.observe_pass(tokens, 1e-6 * tokens)
+    costs.observe_read(10, 100.0, costs.peer)  # a peer read: 10 s a position
+
+    async def scenario() -> None:
+        async with pair(reader=reader) as (a, address, b, _):
+            expected, _ = await answer(a, request("on-a", LONGER))
+            tokens, cached = await answer(b, request("on-b", LONGER, peer(address)))
+            assert (tokens, cached) == (expected, 0)
+            stats = reader.stats()
+            assert (stats.peer_skipped_tokens, stats.peer_read_tokens) == (HELD, 0)
+            assert stats.disk_skipped_tokens == 0, "the disk's rate and count are its own"
+
+    asyncio.run(scenario())
