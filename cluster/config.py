@@ -315,10 +315,10 @@ class RouterSection:
     (lower first; interactive requests default to 0, so a batch yields to them). Under fcfs
     every request runs at 0."""
     peer_kv_min_tokens: int = _at_least(256, 0)
-    """When another worker holds at least this many more of a prompt's leading tokens in
-    memory than the worker a request is routed to, that worker is told so and may read their
-    KV from it instead of recomputing them (it does when its learned rates price the read
-    faster); 0: never. Only policies that track blocks (cache_aware, least_ttft) know."""
+    """When another worker's device holds at least this many more of a prompt's leading
+    tokens than the worker a request is routed to holds, that worker is told so and may read
+    their KV from it instead of recomputing them (it does when its learned rates price the
+    read faster); 0: never. Only policies that track blocks (cache_aware, least_ttft) know."""
     text_index: TextIndexSection = field(default_factory=TextIndexSection)
 
 

@@ -174,12 +174,12 @@ class BaseRouter:
         self.adapters.report(worker, adapters)
 
     def deeper_holder(self, request: RouteRequest, worker: WorkerId) -> tuple[WorkerId, int] | None:
-        """The worker other than `worker` whose device or host tier holds the most leading
-        blocks of `request` (its saved cache alone does not count: a peer sends what it
-        holds in memory), with the positions they cover, when that is more than `worker`
-        holds in any tier; None otherwise, and for a policy that tracks no blocks. The first
-        such worker by membership order on a tie. A worker told to serve the request may read
-        their KV from it rather than recompute them (worker/peer_reads.py)."""
+        """The worker other than `worker` whose device tier holds the most leading blocks of
+        `request` (its host tier and saved cache do not count: a peer sends what its device
+        holds), with the positions they cover, when that is more than `worker` holds in any
+        tier; None otherwise, and for a policy that tracks no blocks. The first such worker by
+        membership order on a tie. A worker told to serve the request may read their KV from
+        it rather than recompute them (worker/peer_reads.py)."""
         hashes = request.block_hashes
         if not self.tracks_blocks or not hashes:
             return None
@@ -190,7 +190,7 @@ class BaseRouter:
                 continue
             depth = index.depth(bit, hashes)
             if depth > deepest:
-                depth = index.disk_from(bit, hashes, depth)
+                depth = index.host_from(bit, hashes, index.disk_from(bit, hashes, depth))
                 if depth > deepest:
                     best, deepest = other, depth
         if best is None:

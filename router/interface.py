@@ -107,7 +107,7 @@ class RoutingPolicy(Protocol):
         ...
 
     def deeper_holder(self, request: RouteRequest, worker: WorkerId) -> tuple[WorkerId, int] | None:
-        """Another worker holding more of the request's prompt in memory than `worker` does,
+        """Another worker whose device holds more of the request's prompt than `worker` holds,
         with the positions it holds (None: none, or the policy tracks no blocks)."""
         ...
 

@@ -744,7 +744,7 @@ class Engine:
                 return False
             request.peer_checked, request.peer_read = True, None
             if pending.namespace == request.request.namespace:  # not an adapter replaced since
-                request.peer_cached_tokens = reads.finish(self, pending)
+                reads.finish(self, pending)
             reads.release(pending)
         except Exception:  # a peer's cache must never fail a request
             log.exception("reading KV from a peer for %s failed", request.request.request_id)

@@ -1,8 +1,9 @@
 """Sending this worker's cached KV to another worker (the `ReadKv` RPC).
 
-The router sends a request to one worker and, when another holds more of its prompt, names
-that one as the request's `kv_peer` (router/peer_source.py). The reader asks the holder for the
-positions past what it holds (worker/peer_reads.py); here the holder answers:
+The router sends a request to one worker and, when another's device holds more of its
+prompt, names that one as the request's `kv_peer` (router/base.py `deeper_holder`). The reader
+asks the holder for the positions past what it holds (worker/peer_reads.py); here the holder
+answers:
 
     lease   (engine thread) match the prefix in the device tier, lock the node it ends in, and
             note its pages from `start` on: they can be neither evicted nor reused until `end`

@@ -141,8 +141,6 @@ class RequestState:
     wait queued until the read ends."""
     peer_checked: bool = False
     """Whether its peer was asked (or found not worth asking), once, at first admission."""
-    peer_cached_tokens: int = 0
-    """Prompt positions read from its peer into the cache for it."""
     admitted: bool = False
     forked: bool = False
     submitted: float = field(default_factory=time.perf_counter)

@@ -95,7 +95,7 @@ class ReadRate:
 
 class TierCosts:
     """Engine thread only. `disk` is the saved cache's rate, `peer` that of reading another
-    worker's KV over gRPC (worker/peer_kv.py); both are priced against the same passes."""
+    worker's KV over gRPC (worker/peer_reads.py); both are priced against the same passes."""
 
     def __init__(self, config: TierCostsConfig | None = None) -> None:
         self.config = config or TierCostsConfig()

@@ -4,8 +4,6 @@ Real caches publish the events the index is built from."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from router.cache_aware import CacheAware
 from router.round_robin import RoundRobin
 from tests.router.helpers import BLOCK, CONFIG, Clock, Worker, prompt, request
@@ -43,11 +41,12 @@ def test_the_positions_stop_short_of_the_prompts_last_token() -> None:
     assert policy.deeper_holder(request("r", HISTORY), "w0") == ("w1", len(HISTORY) - 1)
 
 
-def test_a_host_tier_counts_and_a_saved_cache_alone_does_not() -> None:
-    policy = three(CacheAware(replace(CONFIG), Clock()))
-    demoted(policy, "w1")  # all of HISTORY on w1's host tier
+def test_only_a_device_tier_counts_not_a_host_tier_or_a_saved_cache() -> None:
+    policy = three()
+    demoted(policy, "w1")  # all of HISTORY on w1's host tier: a peer sends device pages only
     ask = request("r", [*HISTORY, 9])
-    assert policy.deeper_holder(ask, "w0") == ("w1", 800)
+    assert policy.index.depth(policy.members.bit["w1"], ask.block_hashes) == 800 // BLOCK
+    assert policy.deeper_holder(ask, "w0") is None
     extra = prompt(3, 400)
     on_disk = Worker("w2")
     on_disk.serve([*HISTORY, *extra])
@@ -56,9 +55,11 @@ def test_a_host_tier_counts_and_a_saved_cache_alone_does_not() -> None:
     on_disk.deliver(policy)
     ask = request("r", [*HISTORY, *extra, 9])
     assert policy.index.depth(policy.members.bit["w2"], ask.block_hashes) == 1200 // BLOCK
-    assert policy.deeper_holder(ask, "w0") == ("w1", 800), "w2 holds more, on disk alone"
-    # once the holder of the most in memory is told to serve it, nobody holds more
-    assert policy.deeper_holder(ask, "w1") is None
+    assert policy.deeper_holder(ask, "w0") is None, "w2 holds it on disk alone"
+    on_device = Worker("w0")
+    on_device.serve([*HISTORY, *extra])
+    on_device.deliver(policy)
+    assert policy.deeper_holder(ask, "w1") == ("w0", 1200), "more than w1's host holds"
 
 
 def test_a_removed_worker_is_never_named_and_a_blind_policy_names_none() -> None:
