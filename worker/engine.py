@@ -733,7 +733,8 @@ class Engine:
                     return True
                 disk = self.disk_reads.pending if self.disk_reads is not None else 0
                 if len(self.scheduler.running) + reads.pending + disk >= self.config.max_running:
-                    return None  # each read holds its tensors until its request starts
+                    request.peer_checked = True  # each read holds its tensors until its
+                    return True  # request starts: past the bound, recompute
                 keys, namespace = sample.cache_keys(), request.request.namespace
                 pending = reads.begin(self, keys, namespace, sample.tokens, peer)
                 if pending is None:
@@ -915,12 +916,12 @@ class Engine:
             state.prompt_scores += prompt_logprobs(rows[lo:hi], targets, top)
 
     def _nothing_planned(self, awaiting: set[SampleState]) -> bool:
-        """No sample can run this step. When only the image encoder or the disk reader has
+        """No sample can run this step. When only the image encoder or a disk or peer read has
         work, wait for it a while (instead of spinning); False when there is no work."""
         if awaiting:
             self._wait_for_images(awaiting)
             return True
-        if self.disk_reads is not None and self.disk_reads.pending:
+        if self.peer_reads.pending or (self.disk_reads is not None and self.disk_reads.pending):
             # every read that ends sets _wake (so does a new request): no spinning meanwhile
             self._wake.wait(ENCODER_WAIT_S)
             self._wake.clear()
@@ -1247,9 +1248,6 @@ class Engine:
             assert self.disk_reads is not None
             self.disk_reads.release(sample.disk_read)
             sample.disk_read = None
-        if sample.request.finished and sample.request.peer_read is not None:
-            self.peer_reads.release(sample.request.peer_read)  # ended while read: let go of it
-            sample.request.peer_read = None
         if sample.seq is not None:
             if reason == FINISH_ERROR:
                 self.cache.abort(sample.seq)
@@ -1263,6 +1261,9 @@ class Engine:
         request = sample.request
         if request.finished:
             self._requests.pop(request.request_id, None)
+            if request.peer_read is not None:  # ended while its peer read ran: let go of it
+                self.peer_reads.release(request.peer_read)
+                request.peer_read = None
             with self._lock:
                 self._active_ids.pop(request.request_id, None)
             self._finished += 1

@@ -46,8 +46,12 @@ def attach_kv(
             fresh = cache.table.allocate_pages((len(keys) - len(prefix)) // ps)
         except CacheError:
             return False
-        runner.copy_pages(cache.take_tier_copies())  # demotions read their pages first
-        runner.write_pages(fresh, k, v)
+        try:
+            runner.copy_pages(cache.take_tier_copies())  # demotions read their pages first
+            runner.write_pages(fresh, k, v)
+        except BaseException:
+            cache.pool.free_private(fresh)
+            raise
         result = cache.tree.insert(keys, before + fresh, namespace, from_node=parent)
         # positions the tree already held (computed meanwhile): ours there are duplicates
         cache.pool.free_private(fresh[: len(result.existing_pages)])

@@ -351,7 +351,10 @@ class Scheduler:
 
     def _admit(self, sample: SampleState, full: bool = False) -> Admission:
         """`full`: every running slot is taken (NO_ROOM once nothing else holds it back)."""
-        if sample.disk_read is not None and not sample.disk_read.done():
+        peer_read = sample.request.peer_read
+        if (sample.disk_read is not None and not sample.disk_read.done()) or (
+            peer_read is not None and not peer_read.done()
+        ):
             return Admission.READING  # before its adapter takes a slot it cannot use yet
         slot = self._adapter_slot(sample)
         if isinstance(slot, Admission):

@@ -17,6 +17,7 @@ EngineStopped -> UNAVAILABLE, an unknown adapter to unload -> NOT_FOUND.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -59,6 +60,14 @@ def _queue_fed_from_threads() -> tuple[asyncio.Queue[T], Callable[[T], None]]:
         loop.call_soon_threadsafe(queue.put_nowait, item)
 
     return queue, put
+
+
+def _end_lease(engine: Engine, leasing: concurrent.futures.Future[kv_export.Lease | None]) -> None:
+    """End a lease taken for a reader that left before it was handed over."""
+    if not leasing.cancelled() and leasing.exception() is None:
+        held = leasing.result()
+        if held is not None:
+            engine.call(partial(kv_export.end, engine, held))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -155,9 +164,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {err}")
         namespace = namespace_from_proto(request.namespace)
-        held = await self._on_engine(
-            partial(kv_export.lease, engine, keys, namespace, request.start)
-        )
+        leasing = engine.call(partial(kv_export.lease, engine, keys, namespace, request.start))
+        try:
+            held = await asyncio.shield(asyncio.wrap_future(leasing))
+        except asyncio.CancelledError:  # the reader left: end the lease once it is taken
+            leasing.add_done_callback(partial(_end_lease, engine))
+            raise
         if held is None:
             return
         try:

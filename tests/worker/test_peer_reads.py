@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+import torch
 
+from cache import DEFAULT_NAMESPACE, to_cache_keys
 from cache.integrity import check_sequence_cache
+from cache.tiers import DEVICE
 from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from tests.worker.helpers import LLAMA, served_at
 from worker import kv_export
 from worker.engine import Engine, EngineConfig
 from worker.kv_export import layout_to_proto
 from worker.kv_persistence import StoreIdentity
+from worker.request import GenerateRequest, KvPeer, RequestOutput
+from worker.sampling_params import SamplingParams
 from worker.tiny_model import tiny_model
 
 PAGE = 4
@@ -82,15 +89,27 @@ def peer(address: str, positions: int = len(LONGER) - 1) -> worker_pb2.KvPeer:
     return worker_pb2.KvPeer(worker="a", address=address, positions=positions)
 
 
+def kv_of(engine: Engine, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V of the device pages `engine` caches for `tokens` (engine thread)."""
+    match = engine.cache.tree.match(to_cache_keys(tokens), DEFAULT_NAMESPACE)
+    assert match.length == len(tokens)
+    return engine.runner.read_pages(DEVICE, match.pages)
+
+
 def test_the_reader_answers_as_the_holder_does_from_the_pages_it_read() -> None:
+    holder = engine("a")
+
     async def scenario() -> None:
-        async with pair() as (a, address, b, reader):
+        async with pair(holder=holder) as (a, address, b, reader):
             expected, held = await answer(a, request("on-a", LONGER))
             assert held == HELD
             tokens, cached = await answer(b, request("on-b", LONGER, peer(address)))
             assert (tokens, cached) == (expected, HELD)
             stats = reader.stats()
             assert (stats.peer_read_tokens, stats.peer_read_failures) == (HELD, 0)
+            theirs = await asyncio.wrap_future(holder.call(lambda: kv_of(holder, PROMPT[:HELD])))
+            ours = await asyncio.wrap_future(reader.call(lambda: kv_of(reader, PROMPT[:HELD])))
+            assert all(torch.equal(x, y) for x, y in zip(ours, theirs, strict=True))
             # the read pages are the reader's own cache now: a second request hits them
             again, cached = await answer(b, request("again", LONGER))
             assert again == expected and cached >= HELD
@@ -197,3 +216,67 @@ def test_a_read_priced_slower_than_recomputing_is_not_made() -> None:
             assert stats.disk_skipped_tokens == 0, "the disk's rate and count are its own"
 
     asyncio.run(scenario())
+
+
+def gated(reader: Engine) -> threading.Event:
+    """Hold `reader`'s peer reads on their thread until the returned event is set (then they
+    fail: the positions are recomputed). Stands in for a peer that is slow to answer."""
+    gate = threading.Event()
+
+    def slow(peer: KvPeer, ask: worker_pb2.ReadKvRequest) -> None:
+        gate.wait(10)
+
+    reader.peer_reads._read = slow  # type: ignore[method-assign, assignment]
+    return gate
+
+
+def generate(request_id: str, tokens: list[int], priority: int = 0) -> GenerateRequest:
+    return GenerateRequest(
+        request_id,
+        tuple(tokens),
+        sampling=SamplingParams(max_tokens=2, temperature=0.0),
+        priority=priority,
+        kv_peer=KvPeer("a", "127.0.0.1:9", len(tokens) - 1),
+    )
+
+
+def test_a_request_aborted_while_its_read_runs_lets_go_of_it() -> None:
+    reader = engine("b", max_running=1)
+    gate = gated(reader)
+    outputs: list[RequestOutput] = []
+    reader.submit(generate("r", PROMPT), outputs.append)
+    reader.step()
+    assert reader.peer_reads.pending == 1
+    reader.abort("r")
+    reader.step()
+    assert reader.peer_reads.pending == 0, "the aborted request's read no longer counts"
+    gate.set()
+    reader.submit(generate("next", PROMPT), outputs.append)
+    reader.submit(
+        GenerateRequest("plain", (5, 6, 7), sampling=SamplingParams(max_tokens=2)), outputs.append
+    )
+    deadline = time.monotonic() + 10
+    while not {"next", "plain"} <= {o.request_id for o in outputs if o.finished}:
+        assert time.monotonic() < deadline, "admission stalled behind a leaked read"
+        reader.step()
+    accounted(reader)
+
+
+def test_reads_past_the_bound_recompute_instead_of_blocking_the_queue() -> None:
+    reader = engine("b", max_running=2, scheduling_policy="priority")
+    gate = gated(reader)
+    outputs: list[RequestOutput] = []
+    for i in range(2):
+        reader.submit(generate(f"low{i}", PROMPT, priority=5), outputs.append)
+    reader.step()
+    assert reader.peer_reads.pending == 2
+    reader.submit(generate("high", PROMPT[:30]), outputs.append)
+    reader.step()
+    assert [o.request_id for o in outputs if o.finished] == [], "high runs, its read skipped"
+    gate.set()
+    deadline = time.monotonic() + 10
+    while sum(o.finished for o in outputs) < 3:
+        assert time.monotonic() < deadline, [o.request_id for o in outputs if o.finished]
+        reader.step()
+    assert reader.peer_reads.pending == 0 and reader.stats().peer_read_failures == 2
+    accounted(reader)
