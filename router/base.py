@@ -189,7 +189,7 @@ class BaseRouter:
             if other is None or bit == own:
                 continue
             depth = index.depth(bit, hashes)
-            if depth > deepest:
+            if depth > deepest and index.in_sync(other):  # not between a gap and its snapshot
                 depth = index.host_from(bit, hashes, index.disk_from(bit, hashes, depth))
                 if depth > deepest:
                     best, deepest = other, depth

@@ -7,8 +7,8 @@ answers:
 
     lease   (engine thread) match the prefix in the device tier, lock the node it ends in, and
             note its pages from `start` on: they can be neither evicted nor reused until `end`
-    read    (engine thread, one chunk at a time between steps) copy a chunk of whole pages of
-            every layer to the CPU
+    read    (engine thread, one chunk at a time between steps, the next while the last is
+            serialised and sent) copy a chunk of whole pages of every layer to the CPU
     end     (engine thread) unlock
 
 The chunks go out as safetensors bytes ("k", "v": [layers, pages, page_size, kv_heads,
@@ -34,8 +34,13 @@ from worker.kv_persistence import StoreIdentity
 if TYPE_CHECKING:
     from worker.engine import Engine
 
-CHUNK_BYTES = 4 << 20
-"""About this much KV a message (and a copy on the engine thread): as the background saver's."""
+CHUNK_BYTES = 16 << 20
+"""About this much KV a message, and a copy on the engine thread (a few milliseconds of a CPU
+worker's engine thread; the next chunk is copied while this one is serialised and sent). A busy
+holder makes one copy a step, so this bounds what a read moves a step."""
+MAX_READS = 8
+"""Reads of this worker's KV under way at once; more are refused (RESOURCE_EXHAUSTED: the
+reader recomputes), so that readers cannot hold much of the pool locked."""
 
 
 def layout_to_proto(identity: StoreIdentity) -> worker_pb2.KvLayout:

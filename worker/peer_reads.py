@@ -11,9 +11,12 @@ on the engine thread (worker/kv_attach.py: fresh device pages and one copy each)
 starts, hitting them.
 
 A read that fails (the peer gone, a layout that differs, a reply that does not fit, the
-deadline) is logged and counted, and what it did not bring is recomputed: the peer is a hint,
-never a dependency. Only text prompts are read (an image prompt's keys carry its images), and
-never a scoring prompt (it wants each position's logits).
+deadline, counted from `begin`) is logged and counted, and what it did not bring is recomputed:
+the peer is a hint, never a dependency. A peer whose read failed or came short is not asked
+again for a while (1 s, doubling with each failure in a row up to a minute). A request that
+ends while its read runs cancels the call, so the holder's lease on its pages ends too. Only
+text prompts are read (an image prompt's keys carry its images), and never a scoring prompt (it
+wants each position's logits).
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 30.0
-"""A read that takes longer is given up (its positions recomputed)."""
+"""A read not done this long after it began is given up (its positions recomputed)."""
+BACKOFF_S = (1.0, 60.0)
+"""A peer whose read failed is not read from for the first; each failure in a row doubles it,
+up to the second."""
 MAX_MESSAGE_BYTES = 64 << 20
 Chunk = tuple[int, torch.Tensor, torch.Tensor]
 """(first position, K, V) of a run of whole pages."""
@@ -57,11 +63,15 @@ class PendingPeerRead:
     start: int
     """Positions of `keys` this worker held when the read began (whole pages)."""
     end: int
-    future: concurrent.futures.Future[tuple[list[Chunk], float] | None]
+    address: str
+    future: concurrent.futures.Future[tuple[list[Chunk], float] | None] | None = None
     finished: bool = False
+    """Let go of: finished, or its request ended first."""
+    call: grpc.Call | None = None
+    """The RPC once sent (the reader thread sets it), cancelled when the request lets go."""
 
     def done(self) -> bool:
-        return self.future.done()
+        return self.future is None or self.future.done()
 
 
 class PeerReads:
@@ -88,6 +98,8 @@ class PeerReads:
         """Prompt positions put into the cache from peers' KV."""
         self.failures = 0
         """Reads that failed (nothing or part of what they asked for came)."""
+        self._backoff: dict[str, tuple[int, float]] = {}
+        """A peer's address -> failed reads in a row, and until when it is not read from."""
 
     def begin(
         self,
@@ -100,6 +112,8 @@ class PeerReads:
         """Start reading what `peer` holds of `keys` past this worker's tiers (engine thread);
         None when it holds no whole page more, or recomputing is priced faster."""
         ps = self.page_size
+        if time.monotonic() < self._backoff.get(peer.address, (0, 0.0))[1]:
+            return None
         start = KvStore.held(engine, keys, namespace) // ps * ps
         end = min(peer.positions, len(keys) - 1) // ps * ps  # the last is computed anyway
         if end <= start:
@@ -114,10 +128,12 @@ class PeerReads:
             start=start,
             layout=self.layout,
         )
-        future = self._pool.submit(self._read, peer, request)
-        future.add_done_callback(lambda _: self._wake())
+        pending = PendingPeerRead(keys, namespace, start, end, peer.address)
+        deadline = time.monotonic() + self.timeout_s
+        pending.future = self._pool.submit(self._read, pending, peer, request, deadline)
+        pending.future.add_done_callback(lambda _: self._wake())
         self.pending += 1
-        return PendingPeerRead(keys, namespace, start, end, future)
+        return pending
 
     def finish(self, engine: Engine, pending: PendingPeerRead) -> int:
         """Insert what `pending` read (engine thread, once `pending.done()`); returns the
@@ -125,9 +141,12 @@ class PeerReads:
         began = time.perf_counter()
         self.release(pending)
         try:
-            result = pending.future.result()
+            result = pending.future.result() if pending.future is not None else None
         except concurrent.futures.CancelledError:
             result = None
+        wanted = pending.end - pending.start
+        brought = sum(k.shape[1] for _, k, _ in result[0]) * self.page_size if result else 0
+        self._judge(pending.address, brought == wanted)
         if result is None:
             self.failures += 1
             return 0
@@ -139,7 +158,7 @@ class PeerReads:
             if not attach_kv(engine, pending.namespace, keys[:first], keys[:last], k, v):
                 break
             added += last - first
-        if added < pending.end - pending.start:
+        if added < wanted:
             self.failures += 1  # the peer held less than it was said to, or no room here
         elif added:
             self.costs.observe_read(added, seconds + time.perf_counter() - began, self.costs.peer)
@@ -147,11 +166,25 @@ class PeerReads:
         return added
 
     def release(self, pending: PendingPeerRead) -> None:
-        """`pending`'s request no longer waits for it (engine thread)."""
+        """`pending`'s request no longer waits for it (engine thread): a read not begun is
+        never sent, one under way is cancelled."""
         if not pending.finished:
             pending.finished = True
             self.pending -= 1
-            pending.future.cancel()  # not begun: never sent
+            if pending.future is not None:
+                pending.future.cancel()
+            call = pending.call  # set by the reader thread, which checks `finished` after
+            if call is not None:
+                call.cancel()
+
+    def _judge(self, address: str, whole: bool) -> None:
+        """After a read from `address`: whether it brought all it was asked (engine thread)."""
+        if whole:
+            self._backoff.pop(address, None)
+            return
+        failed = self._backoff.get(address, (0, 0.0))[0] + 1
+        first, most = BACKOFF_S
+        self._backoff[address] = (failed, time.monotonic() + min(most, first * 2 ** (failed - 1)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -169,16 +202,28 @@ class PeerReads:
         return worker_pb2_grpc.WorkerStub(channel)
 
     def _read(
-        self, peer: KvPeer, request: worker_pb2.ReadKvRequest
+        self,
+        pending: PendingPeerRead,
+        peer: KvPeer,
+        request: worker_pb2.ReadKvRequest,
+        deadline: float,
     ) -> tuple[list[Chunk], float] | None:
         """The chunks `peer` sends, checked, and the seconds it took; None on any failure
         (logged). Reader thread."""
         began = time.perf_counter()
         chunks: list[Chunk] = []
         at = request.start
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.warning("reading KV from %s (%s): not begun in time", peer.worker, peer.address)
+            return None
         try:
-            for message in self._stub(peer.address).ReadKv(request, timeout=self.timeout_s):
-                chunks.append(self._checked(message, at))
+            call = self._stub(peer.address).ReadKv(request, timeout=left)
+            pending.call = call
+            if pending.finished:  # let go of before the call was set: `release` missed it
+                call.cancel()
+            for message in call:
+                chunks.append(self._checked(message, at, pending.end))
                 at += message.positions
         except (grpc.RpcError, ValueError, KeyError, TypeError) as err:
             detail = err.details() if isinstance(err, grpc.Call) else err
@@ -187,12 +232,13 @@ class PeerReads:
                 return None
         return chunks, time.perf_counter() - began
 
-    def _checked(self, message: worker_pb2.KvPages, at: int) -> Chunk:
+    def _checked(self, message: worker_pb2.KvPages, at: int, end: int) -> Chunk:
         ps = self.page_size
-        if message.start != at or message.positions <= 0 or message.positions % ps:
+        positions = message.positions
+        if message.start != at or positions <= 0 or positions % ps or at + positions > end:
             raise ValueError(
-                f"a chunk of {message.positions} positions at {message.start}; expected whole "
-                f"pages of {ps} at {at}"
+                f"a chunk of {positions} positions at {message.start}; expected whole pages "
+                f"of {ps} from {at} to at most {end}"
             )
         tensors = tensors_of(numpy.frombuffer(bytearray(message.tensors), dtype=numpy.uint8))
         layers, heads, dim = self.shape

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
+import torch
 from safetensors.torch import save as save_tensors
 
 from cache import IDENTITY_SCHEME_VERSION, KvEvent, to_cache_keys
@@ -76,6 +77,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.name = name
         self.checkpoint = checkpoint
+        self._reads = 0
+        """ReadKv calls under way (kv_export.MAX_READS at most)."""
 
     async def _on_engine(self, function: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.engine.call(function))
@@ -149,6 +152,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         (worker/kv_export.py)."""
         engine = self.engine
         ps = engine.config.page_size
+        if self._reads >= kv_export.MAX_READS:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._reads} reads of this worker's KV are under way, the most it serves",
+            )
         differs = kv_export.layout_differences(StoreIdentity.of(engine), request.layout)
         if differs:
             await context.abort(
@@ -164,25 +172,47 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {err}")
         namespace = namespace_from_proto(request.namespace)
-        leasing = engine.call(partial(kv_export.lease, engine, keys, namespace, request.start))
+        self._reads += 1
         try:
-            held = await asyncio.shield(asyncio.wrap_future(leasing))
-        except asyncio.CancelledError:  # the reader left: end the lease once it is taken
-            leasing.add_done_callback(partial(_end_lease, engine))
-            raise
-        if held is None:
-            return
+            leasing = engine.call(partial(kv_export.lease, engine, keys, namespace, request.start))
+            try:
+                held = await asyncio.shield(asyncio.wrap_future(leasing))
+            except asyncio.CancelledError:  # the reader left: end the lease once it is taken
+                leasing.add_done_callback(partial(_end_lease, engine))
+                raise
+            if held is None:
+                return
+            try:
+                async for message in self._pages(held):
+                    yield message
+            finally:  # not awaited: the lease ends even when the reader went away (a cancel)
+                engine.call(partial(kv_export.end, engine, held))
+        finally:
+            self._reads -= 1
+
+    async def _pages(self, held: kv_export.Lease) -> AsyncIterator[worker_pb2.KvPages]:
+        """The lease's pages in chunks, each copied on the engine thread while the one before
+        is serialised and sent."""
+        engine, ps = self.engine, self.engine.config.page_size
+        step, pages = kv_export.chunk_pages(engine), len(held.pages)
+        bounds = [(first, min(first + step, pages)) for first in range(0, pages, step)]
+
+        def copy(first: int, last: int) -> asyncio.Task[tuple[torch.Tensor, torch.Tensor]]:
+            read = partial(kv_export.read, engine, held, first, last)
+            return asyncio.ensure_future(self._on_engine(read))
+
+        copying = copy(*bounds[0])
         try:
-            step = kv_export.chunk_pages(engine)
-            for first in range(0, len(held.pages), step):
-                last = min(first + step, len(held.pages))
-                k, v = await self._on_engine(partial(kv_export.read, engine, held, first, last))
+            for i, (first, last) in enumerate(bounds):
+                k, v = await copying
+                if i + 1 < len(bounds):
+                    copying = copy(*bounds[i + 1])
                 data = await asyncio.to_thread(save_tensors, {"k": k, "v": v})
                 yield worker_pb2.KvPages(
                     start=held.start + first * ps, positions=(last - first) * ps, tensors=data
                 )
-        finally:  # not awaited: the lease ends even when the reader went away (a cancel)
-            engine.call(partial(kv_export.end, engine, held))
+        finally:
+            copying.cancel()  # a copy not begun is never made (one begun ends before the lease)
 
     async def StreamKvEvents(
         self, request: worker_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext

@@ -4,6 +4,7 @@ Real caches publish the events the index is built from."""
 
 from __future__ import annotations
 
+from cache import KvEvent, KvEventKind
 from router.cache_aware import CacheAware
 from router.round_robin import RoundRobin
 from tests.router.helpers import BLOCK, CONFIG, Clock, Worker, prompt, request
@@ -74,3 +75,16 @@ def test_a_removed_worker_is_never_named_and_a_blind_policy_names_none() -> None
     blind.add_worker("w1", 100_000)
     holder.deliver(blind)
     assert blind.deeper_holder(request("r", [*HISTORY, 9]), "w0") is None
+
+
+def test_a_worker_whose_events_have_a_gap_is_not_named_until_its_snapshot() -> None:
+    policy = three()
+    holder = Worker("w1")
+    holder.serve(HISTORY)
+    holder.deliver(policy)
+    ask = request("r", [*HISTORY, 9])
+    lost = KvEvent("w1", 10_000, KvEventKind.REMOVED, ())  # events before it were lost
+    assert not policy.apply_event("w1", lost)
+    assert policy.deeper_holder(ask, "w0") is None, "its blocks may be gone"
+    policy.load_snapshot("w1", holder.cache.tree.snapshot())
+    assert policy.deeper_holder(ask, "w0") == ("w1", 800)

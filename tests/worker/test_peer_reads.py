@@ -223,7 +223,7 @@ def gated(reader: Engine) -> threading.Event:
     fail: the positions are recomputed). Stands in for a peer that is slow to answer."""
     gate = threading.Event()
 
-    def slow(peer: KvPeer, ask: worker_pb2.ReadKvRequest) -> None:
+    def slow(*_: object) -> None:
         gate.wait(10)
 
     reader.peer_reads._read = slow  # type: ignore[method-assign, assignment]
@@ -280,3 +280,83 @@ def test_reads_past_the_bound_recompute_instead_of_blocking_the_queue() -> None:
         reader.step()
     assert reader.peer_reads.pending == 0 and reader.stats().peer_read_failures == 2
     accounted(reader)
+
+
+def test_a_hung_peer_times_out_and_is_left_alone_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def hung(*_: object) -> None:
+        time.sleep(1.5)  # on the holder's engine thread: it answers nothing meanwhile
+
+    monkeypatch.setattr(kv_export, "lease", hung)
+    reader = engine("b")
+    reader.peer_reads.timeout_s = 0.3
+
+    async def scenario() -> None:
+        async with pair(reader=reader) as (a, address, b, _):
+            expected, _ = await answer(a, request("on-a", LONGER))
+            other = list(range(100, 141))
+            await answer(a, request("other-on-a", other))
+            began = time.monotonic()
+            tokens, cached = await answer(b, request("on-b", LONGER, peer(address)))
+            assert (tokens, cached) == (expected, 0)
+            assert time.monotonic() - began < 1.4, "the reader gave up at its deadline"
+            _, cached = await answer(b, request("again", [*other, 1], peer(address, 40)))
+            assert cached == 0
+            assert reader.stats().peer_read_failures == 1, "not asked again at once"
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_ends_mid_read_cancels_it_and_the_lease_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kv_export, "CHUNK_BYTES", 1)  # a page a message
+    real = kv_export.read
+
+    def slow(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.3)  # the whole read: 3 s
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv_export, "read", slow)
+    holder = engine("a")
+
+    async def scenario() -> None:
+        async with pair(holder=holder) as (_, address, b, reader):
+            call = b.Generate(request("r", LONGER, peer(address)))
+            deadline = time.monotonic() + 5
+            while not reader.peer_reads.pending:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.4)  # a page or two sent
+            call.cancel()
+            deadline = time.monotonic() + 1.0  # well before the read would have ended
+            pool = holder.cache.pool
+            while holder.cache.tree.evictable_pages != pool.num_cached:  # the lease ends
+                assert time.monotonic() < deadline, "the holder's lease outlived the read"
+                await asyncio.sleep(0.01)
+            assert reader.peer_reads.pending == 0 and reader.stats().peer_read_tokens == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_holder_serving_its_most_reads_refuses_more_and_the_reader_recomputes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kv_export, "MAX_READS", 0)
+
+    async def scenario() -> None:
+        async with pair() as (a, address, b, reader):
+            ask = worker_pb2.ReadKvRequest(
+                token_ids=PROMPT, layout=layout_to_proto(StoreIdentity.of(reader))
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in a.ReadKv(ask):
+                    pass
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            expected, _ = await answer(a, request("on-a", LONGER))
+            tokens, cached = await answer(b, request("on-b", LONGER, peer(address)))
+            assert (tokens, cached) == (expected, 0)
+            assert reader.stats().peer_read_failures == 1
+
+    asyncio.run(scenario())
