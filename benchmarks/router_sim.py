@@ -216,6 +216,13 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 ADAPTER_BLIND = ("cache_aware-adapter_blind", "cache_aware", {"adapter_swaps": False})
 PRIORITY_BLIND = ("cache_aware-priority_blind", "cache_aware", {})
+PEER_READS: tuple[str, str, dict[str, Any]] = ("cache_aware+peer_reads", "cache_aware", {})
+"""The run `--peer-rate` adds: workers read the prefix from the worker the router names
+(`deeper_holder`), the policy still prices a move as a recompute (what serving does with
+`router.peer_kv_rate` 0)."""
+PEER_PRICED: tuple[str, str, dict[str, Any]] = ("cache_aware+peer_priced", "cache_aware", {})
+"""The other run `--peer-rate` adds: the same reads, and cache_aware prices a move as the read
+(RouterConfig.peer_rate: `router.peer_kv_rate`)."""
 """The run `--batch-share` adds: cache_aware routing every request as if at priority 0 (the
 workers still admit by priority), as before decision 84."""
 """The run a LoRA workload adds: cache_aware without its swap term (holders only still)."""
@@ -232,6 +239,8 @@ class Simulation:
         knobs: dict[str, Any] | None = None,
         label: str | None = None,
         priority_blind: bool = False,
+        peer_reads: bool = False,
+        peer_priced: bool = False,
     ) -> None:
         self.stream = stream
         self.args = args
@@ -239,10 +248,17 @@ class Simulation:
         self.rate = args.prefill_rate
         self.now = 0.0
         self.host_rate = args.host_rate or default_host_rate(self.rate)
+        self.peer_rate = args.peer_rate if peer_reads else 0.0
+        """Tokens/s a worker reads a prefix from the worker the router names (0: no reads)."""
+        self.hints: dict[int, tuple[str, int]] = {}
+        """Request index -> the worker named to read its prefix from, and what it holds."""
+        self.peer_read = 0
         config = RouterConfig(
             prefill_rate=self.rate,
             block_tokens=stream.block_positions * self.scale,
             host_rate=self.host_rate,
+            peer_rate=args.peer_rate if peer_priced else None,
+            peer_min_tokens=args.peer_min_tokens,
         )
         self.policy: RoutingPolicy = make_policy(
             policy_name, config, lambda: self.now, **(knobs or {})
@@ -398,6 +414,11 @@ class Simulation:
             self.predicted[request.request_id] = decision.predicted_cached_tokens
             worker = self.workers[decision.worker]
             i = int(request.request_id)
+            if self.peer_rate:  # as the router service names a kv_peer
+                least = self.args.peer_min_tokens
+                hint = self.policy.deeper_holder(request, decision.worker, least)
+                if hint is not None:
+                    self.hints[i] = hint
             heapq.heappush(worker.queue, (self.priorities[i], next(self.queued), i))
             if worker.busy is None:
                 self._start(worker)
@@ -435,8 +456,12 @@ class Simulation:
         host = seq.host_reused if seq is not None else 0
         if seq is not None:
             worker.cache.take_page_copies(seq)  # tier copies: their time is charged below
-        uncached = (n - reused) * self.scale
+        read = self._peer_read(i, req, reused) if self.peer_rate else 0
+        uncached = (n - reused - read) * self.scale
         duration = uncached / self.rate + host * self.scale / self.host_rate
+        if read:
+            duration += read * self.scale / self.peer_rate
+            self.peer_read += read
         duration += self._swap_in(worker, req.namespace.adapter)
         self.host_reused += host
         self.ttft_at[i] = len(self.ttft)
@@ -444,13 +469,26 @@ class Simulation:
         self.ttft_priority.append(self.priorities[i])
         self.reused += reused
         self.total += n
-        self.predicted_error += abs(self.predicted.pop(req.rid) - reused * self.scale)
+        self.predicted_error += abs(self.predicted.pop(req.rid) - (reused + read) * self.scale)
         worker.work_tokens += uncached
         window = self.windows.setdefault(int(self.now // WINDOW_S), [0, {}])
         window[0] += 1
         window[1][worker.name] = window[1].get(worker.name, 0) + uncached
         worker.busy, worker.until = (i, seq), self.now + duration
         heapq.heappush(self.heap, (worker.until, i, worker.name, worker.epoch))
+
+    def _peer_read(self, i: int, req: SimRequest, reused: int) -> int:
+        """Positions of request `i` its worker reads from the worker named for it, past the
+        `reused` it holds: what that worker's device holds now (as the router's index said, at
+        most), when at least `--peer-min-tokens` (worker/peer_reads.py, without its pricing:
+        the simulated read is always the faster way)."""
+        hint = self.hints.pop(i, None)
+        if hint is None:
+            return 0
+        match = self.workers[hint[0]].cache.tree.match(req.positions, req.namespace)
+        held = min(match.length, hint[1] // self.scale, len(req.positions) - 1)
+        read = held - reused
+        return read if read * self.scale >= self.args.peer_min_tokens else 0
 
     def _finish(self, worker: SimWorker) -> None:
         assert worker.busy is not None
@@ -486,6 +524,12 @@ class Simulation:
                 "host_tokens": self.args.host_tokens,
                 "host_rate": self.host_rate,
                 "host_hit_rate": self.host_reused / max(1, self.total),
+            }
+        if self.peer_rate:  # (absent without reads, as the tiers')
+            tiers |= {
+                "peer_rate": self.peer_rate,
+                "peer_read_rate": self.peer_read / max(1, self.total),
+                "hit_rate_with_reads": (self.reused + self.peer_read) / max(1, self.total),
             }
         if self.args.batch_share:  # (absent without batch work, as the tiers')
             tiers |= {"batch_share": self.args.batch_share}
@@ -724,6 +768,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="share of requests that are batch work at priority 1 (workers admit by priority)",
     )
+    parser.add_argument(
+        "--peer-rate",
+        type=float,
+        default=0.0,
+        help="tokens/s a worker reads a prefix from another (adds cache_aware runs with reads)",
+    )
+    parser.add_argument("--peer-min-tokens", type=int, default=256, help="the least read")
     parser.add_argument("--decisions", type=int, default=0, help="measure decision rate only")
     parser.add_argument("--prompt-tokens", type=int, default=10_000)
     parser.add_argument("--block-tokens", type=int, default=512, help="decision-rate blocks")
@@ -752,12 +803,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         runs.append(ADAPTER_BLIND)
     if args.batch_share and args.policy in (None, "cache_aware"):
         runs.append(PRIORITY_BLIND)
+    if args.peer_rate and args.policy in (None, "cache_aware"):
+        runs += [PEER_READS, PEER_PRICED]
     with progress_bar(console=console, transient=True, disable=args.quiet) as progress:
         for label, name, knobs in runs:
             task = progress.add_task(label, total=len(stream.requests))
             began = time.perf_counter()
             blind = label == PRIORITY_BLIND[0]
-            sim = Simulation(stream, name, args, knobs, label, priority_blind=blind)
+            reads = label in (PEER_READS[0], PEER_PRICED[0])
+            sim = Simulation(
+                stream,
+                name,
+                args,
+                knobs,
+                label,
+                priority_blind=blind,
+                peer_reads=reads,
+                peer_priced=label == PEER_PRICED[0],
+            )
             with paused_gc():
                 sim.run(progress, task)
             row = sim.result(pooled, time.perf_counter() - began)

@@ -319,6 +319,11 @@ class RouterSection:
     tokens than the worker a request is routed to holds, that worker is told so and may read
     their KV from it instead of recomputing them (it does when its learned rates price the
     read faster); 0: never. Only policies that track blocks (cache_aware, least_ttft) know."""
+    peer_kv_rate: float = _at_least(0.0, 0.0)
+    """Tokens per second a worker reads from another's cache (measure yours with
+    benchmarks/peer_kv_bench.py): cache_aware then prices moving a request away from its
+    prefix's holder as that read instead of a recompute, so it moves more readily off a busy
+    holder; 0: moves are priced as recomputes (the reads still happen)."""
     text_index: TextIndexSection = field(default_factory=TextIndexSection)
 
 

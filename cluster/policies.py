@@ -14,7 +14,13 @@ def router_config(config: ClusterConfig) -> RouterConfig:
     """What every policy of this cluster is built with: routing blocks of the workers' block size
     (one config, so router and workers agree by construction) and the default prefill rate,
     which the router's stream timing also starts from (cluster/stream_timing.py)."""
-    return RouterConfig(block_tokens=config.engine.block_size)
+    router = config.router
+    reads = router.peer_kv_min_tokens and router.peer_kv_rate
+    return RouterConfig(
+        block_tokens=config.engine.block_size,
+        peer_rate=router.peer_kv_rate if reads else None,
+        peer_min_tokens=max(1, router.peer_kv_min_tokens),
+    )
 
 
 def build_policy(config: ClusterConfig) -> RoutingPolicy:

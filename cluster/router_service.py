@@ -392,8 +392,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         least = self.config.peer_kv_min_tokens
         if not least:
             return None
-        holder = self.links.policy.deeper_holder(route, decision.worker)
-        if holder is None or holder[1] - decision.predicted_cached_tokens < least:
+        holder = self.links.policy.deeper_holder(route, decision.worker, least)
+        if holder is None:
             return None
         link = self.links.links.get(holder[0])
         if link is None:

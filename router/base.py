@@ -173,17 +173,20 @@ class BaseRouter:
         self.members.require(worker)
         self.adapters.report(worker, adapters)
 
-    def deeper_holder(self, request: RouteRequest, worker: WorkerId) -> tuple[WorkerId, int] | None:
+    def deeper_holder(
+        self, request: RouteRequest, worker: WorkerId, least: int = 1
+    ) -> tuple[WorkerId, int] | None:
         """The worker other than `worker` whose device tier holds the most leading blocks of
         `request` (its host tier and saved cache do not count: a peer sends what its device
-        holds), with the positions they cover, when that is more than `worker` holds in any
-        tier; None otherwise, and for a policy that tracks no blocks. The first such worker by
-        membership order on a tie. A worker told to serve the request may read their KV from
-        it rather than recompute them (worker/peer_reads.py)."""
+        holds), with the positions they cover, when that is at least `least` more than
+        `worker` holds in any tier; None otherwise, and for a policy that tracks no blocks.
+        The first such worker by membership order on a tie. A worker told to serve the
+        request may read their KV from it rather than recompute them (worker/peer_reads.py)."""
         hashes = request.block_hashes
         if not self.tracks_blocks or not hashes:
             return None
         index, own = self.index, self.members.bit[worker]
+        held = self.predicted_tokens(index.depth(own, hashes), request)
         best, deepest = None, index.depth(own, hashes)
         for bit, other in enumerate(self.members.by_bit):
             if other is None or bit == own:
@@ -195,7 +198,8 @@ class BaseRouter:
                     best, deepest = other, depth
         if best is None:
             return None
-        return best, self.predicted_tokens(deepest, request)
+        positions = self.predicted_tokens(deepest, request)
+        return (best, positions) if positions - held >= least else None
 
     # -- reports -------------------------------------------------------------------------------
     def index_bytes(self) -> int:

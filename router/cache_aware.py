@@ -24,6 +24,12 @@ routes, and `best` the most any worker holds:
                                                is not resident: the worker's swap seconds
                                                (router/adapters.py; 0 where resident)
 
+With a `peer_rate` (RouterConfig), a worker holding at least `peer_min_tokens` less than
+`best` reads the difference from the holder instead of recomputing it (worker/peer_reads.py):
+its own prefill is then (n - best) / rate + (best - cached(W)) / peer_rate, and the work term
+beta x (best - cached(W)) / peer_rate (the read, and the second copy it makes). Only while the
+read is the faster way: a peer_rate at or below the prefill rate changes nothing.
+
 A LoRA request's candidates are the workers that hold its adapter (resident or in host
 memory); the swap term gathers an adapter's requests where it is resident, and since the wait
 still counts, a busy holder spills to one that must swap it in (not starving other adapters).
@@ -169,6 +175,7 @@ class CacheAware(BaseRouter):
             if best_ttft >= ttft_tail.value:
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
             ttft_tail.add(best_ttft)
+        read_k, read_min = self._read_prices(extra)
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
         tiers = self.index.host_holders or self.index.disk_holders
         adapter = request.namespace.adapter if self.adapter_swaps else None
@@ -176,7 +183,8 @@ class CacheAware(BaseRouter):
         low = float("inf")
         tied: list[tuple[WorkerId, int]] = []  # not list[...](): a generic alias per call
         for worker, wait, own, cached in candidates:
-            cost = wait + own + extra * (best_cached - cached)
+            gap = best_cached - cached  # past read_min, read from the holder: priced read_k
+            cost = wait + own + (extra if gap < read_min else read_k) * gap
             if decode_s:
                 cost += decode_s * states[worker].running
             if tiers and cached:
@@ -186,13 +194,22 @@ class CacheAware(BaseRouter):
             if reserved_of:
                 for saving in reserved_of.get(worker, ()):
                     cost += own if own < saving else saving
-            if cost < low - 1e-9:
-                low, tied = cost, [(worker, cached)]
+            if cost < low - 1e-9:  # (a read's tokens are served from cache too)
+                low, tied = cost, [(worker, cached if gap < read_min else best_cached)]
             elif cost <= low + 1e-9:
-                tied.append((worker, cached))
+                tied.append((worker, cached if gap < read_min else best_cached))
         if len(tied) == 1:
             return RouteDecision(*tied[0])
         return self._pick(tied, request.block_hashes, groups)
+
+    def _read_prices(self, extra: float) -> tuple[float, float]:
+        """(seconds a token of the gap to the best holder costs when read from it: the work
+        term's share minus what reading saves against recomputing it, the least gap read);
+        (0, inf) while reads are not priced or are not the faster way."""
+        peer, rate = self.config.peer_rate, self.prefill_rate
+        if peer is None or peer <= rate:
+            return 0.0, float("inf")
+        return extra * rate / peer - (1.0 / rate - 1.0 / peer), self.config.peer_min_tokens
 
     def _candidates(
         self, request: RouteRequest, groups: list[tuple[int, int]], now: float

@@ -46,6 +46,12 @@ class RouterConfig:
     disk_rate: float | None = None
     """Tokens per second a worker reads back from its saved cache, until learned; None:
     `default_disk_rate(prefill_rate)`."""
+    peer_rate: float | None = None
+    """Tokens per second a worker reads from another worker's device (`kv_peer`,
+    worker/peer_reads.py), for cache_aware to price a move away from a prefix's holder as that
+    read rather than a recompute; None: priced as a recompute (the reads still happen)."""
+    peer_min_tokens: int = 256
+    """The least a read must bring: what `router.peer_kv_min_tokens` names a peer for."""
     adapter_swap_s: float = DEFAULT_SWAP_S
     """Seconds a worker takes to bring an adapter into a slot, until it reports its own."""
     pending_ttl_s: float = 60.0
@@ -54,7 +60,7 @@ class RouterConfig:
     """How long after its prefill a route still counts, while its `stored` event travels."""
 
     def __post_init__(self) -> None:
-        for name in ("host_rate", "disk_rate"):
+        for name in ("host_rate", "disk_rate", "peer_rate"):
             rate = getattr(self, name)
             if rate is not None and not 0.0 < rate < math.inf:
                 raise ValueError(f"{name} must be > 0 tokens/s and finite, got {rate}")
@@ -64,6 +70,8 @@ class RouterConfig:
             )
         if not 0.0 <= self.adapter_swap_s < math.inf:
             raise ValueError(f"adapter_swap_s must be >= 0 and finite, got {self.adapter_swap_s}")
+        if self.peer_min_tokens < 1:
+            raise ValueError(f"peer_min_tokens must be >= 1, got {self.peer_min_tokens}")
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         if not (self.pending_ttl_s > 0 and self.pending_grace_s >= 0):  # NaN: never expires

@@ -106,9 +106,12 @@ class RoutingPolicy(Protocol):
         """Cost time with rates learned from the served streams (router/service_model.py)."""
         ...
 
-    def deeper_holder(self, request: RouteRequest, worker: WorkerId) -> tuple[WorkerId, int] | None:
-        """Another worker whose device holds more of the request's prompt than `worker` holds,
-        with the positions it holds (None: none, or the policy tracks no blocks)."""
+    def deeper_holder(
+        self, request: RouteRequest, worker: WorkerId, least: int = 1
+    ) -> tuple[WorkerId, int] | None:
+        """Another worker whose device holds at least `least` more positions of the request's
+        prompt than `worker` holds, with the positions it holds (None: none, or the policy
+        tracks no blocks)."""
         ...
 
     def index_bytes(self) -> int:

@@ -29,6 +29,8 @@ def test_the_deepest_other_holder_is_named_with_the_positions_it_holds() -> None
     ask = request("r", [*HISTORY, 9, 9])
     assert policy.deeper_holder(ask, "w0") == ("w1", 800)
     assert policy.deeper_holder(ask, "w2") == ("w1", 800)
+    assert policy.deeper_holder(ask, "w2", least=400) == ("w1", 800)
+    assert policy.deeper_holder(ask, "w2", least=401) is None, "w2 holds 400 of them"
     assert policy.deeper_holder(ask, "w1") is None, "nobody holds more than w1"
     assert policy.deeper_holder(request("r", HISTORY[:400]), "w2") is None, "as much is not more"
     assert policy.deeper_holder(request("r", prompt(5, 300)), "w0") is None, "nobody holds it"

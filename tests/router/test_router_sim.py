@@ -134,3 +134,19 @@ def test_batch_work_at_priority_1_and_routing_that_knows_it() -> None:
         assert row["interactive_ttft_p50_s"] <= row["batch_ttft_p50_s"]
     assert aware["interactive_ttft_p90_s"] < 0.8 * blind["interactive_ttft_p90_s"], (aware, blind)
     assert "batch_share" not in simulate("--workload", "multi-turn", "--limit", "30")["cache_aware"]
+
+
+def test_peer_reads_serve_moved_prefixes_and_pricing_them_moves_more() -> None:
+    """`--peer-rate`: on the trace's head, workers read the prefix from the worker the router
+    names instead of recomputing it (more of each prompt served from cache, sooner first
+    tokens), and cache_aware pricing a move as that read moves more and waits less."""
+    rows = simulate("--limit", "3000", "--policy", "cache_aware", "--peer-rate", "80000")
+    plain, reads = rows["cache_aware"], rows["cache_aware+peer_reads"]
+    priced = rows["cache_aware+peer_priced"]
+    assert "peer_rate" not in plain, "without reads the output is as it always was"
+    for row in (reads, priced):
+        assert row["peer_rate"] == 80000 and row["peer_read_rate"] > 0.005
+        assert row["hit_rate_with_reads"] > plain["hit_rate"] + 0.01
+        assert row["ttft_mean_s"] < plain["ttft_mean_s"] and row["ttft_p50_s"] < plain["ttft_p50_s"]
+    assert priced["peer_read_rate"] > 2 * reads["peer_read_rate"], "priced moves read more"
+    assert priced["ttft_p50_s"] < reads["ttft_p50_s"]
