@@ -216,6 +216,11 @@ ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 ADAPTER_BLIND = ("cache_aware-adapter_blind", "cache_aware", {"adapter_swaps": False})
 PRIORITY_BLIND = ("cache_aware-priority_blind", "cache_aware", {})
+"""The run `--batch-share` adds: cache_aware routing every request as if at priority 0 (the
+workers still admit by priority), as before decision 84."""
+"""The run a LoRA workload adds: cache_aware without its swap term (holders only still)."""
+"""Rows of `--ablations`: what the burst dispatch order alone is worth, with and without the
+rest of cache_aware's score."""
 PEER_READS: tuple[str, str, dict[str, Any]] = ("cache_aware+peer_reads", "cache_aware", {})
 """The run `--peer-rate` adds: workers read the prefix from the worker the router names
 (`deeper_holder`), the policy still prices a move as a recompute (what serving does with
@@ -223,11 +228,6 @@ PEER_READS: tuple[str, str, dict[str, Any]] = ("cache_aware+peer_reads", "cache_
 PEER_PRICED: tuple[str, str, dict[str, Any]] = ("cache_aware+peer_priced", "cache_aware", {})
 """The other run `--peer-rate` adds: the same reads, and cache_aware prices a move as the read
 (RouterConfig.peer_rate: `router.peer_kv_rate`)."""
-"""The run `--batch-share` adds: cache_aware routing every request as if at priority 0 (the
-workers still admit by priority), as before decision 84."""
-"""The run a LoRA workload adds: cache_aware without its swap term (holders only still)."""
-"""Rows of `--ablations`: what the burst dispatch order alone is worth, with and without the
-rest of cache_aware's score."""
 
 
 class Simulation:
@@ -258,7 +258,7 @@ class Simulation:
             block_tokens=stream.block_positions * self.scale,
             host_rate=self.host_rate,
             peer_rate=args.peer_rate if peer_priced else None,
-            peer_min_tokens=args.peer_min_tokens,
+            peer_min_tokens=max(1, args.peer_min_tokens),
         )
         self.policy: RoutingPolicy = make_policy(
             policy_name, config, lambda: self.now, **(knobs or {})

@@ -319,7 +319,8 @@ def _drop_oldest_exchange(history: list[tuple[str, str]]) -> bool:
 def stats(args: argparse.Namespace, client: Client) -> int:
     response = client.stats()
     table = Table(title=f"radixmesh at {args.target}: policy {response.policy}")
-    table.add_column("worker", no_wrap=True)
+    names = max((len(w.worker) for w in response.workers), default=6)
+    table.add_column("worker", no_wrap=True, min_width=names)  # squeeze the numbers first
     for column in ("ok", "reqs", "prompt", "cached", "gen", "run", "queue", "free pg",
                    "cached pg", "priv pg", "evicted", "preempt", "host pg", "down/up",
                    "host hit", "disk hit/skip/spill", "peer read/fail"):  # fmt: skip

@@ -88,6 +88,11 @@ class RouterCollector(Collector):
                 "Tokens per second workers read back from their saved caches, as learned",
                 rates.disk_rate or 0.0,
             ),
+            "radixmesh_router_learned_peer_tokens_per_second": (
+                "Tokens per second workers read from other workers' caches, as learned "
+                "(0: router.peer_kv_rate is 0 and reads are not priced)",
+                rates.peer_rate or 0.0,
+            ),
         }
         for name, (text, value) in gauges.items():
             gauge = GaugeMetricFamily(name, text)

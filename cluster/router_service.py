@@ -119,6 +119,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             rates.prefill_rate,
             host_rate=rates.host_rate,
             disk_rate=rates.disk_rate,
+            peer_rate=rates.peer_rate,
         )
 
     # -- Generate ------------------------------------------------------------------------------
@@ -420,6 +421,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                     response.cached_prompt_tokens,
                     response.host_cached_tokens,
                     response.disk_cached_tokens,
+                    response.peer_cached_tokens,
                 )
                 if not answered:
                     answered = True

@@ -52,12 +52,15 @@ class StreamTiming:
         clock: Callable[[], float] = time.perf_counter,
         host_rate: float | None = None,
         disk_rate: float | None = None,
+        peer_rate: float | None = None,
     ) -> None:
         """`policy_of`: the policy in use now (an admin call may switch it);
         `prefill_rate` (and the tiers' rates, None: a multiple of the prefill rate): the
         configured guesses, which stand until enough was observed."""
         self._policy_of = policy_of
-        self.model = ServiceModel(prefill_rate, host_rate=host_rate, disk_rate=disk_rate)
+        self.model = ServiceModel(
+            prefill_rate, host_rate=host_rate, disk_rate=disk_rate, peer_rate=peer_rate
+        )
         self._every = every
         self._seen = 0
         self._taught: RoutingPolicy | None = None
@@ -82,6 +85,7 @@ class StreamTiming:
         cached_prompt_tokens: int,
         host_cached_tokens: int = 0,
         disk_cached_tokens: int = 0,
+        peer_cached_tokens: int = 0,
     ) -> None:
         """A message of sample `index` carrying `tokens` new tokens."""
         if index:  # sample 0 starts first; the others' messages fall between its steps
@@ -97,6 +101,7 @@ class StreamTiming:
                     now - dispatch.began,
                     host_cached_tokens,
                     disk_cached_tokens,
+                    peer_cached_tokens,
                 )
                 self._observed()
         elif tokens > 0:

@@ -53,6 +53,9 @@ class BaseRouter:
         hit by it against recomputing)."""
         self.disk_rate = config.disk_rate or default_disk_rate(config.prefill_rate)
         """Tokens per second read back from a worker's saved cache (a disk hit's price)."""
+        self.peer_rate = config.peer_rate
+        """Tokens per second a worker reads from another's cache (`kv_peer`); None: moves
+        are priced as recomputes (a policy that prices reads: cache_aware)."""
         self.adapters = AdapterBook(config.adapter_swap_s)
         """The LoRA adapters each worker holds and has resident (router/adapters.py)."""
 
@@ -163,6 +166,8 @@ class BaseRouter:
             self.host_rate = rates.host_rate
         if rates.disk_rate is not None:
             self.disk_rate = rates.disk_rate
+        if rates.peer_rate is not None and self.peer_rate is not None:
+            self.peer_rate = rates.peer_rate
 
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.members.require(worker)
@@ -179,27 +184,37 @@ class BaseRouter:
         """The worker other than `worker` whose device tier holds the most leading blocks of
         `request` (its host tier and saved cache do not count: a peer sends what its device
         holds), with the positions they cover, when that is at least `least` more than
-        `worker` holds in any tier; None otherwise, and for a policy that tracks no blocks.
-        The first such worker by membership order on a tie. A worker told to serve the
-        request may read their KV from it rather than recompute them (worker/peer_reads.py)."""
+        `worker` holds in any tier (its pending routes do not count: called once the request
+        is routed, they include the request's own); None otherwise, and for a policy that
+        tracks no blocks. The first such worker by membership order on a tie. A worker told to
+        serve the request may read their KV from it rather than recompute them
+        (worker/peer_reads.py)."""
         hashes = request.block_hashes
         if not self.tracks_blocks or not hashes:
             return None
-        index, own = self.index, self.members.bit[worker]
-        held = self.predicted_tokens(index.depth(own, hashes), request)
-        best, deepest = None, index.depth(own, hashes)
-        for bit, other in enumerate(self.members.by_bit):
-            if other is None or bit == own:
-                continue
-            depth = index.depth(bit, hashes)
-            if depth > deepest and index.in_sync(other):  # not between a gap and its snapshot
-                depth = index.host_from(bit, hashes, index.disk_from(bit, hashes, depth))
-                if depth > deepest:
-                    best, deepest = other, depth
-        if best is None:
+        own = self.members.bit[worker]
+        bit, deepest = self.deepest_on_device(hashes, own)
+        if bit < 0:
             return None
         positions = self.predicted_tokens(deepest, request)
-        return (best, positions) if positions - held >= least else None
+        held = self.predicted_tokens(self.index.depth(own, hashes), request)
+        holder = self.members.by_bit[bit]
+        return (holder, positions) if holder and positions - held >= least else None
+
+    def deepest_on_device(self, hashes: tuple[int, ...], skip: int = -1) -> tuple[int, int]:
+        """(bit, blocks) of the member, but `skip`'s, whose device holds the most leading blocks
+        of `hashes` as its events say (in sync: not between a gap and its snapshot; pending
+        routes do not count); (-1, 0) when none holds any. The first by membership on a tie."""
+        index, best, deepest = self.index, -1, 0
+        for bit, worker in enumerate(self.members.by_bit):
+            if worker is None or bit == skip:
+                continue
+            depth = index.depth(bit, hashes)
+            if depth > deepest and index.in_sync(worker):
+                depth = index.host_from(bit, hashes, index.disk_from(bit, hashes, depth))
+                if depth > deepest:
+                    best, deepest = bit, depth
+        return best, deepest
 
     # -- reports -------------------------------------------------------------------------------
     def index_bytes(self) -> int:

@@ -24,11 +24,13 @@ routes, and `best` the most any worker holds:
                                                is not resident: the worker's swap seconds
                                                (router/adapters.py; 0 where resident)
 
-With a `peer_rate` (RouterConfig), a worker holding at least `peer_min_tokens` less than
-`best` reads the difference from the holder instead of recomputing it (worker/peer_reads.py):
-its own prefill is then (n - best) / rate + (best - cached(W)) / peer_rate, and the work term
-beta x (best - cached(W)) / peer_rate (the read, and the second copy it makes). Only while the
-read is the faster way: a peer_rate at or below the prefill rate changes nothing.
+With a `peer_rate` (RouterConfig, learned once configured), a worker holding at least
+`peer_min_tokens` less than `read_to`, what the deepest device holder holds (the worker a
+request is told to read from: `deeper_holder`), reads the difference r from it instead of
+recomputing it (worker/peer_reads.py): its own prefill and work term then count r at
+1 / peer_rate and beta / peer_rate instead of 1 / rate and beta / rate (the read, and the
+second copy it makes). Only while the read is the faster way: a peer_rate at or below the
+prefill rate changes nothing.
 
 A LoRA request's candidates are the workers that hold its adapter (resident or in host
 memory); the swap term gathers an adapter's requests where it is resident, and since the wait
@@ -71,6 +73,8 @@ from router.interface import RouteDecision, RouteRequest, WorkerId
 from router.prefix_match import prefix_groups
 from router.rendezvous import weight
 
+NEVER = 1 << 62
+"""A least read no gap reaches: reads are not priced."""
 _TAIL_SAMPLING = {"window": 512, "warmup": 16, "stride": 4}
 """The tails read every 4th decision of the last 2,048: the sorted inserts were a third of a
 decision's time, and on the conversation trace the 97th percentile of 512 samples moved the
@@ -175,7 +179,7 @@ class CacheAware(BaseRouter):
             if best_ttft >= ttft_tail.value:
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
             ttft_tail.add(best_ttft)
-        read_k, read_min = self._read_prices(extra)
+        read_k, read_min, read_to = self._read_prices(request, extra)
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
         tiers = self.index.host_holders or self.index.disk_holders
         adapter = request.namespace.adapter if self.adapter_swaps else None
@@ -183,8 +187,9 @@ class CacheAware(BaseRouter):
         low = float("inf")
         tied: list[tuple[WorkerId, int]] = []  # not list[...](): a generic alias per call
         for worker, wait, own, cached in candidates:
-            gap = best_cached - cached  # past read_min, read from the holder: priced read_k
-            cost = wait + own + (extra if gap < read_min else read_k) * gap
+            read = read_to - cached  # what a read brings; at least read_min, or none
+            read = read if read >= read_min else 0
+            cost = wait + own + extra * (best_cached - cached) + read_k * read
             if decode_s:
                 cost += decode_s * states[worker].running
             if tiers and cached:
@@ -195,21 +200,25 @@ class CacheAware(BaseRouter):
                 for saving in reserved_of.get(worker, ()):
                     cost += own if own < saving else saving
             if cost < low - 1e-9:  # (a read's tokens are served from cache too)
-                low, tied = cost, [(worker, cached if gap < read_min else best_cached)]
+                low, tied = cost, [(worker, cached + read)]
             elif cost <= low + 1e-9:
-                tied.append((worker, cached if gap < read_min else best_cached))
+                tied.append((worker, cached + read))
         if len(tied) == 1:
             return RouteDecision(*tied[0])
         return self._pick(tied, request.block_hashes, groups)
 
-    def _read_prices(self, extra: float) -> tuple[float, float]:
-        """(seconds a token of the gap to the best holder costs when read from it: the work
-        term's share minus what reading saves against recomputing it, the least gap read);
-        (0, inf) while reads are not priced or are not the faster way."""
-        peer, rate = self.config.peer_rate, self.prefill_rate
+    def _read_prices(self, request: RouteRequest, extra: float) -> tuple[float, int, int]:
+        """(seconds a token read from a peer costs against recomputing it, the work term
+        included; the least read; the tokens the deepest device holder holds, which is what a
+        worker is told to read from: `deeper_holder`), or (0, NEVER, 0) while reads are not
+        priced or are not the faster way. Pending routes and host or disk blocks count toward
+        `best` but are never read."""
+        peer, rate = self.peer_rate, self.prefill_rate
         if peer is None or peer <= rate:
-            return 0.0, float("inf")
-        return extra * rate / peer - (1.0 / rate - 1.0 / peer), self.config.peer_min_tokens
+            return 0.0, NEVER, 0
+        read_k = (extra * rate / peer - extra) - (1.0 / rate - 1.0 / peer)
+        depth = self.deepest_on_device(request.block_hashes)[1]
+        return read_k, self.config.peer_min_tokens, self.predicted_tokens(depth, request)
 
     def _candidates(
         self, request: RouteRequest, groups: list[tuple[int, int]], now: float

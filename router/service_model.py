@@ -38,7 +38,10 @@ token: `host_rate` is host tokens over those excess seconds, both decayed sums, 
 `min_samples` such first tokens were seen (the configured rate until then), within
 `max_factor` of the configured one. Saved caches the same way: a first token with `disk_tokens`
 read back from a worker's disk gives `disk_rate`, its excess less what its host tokens (if any)
-cost at the host rate of the moment.
+cost at the host rate of the moment. And reads from another worker's cache (`peer_tokens`):
+`peer_rate`, its excess less what its host and disk tokens cost; learned always (those first
+tokens stay out of the prefill fit), handed to the policy only when a rate was configured
+(`router.peer_kv_rate`: the policy then prices moves as reads).
 """
 
 from __future__ import annotations
@@ -59,13 +62,15 @@ class ServiceRates:
     """Tokens per second copied back from a host tier; None: keep the configured rate."""
     disk_rate: float | None = None
     """Tokens per second read back from a saved cache; None: keep the configured rate."""
+    peer_rate: float | None = None
+    """Tokens per second read from another worker's cache; None: keep the configured rate."""
 
     def __post_init__(self) -> None:
         # a policy divides by the rate and multiplies the decode cost into every score: a
         # zero, negative or non-finite value would surface later as a crash or a NaN cost
         tier_bad = any(
             rate is not None and not 0.0 < rate < math.inf
-            for rate in (self.host_rate, self.disk_rate)
+            for rate in (self.host_rate, self.disk_rate, self.peer_rate)
         )
         if (
             tier_bad
@@ -88,6 +93,7 @@ class ServiceModel:
         min_spread_tokens: float = 32.0,
         host_rate: float | None = None,
         disk_rate: float | None = None,
+        peer_rate: float | None = None,
     ) -> None:
         if (
             not 0.0 < prefill_rate < math.inf
@@ -104,6 +110,7 @@ class ServiceModel:
         self.configured_rate = prefill_rate
         self._host_configured = host_rate
         self._disk_configured = disk_rate
+        self._peer_configured = peer_rate
         self.max_factor = max_factor
         self.min_samples = min_samples
         self.min_spread_tokens = min_spread_tokens
@@ -117,6 +124,7 @@ class ServiceModel:
         self._first_tokens = 0
         self._host = _TierFit()
         self._disk = _TierFit()
+        self._peer = _TierFit()
 
     def observe_step(self, running: int, seconds: float) -> None:
         """One decode step: `seconds` between two responses while `running` requests ran."""
@@ -134,14 +142,17 @@ class ServiceModel:
         seconds: float,
         host_tokens: int = 0,
         disk_tokens: int = 0,
+        peer_tokens: int = 0,
     ) -> None:
         """A request dispatched to a worker with no prefill queued and `running` requests in
         flight (itself excluded) had its first token after `seconds`; `host_tokens` of its
-        cached prompt came back from the host tier, `disk_tokens` from its saved cache."""
+        cached prompt came back from the host tier, `disk_tokens` from its saved cache,
+        `peer_tokens` from another worker's cache."""
         if running < 0 or not 0.0 <= seconds < math.inf:
             return
-        if host_tokens > 0 or disk_tokens > 0:
-            self._observe_tiers(max(uncached_tokens, 0), running, seconds, host_tokens, disk_tokens)
+        if host_tokens > 0 or disk_tokens > 0 or peer_tokens > 0:
+            tiers = (host_tokens, disk_tokens, peer_tokens)
+            self._observe_tiers(max(uncached_tokens, 0), running, seconds, *tiers)
             return
         if uncached_tokens < 1:
             return
@@ -181,14 +192,18 @@ class ServiceModel:
         return sx / sy
 
     def _observe_tiers(
-        self, uncached: int, running: int, seconds: float, host: int, disk: int
+        self, uncached: int, running: int, seconds: float, host: int, disk: int, peer: int = 0
     ) -> None:
         fit = self._fit() if self._first_tokens >= self.min_samples else None
         if fit is None:  # no prefill fit to subtract yet
             return
         slope, intercept = fit
         excess = seconds - intercept - self.decode_s * (running + 1) - slope * uncached
-        if disk > 0:  # what its host tokens cost at the host rate of the moment is not disk's
+        if peer > 0:  # what its host and disk tokens cost is not the read's
+            self._peer.observe(
+                peer, excess - host / self.host_rate - disk / self.disk_rate, self._decay
+            )
+        elif disk > 0:  # what its host tokens cost at the host rate of the moment is not disk's
             self._disk.observe(disk, excess - host / self.host_rate, self._decay)
         else:
             self._host.observe(host, excess, self._decay)
@@ -224,8 +239,19 @@ class ServiceModel:
         """The learned saved-cache rate (tokens/s), clamped; the configured one until enough."""
         return self._disk.rate(self.configured_disk_rate, self.min_samples, self.max_factor)
 
+    @property
+    def peer_rate(self) -> float | None:
+        """The learned rate of reads from other workers (tokens/s), clamped around the
+        configured one; None while none is configured (the policy does not price reads)."""
+        configured = self._peer_configured
+        if configured is None:
+            return None
+        return self._peer.rate(configured, self.min_samples, self.max_factor)
+
     def rates(self) -> ServiceRates:
-        return ServiceRates(self.prefill_rate, self.decode_s, self.host_rate, self.disk_rate)
+        return ServiceRates(
+            self.prefill_rate, self.decode_s, self.host_rate, self.disk_rate, self.peer_rate
+        )
 
 
 class _TierFit:

@@ -745,7 +745,7 @@ class Engine:
                 return False
             request.peer_checked, request.peer_read = True, None
             if pending.namespace == request.request.namespace:  # not an adapter replaced since
-                reads.finish(self, pending)
+                request.peer_cached_tokens = reads.finish(self, pending)
             reads.release(pending)
         except Exception:  # a peer's cache must never fail a request
             log.exception("reading KV from a peer for %s failed", request.request.request_id)
@@ -1213,6 +1213,7 @@ class Engine:
             cached_prompt_tokens=request.cached_prompt_tokens,
             host_cached_tokens=request.host_cached_tokens,
             disk_cached_tokens=request.disk_cached_tokens,
+            peer_cached_tokens=request.peer_cached_tokens,
             finished=reason is not None,
             finish_reason=reason,
             error=error,

@@ -12,8 +12,9 @@ starts, hitting them.
 
 A read that fails (the peer gone, a layout that differs, a reply that does not fit, the
 deadline, counted from `begin`) is logged and counted, and what it did not bring is recomputed:
-the peer is a hint, never a dependency. A peer whose read failed or came short is not asked
-again for a while (1 s, doubling with each failure in a row up to a minute). A request that
+the peer is a hint, never a dependency. A peer whose read failed (an error, the deadline, a
+refusal; not one that held less than the router thought) is not asked again for a while (1 s,
+doubling with each failure in a row up to a minute). A request that
 ends while its read runs cancels the call, so the holder's lease on its pages ends too. Only
 text prompts are read (an image prompt's keys carry its images), and never a scoring prompt (it
 wants each position's logits).
@@ -54,6 +55,9 @@ up to the second."""
 MAX_MESSAGE_BYTES = 64 << 20
 Chunk = tuple[int, torch.Tensor, torch.Tensor]
 """(first position, K, V) of a run of whole pages."""
+Read = tuple[list[Chunk], float, bool]
+"""The chunks a read brought, checked, the seconds it took, and whether it failed (an error
+ended it: what came before it is good)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -64,7 +68,7 @@ class PendingPeerRead:
     """Positions of `keys` this worker held when the read began (whole pages)."""
     end: int
     address: str
-    future: concurrent.futures.Future[tuple[list[Chunk], float] | None] | None = None
+    future: concurrent.futures.Future[Read | None] | None = None
     finished: bool = False
     """Let go of: finished, or its request ended first."""
     call: grpc.Call | None = None
@@ -144,13 +148,9 @@ class PeerReads:
             result = pending.future.result() if pending.future is not None else None
         except concurrent.futures.CancelledError:
             result = None
+        chunks, seconds, failed = result if result is not None else ([], 0.0, True)
+        self._judge(pending.address, failed)
         wanted = pending.end - pending.start
-        brought = sum(k.shape[1] for _, k, _ in result[0]) * self.page_size if result else 0
-        self._judge(pending.address, brought == wanted)
-        if result is None:
-            self.failures += 1
-            return 0
-        chunks, seconds = result
         added = 0
         for first, k, v in chunks:
             last = first + k.shape[1] * self.page_size
@@ -158,8 +158,8 @@ class PeerReads:
             if not attach_kv(engine, pending.namespace, keys[:first], keys[:last], k, v):
                 break
             added += last - first
-        if added < wanted:
-            self.failures += 1  # the peer held less than it was said to, or no room here
+        if failed or added < wanted:
+            self.failures += 1  # or the peer held less than it was said to, or no room here
         elif added:
             self.costs.observe_read(added, seconds + time.perf_counter() - began, self.costs.peer)
         self.read_tokens += added
@@ -177,14 +177,14 @@ class PeerReads:
             if call is not None:
                 call.cancel()
 
-    def _judge(self, address: str, whole: bool) -> None:
-        """After a read from `address`: whether it brought all it was asked (engine thread)."""
-        if whole:
+    def _judge(self, address: str, failed: bool) -> None:
+        """After a read from `address`: whether it failed (engine thread)."""
+        if not failed:
             self._backoff.pop(address, None)
             return
-        failed = self._backoff.get(address, (0, 0.0))[0] + 1
+        times = self._backoff.get(address, (0, 0.0))[0] + 1
         first, most = BACKOFF_S
-        self._backoff[address] = (failed, time.monotonic() + min(most, first * 2 ** (failed - 1)))
+        self._backoff[address] = (times, time.monotonic() + min(most, first * 2 ** (times - 1)))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -207,16 +207,16 @@ class PeerReads:
         peer: KvPeer,
         request: worker_pb2.ReadKvRequest,
         deadline: float,
-    ) -> tuple[list[Chunk], float] | None:
-        """The chunks `peer` sends, checked, and the seconds it took; None on any failure
-        (logged). Reader thread."""
+    ) -> Read:
+        """The chunks `peer` sends, checked, the seconds it took, whether a failure ended it
+        (logged, but for the cancel of a read let go of). Reader thread."""
         began = time.perf_counter()
         chunks: list[Chunk] = []
         at = request.start
         left = deadline - time.monotonic()
         if left <= 0:
             log.warning("reading KV from %s (%s): not begun in time", peer.worker, peer.address)
-            return None
+            return chunks, 0.0, True
         try:
             call = self._stub(peer.address).ReadKv(request, timeout=left)
             pending.call = call
@@ -227,10 +227,10 @@ class PeerReads:
                 at += message.positions
         except (grpc.RpcError, ValueError, KeyError, TypeError) as err:
             detail = err.details() if isinstance(err, grpc.Call) else err
-            log.warning("reading KV from %s (%s) failed: %s", peer.worker, peer.address, detail)
-            if not chunks:
-                return None
-        return chunks, time.perf_counter() - began
+            level = logging.DEBUG if pending.finished else logging.WARNING
+            log.log(level, "reading KV from %s (%s) failed: %s", peer.worker, peer.address, detail)
+            return chunks, time.perf_counter() - began, True
+        return chunks, time.perf_counter() - began, False
 
     def _checked(self, message: worker_pb2.KvPages, at: int, end: int) -> Chunk:
         ps = self.page_size

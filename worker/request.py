@@ -132,6 +132,8 @@ class RequestOutput:
     """Of `cached_prompt_tokens`, those copied back from the host tier."""
     disk_cached_tokens: int = 0
     """Of `cached_prompt_tokens`, those read back from the disk tier for this request."""
+    peer_cached_tokens: int = 0
+    """Of `cached_prompt_tokens`, those read from another worker's cache for this request."""
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None

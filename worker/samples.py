@@ -141,6 +141,8 @@ class RequestState:
     wait queued until the read ends."""
     peer_checked: bool = False
     """Whether its peer was asked (or found not worth asking), once, at first admission."""
+    peer_cached_tokens: int = 0
+    """Of `cached_prompt_tokens`, the positions read from its peer (the router's `kv_peer`)."""
     admitted: bool = False
     forked: bool = False
     submitted: float = field(default_factory=time.perf_counter)

@@ -390,6 +390,12 @@ class Scheduler:
                 sample.request.disk_cached_tokens,
                 sample.request.cached_prompt_tokens - sample.request.host_cached_tokens,
             )
+            sample.request.peer_cached_tokens = min(
+                sample.request.peer_cached_tokens,
+                sample.request.cached_prompt_tokens
+                - sample.request.host_cached_tokens
+                - sample.request.disk_cached_tokens,
+            )
         return Admission.ADMITTED
 
     def _make_room(self, sample: SampleState, positions: int) -> bool:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -61,6 +62,12 @@ def _queue_fed_from_threads() -> tuple[asyncio.Queue[T], Callable[[T], None]]:
         loop.call_soon_threadsafe(queue.put_nowait, item)
 
     return queue, put
+
+
+def _retrieved(task: asyncio.Task[object]) -> None:
+    """A copy nobody awaits any more: its failure is not news (the reader left)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _end_lease(engine: Engine, leasing: concurrent.futures.Future[kv_export.Lease | None]) -> None:
@@ -183,14 +190,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if held is None:
                 return
             try:
-                async for message in self._pages(held):
-                    yield message
+                async with contextlib.aclosing(self._pages(held)) as pages:
+                    async for message in pages:
+                        yield message
             finally:  # not awaited: the lease ends even when the reader went away (a cancel)
                 engine.call(partial(kv_export.end, engine, held))
         finally:
             self._reads -= 1
 
-    async def _pages(self, held: kv_export.Lease) -> AsyncIterator[worker_pb2.KvPages]:
+    async def _pages(self, held: kv_export.Lease) -> AsyncGenerator[worker_pb2.KvPages, None]:
         """The lease's pages in chunks, each copied on the engine thread while the one before
         is serialised and sent."""
         engine, ps = self.engine, self.engine.config.page_size
@@ -213,6 +221,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 )
         finally:
             copying.cancel()  # a copy not begun is never made (one begun ends before the lease)
+            copying.add_done_callback(_retrieved)
 
     async def StreamKvEvents(
         self, request: worker_pb2.StreamKvEventsRequest, context: grpc.aio.ServicerContext

@@ -193,6 +193,7 @@ def output_to_proto(
         cached_prompt_tokens=output.cached_prompt_tokens,
         host_cached_tokens=output.host_cached_tokens,
         disk_cached_tokens=output.disk_cached_tokens,
+        peer_cached_tokens=output.peer_cached_tokens,
         predicted_cached_tokens=predicted_cached_tokens,
         worker=worker,
         logprobs=[logprob_to_proto(each) for each in output.logprobs],

@@ -58,6 +58,7 @@ def test_a_request_routed_away_from_its_prefix_reads_it_from_the_holder(
     assert {r.worker for r in second} == {other}
     cached = second[-1].cached_prompt_tokens
     assert cached >= 32, "the shared prefix came from the holder's cache"
+    assert second[-1].peer_cached_tokens == cached, "and the response says it was read"
     workers = {w.worker: w for w in cluster.stats().workers}
     assert workers[other].peer_read_tokens == cached
     assert workers[other].peer_read_failures == 0

@@ -262,23 +262,25 @@ def test_a_priced_peer_read_moves_a_request_off_a_busy_holder() -> None:
         holder.serve(history)
         holder.deliver(policy)
         policy.loads.routed("queued", "w1", 1200, 1200, 0.0)
-        decision = policy.route(request("t", prompt(90, 840, history)))
-        assert decision == (expected or RouteDecision("w0", 800)), peer_rate
-        assert policy.deeper_holder(request("t", prompt(90, 840, history)), "w0", 256) == (
-            "w1",
-            800,
-        )
+        ask = request("t", prompt(90, 840, history))
+        assert policy.deeper_holder(ask, "w0", 256) == ("w1", 800), "w0 would be told to read"
+        assert policy.route(ask) == (expected or RouteDecision("w0", 800)), peer_rate
 
 
 def test_a_gap_under_the_least_read_or_a_read_slower_than_recomputing_is_not_priced() -> None:
-    for peer_rate, least in ((10 * RATE, 801), (RATE, 256), (RATE / 2, 256)):
-        config = replace(CONFIG, peer_rate=peer_rate, peer_min_tokens=least)
-        policy = CacheAware(config, Clock(), burst=False)
-        for w in range(2):
-            policy.add_worker(f"w{w}", 100_000)
-        holder = Worker("w1")
-        history = prompt(9, 800)
-        holder.serve(history)
-        holder.deliver(policy)
-        policy.loads.routed("queued", "w1", 1200, 1200, 0.0)
-        assert policy.route(request("t", prompt(90, 840, history))) == RouteDecision("w1", 800)
+    """1.2 s queued on the holder: unpriced, the request stays; 2 s: it moves, to recompute.
+    A read under the least, or no faster than recomputing, prices nothing either way (a read
+    at half the prefill rate, priced, would have kept the second request at its holder)."""
+    for queued, expected in ((1200, RouteDecision("w1", 800)), (2000, RouteDecision("w0", 0))):
+        for peer_rate, least in ((None, 256), (10 * RATE, 801), (RATE, 256), (RATE / 2, 256)):
+            config = replace(CONFIG, peer_rate=peer_rate, peer_min_tokens=least)
+            policy = CacheAware(config, Clock(), burst=False)
+            for w in range(2):
+                policy.add_worker(f"w{w}", 100_000)
+            holder = Worker("w1")
+            history = prompt(9, 800)
+            holder.serve(history)
+            holder.deliver(policy)
+            policy.loads.routed("queued", "w1", queued, queued, 0.0)
+            decision = policy.route(request("t", prompt(90, 840, history)))
+            assert decision == expected, (queued, peer_rate, least)

@@ -1,13 +1,17 @@
-"""`deeper_holder`: which other worker holds more of a request's prompt in memory, as the index
-says, for the router to name as the request's `kv_peer` (worker/peer_reads.py reads from it).
-Real caches publish the events the index is built from."""
+"""Routing with reads from other workers' caches: `deeper_holder` (which other worker's
+device holds more of a request's prompt, for the router to name as its `kv_peer`), and the
+read rate the service model learns and the policy is calibrated with. Real caches publish the
+events the index is built from."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from cache import KvEvent, KvEventKind
 from router.cache_aware import CacheAware
 from router.round_robin import RoundRobin
-from tests.router.helpers import BLOCK, CONFIG, Clock, Worker, prompt, request
+from router.service_model import ServiceModel, ServiceRates
+from tests.router.helpers import BLOCK, CONFIG, RATE, Clock, Worker, prompt, request
 from tests.router.test_disk_tier_routing import saved
 from tests.router.test_host_tier_routing import HISTORY, demoted
 
@@ -90,3 +94,27 @@ def test_a_worker_whose_events_have_a_gap_is_not_named_until_its_snapshot() -> N
     assert policy.deeper_holder(ask, "w0") is None, "its blocks may be gone"
     policy.load_snapshot("w1", holder.cache.tree.snapshot())
     assert policy.deeper_holder(ask, "w0") == ("w1", 800)
+
+
+def test_the_service_model_learns_the_peer_rate_and_keeps_reads_out_of_the_prefill_fit() -> None:
+    model = ServiceModel(RATE, min_samples=4, peer_rate=20 * RATE)
+    for uncached in (100, 300, 500, 700, 900, 200):  # 2 ms overhead + 1 ms a token
+        model.observe_first_token(uncached, 0, 0.002 + uncached / RATE)
+    for read in (400, 800, 1200, 1600):  # reads at 6,000 tokens/s
+        model.observe_first_token(40, 0, 0.002 + 40 / RATE + read / 6000.0, peer_tokens=read)
+    assert abs(model.prefill_rate - RATE) < 1.0, "first tokens with reads stay out of the fit"
+    assert abs(model.peer_rate - 6000.0) < 60.0  # type: ignore[operator]
+    assert model.rates().peer_rate == model.peer_rate
+    unpriced = ServiceModel(RATE, min_samples=4)
+    assert unpriced.peer_rate is None and unpriced.rates().peer_rate is None
+
+
+def test_calibration_sets_the_peer_rate_only_where_reads_are_priced() -> None:
+    priced = CacheAware(replace(CONFIG, peer_rate=10 * RATE), Clock())
+    priced.calibrate(ServiceRates(RATE, 0.0, peer_rate=6 * RATE))
+    assert priced.peer_rate == 6 * RATE
+    priced.calibrate(ServiceRates(RATE, 0.0))  # a model that learned nothing of reads
+    assert priced.peer_rate == 6 * RATE
+    unpriced = CacheAware(CONFIG, Clock())
+    unpriced.calibrate(ServiceRates(RATE, 0.0, peer_rate=6 * RATE))
+    assert unpriced.peer_rate is None
