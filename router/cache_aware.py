@@ -73,8 +73,6 @@ from router.interface import RouteDecision, RouteRequest, WorkerId
 from router.prefix_match import prefix_groups
 from router.rendezvous import weight
 
-NEVER = 1 << 62
-"""A least read no gap reaches: reads are not priced."""
 _TAIL_SAMPLING = {"window": 512, "warmup": 16, "stride": 4}
 """The tails read every 4th decision of the last 2,048: the sorted inserts were a third of a
 decision's time, and on the conversation trace the 97th percentile of 512 samples moved the
@@ -179,7 +177,7 @@ class CacheAware(BaseRouter):
             if best_ttft >= ttft_tail.value:
                 extra = 0.0  # its TTFT is in the tail wherever it goes: only its own counts
             ttft_tail.add(best_ttft)
-        read_k, read_min, read_to = self._read_prices(request, extra)
+        reads = self._priced_reads(request, candidates, extra)  # off: nothing more a candidate
         reserved_of, decode_s, states = self._reserved, self.decode_s, self.loads.workers
         tiers = self.index.host_holders or self.index.disk_holders
         adapter = request.namespace.adapter if self.adapter_swaps else None
@@ -187,9 +185,7 @@ class CacheAware(BaseRouter):
         low = float("inf")
         tied: list[tuple[WorkerId, int]] = []  # not list[...](): a generic alias per call
         for worker, wait, own, cached in candidates:
-            read = read_to - cached  # what a read brings; at least read_min, or none
-            read = read if read >= read_min else 0
-            cost = wait + own + extra * (best_cached - cached) + read_k * read
+            cost = wait + own + extra * (best_cached - cached)
             if decode_s:
                 cost += decode_s * states[worker].running
             if tiers and cached:
@@ -199,26 +195,55 @@ class CacheAware(BaseRouter):
             if reserved_of:
                 for saving in reserved_of.get(worker, ()):
                     cost += own if own < saving else saving
-            if cost < low - 1e-9:  # (a read's tokens are served from cache too)
-                low, tied = cost, [(worker, cached + read)]
+            if cost < low - 1e-9:
+                low, tied = cost, [(worker, cached)]
             elif cost <= low + 1e-9:
-                tied.append((worker, cached + read))
-        if len(tied) == 1:
-            return RouteDecision(*tied[0])
-        return self._pick(tied, request.block_hashes, groups)
+                tied.append((worker, cached))
+        return self._decided(tied, request.block_hashes, groups, reads)
 
-    def _read_prices(self, request: RouteRequest, extra: float) -> tuple[float, int, int]:
-        """(seconds a token read from a peer costs against recomputing it, the work term
-        included; the least read; the tokens the deepest device holder holds, which is what a
-        worker is told to read from: `deeper_holder`), or (0, NEVER, 0) while reads are not
-        priced or are not the faster way. Pending routes and host or disk blocks count toward
-        `best` but are never read."""
+    def _priced_reads(
+        self,
+        request: RouteRequest,
+        candidates: list[tuple[WorkerId, float, float, int]],
+        extra: float,
+    ) -> dict[WorkerId, int] | None:
+        """Price a read from a peer into each candidate's cost (in place, added to its wait:
+        its `own` stays the recompute that a burst's reservations compare), and return
+        the tokens each would read: those between what it holds and what the deepest in-sync
+        device holder holds (the worker `deeper_holder` names; pending routes and host or
+        disk blocks count toward `best` but are never read), when at least `peer_min_tokens`,
+        at 1 / peer_rate for the prefill and beta / peer_rate for the work term instead of
+        1 / rate and beta / rate. None while a read is not priced or not the faster way
+        (peer_rate at or under the prefill rate)."""
         peer, rate = self.peer_rate, self.prefill_rate
         if peer is None or peer <= rate:
-            return 0.0, NEVER, 0
+            return None
         read_k = (extra * rate / peer - extra) - (1.0 / rate - 1.0 / peer)
-        depth = self.deepest_on_device(request.block_hashes)[1]
-        return read_k, self.config.peer_min_tokens, self.predicted_tokens(depth, request)
+        read_to = self.predicted_tokens(self.deepest_on_device(request.block_hashes)[1], request)
+        least, reads = self.config.peer_min_tokens, {}
+        for i, (worker, wait, own, cached) in enumerate(candidates):
+            read = read_to - cached
+            if read >= least:
+                reads[worker] = read
+                candidates[i] = (worker, wait + read_k * read, own, cached)
+        return reads
+
+    def _decided(
+        self,
+        tied: list[tuple[WorkerId, int]],
+        hashes: tuple[int, ...],
+        groups: list[tuple[int, int]],
+        reads: dict[WorkerId, int] | None,
+    ) -> RouteDecision:
+        """The one of `tied` (`_pick` among several), predicted to serve from cache what it
+        holds and what it reads."""
+        decision = RouteDecision(*tied[0]) if len(tied) == 1 else self._pick(tied, hashes, groups)
+        read = reads.get(decision.worker, 0) if reads else 0
+        return (
+            RouteDecision(decision.worker, decision.predicted_cached_tokens + read)
+            if read
+            else decision
+        )
 
     def _candidates(
         self, request: RouteRequest, groups: list[tuple[int, int]], now: float
