@@ -247,22 +247,30 @@ def test_an_urgent_request_waits_only_for_the_queue_ahead_of_it() -> None:
             assert decision.predicted_cached_tokens == 800
 
 
+def busy_holder(
+    peer_rate: float | None, least: int, queued: int
+) -> tuple[CacheAware, RouteRequest]:
+    """Two workers, w1 holding an 800-token prefix with `queued` tokens of cold work queued
+    (1 ms a token), and a request continuing the prefix, under reads priced at `peer_rate`."""
+    config = replace(CONFIG, peer_rate=peer_rate, peer_min_tokens=least)
+    policy = CacheAware(config, Clock(), burst=False)
+    for w in range(2):
+        policy.add_worker(f"w{w}", 100_000)
+    holder = Worker("w1")
+    history = prompt(9, 800)
+    holder.serve(history)
+    holder.deliver(policy)
+    policy.loads.routed("queued", "w1", queued, queued, 0.0)
+    return policy, request("t", prompt(90, 840, history))
+
+
 def test_a_priced_peer_read_moves_a_request_off_a_busy_holder() -> None:
     """With beta 1, 1.2 s queued on the holder keeps the request there when a move means
     recomputing its 800-token prefix (0.84 s + 0.8 s of work term); read at 10x the prefill
     rate, the move costs 0.04 s + 0.08 s + 0.08 s and the request goes to the idle worker,
     predicted to serve the read prefix from cache."""
     for peer_rate, expected in ((None, RouteDecision("w1", 800)), (10 * RATE, None)):
-        config = replace(CONFIG, peer_rate=peer_rate, peer_min_tokens=256)
-        policy = CacheAware(config, Clock(), burst=False)
-        for w in range(2):
-            policy.add_worker(f"w{w}", 100_000)
-        holder = Worker("w1")
-        history = prompt(9, 800)
-        holder.serve(history)
-        holder.deliver(policy)
-        policy.loads.routed("queued", "w1", 1200, 1200, 0.0)
-        ask = request("t", prompt(90, 840, history))
+        policy, ask = busy_holder(peer_rate, 256, 1200)
         assert policy.deeper_holder(ask, "w0", 256) == ("w1", 800), "w0 would be told to read"
         assert policy.route(ask) == (expected or RouteDecision("w0", 800)), peer_rate
 
@@ -273,14 +281,5 @@ def test_a_gap_under_the_least_read_or_a_read_slower_than_recomputing_is_not_pri
     at half the prefill rate, priced, would have kept the second request at its holder)."""
     for queued, expected in ((1200, RouteDecision("w1", 800)), (2000, RouteDecision("w0", 0))):
         for peer_rate, least in ((None, 256), (10 * RATE, 801), (RATE, 256), (RATE / 2, 256)):
-            config = replace(CONFIG, peer_rate=peer_rate, peer_min_tokens=least)
-            policy = CacheAware(config, Clock(), burst=False)
-            for w in range(2):
-                policy.add_worker(f"w{w}", 100_000)
-            holder = Worker("w1")
-            history = prompt(9, 800)
-            holder.serve(history)
-            holder.deliver(policy)
-            policy.loads.routed("queued", "w1", queued, queued, 0.0)
-            decision = policy.route(request("t", prompt(90, 840, history)))
-            assert decision == expected, (queued, peer_rate, least)
+            policy, ask = busy_holder(peer_rate, least, queued)
+            assert policy.route(ask) == expected, (queued, peer_rate, least)
