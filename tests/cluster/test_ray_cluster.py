@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.client import Client, text_request
 from cluster.ray_runtime import NAMESPACE
 from cluster.ray_token import MODE_ENV, PATH_ENV, TOKEN_ENV, create_token_file, token_environment
+from protos.radixmesh.v1 import serving_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster.listening import LOOPBACK, listening_addresses
 from worker.tiny_model import build_tiny_checkpoint
 
@@ -284,12 +285,39 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
     raise AssertionError(f"{what} within {timeout} s")
 
 
+def read_across_workers(client: Client, holder: str) -> None:
+    """Two worker actors, each its own process: `holder` caches a prompt, the other reads its KV
+    from it (`kv_peer`, at the address the router reaches `holder` at) instead of recomputing."""
+    workers = {w.worker: w for w in client.stats().workers if w.healthy}
+    reader = next(name for name in workers if name != holder)
+    sampling = serving_pb2.SamplingParams(max_tokens=2, temperature=0.0)
+
+    def generate(
+        worker: str, tokens: list[int], peer: worker_pb2.KvPeer | None = None
+    ) -> list[serving_pb2.GenerateResponse]:
+        with grpc.insecure_channel(workers[worker].address) as channel:
+            ask = worker_pb2.WorkerGenerateRequest(
+                request_id=f"peer-{worker}", token_ids=tokens, sampling=sampling, kv_peer=peer
+            )
+            return list(worker_pb2_grpc.WorkerStub(channel).Generate(ask, timeout=60))
+
+    prompt = list(range(1, 42))  # 10 whole pages of 4
+    generate(holder, prompt)
+    longer = [*prompt, 7, 8, 9]
+    peer = worker_pb2.KvPeer(worker=holder, address=workers[holder].address, positions=43)
+    read = generate(reader, longer, peer)
+    assert (read[-1].cached_prompt_tokens, read[-1].peer_cached_tokens) == (40, 40)
+    answer = [t for r in generate(holder, longer) for t in r.token_ids]
+    assert [t for r in read for t in r.token_ids] == answer, "the answer the holder gives"
+
+
 def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_file: Path) -> None:
     with serving(head, config_file) as (serve, target):
         client = Client(target)
         first = list(client.generate(text_request(PROMPT + "one", max_tokens=4)))[-1]
         second = list(client.generate(text_request(PROMPT + "two", max_tokens=4)))[-1]
         assert second.worker == first.worker and second.cached_prompt_tokens > 0
+        read_across_workers(client, first.worker)
         over_http = http_answer(config_file)
         assert over_http.usage is not None and over_http.usage.completion_tokens == 3
         assert over_http.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
