@@ -136,6 +136,7 @@ def test_batch_work_at_priority_1_and_routing_that_knows_it() -> None:
     assert "batch_share" not in simulate("--workload", "multi-turn", "--limit", "30")["cache_aware"]
 
 
+@pytest.mark.skipif(not workloads.MOONCAKE_TRACE.exists(), reason="Mooncake trace absent")
 def test_peer_reads_serve_moved_prefixes_and_pricing_them_moves_more() -> None:
     """`--peer-rate`: on the trace's head, workers read the prefix from the worker the router
     names instead of recomputing it (more of each prompt served from cache, sooner first
