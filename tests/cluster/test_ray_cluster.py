@@ -336,7 +336,8 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
                     counts = [s for s in family.samples if s.name.endswith("_count")]
                     assert [s.labels for s in counts] == [{"worker": f"worker-{i}"}]
                     first_tokens += counts[0].value
-        assert first_tokens == 4  # the workers timed the four calls above, once each
+        # the workers timed the four calls above once each, and read_across_workers' three
+        assert first_tokens == 4 + 3
         router_metrics = urllib.request.urlopen(
             f"http://127.0.0.1:{config['router_port']}/metrics", timeout=10
         ).read()
