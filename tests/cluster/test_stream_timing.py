@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.stream_timing import StreamTiming
+from router.config import RouterConfig
 from router.policies import make_policy
 from router.service_model import ServiceRates
 from tests.router.helpers import Clock
@@ -76,3 +79,25 @@ def test_a_policy_switched_in_is_calibrated_at_the_next_observation() -> None:
     timing.responded(dispatch, 0, 1, cached_prompt_tokens=0)
     timing.ended(dispatch)
     assert policies[-1].decode_s == pytest.approx(decode_s, rel=1e-6)
+
+
+def test_first_tokens_with_reads_from_peers_teach_the_read_rate_not_the_prefill_rate() -> None:
+    clock = Clock()
+    policy = make_policy("cache_aware", replace(RouterConfig(), peer_rate=20_000.0), clock)
+    timing = StreamTiming(lambda: policy, 8000.0, every=1, clock=clock, peer_rate=20_000.0)
+    prefill_rate, read_rate = 50_000.0, 100_000.0
+    for i in range(40):  # first tokens without reads: 100-1,000 uncached tokens
+        clock.now = i * 10.0
+        dispatch = timing.dispatched("w0", 2000)
+        uncached = 100 * (1 + i % 10)
+        clock.now += uncached / prefill_rate
+        timing.responded(dispatch, 0, 1, cached_prompt_tokens=2000 - uncached)
+        timing.ended(dispatch)
+    for i in range(40):  # 1,500 tokens read from a peer, 100 computed
+        clock.now = 1000.0 + i * 10.0
+        dispatch = timing.dispatched("w0", 2000)
+        clock.now += 100 / prefill_rate + 1500 / read_rate
+        timing.responded(dispatch, 0, 1, cached_prompt_tokens=1900, peer_cached_tokens=1500)
+        timing.ended(dispatch)
+    assert policy.prefill_rate == pytest.approx(prefill_rate, rel=1e-3)
+    assert policy.peer_rate == pytest.approx(read_rate, rel=1e-3)

@@ -9,6 +9,8 @@ from router.cache_aware import CacheAware
 from router.interface import RouteDecision, RouteRequest
 from router.least_ttft import LeastTtft
 from tests.router.helpers import CONFIG, RATE, Clock, Worker, prompt, request
+from tests.router.test_host_tier_routing import HISTORY as HOST_HISTORY
+from tests.router.test_host_tier_routing import demoted
 
 
 def cluster(workers: int = 4, **knobs: object) -> tuple[CacheAware, Clock]:
@@ -283,3 +285,17 @@ def test_a_gap_under_the_least_read_or_a_read_slower_than_recomputing_is_not_pri
         for peer_rate, least in ((None, 256), (10 * RATE, 801), (RATE, 256), (RATE / 2, 256)):
             policy, ask = busy_holder(peer_rate, least, queued)
             assert policy.route(ask) == expected, (queued, peer_rate, least)
+
+
+def test_a_prefix_on_a_host_tier_alone_is_never_priced_as_a_read() -> None:
+    """A peer sends what its device holds: with the holder's prefix demoted to its host tier,
+    a read rate changes no decision and no prediction."""
+    decisions = []
+    for peer_rate in (None, 10 * RATE):
+        policy = CacheAware(replace(CONFIG, peer_rate=peer_rate), Clock(), burst=False)
+        for w in range(2):
+            policy.add_worker(f"w{w}", 100_000)
+        demoted(policy, "w1")
+        policy.loads.routed("queued", "w1", 1200, 1200, 0.0)
+        decisions.append(policy.route(request("t", [*HOST_HISTORY, 5, 6])))
+    assert decisions[0] == decisions[1], decisions

@@ -118,3 +118,14 @@ def test_calibration_sets_the_peer_rate_only_where_reads_are_priced() -> None:
     unpriced = CacheAware(CONFIG, Clock())
     unpriced.calibrate(ServiceRates(RATE, 0.0, peer_rate=6 * RATE))
     assert unpriced.peer_rate is None
+
+
+def test_a_read_beside_a_host_hit_is_priced_without_the_host_tokens_time() -> None:
+    model = ServiceModel(RATE, min_samples=4, host_rate=4000.0, peer_rate=20 * RATE)
+    for uncached in (100, 300, 500, 700, 900, 200):  # 2 ms overhead + 1 ms a token
+        model.observe_first_token(uncached, 0, 0.002 + uncached / RATE)
+    for read in (400, 800, 1200, 1600):  # 400 host tokens at 4,000/s, reads at 6,000/s
+        seconds = 0.002 + 40 / RATE + 400 / 4000.0 + read / 6000.0
+        model.observe_first_token(40, 0, seconds, host_tokens=400, peer_tokens=read)
+    assert abs(model.peer_rate - 6000.0) < 60.0  # type: ignore[operator]
+    assert model.host_rate == 4000.0, "the host rate is not taught by them"

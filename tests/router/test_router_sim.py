@@ -155,3 +155,14 @@ def test_peer_reads_serve_moved_prefixes_and_pricing_them_moves_more() -> None:
         assert row["ttft_mean_s"] < plain["ttft_mean_s"] and row["ttft_p50_s"] < plain["ttft_p50_s"]
     assert priced["peer_read_rate"] > 2 * reads["peer_read_rate"], "priced moves read more"
     assert priced["ttft_p50_s"] < reads["ttft_p50_s"]
+
+
+def test_priced_reads_never_count_on_what_no_device_holds_yet() -> None:
+    """few-shot: requests routed together share a 4,096-token template still pending on its
+    first worker. Priced up to what a device holds, reads change nothing there; priced up to
+    the pending routes too, requests moved to recompute what was priced as a read."""
+    rows = simulate("--workload", "few-shot", "--policy", "cache_aware", "--peer-rate", "80000")
+    plain, priced = rows["cache_aware"], rows["cache_aware+peer_priced"]
+    assert priced["ttft_mean_s"] <= plain["ttft_mean_s"] * 1.01, (priced, plain)
+    error = priced["prediction_error_tokens_mean"]
+    assert error <= plain["prediction_error_tokens_mean"] + 1

@@ -360,3 +360,19 @@ def test_a_holder_serving_its_most_reads_refuses_more_and_the_reader_recomputes(
             assert reader.stats().peer_read_failures == 1
 
     asyncio.run(scenario())
+
+
+def test_a_peer_that_held_less_than_named_is_read_what_it_has_and_asked_again() -> None:
+    async def scenario() -> None:
+        async with pair() as (a, address, b, reader):
+            other = list(range(100, 141))
+            await answer(a, request("other-on-a", other))
+            more = [*PROMPT, *range(60, 68)]  # the holder has PROMPT's 40 positions, not 48
+            _, cached = await answer(b, request("short", [*more, 1], peer(address, len(more))))
+            stats = reader.stats()
+            assert (cached, stats.peer_read_tokens, stats.peer_read_failures) == (HELD, HELD, 1)
+            _, cached = await answer(b, request("again", [*other, 1], peer(address, 41)))
+            assert cached == HELD, "a short read is no failure of the peer: it is asked again"
+            assert reader.stats().peer_read_tokens == 2 * HELD
+
+    asyncio.run(scenario())
