@@ -20,7 +20,7 @@ are equal; a reader that goes away mid-stream ends the lease.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,25 +56,26 @@ def layout_to_proto(identity: StoreIdentity) -> worker_pb2.KvLayout:
     )
 
 
-def layout_differences(ours: StoreIdentity, theirs: worker_pb2.KvLayout) -> list[str]:
-    """`field theirs (ours: ...)` for each field of the two layouts that differs."""
-    fields = asdict(ours)
-    fields["identity_version"] = fields.pop("scheme_version")
-    return [
-        f"{name} {getattr(theirs, name)!r} (this worker: {value!r})"
-        for name, value in fields.items()
-        if getattr(theirs, name) != value
-    ]
+def layout_from_proto(layout: worker_pb2.KvLayout) -> StoreIdentity:
+    return StoreIdentity(
+        layout.identity_version,
+        layout.model_revision,
+        layout.page_size,
+        layout.block_size,
+        layout.dtype,
+        layout.num_layers,
+        layout.kv_heads,
+        layout.head_dim,
+    )
 
 
 @dataclass(slots=True)
 class Lease:
-    """Pages of a cached prefix held for a reader: positions [start, end) are `pages`."""
+    """Pages of a cached prefix held for a reader: from position `start` on, `pages`."""
 
     node: Node
     pages: PageIds
     start: int
-    end: int
 
 
 def lease(engine: Engine, keys: Keys, namespace: CacheNamespace, start: int) -> Lease | None:
@@ -86,7 +87,7 @@ def lease(engine: Engine, keys: Keys, namespace: CacheNamespace, start: int) -> 
     if end <= start or match.last_node is None:
         return None
     engine.cache.tree.lock(match.last_node)
-    return Lease(match.last_node, match.pages[start // ps : end // ps], start, end)
+    return Lease(match.last_node, match.pages[start // ps : end // ps], start)
 
 
 def chunk_pages(engine: Engine) -> int:

@@ -104,6 +104,14 @@ class StoreIdentity:
             k.shape[3],
         )
 
+    def differences(self, theirs: StoreIdentity) -> list[str]:
+        """`field theirs (this worker: ours)` for each field that differs."""
+        return [
+            f"{k} {getattr(theirs, k)!r} (this worker: {getattr(self, k)!r})"
+            for k in asdict(self)
+            if getattr(theirs, k) != getattr(self, k)
+        ]
+
 
 @dataclass(slots=True)
 class NodeRecord:
@@ -695,11 +703,7 @@ class KvStore:
             return self._refuse(f"its manifest is unreadable ({err})")
         if manifest.get("format") != FORMAT:
             return self._refuse(f"format {manifest.get('format')!r}, this worker reads {FORMAT}")
-        diffs = [
-            f"{k} {getattr(saved, k)!r} (this worker: {getattr(ours, k)!r})"
-            for k in asdict(ours)
-            if getattr(saved, k) != getattr(ours, k)
-        ]
+        diffs = ours.differences(saved)
         if diffs:
             return self._refuse("it was saved with " + ", ".join(diffs))
         return records

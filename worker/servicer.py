@@ -164,7 +164,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._reads} reads of this worker's KV are under way, the most it serves",
             )
-        differs = kv_export.layout_differences(StoreIdentity.of(engine), request.layout)
+        differs = StoreIdentity.of(engine).differences(kv_export.layout_from_proto(request.layout))
         if differs:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "KV layouts differ: " + ", ".join(differs)

@@ -85,6 +85,16 @@ async def pair(
             await asyncio.wrap_future(each.call(lambda each=each: accounted(each)))
 
 
+async def refused(
+    stub: worker_pb2_grpc.WorkerStub, ask: worker_pb2.ReadKvRequest
+) -> grpc.aio.AioRpcError:
+    """The error a ReadKv call ends with (it must end with one)."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.ReadKv(ask):
+            pass
+    return err.value
+
+
 def peer(address: str, positions: int = len(LONGER) - 1) -> worker_pb2.KvPeer:
     return worker_pb2.KvPeer(worker="a", address=address, positions=positions)
 
@@ -134,14 +144,12 @@ def test_a_peer_with_another_layout_is_refused_by_name_and_recomputed() -> None:
     async def scenario() -> None:
         other = engine("a", model_revision="another-revision")
         async with pair(holder=other) as (a, address, b, reader):
-            refused = worker_pb2.ReadKvRequest(
+            ask = worker_pb2.ReadKvRequest(
                 token_ids=PROMPT, layout=layout_to_proto(StoreIdentity.of(reader))
             )
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in a.ReadKv(refused):
-                    pass
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "model_revision" in (err.value.details() or "")
+            err = await refused(a, ask)
+            assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "model_revision" in (err.details() or "")
             expected, _ = await answer(a, request("on-a", LONGER))
             tokens, cached = await answer(b, request("on-b", LONGER, peer(address)))
             assert cached == 0 and reader.stats().peer_read_failures == 1
@@ -189,11 +197,9 @@ def test_a_start_inside_a_page_or_a_bad_token_is_invalid_argument() -> None:
                 (worker_pb2.ReadKvRequest(token_ids=PROMPT, start=3, layout=layout), "start"),
                 (worker_pb2.ReadKvRequest(token_ids=[1, -5], layout=layout), "token_ids"),
             ):
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for _ in a.ReadKv(ask):
-                        pass
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert named in (err.value.details() or "")
+                err = await refused(a, ask)
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert named in (err.details() or "")
 
     asyncio.run(scenario())
 
@@ -350,10 +356,7 @@ def test_a_holder_serving_its_most_reads_refuses_more_and_the_reader_recomputes(
             ask = worker_pb2.ReadKvRequest(
                 token_ids=PROMPT, layout=layout_to_proto(StoreIdentity.of(reader))
             )
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in a.ReadKv(ask):
-                    pass
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (await refused(a, ask)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             expected, _ = await answer(a, request("on-a", LONGER))
             tokens, cached = await answer(b, request("on-b", LONGER, peer(address)))
             assert (tokens, cached) == (expected, 0)
