@@ -1,7 +1,14 @@
 """Request bodies over the limit (`router.max_message_bytes`, as gRPC's messages, and for a vision
 model its images' allowance: cluster/http/image_parts.py) are refused with 413 before the app
 parses a byte of them, and headers over `MAX_HEADER_BYTES` in all with 431 (httptools reads
-headers of any size). The limit is asked for at each request: it follows the workers' model."""
+headers of any size). The limit is asked for at each request: it follows the workers' model.
+
+A refusal keeps the connection open, and uvicorn reads and drops the rest of the body, so the
+client reads its 413 whole. Closing instead, with the body's bytes unread in the kernel, makes
+the kernel send a reset that can overtake the answer's last segment: the OpenAI SDK then saw a
+connection error (or half a chunked body) where a 413 was sent. A body declared larger than
+`DISCARD_BYTES` is not worth reading to its end: its refusal closes the connection (nginx's
+lingering close makes the same trade)."""
 
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ from cluster.http.errors import HttpError
 
 MAX_HEADER_BYTES = 32 << 10
 """Of all a request's header names and values together (nginx's default allows 32 KiB)."""
+DISCARD_BYTES = 256 << 20
+"""The most bytes of a refused body read and dropped to keep its connection open."""
 
 
 class BodyLimit:
@@ -35,18 +44,19 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
+        declared = int(length) if length.isdigit() else 0
         header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
         if header_bytes > MAX_HEADER_BYTES:
             error = HttpError(
                 431, f"the request's headers are {header_bytes} bytes; at most {MAX_HEADER_BYTES}"
             )
-            await self._send(scope, send, error)
+            await self._send(scope, send, error, unread=declared)
             return
-        headers = dict(scope["headers"])
         max_bytes, source = self.limit(scope["path"], headers)
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            await self._refuse(scope, send, int(declared), max_bytes, source)
+        if declared > max_bytes:
+            await self._refuse(scope, send, declared, max_bytes, source, unread=declared)
             return
         chunks, size = [], 0
         while True:
@@ -56,8 +66,8 @@ class BodyLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > max_bytes:
-                await self._refuse(scope, send, size, max_bytes, source)
+            if size > max_bytes:  # what is left of a chunked body is unknown: dropped
+                await self._refuse(scope, send, size, max_bytes, source, unread=0)
                 return
             if not message.get("more_body", False):
                 break
@@ -65,16 +75,30 @@ class BodyLimit:
         await self.app(scope, _replay([body], receive), send)
 
     async def _refuse(
-        self, scope: Scope, send: Send, size: int, max_bytes: int, source: str
+        self,
+        scope: Scope,
+        send: Send,
+        size: int,
+        max_bytes: int,
+        source: str,
+        *,
+        unread: int,
     ) -> None:
         error = HttpError(
             413, f"the request body is {size} bytes or more; the limit is {max_bytes} ({source})"
         )
-        await self._send(scope, send, error)
+        await self._send(scope, send, error, unread=unread)
 
-    async def _send(self, scope: Scope, send: Send, error: HttpError) -> None:
+    async def _send(self, scope: Scope, send: Send, error: HttpError, *, unread: int) -> None:
+        """The error, with its length; with `unread` bytes of body left past DISCARD_BYTES the
+        connection closes after it, else uvicorn drops the rest of the body and keeps it."""
         content = json.dumps(self.body(scope["path"], error)).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(content)).encode()),
+        ]
+        if unread > DISCARD_BYTES:
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
 

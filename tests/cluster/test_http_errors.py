@@ -9,6 +9,8 @@ answers by route and status. 429 and 503: test_http_overload.py.
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cluster.config import RouterSection, SecuritySection
+from cluster.http.body_limit import DISCARD_BYTES
 from cluster.router_metrics import RouterCollector
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from worker.loader import LoadedModel
@@ -583,6 +586,59 @@ def test_a_body_over_max_message_bytes_is_413(
             assert_openai_error(response, 413, "router.max_message_bytes")
     assert "content-length" not in chunked.request.headers
     assert_still_serving(client, cluster)
+
+
+def one_connection(cluster: LocalCluster) -> http.client.HTTPConnection:
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=30)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+def test_a_refused_body_is_dropped_and_its_connection_serves_on(
+    cluster: LocalCluster, chunked: bool
+) -> None:
+    """The 413 keeps the connection (closing it with the body unread let the kernel's reset
+    overtake the answer: the SDK saw a connection error); the whole body is sent, the rest of
+    it is read and dropped, and the next request on the same socket is served."""
+    body = json.dumps(oversized_body()).encode()
+    content = (body[i : i + 4096] for i in range(0, len(body), 4096)) if chunked else body
+    headers = AUTH | {"Content-Type": "application/json"}
+    conn = one_connection(cluster)
+    try:
+        conn.request("POST", "/v1/completions", content, headers, encode_chunked=chunked)
+        refused = conn.getresponse()
+        error = json.loads(refused.read())["error"]
+        assert refused.status == 413 and "router.max_message_bytes" in error["message"]
+        assert refused.getheader("Content-Length") is not None and not refused.will_close
+        sock = conn.sock
+        good = json.dumps({"model": MODEL, "prompt": "same socket?", "max_tokens": 2})
+        conn.request("POST", "/v1/completions", good, headers)
+        served = conn.getresponse()
+        assert served.status == 200, served.read()
+        assert json.loads(served.read())["choices"][0]["finish_reason"] in ("stop", "length")
+        assert conn.sock is sock  # not reopened: the first connection served both
+    finally:
+        conn.close()
+
+
+def test_a_body_declared_past_what_is_worth_dropping_closes_its_connection(
+    cluster: LocalCluster,
+) -> None:
+    """Declared over DISCARD_BYTES: the 413 comes at once (nothing of the body sent) and says
+    the connection closes; the server is not left reading it."""
+    conn = one_connection(cluster)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for name, value in AUTH.items():
+            conn.putheader(name, value)
+        conn.putheader("Content-Length", str(DISCARD_BYTES + 1))
+        conn.endheaders()
+        refused = conn.getresponse()
+        assert refused.status == 413 and refused.will_close
+        assert "router.max_message_bytes" in json.loads(refused.read())["error"]["message"]
+        assert conn.sock is None  # http.client closed it, as the answer said
+    finally:
+        conn.close()
 
 
 def test_a_prompt_over_max_prompt_chars_is_413(
