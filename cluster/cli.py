@@ -348,7 +348,30 @@ def stats(args: argparse.Namespace, client: Client) -> int:
         f"characters reused, {t.backoff_tokens} tokens of back-off; holds {t.chars} characters "
         f"in {t.nodes} nodes, {t.evicted_chars} evicted"
     )
+    _tenant_table(response)
     return 0
+
+
+def _tenant_table(response: serving_pb2.GetStatsResponse) -> None:
+    """What each tenant the token may see used ("(shared)": no tenant)."""
+    if not response.tenants and not response.uncounted_tenant_requests:
+        return
+    table = Table(title="tenants")
+    table.add_column("tenant", no_wrap=True)
+    for column in ("calls", "prompt", "cached", "from cache", "gen"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for t in response.tenants:
+        share = f"{t.cached_tokens / t.prompt_tokens:.1%}" if t.prompt_tokens else "-"
+        table.add_row(
+            t.tenant or "(shared)", str(t.requests), str(t.prompt_tokens), str(t.cached_tokens),
+            share, str(t.generated_tokens),
+        )  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    if response.uncounted_tenant_requests:
+        print(
+            f"{response.uncounted_tenant_requests} calls of tenants past metrics.max_tenants, "
+            "not counted by name"
+        )
 
 
 def adapters(args: argparse.Namespace, client: Client) -> int:

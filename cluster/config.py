@@ -343,6 +343,10 @@ class MetricsSection:
     router_port: int = _port(9400)
     worker_port: int = _port(9401)
     """Worker i serves its metrics on worker_port + i (0 for both: any free port)."""
+    max_tenants: int = _at_least(256, 0)
+    """The most tenants whose usage the router counts each under its own name (the metrics'
+    `tenant` label, `radixmesh stats`); the calls of tenants past it are counted together.
+    0: none by name."""
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,13 @@ class CallClock:
             return "INTERNAL"
         return "CANCELLED" if FINISH_ABORT in self._reasons else "OK"
 
+    def usage(self) -> tuple[int, int, int] | None:
+        """The prompt's tokens, those cached (as the first message said) and the tokens
+        forwarded so far; None before the first message."""
+        if self._prompt is None:
+            return None
+        return (*self._prompt, self._generated)
+
     def ended(self) -> None:
         """The call ended well, at its latest message."""
         latencies = self._latencies

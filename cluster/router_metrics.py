@@ -99,8 +99,32 @@ class RouterCollector(Collector):
             gauge.add_metric([], value)
             yield gauge
         yield from self._text_index()
+        yield from self._tenants()
         for histogram in self.service.latencies.histograms():
             yield from histogram.collect()
+
+    def _tenants(self) -> Iterator[CounterMetricFamily]:
+        """Each tenant's usage under its name ("": the shared namespace; metrics.max_tenants)."""
+        book = self.service.tenants
+        families = {
+            "requests": "Calls served, by tenant",
+            "prompt_tokens": "Prompt tokens of the calls served, by tenant",
+            "cached_tokens": "Prompt tokens served from a worker's cache, by tenant",
+            "generated_tokens": "Tokens generated for the calls served, by tenant",
+        }
+        for field, text in families.items():
+            family = CounterMetricFamily(
+                f"radixmesh_router_tenant_{field}", text, labels=["tenant"]
+            )
+            for tenant, usage in book.tenants.items():
+                family.add_metric([tenant], getattr(usage, field))
+            yield family
+        uncounted = CounterMetricFamily(
+            "radixmesh_router_uncounted_tenant_requests",
+            "Calls served to tenants past metrics.max_tenants (not counted by name)",
+        )
+        uncounted.add_metric([], book.uncounted_requests)
+        yield uncounted
 
     def _text_index(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         texts = self.service.text_prompts

@@ -42,6 +42,7 @@ from cluster.serving_call import Caller, ServingError
 from cluster.stream_merge import merge_streams
 from cluster.stream_progress import StreamProgress
 from cluster.stream_timing import StreamTiming
+from cluster.tenant_usage import TenantUsageBook
 from cluster.text_prompts import TextPrompts
 from cluster.worker_links import ChannelClosed, WorkerLink, WorkerLinks, responses
 from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc, worker_pb2
@@ -97,6 +98,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.security = config.security
         self.counters = RouterCounters()
         self.latencies = RouterLatencies()
+        self.tenants = TenantUsageBook(config.metrics.max_tenants)
+        """What each tenant's calls used (the metrics' `tenant` label, GetStats)."""
         """Each call's times as its client saw them (cluster/request_latency.py)."""
         self.adapter_admin = AdapterAdmin(links, config)
         """Loads and unloads LoRA adapters on every worker (the Admin RPCs, the HTTP API)."""
@@ -207,6 +210,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             raise
         finally:
             self.in_flight.pop(prepared.request_id, None)
+            usage = clock.usage()
+            if usage is not None:  # however it ended: the client had what it used
+                self.tenants.add(prepared.namespace.tenant, *usage)
             if done and not failed:  # a client that stopped reading at the last message (an
                 self._ended(clock)  # embedding's, over HTTP) is served all the same
 
@@ -517,6 +523,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 workers.append(answer)
         c = self.counters
         limits = self.links.limits
+        tenants, uncounted = self._tenant_stats(allowed_tenant(context, self.security))
         return serving_pb2.GetStatsResponse(
             vocab_size=limits.vocab_size if limits else 0,
             max_model_len=limits.max_model_len if limits else 0,
@@ -530,7 +537,28 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             workers=workers,
             index_bytes=self.links.policy.index_bytes(),
             text_index=self._text_index_stats(),
+            tenants=tenants,
+            uncounted_tenant_requests=uncounted,
         )
+
+    def _tenant_stats(self, allowed: str) -> tuple[list[serving_pb2.TenantStats], int]:
+        """The tenants' usage a caller may see: every tenant's with a token for "*", else its
+        own tenant's alone."""
+        book = self.tenants
+        names = list(book.tenants) if allowed == ANY_TENANT else [allowed]
+        rows = [
+            serving_pb2.TenantStats(
+                tenant=name,
+                requests=usage.requests,
+                prompt_tokens=usage.prompt_tokens,
+                cached_tokens=usage.cached_tokens,
+                generated_tokens=usage.generated_tokens,
+            )
+            for name in names
+            if (usage := book.tenants.get(name)) is not None
+        ]
+        uncounted = book.uncounted_requests if allowed == ANY_TENANT else 0
+        return rows, uncounted
 
     def _text_index_stats(self) -> serving_pb2.TextIndexStats:
         texts = self.text_prompts

@@ -17,6 +17,7 @@ from cluster.config import (
     AdapterSection,
     ClusterConfig,
     EngineSection,
+    MetricsSection,
     ModelSection,
     RouterSection,
     SecuritySection,
@@ -130,15 +131,18 @@ def start_cluster(
     engine: EngineSection = ENGINE,
     http: bool = False,
     adapters: tuple[AdapterSection, ...] = (),
+    metrics: MetricsSection | None = None,
 ) -> LocalCluster:
     """`http`: the HTTP API too, on a free port (else none: its default port is 8000).
-    `adapters`: LoRA adapters every worker loads at start (config model.adapters)."""
+    `adapters`: LoRA adapters every worker loads at start (config model.adapters). `metrics`:
+    what the router counts (no metrics server is started here either way)."""
     router = replace(router or RouterSection(port=0), http_port=0 if http else None)
     config = ClusterConfig(
         model=ModelSection(served_name=SERVED_NAME, adapters=adapters),
         engine=engine,
         router=router,
         security=security or SecuritySection(),
+        metrics=metrics or MetricsSection(),
     )
     loop = EventLoopThread("local-cluster")
     links = WorkerLinks(build_policy(config))

@@ -103,6 +103,8 @@ def test_stats_prints_every_worker(cluster: LocalCluster) -> None:
     out = run("stats", "--target", cluster.target)
     assert out.returncode == 0
     assert "worker-0" in out.stdout and "worker-1" in out.stdout and "routed" in out.stdout
+    shared = next(line for line in out.stdout.splitlines() if "(shared)" in line)
+    assert int(shared.split("│")[2]) >= 1, out.stdout  # the calls of no tenant, counted
 
 
 def test_errors_are_reported_with_their_status(cluster: LocalCluster) -> None:

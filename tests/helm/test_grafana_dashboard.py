@@ -89,3 +89,16 @@ def test_every_panel_asks_the_datasource_variable_and_has_a_unit() -> None:
         for target in panel["targets"]:
             assert target["datasource"] == panel["datasource"]
             assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+
+
+def test_no_two_panels_share_a_cell_of_the_grid() -> None:
+    """Grafana pushes an overlapping panel down, out of the row it was put in (the router's
+    prediction once overlapped the workers' row)."""
+    taken: dict[tuple[int, int], str] = {}
+    for panel in DASHBOARD["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in taken, (panel["title"], taken[(x, y)])
+                taken[(x, y)] = panel["title"]

@@ -420,7 +420,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., healthy: _Optional[bool] = ..., requests_finished: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., cached_pages: _Optional[int] = ..., private_pages: _Optional[int] = ..., evicted_pages: _Optional[int] = ..., preemptions: _Optional[int] = ..., total_pages: _Optional[int] = ..., address: _Optional[str] = ..., host_total_pages: _Optional[int] = ..., host_cached_pages: _Optional[int] = ..., demoted_pages: _Optional[int] = ..., promoted_pages: _Optional[int] = ..., host_evicted_pages: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., disk_hit_tokens: _Optional[int] = ..., disk_skipped_tokens: _Optional[int] = ..., disk_spilled_pages: _Optional[int] = ..., disk_spill_skipped_pages: _Optional[int] = ..., peer_read_tokens: _Optional[int] = ..., peer_read_failures: _Optional[int] = ..., peer_skipped_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes", "vocab_size", "max_model_len", "requests_migrated", "text_index")
+    __slots__ = ("policy", "requests_routed", "requests_retried", "requests_in_flight", "predicted_cached_tokens", "actual_cached_tokens", "workers", "index_bytes", "vocab_size", "max_model_len", "requests_migrated", "text_index", "tenants", "uncounted_tenant_requests")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RETRIED_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +433,8 @@ class GetStatsResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
     TEXT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    UNCOUNTED_TENANT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     requests_routed: int
     requests_retried: int
@@ -445,7 +447,23 @@ class GetStatsResponse(_message.Message):
     max_model_len: int
     requests_migrated: int
     text_index: TextIndexStats
-    def __init__(self, policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., requests_retried: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., requests_migrated: _Optional[int] = ..., text_index: _Optional[_Union[TextIndexStats, _Mapping]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    uncounted_tenant_requests: int
+    def __init__(self, policy: _Optional[str] = ..., requests_routed: _Optional[int] = ..., requests_retried: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., predicted_cached_tokens: _Optional[int] = ..., actual_cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., index_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., requests_migrated: _Optional[int] = ..., text_index: _Optional[_Union[TextIndexStats, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., uncounted_tenant_requests: _Optional[int] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "requests", "prompt_tokens", "cached_tokens", "generated_tokens")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class TextIndexStats(_message.Message):
     __slots__ = ("mode", "chars", "nodes", "prompts", "prompt_chars", "reused_chars", "tokenized_chars", "backoff_tokens", "evicted_chars")
