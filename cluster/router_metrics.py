@@ -106,6 +106,7 @@ class RouterCollector(Collector):
     def _tenants(self) -> Iterator[CounterMetricFamily]:
         """Each tenant's usage under its name ("": the shared namespace; metrics.max_tenants)."""
         book = self.service.tenants
+        rows = list(book.tenants.items())  # one copy: a call may add a tenant while this runs
         families = {
             "requests": "Calls served, by tenant",
             "prompt_tokens": "Prompt tokens of the calls served, by tenant",
@@ -116,7 +117,7 @@ class RouterCollector(Collector):
             family = CounterMetricFamily(
                 f"radixmesh_router_tenant_{field}", text, labels=["tenant"]
             )
-            for tenant, usage in book.tenants.items():
+            for tenant, usage in rows:
                 family.add_metric([tenant], getattr(usage, field))
             yield family
         uncounted = CounterMetricFamily(

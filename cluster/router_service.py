@@ -98,9 +98,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.security = config.security
         self.counters = RouterCounters()
         self.latencies = RouterLatencies()
+        """Each call's times as its client saw them (cluster/request_latency.py)."""
         self.tenants = TenantUsageBook(config.metrics.max_tenants)
         """What each tenant's calls used (the metrics' `tenant` label, GetStats)."""
-        """Each call's times as its client saw them (cluster/request_latency.py)."""
         self.adapter_admin = AdapterAdmin(links, config)
         """Loads and unloads LoRA adapters on every worker (the Admin RPCs, the HTTP API)."""
         self.in_flight: dict[str, InFlight] = {}
@@ -211,7 +211,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         finally:
             self.in_flight.pop(prepared.request_id, None)
             usage = clock.usage()
-            if usage is not None:  # however it ended: the client had what it used
+            if usage is not None:  # however it ended: what was forwarded was used
                 self.tenants.add(prepared.namespace.tenant, *usage)
             if done and not failed:  # a client that stopped reading at the last message (an
                 self._ended(clock)  # embedding's, over HTTP) is served all the same

@@ -3,10 +3,11 @@ from cache, and the tokens generated, as the router forwarded them. The share of
 prompts served from cache is what its prefixes save it; the totals are what it cost.
 
 A call counts once it has its first message, however it ends (a client gone mid-stream used
-the tokens it was sent). Its prompt and its cached tokens are those of the first message: a
+the tokens forwarded to it). Its prompt and its cached tokens are those of the first message: a
 worker that resumes the call after a failure computes more, which the client did not ask for.
 The shared namespace (no tenant) is the tenant "". At most `max_tenants` tenants are kept (a
-token for "*" may name any): the calls of those past it are counted together, by call only.
+token for "*" may name any), the first served, until the router restarts: the calls of those
+past it are counted together, by call only.
 """
 
 from __future__ import annotations

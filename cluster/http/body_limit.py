@@ -3,15 +3,19 @@ model its images' allowance: cluster/http/image_parts.py) are refused with 413 b
 parses a byte of them, and headers over `MAX_HEADER_BYTES` in all with 431 (httptools reads
 headers of any size). The limit is asked for at each request: it follows the workers' model.
 
-A refusal keeps the connection open, and uvicorn reads and drops the rest of the body, so the
-client reads its 413 whole. Closing instead, with the body's bytes unread in the kernel, makes
-the kernel send a reset that can overtake the answer's last segment: the OpenAI SDK then saw a
-connection error (or half a chunked body) where a 413 was sent. A body declared larger than
-`DISCARD_BYTES` is not worth reading to its end: its refusal closes the connection (nginx's
-lingering close makes the same trade)."""
+A refusal reads the rest of the body first, and drops it: closing with the body's bytes unread
+in the kernel makes the kernel send a reset that can overtake the answer's last segment (the
+OpenAI SDK then saw a connection error, or half a chunked body, where a 413 was sent), and
+answering first leaves uvicorn dropping the rest itself, with its idle timer off and no bound.
+The read is bounded as nginx bounds its lingering close: `DISCARD_SECONDS` in all, at most
+`DISCARD_GAP_S` between two reads, and here `DISCARD_BYTES`. Past a bound, or for a body
+declared larger than `DISCARD_BYTES`, the answer closes the connection; it closes it too when
+the client waits for `100 Continue` before sending a body it was never asked for.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +27,11 @@ from cluster.http.errors import HttpError
 MAX_HEADER_BYTES = 32 << 10
 """Of all a request's header names and values together (nginx's default allows 32 KiB)."""
 DISCARD_BYTES = 256 << 20
-"""The most bytes of a refused body read and dropped to keep its connection open."""
+"""The most bytes of a refused body read and dropped before its answer."""
+DISCARD_SECONDS = 30.0
+"""The longest a refused body is read for (nginx's lingering_time)."""
+DISCARD_GAP_S = 5.0
+"""The longest wait for the next piece of a refused body (nginx's lingering_timeout)."""
 
 
 class BodyLimit:
@@ -52,11 +60,13 @@ class BodyLimit:
             error = HttpError(
                 431, f"the request's headers are {header_bytes} bytes; at most {MAX_HEADER_BYTES}"
             )
-            await self._send(scope, send, error, unread=declared)
+            await self._refuse(scope, receive, send, error, headers)
             return
         max_bytes, source = self.limit(scope["path"], headers)
+        says = "the request body is {} bytes or more; the limit is {} ({})"
         if declared > max_bytes:
-            await self._refuse(scope, send, declared, max_bytes, source, unread=declared)
+            error = HttpError(413, says.format(declared, max_bytes, source))
+            await self._refuse(scope, receive, send, error, headers)
             return
         chunks, size = [], 0
         while True:
@@ -66,10 +76,12 @@ class BodyLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > max_bytes:  # what is left of a chunked body is unknown: dropped
-                await self._refuse(scope, send, size, max_bytes, source, unread=0)
+            more = message.get("more_body", False)
+            if size > max_bytes:
+                error = HttpError(413, says.format(size, max_bytes, source))
+                await self._refuse(scope, receive, send, error, headers, begun=True, more=more)
                 return
-            if not message.get("more_body", False):
+            if not more:
                 break
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([body], receive), send)
@@ -77,30 +89,57 @@ class BodyLimit:
     async def _refuse(
         self,
         scope: Scope,
+        receive: Receive,
         send: Send,
-        size: int,
-        max_bytes: int,
-        source: str,
+        error: HttpError,
+        headers: dict[bytes, bytes],
         *,
-        unread: int,
+        begun: bool = False,
+        more: bool = True,
     ) -> None:
-        error = HttpError(
-            413, f"the request body is {size} bytes or more; the limit is {max_bytes} ({source})"
-        )
-        await self._send(scope, send, error, unread=unread)
-
-    async def _send(self, scope: Scope, send: Send, error: HttpError, *, unread: int) -> None:
-        """The error, with its length; with `unread` bytes of body left past DISCARD_BYTES the
-        connection closes after it, else uvicorn drops the rest of the body and keeps it."""
+        """Answer `error` once what is left of the body is read and dropped (`begun`: some of
+        it was read, `more`: and not all), within the DISCARD bounds; past them, with a client
+        that waits for `100 Continue` before a body it was never asked for, or with a body
+        declared larger than DISCARD_BYTES, the answer closes the connection."""
+        length = headers.get(b"content-length", b"")
+        declared = int(length) if length.isdigit() else 0
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        waits = headers.get(b"expect", b"").lower() == b"100-continue"
+        if not more or not (declared or chunked):
+            close = False  # nothing left to read
+        elif declared > DISCARD_BYTES or (waits and not begun):
+            close = True
+        else:
+            close = not await _dropped(receive)
         content = json.dumps(self.body(scope["path"], error)).encode()
-        headers = [
+        answer = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(content)).encode()),
         ]
-        if unread > DISCARD_BYTES:
-            headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        if close:
+            answer.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": error.status, "headers": answer})
         await send({"type": "http.response.body", "body": content})
+
+
+async def _dropped(receive: Receive) -> bool:
+    """Read the rest of a body and drop it: whether it ended within the DISCARD bounds."""
+    loop = asyncio.get_running_loop()
+    deadline, dropped = loop.time() + DISCARD_SECONDS, 0
+    while dropped <= DISCARD_BYTES:
+        wait = min(DISCARD_GAP_S, deadline - loop.time())
+        if wait <= 0:
+            return False
+        try:
+            message = await asyncio.wait_for(receive(), wait)
+        except TimeoutError:
+            return False
+        if message["type"] != "http.request":  # the client went away
+            return False
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return True
+    return False
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cluster.config import RouterSection, SecuritySection
+from cluster.http import body_limit
 from cluster.http.body_limit import DISCARD_BYTES
 from cluster.router_metrics import RouterCollector
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
@@ -621,24 +622,42 @@ def test_a_refused_body_is_dropped_and_its_connection_serves_on(
         conn.close()
 
 
-def test_a_body_declared_past_what_is_worth_dropping_closes_its_connection(
-    cluster: LocalCluster,
+def answer_then_close(cluster: LocalCluster, head: dict[str, str], sent: bytes) -> bytes:
+    """Send a POST's headers and `sent` of its body, no more; all the server writes until it
+    closes the connection."""
+    host, port = cluster.http_url.removeprefix("http://").split(":")
+    lines = ["POST /v1/completions HTTP/1.1", "Host: x", *(f"{k}: {v}" for k, v in head.items())]
+    received = b""
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall("\r\n".join(lines).encode() + b"\r\n\r\n" + sent)
+        while part := sock.recv(65536):
+            received += part
+    return received
+
+
+@pytest.mark.parametrize(
+    ("head", "sent"),
+    [
+        ({"Content-Length": str(DISCARD_BYTES + 1)}, b""),
+        ({"Content-Length": str(MAX_BODY + 1), "Expect": "100-continue"}, b""),
+        ({"Content-Length": str(MAX_BODY + 1)}, b"x" * 1000),
+    ],
+    ids=["declared past what is worth reading", "waits for 100 Continue", "stalls mid-body"],
+)
+def test_a_refused_body_the_server_cannot_read_to_its_end_is_answered_and_closed(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, head: dict[str, str], sent: bytes
 ) -> None:
-    """Declared over DISCARD_BYTES: the 413 comes at once (nothing of the body sent) and says
-    the connection closes; the server is not left reading it."""
-    conn = one_connection(cluster)
-    try:
-        conn.putrequest("POST", "/v1/completions")
-        for name, value in AUTH.items():
-            conn.putheader(name, value)
-        conn.putheader("Content-Length", str(DISCARD_BYTES + 1))
-        conn.endheaders()
-        refused = conn.getresponse()
-        assert refused.status == 413 and refused.will_close
-        assert "router.max_message_bytes" in json.loads(refused.read())["error"]["message"]
-        assert conn.sock is None  # http.client closed it, as the answer said
-    finally:
-        conn.close()
+    """Declared over DISCARD_BYTES, or held back for a `100 Continue` (never sent), or stalled
+    past DISCARD_GAP_S: the 413 comes whole and says the connection closes, and it does."""
+    monkeypatch.setattr(body_limit, "DISCARD_GAP_S", 0.3)
+    began = time.monotonic()
+    received = answer_then_close(cluster, AUTH | head, sent)
+    assert time.monotonic() - began < 10
+    status, _, rest = received.partition(b"\r\n")
+    assert status == b"HTTP/1.1 413 Request Entity Too Large", received  # no 100 Continue first
+    headers, _, content = rest.partition(b"\r\n\r\n")
+    assert b"connection: close" in headers.lower()
+    assert b"router.max_message_bytes" in json.loads(content)["error"]["message"].encode()
 
 
 def test_a_prompt_over_max_prompt_chars_is_413(
