@@ -7,9 +7,10 @@ cluster of two tiny-model workers, with the `openai` SDK."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx2 as httpx
@@ -104,7 +105,30 @@ def test_one_bad_prompt_refuses_the_request_and_frees_the_others(
     assert ok.status_code == 200
 
 
-def test_a_client_that_goes_away_cancels_every_prompt(cluster: LocalCluster) -> None:
+def held_after(
+    cluster: LocalCluster, steps: int, monkeypatch: pytest.MonkeyPatch
+) -> threading.Event:
+    """Each engine takes `steps` busy steps, then waits before the next until the returned
+    event is set: a generation cannot end while the test looks at it, however slow the test's
+    thread is to run (the engines share its process)."""
+    release = threading.Event()
+    for engine in cluster.engines.values():
+        original, taken = engine.step, [0]
+
+        def step(original: Callable[[], bool] = original, taken: list[int] = taken) -> bool:
+            if taken[0] >= steps:
+                release.wait(30)
+            busy = original()
+            taken[0] += busy
+            return busy
+
+        monkeypatch.setattr(engine, "step", step)
+    return release
+
+
+def test_a_client_that_goes_away_cancels_every_prompt(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     body = {
         "model": MODEL,
         "prompt": PROMPTS,
@@ -112,12 +136,16 @@ def test_a_client_that_goes_away_cancels_every_prompt(cluster: LocalCluster) -> 
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
-        first = json.loads(next(response.iter_lines())[len("data: ") :])
-        assert first["choices"][0]["index"] in range(3)
-        assert len(cluster.service.in_flight) == 3, cluster.service.in_flight
-    left = time.monotonic()
-    while cluster.service.in_flight and time.monotonic() - left < 5.0:
-        time.sleep(0.01)
-    assert not cluster.service.in_flight, "a prompt's generation outlived its client"
+    release = held_after(cluster, 8, monkeypatch)
+    try:
+        with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
+            first = json.loads(next(response.iter_lines())[len("data: ") :])
+            assert first["choices"][0]["index"] in range(3)
+            assert len(cluster.service.in_flight) == 3, cluster.service.in_flight
+        left = time.monotonic()
+        while cluster.service.in_flight and time.monotonic() - left < 5.0:
+            time.sleep(0.01)
+        assert not cluster.service.in_flight, "a prompt's generation outlived its client"
+    finally:
+        release.set()
     assert_no_leak(cluster)
