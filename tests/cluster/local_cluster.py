@@ -7,11 +7,14 @@ actors do, minus process placement; tests that need processes and restarts use R
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
+import pytest
 
 from cluster.config import (
     AdapterSection,
@@ -98,6 +101,24 @@ class LocalCluster:
         """Stop a worker's server with no grace: what the router sees when its process dies."""
         self.loop.run(self.workers.pop(name).server.stop(0))
         self.engines.pop(name).stop()
+
+    def hold_engines_after(self, steps: int, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+        """Each engine takes `steps` more busy steps, then waits before the next until the
+        returned event is set (at most 30 s): a generation cannot end while a test looks at
+        it, however slowly the test's thread runs (the engines share its process)."""
+        release = threading.Event()
+        for engine in self.engines.values():
+            original, taken = engine.step, [0]
+
+            def step(original: Callable[[], bool] = original, taken: list[int] = taken) -> bool:
+                if taken[0] >= steps:
+                    release.wait(30)
+                busy = original()
+                taken[0] += busy
+                return busy
+
+            monkeypatch.setattr(engine, "step", step)
+        return release
 
     def wait_idle(self, timeout: float = 20) -> None:
         """Until every engine has nothing running or waiting and no private page."""

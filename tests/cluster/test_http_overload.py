@@ -42,11 +42,14 @@ def assert_refused_anthropic(err: anthropic.APIStatusError, status: int, kind: s
     assert body["error"]["type"] == kind and body["error"]["message"]
 
 
-def test_past_max_in_flight_is_429_with_retry_after(tiny: LoadedModel) -> None:
+def test_past_max_in_flight_is_429_with_retry_after(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = replace(ENGINE, num_pages=1024, max_model_len=1024)
     router = RouterSection(port=0, max_in_flight=2)
     cluster = start_cluster(tiny, http=True, router=router, engine=engine)
     oa, an = clients(cluster)
+    release = cluster.hold_engines_after(20, monkeypatch)  # the two streams cannot end early
     try:
         with contextlib.ExitStack() as held:  # two long streams, left unread, fill the limit
             for i in range(2):
@@ -73,12 +76,14 @@ def test_past_max_in_flight_is_429_with_retry_after(tiny: LoadedModel) -> None:
             assert_refused_anthropic(aerr.value, 429, "rate_limit_error")
             assert httpx.get(f"{cluster.http_url}/health").status_code == 200
             assert len(cluster.service.in_flight) == 2  # still held: the limit refused them
+        release.set()
         cluster.wait_idle()
         assert not cluster.service.in_flight
         answer = oa.completions.create(model=MODEL, prompt="one more", max_tokens=2)
         assert answer.choices[0].finish_reason in ("stop", "length")
         assert cluster.service.counters.http_responses[("/v1/completions", 429)] == 1
     finally:
+        release.set()
         oa.close()
         an.close()
         cluster.close()

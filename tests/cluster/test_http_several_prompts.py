@@ -7,10 +7,9 @@ cluster of two tiny-model workers, with the `openai` SDK."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
@@ -105,27 +104,6 @@ def test_one_bad_prompt_refuses_the_request_and_frees_the_others(
     assert ok.status_code == 200
 
 
-def held_after(
-    cluster: LocalCluster, steps: int, monkeypatch: pytest.MonkeyPatch
-) -> threading.Event:
-    """Each engine takes `steps` busy steps, then waits before the next until the returned
-    event is set: a generation cannot end while the test looks at it, however slow the test's
-    thread is to run (the engines share its process)."""
-    release = threading.Event()
-    for engine in cluster.engines.values():
-        original, taken = engine.step, [0]
-
-        def step(original: Callable[[], bool] = original, taken: list[int] = taken) -> bool:
-            if taken[0] >= steps:
-                release.wait(30)
-            busy = original()
-            taken[0] += busy
-            return busy
-
-        monkeypatch.setattr(engine, "step", step)
-    return release
-
-
 def test_a_client_that_goes_away_cancels_every_prompt(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,7 +114,7 @@ def test_a_client_that_goes_away_cancels_every_prompt(
         "stream": True,
         "ignore_eos": True,
     }
-    release = held_after(cluster, 8, monkeypatch)
+    release = cluster.hold_engines_after(8, monkeypatch)
     try:
         with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body) as response:
             first = json.loads(next(response.iter_lines())[len("data: ") :])
