@@ -200,11 +200,15 @@ def http_url(config_file: Path) -> str:
 
 
 def http_answer(config_file: Path) -> openai.types.Completion:
-    """A completion through the router actor's HTTP API, with the official SDK."""
+    """A completion through the router actor's HTTP API, with the official SDK: three tokens,
+    never fewer (sampled at OpenAI's default temperature, the random tiny model once drew its
+    end-of-sequence token among them: `stop`, not `length`)."""
     url = http_url(config_file)
     with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         model = client.models.list().data[0].id
-        return client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
+        return client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+        )
 
 
 def stored_response(config_file: Path) -> str:
