@@ -52,7 +52,7 @@ def test_generate_answers_in_the_shape_asked(cluster: LocalCluster, tmp_path: Pa
         "additionalProperties": False,
     }
     (tmp_path / "schema.json").write_text(json.dumps(schema))
-    common = ["--target", cluster.target, "--max-tokens", "60", "--temperature", "1"]
+    common = ["--target", cluster.target, "--max-tokens", "60", "--temperature", "1", "--seed", "7"]
     out = run("generate", "Which tier?", *common, "--json-schema", str(tmp_path / "schema.json"))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["tier"] in ("device", "host", "disk")

@@ -134,7 +134,7 @@ def test_stream_matches_the_whole_message(
 
 
 def test_raw_stream_sends_anthropics_events_in_order(cluster: LocalCluster) -> None:
-    body = {"model": MODEL, "max_tokens": 4, "messages": MESSAGES, "stream": True}
+    body = {"model": MODEL, "max_tokens": 4, "messages": MESSAGES, "stream": True, "temperature": 0}
     headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
     url = f"{cluster.http_url}/v1/messages"
     with httpx.stream("POST", url, json=body, headers=headers) as response:

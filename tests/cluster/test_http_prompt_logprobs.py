@@ -210,6 +210,7 @@ def test_every_choice_of_n_echoes_the_prompt_with_its_logprobs(
 def test_a_one_token_prompt_echoes_with_its_null_entry(cluster: LocalCluster) -> None:
     token = ids_of(cluster, PROMPT)[0]
     body = {"model": MODEL, "prompt": [token], "max_tokens": 2, "echo": True, "logprobs": 1}
+    body["ignore_eos"] = True  # two tokens generated, never fewer
     choice = httpx.post(f"{cluster.http_url}/v1/completions", json=body).json()["choices"][0]
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == 3 and logprobs["token_logprobs"][0] is None

@@ -193,7 +193,7 @@ def test_a_constrained_answer_comes_after_the_reasoning_the_prompt_opened(
             model=SERVED_NAME, max_tokens=96, messages=QUESTION,  # type: ignore[arg-type]
             tools=[{"name": "city", "input_schema": NO_ARGUMENTS}],
             tool_choice={"type": "any", "disable_parallel_tool_use": True},
-            thinking={"type": "enabled", "budget_tokens": 4},
+            thinking={"type": "enabled", "budget_tokens": 4}, extra_body={"temperature": 0.0},
         )  # fmt: skip
         assert [block.type for block in message.content] == ["thinking", "tool_use"]
     response = client.responses.create(

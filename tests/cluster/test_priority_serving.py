@@ -105,7 +105,10 @@ def test_priority_is_taken_on_completions_responses_and_grpc(by_priority: LocalC
         base_url=f"{by_priority.http_url}/v1", api_key="none", max_retries=0
     ) as client:
         text = client.completions.create(
-            model=SERVED_NAME, prompt="Hi", max_tokens=4, extra_body={"priority": 3}
+            model=SERVED_NAME,
+            prompt="Hi",
+            max_tokens=4,
+            extra_body={"priority": 3, "ignore_eos": True},  # 4 tokens, sampled or not
         )
         assert text.usage is not None and text.usage.completion_tokens == 4
         answer = client.responses.create(
