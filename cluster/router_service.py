@@ -544,8 +544,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
     def _tenant_stats(self, allowed: str) -> tuple[list[serving_pb2.TenantStats], int]:
         """The tenants' usage a caller may see: every tenant's with a token for "*", else its
         own tenant's alone."""
-        book = self.tenants
-        names = list(book.tenants) if allowed == ANY_TENANT else [allowed]
+        every = allowed == ANY_TENANT
         rows = [
             serving_pb2.TenantStats(
                 tenant=name,
@@ -554,11 +553,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                 cached_tokens=usage.cached_tokens,
                 generated_tokens=usage.generated_tokens,
             )
-            for name in names
-            if (usage := book.tenants.get(name)) is not None
+            for name, usage in self.tenants.tenants.items()
+            if every or name == allowed
         ]
-        uncounted = book.uncounted_requests if allowed == ANY_TENANT else 0
-        return rows, uncounted
+        return rows, self.tenants.uncounted_requests if every else 0
 
     def _text_index_stats(self) -> serving_pb2.TextIndexStats:
         texts = self.text_prompts

@@ -53,8 +53,7 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        length = headers.get(b"content-length", b"")
-        declared = int(length) if length.isdigit() else 0
+        declared = _declared(headers)
         header_bytes = sum(len(name) + len(value) for name, value in scope["headers"])
         if header_bytes > MAX_HEADER_BYTES:
             error = HttpError(
@@ -101,8 +100,7 @@ class BodyLimit:
         it was read, `more`: and not all), within the DISCARD bounds; past them, with a client
         that waits for `100 Continue` before a body it was never asked for, or with a body
         declared larger than DISCARD_BYTES, the answer closes the connection."""
-        length = headers.get(b"content-length", b"")
-        declared = int(length) if length.isdigit() else 0
+        declared = _declared(headers)
         chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
         waits = headers.get(b"expect", b"").lower() == b"100-continue"
         if not more or not (declared or chunked):
@@ -120,6 +118,12 @@ class BodyLimit:
             answer.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": error.status, "headers": answer})
         await send({"type": "http.response.body", "body": content})
+
+
+def _declared(headers: dict[bytes, bytes]) -> int:
+    """The body's length as its Content-Length says; 0 without one (or a chunked body)."""
+    length = headers.get(b"content-length", b"")
+    return int(length) if length.isdigit() else 0
 
 
 async def _dropped(receive: Receive) -> bool:
