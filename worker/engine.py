@@ -70,6 +70,13 @@ from worker.model_runner import Chunk, ModelRunner
 from worker.peer_reads import PeerReads
 from worker.penalties import Penalties
 from worker.pooling import pooled
+from worker.predicted_output import (
+    PREDICTION_LOOKUP_MAX,
+    PredictedOutput,
+    PredictionCheck,
+    PredictionCursor,
+    predicted_output,
+)
 from worker.reasoning import (
     CLOSE,
     ReasoningSplit,
@@ -146,6 +153,10 @@ class EngineConfig:
     """The longest suffix of a sample's tokens an n-gram draft is matched by."""
     prompt_lookup_min: int = 2
     """The shortest: the n-grams indexed (an n-gram draft's `prompt_lookup_min`)."""
+    num_prediction_tokens: int = 16
+    """The longest draft a decoding sample verifies in a step from its request's predicted
+    output (OpenAI's `prediction`: worker/predicted_output.py), with or without n-gram
+    speculation; 0: predictions are read and not drafted from."""
     block_size: int = 16
     host_pages: int = 0
     """Pages of the host tier (CPU memory; pinned on CUDA hosts); 0: evicted pages are gone."""
@@ -232,7 +243,10 @@ class EngineConfig:
     @property
     def speculation(self) -> SpeculationConfig:
         return SpeculationConfig(
-            self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+            self.num_speculative_tokens,
+            self.prompt_lookup_max,
+            self.prompt_lookup_min,
+            self.num_prediction_tokens,
         )
 
 
@@ -289,6 +303,10 @@ class EngineStats:
     """Draft tokens verified (speculative decoding, `num_speculative_tokens`)."""
     accepted_draft_tokens: int = 0
     """Of those, the ones the sample drew too: each saved a step."""
+    prediction_draft_tokens: int = 0
+    """Of `draft_tokens`, those taken from a request's predicted output."""
+    accepted_prediction_tokens: int = 0
+    """Of those, the ones the sample drew too."""
 
 
 def context_length(positions: int, config: EngineConfig, pool: PoolSize) -> int:
@@ -429,6 +447,7 @@ class Engine:
         self._stopping = threading.Event()
         self._finished = self._prompt_tokens = self._cached_tokens = self._generated = 0
         self._drafted = self._accepted_drafts = 0  # draft tokens verified, and drawn too
+        self._predicted_drafts = self._accepted_predictions = 0  # of those, a prediction's
         self.latencies = EngineLatencies()  # where requests' time went, for the metrics
         self.store: KvStore | None = None
         # what recomputing a position costs against reading it back from disk (learned)
@@ -489,6 +508,7 @@ class Engine:
         allowed = request.sampling.allowed_token_ids
         if allowed and set(allowed) <= {s[0] for s in bad_words if len(s) == 1}:
             raise InvalidRequest("bad_words", "bans every allowed token: nothing could be drawn")
+        predicted = self._predicted(request)
         images = None
         if checked:
             assert self.limits.image_spec is not None
@@ -506,6 +526,7 @@ class Engine:
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
         state.submitted = began
+        state.predicted = predicted
         if self.speculation.enabled and request.sampling.max_tokens > 1 and not request.pooling:
             # its prompt's n-grams, indexed here, not on the engine thread (none to verify
             # for one token, or for an embedding)
@@ -688,9 +709,25 @@ class Engine:
             disk_bytes_bound=self.store.max_bytes if self.store is not None else 0,
             draft_tokens=self._drafted,
             accepted_draft_tokens=self._accepted_drafts,
+            prediction_draft_tokens=self._predicted_drafts,
+            accepted_prediction_tokens=self._accepted_predictions,
         )
 
     # -- validation (caller's thread) ----------------------------------------------------------
+    def _predicted(self, request: GenerateRequest) -> PredictedOutput | None:
+        """The request's predicted output, tokenized and indexed (None: none, or nothing to
+        draft from it: one token asked for, an embedding, or `num_prediction_tokens` 0)."""
+        spec = self.speculation
+        if not spec.num_prediction_tokens or request.pooling or request.sampling.max_tokens < 2:
+            return None
+        return predicted_output(
+            request.sampling.prediction,
+            self.tokenizer,
+            self.max_model_len,
+            spec.prompt_lookup_min,
+            max(spec.prompt_lookup_max, PREDICTION_LOOKUP_MAX),
+        )
+
     def _validate(self, request: GenerateRequest, prompt: list[int]) -> None:
         validation.validate(request, prompt, self.limits)
         positions = len(prompt) - request.generated_before
@@ -828,7 +865,7 @@ class Engine:
             self._end_refused()
         if not plan:
             return self._nothing_planned(awaiting)
-        if self.speculation.enabled:
+        if self.speculation.enabled or any(s.request.predicted is not None for s, _ in plan):
             self._draft(plan)
         if any(sample.lora_slot >= 0 for sample, _ in plan):
             plan.sort(key=lambda item: item[0].lora_slot)  # one adapter segment per slot
@@ -872,8 +909,9 @@ class Engine:
             sample.computed += take
             computed.append((sample, chunk, at))
             at += chunk.rows
-        if self.speculation.enabled:  # drafted samples first: the pages past what they keep
-            computed.sort(key=lambda item: not item[1].drafted)  # go back before a fork takes any
+        if any(chunk.drafted for chunk in chunks):  # drafted samples first: the pages past
+            computed.sort(key=lambda item: not item[1].drafted)  # what they keep go back before
+            # a fork takes any
         for sample, chunk, at in computed:
             if sample.phase is not Phase.RUNNING or not chunk.rows:
                 continue
@@ -1013,35 +1051,54 @@ class Engine:
 
     def _draft(self, plan: list[tuple[SampleState, int]]) -> None:
         """Give the plan's decoding samples a draft each to verify with their pending token
-        (worker/speculation.py), within the budget the plan leaves (and a prefill chunk's
-        length) and the free pages: a draft is cut to what they hold, and evicts nothing."""
+        (`_proposal`), within the budget the plan leaves (and a prefill chunk's length) and
+        the free pages: a draft is cut to what they hold, and evicts nothing."""
         room = self.config.token_budget - sum(take for _, take in plan)
-        spec, longest = self.speculation, self.config.max_prefill_chunk - 1
+        longest = self.config.max_prefill_chunk - 1
         for i, (sample, take) in enumerate(plan):
             if room <= 0:
                 return
             if take != 1 or sample.pending != 1 or not sample.prefilled:
                 continue
-            sampling = sample.request.request.sampling
-            context = self.max_model_len - len(sample.tokens)
-            most = draft_limit(spec, sample.generated, sampling.max_tokens, context)
-            limit = min(room, longest, most)
-            if limit <= 0:
-                continue
-            if sample.ngrams is None:  # the prompt's index: sample 0's own when it is alone
-                prompt = sample.request.ngrams
-                assert prompt is not None
-                sample.ngrams = prompt if sampling.n == 1 else prompt.copy()
             assert sample.seq is not None
             mapped = len(self.cache.table.row(sample.seq.slot)) + self.cache.pool.num_free
             fits = mapped * self.config.page_size - sample.computed - 1  # with no eviction
-            draft = sample.ngrams.propose(sample.tokens, min(limit, fits))
+            draft = self._proposal(sample, min(room, longest, fits))
             if not draft:
                 continue
             self.cache.grow(sample.seq, sample.computed + 1 + len(draft))
             sample.draft = draft
             plan[i] = (sample, 1 + len(draft))
             room -= len(draft)
+
+    def _proposal(self, sample: SampleState, limit: int) -> list[int]:
+        """A decoding sample's draft of at most `limit` tokens: what its request's predicted
+        output says comes next (worker/predicted_output.py), else an n-gram lookup's
+        (worker/speculation.py); `sample.draft_predicted` says which."""
+        sampling, spec = sample.request.request.sampling, self.speculation
+        context, generated = self.max_model_len - len(sample.tokens), sample.generated
+        sample.draft_predicted = False
+        predicted = sample.request.predicted
+        if predicted is not None and spec.num_prediction_tokens:
+            if sample.prediction is None:
+                request = sample.request.request
+                start = len(sample.request.prompt_ids) - request.generated_before
+                sample.prediction = PredictionCursor(predicted, start)
+            most = draft_limit(spec.num_prediction_tokens, generated, sampling.max_tokens, context)
+            draft = sample.prediction.propose(sample.tokens, min(limit, most))
+            if draft:
+                sample.draft_predicted = True
+                return draft
+        if not spec.enabled:
+            return []
+        most = draft_limit(spec.num_speculative_tokens, generated, sampling.max_tokens, context)
+        if min(limit, most) <= 0:
+            return []
+        if sample.ngrams is None:  # the prompt's index: sample 0's own when it is alone
+            prompt = sample.request.ngrams
+            assert prompt is not None
+            sample.ngrams = prompt if sampling.n == 1 else prompt.copy()
+        return sample.ngrams.propose(sample.tokens, min(limit, most))
 
     def _verify(self, sample: SampleState, chunk: Chunk, rows: torch.Tensor) -> None:
         """Draw a drafted sample's tokens from its rows in order, while each equals the draft
@@ -1050,15 +1107,23 @@ class Engine:
         draft = chunk.token_ids[1:]
         sample.computed = chunk.start + 1
         self._drafted += len(draft)
-        for i, row in enumerate(rows):
-            token = self._draw(sample, row)
-            if token is None:
-                return
-            accepted = i < len(draft) and token == draft[i]
-            self._accepted_drafts += accepted
-            if not accepted or sample.phase is not Phase.RUNNING:
-                break
-            sample.computed += 1  # the draft token's KV, written this step, is the sample's
+        predicted = sample.draft_predicted
+        if predicted:  # `_accept` counts its tokens for the sample's usage as they are drawn
+            self._predicted_drafts += len(draft)
+            sample.checking = PredictionCheck(draft, len(sample.tokens))
+        try:
+            for i, row in enumerate(rows):
+                token = self._draw(sample, row)
+                if token is None:
+                    return
+                accepted = i < len(draft) and token == draft[i]
+                self._accepted_drafts += accepted
+                self._accepted_predictions += accepted and predicted
+                if not accepted or sample.phase is not Phase.RUNNING:
+                    break
+                sample.computed += 1  # the draft token's KV, written this step, is the sample's
+        finally:
+            sample.checking = None
         if sample.seq is not None:  # still running: as many pages as decoding would hold
             self.cache.trim(sample.seq, sample.computed + 1)
 
@@ -1173,6 +1238,9 @@ class Engine:
             self.scheduler.enqueue(sample)
         if reason is not None:  # released before the client hears it ended (see _emit)
             self._finish_sample(sample, reason)
+        predicted = (0, 0)
+        if sample.checking is not None:  # a prediction's draft token, or the one after it
+            predicted = sample.checking.tally(len(sample.tokens) - 1, token, reason is not None)
         request = sample.request.request
         scored = (  # the first token of the first sample of a request that scores its prompt
             request.sampling.prompt_logprobs is not None
@@ -1183,6 +1251,7 @@ class Engine:
         self._emit(
             sample, (token,), text, reason, logprobs=logprobs, scored_prompt=scored,
             thought=thought, thinking=counted if sample.reasoning is not None else 0,
+            predicted=predicted,
         )  # fmt: skip
 
     def _emit(
@@ -1197,6 +1266,7 @@ class Engine:
         thought: str = "",
         thinking: int = 0,
         embedding: tuple[float, ...] = (),
+        predicted: tuple[int, int] = (0, 0),
     ) -> None:
         """Stream one output (`thought`: its reasoning, apart from `text`; `thinking`: how many
         tokens it makes the reasoning's; `embedding`: an embedding request's). A sample's last one
@@ -1224,6 +1294,8 @@ class Engine:
             reasoning_text=thought,
             reasoning_tokens=thinking,
             embedding=embedding,
+            accepted_prediction_tokens=predicted[0],
+            rejected_prediction_tokens=predicted[1],
         )
         try:
             request.sink(output)

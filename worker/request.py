@@ -151,5 +151,9 @@ class RequestOutput:
     previous message (`text` holds only what comes after its `</think>`)."""
     reasoning_tokens: int = 0
     """Of `token_ids`, those of the reasoning (with `separate_reasoning`, of a thinking model)."""
+    accepted_prediction_tokens: int = 0
+    """Of `token_ids`, those drawn from a draft of the request's predicted output."""
+    rejected_prediction_tokens: int = 0
+    """Tokens of the predicted output's drafts computed with this message's and not drawn."""
     embedding: tuple[float, ...] = ()
     """An embedding request's output, on its one (finished) message."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 from cache import CachedSequence, Keys, to_cache_keys
 from worker.image_inputs import RequestImages
 from worker.lora_adapter import LoraAdapter
+from worker.predicted_output import PredictedOutput, PredictionCheck, PredictionCursor
 from worker.reasoning import ReasoningSplit
 from worker.request import GenerateRequest, RequestOutput, TokenLogprob
 from worker.sampling import Sampler
@@ -87,6 +88,12 @@ class SampleState:
     """Where the n-grams of its tokens occurred (speculative decoding; None: not yet, or off)."""
     draft: list[int] = field(default_factory=list)
     """Its latest draft (worker/speculation.py); a step verifies it only when planned so."""
+    draft_predicted: bool = False
+    """Whether `draft` came from its request's predicted output (else from an n-gram)."""
+    prediction: PredictionCursor | None = None
+    """Its place in its request's predicted output (None: none, or not drafted from yet)."""
+    checking: PredictionCheck | None = None
+    """The prediction draft its step is verifying (None: none)."""
 
     @property
     def pending(self) -> int:
@@ -155,6 +162,8 @@ class RequestState:
     """When it was first queued, among all requests (the scheduler sets it; -1: not yet)."""
     ngrams: NgramIndex | None = None
     """Its prompt's n-grams, indexed at submission when the engine speculates (None: off)."""
+    predicted: PredictedOutput | None = None
+    """Its predicted output (OpenAI's `prediction`), tokenized and indexed at submission."""
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
     """The prompt's logprobs so far (`SamplingParams.prompt_logprobs`), of its tokens 1, 2, ..."""
     stops: StopStrings = field(init=False)

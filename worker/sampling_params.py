@@ -26,6 +26,8 @@ call's constraint holds every tool's parameters): compiling one is work the work
 the request is queued."""
 MAX_CHOICES = 1_024
 MAX_BAD_WORDS = 256
+MAX_PREDICTION_CHARS = 1_048_576
+"""Characters of a predicted output (it is tokenized before the request is queued)."""
 MAX_LOGIT_BIAS = 100.0
 """A logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)."""
 MAX_PENALTY = 2.0
@@ -164,6 +166,10 @@ class SamplingParams:
     of this many most likely tokens at its position (vLLM's; what OpenAI's `echo` with
     `logprobs` reports). Every prompt position is computed for them, none read from the cache;
     None: none."""
+    prediction: str = ""
+    """The text the output is expected to repeat, mostly (OpenAI's predicted outputs): decoding
+    verifies its tokens as drafts (worker/predicted_output.py); the output does not change.
+    "": none."""
 
     @property
     def penalized(self) -> bool:
@@ -200,6 +206,14 @@ class SamplingParams:
         if self.structured is not None:
             self.structured.validate()
         self._validate_shaping(vocab_size)
+        self._validate_budget_and_prediction()
+
+    def _validate_budget_and_prediction(self) -> None:
+        if len(self.prediction) > MAX_PREDICTION_CHARS:
+            raise InvalidRequest(
+                "prediction",
+                f"{len(self.prediction)} characters; at most {MAX_PREDICTION_CHARS} are allowed",
+            )
         budget = self.thinking_token_budget
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget < 2**31

@@ -49,15 +49,17 @@ class SpeculationConfig:
     """The longest suffix looked up (tried first)."""
     prompt_lookup_min: int = 2
     """The shortest suffix looked up."""
+    num_prediction_tokens: int = 0
+    """The longest draft from a request's predicted output (worker/predicted_output.py); 0:
+    none. Independent of `num_speculative_tokens`."""
 
     def __post_init__(self) -> None:
-        if type(self.num_speculative_tokens) is not int or not (
-            0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
-        ):
-            raise ValueError(
-                f"num_speculative_tokens must be an int in [0, {MAX_SPECULATIVE_TOKENS}], got "
-                f"{self.num_speculative_tokens!r}"
-            )
+        for name in ("num_speculative_tokens", "num_prediction_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(
+                    f"{name} must be an int in [0, {MAX_SPECULATIVE_TOKENS}], got {value!r}"
+                )
         if type(self.prompt_lookup_min) is not int or self.prompt_lookup_min < 1:
             raise ValueError(
                 f"prompt_lookup_min must be an int >= 1, got {self.prompt_lookup_min!r}"
@@ -75,11 +77,11 @@ class SpeculationConfig:
         return self.num_speculative_tokens > 0
 
 
-def draft_limit(config: SpeculationConfig, generated: int, max_tokens: int, room: int) -> int:
-    """The longest draft worth verifying for a sample that has generated `generated` tokens of
-    `max_tokens`, with `room` positions left in its context: a step keeps at most the draft and
-    one more token."""
-    return min(config.num_speculative_tokens, max_tokens - generated - 1, room - 1)
+def draft_limit(longest: int, generated: int, max_tokens: int, room: int) -> int:
+    """The longest draft (of at most `longest` tokens) worth verifying for a sample that has
+    generated `generated` tokens of `max_tokens`, with `room` positions left in its context: a
+    step keeps at most the draft and one more token."""
+    return min(longest, max_tokens - generated - 1, room - 1)
 
 
 class NgramIndex:

@@ -57,6 +57,7 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         if message.HasField("prompt_logprobs")
         else None,
         bad_words=tuple(message.bad_words),
+        prediction=message.prediction,
         structured=structured_from_proto(message.structured)
         if message.HasField("structured")
         else None,
@@ -165,6 +166,7 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         skip_special_tokens=params.skip_special_tokens,
         separate_reasoning=params.separate_reasoning,
         bad_words=list(params.bad_words),
+        prediction=params.prediction,
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -202,6 +204,8 @@ def output_to_proto(
         prompt_token_ids=list(output.prompt_token_ids),
         reasoning_text=output.reasoning_text,
         reasoning_tokens=output.reasoning_tokens,
+        accepted_prediction_tokens=output.accepted_prediction_tokens,
+        rejected_prediction_tokens=output.rejected_prediction_tokens,
         embedding=output.embedding,
     )
 

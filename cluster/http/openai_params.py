@@ -97,6 +97,8 @@ def chat_request(
         images=chat.images,
     )
     message.sampling.separate_reasoning = request.separate_reasoning
+    if request.prediction is not None:
+        message.sampling.prediction = request.prediction.text()
     message.namespace.tenant = tenant
     message.text_match = TEXT_MATCH[request.text_match]
     set_priority(message, request.priority)

@@ -97,6 +97,9 @@ class Counts:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     """Of `completion_tokens`, a thinking model's reasoning's."""
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    """What became of a predicted output's drafts (serving.proto's GenerateResponse)."""
     first: serving_pb2.GenerateResponse | None = None
     prompts: dict[str, ScoredPrompt] = field(default_factory=dict)
     """Each generation's prompt logprobs, when the request asked for them."""
@@ -119,6 +122,8 @@ class Counts:
             self.prompts[response.request_id] = scored
         self.completion_tokens += len(response.token_ids)
         self.reasoning_tokens += response.reasoning_tokens
+        self.accepted_prediction_tokens += response.accepted_prediction_tokens
+        self.rejected_prediction_tokens += response.rejected_prediction_tokens
 
     def usage(self) -> Usage:
         return Usage(
@@ -127,7 +132,9 @@ class Counts:
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
             completion_tokens_details=CompletionTokensDetails(
-                reasoning_tokens=self.reasoning_tokens
+                reasoning_tokens=self.reasoning_tokens,
+                accepted_prediction_tokens=self.accepted_prediction_tokens,
+                rejected_prediction_tokens=self.rejected_prediction_tokens,
             ),
         )
 

@@ -222,6 +222,24 @@ class NamedToolChoice(Strict):
     function: FunctionName
 
 
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(Strict):
+    """OpenAI's predicted output: text the answer is expected to repeat, mostly (a file being
+    rewritten). Decoding verifies its tokens as drafts; the answer is the one without it."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage]
     separate_reasoning: bool = True
@@ -246,7 +264,7 @@ class ChatCompletionRequest(GenerationParams):
     continue_final_message)."""
     audio: Any = None
     modalities: Any = None
-    prediction: Any = None
+    prediction: Prediction | None = None
     reasoning_effort: Effort | None = None
     """OpenAI's: given to the chat template as `reasoning_effort` (vLLM's way; gpt-oss's
     template reads it); "none" also sets `enable_thinking: false` (Qwen3's)."""
@@ -274,7 +292,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "function_call": ("deprecated by OpenAI: send tool_choice", ("none",)),
     "audio": ("only text is served", ()),
     "modalities": ("only text is served", (["text"],)),
-    "prediction": ("predicted outputs are not supported", ()),
     "web_search_options": ("web search is not supported", ()),
     "verbosity": ("not supported", ()),
     "service_tier": ("there is one tier", ("auto", "default")),
@@ -294,6 +311,11 @@ class PromptTokensDetails(BaseModel):
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
     """A thinking model's reasoning tokens, when told from its answer."""
+    accepted_prediction_tokens: int = 0
+    """With `prediction`: of the completion's tokens, those drawn as the prediction proposed."""
+    rejected_prediction_tokens: int = 0
+    """With `prediction`: the prediction's tokens computed as drafts and not drawn (not in
+    `completion_tokens`, which counts the completion's tokens only)."""
 
 
 class Usage(BaseModel):

@@ -374,7 +374,7 @@ def test_drafts_stop_short_of_the_context() -> None:
 def test_a_draft_leaves_room_for_the_token_drawn_after_it(
     k: int, generated: int, max_tokens: int, room: int, expected: int
 ) -> None:
-    assert draft_limit(SpeculationConfig(k), generated, max_tokens, room) == expected
+    assert draft_limit(k, generated, max_tokens, room) == expected
 
 
 def test_the_settings_are_checked_by_name() -> None:

@@ -1,0 +1,153 @@
+"""Predicted outputs (OpenAI's `prediction`): drafts taken from the text a client expects back.
+
+A client rewriting a file sends the file as its prediction; most of the answer is the file
+again. A decoding sample follows its place in the prediction token by token (`PredictionCursor`)
+and, while its output agrees, proposes the prediction's next tokens as its draft, which the step
+verifies as it verifies an n-gram draft (worker/speculation.py): every token is still drawn by
+the sample's own sampler, so the output is the one decoding without a prediction gives.
+
+Where the output leaves the prediction (the edit), the cursor is lost until the output's last
+tokens occur in the prediction again: its last `lo` tokens are looked up among the prediction's
+n-grams and each occurrence is extended backwards, up to `hi` tokens; the longest match wins,
+the first at or after the cursor's last place of equals (a rewrite keeps the prediction's order).
+
+What the verification made of each prediction draft is counted as OpenAI's usage counts it:
+`accepted_prediction_tokens`, the drafted tokens the sample drew; `rejected_prediction_tokens`,
+the drafted tokens computed and not drawn (the rest of a draft after the first token that
+differed, or after the sample ended).
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import Final
+
+from worker.bad_words import WordEncoder
+from worker.errors import InvalidRequest
+
+CANDIDATES: Final = 8
+"""Occurrences of an n-gram read on each side of the cursor's last place when realigning."""
+PREDICTION_LOOKUP_MAX: Final = 8
+"""Realigning compares up to this many of the output's last tokens (or `prompt_lookup_max`,
+if more): a rewrite repeats short runs of tokens (a closing brace and a newline) more often
+than a prompt does."""
+
+
+class PredictedOutput:
+    """A request's prediction as tokens, with where each n-gram of `lo` tokens ends in it; read
+    by its samples' cursors, never changed."""
+
+    __slots__ = ("ends", "hi", "lo", "tokens")
+
+    def __init__(self, tokens: Sequence[int], lo: int, hi: int) -> None:
+        self.tokens = array("i", tokens)
+        self.lo, self.hi = lo, hi
+        self.ends: dict[tuple[int, ...], array[int]] = {}
+        """n-gram -> the positions right after each occurrence with a token after it, ascending."""
+        for end in range(lo, len(tokens)):
+            key = tuple(tokens[end - lo : end])
+            found = self.ends.get(key)
+            if found is None:
+                self.ends[key] = array("i", (end,))
+            else:
+                found.append(end)
+
+    def align(self, tokens: Sequence[int], near: int) -> int | None:
+        """Where in the prediction the end of `tokens` continues: the position after the best
+        match of its last `lo` (up to `hi`) tokens; None when they occur nowhere in it."""
+        size, lo, hi, predicted = len(tokens), self.lo, self.hi, self.tokens
+        if size < lo:
+            return None
+        found = self.ends.get(tuple(tokens[size - lo :]))
+        if found is None:
+            return None
+        split = bisect_left(found, near)
+        best, longest = None, 0
+        after, before = found[split : split + CANDIDATES], found[max(0, split - CANDIDATES) : split]
+        for end in (*after, *before):
+            n = lo
+            while n < min(hi, size, end) and predicted[end - n - 1] == tokens[size - n - 1]:
+                n += 1
+            if n > longest:
+                best, longest = end, n
+        return best
+
+
+class PredictionCursor:
+    """One sample's place in its request's prediction: the position of the token it is
+    expected to write next (None: lost), found again from its last tokens when lost."""
+
+    __slots__ = ("at", "last", "predicted", "seen")
+
+    def __init__(self, predicted: PredictedOutput, output_start: int) -> None:
+        self.predicted = predicted
+        self.at: int | None = 0
+        """The prediction's position the sample's next token is expected to equal."""
+        self.last = 0
+        """Where the cursor last was (realigning prefers occurrences from there on)."""
+        self.seen = output_start
+        """The sample's tokens before this were followed already."""
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens of the prediction that would follow `tokens` (the sample's
+        whole sequence, prompt included); [] when it is lost or the prediction is used up."""
+        predicted = self.predicted.tokens
+        at, size = self.at, len(tokens)
+        if at is not None:
+            for position in range(self.seen, size):
+                if at < len(predicted) and predicted[at] == tokens[position]:
+                    at += 1
+                else:
+                    at = None
+                    break
+        self.seen = size
+        if at is None:
+            at = self.predicted.align(tokens, self.last)
+        self.at = at
+        if at is None or limit <= 0:
+            return []
+        self.last = at
+        return list(predicted[at : at + limit])
+
+
+class PredictionCheck:
+    """A prediction's draft being verified, from position `at` of its sample's tokens: counts
+    each token drawn there as OpenAI's usage does (`tally`)."""
+
+    __slots__ = ("at", "draft")
+
+    def __init__(self, draft: Sequence[int], at: int) -> None:
+        self.draft, self.at = draft, at
+
+    def tally(self, position: int, token: int, ended: bool) -> tuple[int, int]:
+        """(accepted, rejected) prediction tokens that drawing `token` at `position` settles
+        (`ended`: the sample ends with it). A token that differs from the draft, or ends the
+        sample, leaves the rest of the draft undrawn: rejected, and nothing more is counted."""
+        k, draft = position - self.at, self.draft
+        if k >= len(draft):  # the token drawn after the whole draft, or the draft is settled
+            return 0, 0
+        hit = draft[k] == token
+        if hit and not ended:
+            return 1, 0
+        self.draft = ()
+        return int(hit), len(draft) - k - int(hit)
+
+
+def predicted_output(
+    text: str, tokenizer: WordEncoder | None, max_tokens: int, lo: int, hi: int
+) -> PredictedOutput | None:
+    """A request's prediction, tokenized as the model writes text (no special tokens); None
+    for none. Refused when the model has no tokenizer or the prediction is longer than a
+    sequence may be."""
+    if not text:
+        return None
+    if tokenizer is None:
+        raise InvalidRequest("prediction", "this model has no tokenizer to read it with")
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    if len(tokens) > max_tokens:
+        raise InvalidRequest(
+            "prediction", f"{len(tokens)} tokens; a sequence holds at most {max_tokens}"
+        )
+    return PredictedOutput(tokens, lo, hi)
