@@ -305,8 +305,9 @@ class EngineStats:
     """Of those, the ones the sample drew too: each saved a step."""
     prediction_draft_tokens: int = 0
     """Of `draft_tokens`, those taken from a request's predicted output."""
-    accepted_prediction_tokens: int = 0
-    """Of those, the ones the sample drew too."""
+    accepted_prediction_draft_tokens: int = 0
+    """Of those, the ones the sample drew too (`prediction_draft_tokens` less these: the
+    usage's `rejected_prediction_tokens`, summed)."""
 
 
 def context_length(positions: int, config: EngineConfig, pool: PoolSize) -> int:
@@ -447,7 +448,7 @@ class Engine:
         self._stopping = threading.Event()
         self._finished = self._prompt_tokens = self._cached_tokens = self._generated = 0
         self._drafted = self._accepted_drafts = 0  # draft tokens verified, and drawn too
-        self._predicted_drafts = self._accepted_predictions = 0  # of those, a prediction's
+        self._predicted_drafts = self._predicted_drafts_drawn = 0  # of those, a prediction's
         self.latencies = EngineLatencies()  # where requests' time went, for the metrics
         self.store: KvStore | None = None
         # what recomputing a position costs against reading it back from disk (learned)
@@ -710,7 +711,7 @@ class Engine:
             draft_tokens=self._drafted,
             accepted_draft_tokens=self._accepted_drafts,
             prediction_draft_tokens=self._predicted_drafts,
-            accepted_prediction_tokens=self._accepted_predictions,
+            accepted_prediction_draft_tokens=self._predicted_drafts_drawn,
         )
 
     # -- validation (caller's thread) ----------------------------------------------------------
@@ -1078,12 +1079,7 @@ class Engine:
         sampling, spec = sample.request.request.sampling, self.speculation
         context, generated = self.max_model_len - len(sample.tokens), sample.generated
         sample.draft_predicted = False
-        predicted = sample.request.predicted
-        if predicted is not None and spec.num_prediction_tokens:
-            if sample.prediction is None:
-                request = sample.request.request
-                start = len(sample.request.prompt_ids) - request.generated_before
-                sample.prediction = PredictionCursor(predicted, start)
+        if sample.prediction is not None:  # made at its first token (`_follow_prediction`)
             most = draft_limit(spec.num_prediction_tokens, generated, sampling.max_tokens, context)
             draft = sample.prediction.propose(sample.tokens, min(limit, most))
             if draft:
@@ -1118,7 +1114,7 @@ class Engine:
                     return
                 accepted = i < len(draft) and token == draft[i]
                 self._accepted_drafts += accepted
-                self._accepted_predictions += accepted and predicted
+                self._predicted_drafts_drawn += accepted and predicted
                 if not accepted or sample.phase is not Phase.RUNNING:
                     break
                 sample.computed += 1  # the draft token's KV, written this step, is the sample's
@@ -1239,8 +1235,8 @@ class Engine:
         if reason is not None:  # released before the client hears it ended (see _emit)
             self._finish_sample(sample, reason)
         predicted = (0, 0)
-        if sample.checking is not None:  # a prediction's draft token, or the one after it
-            predicted = sample.checking.tally(len(sample.tokens) - 1, token, reason is not None)
+        if sample.request.predicted is not None:
+            predicted = self._follow_prediction(sample, token, reason is not None)
         request = sample.request.request
         scored = (  # the first token of the first sample of a request that scores its prompt
             request.sampling.prompt_logprobs is not None
@@ -1253,6 +1249,21 @@ class Engine:
             thought=thought, thinking=counted if sample.reasoning is not None else 0,
             predicted=predicted,
         )  # fmt: skip
+
+    @staticmethod
+    def _follow_prediction(sample: SampleState, token: int, ended: bool) -> tuple[int, int]:
+        """The sample's cursor in its request's prediction past `token`, just appended:
+        (accepted, rejected) prediction tokens for its usage (worker/predicted_output.py)."""
+        if sample.prediction is None:  # its first token (a resumed sample's first here)
+            request, predicted = sample.request, sample.request.predicted
+            assert predicted is not None
+            start = len(request.prompt_ids) - request.request.generated_before
+            sample.prediction = PredictionCursor(predicted, sample.tokens[start:-1])
+        accepted = sample.prediction.follow(token)
+        checking = sample.checking  # a prediction's draft is being verified
+        position = len(sample.tokens) - 1
+        rejected = checking.rejected(position, token, ended) if checking is not None else 0
+        return int(accepted), rejected
 
     def _emit(
         self,

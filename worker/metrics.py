@@ -53,6 +53,14 @@ class EngineCollector(Collector):
                 "Draft tokens the sample drew too (each saved a decoding step)",
                 stats.accepted_draft_tokens,
             ),
+            "radixmesh_worker_prediction_draft_tokens": (
+                "Of the draft tokens verified, those from a request's predicted output",
+                stats.prediction_draft_tokens,
+            ),
+            "radixmesh_worker_accepted_prediction_draft_tokens": (
+                "Of those, the ones the sample drew too",
+                stats.accepted_prediction_draft_tokens,
+            ),
             "radixmesh_worker_demoted_pages": (
                 "KV pages copied from the device to the host tier on eviction",
                 stats.demoted_pages,

@@ -1,8 +1,8 @@
 """Predicted outputs (OpenAI's `prediction`): drafts taken from the text a client expects back.
 
 A client rewriting a file sends the file as its prediction; most of the answer is the file
-again. A decoding sample follows its place in the prediction token by token (`PredictionCursor`)
-and, while its output agrees, proposes the prediction's next tokens as its draft, which the step
+again. A sample follows its place in the prediction token by token (`PredictionCursor`) and,
+while its output agrees, proposes the prediction's next tokens as its draft, which the step
 verifies as it verifies an n-gram draft (worker/speculation.py): every token is still drawn by
 the sample's own sampler, so the output is the one decoding without a prediction gives.
 
@@ -11,10 +11,10 @@ tokens occur in the prediction again: its last `lo` tokens are looked up among t
 n-grams and each occurrence is extended backwards, up to `hi` tokens; the longest match wins,
 the first at or after the cursor's last place of equals (a rewrite keeps the prediction's order).
 
-What the verification made of each prediction draft is counted as OpenAI's usage counts it:
-`accepted_prediction_tokens`, the drafted tokens the sample drew; `rejected_prediction_tokens`,
-the drafted tokens computed and not drawn (the rest of a draft after the first token that
-differed, or after the sample ended).
+The usage counts what OpenAI's does: `accepted_prediction_tokens`, the output's tokens that the
+prediction had at their place (each equal to the token after the cursor); and
+`rejected_prediction_tokens`, the prediction's draft tokens computed and not drawn (the rest of
+a draft after the first token that differed, or after the sample ended: `PredictionCheck`).
 """
 
 from __future__ import annotations
@@ -79,60 +79,60 @@ class PredictionCursor:
     """One sample's place in its request's prediction: the position of the token it is
     expected to write next (None: lost), found again from its last tokens when lost."""
 
-    __slots__ = ("at", "last", "predicted", "seen")
+    __slots__ = ("at", "last", "predicted")
 
-    def __init__(self, predicted: PredictedOutput, output_start: int) -> None:
+    def __init__(self, predicted: PredictedOutput, written: Sequence[int] = ()) -> None:
+        """`written`: what the sample generated before (a resumed one's)."""
         self.predicted = predicted
         self.at: int | None = 0
         """The prediction's position the sample's next token is expected to equal."""
         self.last = 0
         """Where the cursor last was (realigning prefers occurrences from there on)."""
-        self.seen = output_start
-        """The sample's tokens before this were followed already."""
+        for token in written:
+            self.follow(token)
+
+    def follow(self, token: int) -> bool:
+        """Step past the sample's next token: True when the prediction had it at its place."""
+        at, predicted = self.at, self.predicted.tokens
+        if at is not None and at < len(predicted) and predicted[at] == token:
+            self.at = self.last = at + 1
+            return True
+        self.at = None
+        return False
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens of the prediction that would follow `tokens` (the sample's
-        whole sequence, prompt included); [] when it is lost or the prediction is used up."""
-        predicted = self.predicted.tokens
-        at, size = self.at, len(tokens)
-        if at is not None:
-            for position in range(self.seen, size):
-                if at < len(predicted) and predicted[at] == tokens[position]:
-                    at += 1
-                else:
-                    at = None
-                    break
-        self.seen = size
-        if at is None:
-            at = self.predicted.align(tokens, self.last)
-        self.at = at
+        whole sequence, prompt included, every token followed); [] when the cursor is lost
+        and its last tokens occur nowhere in the prediction, or the prediction is used up."""
+        if self.at is None:
+            self.at = self.predicted.align(tokens, self.last)
+        at = self.at
         if at is None or limit <= 0:
             return []
         self.last = at
-        return list(predicted[at : at + limit])
+        return list(self.predicted.tokens[at : at + limit])
 
 
 class PredictionCheck:
-    """A prediction's draft being verified, from position `at` of its sample's tokens: counts
-    each token drawn there as OpenAI's usage does (`tally`)."""
+    """A prediction's draft being verified, from position `at` of its sample's tokens."""
 
     __slots__ = ("at", "draft")
 
     def __init__(self, draft: Sequence[int], at: int) -> None:
         self.draft, self.at = draft, at
 
-    def tally(self, position: int, token: int, ended: bool) -> tuple[int, int]:
-        """(accepted, rejected) prediction tokens that drawing `token` at `position` settles
-        (`ended`: the sample ends with it). A token that differs from the draft, or ends the
-        sample, leaves the rest of the draft undrawn: rejected, and nothing more is counted."""
+    def rejected(self, position: int, token: int, ended: bool) -> int:
+        """The draft's tokens that drawing `token` at `position` leaves undrawn (`ended`: the
+        sample ends with it): the rest of the draft, once a token differs from it or ends the
+        sample; after that, none."""
         k, draft = position - self.at, self.draft
         if k >= len(draft):  # the token drawn after the whole draft, or the draft is settled
-            return 0, 0
+            return 0
         hit = draft[k] == token
         if hit and not ended:
-            return 1, 0
+            return 0
         self.draft = ()
-        return int(hit), len(draft) - k - int(hit)
+        return len(draft) - k - int(hit)
 
 
 def predicted_output(
