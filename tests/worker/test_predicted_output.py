@@ -152,8 +152,8 @@ def _words(tiny: LoadedModel) -> tuple[int, ...]:
 
 
 def _engine(tiny: LoadedModel, **config: Any) -> Engine:
-    settings = {"num_pages": 256, "page_size": 4, "model_revision": tiny.revision} | config
-    return Engine(tiny.model, tiny.tokenizer, EngineConfig(**settings))
+    values: dict[str, Any] = {"num_pages": 256, "page_size": 4, "model_revision": tiny.revision}
+    return Engine(tiny.model, tiny.tokenizer, EngineConfig(**(values | config)))
 
 
 def _run(engine: Engine, *requests: GenerateRequest) -> tuple[Recorder, int]:
@@ -187,7 +187,7 @@ def test_a_prediction_of_the_whole_answer_is_accepted_whole_in_fewer_steps(
 ) -> None:
     words = _words(tiny)
     assert len(words) >= 8
-    sampling = {"allowed_token_ids": words, "max_tokens": 60}
+    sampling: dict[str, Any] = {"allowed_token_ids": words, "max_tokens": 60}
     plain, plain_steps = _run(_engine(tiny), _request(**sampling))
     answer = plain.tokens("r")
     assert len(answer) == 60
@@ -221,7 +221,7 @@ def _edited(tiny: LoadedModel, tokens: Sequence[int]) -> str:
     )
 
 
-SAMPLINGS = {
+SAMPLINGS: dict[str, dict[str, Any]] = {
     "greedy": {},
     "seeded": {"temperature": 0.8, "seed": 3},
     "n=2 with logprobs": {"temperature": 0.8, "seed": 5, "n": 2, "logprobs": 2},
@@ -235,7 +235,7 @@ SAMPLINGS = {
 def test_a_prediction_changes_the_steps_not_the_tokens(
     tiny: LoadedModel, name: str, speculating: int
 ) -> None:
-    sampling = {"allowed_token_ids": _words(tiny)} | SAMPLINGS[name]
+    sampling: dict[str, Any] = {"allowed_token_ids": _words(tiny)} | SAMPLINGS[name]
     plain, _ = _run(_engine(tiny), _request(**sampling))
     assert tiny.tokenizer is not None
     answer = plain.tokens("r")
@@ -282,7 +282,7 @@ def test_a_prediction_nothing_like_the_answer_drafts_nothing(tiny: LoadedModel) 
 
 
 def test_num_prediction_tokens_0_ignores_predictions(tiny: LoadedModel) -> None:
-    sampling = {"allowed_token_ids": _words(tiny)}
+    sampling: dict[str, Any] = {"allowed_token_ids": _words(tiny)}
     plain, steps = _run(_engine(tiny), _request(**sampling))
     assert tiny.tokenizer is not None
     text = tiny.tokenizer.decode(plain.tokens("r"))
