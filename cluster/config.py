@@ -178,8 +178,8 @@ class EngineSection:
     """The shortest (at most prompt_lookup_max)."""
     num_prediction_tokens: int = _at_least(16, 0, MAX_SPECULATIVE_TOKENS)
     """The longest draft a decoding request verifies in one pass from its predicted output
-    (OpenAI's `prediction`), speculating or not; 0: predictions are read and not drafted
-    from. Outputs do not change."""
+    (OpenAI's `prediction`), speculating or not; 0: predictions are ignored. Outputs do not
+    change."""
     block_size: int = _at_least(16, 1)
     host_pages: int = _at_least(0, 0)
     """Pages of the host tier: evicted KV moves to CPU memory instead of vanishing, and a later

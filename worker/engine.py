@@ -156,7 +156,7 @@ class EngineConfig:
     num_prediction_tokens: int = 16
     """The longest draft a decoding sample verifies in a step from its request's predicted
     output (OpenAI's `prediction`: worker/predicted_output.py), with or without n-gram
-    speculation; 0: predictions are read and not drafted from."""
+    speculation; 0: predictions are ignored."""
     block_size: int = 16
     host_pages: int = 0
     """Pages of the host tier (CPU memory; pinned on CUDA hosts); 0: evicted pages are gone."""

@@ -8,12 +8,22 @@ import argparse
 
 from rich.progress import Progress
 
-from benchmarks.speculative_bench import WORKLOADS, SpeculationRun, same_answers, table, workload
+from benchmarks.speculative_bench import (
+    FUNCTION,
+    WORKLOADS,
+    SpeculationRun,
+    prediction,
+    same_answers,
+    table,
+    workload,
+)
 from worker.loader import LoadedModel
 
 
 def _args() -> argparse.Namespace:
-    return argparse.Namespace(requests=3, concurrency=2, max_tokens=24, pages=256, timeout=120.0)
+    return argparse.Namespace(
+        requests=3, concurrency=2, max_tokens=24, pages=256, timeout=120.0, prediction_tokens=16
+    )
 
 
 def test_every_run_answers_each_chat_as_the_run_without_drafts(tiny: LoadedModel) -> None:
@@ -38,3 +48,21 @@ def test_the_workloads_are_chats_that_differ_by_request() -> None:
         first, second = workload(name, 0), workload(name, 1)
         assert first[0]["role"] == "user" and first != second
     assert "```python" in workload("edit", 0)[0]["content"]
+
+
+def test_a_run_with_predictions_answers_as_the_run_without(tiny: LoadedModel) -> None:
+    runs = []
+    with Progress(disable=True) as progress:
+        for k, predicted in ((0, False), (0, True), (3, True)):
+            runs.append(SpeculationRun(tiny, "repeat", k, _args(), predicted)(progress))
+    assert same_answers(runs) == [True, True, True]
+    reports = [run.report() | {"same_as_k0": True} for run in runs]
+    assert [r["prediction"] for r in reports] == [False, True, True]
+    assert reports[0]["accepted_prediction_tokens"] == reports[0]["rejected_prediction_tokens"] == 0
+    assert table(reports, rounds=1).row_count == 3
+    assert prediction("free", 0) == ""
+    assert prediction("repeat", 1) in workload("repeat", 1)[0]["content"]
+    assert FUNCTION in prediction("edit", 2)
+    stale, paragraph = prediction("stale", 1).split(" "), prediction("repeat", 1).split(" ")
+    assert len(stale) == len(paragraph) and stale != paragraph
+    assert workload("stale", 1) == workload("repeat", 1)
