@@ -119,15 +119,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="an image file (PNG, JPEG, WebP) for a vision model; repeatable. In a chat the "
         'images come before the text; with --raw the text places each at an "<image>"',
     )
+    commands.choices["generate"].add_argument(
+        "--prediction",
+        metavar="FILE",
+        help="a text file the answer is expected to repeat, mostly (OpenAI's predicted outputs: "
+        "decoding verifies it as drafts; the answer does not change)",
+    )
     return parser
 
 
-def _stream(client: Client, request: object) -> tuple[str, object]:
+def _stream(client: Client, request: serving_pb2.GenerateRequest) -> tuple[str, object]:
     began, first, text, last = time.perf_counter(), None, [], None
+    predicted = [0, 0]  # a prediction's accepted and rejected tokens
     try:
-        for response in client.generate(request):  # type: ignore[arg-type]
+        for response in client.generate(request):
             if first is None:
                 first = time.perf_counter() - began
+            predicted[0] += response.accepted_prediction_tokens
+            predicted[1] += response.rejected_prediction_tokens
             if response.reasoning_text:  # a thinking model's, dimmed on stderr: stdout answers
                 console.print(escape(response.reasoning_text), style="dim", end="")
             sys.stdout.write(response.text)
@@ -141,10 +150,15 @@ def _stream(client: Client, request: object) -> tuple[str, object]:
         raise
     sys.stdout.write("\n")
     if last is not None:
+        prediction = (
+            f"; prediction: {predicted[0]} tokens accepted, {predicted[1]} rejected"
+            if request.sampling.prediction
+            else ""
+        )
         console.print(
             f"[dim]{last.worker}: {last.prompt_tokens} prompt tokens, "
             f"{last.cached_prompt_tokens} from cache; TTFT {1000 * (first or 0):.0f} ms; "
-            f"{last.finish_reason}[/]"
+            f"{last.finish_reason}{prediction}[/]"
         )
     return "".join(text), last
 
@@ -154,6 +168,11 @@ def generate(args: argparse.Namespace, client: Client) -> int:
         images = [Path(path).read_bytes() for path in args.image]
     except OSError as err:
         console.print(f"[red]--image: {escape(str(err))}[/]", soft_wrap=True)
+        return 2
+    try:
+        prediction = Path(args.prediction).read_text() if args.prediction else ""
+    except (OSError, UnicodeDecodeError) as err:
+        console.print(f"[red]--prediction: {escape(str(err))}[/]", soft_wrap=True)
         return 2
     common = dict(
         max_tokens=args.max_tokens,
@@ -176,6 +195,7 @@ def generate(args: argparse.Namespace, client: Client) -> int:
         request = text_request(chat=chat, **common)
         request.sampling.separate_reasoning = True
     _budget(args, request)
+    request.sampling.prediction = prediction
     if structured is not None:
         request.sampling.structured.CopyFrom(structured)
     _stream(client, request)

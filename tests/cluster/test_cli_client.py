@@ -44,6 +44,21 @@ def test_generate_streams_the_answer_and_reports_the_cache(cluster: LocalCluster
     assert chat.returncode == 0 and chat.stdout.strip()
 
 
+def test_generate_with_a_prediction_answers_the_same_and_says_what_it_was_worth(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    args = ["generate", "The router", "--target", cluster.target, "--max-tokens", "24", "--raw"]
+    plain = run(*args)
+    assert plain.returncode == 0 and "prediction" not in plain.stderr
+    (tmp_path / "prediction.txt").write_text(plain.stdout.removesuffix("\n"))
+    predicted = run(*args, "--prediction", str(tmp_path / "prediction.txt"))
+    assert predicted.returncode == 0 and predicted.stdout == plain.stdout
+    counts = re.search(r"prediction: (\d+) tokens accepted, (\d+) rejected", predicted.stderr)
+    assert counts is not None and int(counts[1]) > 0, predicted.stderr
+    missing = run(*args, "--prediction", str(tmp_path / "none.txt"))
+    assert missing.returncode == 2 and "--prediction" in missing.stderr
+
+
 def test_generate_answers_in_the_shape_asked(cluster: LocalCluster, tmp_path: Path) -> None:
     schema = {
         "type": "object",
