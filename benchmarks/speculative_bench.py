@@ -215,6 +215,15 @@ class SpeculationRun:
                 if len(run.ended) == self.args.requests:
                     self.done.set()
 
+    def sampling(self, i: int) -> SamplingParams:
+        """Request `i`'s: greedy, with its workload's prediction in a predicted run."""
+        run = self.run
+        return SamplingParams(
+            max_tokens=self.args.max_tokens,
+            temperature=0.0,
+            prediction=prediction(run.workload, i) if run.predicted else "",
+        )
+
     def __call__(self, progress: Progress) -> Run:
         args, run = self.args, self.run
         task = progress.add_task(f"{run.workload}, k={run.setup}", total=args.requests)
@@ -223,13 +232,10 @@ class SpeculationRun:
         try:
             for i in range(args.requests):
                 self.slots.acquire()
-                sampling = SamplingParams(
-                    max_tokens=args.max_tokens,
-                    temperature=0.0,
-                    prediction=prediction(run.workload, i) if run.predicted else "",
-                )
                 request = GenerateRequest(
-                    f"{run.workload}-{i}", messages=workload(run.workload, i), sampling=sampling
+                    f"{run.workload}-{i}",
+                    messages=workload(run.workload, i),
+                    sampling=self.sampling(i),
                 )
                 with self.lock:
                     run.submitted[request.request_id] = time.perf_counter()

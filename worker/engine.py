@@ -1081,7 +1081,7 @@ class Engine:
         sample.draft_predicted = False
         if sample.prediction is not None:  # made at its first token (`_follow_prediction`)
             most = draft_limit(spec.num_prediction_tokens, generated, sampling.max_tokens, context)
-            draft = sample.prediction.propose(sample.tokens, min(limit, most))
+            draft = sample.prediction.propose(min(limit, most))
             if draft:
                 sample.draft_predicted = True
                 return draft

@@ -7,9 +7,11 @@ verifies as it verifies an n-gram draft (worker/speculation.py): every token is 
 the sample's own sampler, so the output is the one decoding without a prediction gives.
 
 Where the output leaves the prediction (the edit), the cursor is lost until the output's last
-tokens occur in the prediction again: its last `lo` tokens are looked up among the prediction's
-n-grams and each occurrence is extended backwards, up to `hi` tokens; the longest match wins,
-the first at or after the cursor's last place of equals (a rewrite keeps the prediction's order).
+tokens occur in the prediction again, looked for at every token it writes: its last `lo` tokens
+are looked up among the prediction's n-grams and each occurrence is extended backwards, up to
+`hi` tokens; the longest match wins, the nearest to the cursor's last place of equals (the
+first after it, else the last before it: a rewrite keeps the prediction's order). What the
+cursor does depends on the tokens alone, never on how steps cut them.
 
 The usage counts what OpenAI's does: `accepted_prediction_tokens`, the output's tokens that the
 prediction had at their place (each equal to the token after the cursor); and
@@ -29,6 +31,9 @@ from worker.errors import InvalidRequest
 
 CANDIDATES: Final = 8
 """Occurrences of an n-gram read on each side of the cursor's last place when realigning."""
+CHARS_PER_TOKEN: Final = 32
+"""A prediction is cut to this many characters a position of the context before it is
+tokenized (then to the context's positions): no more is ever drafted from."""
 PREDICTION_LOOKUP_MAX: Final = 8
 """Realigning compares up to this many of the output's last tokens (or `prompt_lookup_max`,
 if more): a rewrite repeats short runs of tokens (a closing brace and a newline) more often
@@ -66,7 +71,7 @@ class PredictedOutput:
         split = bisect_left(found, near)
         best, longest = None, 0
         after, before = found[split : split + CANDIDATES], found[max(0, split - CANDIDATES) : split]
-        for end in (*after, *before):
+        for end in (*after, *reversed(before)):  # the nearest first on each side
             n = lo
             while n < min(hi, size, end) and predicted[end - n - 1] == tokens[size - n - 1]:
                 n += 1
@@ -79,7 +84,7 @@ class PredictionCursor:
     """One sample's place in its request's prediction: the position of the token it is
     expected to write next (None: lost), found again from its last tokens when lost."""
 
-    __slots__ = ("at", "last", "predicted")
+    __slots__ = ("at", "last", "predicted", "recent")
 
     def __init__(self, predicted: PredictedOutput, written: Sequence[int] = ()) -> None:
         """`written`: what the sample generated before (a resumed one's)."""
@@ -87,29 +92,34 @@ class PredictionCursor:
         self.at: int | None = 0
         """The prediction's position the sample's next token is expected to equal."""
         self.last = 0
-        """Where the cursor last was (realigning prefers occurrences from there on)."""
+        """Where the cursor last was (realigning prefers occurrences near it)."""
+        self.recent: list[int] = []
+        """The sample's last `hi` tokens, which a lost cursor realigns on."""
         for token in written:
             self.follow(token)
 
     def follow(self, token: int) -> bool:
-        """Step past the sample's next token: True when the prediction had it at its place."""
-        at, predicted = self.at, self.predicted.tokens
-        if at is not None and at < len(predicted) and predicted[at] == token:
+        """Step past the sample's next token: True when the prediction had it at its place;
+        otherwise the cursor is lost, unless the output's last tokens, this one included,
+        occur in the prediction."""
+        predicted, recent, at = self.predicted, self.recent, self.at
+        recent.append(token)
+        if len(recent) > predicted.hi:
+            del recent[0]
+        if at is not None and at < len(predicted.tokens) and predicted.tokens[at] == token:
             self.at = self.last = at + 1
             return True
-        self.at = None
+        self.at = predicted.align(recent, self.last)
+        if self.at is not None:
+            self.last = self.at
         return False
 
-    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """Up to `limit` tokens of the prediction that would follow `tokens` (the sample's
-        whole sequence, prompt included, every token followed); [] when the cursor is lost
-        and its last tokens occur nowhere in the prediction, or the prediction is used up."""
-        if self.at is None:
-            self.at = self.predicted.align(tokens, self.last)
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` tokens of the prediction from the cursor; [] when it is lost or the
+        prediction is used up."""
         at = self.at
         if at is None or limit <= 0:
             return []
-        self.last = at
         return list(self.predicted.tokens[at : at + limit])
 
 
@@ -138,16 +148,12 @@ class PredictionCheck:
 def predicted_output(
     text: str, tokenizer: WordEncoder | None, max_tokens: int, lo: int, hi: int
 ) -> PredictedOutput | None:
-    """A request's prediction, tokenized as the model writes text (no special tokens); None
-    for none. Refused when the model has no tokenizer or the prediction is longer than a
-    sequence may be."""
+    """A request's prediction, tokenized as the model writes text (no special tokens) and cut
+    to `max_tokens` (a sequence's positions: no answer is longer); None for none. Refused when
+    the model has no tokenizer."""
     if not text:
         return None
     if tokenizer is None:
         raise InvalidRequest("prediction", "this model has no tokenizer to read it with")
-    tokens = tokenizer.encode(text, add_special_tokens=False)
-    if len(tokens) > max_tokens:
-        raise InvalidRequest(
-            "prediction", f"{len(tokens)} tokens; a sequence holds at most {max_tokens}"
-        )
-    return PredictedOutput(tokens, lo, hi)
+    tokens = tokenizer.encode(text[: max_tokens * CHARS_PER_TOKEN], add_special_tokens=False)
+    return PredictedOutput(tokens[:max_tokens], lo, hi)

@@ -108,9 +108,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 pooling=pooling_from_proto(request),
                 kv_peer=kv_peer_from_proto(request),
             )
-            # decoding and checking images, and compiling a structured output's grammar,
-            # never stall the event loop
-            if generate.images or generate.sampling.structured is not None:
+            # decoding and checking images, compiling a structured output's grammar, and
+            # tokenizing a prediction never stall the event loop
+            sampling = generate.sampling
+            if generate.images or sampling.structured is not None or sampling.prediction:
                 await self._submit_in_thread(generate, sink)
             else:
                 self.engine.submit(generate, sink)

@@ -28,6 +28,7 @@ from cluster.http.openai_schema import (
     CompletionRequest,
     GenerationParams,
     NamedToolChoice,
+    Prediction,
     ResponseFormat,
     StructuredOutputs,
     ToolParam,
@@ -98,7 +99,7 @@ def chat_request(
     )
     message.sampling.separate_reasoning = request.separate_reasoning
     if request.prediction is not None:
-        message.sampling.prediction = request.prediction.text()
+        message.sampling.prediction = prediction_text(request.prediction)
     message.namespace.tenant = tenant
     message.text_match = TEXT_MATCH[request.text_match]
     set_priority(message, request.priority)
@@ -110,6 +111,22 @@ def chat_request(
     if request.add_generation_prompt is not None:
         message.add_generation_prompt = request.add_generation_prompt
     return message, chat.image_fields
+
+
+def prediction_text(prediction: Prediction) -> str:
+    """A predicted output's text: its content, or its text parts joined."""
+    if isinstance(prediction.content, str):
+        return prediction.content
+    texts = []
+    for i, part in enumerate(prediction.content):
+        text = part.get("text")
+        if part.get("type") != "text" or not isinstance(text, str) or len(part) != 2:
+            raise HttpError.invalid(
+                f"prediction.content[{i}]",
+                'a prediction\'s parts are text parts, {"type": "text", "text": "..."}',
+            )
+        texts.append(text)
+    return "".join(texts)
 
 
 def effort_variables(effort: str | None) -> dict[str, Any]:

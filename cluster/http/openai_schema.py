@@ -222,22 +222,14 @@ class NamedToolChoice(Strict):
     function: FunctionName
 
 
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
 class Prediction(Strict):
     """OpenAI's predicted output: text the answer is expected to repeat, mostly (a file being
-    rewritten). Decoding verifies its tokens as drafts; the answer is the one without it."""
+    rewritten). Decoding verifies its tokens as drafts; the answer is the one without it. The
+    parts are checked where the request is read (`openai_params.prediction_text`), naming the
+    part that is not text."""
 
     type: Literal["content"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+    content: str | list[dict[str, Any]]
 
 
 class ChatCompletionRequest(GenerationParams):

@@ -54,7 +54,10 @@ def test_a_run_with_predictions_answers_as_the_run_without(tiny: LoadedModel) ->
     runs = []
     with Progress(disable=True) as progress:
         for k, predicted in ((0, False), (0, True), (3, True)):
-            runs.append(SpeculationRun(tiny, "repeat", k, _args(), predicted)(progress))
+            run = SpeculationRun(tiny, "repeat", k, _args(), predicted)
+            asked = [run.sampling(i).prediction for i in range(3)]
+            assert asked == ([prediction("repeat", i) for i in range(3)] if predicted else [""] * 3)
+            runs.append(run(progress))
     assert same_answers(runs) == [True, True, True]
     reports = [run.report() | {"same_as_k0": True} for run in runs]
     assert [r["prediction"] for r in reports] == [False, True, True]

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -36,6 +37,7 @@ from worker.engine import Engine, EngineConfig
 from worker.event_loop import EventLoopThread
 from worker.grpc_server import GrpcServer, ServerLimits, internal_message_bytes, start_server
 from worker.loader import LoadedModel
+from worker.request import GenerateRequest
 from worker.servicer import WorkerServicer
 
 SERVED_NAME = "tiny"
@@ -104,19 +106,51 @@ class LocalCluster:
 
     def hold_engines_after(self, steps: int, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
         """Each engine takes `steps` more busy steps, then waits before the next until the
-        returned event is set (at most 30 s): a generation cannot end while a test looks at
-        it, however slowly the test's thread runs (the engines share its process)."""
+        returned event is set (at most 30 s), except while a request it was given has not
+        streamed its first output: a generation cannot end while a test looks at it, however
+        slowly the test's thread runs (the engines share its process), and a request sent
+        after another one's `steps` is answered all the same."""
         release = threading.Event()
         for engine in self.engines.values():
-            original, taken = engine.step, [0]
+            original, taken, given = engine.step, [0], list[str]()
+            submit, seen = engine.submit, set[str]()
 
-            def step(original: Callable[[], bool] = original, taken: list[int] = taken) -> bool:
+            def submitted(
+                request: GenerateRequest, sink: Any, submit: Any = submit, given: list[str] = given
+            ) -> int:
+                length: int = submit(request, sink)
+                given.append(request.request_id)  # queued for the engine thread
+                return length
+
+            def answered(
+                engine: Engine = engine, given: list[str] = given, seen: set[str] = seen
+            ) -> bool:
+                """Whether every request the engine was given has streamed something (on the
+                engine thread: one still on its way from the inbox has not)."""
+                for request_id in list(given):
+                    state = engine._requests.get(request_id)
+                    if state is not None:
+                        seen.add(request_id)
+                        if state.first_output_at is None:
+                            return False
+                    elif request_id not in seen:
+                        return False
+                return True
+
+            def step(
+                original: Callable[[], bool] = original,
+                taken: list[int] = taken,
+                answered: Callable[[], bool] = answered,
+            ) -> bool:
                 if taken[0] >= steps:
-                    release.wait(30)
+                    until = time.monotonic() + 30
+                    while answered() and not release.wait(0.005) and time.monotonic() < until:
+                        pass  # held; a request arriving meanwhile is taken in at once
                 busy = original()
                 taken[0] += busy
                 return busy
 
+            monkeypatch.setattr(engine, "submit", submitted)
             monkeypatch.setattr(engine, "step", step)
         return release
 

@@ -5,6 +5,7 @@ usage says how much of it the answer was."""
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,7 +117,9 @@ def test_an_edited_prediction_changes_nothing_and_counts_what_was_computed_in_va
         ({"type": "text", "content": "x"}, "'content'"),
         ({"type": "content", "content": 5}, "prediction.content"),
         ({"type": "content"}, "prediction.content"),
-        ({"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}, "content"),
+        ({"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}, "text parts"),
+        ({"type": "content", "content": [{"type": "text", "text": "a", "x": 1}]}, "text parts"),
+        ({"type": "content", "content": [{"type": "text"}]}, "text parts"),
     ],
 )
 def test_a_malformed_prediction_is_a_400_naming_it(
@@ -127,6 +130,8 @@ def test_a_malformed_prediction_is_a_400_naming_it(
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"].startswith("prediction") and words in error["message"], error
+    if words == "text parts":
+        assert error["param"] == "prediction.content[0]"
     body.pop("prediction")
     assert httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body).status_code == 200
     _assert_no_leak(cluster)
@@ -147,4 +152,29 @@ def test_a_prediction_over_grpc(cluster: LocalCluster, tiny: LoadedModel) -> Non
     assert [t for r in responses for t in r.token_ids] == answer
     accepted = sum(r.accepted_prediction_tokens for r in responses)
     assert 0 < accepted <= 20
+    _assert_no_leak(cluster)
+
+
+def test_a_prediction_is_tokenized_off_the_workers_event_loop(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large prediction takes the tokenizer a while: the worker submits it from a thread of
+    its own, as it does images, so its gRPC event loop (the local cluster's thread) goes on
+    streaming every other request meanwhile."""
+    threads: list[str] = []
+    for engine in cluster.engines.values():
+        submit = engine.submit
+
+        def recorded(request: Any, sink: Any, submit: Any = submit) -> int:
+            if request.sampling.prediction:
+                threads.append(threading.current_thread().name)
+            return submit(request, sink)
+
+        monkeypatch.setattr(engine, "submit", recorded)
+    request = text_request("the quick brown", max_tokens=4)
+    request.sampling.prediction = " the quick brown fox" * 200
+    client = Client(cluster.target)
+    assert len([t for r in client.generate(request, timeout=30) for t in r.token_ids]) == 4
+    client.close()
+    assert len(threads) == 1 and threads[0] != "local-cluster", threads
     _assert_no_leak(cluster)

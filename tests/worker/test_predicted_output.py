@@ -5,6 +5,7 @@ without a prediction, token for token."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from worker.predicted_output import (
     PredictionCursor,
     predicted_output,
 )
-from worker.request import GenerateRequest
+from worker.request import GenerateRequest, Resume
 from worker.sampling_params import MAX_PREDICTION_CHARS, SamplingParams
 
 PROMPT = "the quick brown"
@@ -40,15 +41,11 @@ def _cursor(prediction: Sequence[int], written: Sequence[int] = ()) -> Predictio
 
 def test_a_cursor_that_follows_proposes_what_comes_next() -> None:
     cursor = _cursor([10, 11, 12, 13, 14, 15])
-    tokens = [1, 2, 3]  # the prompt: nothing is followed before the output
-    assert cursor.propose(tokens, 4) == [10, 11, 12, 13]
-    for token in (10, 11):
-        assert cursor.follow(token)
-        tokens.append(token)
-    assert cursor.propose(tokens, 10) == [12, 13, 14, 15]
-    for token in (12, 13, 14, 15):
-        assert cursor.follow(token)
-    assert cursor.propose([*tokens, 12, 13, 14, 15], 4) == []  # used up
+    assert cursor.propose(4) == [10, 11, 12, 13]
+    assert cursor.follow(10) and cursor.follow(11)
+    assert cursor.propose(10) == [12, 13, 14, 15]
+    assert all(cursor.follow(token) for token in (12, 13, 14, 15))
+    assert cursor.propose(4) == []  # used up
     assert not cursor.follow(16)
 
 
@@ -56,61 +53,77 @@ def test_a_lost_cursor_realigns_where_the_output_rejoins_the_prediction() -> Non
     prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18]
     cursor = _cursor(prediction)
     written = [10, 11, 99, 98, 13, 14]  # an edit, then the prediction again from 13
-    followed = [cursor.follow(token) for token in written]
-    assert followed == [True, True, False, False, False, False]
-    assert cursor.propose([0, *written], 3) == [15, 16, 17]
+    assert [cursor.follow(token) for token in written] == [True, True, False, False, False, False]
+    assert cursor.propose(3) == [15, 16, 17]  # found again at (13, 14)
     assert cursor.follow(15) and cursor.follow(16)
-    # its last tokens nowhere in the prediction: nothing to propose, until they are
-    assert not cursor.follow(77)
-    assert cursor.propose([0, *written, 15, 16, 77], 3) == []
-    assert not cursor.follow(17)
-    assert cursor.propose([0, *written, 15, 16, 77, 17], 3) == []  # (77, 17) occurs nowhere
-    assert not cursor.follow(18)
-    assert cursor.propose([0, *written, 15, 16, 77, 17, 18], 3) == []  # 18 has nothing after
+    # its last tokens nowhere in the prediction: lost, until they are
+    assert not cursor.follow(77) and cursor.propose(3) == []
+    assert not cursor.follow(17) and cursor.propose(3) == []  # (77, 17) occurs nowhere
+    assert not cursor.follow(18) and cursor.propose(3) == []  # 18 ends it: nothing after
+    assert not cursor.follow(12) and not cursor.follow(13)
+    assert cursor.propose(2) == [14, 15]
 
 
-def test_realigning_prefers_the_longest_match_then_the_place_after_the_cursor() -> None:
-    # (5, 6) occurs three times; only the last is preceded by 4
-    prediction = [5, 6, 1, 5, 6, 2, 4, 5, 6, 3]
+def test_realigning_prefers_the_longest_match_then_the_nearest_place() -> None:
+    # followed to 2, then 6 where the prediction has 9: (5, 6) ends at 6 and at 10, and only
+    # the occurrence ending at 10 has the 4 before it that the output has
+    prediction = [4, 5, 9, 0, 5, 6, 1, 4, 5, 6, 2]
     cursor = _cursor(prediction)
-    assert not cursor.follow(9)
-    assert cursor.propose([4, 5, 6], 1) == [3]
-    # equally long matches: the first at or after where the cursor last was
-    cursor = _cursor(prediction, [5, 6, 1])  # followed to position 3
-    assert not cursor.follow(8)
-    assert cursor.propose([8, 5, 6], 1) == [2]
+    assert [cursor.follow(t) for t in (4, 5, 6)] == [True, True, False]
+    assert cursor.propose(1) == [2]
+    # equally long matches: the first at or after where the cursor last was (position 3) ...
+    prediction = [5, 6, 1, 5, 6, 2, 4, 5, 6, 3]
+    cursor = _cursor(prediction, written=[5, 6, 1])
+    assert [cursor.follow(t) for t in (8, 5, 6)] == [False, False, False]
+    assert cursor.propose(1) == [2]
+    # ... and with none after it, the nearest before it
+    prediction = [5, 6, 1, 5, 6, 2, 7, 7, 7]
+    cursor = _cursor(prediction, written=prediction)
+    assert [cursor.follow(t) for t in (8, 5, 6)] == [False, False, False]
+    assert cursor.propose(1) == [2]
 
 
 def test_a_resumed_sample_follows_what_it_wrote_before() -> None:
     cursor = _cursor([10, 11, 12, 13], written=[10, 11])
-    assert cursor.propose([1, 10, 11], 5) == [12, 13]
+    assert cursor.propose(5) == [12, 13]
+    lost = _cursor([10, 11, 12, 13, 14], written=[10, 99, 12, 13])  # realigned on (12, 13)
+    assert lost.propose(5) == [14]
 
 
 @settings(max_examples=300, deadline=None)
 @given(
     prediction=st.lists(st.integers(0, 5), min_size=1, max_size=40),
     output=st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    cut=st.integers(0, 40),
 )
-def test_a_proposal_is_always_a_piece_of_the_prediction_after_the_output(
-    prediction: list[int], output: list[int]
+def test_a_cursor_follows_the_tokens_whatever_cuts_them(
+    prediction: list[int], output: list[int], cut: int
 ) -> None:
-    """Whatever the output, a cursor follows it exactly where the prediction has its tokens in
-    place, and a proposal is the run of the prediction after a place the output's last token
-    ends (its last two, when the cursor was lost and realigned)."""
+    """Token by token, a cursor is in place exactly where the prediction has the output's
+    token at its place, proposes the run of the prediction after a place that the output's
+    last token ends (its last two, when it realigned), and a cursor made with what a sample
+    wrote before (a resumed one) is the one that followed it."""
     cursor = _cursor(prediction)
     for i, token in enumerate(output):
         was = cursor.at
-        assert cursor.follow(token) == (was is not None and prediction[was : was + 1] == [token])
-        lost = cursor.at is None
-        draft = cursor.propose(output[: i + 1], 4)
-        at = cursor.at
-        if not draft:
-            assert at is None or at == len(prediction)
+        in_place = was is not None and prediction[was : was + 1] == [token]
+        assert cursor.follow(token) == in_place
+        at, draft = cursor.at, cursor.propose(4)
+        if at is None:
+            assert draft == []
             continue
-        assert at is not None and draft == prediction[at : at + 4]
-        assert prediction[at - 1] == token
-        if lost:
+        assert draft == prediction[at : at + 4] and prediction[at - 1] == token
+        if not in_place:
             assert prediction[at - 2 : at] == output[i - 1 : i + 1]
+    resumed = _cursor(prediction, written=output[:cut])
+    replayed = _cursor(prediction)
+    for token in output[:cut]:
+        replayed.follow(token)
+    assert (resumed.at, resumed.last, resumed.recent) == (
+        replayed.at,
+        replayed.last,
+        replayed.recent,
+    )
 
 
 # -- the draft check ----------------------------------------------------------------------------
@@ -292,11 +305,7 @@ def test_num_prediction_tokens_0_ignores_predictions(tiny: LoadedModel) -> None:
     assert _usage(recorder, "r") == (0, 0) and engine.stats().prediction_draft_tokens == 0
 
 
-def test_a_bad_prediction_is_refused_naming_it(tiny: LoadedModel) -> None:
-    engine = _engine(tiny, max_model_len=64)
-    with pytest.raises(InvalidRequest, match="tokens; a sequence holds at most 64") as long:
-        engine.submit(_request(prediction=" the" * 100), lambda _: None)
-    assert long.value.field == "prediction"
+def test_a_bad_prediction_is_refused_naming_it_and_a_long_one_is_cut(tiny: LoadedModel) -> None:
     too_many = SamplingParams(prediction="x" * (MAX_PREDICTION_CHARS + 1))
     with pytest.raises(InvalidRequest, match="characters; at most") as chars:
         too_many.validate(512, 100)
@@ -304,6 +313,56 @@ def test_a_bad_prediction_is_refused_naming_it(tiny: LoadedModel) -> None:
     with pytest.raises(InvalidRequest, match="no tokenizer") as none:
         predicted_output("some text", None, 100, 2, 8)
     assert none.value.field == "prediction"
-    # the engine still serves, every page back
-    recorder, _ = _run(engine, _request(max_tokens=8))
+    long = predicted_output(" the" * 100, tiny.tokenizer, 64, 2, 8)
+    assert long is not None and len(long.tokens) == 64
+    # an engine whose context a prediction outgrows serves the request with it, every page back
+    recorder, _ = _run(
+        _engine(tiny, max_model_len=64), _request(max_tokens=8, prediction=" the" * 100)
+    )
     assert len(recorder.tokens("r")) == 8
+
+
+def _whole_answer(tiny: LoadedModel, **sampling: Any) -> tuple[list[int], str]:
+    """A greedy answer of 60 word tokens, and its text (which tokenizes back to it)."""
+    plain, _ = _run(_engine(tiny), _request(allowed_token_ids=_words(tiny), max_tokens=60))
+    answer = plain.tokens("r")
+    assert tiny.tokenizer is not None
+    return answer, tiny.tokenizer.decode(answer)
+
+
+def test_a_sample_that_stops_inside_a_draft_rejects_the_rest_of_it(tiny: LoadedModel) -> None:
+    answer, text = _whole_answer(tiny)
+    # a stop token inside the second draft (positions 18-33: the first token comes with the
+    # prompt, then 16 drafted and one more a step), its first occurrence in the answer
+    stop = next(i for i in range(20, 33) if answer[i] not in answer[:i])
+    sampling = {"allowed_token_ids": _words(tiny), "max_tokens": 60}
+    recorder, steps = _run(
+        _engine(tiny),
+        _request(prediction=text, stop_token_ids=(answer[stop],), ignore_eos=False, **sampling),
+    )
+    assert recorder.tokens("r") == answer[: stop + 1] and steps == 3
+    # every token was the prediction's; of the second draft's 16, those after the stop
+    assert _usage(recorder, "r") == (stop + 1, 16 - (stop - 18) - 1)
+
+
+def test_a_resumed_sample_counts_what_the_uninterrupted_one_does(tiny: LoadedModel) -> None:
+    assert tiny.tokenizer is not None
+    prompt = tuple(tiny.tokenizer.encode(PROMPT))
+    words = _words(tiny)
+    sampling = SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, allowed_token_ids=words
+    )
+    plain, _ = _run(_engine(tiny), GenerateRequest("r", prompt, sampling=sampling))
+    answer = plain.tokens("r")
+    predicted = dataclasses.replace(sampling, prediction=_edited(tiny, answer))
+    whole, _ = _run(_engine(tiny), GenerateRequest("r", prompt, sampling=predicted))
+    assert whole.tokens("r") == answer
+    each = [o.accepted_prediction_tokens for o in whole.outputs if o.token_ids]
+    assert len(each) == 40 and 0 < sum(each) < 40
+    for cut in (5, 19, 23, 30):
+        resumed = GenerateRequest(
+            "r", (*prompt, *answer[:cut]), sampling=predicted, resume=Resume(0, cut)
+        )
+        rest, _ = _run(_engine(tiny), resumed)
+        assert rest.tokens("r") == answer[cut:]
+        assert _usage(rest, "r")[0] == sum(each[cut:]), cut
