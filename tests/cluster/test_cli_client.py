@@ -53,7 +53,8 @@ def test_generate_with_a_prediction_answers_the_same_and_says_what_it_was_worth(
     (tmp_path / "prediction.txt").write_text(plain.stdout.removesuffix("\n"))
     predicted = run(*args, "--prediction", str(tmp_path / "prediction.txt"))
     assert predicted.returncode == 0 and predicted.stdout == plain.stdout
-    counts = re.search(r"prediction: (\d+) tokens accepted, (\d+) rejected", predicted.stderr)
+    said = " ".join(predicted.stderr.split())  # the console may wrap the line
+    counts = re.search(r"prediction: (\d+) tokens accepted, (\d+) rejected", said)
     assert counts is not None and int(counts[1]) > 0, predicted.stderr
     missing = run(*args, "--prediction", str(tmp_path / "none.txt"))
     assert missing.returncode == 2 and "--prediction" in missing.stderr

@@ -1,12 +1,11 @@
 """OpenAI's predicted outputs through the `openai` SDK, over real HTTP and gRPC on loopback,
-against a local cluster of two tiny-model workers: a prediction changes no answer, and the
-usage says how much of it the answer was."""
+against a local cluster of two tiny-model workers (tests/cluster/conftest.py's `cluster` and
+`client`): a prediction changes no answer, and the usage says how much of it the answer was."""
 
 from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
@@ -14,23 +13,10 @@ import openai
 import pytest
 
 from cluster.client import Client, text_request
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from worker.loader import LoadedModel
 
 CHAT = [{"role": "user", "content": "Rewrite this in the same words."}]
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
-    cluster = start_cluster(tiny, http=True)
-    yield cluster
-    cluster.close()
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
