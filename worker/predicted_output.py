@@ -28,6 +28,7 @@ from typing import Final
 
 from worker.bad_words import WordEncoder
 from worker.errors import InvalidRequest
+from worker.speculation import NgramIndex
 
 CANDIDATES: Final = 8
 """Occurrences of an n-gram read on each side of the cursor's last place when realigning."""
@@ -49,15 +50,10 @@ class PredictedOutput:
     def __init__(self, tokens: Sequence[int], lo: int, hi: int) -> None:
         self.tokens = array("i", tokens)
         self.lo, self.hi = lo, hi
-        self.ends: dict[tuple[int, ...], array[int]] = {}
+        index = NgramIndex(lo, hi)  # the n-gram drafts' index, of the prediction's tokens
+        index.extend(self.tokens, len(self.tokens))
+        self.ends = index.ends
         """n-gram -> the positions right after each occurrence with a token after it, ascending."""
-        for end in range(lo, len(tokens)):
-            key = tuple(tokens[end - lo : end])
-            found = self.ends.get(key)
-            if found is None:
-                self.ends[key] = array("i", (end,))
-            else:
-                found.append(end)
 
     def align(self, tokens: Sequence[int], near: int) -> int | None:
         """Where in the prediction the end of `tokens` continues: the position after the best
