@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -45,7 +46,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.auth import known_token
 from cluster.config import ANY_TENANT, ClusterConfig
-from cluster.http import anthropic_routes, batch_routes, openai_params, responses_routes, scores
+from cluster.http import (
+    anthropic_routes,
+    batch_routes,
+    legacy_functions,
+    openai_params,
+    responses_routes,
+    scores,
+)
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.batches import Batches
 from cluster.http.body_limit import BodyLimit
@@ -218,6 +226,7 @@ class HttpApi:
         caller = self.caller(request)
         adapter = self.check_model(body.model)
         rid = self.request_id(request)
+        body = legacy_functions.modern(body)
         message, image_fields = openai_params.chat_request(body, rid, self.tenant(request))
         message.namespace.adapter = adapter or ""
         reply = Reply(
@@ -231,6 +240,7 @@ class HttpApi:
         logprobs = bool(body.logprobs)
         options = body.stream_options or StreamOptions()
         tools = openai_params.callable_tools(body)
+        old = legacy_functions.legacy(body)  # its call comes back as function_call
         stream = self.start(message, caller, fill_context=True, image_fields=image_fields)
         if not body.include_reasoning:
             stream = without_reasoning(stream)
@@ -238,8 +248,8 @@ class HttpApi:
             request,
             stream,
             body,
-            lambda stream: chat_chunks(reply, stream, options, logprobs, tools),
-            lambda samples, counts: chat_completion(reply, samples, counts, logprobs, tools),
+            lambda stream: chat_chunks(reply, stream, options, logprobs, tools, old),
+            lambda samples, counts: chat_completion(reply, samples, counts, logprobs, tools, old),
             logprobs,
             openai_params.refusal_names(body),
         )
@@ -683,10 +693,16 @@ def framework_error(request: Request, err: StarletteHTTPException) -> HttpError:
     return HttpError(err.status_code, str(err.detail))
 
 
+UNION_TAG = re.compile(r"[a-z-]+\[.*\]|[A-Z]\w*|str|int|float|bool|bytes|none")
+"""The name pydantic gives a union's member in an error's location (`literal['none','auto']`,
+`NamedToolChoice`, `str`): not a field, so left out of the parameter named."""
+
+
 def validation_error(err: RequestValidationError) -> HttpError:
     """Pydantic's first complaint, as one line naming the parameter."""
     first = err.errors()[0]
-    where = ".".join(str(p) if isinstance(p, str) else f"[{p}]" for p in first["loc"][1:])
+    loc = [p for p in first["loc"][1:] if not (isinstance(p, str) and UNION_TAG.fullmatch(p))]
+    where = ".".join(p if isinstance(p, str) else f"[{p}]" for p in loc)
     where = where.replace(".[", "[") or "body"
     if first["type"] == "extra_forbidden":
         return HttpError.invalid(where, "unknown parameter (radixmesh refuses what it does not do)")

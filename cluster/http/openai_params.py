@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from cluster.http.embeddings_schema import EmbeddingRequest
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.image_parts import openai_image
+from cluster.http.legacy_functions import LEGACY_FIELDS, legacy
 from cluster.http.openai_schema import (
     REFUSED,
     ChatCompletionRequest,
@@ -411,11 +412,22 @@ TOOL_FIELDS = ((r"tools\[(\d+)\]\.(name|description|parameters)", r"tools[\1].fu
 def refusal_names(request: GenerationParams) -> Renames:
     """The request's names of the fields the serving core may refuse."""
     fields = structured_fields(request)
-    if isinstance(request, ChatCompletionRequest) and isinstance(
-        request.tool_choice, NamedToolChoice
-    ):
+    if not isinstance(request, ChatCompletionRequest):
+        return renames(fields, TOOL_FIELDS)
+    if isinstance(request.tool_choice, NamedToolChoice):
         fields["tool_choice"] = "tool_choice.function.name"  # the function it names
-    return renames(fields, TOOL_FIELDS)
+    if not legacy(request):
+        return renames(fields, TOOL_FIELDS)
+    named = isinstance(request.tool_choice, NamedToolChoice)
+    return renames(
+        fields
+        | {
+            "tool_choice": "function_call.name" if named else "function_call",
+            "parallel_tool_calls": "functions",
+            "sampling.structured.structural_tag": "functions",
+        },
+        LEGACY_FIELDS,
+    )
 
 
 def structured_fields(request: GenerationParams) -> dict[str, str]:

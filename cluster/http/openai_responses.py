@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from cluster.http.errors import GenerationFailed
+from cluster.http.legacy_functions import LEGACY_FINISH, function_call_out
 from cluster.http.openai_schema import (
     AssistantMessage,
     ChatChoice,
@@ -237,25 +238,29 @@ def chat_completion(
     counts: Counts,
     logprobs: bool,
     tools: frozenset[str] = frozenset(),
+    legacy: bool = False,
 ) -> ChatCompletion:
     """`tools`: the names of the functions the model may call (their calls are read out of
-    the text into `tool_calls`)."""
+    the text into `tool_calls`, or `function_call` when `legacy`: the request gave
+    `functions`)."""
     choices = []
     for index, s in sorted(samples.items()):
         text = "".join(s.text)
         content, calls = read_calls(text, tools) if tools else (text, [])
         reasoning = "".join(s.reasoning) if s.reasoning else None
+        outs = [_call_out(call) for call in calls]
         choices.append(
             ChatChoice(
                 index=index,
                 message=AssistantMessage(
                     content=content if calls else text,
-                    tool_calls=[_call_out(call) for call in calls] or None,
+                    tool_calls=None if legacy else outs or None,
+                    function_call=function_call_out(outs) if legacy else None,
                     reasoning_content=reasoning,
                     reasoning=reasoning,
                 ),
                 logprobs=chat_logprobs(reply.texts, s.token_ids, s.logprobs) if logprobs else None,
-                finish_reason=_finish(s.finish_reason, calls),
+                finish_reason=_finish(s.finish_reason, calls, legacy),
             )
         )
     return ChatCompletion(
@@ -280,8 +285,10 @@ def _call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
-def _finish(reason: str | None, calls: list[ToolCall]) -> str | None:
-    return "tool_calls" if calls and reason == "stop" else reason
+def _finish(reason: str | None, calls: Sequence[object], legacy: bool = False) -> str | None:
+    if calls and reason == "stop":
+        return LEGACY_FINISH if legacy else "tool_calls"
+    return reason
 
 
 class HeldCalls:
@@ -329,10 +336,12 @@ async def chat_chunks(
     options: StreamOptions,
     logprobs: bool,
     tools: frozenset[str] = frozenset(),
+    legacy: bool = False,
 ) -> AsyncIterator[bytes]:
     """The stream's events: a first chunk per choice with the role, then its text as it comes
     (the last with finish_reason), a usage chunk if asked, then [DONE]. Closing it closes the
-    request's stream. With `tools`, a choice's calls come whole in its last chunk."""
+    request's stream. With `tools`, a choice's calls come whole in its last chunk (as its
+    `function_call` when `legacy`)."""
     counts = Counts()
     started: set[int] = set()
     held: dict[int, HeldCalls] = {}
@@ -373,15 +382,17 @@ async def chat_chunks(
                 )
                 for k, c in enumerate(calls)
             ]
+            ended = _finish(response.finish_reason, calls, legacy) if response.finished else None
             choice = ChunkChoice(
                 index=index,
                 delta=Delta(
                     content=text if text or not (deltas or thought) else None,
-                    tool_calls=deltas or None,
+                    tool_calls=None if legacy else deltas or None,
+                    function_call=function_call_out(deltas) if legacy else None,
                     reasoning_content=thought,
                 ),
                 logprobs=chat_logprobs(reply.texts, ids, values) if logprobs else None,
-                finish_reason=_finish(response.finish_reason, calls) if response.finished else None,
+                finish_reason=ended,
             )
             yield chunk(choice)
     if include_usage:

@@ -109,7 +109,8 @@ class ChatMessage(Strict):
     name: Any = None
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
-    function_call: Any = None
+    function_call: CalledFunction | None = None
+    """An assistant turn's call, the legacy way (cluster/http/legacy_functions.py)."""
     refusal: Any = None
     audio: Any = None
     reasoning_content: str | None = None
@@ -244,8 +245,10 @@ class ChatCompletionRequest(GenerationParams):
     top_logprobs: int | None = None
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    functions: Any = None
-    function_call: Any = None
+    functions: list[FunctionDefinition] | None = None
+    """OpenAI's legacy tools, served as tools (cluster/http/legacy_functions.py)."""
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+    """The legacy tool_choice."""
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: more variables for the chat template (`{"enable_thinking": false}`)."""
@@ -280,8 +283,6 @@ class CompletionRequest(GenerationParams):
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     # parameter: (why it is refused, the values that ask for nothing and are accepted)
-    "functions": ("deprecated by OpenAI: send tools", ([],)),
-    "function_call": ("deprecated by OpenAI: send tool_choice", ("none",)),
     "audio": ("only text is served", ()),
     "modalities": ("only text is served", (["text"],)),
     "web_search_options": ("web search is not supported", ()),
@@ -349,6 +350,8 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: None = None
     tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCall | None = None
+    """The call, when the request gave `functions` (OpenAI's legacy shape)."""
     reasoning_content: str | None = None
     """A thinking model's reasoning (vLLM's and SGLang's field; None: the model did not
     reason, or is not a thinking model)."""
@@ -385,6 +388,7 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    function_call: FunctionCall | None = None
     reasoning_content: str | None = None
     """A thinking model's reasoning since the last chunk (and as `reasoning`, vLLM's newer
     name)."""
@@ -397,6 +401,7 @@ class Delta(BaseModel):
             ("reasoning_content", self.reasoning_content),
             ("reasoning", self.reasoning_content),
             ("tool_calls", [c.model_dump() for c in self.tool_calls] if self.tool_calls else None),
+            ("function_call", self.function_call.model_dump() if self.function_call else None),
         )
         return {k: v for k, v in fields if v is not None}
 

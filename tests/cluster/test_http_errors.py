@@ -174,8 +174,17 @@ BAD = {
         "messages[0].tool_call_id: is required (the call answered)",
         "messages[0].tool_call_id",
     ),
+    "a union's member is not named": Bad(
+        {"messages": [{"role": "user", "content": 5}]}, 400, "valid string", "messages[0].content"
+    ),
+    "a union's literal is not named": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "always"},
+        400,
+        "'required'",
+        "tool_choice",
+    ),
     "unknown role": Bad(
-        {"messages": [{"role": "function", "content": "x"}]}, 400, "'function'", "messages[0].role"
+        {"messages": [{"role": "robot", "content": "x"}]}, 400, "'robot'", "messages[0].role"
     ),
     "request id": Bad({}, 400, "request_id", "request_id", {"X-Request-Id": "no spaces allowed"}),
     "string max_tokens": Bad({"max_tokens": "8"}, 400, "max_tokens", "max_tokens"),

@@ -1,0 +1,241 @@
+"""OpenAI's legacy function calling (`functions`, `function_call`, role "function"), as the
+`openai` SDK sends it: served as the tools request it is equivalent to, the same call given
+back as `message.function_call` with finish_reason "function_call" (whole and streamed), a
+conversation of legacy calls and results read as tool calls and tool messages, and each bad
+shape refused naming its field. The tiny model's weights are random: every well-formed call is
+the constraint's doing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+
+from cluster.http.errors import HttpError
+from cluster.http.legacy_functions import modern
+from cluster.http.openai_schema import ChatCompletionRequest
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.test_http_errors import assert_openai_error
+from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER
+
+MODEL = SERVED_NAME
+FUNCTIONS = [
+    {"name": "get_weather", "description": "A forecast", "parameters": WEATHER},
+    {"name": "get_time", "parameters": TIME},
+]
+TOOLS = [{"type": "function", "function": f} for f in FUNCTIONS]
+SAMPLED: dict[str, Any] = {"max_tokens": 150, "temperature": 1.0, "seed": 3}
+
+
+def test_a_named_function_is_called_as_the_tools_request_calls_it(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    old = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        functions=FUNCTIONS,  # type: ignore[arg-type]
+        function_call={"name": "get_time"},
+        **SAMPLED,
+    )
+    new = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+        **SAMPLED,
+    )
+    (choice,) = old.choices
+    call = choice.message.function_call
+    assert call is not None and call.name == "get_time"
+    jsonschema.validate(json.loads(call.arguments), TIME)
+    assert choice.message.tool_calls is None and choice.message.content is None
+    assert choice.finish_reason == "function_call"
+    (called,) = new.choices[0].message.tool_calls or []
+    assert (called.function.name, called.function.arguments) == (call.name, call.arguments)
+    assert old.usage is not None and new.usage is not None
+    assert old.usage.prompt_tokens == new.usage.prompt_tokens  # the same prompt, tools and all
+    cluster.wait_idle()
+
+
+def test_auto_gives_one_call_at_most_and_none_gives_text(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    auto = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        functions=FUNCTIONS,  # type: ignore[arg-type]
+        n=4,
+        **SAMPLED,
+    )
+    for choice in auto.choices:
+        assert choice.message.tool_calls is None
+        call = choice.message.function_call
+        if call is not None:  # one call, whole: the legacy answer has no room for more
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+            assert choice.finish_reason == "function_call"
+        else:
+            assert choice.finish_reason in ("stop", "length")
+    plain = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        functions=FUNCTIONS,  # type: ignore[arg-type]
+        function_call="none",
+        max_tokens=8,
+        temperature=0,
+    )
+    assert plain.choices[0].message.function_call is None
+    assert isinstance(plain.choices[0].message.content, str)
+    cluster.wait_idle()
+
+
+def test_the_streamed_call_is_the_whole_ones(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=ASK,
+        functions=FUNCTIONS,
+        function_call={"name": "get_weather"},
+        **SAMPLED,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    name, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            assert choice.delta.tool_calls is None
+            if choice.delta.function_call is not None:  # the SDK's legacy reader adds them up
+                name += choice.delta.function_call.name or ""
+                arguments += choice.delta.function_call.arguments or ""
+            finish = choice.finish_reason or finish
+    assert whole.message.function_call is not None
+    assert (name, arguments) == (
+        whole.message.function_call.name,
+        whole.message.function_call.arguments,
+    )
+    jsonschema.validate(json.loads(arguments), WEATHER)
+    assert finish == whole.finish_reason == "function_call"
+    cluster.wait_idle()
+
+
+def test_a_conversation_of_legacy_calls_is_the_tools_conversation(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """The call and its result, sent back the legacy way, make the prompt the same
+    conversation sent as a tool call and a tool message does: the same tokens, the same
+    greedy answer."""
+    arguments = '{"city": "Oslo", "days": 2}'
+    old_turns = [
+        *ASK,
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": arguments}},
+        {"role": "function", "name": "get_weather", "content": '{"sky": "clear"}'},
+    ]  # fmt: skip
+    new_turns = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]  # fmt: skip
+    greedy: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    old = client.chat.completions.create(messages=old_turns, functions=FUNCTIONS, **greedy)  # type: ignore[arg-type]
+    new = client.chat.completions.create(
+        messages=new_turns,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        parallel_tool_calls=False,
+        **greedy,
+    )
+    assert old.usage is not None and new.usage is not None
+    assert old.usage.prompt_tokens == new.usage.prompt_tokens
+    assert old.choices[0].message.content == new.choices[0].message.content
+    assert old.choices[0].message.function_call == (
+        new.choices[0].message.tool_calls[0].function if new.choices[0].message.tool_calls else None
+    )
+    cluster.wait_idle()
+
+
+BAD = [
+    ({"functions": FUNCTIONS, "tools": TOOLS}, "functions", "not both"),
+    ({"function_call": {"name": "get_time"}}, "function_call", "give functions"),
+    ({"functions": FUNCTIONS, "function_call": {"name": "nope"}}, "function_call.name", "nope"),
+    ({"functions": FUNCTIONS, "function_call": "auto", "tool_choice": "auto"}, "function_call", "not both"),
+    ({"functions": [{"name": "f", "parameters": {"type": "nothing"}}]}, "functions[0].parameters", ""),
+    ({"function_call": "always"}, "function_call", ""),
+    ({"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].function_call", "assistant"),
+    ({"messages": [{"role": "function", "content": "{}"}]}, "messages[0].name", "required"),
+    ({"messages": [{"role": "function", "name": "f", "content": [{"type": "text", "text": "x"}]}]},
+     "messages[0].content", "text"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), BAD)
+def test_a_bad_legacy_request_is_refused_by_name(
+    cluster: LocalCluster, extra: dict[str, Any], param: str, words: str
+) -> None:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4, **extra}
+    response = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=30)
+    error = assert_openai_error(response, 400, words)
+    assert error["param"] == param, error
+    cluster.wait_idle()
+    assert not cluster.service.in_flight
+
+
+def test_modern_keeps_a_request_without_legacy_parts() -> None:
+    request = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "auto"}
+    )
+    assert modern(request) is request
+
+
+def test_each_result_answers_the_call_before_it() -> None:
+    """Two rounds of call and result: each function message takes its own call's id; a result
+    no call asked for gets its own."""
+    call = {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    turns = [
+        *ASK,
+        {"role": "assistant", "content": None, "function_call": call},
+        {"role": "function", "name": "get_time", "content": "12:00"},
+        {"role": "assistant", "content": None, "function_call": call},
+        {"role": "function", "name": "get_time", "content": "12:01"},
+        {"role": "function", "name": "get_time", "content": "late"},
+    ]
+    request = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": turns, "functions": FUNCTIONS}
+    )
+    served = modern(request)
+    ids = [
+        (m.role, m.tool_call_id or (m.tool_calls or [None])[0] and m.tool_calls[0].id)
+        for m in served.messages[1:]
+    ]  # type: ignore[index]
+    assert ids == [
+        ("assistant", "call_1"),
+        ("tool", "call_1"),
+        ("assistant", "call_3"),
+        ("tool", "call_3"),
+        ("tool", "call_5"),
+    ]
+    assert served.tools is not None and [t.function.name for t in served.tools] == [
+        "get_weather",
+        "get_time",
+    ]
+    assert served.parallel_tool_calls is False and served.function_call is None
+    assert all(m.function_call is None for m in served.messages)
+
+
+def test_a_function_call_on_a_turn_with_tool_calls_is_refused() -> None:
+    call = {"name": "get_time", "arguments": "{}"}
+    tool_call = {"id": "c", "type": "function", "function": call}
+    turn = {"role": "assistant", "function_call": call, "tool_calls": [tool_call]}
+    request = ChatCompletionRequest.model_validate(
+        {"model": MODEL, "messages": [*ASK, turn], "functions": FUNCTIONS}
+    )
+    with pytest.raises(HttpError, match="not both") as refused:
+        modern(request)
+    assert refused.value.param == "messages[1].function_call"
