@@ -126,25 +126,28 @@ def test_a_conversation_of_legacy_calls_is_the_tools_conversation(
     """The call and its result, sent back the legacy way, make the prompt the same
     conversation sent as a tool call and a tool message does: the same tokens, the same
     greedy answer."""
-    arguments = '{"city": "Oslo", "days": 2}'
+    call = {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}
+    result = '{"sky": "clear"}'
     old_turns = [
         *ASK,
-        {"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": arguments}},
-        {"role": "function", "name": "get_weather", "content": '{"sky": "clear"}'},
-    ]  # fmt: skip
+        {"role": "assistant", "content": None, "function_call": call},
+        {"role": "function", "name": "get_weather", "content": result},
+    ]
     new_turns = [
         *ASK,
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
-            ],
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
         },
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
-    ]  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
+    ]
     greedy: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0}
-    old = client.chat.completions.create(messages=old_turns, functions=FUNCTIONS, **greedy)  # type: ignore[arg-type]
+    old = client.chat.completions.create(
+        messages=old_turns,  # type: ignore[arg-type]
+        functions=FUNCTIONS,  # type: ignore[arg-type]
+        **greedy,
+    )
     new = client.chat.completions.create(
         messages=new_turns,  # type: ignore[arg-type]
         tools=TOOLS,  # type: ignore[arg-type]
@@ -160,19 +163,31 @@ def test_a_conversation_of_legacy_calls_is_the_tools_conversation(
     cluster.wait_idle()
 
 
+CALL = {"name": "f", "arguments": "{}"}
+PARTS = [{"type": "text", "text": "x"}]
 BAD = [
     ({"functions": FUNCTIONS, "tools": TOOLS}, "functions", "not both"),
     ({"function_call": {"name": "get_time"}}, "function_call", "give functions"),
     ({"functions": FUNCTIONS, "function_call": {"name": "nope"}}, "function_call.name", "nope"),
-    ({"functions": FUNCTIONS, "function_call": "auto", "tool_choice": "auto"}, "function_call", "not both"),
-    ({"functions": [{"name": "f", "parameters": {"type": "nothing"}}]}, "functions[0].parameters", ""),
+    (
+        {"functions": FUNCTIONS, "function_call": "auto", "tool_choice": "auto"},
+        "function_call",
+        "not both",
+    ),
+    ({"functions": [{"name": "f", "parameters": {"type": "no"}}]}, "functions[0].parameters", ""),
     ({"function_call": "always"}, "function_call", ""),
-    ({"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f", "arguments": "{}"}}]},
-     "messages[0].function_call", "assistant"),
+    (
+        {"messages": [{"role": "user", "content": "hi", "function_call": CALL}]},
+        "messages[0].function_call",
+        "assistant",
+    ),
     ({"messages": [{"role": "function", "content": "{}"}]}, "messages[0].name", "required"),
-    ({"messages": [{"role": "function", "name": "f", "content": [{"type": "text", "text": "x"}]}]},
-     "messages[0].content", "text"),
-]  # fmt: skip
+    (
+        {"messages": [{"role": "function", "name": "f", "content": PARTS}]},
+        "messages[0].content",
+        "text",
+    ),
+]
 
 
 @pytest.mark.parametrize(("extra", "param", "words"), BAD)
@@ -211,9 +226,9 @@ def test_each_result_answers_the_call_before_it() -> None:
     )
     served = modern(request)
     ids = [
-        (m.role, m.tool_call_id or (m.tool_calls or [None])[0] and m.tool_calls[0].id)
+        (m.role, m.tool_call_id or (m.tool_calls[0].id if m.tool_calls else None))
         for m in served.messages[1:]
-    ]  # type: ignore[index]
+    ]
     assert ids == [
         ("assistant", "call_1"),
         ("tool", "call_1"),
