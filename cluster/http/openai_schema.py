@@ -1,7 +1,7 @@
 """The OpenAI API's requests and responses, as pydantic models (the fields radixmesh serves).
 
 Requests are strict: a parameter that is not declared here is refused by name (400), and a
-declared one that radixmesh does not implement (tools, audio, ...) is refused unless it has its
+declared one that radixmesh does not implement (audio, web search, ...) is refused unless it has its
 no-op value (`REFUSED`, checked in cluster/http/openai_params.py). vLLM's extensions that
 radixmesh implements (top_k, min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
 allowed_token_ids, include_stop_str_in_output, skip_special_tokens, structured_outputs and its
