@@ -434,7 +434,8 @@ class HttpApi:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await self.encode(text, special, name)
         else:
-            chat = openai_params.chat_prompt(body.messages or [])
+            messages = body.messages or []
+            chat = openai_params.chat_prompt(legacy_functions.conversation(messages) or messages)
             tools = openai_params.wire_tools(body.tools)
             turns = any(
                 m.tool_calls or m.role == "tool" or m.reasoning_content for m in chat.messages

@@ -39,39 +39,55 @@ LEGACY_FIELDS = ((r"tools\[(\d+)\]\.(name|description|parameters)", r"functions[
 
 
 def legacy(request: ChatCompletionRequest) -> bool:
-    """Whether the request defines its functions the legacy way (its answer's call comes back
-    that way too)."""
-    return request.functions is not None
+    """Whether the request defines functions the legacy way (its answer's call comes back that
+    way too). An empty list asks for nothing, as it did when `functions` was refused."""
+    return bool(request.functions)
 
 
 def modern(request: ChatCompletionRequest) -> ChatCompletionRequest:
-    """The request with its functions as tools, its function_call as tool_choice and its
+    """The request with its functions as tools, its function_call as their tool_choice and its
     conversation's calls and results as tool calls and tool messages (itself when it has
-    none). `functions` stays set, so `legacy` still tells."""
-    messages = _messages(request.messages)
+    none). `functions` stays set, so `legacy` still tells. Without functions, `function_call`
+    "none" or "auto" asks for nothing (tools, if any, follow tool_choice) and a named one is
+    refused."""
+    messages = conversation(request.messages)
     if request.functions is None and request.function_call is None and messages is None:
         return request
     changes: dict[str, object] = {"function_call": None}
     if messages is not None:
         changes["messages"] = messages
-    if request.functions is not None and request.tools is not None:
-        raise HttpError.invalid("functions", "give tools or functions, not both")
-    if request.function_call is not None and request.tool_choice is not None:
-        raise HttpError.invalid("function_call", "give tool_choice or function_call, not both")
-    if request.functions:
-        changes["tools"] = [ToolParam(type="function", function=f) for f in request.functions]
-        changes["parallel_tool_calls"] = False  # the legacy answer has one call at most
     choice = request.function_call
-    if isinstance(choice, str):
-        changes["tool_choice"] = choice if request.functions else None
-    elif choice is not None:
-        if not request.functions:
-            raise HttpError.invalid("function_call", f"names {choice.name!r}; give functions")
-        changes["tool_choice"] = NamedToolChoice(type="function", function=choice)
+    if request.functions:
+        changes |= _as_tools(request)
+    elif choice is not None and not isinstance(choice, str):
+        raise HttpError.invalid("function_call", f"names {choice.name!r}; give functions")
     return request.model_copy(update=changes)
 
 
-def _messages(messages: list[ChatMessage]) -> list[ChatMessage] | None:
+def _as_tools(request: ChatCompletionRequest) -> dict[str, object]:
+    """The tools fields of a request with functions."""
+    assert request.functions
+    if request.tools is not None:
+        raise HttpError.invalid("functions", "give tools or functions, not both")
+    if request.parallel_tool_calls:
+        raise HttpError.invalid(
+            "parallel_tool_calls", "with functions an answer has one call; send tools for more"
+        )
+    tools = [ToolParam(type="function", function=f) for f in request.functions]
+    changes: dict[str, object] = {"tools": tools, "parallel_tool_calls": False}
+    choice = request.function_call
+    if choice is None:
+        return changes
+    if request.tool_choice is not None:
+        raise HttpError.invalid("function_call", "give tool_choice or function_call, not both")
+    if isinstance(choice, str):
+        changes["tool_choice"] = choice
+    else:
+        changes["tool_choice"] = NamedToolChoice(type="function", function=choice)
+    return changes
+
+
+def conversation(messages: list[ChatMessage]) -> list[ChatMessage] | None:
     """The conversation with each legacy call and result as a tool call and a tool message
     (None: it has neither)."""
     if not any(m.function_call is not None or m.role == "function" for m in messages):
@@ -103,10 +119,10 @@ def _result(message: ChatMessage, i: int, asked: dict[str, str]) -> ChatMessage:
     """A function's result as the tool message answering the call it names."""
     if not isinstance(message.name, str) or not message.name:
         raise HttpError.invalid(f"messages[{i}].name", "is required: the function that answered")
-    if not isinstance(message.content, str):
+    if message.content is not None and not isinstance(message.content, str):
         raise HttpError.invalid(f"messages[{i}].content", "a function's result is text")
     answers = asked.pop(message.name, f"call_{i}")
-    return ChatMessage(role="tool", content=message.content, tool_call_id=answers)
+    return ChatMessage(role="tool", content=message.content or "", tool_call_id=answers)
 
 
 def function_call_out(calls: Sequence[ToolCallOut | ToolCallDelta]) -> FunctionCall | None:

@@ -423,7 +423,7 @@ def refusal_names(request: GenerationParams) -> Renames:
         fields
         | {
             "tool_choice": "function_call.name" if named else "function_call",
-            "parallel_tool_calls": "functions",
+            "tools": "functions",
             "sampling.structured.structural_tag": "functions",
         },
         LEGACY_FIELDS,

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 LONE_SURROGATE = "lone_surrogate"
@@ -351,12 +358,19 @@ class AssistantMessage(BaseModel):
     refusal: None = None
     tool_calls: list[ToolCallOut] | None = None
     function_call: FunctionCall | None = None
-    """The call, when the request gave `functions` (OpenAI's legacy shape)."""
+    """The call, when the request gave `functions` (OpenAI's legacy shape; absent otherwise)."""
     reasoning_content: str | None = None
     """A thinking model's reasoning (vLLM's and SGLang's field; None: the model did not
     reason, or is not a thinking model)."""
     reasoning: str | None = None
     """The same, by vLLM's newer name (both are written, as vLLM writes both)."""
+
+    @model_serializer(mode="wrap")
+    def _present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.function_call is None:  # only an answer to `functions` has the field
+            del data["function_call"]
+        return data
 
 
 class ToolCallDelta(BaseModel):

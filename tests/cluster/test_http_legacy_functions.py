@@ -62,24 +62,28 @@ def test_a_named_function_is_called_as_the_tools_request_calls_it(
     cluster.wait_idle()
 
 
-def test_auto_gives_one_call_at_most_and_none_gives_text(
+def test_auto_answers_as_the_tools_request_does(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
-    auto = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,  # type: ignore[arg-type]
-        functions=FUNCTIONS,  # type: ignore[arg-type]
-        n=4,
-        **SAMPLED,
-    )
-    for choice in auto.choices:
-        assert choice.message.tool_calls is None
-        call = choice.message.function_call
-        if call is not None:  # one call, whole: the legacy answer has no room for more
+    """Choice for choice, `function_call` "auto" answers what tools with tool_choice "auto"
+    and `parallel_tool_calls: false` answer, a call moved to `function_call` (the random model
+    writes no call of its own accord: the named choice's tests above call); "none" calls
+    nothing."""
+    ask: dict[str, Any] = {"model": MODEL, "messages": ASK, "n": 4, **SAMPLED}
+    old = client.chat.completions.create(functions=FUNCTIONS, function_call="auto", **ask)
+    new = client.chat.completions.create(tools=TOOLS, parallel_tool_calls=False, **ask)
+    for legacy, tools in zip(old.choices, new.choices, strict=True):
+        assert legacy.message.tool_calls is None
+        assert legacy.message.content == tools.message.content
+        call, called = legacy.message.function_call, tools.message.tool_calls or []
+        assert len(called) <= 1
+        assert [(c.function.name, c.function.arguments) for c in called] == (
+            [(call.name, call.arguments)] if call is not None else []
+        )
+        finish = "function_call" if tools.finish_reason == "tool_calls" else tools.finish_reason
+        assert legacy.finish_reason == finish
+        if call is not None:
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-            assert choice.finish_reason == "function_call"
-        else:
-            assert choice.finish_reason in ("stop", "length")
     plain = client.chat.completions.create(
         model=MODEL,
         messages=ASK,  # type: ignore[arg-type]
@@ -142,24 +146,33 @@ def test_a_conversation_of_legacy_calls_is_the_tools_conversation(
         },
         {"role": "tool", "tool_call_id": "call_1", "content": result},
     ]
-    greedy: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    greedy: dict[str, Any] = {"model": MODEL, "max_tokens": 150, "temperature": 0}
     old = client.chat.completions.create(
         messages=old_turns,  # type: ignore[arg-type]
         functions=FUNCTIONS,  # type: ignore[arg-type]
+        function_call={"name": "get_time"},
         **greedy,
     )
     new = client.chat.completions.create(
         messages=new_turns,  # type: ignore[arg-type]
         tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
         parallel_tool_calls=False,
         **greedy,
     )
     assert old.usage is not None and new.usage is not None
     assert old.usage.prompt_tokens == new.usage.prompt_tokens
-    assert old.choices[0].message.content == new.choices[0].message.content
-    assert old.choices[0].message.function_call == (
-        new.choices[0].message.tool_calls[0].function if new.choices[0].message.tool_calls else None
+    call = old.choices[0].message.function_call
+    (called,) = new.choices[0].message.tool_calls or []
+    assert call is not None
+    assert (call.name, call.arguments) == (called.function.name, called.function.arguments)
+    counted = httpx.post(
+        f"{cluster.http_url}/tokenize",
+        json={"model": MODEL, "messages": old_turns, "tools": TOOLS},
+        timeout=30,
     )
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == old.usage.prompt_tokens  # /tokenize reads them too
     cluster.wait_idle()
 
 
@@ -176,6 +189,9 @@ BAD = [
     ),
     ({"functions": [{"name": "f", "parameters": {"type": "no"}}]}, "functions[0].parameters", ""),
     ({"function_call": "always"}, "function_call", ""),
+    ({"functions": FUNCTIONS, "parallel_tool_calls": True}, "parallel_tool_calls", "one call"),
+    ({"functions": FUNCTIONS, "response_format": {"type": "json_object"}}, "functions", "give one"),
+    ({"functions": [{"name": f"f{i}"} for i in range(129)]}, "functions", "at most"),
     (
         {"messages": [{"role": "user", "content": "hi", "function_call": CALL}]},
         "messages[0].function_call",
@@ -254,3 +270,24 @@ def test_a_function_call_on_a_turn_with_tool_calls_is_refused() -> None:
     with pytest.raises(HttpError, match="not both") as refused:
         modern(request)
     assert refused.value.param == "messages[1].function_call"
+
+
+def test_the_no_op_values_ask_for_nothing(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    """`functions: []` and `function_call: "none"` were accepted when the legacy fields were
+    refused, as asking for nothing; they still are, beside tools, which answer as tools do
+    (and with no `function_call` field)."""
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "functions": [],
+        "function_call": "none",
+        **SAMPLED,
+    }
+    response = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert "function_call" not in choice["message"] and choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls"
+    cluster.wait_idle()
