@@ -699,10 +699,23 @@ UNION_TAG = re.compile(r"[a-z-]+\[.*\]|[A-Z]\w*|str|int|float|bool|bytes|none")
 `NamedToolChoice`, `str`): not a field, so left out of the parameter named."""
 
 
+def _fields(loc: Sequence[str | int]) -> tuple[str | int, ...]:
+    """An error's location in the body: its fields and indexes, without union members' tags."""
+    return tuple(p for p in loc[1:] if not (isinstance(p, str) and UNION_TAG.fullmatch(p)))
+
+
 def validation_error(err: RequestValidationError) -> HttpError:
-    """Pydantic's first complaint, as one line naming the parameter."""
-    first = err.errors()[0]
-    loc = [p for p in first["loc"][1:] if not (isinstance(p, str) and UNION_TAG.fullmatch(p))]
+    """Pydantic's first complaint, as one line naming the parameter: of the complaints about
+    the first one's field (a union's members each complain), the deepest, which comes from the
+    member the value was meant for (`tool_choice.function: Field required` for an object
+    without it, not that the object is not one of the strings)."""
+    errors = err.errors()
+    at = _fields(errors[0]["loc"])
+    first = max(
+        (e for e in errors if _fields(e["loc"])[: len(at)] == at),
+        key=lambda e: len(_fields(e["loc"])),
+    )  # max keeps the first of equals
+    loc = _fields(first["loc"])
     where = ".".join(p if isinstance(p, str) else f"[{p}]" for p in loc)
     where = where.replace(".[", "[") or "body"
     if first["type"] == "extra_forbidden":

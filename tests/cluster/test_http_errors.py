@@ -183,6 +183,12 @@ BAD = {
         "'required'",
         "tool_choice",
     ),
+    "the union's member meant is the one named": Bad(
+        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function"}},
+        400,
+        "Field required",
+        "tool_choice.function",
+    ),
     "unknown role": Bad(
         {"messages": [{"role": "robot", "content": "x"}]}, 400, "'robot'", "messages[0].role"
     ),
