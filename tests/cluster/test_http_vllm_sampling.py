@@ -6,6 +6,7 @@ tiny-model workers; each bad value a 400 naming it, the cluster serving on."""
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -187,4 +188,26 @@ def test_bad_words_change_the_greedy_answer(client: openai.OpenAI, cluster: Loca
         client, max_tokens=16, extra_body={"ignore_eos": True, "bad_words": words[:1]}
     )
     assert banned.choices[0].text != plain
+    assert_no_leak(cluster)
+
+
+def test_bad_words_are_spelled_off_the_workers_event_loop(
+    client: openai.OpenAI, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spelling 256 long bad words takes the tokenizer seconds: the worker submits such a
+    request from a thread of its own, so its gRPC event loop (the local cluster's thread) goes
+    on streaming every other request meanwhile."""
+    threads: list[str] = []
+    for engine in cluster.engines.values():
+        submit = engine.submit
+
+        def recorded(request: Any, sink: Any, submit: Any = submit) -> int:
+            threads.append(threading.current_thread().name)
+            return submit(request, sink)
+
+        monkeypatch.setattr(engine, "submit", recorded)
+    complete(client, max_tokens=2, extra_body={"bad_words": ["lazy cat " * 8] * 4})
+    complete(client, max_tokens=2)
+    assert len(threads) == 2, threads
+    assert threads[0] != "local-cluster" and threads[1] == "local-cluster", threads
     assert_no_leak(cluster)
