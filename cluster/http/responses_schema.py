@@ -95,7 +95,9 @@ class ResponsesRequest(Body):
     background: bool | None = None
     """Answered at once, `queued`, and generated apart from the request
     (cluster/http/responses_background.py): needs the response stored."""
-    max_tool_calls: Any = None
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    """Accepted and returned: it bounds calls of OpenAI's built-in tools, and radixmesh has
+    none (function calls are the client's, which it does not bound)."""
     service_tier: Any = None
     prompt: Any = None
     prompt_cache_key: str | None = None
@@ -111,7 +113,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
         "conversations are not stored; send previous_response_id, or the turns in input",
         (),
     ),
-    "max_tool_calls": ("not supported", ()),
     "service_tier": ("there is one tier", ("auto", "default")),
     "prompt": ("stored prompts are not supported", ()),
     "top_logprobs": ("log-probabilities are served by chat completions", (0,)),
@@ -203,6 +204,7 @@ class Response(BaseModel):
     instructions: str | None = None
     metadata: dict[str, str] = {}
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     parallel_tool_calls: bool = True

@@ -119,10 +119,12 @@ def test_function_calls_out_and_their_outputs_back(
         tool_choice="required",
         parallel_tool_calls=False,
         max_output_tokens=150,
+        max_tool_calls=1,  # bounds built-in tools' calls (none here): accepted, returned
         temperature=0,
     )
     (call,) = [item for item in first.output if item.type == "function_call"]
     assert call.call_id.startswith("call_") and first.status == "completed"
+    assert first.max_tool_calls == 1
     jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     with client.responses.stream(
         model=MODEL,
@@ -230,6 +232,7 @@ def test_a_stream_that_fails_ends_with_response_failed() -> None:
             "only input_text and output_text",
         ),
         ({"max_output_tokens": 0}, "max_output_tokens", "must be in"),
+        ({"max_tool_calls": 0}, "max_tool_calls", "greater than or equal to 1"),
         (
             {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
             "text.format.schema",
