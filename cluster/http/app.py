@@ -704,17 +704,43 @@ def _fields(loc: Sequence[str | int]) -> tuple[str | int, ...]:
     return tuple(p for p in loc[1:] if not (isinstance(p, str) and UNION_TAG.fullmatch(p)))
 
 
-def validation_error(err: RequestValidationError) -> HttpError:
-    """Pydantic's first complaint, as one line naming the parameter: of the complaints about
-    the first one's field (a union's members each complain), the deepest, which comes from the
-    member the value was meant for (`tool_choice.function: Field required` for an object
-    without it, not that the object is not one of the strings)."""
-    errors = err.errors()
+def _member(loc: Sequence[str | int], depth: int) -> str:
+    """The union member an error's location names after `depth` fields ("" for none)."""
+    fields = 0
+    for p in loc[1:]:
+        if isinstance(p, str) and UNION_TAG.fullmatch(p):
+            if fields == depth:
+                return p
+        else:
+            fields += 1
+    return ""
+
+
+def complaint(errors: Sequence[Any]) -> Any:
+    """The complaint a refusal gives: of those about the first one's field, those of the union
+    member with the fewest (the one the value nearly is; of equals, the one whose complaint
+    goes deepest), and of these the deepest (`tool_choice.function: Field required` for an
+    object without it, not that the object is not one of the strings; `prompt[2]` for the
+    one number in a list of strings). The first 1,000 are read."""
+    errors = errors[:1000]
     at = _fields(errors[0]["loc"])
-    first = max(
-        (e for e in errors if _fields(e["loc"])[: len(at)] == at),
-        key=lambda e: len(_fields(e["loc"])),
-    )  # max keeps the first of equals
+    if not at:  # the body itself, or a key like a member's tag
+        return errors[0]
+    members: dict[str, list[Any]] = {}
+    for e in errors:
+        if _fields(e["loc"])[: len(at)] == at:
+            members.setdefault(_member(e["loc"], len(at)), []).append(e)
+
+    def depth(e: Any) -> int:
+        return len(_fields(e["loc"]))
+
+    nearest = min(members.values(), key=lambda m: (len(m), -max(map(depth, m))))
+    return max(nearest, key=depth)  # max and min keep the first of equals
+
+
+def validation_error(err: RequestValidationError) -> HttpError:
+    """Pydantic's complaint (`complaint`), as one line naming the parameter."""
+    first = complaint(err.errors())
     loc = _fields(first["loc"])
     where = ".".join(p if isinstance(p, str) else f"[{p}]" for p in loc)
     where = where.replace(".[", "[") or "body"

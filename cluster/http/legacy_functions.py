@@ -73,13 +73,13 @@ def _as_tools(request: ChatCompletionRequest) -> dict[str, object]:
         raise HttpError.invalid(
             "parallel_tool_calls", "with functions an answer has one call; send tools for more"
         )
+    if request.tool_choice is not None:  # a refusal of the choice is named function_call
+        raise HttpError.invalid("tool_choice", "is for tools; with functions give function_call")
     tools = [ToolParam(type="function", function=f) for f in request.functions]
     changes: dict[str, object] = {"tools": tools, "parallel_tool_calls": False}
     choice = request.function_call
     if choice is None:
         return changes
-    if request.tool_choice is not None:
-        raise HttpError.invalid("function_call", "give tool_choice or function_call, not both")
     if isinstance(choice, str):
         changes["tool_choice"] = choice
     else:

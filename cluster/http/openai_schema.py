@@ -369,7 +369,7 @@ class AssistantMessage(BaseModel):
     def _present(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
         if self.function_call is None:  # only an answer to `functions` has the field
-            del data["function_call"]
+            data.pop("function_call", None)  # (already left out by an exclude, if any)
         return data
 
 

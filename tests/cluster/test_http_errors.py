@@ -189,6 +189,9 @@ BAD = {
         "Field required",
         "tool_choice.function",
     ),
+    "the one bad item of a list is named": Bad(
+        {"prompt": ["the", "fox", 7]}, 400, "valid string", "prompt[2]"
+    ),
     "unknown role": Bad(
         {"messages": [{"role": "robot", "content": "x"}]}, 400, "'robot'", "messages[0].role"
     ),
