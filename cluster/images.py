@@ -75,9 +75,11 @@ def chat_messages(
 
 
 def _tools(message: serving_pb2.ChatMessage) -> dict[str, Any]:
-    """A message's tool fields and reasoning, where it has them (a template tests for the
-    keys)."""
+    """A message's tool fields, reasoning and name, where it has them (a template tests for
+    the keys)."""
     fields: dict[str, Any] = {}
+    if message.name:
+        fields["name"] = message.name
     if message.tool_calls:
         fields["tool_calls"] = tuple(
             ToolCall(call.name, call.arguments, call.id) for call in message.tool_calls

@@ -371,8 +371,9 @@ def _chat(
             image_parts += sum(p["type"] == "image" for p in parts)
         else:
             raise InvalidRequest(f"messages[{i}]", "needs a role and a text content")
-        reasoning = message.get("reasoning_content")  # an answer's, written back by templates
-        chars += len(reasoning) if isinstance(reasoning, str) else 0
+        for written in ("reasoning_content", "name"):  # what templates may write into a turn
+            value = message.get(written)
+            chars += len(value) if isinstance(value, str) else 0
         if vision:
             out.append({**message, "content": parts})
         elif isinstance(content, str):

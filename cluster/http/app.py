@@ -547,12 +547,15 @@ class HttpApi:
         """A conversation through the chat template, on a thread (400 if the template refuses)."""
         tokenizer, _ = self.tokenizer()
         limits = self.service.links.limits
-        if limits is not None and limits.vision is not None:  # its template renders parts
-            chat = [
-                {"role": m.role, "content": [{"type": "text", "text": m.content}]} for m in messages
-            ]
-        else:
-            chat = [{"role": m.role, "content": m.content} for m in messages]
+        vision = limits is not None and limits.vision is not None  # its template renders parts
+        chat = [
+            {
+                "role": m.role,
+                "content": [{"type": "text", "text": m.content}] if vision else m.content,
+                **({"name": m.name} if m.name else {}),
+            }
+            for m in messages
+        ]
         try:
             return await asyncio.to_thread(
                 tokenizer.apply_chat_template, chat, add_generation_prompt

@@ -190,9 +190,12 @@ def chat_prompt(messages: list[ChatMessage]) -> ChatPrompt:
         role = ROLES.get(each.role)
         if role is None:
             raise HttpError.invalid(f"{where}.role", f"{each.role!r} is not one of {sorted(ROLES)}")
-        for name in ("name", "function_call", "audio", "refusal"):
+        for name in ("function_call", "audio", "refusal"):
             if getattr(each, name) not in (None, []):
                 raise HttpError.invalid(f"{where}.{name}", "is not supported")
+        if each.name is not None and (role == "tool" or not isinstance(each.name, str)):
+            why = "a tool message has none" if role == "tool" else "is a participant's name, text"
+            raise HttpError.invalid(f"{where}.name", why)
         if each.tool_calls and role != "assistant":
             raise HttpError.invalid(f"{where}.tool_calls", "only an assistant's turn has calls")
         if (each.tool_call_id is None) != (role != "tool"):
@@ -206,6 +209,7 @@ def chat_prompt(messages: list[ChatMessage]) -> ChatPrompt:
                 )
             )
         turn.tool_call_id = each.tool_call_id or ""
+        turn.name = each.name or ""
         reasoning = each.reasoning_content if each.reasoning_content is not None else each.reasoning
         if reasoning is not None and role != "assistant":
             name = "reasoning_content" if each.reasoning_content is not None else "reasoning"
