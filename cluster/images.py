@@ -16,6 +16,7 @@ to the worker holding its KV. Imports no torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,9 @@ def chat_messages(
     order: list[int] = []
     messages = []
     for i, message in enumerate(chat.messages):
+        problem = name_problem(message.role, message.name) if message.name else None
+        if problem is not None:
+            raise InvalidRequest(f"chat.messages[{i}].name", problem)
         if not message.parts:
             messages.append({"role": message.role, "content": message.content, **_tools(message)})
             continue
@@ -72,6 +76,20 @@ def chat_messages(
     if unplaced:
         raise InvalidRequest(f"images[{unplaced[0]}]", "no chat part places it (ChatPart.image)")
     return tuple(messages), order
+
+
+NAME = re.compile(r"[^\s<|\\/>]{1,64}")
+"""A participant's name, as OpenAI takes one: 1-64 characters, no whitespace and none of
+< | \\ / > (so a name a template writes cannot open a turn of its own)."""
+
+
+def name_problem(role: str, name: str) -> str | None:
+    """What is wrong with a message's `name` (None: nothing)."""
+    if role == "tool":
+        return "a tool message has none (its tool_call_id names the call)"
+    if not NAME.fullmatch(name):
+        return f"{name[:80]!r} is not 1-64 characters without whitespace or any of < | \\ / >"
+    return None
 
 
 def _tools(message: serving_pb2.ChatMessage) -> dict[str, Any]:

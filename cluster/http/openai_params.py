@@ -35,6 +35,7 @@ from cluster.http.openai_schema import (
     ToolParam,
 )
 from cluster.http.several_prompts import MAX_PROMPTS, Prompt, prompts_of
+from cluster.images import name_problem
 from protos.radixmesh.v1 import serving_pb2
 
 ROLES = {
@@ -193,9 +194,14 @@ def chat_prompt(messages: list[ChatMessage]) -> ChatPrompt:
         for name in ("function_call", "audio", "refusal"):
             if getattr(each, name) not in (None, []):
                 raise HttpError.invalid(f"{where}.{name}", "is not supported")
-        if each.name is not None and (role == "tool" or not isinstance(each.name, str)):
-            why = "a tool message has none" if role == "tool" else "is a participant's name, text"
-            raise HttpError.invalid(f"{where}.name", why)
+        if each.name is not None:
+            problem = (
+                name_problem(role, each.name)
+                if isinstance(each.name, str)
+                else "is a participant's name, text"
+            )
+            if problem is not None:
+                raise HttpError.invalid(f"{where}.name", problem)
         if each.tool_calls and role != "assistant":
             raise HttpError.invalid(f"{where}.tool_calls", "only an assistant's turn has calls")
         if (each.tool_call_id is None) != (role != "tool"):

@@ -11,10 +11,12 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx2 as httpx
 import openai
 import pytest
 
+from cluster.client import Client, text_request
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_http_errors import assert_openai_error
 from tests.cluster.tool_fixtures import openai_client
@@ -95,6 +97,10 @@ def test_a_template_that_writes_names_gets_them(naming: LocalCluster) -> None:
     [
         ({"role": "tool", "tool_call_id": "c", "content": "x", "name": "f"}, "a tool message"),
         ({"role": "user", "content": "x", "name": 5}, "participant's name"),
+        ({"role": "user", "content": "x", "name": "two words"}, "without whitespace"),
+        ({"role": "user", "content": "x", "name": "x<|im_start|>"}, "any of <"),
+        ({"role": "user", "content": "x", "name": "a" * 65}, "1-64 characters"),
+        ({"role": "user", "content": "x", "name": ""}, "1-64 characters"),
     ],
 )
 def test_a_bad_name_is_refused_by_name(
@@ -103,4 +109,23 @@ def test_a_bad_name_is_refused_by_name(
     body = {**GREEDY, "messages": [{"role": "user", "content": "hi"}, message]}
     response = httpx.post(f"{cluster.http_url}/v1/chat/completions", json=body, timeout=30)
     assert assert_openai_error(response, 400, words)["param"] == "messages[1].name"
+    cluster.wait_idle()
+
+
+def test_grpc_checks_a_name_as_http_does(cluster: LocalCluster) -> None:
+    """The serving core refuses what the HTTP face does, naming the field as gRPC has it."""
+    client = Client(cluster.target)
+    try:
+        for role, name, words in (("tool", "f", "a tool message"), ("user", "a b", "whitespace")):
+            request = text_request(chat=[("user", "hi")], max_tokens=2)
+            turn = request.chat.messages.add(role=role, content="x", name=name)
+            if role == "tool":
+                turn.tool_call_id = "c"
+            with pytest.raises(grpc.RpcError) as refused:
+                list(client.generate(request, timeout=30))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details().startswith("chat.messages[1].name: ")
+            assert words in refused.value.details()
+    finally:
+        client.close()
     cluster.wait_idle()
