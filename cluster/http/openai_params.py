@@ -424,11 +424,11 @@ def refusal_names(request: GenerationParams) -> Renames:
     fields = structured_fields(request)
     if not isinstance(request, ChatCompletionRequest):
         return renames(fields, TOOL_FIELDS)
-    if isinstance(request.tool_choice, NamedToolChoice):
-        fields["tool_choice"] = "tool_choice.function.name"  # the function it names
-    if not legacy(request):
-        return renames(fields, TOOL_FIELDS)
     named = isinstance(request.tool_choice, NamedToolChoice)
+    if not legacy(request):
+        if named:
+            fields["tool_choice"] = "tool_choice.function.name"  # the function it names
+        return renames(fields, TOOL_FIELDS)
     return renames(
         fields
         | {
