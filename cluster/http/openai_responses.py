@@ -151,6 +151,8 @@ class Sample:
     stop_string: str | None = None
     spans: list[tuple[int, int]] = field(default_factory=list)
     """(tokens, characters of text) of each message, for completion logprobs' text offsets."""
+    reasoning_tokens: int = 0
+    """Of `token_ids`, the first so many are a thinking model's reasoning."""
 
 
 async def read(stream: Responses, counts: Counts) -> Responses:
@@ -210,6 +212,7 @@ async def collect(stream: Responses) -> tuple[dict[int, Sample], Counts]:
             sample.token_ids.extend(response.token_ids)
             sample.logprobs.extend(response.logprobs)
             sample.spans.append((len(response.token_ids), len(response.text)))
+            sample.reasoning_tokens += response.reasoning_tokens
             if response.finished:
                 sample.finish_reason = response.finish_reason
                 sample.stop_string = response.stop_string or None

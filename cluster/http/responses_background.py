@@ -25,6 +25,7 @@ from cluster.http.event_log import EventLog
 from cluster.http.openai_responses import Responses
 from cluster.http.responses_schema import Response
 from cluster.http.responses_stream import events
+from cluster.http.token_texts import TokenTexts
 
 Keep = Callable[[Response], Response]
 """Stores a response as it stands; returns it as stored."""
@@ -58,6 +59,7 @@ class BackgroundResponses:
         rename: Renames,
         keep: Keep,
         streamed: bool = False,
+        texts: TokenTexts | None = None,
     ) -> tuple[Response, EventLog]:
         """Store `queued` and run its generation (`stream`) to the end; the response as stored,
         and its events (kept when `streamed`, to be resumed). Refused (the stream closed)
@@ -84,7 +86,8 @@ class BackgroundResponses:
         self.drop(tenant, queued.id)  # an ended one of the same id: its events are not these
         written = EventLog(kept=streamed)
         task = asyncio.get_running_loop().create_task(
-            _generate(queued, stream, tools, rename, keep, written), name=f"background {queued.id}"
+            _generate(queued, stream, tools, rename, keep, written, texts),
+            name=f"background {queued.id}",
         )
         self._running[key], self._logs[key] = task, written
 
@@ -150,9 +153,11 @@ async def _generate(
     rename: Renames,
     keep: Keep,
     written: EventLog,
+    texts: TokenTexts | None = None,
 ) -> None:
     """Run the generation, its events into `written` (the response stored by `events`; the
     log closed by the task's done-callback, however it ends)."""
-    async with contextlib.aclosing(events(queued, None, stream, tools, keep, rename)) as out:
+    generated = events(queued, None, stream, tools, keep, rename, texts)
+    async with contextlib.aclosing(generated) as out:
         async for chunk in out:
             written.append(chunk)

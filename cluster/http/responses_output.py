@@ -15,9 +15,11 @@ import base64
 import binascii
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Literal
 
-from cluster.http.openai_responses import Counts
+from cluster.http.openai_responses import Counts, chat_logprobs
+from cluster.http.openai_schema import TokenLogprob
 from cluster.http.responses_schema import (
     FunctionCallItem,
     IncompleteDetails,
@@ -32,6 +34,8 @@ from cluster.http.responses_schema import (
     ResponsesRequest,
     ResponseUsage,
 )
+from cluster.http.token_texts import TokenTexts
+from protos.radixmesh.v1 import serving_pb2
 from worker.tool_calls import ToolCall
 
 
@@ -87,6 +91,7 @@ def done(
     reasoning_id: str | None = None,
     cancelled: bool = False,
     failure_code: str = "server_error",
+    logprobs: list[TokenLogprob] | None = None,
 ) -> Response:
     """The finished response: a reasoning item for a thinking model's reasoning (if any), a
     message item for the text (if any), a function_call item a call, the usage; incomplete
@@ -113,7 +118,7 @@ def done(
             OutputMessage(
                 id=message_id or new_item_id("msg"),
                 status=item_status,
-                content=[OutputText(text=content)],
+                content=[OutputText(text=content, logprobs=logprobs or [])],
             )
         )
     ids = call_ids or [new_item_id("fc") for _ in calls]
@@ -158,8 +163,26 @@ def reasoning_item(
 
 
 ENCRYPTED_CONTENT = "reasoning.encrypted_content"
-"""The one `include` served."""
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+INCLUDES = (ENCRYPTED_CONTENT, OUTPUT_LOGPROBS)
+"""The `include`s served."""
 SEAL = "radixmesh-reasoning-v1:"
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the answer's text comes with its tokens' logprobs."""
+    return OUTPUT_LOGPROBS in (body.include or ())
+
+
+def answer_logprobs(
+    texts: TokenTexts,
+    token_ids: Sequence[int],
+    logprobs: Sequence[serving_pb2.TokenLogprob],
+    reasoning_tokens: int,
+) -> list[TokenLogprob]:
+    """The logprobs of the answer's tokens: those after the reasoning's, which come first."""
+    ids, values = list(token_ids[reasoning_tokens:]), list(logprobs[reasoning_tokens:])
+    return chat_logprobs(texts, ids, values).content or []
 
 
 def sealed(thought: str) -> str:

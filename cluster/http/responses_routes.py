@@ -40,7 +40,15 @@ from cluster.http.openai_params import (
 from cluster.http.openai_responses import collect, served_by
 from cluster.http.response_store import StoredResponse
 from cluster.http.responses_chain import continued, encoded_inputs, keep, owner, stored
-from cluster.http.responses_output import ENCRYPTED_CONTENT, done, shell, unsealed
+from cluster.http.responses_output import (
+    INCLUDES,
+    OUTPUT_LOGPROBS,
+    answer_logprobs,
+    done,
+    shell,
+    unsealed,
+    wants_logprobs,
+)
 from cluster.http.responses_schema import REFUSED, NamedFunction, Response, ResponsesRequest
 from cluster.http.responses_stream import events
 from cluster.http.responses_truncation import Truncation
@@ -91,11 +99,12 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
 
         _background(body, storing)
         rename = refusal_names(body, origins)
+        texts = api.token_texts() if wants_logprobs(body) else None
         stream = served(api, message, caller, truncation)
         if body.background:
             queued = started.model_copy(update={"status": "queued"})
             reply, written = await api.background.start(
-                tenant, queued, stream, tools, rename, ended, streamed=body.stream
+                tenant, queued, stream, tools, rename, ended, streamed=body.stream, texts=texts
             )
             if body.stream:
                 return EventStream(written.follow())
@@ -103,15 +112,20 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         if body.stream:
             first = await api.finish(request, anext(stream), rename)  # a refusal: a status
             return EventStream(
-                events(started, first, stream, tools, ended, rename), served_by(first)
+                events(started, first, stream, tools, ended, rename, texts), served_by(first)
             )
         samples, counts = await api.finish(request, collect(stream), rename)
         sample = samples[0]
         text = "".join(sample.text)
         content, calls = read_calls(text, tools) if tools else (text, [])
+        logprobs = (
+            answer_logprobs(texts, sample.token_ids, sample.logprobs, sample.reasoning_tokens)
+            if texts is not None
+            else None
+        )
         reply = done(
             started, content, calls, sample.finish_reason, counts,
-            thought="".join(sample.reasoning),
+            thought="".join(sample.reasoning), logprobs=logprobs,
         )  # fmt: skip
         return HttpResponse(
             ended(reply).model_dump_json(),
@@ -205,11 +219,15 @@ def generate_request(
     conversation it continues)."""
     refuse_unsupported(body, REFUSED)
     for i, asked in enumerate(body.include or ()):
-        if asked != ENCRYPTED_CONTENT:
-            raise HttpError.invalid(
-                f"include[{i}]", f"{asked!r}: only {ENCRYPTED_CONTENT!r} can be included"
-            )
+        if asked not in INCLUDES:
+            raise HttpError.invalid(f"include[{i}]", f"{asked!r}: only {INCLUDES} can be included")
     message = serving_pb2.GenerateRequest(request_id=request_id)
+    if wants_logprobs(body):
+        if body.tools and body.tool_choice != "none":
+            raise HttpError.invalid(
+                "include", f"{OUTPUT_LOGPROBS!r} with function tools is not supported"
+            )
+        message.sampling.logprobs = body.top_logprobs or 0
     # a thinking model's reasoning is a reasoning item, apart from the answer's message
     message.sampling.separate_reasoning = True
     variables = effort_variables(body.reasoning.effort if body.reasoning is not None else None)

@@ -88,7 +88,8 @@ class ResponsesRequest(Body):
     with the response."""
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
-    """"reasoning.encrypted_content" only (cluster/http/responses_output.py)."""
+    """"reasoning.encrypted_content" and "message.output_text.logprobs"
+    (cluster/http/responses_output.py)."""
     truncation: Literal["auto", "disabled"] | None = None
     """"auto": a conversation refused as over the context loses turns from its beginning
     (cluster/http/responses_truncation.py); else it is refused, never cut."""
@@ -102,7 +103,9 @@ class ResponsesRequest(Body):
     prompt: Any = None
     prompt_cache_key: str | None = None
     """Accepted, as on chat completions: the router routes every prompt to its cache."""
-    top_logprobs: Any = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """How many of the likeliest tokens each position's logprob lists, with `include:
+    ["message.output_text.logprobs"]` (without it, no logprobs are returned, as vLLM does)."""
     priority: int | None = None
     """vLLM's: lower is served earlier (engine.scheduling_policy "priority")."""
 
@@ -115,7 +118,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     ),
     "service_tier": ("there is one tier", ("auto", "default")),
     "prompt": ("stored prompts are not supported", ()),
-    "top_logprobs": ("log-probabilities are served by chat completions", (0,)),
 }
 
 

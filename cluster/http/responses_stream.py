@@ -28,7 +28,8 @@ from typing import Any
 
 from cluster.http.errors import GenerationFailed, HttpError, Renames
 from cluster.http.openai_responses import Counts, HeldCalls, Responses, prepend, read
-from cluster.http.responses_output import done, new_item_id, reasoning_item
+from cluster.http.openai_schema import TokenLogprob
+from cluster.http.responses_output import answer_logprobs, done, new_item_id, reasoning_item
 from cluster.http.responses_schema import (
     FunctionCallItem,
     OutputMessage,
@@ -37,6 +38,7 @@ from cluster.http.responses_schema import (
     ReasoningText,
     Response,
 )
+from cluster.http.token_texts import TokenTexts
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 from worker.tool_calls import ToolCall
@@ -51,12 +53,14 @@ async def events(
     tools: frozenset[str],
     ended: Callable[[Response], Response] = lambda response: response,
     rename: Renames | None = None,
+    texts: TokenTexts | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The response's events (module docstring), from `first` and `rest` (the whole stream in
     `rest` when `first` is None). The response as it stands goes through `ended` (storing it):
     `in_progress` at the start when `shell` is a background one's `queued`, and as it ends
     (completed, incomplete, failed, or cancelled by the client going away) before its last
-    event. A refusal's message names the field as the request did (`rename`)."""
+    event. A refusal's message names the field as the request did (`rename`). With `texts`,
+    each text delta carries the logprobs of the answer's tokens since the last one."""
     out = _Events(shell.seal)
     counts = Counts()
     held = HeldCalls(tools) if tools else None
@@ -74,6 +78,10 @@ async def events(
             async for response in responses:
                 if response.reasoning_text:
                     yield out.think(response.reasoning_text)
+                if texts is not None:
+                    out.pending += answer_logprobs(
+                        texts, response.token_ids, response.logprobs, response.reasoning_tokens
+                    )
                 delta = held.feed(response.text) if held is not None else response.text
                 if response.finished:
                     finish = response.finish_reason
@@ -91,6 +99,7 @@ async def events(
         gone = done(
             started, out.text or None, [], None, counts, out.message_id,
             thought=out.thought, reasoning_id=out.reasoning_id, cancelled=True,
+            logprobs=out.logprobs,
         )  # fmt: skip
         ended(gone)
         raise
@@ -101,13 +110,14 @@ async def events(
         failed = done(
             started, out.text or None, [], None, counts, out.message_id,
             failure=failure, thought=out.thought, reasoning_id=out.reasoning_id,
-            failure_code=code,
+            failure_code=code, logprobs=out.logprobs,
         )  # fmt: skip
         yield out.event("response.failed", {"response": ended(failed).model_dump()})
         return
     finished = done(
         started, out.text or None, calls, finish, counts, out.message_id,
         thought=out.thought, reasoning_id=out.reasoning_id,
+        logprobs=out.logprobs + out.pending,  # a held stop string's tokens too
     )  # fmt: skip
     yield out.end(ended(finished))
 
@@ -128,6 +138,10 @@ class _Events:
         """The reasoning so far."""
         self.text = ""
         """The answer's text so far."""
+        self.logprobs: list[TokenLogprob] = []
+        """The logprobs sent with the text so far (asked for: `events`'s `texts`)."""
+        self.pending: list[TokenLogprob] = []
+        """Those of tokens whose text is not sent yet (held: a possible stop string)."""
 
     def event(self, kind: str, data: dict[str, Any]) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **data}
@@ -155,7 +169,10 @@ class _Events:
             item = OutputMessage(id=self.message_id, status="in_progress", content=[])
             out += self._opened(self._message_index, item, OutputText(text=""))
         self.text += delta
-        at = self._at_message | {"delta": delta, "logprobs": []}
+        sent = [each.model_dump() for each in self.pending]
+        self.logprobs += self.pending
+        self.pending = []
+        at = self._at_message | {"delta": delta, "logprobs": sent}
         return out + self.event("response.output_text.delta", at)
 
     def end(self, finished: Response) -> bytes:
@@ -204,7 +221,8 @@ class _Events:
         if isinstance(item, ReasoningItem):
             at, kind = self._at_reasoning, "reasoning_text"
         else:
-            at, kind, more = self._at_message, "output_text", {"logprobs": []}
+            at, kind = self._at_message, "output_text"
+            more = {"logprobs": part.model_dump()["logprobs"]}
         return (
             self.event(f"response.{kind}.done", at | {"text": part.text} | more)
             + self.event("response.content_part.done", at | {"part": part.model_dump()})

@@ -332,7 +332,7 @@ def test_other_includes_are_refused_by_name(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(
             model=SERVED_NAME, input="Which city?", max_output_tokens=1,
-            include=["reasoning.encrypted_content", "message.output_text.logprobs"],
+            include=["reasoning.encrypted_content", "file_search_call.results"],
         )  # fmt: skip
     body = err.value.body
     assert isinstance(body, dict) and body["param"] == "include[1]"

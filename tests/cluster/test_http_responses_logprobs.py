@@ -1,0 +1,180 @@
+"""The Responses API's logprobs (`include: ["message.output_text.logprobs"]`, `top_logprobs`):
+the answer's tokens with their logprobs on its `output_text`, the same as chat completions give
+for the same chat, whole and streamed (each text delta with its tokens'); none unless included;
+a thinking model's reasoning tokens left out (on a made-up stream: the tiny thinking model
+never closes its reasoning). Real HTTP on loopback with the `openai` SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from cluster.http import responses_output, responses_stream
+from cluster.http.responses_schema import ResponsesRequest
+from cluster.http.token_texts import TokenTexts
+from protos.radixmesh.v1 import serving_pb2
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+
+MODEL = SERVED_NAME
+QUESTION = "the quick brown fox"
+LOGPROBS = ["message.output_text.logprobs"]
+GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
+
+
+def listed(entries: Any) -> list[tuple[str, float, list[str]]]:
+    """(token, logprob rounded, the top tokens) of each entry, SDK objects or dicts."""
+    out = []
+    for entry in entries:
+        e = entry if isinstance(entry, dict) else entry.model_dump()
+        out.append((e["token"], round(e["logprob"], 3), [t["token"] for t in e["top_logprobs"]]))
+    return out
+
+
+def chat_logprobs(client: openai.OpenAI) -> list[tuple[str, float, list[str]]]:
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    logprobs = chat.choices[0].logprobs
+    assert logprobs is not None and logprobs.content
+    return listed(logprobs.content)
+
+
+def test_the_answer_has_the_logprobs_chat_gives(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    expected = chat_logprobs(client)
+    reply = client.responses.create(
+        input=QUESTION,
+        include=LOGPROBS,  # type: ignore[list-item]
+        top_logprobs=3,
+        **GREEDY,
+    )
+    (message,) = reply.output
+    assert message.type == "message"
+    (part,) = message.content
+    assert part.type == "output_text"
+    assert listed(part.logprobs) == expected
+    assert reply.usage is not None and len(expected) == reply.usage.output_tokens
+    assert all(len(top) == 3 for _, _, top in expected)
+    plain = client.responses.create(input=QUESTION, top_logprobs=3, **GREEDY)
+    (part,) = plain.output[0].content  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs == []  # not included: none
+    cluster.wait_idle()
+
+
+def test_the_stream_carries_each_deltas_logprobs(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    expected = chat_logprobs(client)
+    deltas, done, final = [], None, None
+    stream = client.responses.create(
+        input=QUESTION,
+        include=LOGPROBS,  # type: ignore[list-item]
+        top_logprobs=3,
+        stream=True,
+        **GREEDY,
+    )
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            deltas += listed(event.logprobs)
+        elif event.type == "response.output_text.done":
+            done = listed(event.logprobs)
+        elif event.type in ("response.completed", "response.incomplete"):
+            final = event.response
+    assert done == expected and final is not None
+    assert deltas == expected[: len(deltas)] and len(deltas) >= len(expected) - 2  # held: a stop
+    part = final.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and listed(part.logprobs) == expected
+    cluster.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({"include": ["message.nope"]}, "include[0]", "can be included"),
+        (
+            {
+                "include": LOGPROBS,
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            },
+            "include",
+            "with function tools",
+        ),
+    ],
+)
+def test_refusals_name_the_field(
+    cluster: LocalCluster, change: dict[str, Any], param: str, words: str
+) -> None:
+    body = {**GREEDY, "input": QUESTION} | change
+    answer = httpx.post(f"{cluster.http_url}/v1/responses", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    cluster.wait_idle()
+
+
+def test_a_thinking_models_reasoning_tokens_are_left_out() -> None:
+    """On a made-up stream (reasoning, then reasoning and answer in one message, then answer):
+    each text delta carries the logprobs of the answer's tokens it brings, the reasoning's
+    left out, and the response's output_text has all of the answer's, as the whole response's
+    reading of the sample does."""
+    texts = TokenTexts(None)  # token k reads "token_id:k"
+    chunks = [("it ", "", [1, 2], 2), ("rains", "\n\nPa", [3, 4, 5], 1), ("", "ris", [6], 0)]
+    responses = []
+    for reasoning, text, ids, thought in chunks:
+        message = serving_pb2.GenerateResponse(
+            index=0, reasoning_text=reasoning, text=text, token_ids=ids,
+            reasoning_tokens=thought, worker="w",
+        )  # fmt: skip
+        for token in ids:
+            message.logprobs.add(logprob=-token / 10, top_ids=[token], top_logprobs=[-token / 10])
+        responses.append(message)
+    responses[-1].finished, responses[-1].finish_reason = True, "stop"
+    shell = responses_output.shell(ResponsesRequest(model="m", input="q"), "resp_x", "m")
+
+    async def rest() -> AsyncIterator[serving_pb2.GenerateResponse]:
+        for each in responses[1:]:
+            yield each
+
+    async def run() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        async for raw in responses_stream.events(
+            shell, responses[0], rest(), frozenset(), texts=texts
+        ):
+            out += [
+                json.loads(line.removeprefix("data: "))
+                for line in raw.decode().split("\n")
+                if line.startswith("data: ")
+            ]
+        return out
+
+    events = asyncio.run(run())
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [(e["delta"], [t["token"] for t in e["logprobs"]]) for e in deltas] == [
+        ("\n\nPa", ["token_id:4", "token_id:5"]),
+        ("ris", ["token_id:6"]),
+    ]
+    answer = ["token_id:4", "token_id:5", "token_id:6"]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert [t["token"] for t in done["logprobs"]] == answer
+    final = events[-1]["response"]
+    part = final["output"][1]["content"][0]
+    assert [(t["token"], round(t["logprob"], 6)) for t in part["logprobs"]] == [
+        (f"token_id:{k}", -k / 10) for k in (4, 5, 6)
+    ]  # float32 on the wire
+    ids = [t for m in responses for t in m.token_ids]
+    values = [v for m in responses for v in m.logprobs]
+    whole = responses_output.answer_logprobs(texts, ids, values, reasoning_tokens=3)
+    assert [t.token for t in whole] == answer
