@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -95,6 +96,25 @@ def test_the_stream_carries_each_deltas_logprobs(
     assert done == expected and final is not None
     assert deltas == expected[: len(deltas)] and len(deltas) >= len(expected) - 2  # held: a stop
     part = final.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and listed(part.logprobs) == expected
+    cluster.wait_idle()
+
+
+def test_a_background_response_has_them_too(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    expected = chat_logprobs(client)
+    queued = client.responses.create(
+        input=QUESTION,
+        include=LOGPROBS,  # type: ignore[list-item]
+        top_logprobs=3,
+        background=True,
+        **GREEDY,
+    )
+    deadline = time.monotonic() + 30
+    kept = client.responses.retrieve(queued.id)
+    while kept.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        kept = client.responses.retrieve(queued.id)
+    part = kept.output[0].content[0]  # type: ignore[union-attr]
     assert part.type == "output_text" and listed(part.logprobs) == expected
     cluster.wait_idle()
 
