@@ -72,6 +72,15 @@ def continued(body: ResponsesRequest, store: ResponseStore, tenant: str) -> Stor
     return earlier
 
 
+def _turn(item: Item) -> Item:
+    """An output item as the conversation keeps it for a follow-up: without its text's
+    logprobs, which a next turn does not read (the response object keeps them)."""
+    for part in item.get("content") or ():
+        if part.get("type") == "output_text":
+            part["logprobs"] = []
+    return item
+
+
 def keep(
     store: ResponseStore,
     tenant: str,
@@ -85,7 +94,7 @@ def keep(
     prompt left out, with truncation auto); the response as stored (`store` false when it is
     larger than the whole store and was not kept)."""
     response = answered.model_copy(update={"store": True})
-    outputs = tuple(StoredResponse.encoded(item.model_dump()) for item in response.output)
+    outputs = tuple(StoredResponse.encoded(_turn(item.model_dump())) for item in response.output)
     before = earlier.conversation if earlier is not None else ()
     kept = StoredResponse(
         response=response.model_dump_json().encode(),

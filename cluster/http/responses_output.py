@@ -52,6 +52,7 @@ def shell(body: ResponsesRequest, response_id: str, model: str, store: bool = Fa
         instructions=body.instructions,
         max_output_tokens=body.max_output_tokens,
         max_tool_calls=body.max_tool_calls,
+        top_logprobs=body.top_logprobs,
         temperature=body.temperature,
         top_p=body.top_p,
         parallel_tool_calls=body.parallel_tool_calls is not False,

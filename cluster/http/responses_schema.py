@@ -207,6 +207,7 @@ class Response(BaseModel):
     metadata: dict[str, str] = {}
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
+    top_logprobs: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     parallel_tool_calls: bool = True

@@ -79,9 +79,7 @@ async def events(
                 if response.reasoning_text:
                     yield out.think(response.reasoning_text)
                 if texts is not None:
-                    out.pending += answer_logprobs(
-                        texts, response.token_ids, response.logprobs, response.reasoning_tokens
-                    )
+                    out.take(texts, response)
                 delta = held.feed(response.text) if held is not None else response.text
                 if response.finished:
                     finish = response.finish_reason
@@ -117,7 +115,7 @@ async def events(
     finished = done(
         started, out.text or None, calls, finish, counts, out.message_id,
         thought=out.thought, reasoning_id=out.reasoning_id,
-        logprobs=out.logprobs + out.pending,  # a held stop string's tokens too
+        logprobs=out.logprobs + out.held,  # a held stop string's tokens too
     )  # fmt: skip
     yield out.end(ended(finished))
 
@@ -140,8 +138,25 @@ class _Events:
         """The answer's text so far."""
         self.logprobs: list[TokenLogprob] = []
         """The logprobs sent with the text so far (asked for: `events`'s `texts`)."""
-        self.pending: list[TokenLogprob] = []
-        """Those of tokens whose text is not sent yet (held: a possible stop string)."""
+        self.pending: list[tuple[int, TokenLogprob]] = []
+        """Those of tokens whose text is not sent yet (held: a possible stop string), each with
+        its token's place in the sample."""
+        self.tokens = self.reasoned = 0
+        """The sample's tokens so far, and of these the reasoning's (which come first)."""
+
+    def take(self, texts: TokenTexts, response: serving_pb2.GenerateResponse) -> None:
+        """A message's tokens' logprobs, held until their text is sent, less the reasoning's:
+        a message's count of reasoning tokens may take in tokens of earlier ones (held text
+        that turned out to open the reasoning), so the cut is by place in the sample."""
+        entries = answer_logprobs(texts, response.token_ids, response.logprobs, 0)
+        self.pending += [(self.tokens + k, entry) for k, entry in enumerate(entries)]
+        self.tokens += len(entries)
+        self.reasoned += response.reasoning_tokens
+        self.pending = [(at, entry) for at, entry in self.pending if at >= self.reasoned]
+
+    @property
+    def held(self) -> list[TokenLogprob]:
+        return [entry for _, entry in self.pending]
 
     def event(self, kind: str, data: dict[str, Any]) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **data}
@@ -169,8 +184,8 @@ class _Events:
             item = OutputMessage(id=self.message_id, status="in_progress", content=[])
             out += self._opened(self._message_index, item, OutputText(text=""))
         self.text += delta
-        sent = [each.model_dump() for each in self.pending]
-        self.logprobs += self.pending
+        sent = [each.model_dump() for each in self.held]
+        self.logprobs += self.held
         self.pending = []
         at = self._at_message | {"delta": delta, "logprobs": sent}
         return out + self.event("response.output_text.delta", at)

@@ -67,7 +67,11 @@ def test_the_answer_has_the_logprobs_chat_gives(
     assert part.type == "output_text"
     assert listed(part.logprobs) == expected
     assert reply.usage is not None and len(expected) == reply.usage.output_tokens
-    assert all(len(top) == 3 for _, _, top in expected)
+    assert all(len(top) == 3 for _, _, top in expected) and reply.top_logprobs == 3
+    assert cluster.http is not None
+    kept = cluster.http.api.responses.get("", reply.id)  # the conversation a follow-up reads
+    assert kept is not None and b'"logprobs": []' in kept.conversation[-1]
+    assert b'"logprobs":[{' in kept.response  # the response object keeps them
     plain = client.responses.create(input=QUESTION, top_logprobs=3, **GREEDY)
     (part,) = plain.output[0].content  # type: ignore[union-attr]
     assert part.type == "output_text" and part.logprobs == []  # not included: none
@@ -119,16 +123,37 @@ def test_a_background_response_has_them_too(client: openai.OpenAI, cluster: Loca
     cluster.wait_idle()
 
 
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+def test_tools_not_called_leave_the_logprobs(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    """With tool_choice "none" no call is read out of the text: its tokens are the message's."""
+    reply = client.responses.create(
+        input=QUESTION,
+        include=LOGPROBS,  # type: ignore[list-item]
+        top_logprobs=3,
+        tools=[TOOL],  # type: ignore[list-item]
+        tool_choice="none",
+        **GREEDY,
+    )
+    part = reply.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and reply.usage is not None
+    assert len(part.logprobs) == reply.usage.output_tokens > 0
+    cluster.wait_idle()
+
+
 @pytest.mark.parametrize(
     ("change", "param", "words"),
     [
         ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"include": ["message.nope"]}, "include[0]", "can be included"),
         (
-            {
-                "include": LOGPROBS,
-                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
-            },
+            {"include": LOGPROBS, "tools": [TOOL]},
+            "include",
+            "with function tools",
+        ),
+        (
+            {"include": LOGPROBS, "tools": [TOOL], "tool_choice": "required"},
             "include",
             "with function tools",
         ),
@@ -145,13 +170,11 @@ def test_refusals_name_the_field(
     cluster.wait_idle()
 
 
-def test_a_thinking_models_reasoning_tokens_are_left_out() -> None:
-    """On a made-up stream (reasoning, then reasoning and answer in one message, then answer):
-    each text delta carries the logprobs of the answer's tokens it brings, the reasoning's
-    left out, and the response's output_text has all of the answer's, as the whole response's
-    reading of the sample does."""
-    texts = TokenTexts(None)  # token k reads "token_id:k"
-    chunks = [("it ", "", [1, 2], 2), ("rains", "\n\nPa", [3, 4, 5], 1), ("", "ris", [6], 0)]
+Chunk = tuple[str, str, list[int], int]
+"""A made-up message: reasoning text, text, token ids, how many of its tokens were reasoning."""
+
+
+def made_up(chunks: list[Chunk]) -> list[serving_pb2.GenerateResponse]:
     responses = []
     for reasoning, text, ids, thought in chunks:
         message = serving_pb2.GenerateResponse(
@@ -162,6 +185,11 @@ def test_a_thinking_models_reasoning_tokens_are_left_out() -> None:
             message.logprobs.add(logprob=-token / 10, top_ids=[token], top_logprobs=[-token / 10])
         responses.append(message)
     responses[-1].finished, responses[-1].finish_reason = True, "stop"
+    return responses
+
+
+def streamed(responses: list[serving_pb2.GenerateResponse]) -> list[dict[str, Any]]:
+    """The events of the made-up stream, with logprobs asked for (token k reads "token_id:k")."""
     shell = responses_output.shell(ResponsesRequest(model="m", input="q"), "resp_x", "m")
 
     async def rest() -> AsyncIterator[serving_pb2.GenerateResponse]:
@@ -170,9 +198,10 @@ def test_a_thinking_models_reasoning_tokens_are_left_out() -> None:
 
     async def run() -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        async for raw in responses_stream.events(
-            shell, responses[0], rest(), frozenset(), texts=texts
-        ):
+        generated = responses_stream.events(
+            shell, responses[0], rest(), frozenset(), texts=TokenTexts(None)
+        )
+        async for raw in generated:
             out += [
                 json.loads(line.removeprefix("data: "))
                 for line in raw.decode().split("\n")
@@ -180,21 +209,58 @@ def test_a_thinking_models_reasoning_tokens_are_left_out() -> None:
             ]
         return out
 
-    events = asyncio.run(run())
-    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
-    assert [(e["delta"], [t["token"] for t in e["logprobs"]]) for e in deltas] == [
-        ("\n\nPa", ["token_id:4", "token_id:5"]),
-        ("ris", ["token_id:6"]),
+    return asyncio.run(run())
+
+
+def tokens_of(events: list[dict[str, Any]]) -> tuple[list[list[str]], list[str], list[str]]:
+    """Each text delta's logprob tokens, the done event's, and the final response's."""
+    deltas = [
+        [t["token"] for t in e["logprobs"]]
+        for e in events
+        if e["type"] == "response.output_text.delta"
     ]
-    answer = ["token_id:4", "token_id:5", "token_id:6"]
     (done,) = [e for e in events if e["type"] == "response.output_text.done"]
-    assert [t["token"] for t in done["logprobs"]] == answer
-    final = events[-1]["response"]
-    part = final["output"][1]["content"][0]
-    assert [(t["token"], round(t["logprob"], 6)) for t in part["logprobs"]] == [
-        (f"token_id:{k}", -k / 10) for k in (4, 5, 6)
-    ]  # float32 on the wire
+    (message,) = [i for i in events[-1]["response"]["output"] if i["type"] == "message"]
+    final = [t["token"] for t in message["content"][0]["logprobs"]]
+    return deltas, [t["token"] for t in done["logprobs"]], final
+
+
+def whole(responses: list[serving_pb2.GenerateResponse]) -> list[str]:
+    """The non-streamed reading: the sample's tokens after its reasoning's, summed."""
     ids = [t for m in responses for t in m.token_ids]
     values = [v for m in responses for v in m.logprobs]
-    whole = responses_output.answer_logprobs(texts, ids, values, reasoning_tokens=3)
-    assert [t.token for t in whole] == answer
+    thought = sum(m.reasoning_tokens for m in responses)
+    return [
+        t.token for t in responses_output.answer_logprobs(TokenTexts(None), ids, values, thought)
+    ]
+
+
+def test_a_thinking_models_reasoning_tokens_are_left_out() -> None:
+    """Reasoning, then reasoning and answer in one message, then answer: each text delta
+    carries the logprobs of the answer's tokens it brings, as the whole response has them."""
+    chunks = [("it ", "", [1, 2], 2), ("rains", "\n\nPa", [3, 4, 5], 1), ("", "ris", [6], 0)]
+    responses = made_up(chunks)
+    answer = ["token_id:4", "token_id:5", "token_id:6"]
+    deltas, done, final = tokens_of(streamed(responses))
+    assert deltas == [["token_id:4", "token_id:5"], ["token_id:6"]]
+    assert done == final == whole(responses) == answer
+    event = streamed(responses)[-1]["response"]["output"][1]["content"][0]["logprobs"][0]
+    assert round(event["logprob"], 6) == -0.4 and event["bytes"] == list(b"token_id:4")
+
+
+def test_a_held_token_that_opens_the_reasoning_is_the_reasonings() -> None:
+    """A token whose text was held (a newline before `<think>`) and that the next message
+    counts as reasoning (its count takes in the held token) is not the answer's."""
+    chunks = [("", "", [1], 0), ("", "", [2], 2), ("hmm", "", [3], 1), ("", "", [4], 1)]
+    responses = made_up([*chunks, ("", "Hi", [5], 0)])
+    deltas, done, final = tokens_of(streamed(responses))
+    assert deltas == [["token_id:5"]] and done == final == whole(responses) == ["token_id:5"]
+
+
+def test_a_held_stop_strings_tokens_end_in_the_done_event() -> None:
+    """Tokens whose text never came (a stop string, cut from the text) are the answer's all
+    the same: in the done event and the response, not in a delta."""
+    responses = made_up([("", "Par", [1, 2], 0), ("", "", [3], 0)])
+    deltas, done, final = tokens_of(streamed(responses))
+    assert deltas == [["token_id:1", "token_id:2"]]
+    assert done == final == whole(responses) == ["token_id:1", "token_id:2", "token_id:3"]
