@@ -6,21 +6,18 @@ never closes its reasoning). Real HTTP on loopback with the `openai` SDK."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx2 as httpx
 import openai
 import pytest
 
-from cluster.http import responses_output, responses_stream
-from cluster.http.responses_schema import ResponsesRequest
+from cluster.http import responses_output
 from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.test_http_responses_reasoning import run_events
 
 MODEL = SERVED_NAME
 QUESTION = "the quick brown fox"
@@ -190,26 +187,7 @@ def made_up(chunks: list[Chunk]) -> list[serving_pb2.GenerateResponse]:
 
 def streamed(responses: list[serving_pb2.GenerateResponse]) -> list[dict[str, Any]]:
     """The events of the made-up stream, with logprobs asked for (token k reads "token_id:k")."""
-    shell = responses_output.shell(ResponsesRequest(model="m", input="q"), "resp_x", "m")
-
-    async def rest() -> AsyncIterator[serving_pb2.GenerateResponse]:
-        for each in responses[1:]:
-            yield each
-
-    async def run() -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        generated = responses_stream.events(
-            shell, responses[0], rest(), frozenset(), texts=TokenTexts(None)
-        )
-        async for raw in generated:
-            out += [
-                json.loads(line.removeprefix("data: "))
-                for line in raw.decode().split("\n")
-                if line.startswith("data: ")
-            ]
-        return out
-
-    return asyncio.run(run())
+    return run_events(responses, frozenset(), TokenTexts(None))
 
 
 def tokens_of(events: list[dict[str, Any]]) -> tuple[list[list[str]], list[str], list[str]]:

@@ -20,6 +20,7 @@ from openai.types.responses import ResponseStreamEvent
 
 from cluster.http import responses_output, responses_stream
 from cluster.http.responses_schema import ResponsesRequest
+from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 
@@ -186,8 +187,11 @@ def made_up(*chunks: tuple[str, str]) -> list[serving_pb2.GenerateResponse]:
 
 
 def run_events(
-    responses: list[serving_pb2.GenerateResponse], tools: frozenset[str]
+    responses: list[serving_pb2.GenerateResponse],
+    tools: frozenset[str],
+    texts: TokenTexts | None = None,
 ) -> list[dict[str, Any]]:
+    """The events of a made-up stream, as JSON (`texts`: with the answer's logprobs)."""
     shell = responses_output.shell(ResponsesRequest(model="m", input="q"), "resp_x", "m")
 
     async def rest() -> AsyncIterator[serving_pb2.GenerateResponse]:
@@ -196,7 +200,8 @@ def run_events(
 
     async def collect() -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        async for raw in responses_stream.events(shell, responses[0], rest(), tools):
+        generated = responses_stream.events(shell, responses[0], rest(), tools, texts=texts)
+        async for raw in generated:
             out += [
                 json.loads(line.removeprefix("data: "))
                 for line in raw.decode().split("\n")
