@@ -140,6 +140,7 @@ def prepare(
         add_generation_prompt=_add_generation_prompt(message),
         priority=message.priority,
         pooling=pooling_from_proto(message),
+        suffix=message.suffix or None,
         **prompt,
     )
     if request.template_variables is not None and request.messages is None:

@@ -272,8 +272,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         adapters = self.links.adapters()
         args = (request, tokenizer, limits, tenant, fill_context)
         try:
-            if request.WhichOneof("prompt") == "token_ids" and not request.images:
-                # nothing to tokenise or decode
+            ids = request.WhichOneof("prompt") == "token_ids"
+            if ids and not (request.images or request.suffix):  # nothing to tokenise or decode
                 return prepare(*args, None, adapters, counting=counting)
             texts = None
             if index_text and not request.images:  # an image prompt bypasses the text index

@@ -33,6 +33,7 @@ import numpy as np
 
 from cache.text_index import TextIndex, TextMatch, TextMatchMode
 from protos.radixmesh.v1 import serving_pb2
+from worker.fill_in_middle import FimTokens
 from worker.tokenizer import Tokenizer
 from worker.tokenizer_spans import Spans, TokenSpans
 
@@ -107,6 +108,10 @@ class PromptEncoder:
     @property
     def renders_tools(self) -> bool:
         return self._prompts.tokenizer.renders_tools
+
+    @property
+    def fim_tokens(self) -> FimTokens | None:
+        return self._prompts.tokenizer.fim_tokens
 
 
 class TextPrompts:

@@ -96,6 +96,9 @@ class GenerateRequest:
     is not used but for `n`, which must be 1)."""
     kv_peer: KvPeer | None = None
     """A worker to read the prompt's cached KV from rather than recompute it (the router's)."""
+    suffix: str | None = None
+    """Fill in the middle: the text after the insertion point, the prompt (text or token ids)
+    being what comes before it; the model's form writes both (worker/fill_in_middle.py)."""
 
     @property
     def generated_before(self) -> int:

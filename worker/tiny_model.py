@@ -107,8 +107,9 @@ the same story: every tick is small, but together they carry the whole day.
 
 
 @cache
-def tiny_tokenizer_json(vocab_size: int) -> str:
-    """A byte-level BPE tokenizer trained on `CORPUS` to exactly `vocab_size` tokens, as JSON."""
+def tiny_tokenizer_json(vocab_size: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> str:
+    """A byte-level BPE tokenizer trained on `CORPUS` to exactly `vocab_size` tokens, as JSON;
+    `special_tokens` take the first ids."""
     backend = BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
@@ -116,7 +117,7 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -125,7 +126,7 @@ def tiny_tokenizer_json(vocab_size: int) -> str:
     if size != vocab_size:
         raise ValueError(
             f"the tiny corpus trains {size} tokens, not the {vocab_size} the config asks for "
-            f"(at least {len(SPECIAL_TOKENS) + 256} and at most what the corpus can merge)"
+            f"(at least {len(special_tokens) + 256} and at most what the corpus can merge)"
         )
     return backend.to_str(pretty=True)
 
@@ -168,10 +169,18 @@ def tiny_model(config: ModelConfig = TINY_CONFIG, seed: int = 0) -> CausalLM:
     return model.eval()
 
 
-def build_tiny_checkpoint(path: Path, config: ModelConfig = TINY_CONFIG, seed: int = 0) -> Path:
-    """Write a tiny checkpoint directory at `path` (created if needed) and return it."""
+def build_tiny_checkpoint(
+    path: Path,
+    config: ModelConfig = TINY_CONFIG,
+    seed: int = 0,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+) -> Path:
+    """Write a tiny checkpoint directory at `path` (created if needed) and return it. More
+    `special_tokens` than `SPECIAL_TOKENS` (which they must begin with) take ids from the
+    vocabulary's merges (a code model's fill-in-the-middle tokens, say)."""
+    assert special_tokens[: len(SPECIAL_TOKENS)] == SPECIAL_TOKENS
     files = {
-        "tokenizer.json": tiny_tokenizer_json(config.vocab_size),
+        "tokenizer.json": tiny_tokenizer_json(config.vocab_size, special_tokens),
         "tokenizer_config.json": json.dumps(tiny_tokenizer_config(), indent=2, sort_keys=True),
     }
     return save_checkpoint(Path(path), config, tiny_state_dict(config, seed), files)

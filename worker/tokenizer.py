@@ -24,6 +24,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
+from worker.fill_in_middle import fim_tokens
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -152,9 +154,12 @@ class Tokenizer:
         self.bos_token_id = self._id_of(bos_token)
         eos = [self._id_of(eos_token), *extra_eos_token_ids]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos if i is not None))
+        added = backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(
-            i for i, added in backend.get_added_tokens_decoder().items() if added.special
+            i for i, token in added.items() if token.special
         )
+        self.fim_tokens = fim_tokens(token.content for token in added.values() if token.special)
+        """The model's fill-in-the-middle tokens (None: it has none; worker/fill_in_middle.py)."""
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from worker.chat_continuation import continued
 from worker.errors import ContextOverflow, InvalidRequest, PromptTooLarge
+from worker.fill_in_middle import FIM_FORMS, FimTokens
 from worker.image_prompt import (
     IMAGE_TOKEN,
     ImagePromptSpec,
@@ -117,6 +118,9 @@ class PromptTokenizer(Protocol):
     @property
     def renders_tools(self) -> bool: ...
 
+    @property
+    def fim_tokens(self) -> FimTokens | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
@@ -194,7 +198,10 @@ def prompt_ids(
     if images is None:
         images = request_images(request, limits)
     placed = prompt_images(images)
-    ids = _prompt_ids(request, tokenizer, limits, placed)
+    if request.suffix is not None:
+        ids = _filled_in(request, tokenizer, limits, placed)
+    else:
+        ids = _prompt_ids(request, tokenizer, limits, placed)
     spec = limits.image_spec
     if spec is not None:  # every image token is one of the images' runs, and every run is there
         image_runs(ids[: len(ids) - request.generated_before], placed, spec)
@@ -207,15 +214,7 @@ def _prompt_ids(
     limits: RequestLimits,
     images: list[PromptImage],
 ) -> list[int]:
-    given = [
-        name
-        for name in ("prompt_token_ids", "prompt", "messages")
-        if getattr(request, name) is not None
-    ]
-    if len(given) != 1:
-        raise InvalidRequest(
-            "prompt", f"give exactly one of token ids, text or messages; got {given}"
-        )
+    given = _given(request)
     spec = limits.image_spec
     if request.prompt_token_ids is not None:
         return _given_ids(request, tokenizer, images, spec)
@@ -248,6 +247,54 @@ def _prompt_ids(
     if spec is not None:
         text = expand_text(text, images, spec)
     return _encode("messages", text, tokenizer, limits, add_special_tokens=False)
+
+
+def _given(request: GenerateRequest) -> list[str]:
+    """Which of the prompt's fields the request sets: exactly one, or refused."""
+    given = [
+        name
+        for name in ("prompt_token_ids", "prompt", "messages")
+        if getattr(request, name) is not None
+    ]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "prompt", f"give exactly one of token ids, text or messages; got {given}"
+        )
+    return given
+
+
+def _filled_in(
+    request: GenerateRequest,
+    tokenizer: PromptTokenizer | None,
+    limits: RequestLimits,
+    images: list[PromptImage],
+) -> list[int]:
+    """A text or token-id prompt and its suffix in the model's fill-in-the-middle form
+    (worker/fill_in_middle.py): the middle is what the model writes."""
+    assert request.suffix is not None
+    _given(request)
+    if request.messages is not None:
+        raise InvalidRequest("suffix", "is for a text or token-id prompt, not messages")
+    if images:
+        raise InvalidRequest("suffix", "is for a prompt without images")
+    form = None if tokenizer is None else tokenizer.fim_tokens
+    if tokenizer is None or form is None:
+        raise InvalidRequest(
+            "suffix",
+            "this model has no fill-in-the-middle tokens (none of "
+            + ", ".join(f.prefix for f in FIM_FORMS)
+            + " and their pairs); leave suffix out",
+        )
+    if request.prompt is None:
+        assert request.prompt_token_ids is not None
+        _check_chars("suffix", len(request.suffix), limits)
+        return form.ids(
+            request.prompt_token_ids,
+            request.suffix,
+            lambda text: tokenizer.encode(text, add_special_tokens=False),
+        )
+    _check_chars("prompt", len(request.prompt) + len(request.suffix), limits)
+    return _encode("prompt", form.text(request.prompt, request.suffix), tokenizer, limits)
 
 
 def _check_continuable(last: Any) -> None:

@@ -273,7 +273,13 @@ def completion_requests(
         check_range("logprobs", [request.logprobs], _INT32)
         params.prompt_logprobs = max(request.logprobs, request.prompt_logprobs or 0)
     return prompt_requests(
-        prompts, request_id, tenant, request, lambda _: "prompt", sampling=params
+        prompts,
+        request_id,
+        tenant,
+        request,
+        lambda _: "prompt",
+        sampling=params,
+        suffix=request.suffix or "",
     )
 
 

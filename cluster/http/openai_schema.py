@@ -285,7 +285,10 @@ class CompletionRequest(GenerationParams):
     """The prompt, then the completion, in `text` (with `logprobs`: the prompt tokens' too,
     the first's null)."""
     best_of: Any = None
-    suffix: Any = None
+    suffix: str | None = None
+    """Fill in the middle: what follows the completion, written with the prompt in the model's
+    fill-in-the-middle form (worker/fill_in_middle.py); refused by a model without one.
+    Empty: none."""
 
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
@@ -297,7 +300,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "service_tier": ("there is one tier", ("auto", "default")),
     "metadata": ("stored completions are not supported", ({},)),
     "store": ("stored completions are not supported", (False,)),
-    "suffix": ("insertion (suffix) is not supported", ("",)),
 }
 """Parameters of the OpenAI API that radixmesh does not implement."""
 

@@ -118,6 +118,10 @@ BAD = {
         "prompt",
         code=OVERFLOW,
     ),
+    "suffix, no fill-in-the-middle": Bad(
+        {"suffix": "return x"}, 400, "no fill-in-the-middle tokens", "suffix"
+    ),
+    "suffix not text": Bad({"suffix": 5}, 400, "valid string", "suffix"),
     "id past vocab": Bad({"prompt": [1, 2, 10**6]}, 400, "token 1000000", "prompt_token_ids"),
     "negative id": Bad({"prompt": [1, -5]}, 400, "prompt: -5", "prompt"),
     "adapter": Bad({"model": f"{MODEL}:sql-lora"}, 404, "does not exist", "model"),

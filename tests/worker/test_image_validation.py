@@ -149,6 +149,11 @@ def test_a_text_model_reads_text_parts_as_their_text(tokenizer: Tokenizer) -> No
         ),
         (GenerateRequest("g", prompt_token_ids=(5, 513, 513, 513, 513)), "images", "0 images"),
         (GenerateRequest("h", prompt="hi", images=(b"GIF89a....",)), "images[0]", "not an image"),
+        (
+            GenerateRequest("i", prompt="<image> def f(", images=IMAGES[:1], suffix=")"),
+            "suffix",
+            "a prompt without images",
+        ),
     ],
 )
 def test_mismatches_are_refused_naming_the_part(
