@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands.choices["generate"].add_argument(
         "--raw", action="store_true", help="complete the text as is (no chat template)"
     )
+    commands.choices["generate"].add_argument(
+        "--suffix",
+        metavar="TEXT",
+        help="fill in the middle: what comes after the answer, the text being what comes "
+        "before it (completed as is, as with --raw); for a model with fill-in-the-middle tokens",
+    )
     shape = commands.choices["generate"].add_mutually_exclusive_group()
     shape.add_argument(
         "--json-schema", metavar="FILE", help="answer in JSON that this JSON Schema file accepts"
@@ -188,8 +194,9 @@ def generate(args: argparse.Namespace, client: Client) -> int:
     except OSError as err:
         console.print(f"[red]--json-schema: {escape(str(err))}[/]", soft_wrap=True)
         return 2
-    if args.raw:
+    if args.raw or args.suffix:
         request = text_request(args.text, **common)
+        request.suffix = args.suffix or ""
     else:
         chat = ([("system", args.system)] if args.system else []) + [("user", args.text)]
         request = text_request(chat=chat, **common)

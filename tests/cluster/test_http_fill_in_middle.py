@@ -1,9 +1,9 @@
 """Completions with a `suffix` (fill in the middle) on a real cluster serving a code model (the
-tiny checkpoint with Qwen2.5-Coder's fill-in-the-middle tokens), through the `openai` SDK and
-gRPC: the prompt is the model's form, whether the prompt comes as text or ids, whole or
-streamed, alone or with others; the form's prefix is served from the cache on the next call;
-what cannot be filled in is refused naming `suffix`. (A model without the tokens refusing it:
-tests/cluster/test_http_errors.py.)"""
+tiny checkpoint with Qwen2.5-Coder's fill-in-the-middle tokens), through the `openai` SDK,
+gRPC and `radixmesh generate --suffix`: the prompt is the model's form, whether the prompt
+comes as text or ids, whole or streamed, alone or with others; the form's prefix is served
+from the cache on the next call; what cannot be filled in is refused naming `suffix`. (A model
+without the tokens refusing it: tests/cluster/test_http_errors.py.)"""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 from cluster.client import Client, text_request
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.test_cli_client import run
 from tests.cluster.tool_fixtures import openai_client, served
 from tests.worker.fim_fixtures import QWEN, fim_checkpoint
 from worker.loader import LoadedModel, load_model
@@ -113,3 +114,12 @@ def test_grpc_fills_in_the_middle_and_refuses_a_chat(
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "suffix: is for a text or token-id prompt, not messages" in refused.value.details()
     cluster.wait_idle()
+
+
+def test_the_cli_fills_in_the_middle(cluster: LocalCluster, client: openai.OpenAI) -> None:
+    ran = run(
+        "generate", BEFORE, "--suffix", AFTER, "--max-tokens", "12", "--target", cluster.target
+    )
+    assert ran.returncode == 0, ran.stderr
+    answer = client.completions.create(prompt=BEFORE, suffix=AFTER, **SETTINGS)
+    assert ran.stdout.removesuffix("\n") == answer.choices[0].text
