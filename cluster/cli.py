@@ -194,7 +194,7 @@ def generate(args: argparse.Namespace, client: Client) -> int:
     except OSError as err:
         console.print(f"[red]--json-schema: {escape(str(err))}[/]", soft_wrap=True)
         return 2
-    if args.raw or args.suffix:
+    if args.raw or args.suffix is not None:
         request = text_request(args.text, **common)
         request.suffix = args.suffix or ""
     else:

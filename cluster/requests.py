@@ -156,6 +156,7 @@ def prepare(
     if text_prompts is not None and not images and message.WhichOneof("prompt") in ("text", "chat"):
         encoder = text_prompts.encoder(request.namespace, text_prompts.mode(_text_match(message)))
     ids = validation.prompt_ids(request, encoder or tokenizer, limits, images)
+    request = validation.with_fim_ends(request, tokenizer)
     if fill_context and not message.sampling.HasField("max_tokens") and not request.pooling:
         room = max(1, limits.max_model_len - len(ids))
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))
@@ -169,7 +170,7 @@ def prepare(
     turn = None
     if encoder is not None:  # accepted: the prompt joins the text index
         encoder.keep()
-        turn = encoder.turn
+        turn = encoder.turn if request.suffix is None else None  # no prompt reads on past a middle
     return PreparedRequest(
         request_id,
         tuple(ids),

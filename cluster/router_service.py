@@ -276,7 +276,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             if ids and not (request.images or request.suffix):  # nothing to tokenise or decode
                 return prepare(*args, None, adapters, counting=counting)
             texts = None
-            if index_text and not request.images:  # an image prompt bypasses the text index
+            # ids (with a suffix) and an image prompt bypass the text index
+            if index_text and not (ids or request.images):
                 texts = await self._text_prompts()
                 await self._answers_joined(request, caller, adapters)
             return await asyncio.to_thread(

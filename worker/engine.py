@@ -500,6 +500,7 @@ class Engine:
         request, adapter = self.lora.bind(request)
         checked = validation.request_images(request, self.limits)
         prompt = validation.prompt_ids(request, self.tokenizer, self.limits, checked)
+        request = validation.with_fim_ends(request, self.tokenizer)
         self._validate(request, prompt)
         if request.pooling is not None:  # checked: nothing of generation's was asked for
             request = dataclasses.replace(request, sampling=EMBEDDING_SAMPLING)

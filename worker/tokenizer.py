@@ -158,7 +158,7 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, token in added.items() if token.special
         )
-        self.fim_tokens = fim_tokens(token.content for token in added.values() if token.special)
+        self.fim_tokens = fim_tokens({token.content: i for i, token in added.items()})
         """The model's fill-in-the-middle tokens (None: it has none; worker/fill_in_middle.py)."""
 
     @classmethod

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from worker.chat_continuation import continued
@@ -277,24 +277,37 @@ def _filled_in(
         raise InvalidRequest("suffix", "is for a text or token-id prompt, not messages")
     if images:
         raise InvalidRequest("suffix", "is for a prompt without images")
-    form = None if tokenizer is None else tokenizer.fim_tokens
-    if tokenizer is None or form is None:
+    if tokenizer is None:
+        raise InvalidRequest("suffix", "this model has no tokenizer to write it with")
+    form = tokenizer.fim_tokens
+    if form is None:
         raise InvalidRequest(
             "suffix",
             "this model has no fill-in-the-middle tokens (none of "
             + ", ".join(f.prefix for f in FIM_FORMS)
             + " and their pairs); leave suffix out",
         )
+    chars = len(request.suffix) + len(request.prompt or "")
+    if chars > limits.max_prompt_chars:
+        raise PromptTooLarge(
+            "suffix",
+            f"the prompt and the suffix are {chars} characters together; the limit is "
+            f"{limits.max_prompt_chars} (max_prompt_chars)",
+        )
     if request.prompt is None:
         assert request.prompt_token_ids is not None
-        _check_chars("suffix", len(request.suffix), limits)
-        return form.ids(
-            request.prompt_token_ids,
-            request.suffix,
-            lambda text: tokenizer.encode(text, add_special_tokens=False),
-        )
-    _check_chars("prompt", len(request.prompt) + len(request.suffix), limits)
+        return form.ids(request.prompt_token_ids, request.suffix, tokenizer.encode)
     return _encode("prompt", form.text(request.prompt, request.suffix), tokenizer, limits)
+
+
+def with_fim_ends(request: GenerateRequest, tokenizer: PromptTokenizer | None) -> GenerateRequest:
+    """A request with a suffix also stops at the tokens that end a middle (the model's form's
+    `ends`); any other request as it is."""
+    form = None if tokenizer is None or request.suffix is None else tokenizer.fim_tokens
+    if form is None:
+        return request
+    stops = tuple(dict.fromkeys((*request.sampling.stop_token_ids, *form.ends)))
+    return replace(request, sampling=replace(request.sampling, stop_token_ids=stops))
 
 
 def _check_continuable(last: Any) -> None:

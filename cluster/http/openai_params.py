@@ -262,6 +262,12 @@ def completion_requests(
     refuse_unsupported(request)
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise HttpError.invalid("best_of", "best_of other than n is not supported")
+    if request.echo and request.suffix:
+        raise HttpError.invalid(
+            "echo",
+            "not with suffix: the prompt the model reads is the fill-in-the-middle form, not "
+            "the text sent",
+        )
     prompts = prompts_of(request.prompt)
     if not 1 <= len(prompts) <= MAX_PROMPTS:
         raise HttpError.invalid(

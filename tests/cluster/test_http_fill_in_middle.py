@@ -1,9 +1,10 @@
 """Completions with a `suffix` (fill in the middle) on a real cluster serving a code model (the
 tiny checkpoint with Qwen2.5-Coder's fill-in-the-middle tokens), through the `openai` SDK,
 gRPC and `radixmesh generate --suffix`: the prompt is the model's form, whether the prompt
-comes as text or ids, whole or streamed, alone or with others; the form's prefix is served
-from the cache on the next call; what cannot be filled in is refused naming `suffix`. (A model
-without the tokens refusing it: tests/cluster/test_http_errors.py.)"""
+comes as text or ids, whole or streamed, alone or with others; the middle ends at a token
+that opens another; the form's prefix is served from the cache on the next call; what cannot
+be filled in is refused by name. (A model without the tokens refusing it:
+tests/cluster/test_http_errors.py.)"""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_a_suffix_makes_the_models_prompt(client: openai.OpenAI, tokenizer: Toke
     assert without.usage is not None and without.usage.prompt_tokens < len(written)
 
 
-def test_streamed_several_and_echoed_alike(client: openai.OpenAI) -> None:
+def test_streamed_and_several_alike_and_echo_refused(client: openai.OpenAI) -> None:
     whole = client.completions.create(prompt=BEFORE, suffix=AFTER, **SETTINGS)
     text = whole.choices[0].text
     stream = client.completions.create(prompt=BEFORE, suffix=AFTER, stream=True, **SETTINGS)
@@ -80,8 +81,25 @@ def test_streamed_several_and_echoed_alike(client: openai.OpenAI) -> None:
     alone = client.completions.create(prompt=other, suffix=AFTER, **SETTINGS).choices[0].text
     both = client.completions.create(prompt=[BEFORE, other], suffix=AFTER, **SETTINGS)
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [text, alone]
-    echoed = client.completions.create(prompt=BEFORE, suffix=AFTER, echo=True, **SETTINGS)
-    assert echoed.choices[0].text == BEFORE + text  # the prompt as sent, not the form
+    with pytest.raises(openai.BadRequestError) as refused:  # the prompt read is not the text
+        client.completions.create(prompt=BEFORE, suffix=AFTER, echo=True, **SETTINGS)
+    assert refused.value.body["param"] == "echo"  # type: ignore[index]
+    assert "not with suffix" in refused.value.body["message"]  # type: ignore[index]
+
+
+def test_a_middle_ends_at_a_token_that_opens_another(
+    client: openai.OpenAI, tokenizer: Tokenizer
+) -> None:
+    """Pushed to write the form's first token first: a request with a suffix stops there (the
+    token's text not written), the same prompt sent as ids without one runs on."""
+    opening = tokenizer.token_to_id(QWEN.prefix)
+    pushed = {**SETTINGS, "logit_bias": {str(opening): 100}}
+    filled = client.completions.create(prompt=BEFORE, suffix=AFTER, **pushed)
+    assert filled.choices[0].finish_reason == "stop" and filled.choices[0].text == ""
+    assert filled.usage is not None and filled.usage.completion_tokens == 1
+    written = client.completions.create(prompt=form_ids(tokenizer, BEFORE, AFTER), **pushed)
+    assert written.choices[0].finish_reason == "length"
+    assert written.choices[0].text.startswith(QWEN.prefix)
 
 
 def test_the_forms_prefix_is_read_from_the_cache(
