@@ -23,6 +23,28 @@ from protos.radixmesh.v1 import serving_pb2, serving_pb2_grpc
 from router.errors import UnknownPolicy
 
 
+async def clear_caches(links: WorkerLinks, on_clear: Callable[[], None] | None = None) -> int:
+    """Empty every worker's prefix cache, then what `on_clear` clears in the router (its text
+    index); the pages freed, over the workers. A worker with requests running refuses
+    (FAILED_PRECONDITION: clear when idle): ServingError naming the first that refused, the
+    router's own left as it was (the other workers' are cleared)."""
+    named = list(links.links.values())
+    request = serving_pb2.ClearCachesRequest()
+    answers = await asyncio.gather(
+        *(link.stub.ClearCache(request, timeout=10) for link in named), return_exceptions=True
+    )
+    freed = 0
+    for link, answer in zip(named, answers, strict=True):
+        if isinstance(answer, grpc.aio.AioRpcError):
+            raise ServingError(answer.code(), f"worker {link.name}: {answer.details()}")
+        if isinstance(answer, BaseException):
+            raise answer
+        freed += answer.pages_freed
+    if on_clear is not None:
+        on_clear()
+    return freed
+
+
 class AdminService(serving_pb2_grpc.AdminServicer):
     def __init__(
         self,
@@ -61,20 +83,11 @@ class AdminService(serving_pb2_grpc.AdminServicer):
         self, request: serving_pb2.ClearCachesRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.ClearCachesResponse:
         await self._require_admin(context)
-        links = list(self.links.links.values())
-        answers = await asyncio.gather(
-            *(link.stub.ClearCache(request, timeout=10) for link in links), return_exceptions=True
-        )
         freed = 0
-        for link, answer in zip(links, answers, strict=True):
-            if isinstance(answer, grpc.aio.AioRpcError):
-                await context.abort(answer.code(), f"worker {link.name}: {answer.details()}")
-            elif isinstance(answer, BaseException):
-                raise answer
-            else:
-                freed += answer.pages_freed
-        if self.on_clear is not None:
-            self.on_clear()
+        try:
+            freed = await clear_caches(self.links, self.on_clear)
+        except ServingError as err:
+            await context.abort(err.code, err.message)
         return serving_pb2.ClearCachesResponse(pages_freed=freed)
 
     async def LoadAdapter(

@@ -9,13 +9,14 @@
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
     POST /tokenize              POST /detokenize    GET /tokenizer_info   (vLLM's)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
+    POST /reset_prefix_cache (vLLM's)   GET, POST /flush_cache (SGLang's)  (admin)
     GET  /health                (no token: probes carry none)
 
 A request's `model` is the base model's served name, or a LoRA adapter's name (vLLM's
 convention): the request then runs with that adapter (gRPC's namespace.adapter). Any other
 name is 404, as OpenAI answers. /v1/models lists the base model and every adapter a worker
-holds (`parent`: the base model). Loading and unloading adapters needs a token bound to every
-tenant ("*"), as the Admin gRPC service does (403 otherwise).
+holds (`parent`: the base model). Loading and unloading adapters, and emptying the caches,
+need a token bound to every tenant ("*"), as the Admin gRPC service does (403 otherwise).
 
 Every call but /health needs a known bearer token when `security.auth_tokens` is set
 (`Authorization: Bearer <token>`, or Anthropic's `x-api-key: <token>`), and uses the tenant the
@@ -105,6 +106,7 @@ from cluster.http.responses_background import BackgroundResponses
 from cluster.http.several_prompts import merged
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
 from cluster.http.token_texts import TokenTexts
+from cluster.router_admin import clear_caches
 from cluster.router_service import RouterService
 from cluster.serving_call import Caller, ServingError
 from protos.radixmesh.v1 import serving_pb2
@@ -196,7 +198,7 @@ class HttpApi:
     def require_admin(self, request: Request) -> None:
         """403 unless the caller's token is bound to every tenant (the Admin service's rule)."""
         if self.caller(request).tenant != ANY_TENANT:
-            raise HttpError(403, "loading and unloading adapters needs a token bound to tenant '*'")
+            raise HttpError(403, "this call needs a token bound to tenant '*' (an operator's)")
 
     def request_id(self, request: Request) -> str:
         return request.headers.get("x-request-id") or uuid.uuid4().hex
@@ -421,6 +423,17 @@ class HttpApi:
             raise HttpError.of(err) from err
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
+    async def clear_caches(self, request: Request) -> Response:
+        """vLLM's `POST /reset_prefix_cache` and SGLang's `/flush_cache`: every worker's prefix
+        cache and the router's text index emptied (Admin.ClearCaches), as benchmarks ask
+        between runs; 409 while a worker has requests running."""
+        self.require_admin(request)
+        try:
+            freed = await clear_caches(self.service.links, self.service.clear_text_index)
+        except ServingError as err:
+            raise HttpError.of(err) from err
+        return JSONResponse({"pages_freed": freed})
+
     # -- vLLM's tokenizer endpoints ----------------------------------------------------------------
     async def tokenize(self, body: TokenizeRequest, request: Request) -> TokenizeResponse:
         caller = self.caller(request)
@@ -596,6 +609,8 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
+    app.add_api_route("/reset_prefix_cache", api.clear_caches, methods=["POST"])
+    app.add_api_route("/flush_cache", api.clear_caches, methods=["GET", "POST"])
     app.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
@@ -790,6 +805,8 @@ _ROUTES = (
     "/tokenizer_info",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
+    "/reset_prefix_cache",
+    "/flush_cache",
     "/v1/score",
     "/score",
     "/v1/rerank",
