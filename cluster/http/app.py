@@ -9,6 +9,7 @@
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
     POST /tokenize              POST /detokenize    GET /tokenizer_info   (vLLM's)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
+    POST /generate              (SGLang's native API)
     POST /reset_prefix_cache (vLLM's)   GET, POST /flush_cache (SGLang's)  (admin)
     GET  /health                (no token: probes carry none)
 
@@ -54,6 +55,7 @@ from cluster.http import (
     openai_params,
     responses_routes,
     scores,
+    sglang_generate,
 )
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.batches import Batches
@@ -70,7 +72,6 @@ from cluster.http.file_store import FileStore
 from cluster.http.image_parts import image_body_bytes
 from cluster.http.json_answer import answer
 from cluster.http.openai_responses import (
-    DONE,
     Counts,
     Reply,
     Responses,
@@ -80,6 +81,7 @@ from cluster.http.openai_responses import (
     collect,
     completion,
     completion_chunks,
+    guarded,
     prepend,
     served_by,
     without_reasoning,
@@ -338,7 +340,7 @@ class HttpApi:
             raise HttpError.invalid("stream_options", "is only allowed with stream: true")
         if body.stream:
             first = await self.finish(request, anext(stream), rename)
-            return EventStream(_guarded(events(prepend(first, stream))), served_by(first))
+            return EventStream(guarded(events(prepend(first, stream))), served_by(first))
         samples, counts = await self.finish(request, collect(stream), rename)
         return await answer(lambda: whole(samples, counts), counts, large)
 
@@ -616,6 +618,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/health", api.health, methods=["GET"])
     anthropic_routes.add_routes(app, api)
     responses_routes.add_routes(app, api)
+    sglang_generate.add_routes(app, api)
     batch_routes.add_routes(app, api)
     scores.add_routes(app, api)
 
@@ -800,6 +803,7 @@ _ROUTES = (
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/v1/responses",
+    "/generate",
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",
@@ -842,16 +846,3 @@ def _bearer(header: str | None) -> str | None:
         return None
     scheme, _, token = header.partition(" ")
     return token.strip() or None if scheme.lower() == "bearer" else None
-
-
-async def _guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """A failure after the stream began: an error event (the SDKs raise it), then [DONE]."""
-    try:
-        async for event in events:
-            yield event
-    except (ServingError, GenerationFailed) as err:
-        failure = HttpError.of(err)
-        yield b"data: " + JSONResponse(failure.openai_body()).body + b"\n\n"
-        yield DONE
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]

@@ -9,11 +9,12 @@ prefix cache: where a client sees its cache hits.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from cluster.http.errors import GenerationFailed
+from cluster.http.errors import GenerationFailed, HttpError
 from cluster.http.legacy_functions import LEGACY_FINISH, function_call_out
 from cluster.http.openai_schema import (
     AssistantMessage,
@@ -45,6 +46,7 @@ from cluster.http.prompt_logprobs import (
     vllm_prompt_logprobs,
 )
 from cluster.http.token_texts import TokenTexts
+from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 from worker.tool_calls import BEGIN, ToolCall, read_calls, split_calls
 
@@ -104,8 +106,9 @@ class Counts:
     first: serving_pb2.GenerateResponse | None = None
     prompts: dict[str, ScoredPrompt] = field(default_factory=dict)
     """Each generation's prompt logprobs, when the request asked for them."""
-    generations: set[str] = field(default_factory=set)
-    """The generations seen (one a prompt), whose prompts count once each."""
+    generations: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """The generations seen (one a prompt), whose prompts count once each: their prompt
+    tokens and of those the cached."""
 
     def served_by(self) -> dict[str, str]:
         return served_by(self.first) if self.first is not None else {}
@@ -115,7 +118,10 @@ class Counts:
             self.first = response
         if response.request_id not in self.generations:
             # the hit the request had when first admitted, not a resumption's
-            self.generations.add(response.request_id)
+            self.generations[response.request_id] = (
+                response.prompt_tokens,
+                response.cached_prompt_tokens,
+            )
             self.prompt_tokens += response.prompt_tokens
             self.cached_tokens += response.cached_prompt_tokens
         scored = ScoredPrompt.of(response)
@@ -165,6 +171,20 @@ async def read(stream: Responses, counts: Counts) -> Responses:
                 raise GenerationFailed(f"sample {response.index} failed on {response.worker}")
             counts.record(response)
             yield response
+
+
+async def guarded(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A failure after the stream began: an error event (the SDKs raise it), then [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except (ServingError, GenerationFailed) as err:
+        failure = HttpError.of(err)
+        body = json.dumps(failure.openai_body(), ensure_ascii=False, separators=(",", ":"))
+        yield b"data: " + body.encode() + b"\n\n"
+        yield DONE
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def prepend(first: serving_pb2.GenerateResponse, rest: Responses) -> Responses:

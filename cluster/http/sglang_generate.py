@@ -1,0 +1,181 @@
+"""SGLang's native `POST /generate`: what SGLang's own clients and the RL frameworks built on it
+(token ids in, token ids and logprobs out) send, served by the same serving core as the
+completions API (the request is read as a text completion: cluster/http/sglang_schema.py).
+
+One prompt with one sample answers an object, several prompts or samples a list (choice p x n
++ i is sample i of prompt p), each as SGLang writes it:
+
+    {"text": ..., "output_ids": [...], "meta_info": {"id", "finish_reason": {"type": "length",
+     "length": N} | {"type": "stop", "matched": <stop string or token id>} | {"type": "abort"},
+     "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
+     with return_logprob: "output_token_logprobs": [[logprob, id, text | null], ...],
+     "output_top_logprobs" (top_logprobs_num > 0), and from logprob_start_len >= 0
+     "input_token_logprobs" / "input_top_logprobs" (the first prompt token's logprob null)}}
+
+A stream sends `data: {...}` events of the same shape, the text and ids so far (SGLang's
+default), `finish_reason` null until the sample ends (an `index` with several), then
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from cluster.http import openai_params
+from cluster.http.errors import HttpError
+from cluster.http.openai_responses import (
+    DONE,
+    Counts,
+    Responses,
+    Sample,
+    collect,
+    guarded,
+    prepend,
+    read,
+    served_by,
+)
+from cluster.http.prompt_logprobs import LEAST_LOGPROB, ScoredPrompt
+from cluster.http.several_prompts import merged
+from cluster.http.sglang_schema import GenerateRequest, as_completion, sglang_names
+from cluster.http.sse import EventStream
+from cluster.http.token_texts import TokenTexts
+from protos.radixmesh.v1 import serving_pb2
+
+if TYPE_CHECKING:
+    from cluster.http.app import HttpApi
+
+
+@dataclass
+class Answer:
+    """How the request's samples are written (one per choice index)."""
+
+    body: GenerateRequest
+    request_ids: list[str]
+    n: int
+    texts: TokenTexts
+    began: float = field(default_factory=time.monotonic)
+
+    def item(self, index: int, sample: Sample, counts: Counts) -> dict[str, Any]:
+        request_id = self.request_ids[index // self.n]
+        prompt, cached = counts.generations.get(request_id, (0, 0))
+        ids = sample.token_ids
+        meta: dict[str, Any] = {
+            "id": request_id,
+            "finish_reason": _finish(sample),
+            "prompt_tokens": prompt,
+            "completion_tokens": len(ids),
+            "cached_tokens": cached,
+            "e2e_latency": time.monotonic() - self.began,
+        }
+        if self.body.return_logprob:
+            meta.update(self._logprobs(ids, sample.logprobs, counts.prompts.get(request_id)))
+        return {"text": "".join(sample.text), "output_ids": list(ids), "meta_info": meta}
+
+    def _logprobs(
+        self,
+        ids: Sequence[int],
+        scores: Sequence[serving_pb2.TokenLogprob],
+        prompt: ScoredPrompt | None,
+    ) -> dict[str, Any]:
+        top = self.body.top_logprobs_num > 0
+        out: dict[str, Any] = {
+            "output_token_logprobs": [
+                self._entry(s.logprob, t) for t, s in zip(ids, scores, strict=True)
+            ]
+        }
+        if top:
+            out["output_top_logprobs"] = [self._top(s) for s in scores]
+        start = self.body.logprob_start_len
+        if prompt is not None and start >= 0:
+            first = [None, *(s.logprob for s in prompt.scores)]
+            pairs = list(zip(prompt.token_ids, first, strict=True))[start:]
+            out["input_token_logprobs"] = [self._entry(lp, t) for t, lp in pairs]
+            if top:
+                alternatives = [None, *(self._top(s) for s in prompt.scores)][start:]
+                out["input_top_logprobs"] = alternatives
+        return out
+
+    def _entry(self, logprob: float | None, token: int) -> list[Any]:
+        """SGLang's (logprob, token id, text) triple; the text only when asked for."""
+        text = self.texts.text(token) if self.body.return_text_in_logprobs else None
+        return [None if logprob is None else max(logprob, LEAST_LOGPROB), token, text]
+
+    def _top(self, score: serving_pb2.TokenLogprob) -> list[list[Any]]:
+        return [self._entry(lp, t) for t, lp in zip(score.top_ids, score.top_logprobs, strict=True)]
+
+    def whole(self, samples: dict[int, Sample], counts: Counts) -> Any:
+        items = [self.item(index, sample, counts) for index, sample in sorted(samples.items())]
+        return items if self.body.listed else items[0]
+
+    async def events(self, stream: Responses) -> AsyncIterator[bytes]:
+        counts = Counts()
+        samples: dict[int, Sample] = {}
+        async with contextlib.aclosing(read(stream, counts)) as responses:
+            async for response in responses:
+                sample = samples.setdefault(response.index, Sample())
+                sample.text.append(response.text)
+                sample.token_ids.extend(response.token_ids)
+                sample.logprobs.extend(response.logprobs)
+                if response.finished:
+                    sample.finish_reason = response.finish_reason
+                    sample.stop_string = response.stop_string or None
+                if not (response.text or response.token_ids or response.finished):
+                    continue
+                item = self.item(response.index, sample, counts)
+                if self.body.listed:
+                    item["index"] = response.index
+                yield b"data: " + json.dumps(item).encode() + b"\n\n"
+        yield DONE
+
+
+def _finish(sample: Sample) -> dict[str, Any] | None:
+    """SGLang's finish reason: null while the sample runs."""
+    reason = sample.finish_reason
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": len(sample.token_ids)}
+    if reason == "stop":
+        matched = sample.stop_string or (sample.token_ids[-1] if sample.token_ids else None)
+        return {"type": "stop", "matched": matched}
+    return {"type": "abort", "message": reason}
+
+
+def add_routes(app: FastAPI, api: HttpApi) -> None:
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        caller = api.caller(request)
+        names = sglang_names(body)
+        try:
+            adapter = api.check_model(body.lora_path or api.model)
+            completion = as_completion(body, api.model)
+            rid = body.rid if isinstance(body.rid, str) else api.request_id(request)
+            messages = openai_params.completion_requests(completion, rid, api.tenant(request))
+        except HttpError as err:  # named as the completions API names it
+            raise err.renamed(names) from None
+        if isinstance(body.rid, list):
+            if len(body.rid) != len(messages):
+                raise HttpError.invalid(
+                    "rid", f"{len(body.rid)} ids for {len(messages)} prompts: give one each"
+                )
+            for message, each in zip(messages, body.rid, strict=True):
+                message.request_id = each
+        for message in messages:
+            message.namespace.adapter = adapter or ""
+        n = completion.n or 1
+        answer = Answer(body, [m.request_id for m in messages], n, api.token_texts())
+        stream = merged([api.start(m, caller) for m in messages], n)
+        if body.stream:
+            first = await api.finish(request, anext(stream), names)  # a refusal: a status
+            return EventStream(guarded(answer.events(prepend(first, stream))), served_by(first))
+        samples, counts = await api.finish(request, collect(stream), names)
+        return JSONResponse(answer.whole(samples, counts), headers=counts.served_by())
+
+    app.add_api_route("/generate", generate, methods=["POST"])

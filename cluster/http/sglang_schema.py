@@ -1,0 +1,172 @@
+"""SGLang's native `POST /generate` request, field for field (its `GenerateReqInput` and
+`SamplingParams`), and how it reads as a text completion (cluster/http/sglang_generate.py).
+
+What SGLang takes and radixmesh does not serve is refused by name: an unknown field,
+`image_data`, per-prompt lists of `sampling_params` or of the logprob fields, a
+`spaces_between_special_tokens` of false, `custom_params`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from cluster.http.errors import HttpError, Renames, renames
+from cluster.http.openai_schema import Body, CompletionRequest, Strict
+
+DEFAULT_MAX_NEW_TOKENS = 128
+"""SGLang's default `max_new_tokens`."""
+
+
+class SglangSampling(Strict):
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    """-1 (SGLang's default): no top-k."""
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: Literal[True] = True
+    no_stop_trim: bool = False
+    """The stop string stays in the text (vLLM's `include_stop_str_in_output`)."""
+    n: int | None = None
+    json_schema: str | None = None
+    """A JSON Schema, as JSON text."""
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class GenerateRequest(Body):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SglangSampling | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    """With `return_logprob`: the prompt's logprobs from this position on (-1: none)."""
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    lora_path: str | None = None
+    """A loaded LoRA adapter's name (radixmesh's adapters are named, as vLLM's)."""
+    priority: int | None = None
+
+    @property
+    def several(self) -> bool:
+        """Whether `text` or `input_ids` is a list of prompts (a batch)."""
+        ids = self.input_ids
+        return isinstance(self.text, list) or (bool(ids) and isinstance(ids[0], list))  # type: ignore[index]
+
+    @property
+    def listed(self) -> bool:
+        """Whether the answer is a list: several prompts, or several samples of one."""
+        n = self.sampling_params.n if self.sampling_params is not None else None
+        return self.several or (n or 1) > 1
+
+
+NAMES = {
+    "prompt": "text",
+    "prompt_token_ids": "input_ids",
+    "max_tokens": "sampling_params.max_new_tokens",
+    "min_tokens": "sampling_params.min_new_tokens",
+    "seed": "sampling_params.sampling_seed",
+    "include_stop_str_in_output": "sampling_params.no_stop_trim",
+    "logprobs": "top_logprobs_num",
+    "prompt_logprobs": "logprob_start_len",
+    "request_id": "rid",
+    "model": "lora_path",
+    "sampling.structured.json_schema": "sampling_params.json_schema",
+    "sampling.structured.regex": "sampling_params.regex",
+    "sampling.structured.grammar": "sampling_params.ebnf",
+    "sampling.structured.structural_tag": "sampling_params.structural_tag",
+}
+"""A refused field as the serving core or the completions API names it -> as SGLang's."""
+SAMPLING = frozenset(SglangSampling.model_fields)
+
+
+def sglang_names(body: GenerateRequest) -> Renames:
+    """The request's names of the fields the serving core may refuse."""
+    prompt = "text" if body.text is not None else "input_ids"
+    named = renames({**NAMES, "prompt": prompt}, [(r"prompt\[(\d+)\]", prompt + r"[\1]")])
+
+    def rename(param: str) -> str | None:
+        if param in SAMPLING or param in ("temperature", "top_p", "top_k", "n", "stop"):
+            return f"sampling_params.{param}"
+        return named(param)
+
+    return rename
+
+
+def as_completion(body: GenerateRequest, model: str) -> CompletionRequest:
+    """The same request as a text completion (vLLM's fields where OpenAI has none)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise HttpError.invalid("text", "give exactly one of text or input_ids")
+    if body.logprob_start_len < -1:
+        raise HttpError.invalid("logprob_start_len", f"must be >= -1, got {body.logprob_start_len}")
+    s = body.sampling_params or SglangSampling()
+    logprobs = body.top_logprobs_num if body.return_logprob else None
+    scored = body.return_logprob and body.logprob_start_len >= 0
+    fields: dict[str, Any] = {
+        "model": model,
+        "prompt": body.text if body.text is not None else body.input_ids,
+        "max_tokens": DEFAULT_MAX_NEW_TOKENS if s.max_new_tokens is None else s.max_new_tokens,
+        "min_tokens": s.min_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "frequency_penalty": s.frequency_penalty,
+        "presence_penalty": s.presence_penalty,
+        "repetition_penalty": s.repetition_penalty,
+        "stop": s.stop,
+        "stop_token_ids": s.stop_token_ids,
+        "ignore_eos": s.ignore_eos,
+        "skip_special_tokens": s.skip_special_tokens,
+        "include_stop_str_in_output": s.no_stop_trim,
+        "n": s.n,
+        "seed": s.sampling_seed,
+        "logit_bias": s.logit_bias,
+        "priority": body.priority,
+        "logprobs": logprobs,
+        "prompt_logprobs": body.top_logprobs_num if scored else None,
+        "stream": body.stream,
+        "structured_outputs": _structured(s),
+    }
+    return CompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+
+
+def _structured(s: SglangSampling) -> dict[str, Any] | None:
+    """vLLM's `structured_outputs` for SGLang's constraint fields (at most one)."""
+    asked = {
+        name: value
+        for name, value in (
+            ("json_schema", s.json_schema),
+            ("regex", s.regex),
+            ("ebnf", s.ebnf),
+            ("structural_tag", s.structural_tag),
+        )
+        if value is not None
+    }
+    if len(asked) > 1:
+        raise HttpError.invalid(
+            "sampling_params." + sorted(asked)[1], f"give one constraint, not {sorted(asked)}"
+        )
+    if not asked:
+        return None
+    ((name, value),) = asked.items()
+    if name == "json_schema":
+        try:
+            return {"json": json.loads(value)}
+        except ValueError as err:
+            raise HttpError.invalid("sampling_params.json_schema", f"is not JSON: {err}") from None
+    return {{"regex": "regex", "ebnf": "grammar"}.get(name, name): value}

@@ -1,0 +1,176 @@
+"""SGLang's native `POST /generate` on a real cluster, as SGLang's own clients send it (plain
+JSON over HTTP): the same answer as the completions API for the same request, text or ids,
+alone or batched, whole or streamed, with SGLang's finish reasons, counts and logprobs; every
+refusal named as SGLang names the field."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+
+PROMPT = "The router sends each prompt to the worker that"
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+
+
+def post(cluster: LocalCluster, path: str, body: dict[str, Any]) -> Any:
+    answer = httpx.post(cluster.http_url + path, json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def generate(cluster: LocalCluster, body: dict[str, Any]) -> Any:
+    return post(cluster, "/generate", body)
+
+
+def test_a_text_prompt_answers_as_the_completions_api(
+    cluster: LocalCluster, client: openai.OpenAI
+) -> None:
+    out = generate(cluster, {"text": PROMPT, "sampling_params": GREEDY, "rid": "sg-1"})
+    same = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out["text"] == same.choices[0].text
+    meta = out["meta_info"]
+    assert same.usage is not None
+    assert meta["id"] == "sg-1"
+    assert meta["prompt_tokens"] == same.usage.prompt_tokens
+    assert meta["completion_tokens"] == len(out["output_ids"]) == same.usage.completion_tokens
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert meta["cached_tokens"] >= 0 and meta["e2e_latency"] > 0
+    ids = post(cluster, "/tokenize", {"model": SERVED_NAME, "prompt": PROMPT})["tokens"]
+    by_ids = generate(cluster, {"input_ids": ids, "sampling_params": GREEDY})
+    assert (by_ids["text"], by_ids["output_ids"]) == (out["text"], out["output_ids"])
+    assert post(cluster, "/detokenize", {"tokens": out["output_ids"]})["prompt"] == out["text"]
+
+
+def test_a_batch_answers_a_list_in_order(cluster: LocalCluster) -> None:
+    other = "Every page of the pool is"
+    alone = [generate(cluster, {"text": t, "sampling_params": GREEDY}) for t in (PROMPT, other)]
+    both = generate(cluster, {"text": [PROMPT, other], "sampling_params": GREEDY})
+    assert [b["text"] for b in both] == [a["text"] for a in alone]
+    assert [b["meta_info"]["prompt_tokens"] for b in both] == [
+        a["meta_info"]["prompt_tokens"] for a in alone
+    ]
+    named = generate(
+        cluster, {"text": [PROMPT, other], "sampling_params": GREEDY, "rid": ["a-1", "b-2"]}
+    )
+    assert [b["meta_info"]["id"] for b in named] == ["a-1", "b-2"]
+    drawn = {"max_new_tokens": 8, "n": 2, "sampling_seed": 3, "ignore_eos": True}
+    two = generate(cluster, {"text": PROMPT, "sampling_params": drawn, "rid": "pair"})
+    assert [t["meta_info"]["completion_tokens"] for t in two] == [8, 8]
+    assert [t["meta_info"]["id"] for t in two] == ["pair", "pair"]
+
+
+def test_a_stream_sends_the_text_so_far_then_done(cluster: LocalCluster) -> None:
+    whole = generate(cluster, {"text": PROMPT, "sampling_params": GREEDY})
+    body = {"text": PROMPT, "sampling_params": GREEDY, "stream": True}
+    with httpx.stream("POST", f"{cluster.http_url}/generate", json=body, timeout=60) as answer:
+        assert answer.status_code == 200
+        lines = [line for line in answer.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    texts = [e["text"] for e in events]
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
+    assert texts[-1] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
+def test_logprobs_of_the_answer_and_the_prompt(
+    cluster: LocalCluster, client: openai.OpenAI
+) -> None:
+    body = {
+        "text": PROMPT,
+        "sampling_params": GREEDY,
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 3,
+        "return_text_in_logprobs": True,
+    }
+    meta = (out := generate(cluster, body))["meta_info"]
+    same = client.completions.create(
+        model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2
+    )
+    assert same.choices[0].logprobs is not None
+    chosen = meta["output_token_logprobs"]
+    assert [token for _, token, _ in chosen] == out["output_ids"]
+    assert [text for _, _, text in chosen] == same.choices[0].logprobs.tokens
+    wanted = same.choices[0].logprobs.token_logprobs
+    assert [lp for lp, _, _ in chosen] == pytest.approx(wanted, abs=1e-4)
+    assert [len(top) for top in meta["output_top_logprobs"]] == [2] * 8
+    assert meta["output_top_logprobs"][0][0][0] >= meta["output_top_logprobs"][0][1][0]
+    scored = meta["input_token_logprobs"]
+    assert len(scored) == meta["prompt_tokens"] - 3 == len(meta["input_top_logprobs"])
+    assert all(lp <= 0 for lp, _, _ in scored)
+    start = generate(cluster, {**body, "logprob_start_len": 0})["meta_info"]
+    assert start["input_token_logprobs"][0][0] is None and start["input_top_logprobs"][0] is None
+    assert start["input_token_logprobs"][3:] == scored
+    quiet = generate(cluster, {**body, "return_text_in_logprobs": False})["meta_info"]
+    assert {text for _, _, text in quiet["output_token_logprobs"]} == {None}
+
+
+def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
+    free = generate(cluster, {"text": PROMPT, "sampling_params": {**GREEDY, "ignore_eos": True}})
+    word = free["text"][2:5]
+    assert word.strip(), free["text"]
+    stopped = generate(cluster, {"text": PROMPT, "sampling_params": {**GREEDY, "stop": [word]}})
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": word}
+    assert word not in stopped["text"]
+    token = free["output_ids"][1]
+    by_id = {**GREEDY, "stop_token_ids": [token]}
+    ended = generate(cluster, {"text": PROMPT, "sampling_params": by_id})
+    assert ended["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    regex = {**GREEDY, "regex": "[ab]{4}"}
+    shaped = generate(cluster, {"text": PROMPT, "sampling_params": regex})
+    assert re.fullmatch("[ab]{4}", shaped["text"])
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"text": PROMPT, "input_ids": [1, 2]}, "text", "exactly one of text or input_ids"),
+        ({"text": PROMPT, "image_data": "x"}, "image_data", "unknown parameter"),
+        ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, None, "max_new_tokens"),
+        ({"text": PROMPT, "sampling_params": {"temperature": -1}}, None, "temperature"),
+        (
+            {"text": PROMPT, "sampling_params": {"n": 2, "temperature": 0}},
+            "sampling_params.n",
+            "temperature > 0",
+        ),
+        ({"text": PROMPT, "sampling_params": {"best": 1}}, "sampling_params.best", "unknown"),
+        (
+            {"text": PROMPT, "sampling_params": {"spaces_between_special_tokens": False}},
+            "sampling_params.spaces_between_special_tokens",
+            "True",
+        ),
+        (
+            {"text": PROMPT, "sampling_params": {"regex": "a", "ebnf": "root ::= 'a'"}},
+            "sampling_params.regex",
+            "one constraint",
+        ),
+        ({"text": [PROMPT, PROMPT], "rid": ["one"]}, "rid", "1 ids for 2 prompts"),
+        ({"text": PROMPT, "rid": "no spaces allowed"}, "rid", "1-128 characters"),
+        (
+            {"text": PROMPT, "return_logprob": True, "logprob_start_len": 0, "stream": True},
+            "logprob_start_len",
+            "stream",
+        ),
+        ({"input_ids": [1, 10**6]}, "input_ids", "token 1000000"),
+        ({"text": PROMPT, "lora_path": "nope"}, "lora_path", "nope"),
+    ],
+)
+def test_a_refusal_names_sglangs_field(
+    cluster: LocalCluster, body: dict[str, Any], param: str | None, words: str
+) -> None:
+    answer = httpx.post(f"{cluster.http_url}/generate", json=body, timeout=60)
+    assert answer.status_code in (400, 404), answer.text
+    error = answer.json()["error"]
+    expected = param if param is not None else f"sampling_params.{words}"
+    assert error["param"] == expected and words in error["message"], error
+    assert generate(cluster, {"text": "still", "sampling_params": {"max_new_tokens": 2}})["text"]
