@@ -495,18 +495,23 @@ class RouterService(serving_pb2_grpc.ServingServicer):
     async def Abort(
         self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.AbortResponse:
-        entry = self.in_flight.get(request.request_id)
         tenant = allowed_tenant(context, self.security)
+        return serving_pb2.AbortResponse(found=await self.abort(request.request_id, tenant))
+
+    async def abort(self, request_id: str, tenant: str) -> bool:
+        """End a request in flight (its samples finish with reason `abort`) if `tenant` may:
+        its own, or any for a token bound to every tenant. Whether one was found."""
+        entry = self.in_flight.get(request_id)
         if entry is None or tenant not in (ANY_TENANT, entry.tenant):  # not another tenant's
-            return serving_pb2.AbortResponse(found=False)
+            return False
         link = self.links.links.get(entry.worker)
         if link is None:
-            return serving_pb2.AbortResponse(found=False)
+            return False
         answers = [
             await link.stub.Abort(serving_pb2.AbortRequest(request_id=worker_id))
             for worker_id in entry.worker_ids
         ]
-        return serving_pb2.AbortResponse(found=any(a.found for a in answers))
+        return any(a.found for a in answers)
 
     async def GetStats(
         self, request: serving_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -9,7 +9,7 @@
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
     POST /tokenize              POST /detokenize    GET /tokenizer_info   (vLLM's)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
-    POST /generate              (SGLang's native API)
+    POST /generate   GET /get_model_info   POST /abort_request   (SGLang's native API)
     POST /reset_prefix_cache (vLLM's)   GET, POST /flush_cache (SGLang's)  (admin)
     GET  /health                (no token: probes carry none)
 
@@ -804,6 +804,8 @@ _ROUTES = (
     "/v1/messages/count_tokens",
     "/v1/responses",
     "/generate",
+    "/get_model_info",
+    "/abort_request",
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",

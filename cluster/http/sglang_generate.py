@@ -19,6 +19,7 @@ default), `finish_reason` null until the sample ends (an `index` with several), 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -44,7 +45,13 @@ from cluster.http.openai_responses import (
 )
 from cluster.http.prompt_logprobs import LEAST_LOGPROB, ScoredPrompt
 from cluster.http.several_prompts import merged
-from cluster.http.sglang_schema import GenerateRequest, as_completion, sglang_names
+from cluster.http.sglang_schema import (
+    DEFAULT_MAX_NEW_TOKENS,
+    AbortRequest,
+    GenerateRequest,
+    as_completion,
+    sglang_names,
+)
 from cluster.http.sse import EventStream
 from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
@@ -62,6 +69,8 @@ class Answer:
     n: int
     texts: TokenTexts
     began: float = field(default_factory=time.monotonic)
+    built: dict[int, tuple[list[Any], list[Any]]] = field(default_factory=dict)
+    """Each sample's logprob entries written so far: the chosen tokens', their top ones'."""
 
     def item(self, index: int, sample: Sample, counts: Counts) -> dict[str, Any]:
         request_id = self.request_ids[index // self.n]
@@ -76,31 +85,41 @@ class Answer:
             "e2e_latency": time.monotonic() - self.began,
         }
         if self.body.return_logprob:
-            meta.update(self._logprobs(ids, sample.logprobs, counts.prompts.get(request_id)))
+            meta.update(self._output_logprobs(index, ids, sample.logprobs))
+            meta.update(self._input_logprobs(counts.prompts.get(request_id)))
         return {"text": "".join(sample.text), "output_ids": list(ids), "meta_info": meta}
 
-    def _logprobs(
-        self,
-        ids: Sequence[int],
-        scores: Sequence[serving_pb2.TokenLogprob],
-        prompt: ScoredPrompt | None,
+    def _output_logprobs(
+        self, index: int, ids: Sequence[int], scores: Sequence[serving_pb2.TokenLogprob]
     ) -> dict[str, Any]:
-        top = self.body.top_logprobs_num > 0
-        out: dict[str, Any] = {
-            "output_token_logprobs": [
-                self._entry(s.logprob, t) for t, s in zip(ids, scores, strict=True)
-            ]
-        }
-        if top:
-            out["output_top_logprobs"] = [self._top(s) for s in scores]
-        start = self.body.logprob_start_len
-        if prompt is not None and start >= 0:
-            first = [None, *(s.logprob for s in prompt.scores)]
-            pairs = list(zip(prompt.token_ids, first, strict=True))[start:]
-            out["input_token_logprobs"] = [self._entry(lp, t) for t, lp in pairs]
-            if top:
-                alternatives = [None, *(self._top(s) for s in prompt.scores)][start:]
-                out["input_top_logprobs"] = alternatives
+        """The answer's logprobs, each token's written once (a stream repeats them all in
+        every event: SGLang's cumulative events)."""
+        chosen, tops = self.built.setdefault(index, ([], []))
+        for token, score in zip(ids[len(chosen) :], scores[len(chosen) :], strict=True):
+            chosen.append(self._entry(score.logprob, token))
+            tops.append(self._top(score))
+        out: dict[str, Any] = {"output_token_logprobs": chosen}
+        if self.body.top > 0:
+            out["output_top_logprobs"] = tops
+        return out
+
+    def _input_logprobs(self, prompt: ScoredPrompt | None) -> dict[str, Any]:
+        """The prompt's from `logprob_start_len` on (none before it, nor at its default)."""
+        out: dict[str, Any] = {"input_token_logprobs": []}
+        if self.body.top > 0:
+            out["input_top_logprobs"] = []
+        start = self.body.start
+        if prompt is None or start < 0:
+            return out
+        if start >= len(prompt.token_ids):
+            raise HttpError.invalid(
+                "logprob_start_len", f"{start} is past the prompt's {len(prompt.token_ids)} tokens"
+            )
+        first = [None, *(s.logprob for s in prompt.scores)]
+        scored = list(zip(prompt.token_ids, first, strict=True))[start:]
+        out["input_token_logprobs"] = [self._entry(lp, t) for t, lp in scored]
+        if self.body.top > 0:
+            out["input_top_logprobs"] = [None, *(self._top(s) for s in prompt.scores)][start:]
         return out
 
     def _entry(self, logprob: float | None, token: int) -> list[Any]:
@@ -109,6 +128,8 @@ class Answer:
         return [None if logprob is None else max(logprob, LEAST_LOGPROB), token, text]
 
     def _top(self, score: serving_pb2.TokenLogprob) -> list[list[Any]]:
+        if self.body.top == 0:
+            return []
         return [self._entry(lp, t) for t, lp in zip(score.top_ids, score.top_logprobs, strict=True)]
 
     def whole(self, samples: dict[int, Sample], counts: Counts) -> Any:
@@ -158,15 +179,11 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             completion = as_completion(body, api.model)
             rid = body.rid if isinstance(body.rid, str) else api.request_id(request)
             messages = openai_params.completion_requests(completion, rid, api.tenant(request))
+            _name(messages, body.rid)
+            if body.sampling_params is None or body.sampling_params.max_new_tokens is None:
+                await _default_max_tokens(api, messages)
         except HttpError as err:  # named as the completions API names it
             raise err.renamed(names) from None
-        if isinstance(body.rid, list):
-            if len(body.rid) != len(messages):
-                raise HttpError.invalid(
-                    "rid", f"{len(body.rid)} ids for {len(messages)} prompts: give one each"
-                )
-            for message, each in zip(messages, body.rid, strict=True):
-                message.request_id = each
         for message in messages:
             message.namespace.adapter = adapter or ""
         n = completion.n or 1
@@ -176,6 +193,61 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             first = await api.finish(request, anext(stream), names)  # a refusal: a status
             return EventStream(guarded(answer.events(prepend(first, stream))), served_by(first))
         samples, counts = await api.finish(request, collect(stream), names)
-        return JSONResponse(answer.whole(samples, counts), headers=counts.served_by())
+
+        def encode() -> bytes:
+            return json.dumps(answer.whole(samples, counts)).encode()
+
+        # with logprobs it can be megabytes: written on a thread, off the loop streams share
+        body_bytes = await asyncio.to_thread(encode) if body.return_logprob else encode()
+        headers = counts.served_by()
+        return Response(body_bytes, media_type="application/json", headers=headers)
+
+    async def model_info(request: Request) -> JSONResponse:
+        """SGLang's `GET /get_model_info`, which its client checks before the first call."""
+        api.caller(request)
+        return JSONResponse(
+            {"model_path": api.model, "tokenizer_path": api.model, "is_generation": True}
+        )
+
+    async def abort_request(body: AbortRequest, request: Request) -> JSONResponse:
+        """SGLang's `POST /abort_request`: a request in flight by its `rid`, or every one the
+        caller's token may end (`abort_all`: the caller's tenant's, or all for an operator)."""
+        caller = api.caller(request)
+        if (body.rid is None) == (not body.abort_all):
+            raise HttpError.invalid("rid", "give a rid, or abort_all: true")
+        rids = list(api.service.in_flight) if body.abort_all else [body.rid or ""]
+        found = [rid for rid in rids if await api.service.abort(rid, caller.tenant)]
+        return JSONResponse({"aborted": found})
 
     app.add_api_route("/generate", generate, methods=["POST"])
+    app.add_api_route("/get_model_info", model_info, methods=["GET"])
+    app.add_api_route("/abort_request", abort_request, methods=["POST"])
+
+
+def _name(messages: list[serving_pb2.GenerateRequest], rid: str | list[str] | None) -> None:
+    """SGLang's request ids: one each from a list, or `{rid}_{i}` for prompt i of a batch
+    (where the completions API writes `{rid}-{i}`)."""
+    if isinstance(rid, list):
+        if len(rid) != len(messages):
+            raise HttpError.invalid(
+                "rid", f"{len(rid)} ids for {len(messages)} prompts: give one each"
+            )
+        for message, each in zip(messages, rid, strict=True):
+            message.request_id = each
+    elif rid is not None and len(messages) > 1:
+        for i, message in enumerate(messages):
+            message.request_id = f"{rid}_{i}"
+
+
+async def _default_max_tokens(api: HttpApi, messages: list[serving_pb2.GenerateRequest]) -> None:
+    """SGLang's default `max_new_tokens`, cut to the room a prompt leaves in the context (as
+    SGLang's scheduler cuts it; at least 1, so a prompt that fills the context is refused for
+    its own length)."""
+    _, limits = api.tokenizer()
+    for message in messages:
+        if message.WhichOneof("prompt") == "text":
+            length = len(await api.encode(message.text, True, "text"))
+        else:
+            length = len(message.token_ids.ids)
+        room = max(1, limits.max_model_len - length)
+        message.sampling.max_tokens = min(DEFAULT_MAX_NEW_TOKENS, room)

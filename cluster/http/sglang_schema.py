@@ -1,9 +1,10 @@
 """SGLang's native `POST /generate` request, field for field (its `GenerateReqInput` and
 `SamplingParams`), and how it reads as a text completion (cluster/http/sglang_generate.py).
 
-What SGLang takes and radixmesh does not serve is refused by name: an unknown field,
-`image_data`, per-prompt lists of `sampling_params` or of the logprob fields, a
-`spaces_between_special_tokens` of false, `custom_params`.
+A field left null takes SGLang's default, as in SGLang. What SGLang takes and radixmesh does
+not serve is refused by name unless it asks for nothing (`REFUSED`): images, hidden states,
+custom logit processors, sessions, disaggregation; also an unknown field, per-prompt lists of
+`sampling_params` or of the logprob fields, and `spaces_between_special_tokens: false`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from cluster.http.errors import HttpError, Renames, renames
-from cluster.http.openai_schema import Body, CompletionRequest, Strict
+from cluster.http.openai_params import refuse_unsupported
+from cluster.http.openai_schema import Body, CompletionRequest, Strict, lone_surrogate
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default `max_new_tokens`."""
@@ -31,10 +35,10 @@ class SglangSampling(Strict):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: Literal[True] = True
-    no_stop_trim: bool = False
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: Literal[True] | None = None
+    no_stop_trim: bool | None = None
     """The stop string stays in the text (vLLM's `include_stop_str_in_output`)."""
     n: int | None = None
     json_schema: str | None = None
@@ -51,15 +55,39 @@ class GenerateRequest(Body):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SglangSampling | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    """With `return_logprob`: the prompt's logprobs from this position on (-1: none)."""
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    """With `return_logprob`: the prompt's logprobs from this position on (-1, the default:
+    none)."""
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
+    stream: bool | None = None
     lora_path: str | None = None
     """A loaded LoRA adapter's name (radixmesh's adapters are named, as vLLM's)."""
     priority: int | None = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    return_hidden_states: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    data_parallel_rank: Any = None
+    log_metrics: Any = None
+    """SGLang's switch for its own request metrics: radixmesh counts every request."""
+
+    @property
+    def start(self) -> int:
+        """Where the prompt's logprobs begin (-1: none asked for)."""
+        if not self.return_logprob or self.logprob_start_len is None:
+            return -1
+        return self.logprob_start_len
+
+    @property
+    def top(self) -> int:
+        return self.top_logprobs_num or 0
 
     @property
     def several(self) -> bool:
@@ -73,6 +101,29 @@ class GenerateRequest(Body):
         n = self.sampling_params.n if self.sampling_params is not None else None
         return self.several or (n or 1) > 1
 
+
+class AbortRequest(Body):
+    """SGLang's `POST /abort_request`."""
+
+    rid: str | None = None
+    abort_all: bool = False
+
+
+REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
+    # field: (why it is refused, the values that ask for nothing and are accepted)
+    "image_data": ("images are served through the chat APIs", ()),
+    "video_data": ("video is not served", ()),
+    "audio_data": ("audio is not served", ()),
+    "return_hidden_states": ("hidden states are not returned", (False,)),
+    "custom_logit_processor": ("custom logit processors are not run", ()),
+    "session_params": ("sessions are not kept (every prefix is cached anyway)", ()),
+    "bootstrap_host": ("prefill-decode disaggregation is not served", ()),
+    "bootstrap_port": ("prefill-decode disaggregation is not served", ()),
+    "bootstrap_room": ("prefill-decode disaggregation is not served", ()),
+    "data_parallel_rank": ("the router chooses the worker", ()),
+    "log_metrics": ("is true or false (radixmesh counts every request)", (True, False)),
+}
+"""SGLang's fields radixmesh does not serve."""
 
 NAMES = {
     "prompt": "text",
@@ -89,6 +140,7 @@ NAMES = {
     "sampling.structured.regex": "sampling_params.regex",
     "sampling.structured.grammar": "sampling_params.ebnf",
     "sampling.structured.structural_tag": "sampling_params.structural_tag",
+    "structured_outputs": "sampling_params.json_schema",
 }
 """A refused field as the serving core or the completions API names it -> as SGLang's."""
 SAMPLING = frozenset(SglangSampling.model_fields)
@@ -97,7 +149,13 @@ SAMPLING = frozenset(SglangSampling.model_fields)
 def sglang_names(body: GenerateRequest) -> Renames:
     """The request's names of the fields the serving core may refuse."""
     prompt = "text" if body.text is not None else "input_ids"
-    named = renames({**NAMES, "prompt": prompt}, [(r"prompt\[(\d+)\]", prompt + r"[\1]")])
+    named = renames(
+        {**NAMES, "prompt": prompt},
+        [
+            (r"prompt\[(\d+)\]", prompt + r"[\1]"),
+            (r"(stop|stop_token_ids|logit_bias)([.\[].*)", r"sampling_params.\1\2"),
+        ],
+    )
 
     def rename(param: str) -> str | None:
         if param in SAMPLING or param in ("temperature", "top_p", "top_k", "n", "stop"):
@@ -109,13 +167,18 @@ def sglang_names(body: GenerateRequest) -> Renames:
 
 def as_completion(body: GenerateRequest, model: str) -> CompletionRequest:
     """The same request as a text completion (vLLM's fields where OpenAI has none)."""
+    refuse_unsupported(body, REFUSED)
     if (body.text is None) == (body.input_ids is None):
         raise HttpError.invalid("text", "give exactly one of text or input_ids")
-    if body.logprob_start_len < -1:
-        raise HttpError.invalid("logprob_start_len", f"must be >= -1, got {body.logprob_start_len}")
+    start = body.start
+    if start < -1:
+        raise HttpError.invalid("logprob_start_len", f"must be >= -1, got {start}")
+    if start >= 0 and body.input_ids and not body.several and start >= len(body.input_ids):
+        raise HttpError.invalid(
+            "logprob_start_len", f"{start} is past the prompt's {len(body.input_ids)} tokens"
+        )
     s = body.sampling_params or SglangSampling()
-    logprobs = body.top_logprobs_num if body.return_logprob else None
-    scored = body.return_logprob and body.logprob_start_len >= 0
+    logprobs = body.top if body.return_logprob else None
     fields: dict[str, Any] = {
         "model": model,
         "prompt": body.text if body.text is not None else body.input_ids,
@@ -138,11 +201,14 @@ def as_completion(body: GenerateRequest, model: str) -> CompletionRequest:
         "logit_bias": s.logit_bias,
         "priority": body.priority,
         "logprobs": logprobs,
-        "prompt_logprobs": body.top_logprobs_num if scored else None,
+        "prompt_logprobs": body.top if start >= 0 else None,
         "stream": body.stream,
         "structured_outputs": _structured(s),
     }
-    return CompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    try:
+        return CompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as err:  # SGLang's fields are typed as the completions API's
+        raise HttpError.invalid("sampling_params", str(err.errors()[0]["msg"])) from None
 
 
 def _structured(s: SglangSampling) -> dict[str, Any] | None:
@@ -166,7 +232,15 @@ def _structured(s: SglangSampling) -> dict[str, Any] | None:
     ((name, value),) = asked.items()
     if name == "json_schema":
         try:
-            return {"json": json.loads(value)}
-        except ValueError as err:
+            schema = json.loads(value)
+        except (ValueError, RecursionError) as err:
             raise HttpError.invalid("sampling_params.json_schema", f"is not JSON: {err}") from None
+        if lone_surrogate(schema) is not None:
+            raise HttpError.invalid("sampling_params.json_schema", "holds a lone UTF-16 surrogate")
+        if not isinstance(schema, dict | bool):
+            kind = type(schema).__name__
+            raise HttpError.invalid(
+                "sampling_params.json_schema", f"is a JSON {kind}, not a schema"
+            )
+        return {"json": schema}
     return {{"regex": "regex", "ebnf": "grammar"}.get(name, name): value}

@@ -86,7 +86,11 @@ def test_a_worker_with_a_request_running_refuses_and_serves_on(
             lines = held.iter_lines()
             assert next(lines).startswith("data: ")  # running, and held
             asked = pool.submit(flush, timeout=30)
-            time.sleep(0.5)  # the reset waits in each engine's inbox
+            (busy,) = [e for e in cluster.engines.values() if e._requests]
+            deadline = time.monotonic() + 10
+            while busy._inbox.empty():  # the engine running it, held
+                assert time.monotonic() < deadline, "the reset never reached the engines"
+                time.sleep(0.01)  # until it waits in the busy engine's inbox
             release.set()
             refused = asked.result(timeout=30)
             assert refused.status_code == 409, refused.text

@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx2 as httpx
@@ -61,6 +63,8 @@ def test_a_batch_answers_a_list_in_order(cluster: LocalCluster) -> None:
         cluster, {"text": [PROMPT, other], "sampling_params": GREEDY, "rid": ["a-1", "b-2"]}
     )
     assert [b["meta_info"]["id"] for b in named] == ["a-1", "b-2"]
+    one = generate(cluster, {"text": [PROMPT, other], "sampling_params": GREEDY, "rid": "x"})
+    assert [b["meta_info"]["id"] for b in one] == ["x_0", "x_1"]  # SGLang's
     drawn = {"max_new_tokens": 8, "n": 2, "sampling_seed": 3, "ignore_eos": True}
     two = generate(cluster, {"text": PROMPT, "sampling_params": drawn, "rid": "pair"})
     assert [t["meta_info"]["completion_tokens"] for t in two] == [8, 8]
@@ -80,6 +84,18 @@ def test_a_stream_sends_the_text_so_far_then_done(cluster: LocalCluster) -> None
     assert texts[-1] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
     assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 1)
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
+def test_a_batch_streams_each_prompts_events_by_index(cluster: LocalCluster) -> None:
+    texts = [PROMPT, "Every page of the pool is"]
+    whole = generate(cluster, {"text": texts, "sampling_params": GREEDY})
+    body = {"text": texts, "sampling_params": GREEDY, "stream": True}
+    with httpx.stream("POST", f"{cluster.http_url}/generate", json=body, timeout=60) as answer:
+        lines = [line for line in answer.iter_lines() if line]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    last = {e["index"]: e for e in events}
+    assert sorted(last) == [0, 1]
+    assert [last[i]["text"] for i in (0, 1)] == [w["text"] for w in whole]
 
 
 def test_logprobs_of_the_answer_and_the_prompt(
@@ -113,6 +129,74 @@ def test_logprobs_of_the_answer_and_the_prompt(
     assert start["input_token_logprobs"][3:] == scored
     quiet = generate(cluster, {**body, "return_text_in_logprobs": False})["meta_info"]
     assert {text for _, _, text in quiet["output_token_logprobs"]} == {None}
+    plain = generate(cluster, {"text": PROMPT, "sampling_params": GREEDY, "return_logprob": True})
+    assert plain["meta_info"]["input_token_logprobs"] == []  # SGLang writes the key regardless
+    assert len(plain["meta_info"]["output_token_logprobs"]) == 8
+    assert "output_top_logprobs" not in plain["meta_info"]
+
+
+def test_nulls_and_what_asks_for_nothing_are_accepted(cluster: LocalCluster) -> None:
+    """SGLang's fields are optional: null is the default, as there."""
+    body = {
+        "text": PROMPT,
+        "sampling_params": {**GREEDY, "ignore_eos": None, "stop": None, "n": None},
+        "return_logprob": None,
+        "logprob_start_len": None,
+        "stream": None,
+        "image_data": None,
+        "return_hidden_states": False,
+        "log_metrics": True,
+    }
+    assert generate(cluster, body)["meta_info"]["completion_tokens"] == 8
+
+
+def test_without_max_new_tokens_128_or_the_room_left(cluster: LocalCluster) -> None:
+    short = generate(cluster, {"text": PROMPT, "sampling_params": {"ignore_eos": True}})
+    assert short["meta_info"]["completion_tokens"] == 128  # SGLang's default
+    ids = generate(cluster, {"text": PROMPT, "sampling_params": GREEDY})["output_ids"]
+    long = (ids * 200)[:1010]  # 14 positions of the 1,024-token context left
+    filled = generate(cluster, {"input_ids": long, "sampling_params": {"ignore_eos": True}})
+    assert filled["meta_info"]["completion_tokens"] == 14
+    assert filled["meta_info"]["finish_reason"] == {"type": "length", "length": 14}
+
+
+def test_abort_request_ends_a_running_generation(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's `/abort_request`, while the engines are held mid-stream: the abort waits in
+    each engine's inbox and ends the sample when it steps again."""
+    info = httpx.get(f"{cluster.http_url}/get_model_info", timeout=10).json()
+    assert info == {"model_path": SERVED_NAME, "tokenizer_path": SERVED_NAME, "is_generation": True}
+    release = cluster.hold_engines_after(4, monkeypatch)
+    body = {
+        "text": PROMPT,
+        "rid": "to-abort",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+    }
+    url = f"{cluster.http_url}/generate"
+    try:
+        with (
+            httpx.stream("POST", url, json=body, timeout=60) as answer,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            lines = answer.iter_lines()
+            assert next(lines).startswith("data: ")
+            asked = pool.submit(post, cluster, "/abort_request", {"rid": "to-abort"})
+            (busy,) = [e for e in cluster.engines.values() if e._requests]
+            deadline = time.monotonic() + 10
+            while busy._inbox.empty():  # the engine running it, held
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            release.set()
+            assert asked.result(timeout=30) == {"aborted": ["to-abort"]}
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    finally:
+        release.set()
+    finish = events[-1]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and events[-1]["meta_info"]["completion_tokens"] < 200
+    assert post(cluster, "/abort_request", {"rid": "to-abort"}) == {"aborted": []}
+    assert post(cluster, "/abort_request", {"abort_all": True}) == {"aborted": []}
 
 
 def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
@@ -135,7 +219,7 @@ def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
     ("body", "param", "words"),
     [
         ({"text": PROMPT, "input_ids": [1, 2]}, "text", "exactly one of text or input_ids"),
-        ({"text": PROMPT, "image_data": "x"}, "image_data", "unknown parameter"),
+        ({"text": PROMPT, "custom": "x"}, "custom", "unknown parameter"),
         ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, None, "max_new_tokens"),
         ({"text": PROMPT, "sampling_params": {"temperature": -1}}, None, "temperature"),
         (
@@ -163,6 +247,28 @@ def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
         ),
         ({"input_ids": [1, 10**6]}, "input_ids", "token 1000000"),
         ({"text": PROMPT, "lora_path": "nope"}, "lora_path", "nope"),
+        (
+            {"text": PROMPT, "sampling_params": {"json_schema": "5"}},
+            "sampling_params.json_schema",
+            "a JSON int, not a schema",
+        ),
+        (
+            {"text": PROMPT, "sampling_params": {"json_schema": "[" * 50_000}},
+            "sampling_params.json_schema",
+            "is not JSON",
+        ),
+        ({"text": PROMPT, "sampling_params": {"stop": [""]}}, "sampling_params.stop[0]", ""),
+        ({"text": PROMPT, "image_data": "x"}, "image_data", "served through the chat APIs"),
+        (
+            {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3},
+            "logprob_start_len",
+            "past the prompt's 3 tokens",
+        ),
+        (
+            {"text": "a b", "return_logprob": True, "logprob_start_len": 40},
+            "logprob_start_len",
+            "past the prompt's",
+        ),
     ],
 )
 def test_a_refusal_names_sglangs_field(
