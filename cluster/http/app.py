@@ -11,7 +11,8 @@
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
     POST /generate   GET /get_model_info   POST /abort_request   (SGLang's native API)
     POST /reset_prefix_cache (vLLM's)   GET, POST /flush_cache (SGLang's)  (admin)
-    GET  /health                (no token: probes carry none)
+    GET  /health, GET or POST /ping (vLLM's, SageMaker's)   (no token: probes carry none)
+    GET  /version               (vLLM's)
 
 A request's `model` is the base model's served name, or a LoRA adapter's name (vLLM's
 convention): the request then runs with that adapter (gRPC's namespace.adapter). Any other
@@ -19,7 +20,7 @@ name is 404, as OpenAI answers. /v1/models lists the base model and every adapte
 holds (`parent`: the base model). Loading and unloading adapters, and emptying the caches,
 need a token bound to every tenant ("*"), as the Admin gRPC service does (403 otherwise).
 
-Every call but /health needs a known bearer token when `security.auth_tokens` is set
+Every call but /health and /ping needs a known bearer token when `security.auth_tokens` is set
 (`Authorization: Bearer <token>`, or Anthropic's `x-api-key: <token>`), and uses the tenant the
 token allows; `X-Radixmesh-Tenant` names a tenant for tokens bound to "*" (or with no tokens).
 `X-Request-Id` sets the request id (as for vLLM), which gRPC's Abort takes. A generation's
@@ -36,6 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
+from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -590,6 +592,11 @@ class HttpApi:
             )
         return await asyncio.to_thread(tokenizer.encode, text, special)
 
+    async def version(self, request: Request) -> JSONResponse:
+        """vLLM's `GET /version`: the version of radixmesh serving."""
+        self.caller(request)
+        return JSONResponse({"version": package_version("radixmesh")})
+
     async def health(self) -> Response:
         workers = len(self.service.links.links)
         if self.draining or not workers:
@@ -616,6 +623,8 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/ping", api.health, methods=["GET", "POST"])
+    app.add_api_route("/version", api.version, methods=["GET"])
     anthropic_routes.add_routes(app, api)
     responses_routes.add_routes(app, api)
     sglang_generate.add_routes(app, api)
@@ -821,6 +830,8 @@ _ROUTES = (
     "/v1/files",
     "/v1/batches",
     "/health",
+    "/ping",
+    "/version",
 )
 
 

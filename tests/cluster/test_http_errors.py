@@ -10,6 +10,7 @@ answers by route and status. 429 and 503: test_http_overload.py.
 from __future__ import annotations
 
 import http.client
+import importlib.metadata
 import json
 import socket
 import time
@@ -539,11 +540,23 @@ def test_a_missing_or_wrong_bearer_token_is_401(cluster: LocalCluster, header: s
         httpx.post(f"{url}/v1/completions", json={"prompt": 1}, headers=headers),  # 401 first
         httpx.get(f"{url}/v1/models", headers=headers),
         httpx.post(f"{url}/tokenize", json={"prompt": "x"}, headers=headers),
+        httpx.get(f"{url}/version", headers=headers),
+        httpx.post(f"{url}/generate", json={"text": "x"}, headers=headers),
     ]
     for response in calls:
         error = assert_openai_error(response, 401, "a valid token is required")
         assert error["type"] == "authentication_error"
     assert httpx.get(f"{url}/health").status_code == 200  # probes carry no token
+    assert (
+        httpx.get(f"{url}/ping").json()
+        == httpx.post(f"{url}/ping").json()
+        == {
+            "status": "ok",
+            "workers": len(cluster.engines),
+        }
+    )
+    version = httpx.get(f"{url}/version", headers=AUTH).json()["version"]
+    assert version == importlib.metadata.version("radixmesh")
 
 
 def test_a_tenant_other_than_the_tokens_is_403(
