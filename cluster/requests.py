@@ -105,6 +105,7 @@ def prepare(
     adapters: Mapping[str, str] | None = None,
     image_fields: Sequence[str] = (),
     counting: bool = False,
+    fill_cap: int | None = None,
 ) -> PreparedRequest:
     """Raises InvalidRequest (naming the field) or TenantRefused. With `fill_context`, a request
     that gives no max_tokens may generate up to the end of the context (OpenAI's default) instead
@@ -114,7 +115,9 @@ def prepare(
     refusals call each of `message.images` (default "images[k]"). `counting`: the prompt is
     only counted (vLLM's /tokenize, Anthropic's count_tokens), so neither its length against
     the context nor the sampling parameters are checked: a count may exceed the context, as a
-    text prompt's does."""
+    text prompt's does. `fill_cap`: a request that gives no max_tokens generates at most this
+    many, cut to the room the prompt leaves (SGLang's default of 128, as its scheduler cuts
+    it)."""
     request_id = message.request_id or uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(request_id):
         raise InvalidRequest("request_id", "1-128 characters of [A-Za-z0-9._:-]")
@@ -157,8 +160,10 @@ def prepare(
         encoder = text_prompts.encoder(request.namespace, text_prompts.mode(_text_match(message)))
     ids = validation.prompt_ids(request, encoder or tokenizer, limits, images)
     request = validation.with_fim_ends(request, tokenizer)
-    if fill_context and not message.sampling.HasField("max_tokens") and not request.pooling:
+    filled = (fill_context or fill_cap) and not request.pooling
+    if filled and not message.sampling.HasField("max_tokens"):
         room = max(1, limits.max_model_len - len(ids))
+        room = room if fill_cap is None else min(room, fill_cap)
         request = replace(request, sampling=replace(request.sampling, max_tokens=room))
     if not counting:
         validation.validate(request, ids, limits)

@@ -154,10 +154,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         caller: Caller,
         fill_context: bool = False,
         image_fields: Sequence[str] = (),
+        fill_cap: int | None = None,
     ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         """Serve one request, whatever face it came through: the stream of the worker's
         messages, or ServingError. Closing the stream early cancels the worker's call (the
-        worker frees the request's pages). `fill_context`, `image_fields`: see
+        worker frees the request's pages). `fill_context`, `image_fields`, `fill_cap`: see
         cluster/requests.py `prepare`."""
         # under fcfs every request is 0 here (a priority is refused later, in prepare)
         mine = request.priority if self.engine.scheduling_policy == "priority" else 0
@@ -168,7 +169,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             raise self._error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry later")
         self.priorities[mine] += 1  # until the call ends, however it ends
         try:
-            admitted = self._admitted(request, caller, fill_context, image_fields)
+            admitted = self._admitted(request, caller, fill_context, image_fields, fill_cap)
             async with contextlib.aclosing(admitted):  # closed with this: the worker call too
                 async for response in admitted:
                     yield response
@@ -183,10 +184,13 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         caller: Caller,
         fill_context: bool,
         image_fields: Sequence[str],
+        fill_cap: int | None = None,
     ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         """`generate` once the request counts against router.max_in_flight."""
         clock = self.latencies.call(embedding=request.HasField("pooling"))
-        prepared = await self._prepare(request, caller, fill_context, image_fields)
+        prepared = await self._prepare(
+            request, caller, fill_context, image_fields, fill_cap=fill_cap
+        )
         if prepared.request_id in self.in_flight:
             raise self._error(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -264,6 +268,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         image_fields: Sequence[str],
         index_text: bool = True,
         counting: bool = False,
+        fill_cap: int | None = None,
     ) -> PreparedRequest:
         limits = self.request_limits()
         if limits is None or not self.links.links:
@@ -274,14 +279,14 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         try:
             ids = request.WhichOneof("prompt") == "token_ids"
             if ids and not (request.images or request.suffix):  # nothing to tokenise or decode
-                return prepare(*args, None, adapters, counting=counting)
+                return prepare(*args, None, adapters, counting=counting, fill_cap=fill_cap)
             texts = None
             # ids (with a suffix) and an image prompt bypass the text index
             if index_text and not (ids or request.images):
                 texts = await self._text_prompts()
                 await self._answers_joined(request, caller, adapters)
             return await asyncio.to_thread(
-                prepare, *args, texts, adapters, image_fields, counting=counting
+                prepare, *args, texts, adapters, image_fields, counting=counting, fill_cap=fill_cap
             )
         except InvalidRequest as err:
             code = grpc.StatusCode.INVALID_ARGUMENT

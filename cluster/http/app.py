@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
@@ -219,13 +220,15 @@ class HttpApi:
         caller: Caller,
         fill_context: bool = False,
         image_fields: Sequence[str] = (),
+        fill_cap: int | None = None,
     ) -> Responses:
         """The request's stream. `fill_context`: without max_tokens, generate up to the end of
-        the context (chat, as OpenAI's chat API does) instead of 16 (legacy completions).
-        `image_fields`: the part each of the message's images came in (for refusals)."""
+        the context (chat, as OpenAI's chat API does) instead of 16 (legacy completions);
+        `fill_cap`: at most so many of it. `image_fields`: the part each of the message's
+        images came in (for refusals)."""
         if self.draining:
             raise HttpError(503, "the router is draining; retry on another")
-        return self.service.generate(message, caller, fill_context, image_fields)
+        return self.service.generate(message, caller, fill_context, image_fields, fill_cap)
 
     # -- OpenAI ------------------------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -595,7 +598,10 @@ class HttpApi:
     async def version(self, request: Request) -> JSONResponse:
         """vLLM's `GET /version`: the version of radixmesh serving."""
         self.caller(request)
-        return JSONResponse({"version": package_version("radixmesh")})
+        try:
+            return JSONResponse({"version": package_version("radixmesh")})
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            return JSONResponse({"version": "unknown"})
 
     async def health(self) -> Response:
         workers = len(self.service.links.links)

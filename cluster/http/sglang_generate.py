@@ -180,15 +180,14 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             rid = body.rid if isinstance(body.rid, str) else api.request_id(request)
             messages = openai_params.completion_requests(completion, rid, api.tenant(request))
             _name(messages, body.rid)
-            if body.sampling_params is None or body.sampling_params.max_new_tokens is None:
-                await _default_max_tokens(api, messages)
         except HttpError as err:  # named as the completions API names it
             raise err.renamed(names) from None
         for message in messages:
             message.namespace.adapter = adapter or ""
         n = completion.n or 1
         answer = Answer(body, [m.request_id for m in messages], n, api.token_texts())
-        stream = merged([api.start(m, caller) for m in messages], n)
+        cap = DEFAULT_MAX_NEW_TOKENS  # without max_new_tokens, cut to the room left
+        stream = merged([api.start(m, caller, fill_cap=cap) for m in messages], n)
         if body.stream:
             first = await api.finish(request, anext(stream), names)  # a refusal: a status
             return EventStream(guarded(answer.events(prepend(first, stream))), served_by(first))
@@ -213,11 +212,12 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         """SGLang's `POST /abort_request`: a request in flight by its `rid`, or every one the
         caller's token may end (`abort_all`: the caller's tenant's, or all for an operator)."""
         caller = api.caller(request)
-        if (body.rid is None) == (not body.abort_all):
+        if not (body.rid or body.abort_all):
             raise HttpError.invalid("rid", "give a rid, or abort_all: true")
-        rids = list(api.service.in_flight) if body.abort_all else [body.rid or ""]
-        found = [rid for rid in rids if await api.service.abort(rid, caller.tenant)]
-        return JSONResponse({"aborted": found})
+        rids = list(api.service.in_flight) if body.abort_all else [body.rid]
+        aborts = (api.service.abort(rid, caller.tenant) for rid in rids)
+        ended = await asyncio.gather(*aborts, return_exceptions=True)  # a worker gone: not ended
+        return JSONResponse({"aborted": [r for r, e in zip(rids, ended, strict=True) if e is True]})
 
     app.add_api_route("/generate", generate, methods=["POST"])
     app.add_api_route("/get_model_info", model_info, methods=["GET"])
@@ -237,17 +237,3 @@ def _name(messages: list[serving_pb2.GenerateRequest], rid: str | list[str] | No
     elif rid is not None and len(messages) > 1:
         for i, message in enumerate(messages):
             message.request_id = f"{rid}_{i}"
-
-
-async def _default_max_tokens(api: HttpApi, messages: list[serving_pb2.GenerateRequest]) -> None:
-    """SGLang's default `max_new_tokens`, cut to the room a prompt leaves in the context (as
-    SGLang's scheduler cuts it; at least 1, so a prompt that fills the context is refused for
-    its own length)."""
-    _, limits = api.tokenizer()
-    for message in messages:
-        if message.WhichOneof("prompt") == "text":
-            length = len(await api.encode(message.text, True, "text"))
-        else:
-            length = len(message.token_ids.ids)
-        room = max(1, limits.max_model_len - length)
-        message.sampling.max_tokens = min(DEFAULT_MAX_NEW_TOKENS, room)

@@ -75,8 +75,8 @@ class GenerateRequest(Body):
     bootstrap_port: Any = None
     bootstrap_room: Any = None
     data_parallel_rank: Any = None
-    log_metrics: Any = None
-    """SGLang's switch for its own request metrics: radixmesh counts every request."""
+    log_metrics: bool | None = None
+    """SGLang's switch for its own request metrics: accepted, radixmesh counts every request."""
 
     @property
     def start(self) -> int:
@@ -103,10 +103,12 @@ class GenerateRequest(Body):
 
 
 class AbortRequest(Body):
-    """SGLang's `POST /abort_request`."""
+    """SGLang's `POST /abort_request` (`abort_all` wins over `rid`, as there)."""
 
-    rid: str | None = None
+    rid: str = ""
     abort_all: bool = False
+    abort_message: str | None = None
+    """SGLang's text for the aborted requests' finish reason: radixmesh writes its own."""
 
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
@@ -121,7 +123,6 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "bootstrap_port": ("prefill-decode disaggregation is not served", ()),
     "bootstrap_room": ("prefill-decode disaggregation is not served", ()),
     "data_parallel_rank": ("the router chooses the worker", ()),
-    "log_metrics": ("is true or false (radixmesh counts every request)", (True, False)),
 }
 """SGLang's fields radixmesh does not serve."""
 
@@ -182,7 +183,7 @@ def as_completion(body: GenerateRequest, model: str) -> CompletionRequest:
     fields: dict[str, Any] = {
         "model": model,
         "prompt": body.text if body.text is not None else body.input_ids,
-        "max_tokens": DEFAULT_MAX_NEW_TOKENS if s.max_new_tokens is None else s.max_new_tokens,
+        "max_tokens": s.max_new_tokens,  # absent: the route's fill_cap
         "min_tokens": s.min_new_tokens,
         "temperature": s.temperature,
         "top_p": s.top_p,

@@ -185,7 +185,7 @@ def test_abort_request_ends_a_running_generation(
             asked = pool.submit(post, cluster, "/abort_request", {"rid": "to-abort"})
             (busy,) = [e for e in cluster.engines.values() if e._requests]
             deadline = time.monotonic() + 10
-            while busy._inbox.empty():  # the engine running it, held
+            while busy._inbox.empty() and not asked.done():  # held, or taken at once
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             release.set()
@@ -196,7 +196,10 @@ def test_abort_request_ends_a_running_generation(
     finish = events[-1]["meta_info"]["finish_reason"]
     assert finish["type"] == "abort" and events[-1]["meta_info"]["completion_tokens"] < 200
     assert post(cluster, "/abort_request", {"rid": "to-abort"}) == {"aborted": []}
-    assert post(cluster, "/abort_request", {"abort_all": True}) == {"aborted": []}
+    both = {"rid": "to-abort", "abort_all": True, "abort_message": "bye"}  # abort_all wins
+    assert post(cluster, "/abort_request", both) == {"aborted": []}
+    nothing = httpx.post(f"{cluster.http_url}/abort_request", json={}, timeout=10)
+    assert nothing.status_code == 400 and nothing.json()["error"]["param"] == "rid"
 
 
 def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
@@ -220,6 +223,7 @@ def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
     [
         ({"text": PROMPT, "input_ids": [1, 2]}, "text", "exactly one of text or input_ids"),
         ({"text": PROMPT, "custom": "x"}, "custom", "unknown parameter"),
+        ({"text": PROMPT, "log_metrics": "yes"}, "log_metrics", "valid boolean"),
         ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, None, "max_new_tokens"),
         ({"text": PROMPT, "sampling_params": {"temperature": -1}}, None, "temperature"),
         (
