@@ -9,8 +9,9 @@ One prompt with one sample answers an object, several prompts or samples a list 
      "length": N} | {"type": "stop", "matched": <stop string or token id>} | {"type": "abort"},
      "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
      with return_logprob: "output_token_logprobs": [[logprob, id, text | null], ...],
-     "output_top_logprobs" (top_logprobs_num > 0), and from logprob_start_len >= 0
-     "input_token_logprobs" / "input_top_logprobs" (the first prompt token's logprob null)}}
+     "output_top_logprobs" (top_logprobs_num > 0), "input_token_logprobs" /
+     "input_top_logprobs" (empty unless logprob_start_len >= 0 asks for the prompt's from
+     there; the first prompt token's logprob null)}}
 
 A stream sends `data: {...}` events of the same shape, the text and ids so far (SGLang's
 default), `finish_reason` null until the sample ends (an `index` with several), then
