@@ -21,6 +21,8 @@ default), `finish_reason` null until the sample ends (an `index` with several), 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import time
@@ -33,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cluster.http import openai_params
 from cluster.http.errors import HttpError
+from cluster.http.image_parts import data_url_bytes, signature_format
 from cluster.http.openai_responses import (
     DONE,
     Counts,
@@ -183,12 +186,17 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             _name(messages, body.rid)
         except HttpError as err:  # named as the completions API names it
             raise err.renamed(names) from None
+        fields = _images(messages, body)
         for message in messages:
             message.namespace.adapter = adapter or ""
         n = completion.n or 1
         answer = Answer(body, [m.request_id for m in messages], n, api.token_texts())
         cap = DEFAULT_MAX_NEW_TOKENS  # without max_new_tokens, cut to the room left
-        stream = merged([api.start(m, caller, fill_cap=cap) for m in messages], n)
+        started = [
+            api.start(m, caller, image_fields=f, fill_cap=cap)
+            for m, f in zip(messages, fields, strict=True)
+        ]
+        stream = merged(started, n)
         if body.stream:
             first = await api.finish(request, anext(stream), names)  # a refusal: a status
             return EventStream(guarded(answer.events(prepend(first, stream))), served_by(first))
@@ -238,3 +246,45 @@ def _name(messages: list[serving_pb2.GenerateRequest], rid: str | list[str] | No
     elif rid is not None and len(messages) > 1:
         for i, message in enumerate(messages):
             message.request_id = f"{rid}_{i}"
+
+
+def _images(messages: list[serving_pb2.GenerateRequest], body: GenerateRequest) -> list[list[str]]:
+    """Each prompt's `image_data` decoded into its message's images; what refusals call each
+    (`image_data`, `image_data[k]`, or `image_data[p]` / `image_data[p][k]` in a batch)."""
+    data = body.image_data
+    if data is None:
+        return [[] for _ in messages]
+    if not body.several:
+        entries: list[Any] = [data]
+        prefixes = ["image_data"]
+    elif isinstance(data, list) and len(data) == len(messages):
+        entries, prefixes = data, [f"image_data[{p}]" for p in range(len(messages))]
+    else:
+        raise HttpError.invalid("image_data", f"give one entry per prompt ({len(messages)})")
+    fields = []
+    for message, entry, prefix in zip(messages, entries, prefixes, strict=True):
+        named = (
+            [(entry, prefix)]
+            if isinstance(entry, str)
+            else [(image, f"{prefix}[{k}]") for k, image in enumerate(entry or [])]
+        )
+        for image, name in named:
+            if not isinstance(image, str):
+                raise HttpError.invalid(name, "an image is a data URL or base64")
+            message.images.append(_image(image, name))
+        fields.append([name for _, name in named])
+    return fields
+
+
+def _image(data: str, where: str) -> bytes:
+    """A data URL's file, or bare base64 of a PNG, JPEG or WebP file (as SGLang takes it)."""
+    if ":" in data[:16]:  # a URL of some scheme: only data URLs are read
+        return data_url_bytes(data, where)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise HttpError.invalid(where, f"neither a data URL nor base64 ({err})") from None
+    kind = signature_format(raw)
+    if kind is None:
+        raise HttpError.invalid(where, "the base64 data is no PNG, JPEG or WebP file")
+    return raw

@@ -2,7 +2,7 @@
 `SamplingParams`), and how it reads as a text completion (cluster/http/sglang_generate.py).
 
 A field left null takes SGLang's default, as in SGLang. What SGLang takes and radixmesh does
-not serve is refused by name unless it asks for nothing (`REFUSED`): images, hidden states,
+not serve is refused by name unless it asks for nothing (`REFUSED`): video, audio, hidden states,
 custom logit processors, sessions, disaggregation; also an unknown field, per-prompt lists of
 `sampling_params` or of the logprob fields, and `spaces_between_special_tokens: false`.
 """
@@ -65,7 +65,10 @@ class GenerateRequest(Body):
     lora_path: str | None = None
     """A loaded LoRA adapter's name (radixmesh's adapters are named, as vLLM's)."""
     priority: int | None = None
-    image_data: Any = None
+    image_data: str | list[str | list[str] | None] | None = None
+    """A vision model's images, placed at the prompt's `<image>` placeholders (or its image
+    token ids): data URLs or bare base64; for a batch, one entry per prompt. The server
+    fetches nothing (no URL, no file path)."""
     video_data: Any = None
     audio_data: Any = None
     return_hidden_states: Any = None
@@ -113,7 +116,6 @@ class AbortRequest(Body):
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     # field: (why it is refused, the values that ask for nothing and are accepted)
-    "image_data": ("images are served through the chat APIs", ()),
     "video_data": ("video is not served", ()),
     "audio_data": ("audio is not served", ()),
     "return_hidden_states": ("hidden states are not returned", (False,)),
@@ -136,6 +138,7 @@ NAMES = {
     "logprobs": "top_logprobs_num",
     "prompt_logprobs": "logprob_start_len",
     "request_id": "rid",
+    "images": "image_data",
     "model": "lora_path",
     "sampling.structured.json_schema": "sampling_params.json_schema",
     "sampling.structured.regex": "sampling_params.regex",

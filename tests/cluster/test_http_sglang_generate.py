@@ -5,6 +5,7 @@ refusal named as SGLang names the field."""
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import re
@@ -17,8 +18,10 @@ import openai
 import pytest
 
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.worker.vlm_fixtures import png_bytes
 
 PROMPT = "The router sends each prompt to the worker that"
+PNG = "data:image/png;base64," + base64.b64encode(png_bytes(8, 8, seed=1)).decode()
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
 
@@ -224,6 +227,8 @@ def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
         ({"text": PROMPT, "input_ids": [1, 2]}, "text", "exactly one of text or input_ids"),
         ({"text": PROMPT, "custom": "x"}, "custom", "unknown parameter"),
         ({"text": PROMPT, "log_metrics": "yes"}, "log_metrics", "valid boolean"),
+        ({"text": PROMPT, "image_data": PNG}, "image_data", "no vision encoder"),
+        ({"text": PROMPT, "video_data": "x"}, "video_data", "video is not served"),
         ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, None, "max_new_tokens"),
         ({"text": PROMPT, "sampling_params": {"temperature": -1}}, None, "temperature"),
         (
@@ -262,7 +267,6 @@ def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
             "is not JSON",
         ),
         ({"text": PROMPT, "sampling_params": {"stop": [""]}}, "sampling_params.stop[0]", ""),
-        ({"text": PROMPT, "image_data": "x"}, "image_data", "served through the chat APIs"),
         (
             {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3},
             "logprob_start_len",
