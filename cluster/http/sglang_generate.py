@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cluster.http import openai_params
 from cluster.http.errors import HttpError
-from cluster.http.image_parts import data_url_bytes, signature_format
+from cluster.http.image_parts import MEDIA_TYPES, data_url_bytes, signature_format
 from cluster.http.openai_responses import (
     DONE,
     Counts,
@@ -250,14 +250,17 @@ def _name(messages: list[serving_pb2.GenerateRequest], rid: str | list[str] | No
 
 def _images(messages: list[serving_pb2.GenerateRequest], body: GenerateRequest) -> list[list[str]]:
     """Each prompt's `image_data` decoded into its message's images; what refusals call each
-    (`image_data`, `image_data[k]`, or `image_data[p]` / `image_data[p][k]` in a batch)."""
+    (`image_data`, `image_data[k]`, or `image_data[p]` / `image_data[p][k]` in a batch). As in
+    SGLang, a null image is none, and one image given for a batch goes with every prompt."""
     data = body.image_data
-    if data is None:
+    if not data:  # null, or []
         return [[] for _ in messages]
     if not body.several:
         entries: list[Any] = [data]
         prefixes = ["image_data"]
-    elif isinstance(data, list) and len(data) == len(messages):
+    elif isinstance(data, str):
+        entries, prefixes = [data] * len(messages), ["image_data"] * len(messages)
+    elif len(data) == len(messages):
         entries, prefixes = data, [f"image_data[{p}]" for p in range(len(messages))]
     else:
         raise HttpError.invalid("image_data", f"give one entry per prompt ({len(messages)})")
@@ -266,11 +269,15 @@ def _images(messages: list[serving_pb2.GenerateRequest], body: GenerateRequest) 
         named = (
             [(entry, prefix)]
             if isinstance(entry, str)
-            else [(image, f"{prefix}[{k}]") for k, image in enumerate(entry or [])]
+            else [
+                (image, f"{prefix}[{k}]")
+                for k, image in enumerate(entry or [])
+                if image is not None
+            ]
         )
         for image, name in named:
             if not isinstance(image, str):
-                raise HttpError.invalid(name, "an image is a data URL or base64")
+                raise HttpError.invalid(name, "an image is a data URL or base64, not a list")
             message.images.append(_image(image, name))
         fields.append([name for _, name in named])
     return fields
@@ -284,7 +291,6 @@ def _image(data: str, where: str) -> bytes:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as err:
         raise HttpError.invalid(where, f"neither a data URL nor base64 ({err})") from None
-    kind = signature_format(raw)
-    if kind is None:
+    if signature_format(raw) not in MEDIA_TYPES.values():
         raise HttpError.invalid(where, "the base64 data is no PNG, JPEG or WebP file")
     return raw

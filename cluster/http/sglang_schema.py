@@ -65,10 +65,10 @@ class GenerateRequest(Body):
     lora_path: str | None = None
     """A loaded LoRA adapter's name (radixmesh's adapters are named, as vLLM's)."""
     priority: int | None = None
-    image_data: str | list[str | list[str] | None] | None = None
+    image_data: str | list[str | list[str | None] | None] | None = None
     """A vision model's images, placed at the prompt's `<image>` placeholders (or its image
-    token ids): data URLs or bare base64; for a batch, one entry per prompt. The server
-    fetches nothing (no URL, no file path)."""
+    token ids): data URLs or bare base64; for a batch, one entry per prompt, or one image for
+    every prompt; null for none. The server fetches nothing (no URL, no file path)."""
     video_data: Any = None
     audio_data: Any = None
     return_hidden_states: Any = None

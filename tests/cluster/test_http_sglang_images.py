@@ -20,6 +20,7 @@ from worker.loader import load_model
 
 PICTURE = png_bytes(60, 40, seed=1)
 OTHER = png_bytes(40, 40, seed=2)
+GIF = b"GIF89a" + bytes(32)
 TEXT = "Look: <image> What is it?"
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
@@ -63,6 +64,13 @@ def test_images_take_the_prompts_places_as_over_grpc(cluster: LocalCluster) -> N
         },
     )
     assert [b["text"] for b in both.json()] == [text, other]
+    shared = {"text": [TEXT, TEXT], "image_data": url(PICTURE), "sampling_params": GREEDY}
+    assert [b["text"] for b in generate(cluster, shared).json()] == [text, text]  # SGLang's
+    none = {"text": ["Plain words.", "Plain words."], "image_data": [], "sampling_params": GREEDY}
+    assert [b["text"] for b in generate(cluster, none).json()] == [other, other]
+    skipped = {"text": [TEXT, "Plain words."], "image_data": [[url(PICTURE)], [None]]}
+    answers = generate(cluster, {**skipped, "sampling_params": GREEDY}).json()
+    assert [b["text"] for b in answers] == [text, other]
 
 
 @pytest.mark.parametrize(
@@ -72,6 +80,11 @@ def test_images_take_the_prompts_places_as_over_grpc(cluster: LocalCluster) -> N
         ({"text": TEXT, "image_data": ["aGVsbG8="]}, "image_data[0]", "no PNG, JPEG or WebP"),
         ({"text": TEXT, "image_data": [url(PICTURE), url(OTHER)]}, "image_data", "2 images"),
         ({"text": [TEXT, TEXT], "image_data": [url(PICTURE)]}, "image_data", "one entry per"),
+        (
+            {"text": TEXT, "image_data": [base64.b64encode(GIF).decode()]},
+            "image_data[0]",
+            "no PNG, JPEG or WebP",
+        ),
         ({"text": TEXT, "image_data": "/etc/passwd"}, "image_data", "neither a data URL"),
     ],
 )
