@@ -160,6 +160,19 @@ class Sample:
     reasoning_tokens: int = 0
     """Of `token_ids`, the first so many are a thinking model's reasoning."""
 
+    def take(self, response: serving_pb2.GenerateResponse) -> None:
+        """One more message of this sample."""
+        self.text.append(response.text)
+        if response.reasoning_text:
+            self.reasoning.append(response.reasoning_text)
+        self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(response.logprobs)
+        self.spans.append((len(response.token_ids), len(response.text)))
+        self.reasoning_tokens += response.reasoning_tokens
+        if response.finished:
+            self.finish_reason = response.finish_reason
+            self.stop_string = response.stop_string or None
+
 
 async def read(stream: Responses, counts: Counts) -> Responses:
     """The request's messages, each counted; a sample that failed raises GenerationFailed.
@@ -225,17 +238,7 @@ async def collect(stream: Responses) -> tuple[dict[int, Sample], Counts]:
     counts = Counts()
     async with contextlib.aclosing(read(stream, counts)) as responses:
         async for response in responses:
-            sample = samples.setdefault(response.index, Sample())
-            sample.text.append(response.text)
-            if response.reasoning_text:
-                sample.reasoning.append(response.reasoning_text)
-            sample.token_ids.extend(response.token_ids)
-            sample.logprobs.extend(response.logprobs)
-            sample.spans.append((len(response.token_ids), len(response.text)))
-            sample.reasoning_tokens += response.reasoning_tokens
-            if response.finished:
-                sample.finish_reason = response.finish_reason
-                sample.stop_string = response.stop_string or None
+            samples.setdefault(response.index, Sample()).take(response)
     return samples, counts
 
 

@@ -146,12 +146,7 @@ class Answer:
         async with contextlib.aclosing(read(stream, counts)) as responses:
             async for response in responses:
                 sample = samples.setdefault(response.index, Sample())
-                sample.text.append(response.text)
-                sample.token_ids.extend(response.token_ids)
-                sample.logprobs.extend(response.logprobs)
-                if response.finished:
-                    sample.finish_reason = response.finish_reason
-                    sample.stop_string = response.stop_string or None
+                sample.take(response)
                 if not (response.text or response.token_ids or response.finished):
                     continue
                 item = self.item(response.index, sample, counts)

@@ -162,7 +162,7 @@ def sglang_names(body: GenerateRequest) -> Renames:
     )
 
     def rename(param: str) -> str | None:
-        if param in SAMPLING or param in ("temperature", "top_p", "top_k", "n", "stop"):
+        if param in SAMPLING:  # the core's name of a field SGLang spells alike
             return f"sampling_params.{param}"
         return named(param)
 
