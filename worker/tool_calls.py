@@ -152,19 +152,32 @@ def read_calls(text: str, tools: Collection[str]) -> tuple[str | None, list[Tool
 
 def split_calls(text: str, tools: Collection[str]) -> tuple[str, list[ToolCall]]:
     """The text with its calls taken out, and the calls."""
-    calls, kept, last, at = [], [], 0, text.find(BEGIN)
+    found = find_calls(text, tools)
+    return taken_out(text, found), [call for call, _, _ in found]
+
+
+def taken_out(text: str, found: Sequence[tuple[ToolCall, int, int]]) -> str:
+    """The text less the calls `find_calls` found in it."""
+    kept, last = [], 0
+    for _, begin, end in found:
+        kept.append(text[last:begin])
+        last = end
+    kept.append(text[last:])
+    return "".join(kept)
+
+
+def find_calls(text: str, tools: Collection[str]) -> list[tuple[ToolCall, int, int]]:
+    """Each call in the text, with where its opening tag begins and its closing tag ends."""
+    found, at = [], text.find(BEGIN)
     while at >= 0:
-        found = _call(text, at + len(BEGIN), tools)
-        if found is None:
+        read = _call(text, at + len(BEGIN), tools)
+        if read is None:
             at = text.find(BEGIN, at + 1)
             continue
-        call, end = found
-        kept.append(text[last:at])
-        calls.append(call)
-        last = end
+        call, end = read
+        found.append((call, at, end))
         at = text.find(BEGIN, end)
-    kept.append(text[last:])
-    return "".join(kept), calls
+    return found
 
 
 def _call(text: str, start: int, names: Collection[str]) -> tuple[ToolCall, int] | None:

@@ -48,7 +48,7 @@ from cluster.http.prompt_logprobs import (
 from cluster.http.token_texts import TokenTexts
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
-from worker.tool_calls import BEGIN, ToolCall, read_calls, split_calls
+from worker.tool_calls import BEGIN, ToolCall, find_calls, read_calls, taken_out
 
 Responses = AsyncGenerator[serving_pb2.GenerateResponse, None]
 """A request's stream of messages from the serving core (`RouterService.generate`)."""
@@ -328,6 +328,11 @@ class HeldCalls:
         self.held = ""
         self.calling = False
         self.emitted = False
+        self.sent = 0
+        """How many characters of the text were let out."""
+        self.spans: list[tuple[int, int]] = []
+        """Once finished: where each call lies in the whole text (from its tag to the end of its
+        closing tag)."""
 
     def feed(self, text: str) -> str:
         """The part of the text so far that is content for certain."""
@@ -346,11 +351,14 @@ class HeldCalls:
             return ""  # only whitespace so far: it is content only if more than calls follows
         out, self.held = self.held[:cut], self.held[cut:]
         self.emitted = True
+        self.sent += len(out)
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest of the content, and the calls."""
-        content, calls = split_calls(self.held, self.tools)
+        found = find_calls(self.held, self.tools)
+        self.spans = [(self.sent + begin, self.sent + end) for _, begin, end in found]
+        content, calls = taken_out(self.held, found), [call for call, _, _ in found]
         if calls and not self.emitted and not content.strip():
             return "", calls  # calls alone: no content, as read_calls says
         return content, calls
@@ -441,6 +449,17 @@ def token_offsets(texts: TokenTexts, token_ids: list[int], start: int, emitted: 
     return offsets
 
 
+def sample_offsets(texts: TokenTexts, sample: Sample, start: int = 0) -> list[int]:
+    """Where each of the sample's tokens starts in its text (after `start` characters), message
+    by message as `token_offsets` places them."""
+    out: list[int] = []
+    for tokens, chars in sample.spans:
+        ids = sample.token_ids[len(out) : len(out) + tokens]
+        out += token_offsets(texts, ids, start, chars)
+        start += chars
+    return out
+
+
 def completion_logprobs(
     texts: TokenTexts,
     token_ids: list[int],
@@ -477,14 +496,6 @@ def _after(prompt: CompletionLogprobs | None, echoed: int) -> int:
 def completion(
     reply: Reply, samples: dict[int, Sample], counts: Counts, logprobs: bool
 ) -> Completion:
-    def offsets(sample: Sample, start: int) -> list[int]:
-        out: list[int] = []
-        for tokens, chars in sample.spans:
-            ids = sample.token_ids[len(out) : len(out) + tokens]
-            out += token_offsets(reply.texts, ids, start, chars)
-            start += chars
-        return out
-
     choices = []
     for index, s in sorted(samples.items()):
         echo = reply.echo_of(index) or ""
@@ -496,7 +507,9 @@ def completion(
                 text=echo + "".join(s.text),
                 logprobs=joined(
                     prompt,
-                    completion_logprobs(reply.texts, s.token_ids, s.logprobs, offsets(s, start)),
+                    completion_logprobs(
+                        reply.texts, s.token_ids, s.logprobs, sample_offsets(reply.texts, s, start)
+                    ),
                 )
                 if logprobs
                 else None,

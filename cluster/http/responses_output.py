@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Literal
 
-from cluster.http.openai_responses import Counts, chat_logprobs
+from cluster.http.openai_responses import Counts, Sample, chat_logprobs, sample_offsets
 from cluster.http.openai_schema import TokenLogprob
 from cluster.http.responses_schema import (
     FunctionCallItem,
@@ -175,15 +175,32 @@ def wants_logprobs(body: ResponsesRequest) -> bool:
     return OUTPUT_LOGPROBS in (body.include or ())
 
 
-def answer_logprobs(
-    texts: TokenTexts,
-    token_ids: Sequence[int],
-    logprobs: Sequence[serving_pb2.TokenLogprob],
-    reasoning_tokens: int,
+def token_logprobs(
+    texts: TokenTexts, token_ids: Sequence[int], logprobs: Sequence[serving_pb2.TokenLogprob]
 ) -> list[TokenLogprob]:
-    """The logprobs of the answer's tokens: those after the reasoning's, which come first."""
-    ids, values = list(token_ids[reasoning_tokens:]), list(logprobs[reasoning_tokens:])
-    return chat_logprobs(texts, ids, values).content or []
+    """The tokens' logprobs, as an output_text part carries them."""
+    return chat_logprobs(texts, list(token_ids), list(logprobs)).content or []
+
+
+def message_logprobs(
+    texts: TokenTexts, sample: Sample, calls: Sequence[tuple[int, int]] = ()
+) -> list[TokenLogprob]:
+    """The logprobs of the answer's message: the sample's tokens after the reasoning's, less
+    those of its function calls (`calls`: where each lies in the sample's text). A token is a
+    call's when its text starts inside the call, so one that begins in the content and runs
+    into a call's tag is the content's."""
+    entries = token_logprobs(texts, sample.token_ids, sample.logprobs)
+    places = sample_offsets(texts, sample)
+    return [
+        entry
+        for k, (entry, at) in enumerate(zip(entries, places, strict=True))
+        if k >= sample.reasoning_tokens and not within(at, calls)
+    ]
+
+
+def within(at: int, calls: Sequence[tuple[int, int]]) -> bool:
+    """Whether a character's place is inside one of the calls."""
+    return any(begin <= at < end for begin, end in calls)
 
 
 def sealed(thought: str) -> str:

@@ -42,9 +42,8 @@ from cluster.http.response_store import StoredResponse
 from cluster.http.responses_chain import continued, encoded_inputs, keep, owner, stored
 from cluster.http.responses_output import (
     INCLUDES,
-    OUTPUT_LOGPROBS,
-    answer_logprobs,
     done,
+    message_logprobs,
     shell,
     unsealed,
     wants_logprobs,
@@ -54,7 +53,7 @@ from cluster.http.responses_stream import events
 from cluster.http.responses_truncation import Truncation
 from cluster.http.sse import EventStream
 from protos.radixmesh.v1 import serving_pb2
-from worker.tool_calls import read_calls
+from worker.tool_calls import find_calls, read_calls
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
@@ -117,9 +116,10 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         samples, counts = await api.finish(request, collect(stream), rename)
         sample = samples[0]
         text = "".join(sample.text)
+        found = find_calls(text, tools) if tools else []
         content, calls = read_calls(text, tools) if tools else (text, [])
         logprobs = (
-            answer_logprobs(texts, sample.token_ids, sample.logprobs, sample.reasoning_tokens)
+            message_logprobs(texts, sample, [(begin, end) for _, begin, end in found])
             if texts is not None
             else None
         )
@@ -223,10 +223,6 @@ def generate_request(
             raise HttpError.invalid(f"include[{i}]", f"{asked!r}: only {INCLUDES} can be included")
     message = serving_pb2.GenerateRequest(request_id=request_id)
     if wants_logprobs(body):
-        if body.tools and body.tool_choice != "none":
-            raise HttpError.invalid(
-                "include", f"{OUTPUT_LOGPROBS!r} with function tools is not supported"
-            )
         message.sampling.logprobs = body.top_logprobs or 0
     # a thinking model's reasoning is a reasoning item, apart from the answer's message
     message.sampling.separate_reasoning = True

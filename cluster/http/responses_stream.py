@@ -27,9 +27,22 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from cluster.http.errors import GenerationFailed, HttpError, Renames
-from cluster.http.openai_responses import Counts, HeldCalls, Responses, prepend, read
+from cluster.http.openai_responses import (
+    Counts,
+    HeldCalls,
+    Responses,
+    prepend,
+    read,
+    token_offsets,
+)
 from cluster.http.openai_schema import TokenLogprob
-from cluster.http.responses_output import answer_logprobs, done, new_item_id, reasoning_item
+from cluster.http.responses_output import (
+    done,
+    new_item_id,
+    reasoning_item,
+    token_logprobs,
+    within,
+)
 from cluster.http.responses_schema import (
     FunctionCallItem,
     OutputMessage,
@@ -86,8 +99,10 @@ async def events(
                     if held is not None:
                         more, calls = held.finish()
                         delta += more
-                if delta:
-                    yield out.write(delta)
+                        out.drop(held.spans)
+                if delta:  # with calls held, only the logprobs of the text let out so far
+                    before = held.sent if held is not None and not response.finished else None
+                    yield out.write(delta, before)
     except (ServingError, GenerationFailed) as err:  # as OpenAI ends a stream that failed
         refusal = HttpError.of(err)
         failure = (refusal.renamed(rename) if rename else refusal).message
@@ -138,25 +153,36 @@ class _Events:
         """The answer's text so far."""
         self.logprobs: list[TokenLogprob] = []
         """The logprobs sent with the text so far (asked for: `events`'s `texts`)."""
-        self.pending: list[tuple[int, TokenLogprob]] = []
-        """Those of tokens whose text is not sent yet (held: a possible stop string), each with
-        its token's place in the sample."""
-        self.tokens = self.reasoned = 0
-        """The sample's tokens so far, and of these the reasoning's (which come first)."""
+        self.pending: list[tuple[int, int, TokenLogprob]] = []
+        """Those of tokens whose text is not sent yet (held: a possible stop string or call),
+        each with its token's place in the sample and where its text starts in the sample's."""
+        self.tokens = self.reasoned = self.chars = 0
+        """The sample's tokens so far, of these the reasoning's (which come first), and the
+        characters of its text."""
 
     def take(self, texts: TokenTexts, response: serving_pb2.GenerateResponse) -> None:
         """A message's tokens' logprobs, held until their text is sent, less the reasoning's:
         a message's count of reasoning tokens may take in tokens of earlier ones (held text
         that turned out to open the reasoning), so the cut is by place in the sample."""
-        entries = answer_logprobs(texts, response.token_ids, response.logprobs, 0)
-        self.pending += [(self.tokens + k, entry) for k, entry in enumerate(entries)]
+        entries = token_logprobs(texts, response.token_ids, response.logprobs)
+        places = token_offsets(texts, list(response.token_ids), self.chars, len(response.text))
+        self.pending += [
+            (self.tokens + k, at, entry)
+            for k, (entry, at) in enumerate(zip(entries, places, strict=True))
+        ]
         self.tokens += len(entries)
+        self.chars += len(response.text)
         self.reasoned += response.reasoning_tokens
-        self.pending = [(at, entry) for at, entry in self.pending if at >= self.reasoned]
+        self.pending = [each for each in self.pending if each[0] >= self.reasoned]
+
+    def drop(self, calls: list[tuple[int, int]]) -> None:
+        """The logprobs of the calls' tokens (those whose text starts inside one) are not the
+        message's (responses_output.message_logprobs)."""
+        self.pending = [each for each in self.pending if not within(each[1], calls)]
 
     @property
     def held(self) -> list[TokenLogprob]:
-        return [entry for _, entry in self.pending]
+        return [entry for _, _, entry in self.pending]
 
     def event(self, kind: str, data: dict[str, Any]) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **data}
@@ -173,7 +199,9 @@ class _Events:
             "response.reasoning_text.delta", self._at_reasoning | {"delta": delta}
         )
 
-    def write(self, delta: str) -> bytes:
+    def write(self, delta: str, before: int | None = None) -> bytes:
+        """A text delta, with the held logprobs (`before`: only of tokens whose text starts
+        before that character of the sample's text)."""
         out = b""
         if not self.text:
             if self.thought:  # the answer began: the reasoning is whole
@@ -184,10 +212,11 @@ class _Events:
             item = OutputMessage(id=self.message_id, status="in_progress", content=[])
             out += self._opened(self._message_index, item, OutputText(text=""))
         self.text += delta
-        sent = [each.model_dump() for each in self.held]
-        self.logprobs += self.held
-        self.pending = []
-        at = self._at_message | {"delta": delta, "logprobs": sent}
+        going = [e for e in self.pending if before is None or e[1] < before]
+        self.pending = [e for e in self.pending if before is not None and e[1] >= before]
+        sent = [entry for _, _, entry in going]
+        self.logprobs += sent
+        at = self._at_message | {"delta": delta, "logprobs": [e.model_dump() for e in sent]}
         return out + self.event("response.output_text.delta", at)
 
     def end(self, finished: Response) -> bytes:

@@ -2,7 +2,9 @@
 the answer's tokens with their logprobs on its `output_text`, the same as chat completions give
 for the same chat, whole and streamed (each text delta with its tokens'); none unless included;
 a thinking model's reasoning tokens left out (on a made-up stream: the tiny thinking model
-never closes its reasoning). Real HTTP on loopback with the `openai` SDK."""
+never closes its reasoning); a function call's tokens left out of the message's (made-up
+streams too: the tiny model writes a call only when made to, and then nothing else). Real HTTP
+on loopback with the `openai` SDK."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ import openai
 import pytest
 
 from cluster.http import responses_output
+from cluster.http.openai_responses import Sample
 from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.test_http_responses import TOOLS
 from tests.cluster.test_http_responses_reasoning import run_events
+from worker.tool_calls import find_calls
 
 MODEL = SERVED_NAME
 QUESTION = "the quick brown fox"
@@ -144,16 +149,6 @@ def test_tools_not_called_leave_the_logprobs(client: openai.OpenAI, cluster: Loc
     [
         ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"include": ["message.nope"]}, "include[0]", "can be included"),
-        (
-            {"include": LOGPROBS, "tools": [TOOL]},
-            "include",
-            "with function tools",
-        ),
-        (
-            {"include": LOGPROBS, "tools": [TOOL], "tool_choice": "required"},
-            "include",
-            "with function tools",
-        ),
     ],
 )
 def test_refusals_name_the_field(
@@ -167,6 +162,7 @@ def test_refusals_name_the_field(
     cluster.wait_idle()
 
 
+NONE: frozenset[str] = frozenset()
 Chunk = tuple[str, str, list[int], int]
 """A made-up message: reasoning text, text, token ids, how many of its tokens were reasoning."""
 
@@ -185,9 +181,11 @@ def made_up(chunks: list[Chunk]) -> list[serving_pb2.GenerateResponse]:
     return responses
 
 
-def streamed(responses: list[serving_pb2.GenerateResponse]) -> list[dict[str, Any]]:
+def streamed(
+    responses: list[serving_pb2.GenerateResponse], tools: frozenset[str] = NONE
+) -> list[dict[str, Any]]:
     """The events of the made-up stream, with logprobs asked for (token k reads "token_id:k")."""
-    return run_events(responses, frozenset(), TokenTexts(None))
+    return run_events(responses, tools, TokenTexts(None))
 
 
 def tokens_of(events: list[dict[str, Any]]) -> tuple[list[list[str]], list[str], list[str]]:
@@ -203,14 +201,13 @@ def tokens_of(events: list[dict[str, Any]]) -> tuple[list[list[str]], list[str],
     return deltas, [t["token"] for t in done["logprobs"]], final
 
 
-def whole(responses: list[serving_pb2.GenerateResponse]) -> list[str]:
-    """The non-streamed reading: the sample's tokens after its reasoning's, summed."""
-    ids = [t for m in responses for t in m.token_ids]
-    values = [v for m in responses for v in m.logprobs]
-    thought = sum(m.reasoning_tokens for m in responses)
-    return [
-        t.token for t in responses_output.answer_logprobs(TokenTexts(None), ids, values, thought)
-    ]
+def whole(responses: list[serving_pb2.GenerateResponse], tools: frozenset[str] = NONE) -> list[str]:
+    """The non-streamed reading: the sample's tokens after its reasoning's, less its calls'."""
+    sample = Sample()
+    for message in responses:
+        sample.take(message)
+    calls = [(begin, end) for _, begin, end in find_calls("".join(sample.text), tools)]
+    return [t.token for t in responses_output.message_logprobs(TokenTexts(None), sample, calls)]
 
 
 def test_a_thinking_models_reasoning_tokens_are_left_out() -> None:
@@ -242,3 +239,96 @@ def test_a_held_stop_strings_tokens_end_in_the_done_event() -> None:
     deltas, done, final = tokens_of(streamed(responses))
     assert deltas == [["token_id:1", "token_id:2"]]
     assert done == final == whole(responses) == ["token_id:1", "token_id:2", "token_id:3"]
+
+
+CALL = ["<tool_call>", '\n{"name": "f", "arguments": {"a": 1}}', "\n</tool_call>"]
+"""A call of `f`, over three messages."""
+
+
+def one_a_token(texts: list[str]) -> list[serving_pb2.GenerateResponse]:
+    """A made-up stream of a message a text, token k + 1 the k-th, and an end token."""
+    return made_up([("", text, [k + 1], 0) for k, text in enumerate([*texts, ""])])
+
+
+def message_and_calls(events: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """The final response's items' types, and the call's arguments events' texts."""
+    output = events[-1]["response"]["output"]
+    arguments = [e["delta"] for e in events if e["type"].endswith("arguments.delta")]
+    return [item["type"] for item in output], arguments
+
+
+def test_a_calls_tokens_are_not_the_messages() -> None:
+    """Text, then a token running into the call's tag (" <": the content's, as its text starts
+    there), then the call, then more text, then the end token: the message has the logprobs of
+    all but the call's three tokens, streamed (each delta its own) as whole."""
+    responses = one_a_token(["Hi", " <", "tool_call>", *CALL[1:], " Bye"])
+    events = streamed(responses, frozenset({"f"}))
+    deltas, done, final = tokens_of(events)
+    answer = ["token_id:1", "token_id:2", "token_id:6", "token_id:7"]
+    assert deltas == [["token_id:1"], ["token_id:2"], ["token_id:6", "token_id:7"]]
+    assert done == final == whole(responses, frozenset({"f"})) == answer
+    assert message_and_calls(events) == (["message", "function_call"], ['{"a": 1}'])
+    (message,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert message["text"] == "Hi  Bye"
+
+
+def test_a_token_held_as_a_calls_tag_waits() -> None:
+    """A message whose last token may begin a call's tag: its text is let out but for that
+    token's, and so are the logprobs; the token turns out to be the call's."""
+    tag = CALL[0].removeprefix("<")
+    responses = made_up(
+        [("", "Hi<", [1, 2], 0), ("", tag, [3], 0), ("", "".join(CALL[1:]), [4], 0)]
+    )
+    deltas, done, final = tokens_of(streamed(responses, frozenset({"f"})))
+    assert deltas == [["token_id:1"]] and done == final == ["token_id:1"]
+    assert whole(responses, frozenset({"f"})) == done
+
+
+def test_calls_alone_have_no_message_and_no_logprobs() -> None:
+    responses = one_a_token(["\n", *CALL, *CALL])
+    events = streamed(responses, frozenset({"f"}))
+    assert message_and_calls(events) == (["function_call", "function_call"], ['{"a": 1}'] * 2)
+    assert not [e for e in events if "logprobs" in e]
+    assert whole(responses, frozenset({"f"})) == ["token_id:1", "token_id:8"]  # no message: unread
+
+
+def test_a_tag_that_is_no_call_is_the_messages() -> None:
+    """A tag around a function not offered stays in the content, its tokens' logprobs too."""
+    responses = one_a_token(["Hi ", *CALL])
+    deltas, done, final = tokens_of(streamed(responses, frozenset({"g"})))
+    assert (
+        done
+        == final
+        == whole(responses, frozenset({"g"}))
+        == [f"token_id:{k}" for k in range(1, 6)]
+    )
+    assert [t for d in deltas for t in d] == done
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_answers_with_logprobs_asked(
+    client: openai.OpenAI, cluster: LocalCluster, stream: bool
+) -> None:
+    """Asking for the message's logprobs with tools is served: a required call alone, as without
+    logprobs, and no message to carry any."""
+    body: dict[str, Any] = {
+        "input": "What is the weather in Oslo?",
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        **GREEDY,
+        "max_output_tokens": 150,
+    }
+    plain = client.responses.create(**body)
+    if stream:
+        with client.responses.stream(**body, include=LOGPROBS, top_logprobs=2) as events:
+            asked = events.get_final_response()
+    else:
+        asked = client.responses.create(**body, include=LOGPROBS, top_logprobs=2)
+    assert (
+        [item.type for item in asked.output]
+        == ["function_call"]
+        == [item.type for item in plain.output]
+    )
+    assert asked.output[0].arguments == plain.output[0].arguments  # type: ignore[union-attr]
+    cluster.wait_idle()
