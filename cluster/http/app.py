@@ -1,6 +1,7 @@
 """The HTTP API as a FastAPI app over the router's serving core.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
+    GET /v1/chat/completions    GET, POST, DELETE /v1/chat/completions/{id}[/messages]  (stored)
     POST /v1/embeddings         POST /v1/score, /score   POST /v1/rerank, /rerank, /v2/rerank
     POST /v1/responses          GET, DELETE /v1/responses/{id}[/input_items]
                                 POST /v1/responses/{id}/cancel
@@ -59,6 +60,7 @@ from cluster.http import (
     responses_routes,
     scores,
     sglang_generate,
+    stored_completions,
 )
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.batches import Batches
@@ -108,8 +110,10 @@ from cluster.http.openai_schema import (
 from cluster.http.prompt_logprobs import prompt_alone
 from cluster.http.response_store import ResponseStore
 from cluster.http.responses_background import BackgroundResponses
+from cluster.http.responses_chain import owner
 from cluster.http.several_prompts import merged
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
+from cluster.http.stored_completions import CompletionStore, Keep, kept_at_the_end
 from cluster.http.token_texts import TokenTexts
 from cluster.router_admin import clear_caches
 from cluster.router_service import RouterService
@@ -138,6 +142,8 @@ class HttpApi:
         self._texts: tuple[Tokenizer | None, TokenTexts] | None = None
         self.responses = ResponseStore(config.router.response_store_bytes)
         """The Responses API's stored responses."""
+        self.chat_store = CompletionStore(config.router.response_store_bytes)
+        """The stored chat completions (`store: true`)."""
         self.background = BackgroundResponses()
         """The Responses API's background generations running."""
         self.embedding_calls = asyncio.Semaphore(embedding_calls(config.router.max_in_flight))
@@ -235,6 +241,7 @@ class HttpApi:
         caller = self.caller(request)
         adapter = self.check_model(body.model)
         rid = self.request_id(request)
+        keep = self._keeper(body, caller, request)
         body = legacy_functions.modern(body)
         message, image_fields = openai_params.chat_request(body, rid, self.tenant(request))
         message.namespace.adapter = adapter or ""
@@ -261,7 +268,22 @@ class HttpApi:
             lambda samples, counts: chat_completion(reply, samples, counts, logprobs, tools, old),
             logprobs,
             openai_params.refusal_names(body),
+            keep,
         )
+
+    def _keeper(self, body: ChatCompletionRequest, caller: Caller, request: Request) -> Keep | None:
+        """What keeps a chat completion asked to be stored (None: not asked)."""
+        if not stored_completions.storing(body, self.chat_store):
+            return None
+        tenant = owner(caller, self.tenant(request))
+        large = bool(body.logprobs)
+
+        async def keep(completion: BaseModel) -> None:
+            record = functools.partial(stored_completions.kept, body, completion)
+            kept = await asyncio.to_thread(record) if large else record()
+            self.chat_store.put(tenant, kept.key, kept)
+
+        return keep
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         caller = self.caller(request)
@@ -336,18 +358,27 @@ class HttpApi:
         whole: Callable[[dict[int, Sample], Counts], BaseModel],
         large: bool,
         rename: Renames | None = None,
+        keep: Keep | None = None,
     ) -> Response:
         """A generation's answer: its event stream, started once the first token is there (a
         refusal is still an HTTP status, not an event in a 200 stream), or the whole response.
-        `rename`: the core's names of refused fields -> the request's (`HttpError.renamed`)."""
+        `rename`: the core's names of refused fields -> the request's (`HttpError.renamed`);
+        `keep`: what stores the whole response once the generation ended (streamed: built from
+        what the stream carried)."""
         if body.stream_options is not None and not body.stream:
             await stream.aclose()
             raise HttpError.invalid("stream_options", "is only allowed with stream: true")
         if body.stream:
+            if keep is not None:
+                stream = kept_at_the_end(stream, whole, keep, large)
             first = await self.finish(request, anext(stream), rename)
             return EventStream(guarded(events(prepend(first, stream))), served_by(first))
         samples, counts = await self.finish(request, collect(stream), rename)
-        return await answer(lambda: whole(samples, counts), counts, large)
+        if keep is None:
+            return await answer(lambda: whole(samples, counts), counts, large)
+        built = await asyncio.to_thread(whole, samples, counts) if large else whole(samples, counts)
+        await keep(built)
+        return await answer(lambda: built, counts, large)
 
     async def finish(
         self, request: Request, work: Awaitable[T], rename: Renames | None = None
@@ -633,6 +664,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/version", api.version, methods=["GET"])
     anthropic_routes.add_routes(app, api)
     responses_routes.add_routes(app, api)
+    stored_completions.add_routes(app, api)
     sglang_generate.add_routes(app, api)
     batch_routes.add_routes(app, api)
     scores.add_routes(app, api)
@@ -845,19 +877,26 @@ def _route(path: str) -> str:
     """The path as a metric label: one of the routes, never what a client made up."""
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
-    stored = path.split("/")  # "", "v1", "responses", id[, "input_items"]
-    if stored[1:3] == ["v1", "responses"] and stored[3:] and stored[3]:
-        if len(stored) == 4:
-            return "/v1/responses/{id}"
-        if stored[4:] in (["input_items"], ["cancel"]):
-            return "/v1/responses/{id}/" + stored[4]
-    for kind, tail in (("files", ["content"]), ("batches", ["cancel"])):
-        if stored[1:3] == ["v1", kind] and stored[3:] and stored[3]:
-            if len(stored) == 4:
-                return f"/v1/{kind}/{{id}}"
-            if stored[4:] == tail:
-                return f"/v1/{kind}/{{id}}/{tail[0]}"
-    return path if path in _ROUTES else "other"
+    return _by_id(path) or (path if path in _ROUTES else "other")
+
+
+_BY_ID = {
+    "/v1/responses/": ("input_items", "cancel"),
+    "/v1/files/": ("content",),
+    "/v1/batches/": ("cancel",),
+    "/v1/chat/completions/": ("messages",),
+}
+"""The routes of a stored object by id, and what may follow the id."""
+
+
+def _by_id(path: str) -> str | None:
+    """The label of a route of a stored object by id (None: not one)."""
+    for prefix, tails in _BY_ID.items():
+        if path.startswith(prefix):
+            key, *tail = path.removeprefix(prefix).split("/")
+            if key and (not tail or (len(tail) == 1 and tail[0] in tails)):
+                return prefix + "{id}" + "".join(f"/{t}" for t in tail)
+    return None
 
 
 def _bearer(header: str | None) -> str | None:

@@ -23,6 +23,7 @@ from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.image_parts import openai_image
 from cluster.http.legacy_functions import LEGACY_FIELDS, legacy
 from cluster.http.openai_schema import (
+    CHAT_REFUSED,
     REFUSED,
     ChatCompletionRequest,
     ChatMessage,
@@ -76,7 +77,7 @@ def chat_request(
     request: ChatCompletionRequest, request_id: str, tenant: str
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
     """The request, and what its images are called in refusals."""
-    refuse_unsupported(request)
+    refuse_unsupported(request, CHAT_REFUSED)
     if request.top_logprobs is not None and not request.logprobs:
         raise HttpError.invalid("top_logprobs", "needs logprobs: true")
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:

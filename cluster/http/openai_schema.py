@@ -276,6 +276,11 @@ class ChatCompletionRequest(GenerationParams):
     """Accepted: what OpenAI's asks for, a conversation routed to its cache, the router does for
     every prompt by its prefix (docs/router.md)."""
     safety_identifier: str | None = None
+    store: bool | None = None
+    """OpenAI's: keep the completion, to be listed and read back
+    (cluster/http/stored_completions.py)."""
+    metadata: dict[str, str] | None = None
+    """Kept with a stored completion, and what its listing filters by."""
 
 
 class CompletionRequest(GenerationParams):
@@ -302,6 +307,8 @@ REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     "store": ("stored completions are not supported", (False,)),
 }
 """Parameters of the OpenAI API that radixmesh does not implement."""
+CHAT_REFUSED = {name: why for name, why in REFUSED.items() if name not in ("metadata", "store")}
+"""Of those, the chat API's: it stores completions (legacy completions do not, as OpenAI's)."""
 
 
 # -- responses -------------------------------------------------------------------------------

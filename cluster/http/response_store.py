@@ -20,9 +20,10 @@ refused by name.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+from cluster.http.kept_store import KeptStore
 
 ENTRY_BYTES = 640
 """What Python takes to hold one stored response beside its items' bytes (the key, the entry,
@@ -71,50 +72,6 @@ class StoredResponse:
         return [json.loads(item) for item in items]
 
 
-class ResponseStore:
+class ResponseStore(KeptStore[StoredResponse]):
     """Stored responses by (tenant, id), least recently used dropped first beyond `max_bytes`.
     Used from the router's event loop only."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._kept: OrderedDict[tuple[str, str], tuple[StoredResponse, int]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_bytes > 0
-
-    def put(self, tenant: str, response_id: str, stored: StoredResponse) -> bool:
-        """Keep `stored` (replacing the tenant's response of that id), dropping the least
-        recently used until it fits; False, keeping nothing new, when it is larger than the
-        whole store."""
-        self.delete(tenant, response_id)  # a request id used again: the older one goes
-        size = stored.size
-        if size > self.max_bytes:
-            return False
-        while self.bytes + size > self.max_bytes:
-            _, (_, dropped) = self._kept.popitem(last=False)
-            self.bytes -= dropped
-        self._kept[tenant, response_id] = (stored, size)
-        self.bytes += size
-        return True
-
-    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        """The tenant's response of that id (None: never stored, deleted or dropped), now the
-        most recently used."""
-        key = (tenant, response_id)
-        kept = self._kept.get(key)
-        if kept is None:
-            return None
-        self._kept.move_to_end(key)
-        return kept[0]
-
-    def delete(self, tenant: str, response_id: str) -> bool:
-        kept = self._kept.pop((tenant, response_id), None)
-        if kept is None:
-            return False
-        self.bytes -= kept[1]
-        return True

@@ -40,7 +40,7 @@ def stored(body: ResponsesRequest, store: ResponseStore) -> bool:
             "this router keeps no responses (router.response_store_bytes is 0); "
             "send store: false, and the conversation in input",
         )
-    _check_metadata(body.metadata)
+    check_metadata(body.metadata)
     return body.store is not False and store.enabled
 
 
@@ -139,7 +139,7 @@ def input_items(body: ResponsesRequest) -> list[Item]:
     return items
 
 
-def _check_metadata(metadata: dict[str, str] | None) -> None:
+def check_metadata(metadata: dict[str, str] | None) -> None:
     if metadata is None:
         return
     if len(metadata) > MAX_METADATA_PAIRS:

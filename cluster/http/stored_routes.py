@@ -108,30 +108,40 @@ def _not_stored(response_id: str) -> HttpError:
 
 
 def item_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
-    """A page of a stored response's input items, as OpenAI lists them: `order` (desc, the
-    default, or asc), after the item `after` names, at most `limit` (1-100, 20)."""
-    order = query.get("order", "desc")
+    """A page of a stored response's input items, as OpenAI lists them (`page_of`; newest
+    first unless `order` says asc)."""
+    page = page_of([item["id"] for item in items], query, "desc", "an input item of this response")
+    return page | {"data": [items[k] for k in page["data"]]}
+
+
+def page_of(
+    ids: Sequence[str], query: Mapping[str, str], order_default: str, what: str
+) -> dict[str, Any]:
+    """A page of a list, as OpenAI pages one, with the listed places in `ids` as its `data`:
+    `order` asc (`ids`' order) or desc, after the id `after` names (`what` it should be: its
+    refusal says), at most `limit` (1-100, 20)."""
+    order = query.get("order", order_default)
     if order not in ("asc", "desc"):
         raise HttpError.invalid("order", f"{order!r} is not one of asc, desc")
     raw = query.get("limit", "20")
     if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_PAGE:
         raise HttpError.invalid("limit", f"{raw!r}: a whole number from 1 to {MAX_PAGE}")
-    listed = list(items) if order == "asc" else list(reversed(items))
+    listed = list(range(len(ids))) if order == "asc" else list(reversed(range(len(ids))))
     after = query.get("after")
     if after is not None:
-        ids = [item["id"] for item in listed]
-        if after not in ids:
-            raise HttpError.invalid("after", f"{after!r} is not an input item of this response")
-        listed = listed[ids.index(after) + 1 :]
+        at = next((n for n, k in enumerate(listed) if ids[k] == after), None)
+        if at is None:
+            raise HttpError.invalid("after", f"{after!r} is not {what}")
+        listed = listed[at + 1 :]
     page = listed[: int(raw)]
     return {
         "object": "list",
         "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
+        "first_id": ids[page[0]] if page else None,
+        "last_id": ids[page[-1]] if page else None,
         "has_more": len(listed) > len(page),
     }
 
 
 MAX_PAGE = 100
-"""The most input items one page lists (OpenAI's bound)."""
+"""The most one page lists (OpenAI's bound)."""

@@ -759,6 +759,8 @@ def test_answers_are_counted_by_route_and_status(
         httpx.get(f"{url}/v1/responses/{made_up}", headers=AUTH)
         httpx.get(f"{url}/v1/responses/{made_up}/input_items", headers=AUTH)
         httpx.get(f"{url}/v1/responses/{made_up}/more", headers=AUTH)
+        httpx.get(f"{url}/v1/chat/completions/chatcmpl-{made_up}", headers=AUTH)
+        httpx.get(f"{url}/v1/chat/completions/chatcmpl-{made_up}/messages", headers=AUTH)
     added = {k: v - before.get(k, 0) for k, v in counts.items() if v != before.get(k, 0)}
     assert added == {
         ("/v1/completions", 200): 1,
@@ -769,6 +771,8 @@ def test_answers_are_counted_by_route_and_status(
         ("/health", 200): 1,
         ("/v1/responses/{id}", 404): 2,
         ("/v1/responses/{id}/input_items", 404): 2,
+        ("/v1/chat/completions/{id}", 404): 2,
+        ("/v1/chat/completions/{id}/messages", 404): 2,
         ("other", 404): 3,
     }
     registry = CollectorRegistry()
