@@ -303,7 +303,8 @@ class RouterSection:
     max_restarts: int = _at_least(-1, -1)
     response_store_bytes: int = _at_least(256 << 20, 0)
     """The Responses API's stored responses (`store`, `previous_response_id`), in the router's
-    memory: at most this many bytes of conversations, least recently used dropped first; 0:
+    memory: at most this many bytes of conversations, least recently used dropped first; the
+    stored chat completions (`store: true`) have a store of their own with the same bound; 0:
     none stored (`store: true` is refused)."""
     files_bytes: int = _at_least(1 << 30, 0)
     """The Files API's files (batch inputs, and the batches' output files), in the router's
