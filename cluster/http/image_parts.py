@@ -5,12 +5,12 @@
     Anthropic   {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                              "data": "..."}}
 
-PNG, JPEG and WebP only. Refused with 400 naming the part (`where`): a remote URL (http, https,
-or an Anthropic "url" / "file" source: "send the image itself"), a data URL that is not base64
-or not of an image type served, base64 that does not decode, and a declared media type the
-file's own signature contradicts (a JPEG sent as image/png). Bytes that are no image at all, a
-truncated file, a decompression bomb, too many images: the serving core checks those
-(worker/images.py) and names the same part.
+PNG, JPEG (declared `image/jpeg`, or `image/jpg` as clients write it) and WebP only. Refused
+with 400 naming the part (`where`): a remote URL (http, https, or an Anthropic "url" / "file"
+source: "send the image itself"), a data URL that is not base64 or not of an image type served,
+base64 that does not decode, and a declared media type the file's own signature contradicts (a
+JPEG sent as image/png). Bytes that are no image at all, a truncated file, a decompression bomb,
+too many images: the serving core checks those (worker/images.py) and names the same part.
 
 `image_body_bytes` is what the HTTP body limit allows for images: base64 is 4/3 of the bytes.
 """
@@ -25,8 +25,10 @@ from typing import Any
 from cluster.http.errors import HttpError
 from cluster.model_vision import ModelVision
 
-MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP"}
-"""The media types served, and the format each must be."""
+MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
+"""The media types served, and the format each must be. `image/jpg` is no registered type, but
+clients write it (browsers' and Python's guesses from a `.jpg` name differ) and vLLM and SGLang,
+which read the bytes whatever the declared type, serve it."""
 PART_BYTES = 512
 """An image part's JSON besides its base64 (keys, type, media type, detail): a generous bound."""
 

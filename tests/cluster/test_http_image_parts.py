@@ -40,7 +40,9 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
 
 
-@pytest.mark.parametrize(("fmt", "media"), [("PNG", "png"), ("JPEG", "jpeg"), ("WEBP", "webp")])
+@pytest.mark.parametrize(
+    ("fmt", "media"), [("PNG", "png"), ("JPEG", "jpeg"), ("JPEG", "jpg"), ("WEBP", "webp")]
+)
 def test_data_urls_of_each_format_decode_to_the_file(fmt: str, media: str) -> None:
     data = encoded(fmt)
     assert signature_format(data) == fmt
@@ -73,6 +75,7 @@ def refusal(call: Any, *args: Any) -> HttpError:
         ("data:image/png;base64,not base64!!", "does not decode"),
         (data_url(encoded("JPEG"), "image/png"), "declared image/png, but the data is a JPEG"),
         (data_url(encoded("PNG"), "image/webp"), "is a PNG file"),
+        (data_url(encoded("PNG"), "image/jpg"), "declared image/jpg, but the data is a PNG"),
     ],
 )
 def test_openai_image_urls_that_cannot_be_served_name_the_part(url: str, why: str) -> None:
