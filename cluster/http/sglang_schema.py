@@ -196,7 +196,7 @@ def as_completion(body: GenerateRequest, model: str) -> CompletionRequest:
         "presence_penalty": s.presence_penalty,
         "repetition_penalty": s.repetition_penalty,
         "stop": s.stop,
-        "stop_token_ids": s.stop_token_ids,
+        "stop_token_ids": None if s.ignore_eos else s.stop_token_ids,  # SGLang skips both
         "ignore_eos": s.ignore_eos,
         "skip_special_tokens": s.skip_special_tokens,
         "include_stop_str_in_output": s.no_stop_trim,

@@ -217,6 +217,9 @@ def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
     by_id = {**GREEDY, "stop_token_ids": [token]}
     ended = generate(cluster, {"text": PROMPT, "sampling_params": by_id})
     assert ended["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    past = generate(cluster, {"text": PROMPT, "sampling_params": {**by_id, "ignore_eos": True}})
+    assert past["output_ids"] == free["output_ids"]  # ignore_eos: stop ids too, as in SGLang
+    assert past["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
     regex = {**GREEDY, "regex": "[ab]{4}"}
     shaped = generate(cluster, {"text": PROMPT, "sampling_params": regex})
     assert re.fullmatch("[ab]{4}", shaped["text"])
