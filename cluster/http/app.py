@@ -113,7 +113,12 @@ from cluster.http.responses_background import BackgroundResponses
 from cluster.http.responses_chain import owner
 from cluster.http.several_prompts import merged
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
-from cluster.http.stored_completions import CompletionStore, Keep, kept_at_the_end
+from cluster.http.stored_completions import (
+    CompletionStore,
+    Keep,
+    answered_whole,
+    kept_at_the_end,
+)
 from cluster.http.token_texts import TokenTexts
 from cluster.router_admin import clear_caches
 from cluster.router_service import RouterService
@@ -277,9 +282,10 @@ class HttpApi:
             return None
         tenant = owner(caller, self.tenant(request))
         large = bool(body.logprobs)
+        place = stored_completions.next_place()
 
         async def keep(completion: BaseModel) -> None:
-            record = functools.partial(stored_completions.kept, body, completion)
+            record = functools.partial(stored_completions.kept, body, completion, place)
             kept = await asyncio.to_thread(record) if large else record()
             self.chat_store.put(tenant, kept.key, kept)
 
@@ -374,7 +380,7 @@ class HttpApi:
             first = await self.finish(request, anext(stream), rename)
             return EventStream(guarded(events(prepend(first, stream))), served_by(first))
         samples, counts = await self.finish(request, collect(stream), rename)
-        if keep is None:
+        if keep is None or not answered_whole(samples):
             return await answer(lambda: whole(samples, counts), counts, large)
         built = await asyncio.to_thread(whole, samples, counts) if large else whole(samples, counts)
         await keep(built)

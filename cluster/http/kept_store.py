@@ -38,14 +38,16 @@ class KeptStore(Generic[V]):
 
     def put(self, tenant: str, key: str, value: V) -> bool:
         """Keep `value` (replacing the tenant's of that id), dropping the least recently used
-        until it fits; False, keeping nothing new, when it is larger than the whole store."""
+        until it fits; False, keeping nothing new, when it is larger than the whole store (the
+        id's older one is gone all the same: the id is the new one's)."""
         self.delete(tenant, key)  # an id used again: the older one goes
         size = value.size
         if size > self.max_bytes:
             return False
         while self.bytes + size > self.max_bytes:
-            _, (_, dropped) = self._kept.popitem(last=False)
-            self.bytes -= dropped
+            (owner, old), (dropped, taken) = self._kept.popitem(last=False)
+            self.bytes -= taken
+            self.gone(owner, old, dropped)
         self._kept[tenant, key] = (value, size)
         self.bytes += size
         return True
@@ -64,7 +66,11 @@ class KeptStore(Generic[V]):
         if kept is None:
             return False
         self.bytes -= kept[1]
+        self.gone(tenant, key, kept[0])
         return True
+
+    def gone(self, tenant: str, key: str, value: V) -> None:
+        """Told of each object deleted, replaced or dropped (nothing here)."""
 
     def of(self, tenant: str) -> Iterator[tuple[str, V]]:
         """The tenant's ids and objects, least recently used first (none made more recent)."""

@@ -438,24 +438,33 @@ async def chat_chunks(
 
 
 # -- text completions ------------------------------------------------------------------------
-def token_offsets(texts: TokenTexts, token_ids: list[int], start: int, emitted: int) -> list[int]:
+def token_offsets(
+    texts: TokenTexts, token_ids: list[int], start: int, emitted: int, widthless: int = 0
+) -> list[int]:
     """Where each token of one message starts in the completion's text: from `start` (the text
-    before the message), advanced by each token's own text, never past the `emitted` characters
-    the message added (a token whose text is held back, or a special token, adds none)."""
-    offsets, at = [], start
-    for token in token_ids:
-        offsets.append(min(at, start + emitted))
-        at += len(texts.text(token))
+    before the message), each token as wide as its own text, within the `emitted` characters
+    the message added. The message's tokens are placed as late as both readings allow: from
+    the message's start (text of its tokens held back, a possible stop string, comes later)
+    and back from its end (text held from earlier tokens came with it). The first `widthless`
+    tokens add no text (a thinking model's reasoning, apart from the text)."""
+    widths = [0 if k < widthless else len(texts.text(t)) for k, t in enumerate(token_ids)]
+    end = start + emitted
+    left, right = start, end - sum(widths)
+    offsets = []
+    for width in widths:
+        offsets.append(min(max(left, right), end))
+        left, right = left + width, right + width
     return offsets
 
 
 def sample_offsets(texts: TokenTexts, sample: Sample, start: int = 0) -> list[int]:
     """Where each of the sample's tokens starts in its text (after `start` characters), message
-    by message as `token_offsets` places them."""
+    by message as `token_offsets` places them; its reasoning's tokens (the first) add none."""
     out: list[int] = []
     for tokens, chars in sample.spans:
         ids = sample.token_ids[len(out) : len(out) + tokens]
-        out += token_offsets(texts, ids, start, chars)
+        reasoning = min(max(sample.reasoning_tokens - len(out), 0), tokens)
+        out += token_offsets(texts, ids, start, chars, reasoning)
         start += chars
     return out
 

@@ -15,7 +15,7 @@ import base64
 import binascii
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 from cluster.http.openai_responses import Counts, Sample, chat_logprobs, sample_offsets
@@ -36,7 +36,7 @@ from cluster.http.responses_schema import (
 )
 from cluster.http.token_texts import TokenTexts
 from protos.radixmesh.v1 import serving_pb2
-from worker.tool_calls import ToolCall
+from worker.tool_calls import ToolCall, find_calls
 
 
 def shell(body: ResponsesRequest, response_id: str, model: str, store: bool = False) -> Response:
@@ -183,12 +183,14 @@ def token_logprobs(
 
 
 def message_logprobs(
-    texts: TokenTexts, sample: Sample, calls: Sequence[tuple[int, int]] = ()
+    texts: TokenTexts, sample: Sample, tools: Collection[str] = ()
 ) -> list[TokenLogprob]:
     """The logprobs of the answer's message: the sample's tokens after the reasoning's, less
-    those of its function calls (`calls`: where each lies in the sample's text). A token is a
-    call's when its text starts inside the call, so one that begins in the content and runs
+    those of its calls of `tools`. A token is a call's when its text starts inside the call
+    (from its tag to the end of its closing tag), so one that begins in the content and runs
     into a call's tag is the content's."""
+    text = "".join(sample.text)
+    calls = [(begin, end) for _, begin, end in find_calls(text, tools)] if tools else []
     entries = token_logprobs(texts, sample.token_ids, sample.logprobs)
     places = sample_offsets(texts, sample)
     return [

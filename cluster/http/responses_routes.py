@@ -53,7 +53,7 @@ from cluster.http.responses_stream import events
 from cluster.http.responses_truncation import Truncation
 from cluster.http.sse import EventStream
 from protos.radixmesh.v1 import serving_pb2
-from worker.tool_calls import find_calls, read_calls
+from worker.tool_calls import read_calls
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
@@ -116,13 +116,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         samples, counts = await api.finish(request, collect(stream), rename)
         sample = samples[0]
         text = "".join(sample.text)
-        found = find_calls(text, tools) if tools else []
         content, calls = read_calls(text, tools) if tools else (text, [])
-        logprobs = (
-            message_logprobs(texts, sample, [(begin, end) for _, begin, end in found])
-            if texts is not None
-            else None
-        )
+        logprobs = message_logprobs(texts, sample, tools) if texts is not None else None
         reply = done(
             started, content, calls, sample.finish_reason, counts,
             thought="".join(sample.reasoning), logprobs=logprobs,

@@ -165,7 +165,9 @@ class _Events:
         a message's count of reasoning tokens may take in tokens of earlier ones (held text
         that turned out to open the reasoning), so the cut is by place in the sample."""
         entries = token_logprobs(texts, response.token_ids, response.logprobs)
-        places = token_offsets(texts, list(response.token_ids), self.chars, len(response.text))
+        ids = list(response.token_ids)
+        reasoning = min(max(self.reasoned + response.reasoning_tokens - self.tokens, 0), len(ids))
+        places = token_offsets(texts, ids, self.chars, len(response.text), reasoning)
         self.pending += [
             (self.tokens + k, at, entry)
             for k, (entry, at) in enumerate(zip(entries, places, strict=True))

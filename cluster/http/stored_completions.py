@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from cluster.http.openai_responses import FINISH_ERROR, Counts, Responses, Sampl
 from cluster.http.openai_schema import ChatCompletionRequest, ChatMessage, Strict
 from cluster.http.responses_chain import check_metadata, owner
 from cluster.http.stored_routes import page_of
+from worker.request import FINISH_ABORT
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
@@ -58,6 +60,8 @@ PARAMETERS = (
     "response_format",
 )
 """The request's parameters a stored completion shows beside its `metadata` (null: not set)."""
+MAX_GONE = 4096
+"""Deleted or dropped completions whose place in the listing is remembered."""
 _SEQUENCE = itertools.count()
 Keep = Callable[[BaseModel], Awaitable[None]]
 """Keeps a whole response (cluster/http/app.py `respond`)."""
@@ -74,7 +78,7 @@ class StoredCompletion:
     model: str
     metadata: dict[str, str] = field(default_factory=dict)
     sequence: int = field(default_factory=lambda: next(_SEQUENCE))
-    """Its place in the order the completions were stored (the listing's)."""
+    """Its place in the listing: the order the requests came in (`next_place`)."""
 
     @property
     def size(self) -> int:
@@ -88,7 +92,23 @@ class StoredCompletion:
 
 
 class CompletionStore(KeptStore[StoredCompletion]):
-    """The stored chat completions, by (tenant, id)."""
+    """The stored chat completions, by (tenant, id); and the place in the listing of the last
+    `MAX_GONE` that were deleted or dropped, so that a listing paged after one of them goes on
+    (a client deleting what it lists, page by page, names a deleted one in `after`)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self._gone: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    def gone(self, tenant: str, key: str, value: StoredCompletion) -> None:
+        self._gone[tenant, key] = value.sequence
+        if len(self._gone) > MAX_GONE:
+            self._gone.popitem(last=False)
+
+    def place(self, tenant: str, key: str) -> int | None:
+        """The completion's place in the listing, kept or recently gone (None: unknown)."""
+        kept = self._kept.get((tenant, key))
+        return kept[0].sequence if kept is not None else self._gone.get((tenant, key))
 
 
 class MetadataUpdate(Strict):
@@ -109,8 +129,13 @@ def storing(body: ChatCompletionRequest, store: CompletionStore) -> bool:
     return bool(body.store)
 
 
-def kept(body: ChatCompletionRequest, completion: BaseModel) -> StoredCompletion:
-    """What the store keeps of an answered request."""
+def next_place() -> int:
+    """A request's place in the listing, drawn as it comes in (as OpenAI lists by `created`)."""
+    return next(_SEQUENCE)
+
+
+def kept(body: ChatCompletionRequest, completion: BaseModel, place: int) -> StoredCompletion:
+    """What the store keeps of an answered request (`place`: from `next_place`)."""
     answered = completion.model_dump(mode="json")
     asked = body.model_dump(mode="json", by_alias=True, include=set(PARAMETERS))
     shown = answered | {name: asked.get(name) for name in PARAMETERS}
@@ -123,7 +148,14 @@ def kept(body: ChatCompletionRequest, completion: BaseModel) -> StoredCompletion
         ),
         model=answered["model"],
         metadata=dict(body.metadata or {}),
+        sequence=place,
     )
+
+
+def answered_whole(samples: Mapping[int, Sample]) -> bool:
+    """Whether every sample ended as a generation does (not failed, nor aborted: those are
+    not kept)."""
+    return all(s.finish_reason not in (FINISH_ERROR, FINISH_ABORT) for s in samples.values())
 
 
 async def kept_at_the_end(
@@ -141,7 +173,7 @@ async def kept_at_the_end(
             counts.record(response)
             samples.setdefault(response.index, Sample()).take(response)
             yield response
-    if any(s.finish_reason == FINISH_ERROR for s in samples.values()):
+    if not answered_whole(samples):
         return
     built = await asyncio.to_thread(whole, samples, counts) if large else whole(samples, counts)
     await keep(built)
@@ -186,7 +218,14 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             if (model is None or value.model == model)
             and all(value.metadata.get(k) == v for k, v in wanted.items())
         ]
-        page = page_of([key for key, _ in rows], query, "asc", "a completion this listing holds")
+        page = page_of(
+            [key for key, _ in rows],
+            query,
+            "asc",
+            "a stored completion of this tenant",
+            places=[value.sequence for _, value in rows],
+            place_of=lambda key: api.chat_store.place(tenant, key),
+        )
         return _json(page | {"data": [rows[k][1].shown() for k in page["data"]]})
 
     async def retrieve(completion_id: str, request: Request) -> HttpResponse:
@@ -196,8 +235,9 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         check_metadata(body.metadata)
         tenant = tenant_of(request)
         changed = replace(stored(completion_id, request), metadata=dict(body.metadata or {}))
-        if not api.chat_store.put(tenant, completion_id, changed):
+        if changed.size > api.chat_store.max_bytes:  # refused before `put` drops the old one
             raise HttpError(413, "the metadata makes the completion larger than the store")
+        api.chat_store.put(tenant, completion_id, changed)
         return _json(changed.shown())
 
     async def delete(completion_id: str, request: Request) -> HttpResponse:
@@ -207,6 +247,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         return _json(gone)
 
     async def messages(completion_id: str, request: Request) -> HttpResponse:
+        _refuse_others(request.query_params, PAGE_QUERY)
         items = [json.loads(m) for m in stored(completion_id, request).messages]
         ids = [item["id"] for item in items]
         page = page_of(ids, request.query_params, "asc", "a message of this completion")
@@ -219,7 +260,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     app.add_api_route("/v1/chat/completions/{completion_id}/messages", messages, methods=["GET"])
 
 
-LISTING_QUERY = ("after", "limit", "order", "model")
+PAGE_QUERY = ("after", "limit", "order")
+LISTING_QUERY = (*PAGE_QUERY, "model")
 
 
 def _metadata_filter(query: Mapping[str, str]) -> dict[str, str]:
@@ -232,6 +274,12 @@ def _metadata_filter(query: Mapping[str, str]) -> dict[str, str]:
         elif name not in LISTING_QUERY:
             raise HttpError.invalid(name, "unknown query parameter")
     return wanted
+
+
+def _refuse_others(query: Mapping[str, str], known: tuple[str, ...]) -> None:
+    for name in query:
+        if name not in known:
+            raise HttpError.invalid(name, "unknown query parameter")
 
 
 def _json(value: dict[str, Any]) -> HttpResponse:

@@ -14,7 +14,7 @@ as one never stored.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -115,24 +115,36 @@ def item_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]) -> dict
 
 
 def page_of(
-    ids: Sequence[str], query: Mapping[str, str], order_default: str, what: str
+    ids: Sequence[str],
+    query: Mapping[str, str],
+    order_default: str,
+    what: str,
+    places: Sequence[int] | None = None,
+    place_of: Callable[[str], int | None] | None = None,
 ) -> dict[str, Any]:
     """A page of a list, as OpenAI pages one, with the listed places in `ids` as its `data`:
     `order` asc (`ids`' order) or desc, after the id `after` names (`what` it should be: its
-    refusal says), at most `limit` (1-100, 20)."""
+    refusal says), at most `limit` (1-100, 20). `places`: where each id is in the order of the
+    whole list (ascending; by default its index), and `place_of` an id's place, one no longer
+    in `ids` too (by default the place of the first of `ids` listed that is the id)."""
     order = query.get("order", order_default)
     if order not in ("asc", "desc"):
         raise HttpError.invalid("order", f"{order!r} is not one of asc, desc")
     raw = query.get("limit", "20")
     if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_PAGE:
         raise HttpError.invalid("limit", f"{raw!r}: a whole number from 1 to {MAX_PAGE}")
-    listed = list(range(len(ids))) if order == "asc" else list(reversed(range(len(ids))))
+    where = list(range(len(ids))) if places is None else list(places)
+    listed = sorted(range(len(ids)), key=where.__getitem__, reverse=order == "desc")
     after = query.get("after")
     if after is not None:
-        at = next((n for n, k in enumerate(listed) if ids[k] == after), None)
+        at = (
+            place_of(after)
+            if place_of is not None
+            else next((where[k] for k in listed if ids[k] == after), None)
+        )
         if at is None:
             raise HttpError.invalid("after", f"{after!r} is not {what}")
-        listed = listed[at + 1 :]
+        listed = [k for k in listed if (where[k] > at if order == "asc" else where[k] < at)]
     page = listed[: int(raw)]
     return {
         "object": "list",

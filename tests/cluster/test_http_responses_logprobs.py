@@ -22,7 +22,6 @@ from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from tests.cluster.test_http_responses import TOOLS
 from tests.cluster.test_http_responses_reasoning import run_events
-from worker.tool_calls import find_calls
 
 MODEL = SERVED_NAME
 QUESTION = "the quick brown fox"
@@ -182,10 +181,13 @@ def made_up(chunks: list[Chunk]) -> list[serving_pb2.GenerateResponse]:
 
 
 def streamed(
-    responses: list[serving_pb2.GenerateResponse], tools: frozenset[str] = NONE
+    responses: list[serving_pb2.GenerateResponse],
+    tools: frozenset[str] = NONE,
+    texts: TokenTexts | None = None,
 ) -> list[dict[str, Any]]:
-    """The events of the made-up stream, with logprobs asked for (token k reads "token_id:k")."""
-    return run_events(responses, tools, TokenTexts(None))
+    """The events of the made-up stream, with logprobs asked for (token k reads "token_id:k",
+    unless `texts` says)."""
+    return run_events(responses, tools, texts or TokenTexts(None))
 
 
 def tokens_of(events: list[dict[str, Any]]) -> tuple[list[list[str]], list[str], list[str]]:
@@ -201,13 +203,27 @@ def tokens_of(events: list[dict[str, Any]]) -> tuple[list[list[str]], list[str],
     return deltas, [t["token"] for t in done["logprobs"]], final
 
 
-def whole(responses: list[serving_pb2.GenerateResponse], tools: frozenset[str] = NONE) -> list[str]:
+def whole(
+    responses: list[serving_pb2.GenerateResponse],
+    tools: frozenset[str] = NONE,
+    texts: TokenTexts | None = None,
+) -> list[str]:
     """The non-streamed reading: the sample's tokens after its reasoning's, less its calls'."""
     sample = Sample()
     for message in responses:
         sample.take(message)
-    calls = [(begin, end) for _, begin, end in find_calls("".join(sample.text), tools)]
-    return [t.token for t in responses_output.message_logprobs(TokenTexts(None), sample, calls)]
+    read = responses_output.message_logprobs(texts or TokenTexts(None), sample, tools)
+    return [t.token for t in read]
+
+
+class Vocabulary:
+    """A decoder of made-up token ids, each its own text."""
+
+    def __init__(self, table: dict[int, str]) -> None:
+        self.table = table
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.table[i] for i in ids)
 
 
 def test_a_thinking_models_reasoning_tokens_are_left_out() -> None:
@@ -332,3 +348,27 @@ def test_a_required_call_answers_with_logprobs_asked(
     )
     assert asked.output[0].arguments == plain.output[0].arguments  # type: ignore[union-attr]
     cluster.wait_idle()
+
+
+@pytest.mark.parametrize("newline", [False, True])
+def test_tokens_are_placed_by_their_own_texts_around_a_call(newline: bool) -> None:
+    """Token texts as a tokenizer gives them: a message holding a reasoning token (no text of
+    the answer's) and answer tokens, then the call right after them, or after a newline held
+    (as before a possible `<think>`) and let out with the call's tag; text after the call. The
+    message has the answer's tokens, the newline, and those after the call; the tag's token,
+    which starts after the newline, is the call's."""
+    body = '\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    table = {1: "it", 2: " rains", 3: "</think>", 4: "\n\nPa", 5: "ris", 6: "\n"}
+    table |= {7: "<tool_call>", 8: body, 9: " Bye", 10: "<|im_end|>"}
+    texts = TokenTexts(Vocabulary(table))
+    chunks = [("it rains", "", [1, 2], 2), ("", "\n\nParis", [3, 4, 5], 1)]
+    if newline:
+        chunks += [("", "", [6], 0), ("", "\n<tool_call>", [7], 0)]
+    else:
+        chunks += [("", "<tool_call>", [7], 0)]
+    chunks += [("", body, [8], 0), ("", " Bye", [9], 0), ("", "", [10], 0)]
+    responses = made_up(chunks)
+    tools = frozenset({"f"})
+    answer = ["\n\nPa", "ris", *(["\n"] if newline else []), " Bye", "<|im_end|>"]
+    _, done, final = tokens_of(streamed(responses, tools, texts))
+    assert done == final == whole(responses, tools, texts) == answer

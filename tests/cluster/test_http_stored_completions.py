@@ -7,9 +7,11 @@ filters, paged, its metadata replaced, deleted; each tenant's own; nothing kept 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx2 as httpx
@@ -17,8 +19,16 @@ import openai
 import pytest
 
 from cluster.http.errors import HttpError
+from cluster.http.openai_responses import Counts, Sample
 from cluster.http.openai_schema import ChatChoice, ChatCompletion, ChatCompletionRequest, Usage
-from cluster.http.stored_completions import CompletionStore, kept, storing
+from cluster.http.stored_completions import (
+    CompletionStore,
+    kept,
+    kept_at_the_end,
+    next_place,
+    storing,
+)
+from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from tests.cluster.test_http_responses import QUESTION
 from tests.cluster.tool_fixtures import WEATHER
@@ -203,6 +213,7 @@ def test_a_stream_whose_client_left_is_not_kept(cluster: LocalCluster) -> None:
         ("", {"after": "chatcmpl-nope"}, "after"),
         ("", {"status": "completed"}, "status"),
         ("/ID/messages", {"after": "ID-9"}, "after"),
+        ("/ID/messages", {"model": MODEL}, "model"),
     ],
 )
 def test_listing_refusals_name_the_parameter(
@@ -291,7 +302,7 @@ def test_the_store_keeps_within_its_bound() -> None:
                 }
             ),
         )
-        record = kept(body, answered)
+        record = kept(body, answered, next_place())
         assert record.size > len(record.completion) + sum(map(len, record.messages))
         assert store.put("t", record.key, record)
         ids.append(record.key)
@@ -299,3 +310,62 @@ def test_the_store_keeps_within_its_bound() -> None:
     held = [key for key, _ in store.of("t")]
     assert 0 < len(held) < 60 and held == ids[-len(held) :]
     assert store.bytes == sum(v.size for _, v in store.of("t"))
+    last = store.get("t", ids[-1])
+    assert last is not None
+    huge = replace(last, metadata={"x": "y" * 20_000})
+    assert not store.put("t", last.key, huge)  # larger than the store: not kept, the old gone
+    assert store.get("t", last.key) is None
+    assert store.place("t", ids[0]) == store.place("t", ids[0]) is not None  # dropped: placed
+    assert store.place("t", "chatcmpl-never") is None
+
+
+def test_paging_goes_on_past_deleted_and_changed_ones(
+    tenant: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """A client that changes (or deletes) what it lists, page by page, names a completion no
+    longer matching (or gone) in the next page's `after`: the listing goes on from there."""
+    body = GREEDY | {"max_tokens": 1, "store": True, "metadata": {"s": "draft"}}
+    ids = [tenant.chat.completions.create(**body).id for _ in range(7)]
+    changed = []
+    for made in tenant.chat.completions.list(limit=2, metadata={"s": "draft"}):
+        changed.append(made.id)
+        tenant.chat.completions.update(made.id, metadata={"s": "final"})
+    assert changed == ids
+    newest_first = [c.id for c in tenant.chat.completions.list(limit=2, order="desc")]
+    assert newest_first == ids[::-1]
+    deleted = []
+    for made in tenant.chat.completions.list(limit=3):
+        deleted.append(made.id)
+        tenant.chat.completions.delete(made.id)
+    assert deleted == ids and list(tenant.chat.completions.list()) == []
+    cluster.wait_idle()
+
+
+def made_up(finish: str) -> list[serving_pb2.GenerateResponse]:
+    first = serving_pb2.GenerateResponse(index=0, text="Hi", token_ids=[5], worker="w")
+    last = serving_pb2.GenerateResponse(
+        index=0, text="", token_ids=[], worker="w", finished=True, finish_reason=finish
+    )
+    return [first, last]
+
+
+@pytest.mark.parametrize(("finish", "keeps"), [("stop", True), ("length", True), ("abort", False)])
+def test_a_stream_is_kept_only_when_it_ended_as_a_generation(finish: str, keeps: bool) -> None:
+    """An aborted generation (its worker stopping, `/abort_request`) is not kept."""
+    kept_ones: list[Any] = []
+
+    async def keep(completion: Any) -> None:
+        kept_ones.append(completion)
+
+    async def stream() -> Any:
+        for response in made_up(finish):
+            yield response
+
+    def whole(samples: dict[int, Sample], counts: Counts) -> Any:
+        return "".join(samples[0].text)
+
+    async def run() -> list[str]:
+        return [r.text async for r in kept_at_the_end(stream(), whole, keep, False)]
+
+    assert asyncio.run(run()) == ["Hi", ""]  # passed on as it came
+    assert kept_ones == (["Hi"] if keeps else [])
