@@ -13,6 +13,7 @@
     POST /generate   GET /get_model_info   POST /abort_request   (SGLang's native API)
     POST /reset_prefix_cache (vLLM's)   GET, POST /flush_cache (SGLang's)  (admin)
     GET  /health, GET or POST /ping (vLLM's, SageMaker's)   (no token: probes carry none)
+    GET  /health_generate (SGLang's: a one-token generation)  (no token either)
     GET  /version               (vLLM's)
 
 A request's `model` is the base model's served name, or a LoRA adapter's name (vLLM's
@@ -21,9 +22,9 @@ name is 404, as OpenAI answers. /v1/models lists the base model and every adapte
 holds (`parent`: the base model). Loading and unloading adapters, and emptying the caches,
 need a token bound to every tenant ("*"), as the Admin gRPC service does (403 otherwise).
 
-Every call but /health and /ping needs a known bearer token when `security.auth_tokens` is set
-(`Authorization: Bearer <token>`, or Anthropic's `x-api-key: <token>`), and uses the tenant the
-token allows; `X-Radixmesh-Tenant` names a tenant for tokens bound to "*" (or with no tokens).
+Every call but the probes (/health, /ping, /health_generate) needs a known bearer token when
+`security.auth_tokens` is set (`Authorization: Bearer <token>`, or Anthropic's `x-api-key:
+<token>`), and uses the tenant the token allows; `X-Radixmesh-Tenant` names a tenant for tokens bound to "*" (or with no tokens).
 `X-Request-Id` sets the request id (as for vLLM), which gRPC's Abort takes. A generation's
 response names the worker that served it (`X-Radixmesh-Worker`) and the prompt tokens the router
 expected it to find cached (`X-Radixmesh-Predicted-Cached-Tokens`).
@@ -74,6 +75,7 @@ from cluster.http.embeddings import (
 from cluster.http.embeddings_schema import EmbeddingRequest
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.file_store import FileStore
+from cluster.http.generation_probe import GenerationProbe, ProbeFailed
 from cluster.http.image_parts import image_body_bytes
 from cluster.http.json_answer import answer
 from cluster.http.openai_responses import (
@@ -165,6 +167,8 @@ class HttpApi:
             priority=router.batch_priority if by_priority else None,
         )
         """The Batch API's batches; each runs its requests through this app (`build_app`)."""
+        self.probe = GenerationProbe(lambda message: self.start(message, Caller(ANY_TENANT)))
+        """SGLang's /health_generate."""
 
     # -- who calls, and about what ---------------------------------------------------------------
     def caller(self, request: Request) -> Caller:
@@ -647,6 +651,19 @@ class HttpApi:
             return JSONResponse({"status": status, "workers": workers}, status_code=503)
         return JSONResponse({"status": "ok", "workers": workers})
 
+    async def health_generate(self) -> Response:
+        """SGLang's probe: 200 once a one-token generation answered (cluster/http/
+        generation_probe.py), else 503 with the reason, as /health says it."""
+        unhealthy = await self.health()
+        if unhealthy.status_code != 200:
+            return unhealthy
+        try:
+            worker = await self.probe.check()
+        except ProbeFailed as err:
+            workers = len(self.service.links.links)
+            return JSONResponse({"status": str(err), "workers": workers}, status_code=503)
+        return JSONResponse({"status": "ok", "worker": worker})
+
 
 def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, HttpApi]:
     """The ASGI app (the FastAPI routes behind the status counter and the body limit) and its
@@ -667,6 +684,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/ping", api.health, methods=["GET", "POST"])
+    app.add_api_route("/health_generate", api.health_generate, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
     anthropic_routes.add_routes(app, api)
     responses_routes.add_routes(app, api)
@@ -875,6 +893,7 @@ _ROUTES = (
     "/v1/batches",
     "/health",
     "/ping",
+    "/health_generate",
     "/version",
 )
 

@@ -1,0 +1,125 @@
+"""SGLang's `GET /health_generate` over real HTTP on loopback against a local cluster of two
+tiny-model workers: 200 once a one-token generation came back (naming its worker), without a
+token; 503 with the reason when the engines are wedged (their steps blocked: no token in the
+probe's time), and while the router drains. A burst of probes is one generation, and a failed
+start is the probe's reason (the probe alone, on made-up starts)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import httpx2 as httpx
+import pytest
+
+from cluster.http.generation_probe import GenerationProbe, ProbeFailed
+from cluster.serving_call import ServingError
+from protos.radixmesh.v1 import serving_pb2
+from tests.cluster.local_cluster import LocalCluster
+
+
+def test_a_probe_generates_one_token(cluster: LocalCluster) -> None:
+    assert cluster.http is not None
+    before = cluster.service.counters.by_status.get("OK", 0)
+    answer = httpx.get(f"{cluster.http_url}/health_generate", timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] == "ok"
+    assert answer.json()["worker"] in cluster.engines
+    assert cluster.service.counters.by_status.get("OK", 0) == before + 1  # one generation ran
+    cluster.wait_idle()
+
+
+def test_wedged_engines_fail_the_probe(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every engine's step blocks (as a hung device would): /health still says ok, the probe
+    says no token came in its time; once the engines step again it is ok."""
+    assert cluster.http is not None
+    unblocked = threading.Event()
+    for engine in cluster.engines.values():
+
+        def step(original: Callable[[], bool] = engine.step) -> bool:
+            unblocked.wait(30)
+            return original()
+
+        monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(cluster.http.api.probe, "timeout_s", 0.5)
+    try:
+        assert httpx.get(f"{cluster.http_url}/health", timeout=10).status_code == 200
+        answer = httpx.get(f"{cluster.http_url}/health_generate", timeout=30)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["status"] == "no token in 0.5 s"
+    finally:
+        unblocked.set()
+    cluster.wait_idle()
+    assert httpx.get(f"{cluster.http_url}/health_generate", timeout=30).status_code == 200
+    cluster.wait_idle()
+
+
+def test_a_draining_router_fails_the_probe_without_generating(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cluster.http is not None
+    monkeypatch.setattr(cluster.http.api, "draining", True)
+    before = dict(cluster.service.counters.by_status)
+    answer = httpx.get(f"{cluster.http_url}/health_generate", timeout=10)
+    assert answer.status_code == 503 and answer.json()["status"] == "draining"
+    assert cluster.service.counters.by_status == before
+
+
+def answering(gate: asyncio.Event, starts: list[str]) -> Callable[..., Any]:
+    """A start that answers one token from worker "w" once `gate` is set, counting starts."""
+
+    def start(message: serving_pb2.GenerateRequest) -> AsyncIterator[Any]:
+        starts.append(message.request_id)
+
+        async def stream() -> AsyncIterator[serving_pb2.GenerateResponse]:
+            await gate.wait()
+            yield serving_pb2.GenerateResponse(
+                index=0, token_ids=[7], worker="w", finished=True, finish_reason="length"
+            )
+
+        return stream()
+
+    return start
+
+
+def test_a_burst_of_probes_is_one_generation() -> None:
+    async def run() -> tuple[list[str], list[str]]:
+        gate, starts = asyncio.Event(), list[str]()
+        probe = GenerationProbe(answering(gate, starts))
+        waiting = [asyncio.ensure_future(probe.check()) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        waiting[0].cancel()  # one probe goes away: the others still get the answer
+        gate.set()
+        answers = await asyncio.gather(*waiting[1:])
+        await probe.check()  # the next probe, after: a generation of its own
+        return answers, starts
+
+    answers, starts = asyncio.run(run())
+    assert answers == ["w"] * 4 and len(starts) == 2 and starts[0] != starts[1]
+    assert all(s.startswith("health-generate-") for s in starts)
+
+
+def test_a_refused_or_silent_generation_is_the_reason() -> None:
+    def refused(message: serving_pb2.GenerateRequest) -> Any:
+        raise ServingError(grpc.StatusCode.UNAVAILABLE, "no healthy worker")
+
+    def silent(message: serving_pb2.GenerateRequest) -> Any:
+        async def stream() -> AsyncIterator[serving_pb2.GenerateResponse]:
+            yield serving_pb2.GenerateResponse(index=0, worker="w", finished=True)
+
+        return stream()
+
+    for start, reason in ((refused, "no healthy worker"), (silent, "without a token")):
+        with pytest.raises(ProbeFailed, match=reason):
+            asyncio.run(GenerationProbe(start).check())
+    started = time.monotonic()
+    never = asyncio.Event()
+    with pytest.raises(ProbeFailed, match=r"no token in 0\.2 s"):
+        asyncio.run(GenerationProbe(answering(never, []), timeout_s=0.2).check())
+    assert time.monotonic() - started < 5
