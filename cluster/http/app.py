@@ -24,10 +24,10 @@ need a token bound to every tenant ("*"), as the Admin gRPC service does (403 ot
 
 Every call but the probes (/health, /ping, /health_generate) needs a known bearer token when
 `security.auth_tokens` is set (`Authorization: Bearer <token>`, or Anthropic's `x-api-key:
-<token>`), and uses the tenant the token allows; `X-Radixmesh-Tenant` names a tenant for tokens bound to "*" (or with no tokens).
-`X-Request-Id` sets the request id (as for vLLM), which gRPC's Abort takes. A generation's
-response names the worker that served it (`X-Radixmesh-Worker`) and the prompt tokens the router
-expected it to find cached (`X-Radixmesh-Predicted-Cached-Tokens`).
+<token>`), and uses the tenant the token allows; `X-Radixmesh-Tenant` names a tenant for tokens
+bound to "*" (or with no tokens). `X-Request-Id` sets the request id (as for vLLM), which gRPC's
+Abort takes. A generation's response names the worker that served it (`X-Radixmesh-Worker`) and
+the prompt tokens the router expected it to find cached (`X-Radixmesh-Predicted-Cached-Tokens`).
 """
 
 from __future__ import annotations

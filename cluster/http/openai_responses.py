@@ -75,6 +75,13 @@ class Reply:
     """The generation of each prompt: a chat's one, or several in one completions request."""
     n: int = 1
     """Samples a prompt: choice i is sample i % n of prompt i // n."""
+    call_ids: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Each choice's calls' ids, as first given (`call_id`)."""
+
+    def call_id(self, index: int, k: int, drawn: str) -> str:
+        """The id of choice `index`'s call k: `drawn` the first time it is asked for, the same
+        one after (a stored completion built from its stream has the ids the stream gave)."""
+        return self.call_ids.setdefault((index, k), drawn)
 
     def prompt_of(self, index: int) -> int:
         return index // self.n
@@ -274,7 +281,7 @@ def chat_completion(
         text = "".join(s.text)
         content, calls = read_calls(text, tools) if tools else (text, [])
         reasoning = "".join(s.reasoning) if s.reasoning else None
-        outs = [_call_out(call) for call in calls]
+        outs = [_call_out(c, reply.call_id(index, k, c.id)) for k, c in enumerate(calls)]
         choices.append(
             ChatChoice(
                 index=index,
@@ -307,8 +314,8 @@ def _vllm_prompt_logprobs(reply: Reply, counts: Counts, index: int) -> PromptLog
     return vllm_prompt_logprobs(reply.texts, scored)
 
 
-def _call_out(call: ToolCall) -> ToolCallOut:
-    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+def _call_out(call: ToolCall, call_id: str) -> ToolCallOut:
+    return ToolCallOut(id=call_id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
 def _finish(reason: str | None, calls: Sequence[object], legacy: bool = False) -> str | None:
@@ -412,7 +419,9 @@ async def chat_chunks(
             ids, values = list(response.token_ids), list(response.logprobs)
             deltas = [
                 ToolCallDelta(
-                    index=k, id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)
+                    index=k,
+                    id=reply.call_id(index, k, c.id),
+                    function=FunctionCall(name=c.name, arguments=c.arguments),
                 )
                 for k, c in enumerate(calls)
             ]

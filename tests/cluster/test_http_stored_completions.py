@@ -133,6 +133,34 @@ def test_tool_calls_and_logprobs_are_kept_as_answered(
     cluster.wait_idle()
 
 
+def test_a_streamed_calls_ids_are_kept_as_streamed(
+    tenant: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    chunks = list(
+        tenant.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTION}],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=120,
+            temperature=0,
+            store=True,
+            stream=True,
+        )
+    )
+    streamed = [
+        (call.id, call.function.name if call.function else None)
+        for c in chunks
+        if c.choices
+        for call in c.choices[0].delta.tool_calls or []
+    ]
+    assert streamed and all(call_id for call_id, _ in streamed)
+    kept = tenant.chat.completions.retrieve(chunks[0].id)
+    calls = kept.choices[0].message.tool_calls or []
+    assert [(c.id, c.function.name) for c in calls] == streamed  # type: ignore[union-attr]
+    cluster.wait_idle()
+
+
 def test_listing_orders_filters_and_pages(tenant: openai.OpenAI, cluster: LocalCluster) -> None:
     ids = []
     for k in range(5):
