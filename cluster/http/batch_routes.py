@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from cluster.http.batch_schema import BatchCreateRequest
 from cluster.http.batches import CREDENTIALS
 from cluster.http.errors import HttpError
-from cluster.http.responses_chain import owner
+from cluster.http.responses_chain import check_metadata, owner
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
@@ -85,6 +85,7 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
 def _batch_routes(app: FastAPI, api: HttpApi) -> None:
     async def create_batch(body: BatchCreateRequest, request: Request) -> Response:
         tenant = _tenant(api, request)
+        check_metadata(body.metadata)  # OpenAI's bounds, as on the other routes that keep it
         headers = {k: v for k in CREDENTIALS if (v := request.headers.get(k)) is not None}
         headers["x-radixmesh-tenant"] = tenant
         return _json(await api.batches.create(tenant, headers, body))

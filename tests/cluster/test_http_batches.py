@@ -239,6 +239,13 @@ def test_creating_a_batch_refuses_what_it_cannot_run_by_name(client: openai.Open
         )
     with pytest.raises(openai.NotFoundError, match="no batch 'batch_nope'"):
         client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.BadRequestError, match="metadata: 17 pairs; at most 16"):
+        client.batches.create(
+            input_file_id=good,
+            endpoint=CHAT,
+            completion_window="24h",
+            metadata={f"k{i}": "v" for i in range(17)},
+        )
     output = run(client, [line("a", chat(SYSTEMS[0], "A?"))]).output_file_id
     with pytest.raises(openai.BadRequestError, match="is a 'batch_output' file"):
         client.batches.create(input_file_id=output, endpoint=CHAT, completion_window="24h")
