@@ -16,8 +16,9 @@ import openai
 import pytest
 
 from cluster.client import Client, text_request
-from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_cli_client import run
+from tests.cluster.test_migration import kill_the_busiest, stream, undisturbed
 from tests.cluster.tool_fixtures import openai_client, served
 from tests.worker.fim_fixtures import QWEN, fim_checkpoint
 from worker.loader import LoadedModel, load_model
@@ -141,3 +142,23 @@ def test_the_cli_fills_in_the_middle(cluster: LocalCluster, client: openai.OpenA
     assert ran.returncode == 0, ran.stderr
     answer = client.completions.create(prompt=BEFORE, suffix=AFTER, **SETTINGS)
     assert ran.stdout.removesuffix("\n") == answer.choices[0].text
+
+
+def test_a_middle_cut_by_a_dying_worker_continues_exactly(coder: LoadedModel) -> None:
+    """A suffix request's stream moved to another worker when its own is killed: the router
+    made the form's ids once, and the resumed sample continues from them (nothing wrapped
+    twice, the middle's end tokens still stopping it), token for token as undisturbed."""
+    cluster = start_cluster(coder, workers=2)
+    try:
+        message = text_request(BEFORE, max_tokens=40, temperature=0)
+        message.suffix = AFTER
+        want = undisturbed(cluster, message)
+        assert len(want.messages) >= 12, want.seen()  # long enough to be cut
+        cut = stream(Client(cluster.target), message)
+        moved = kill_the_busiest(cluster, [cut], 8)
+        assert cut.error is None and moved == [cut]
+        assert cut.seen() == want.seen()
+        assert cluster.service.counters.migrated >= 1
+        cluster.wait_idle()
+    finally:
+        cluster.close()
