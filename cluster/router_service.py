@@ -105,6 +105,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         """Loads and unloads LoRA adapters on every worker (the Admin RPCs, the HTTP API)."""
         self.in_flight: dict[str, InFlight] = {}
         """request id -> its tenant and the worker serving it."""
+        self.forwarded_at = 0.0
+        """When the last message of any generation went to its client (time.monotonic): a
+        busy router's sign of life (cluster/http/generation_probe.py)."""
         self.priorities: Counter[int] = Counter()
         """The priorities of the calls counted against router.max_in_flight: every call from
         its check to its end, tokenising included. A call counts those of its priority or a
@@ -205,6 +208,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             async with contextlib.aclosing(served):  # closed with this: the worker call ends
                 async for response in served:
                     clock.forwarded(response)
+                    self.forwarded_at = time.monotonic()
                     if not done and all(sample.finished for sample in progress.samples):
                         done = True  # registered before the client has the last message
                         self._remember_answers(prepared, progress)

@@ -167,7 +167,10 @@ class HttpApi:
             priority=router.batch_priority if by_priority else None,
         )
         """The Batch API's batches; each runs its requests through this app (`build_app`)."""
-        self.probe = GenerationProbe(lambda message: self.start(message, Caller(ANY_TENANT)))
+        self.probe = GenerationProbe(
+            lambda message: self.start(message, Caller(ANY_TENANT)),
+            lambda: self.service.forwarded_at,
+        )
         """SGLang's /health_generate."""
 
     # -- who calls, and about what ---------------------------------------------------------------
@@ -652,17 +655,20 @@ class HttpApi:
         return JSONResponse({"status": "ok", "workers": workers})
 
     async def health_generate(self) -> Response:
-        """SGLang's probe: 200 once a one-token generation answered (cluster/http/
-        generation_probe.py), else 503 with the reason, as /health says it."""
+        """SGLang's probe: 200 once a one-token generation answered, or, busy, once any
+        generation streamed (cluster/http/generation_probe.py); else 503 with the reason, as
+        /health says it."""
         unhealthy = await self.health()
         if unhealthy.status_code != 200:
             return unhealthy
         try:
-            worker = await self.probe.check()
+            answer = await self.probe.check()
         except ProbeFailed as err:
             workers = len(self.service.links.links)
             return JSONResponse({"status": str(err), "workers": workers}, status_code=503)
-        return JSONResponse({"status": "ok", "worker": worker})
+        if answer.busy is not None:  # its own generation did not answer, others' streamed
+            return JSONResponse({"status": "ok", "busy": answer.busy})
+        return JSONResponse({"status": "ok", "worker": answer.worker})
 
 
 def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, HttpApi]:

@@ -10,16 +10,17 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
 import httpx2 as httpx
 import pytest
 
-from cluster.http.generation_probe import GenerationProbe, ProbeFailed
+from cluster.http.generation_probe import GenerationProbe, ProbeAnswer, ProbeFailed
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
-from tests.cluster.local_cluster import LocalCluster
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 
 
 def test_a_probe_generates_one_token(cluster: LocalCluster) -> None:
@@ -52,11 +53,32 @@ def test_wedged_engines_fail_the_probe(
         assert httpx.get(f"{cluster.http_url}/health", timeout=10).status_code == 200
         answer = httpx.get(f"{cluster.http_url}/health_generate", timeout=30)
         assert answer.status_code == 503, answer.text
-        assert answer.json()["status"] == "no token in 0.5 s"
+        assert answer.json()["status"] == (
+            "no token in 0.5 s, and no generation streamed since the probe began"
+        )
     finally:
         unblocked.set()
     cluster.wait_idle()
     assert httpx.get(f"{cluster.http_url}/health_generate", timeout=30).status_code == 200
+    cluster.wait_idle()
+
+
+def test_a_full_router_passes_while_a_stream_goes_on(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At router.max_in_flight (1 here) the probe's own generation is refused for load; the
+    stream running meanwhile is the router's sign of life, as in SGLang."""
+    monkeypatch.setattr(cluster.service, "config", replace(cluster.service.config, max_in_flight=1))
+    body = {"model": SERVED_NAME, "prompt": "Count:", "max_tokens": 600, "ignore_eos": True}
+    url = f"{cluster.http_url}/v1/completions"
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        answer = httpx.get(f"{cluster.http_url}/health_generate", timeout=30)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert answer.status_code == 200, answer.text
+    assert "the limit is 1 (router.max_in_flight)" in answer.json()["busy"]
+    assert rest[-1] == "data: [DONE]"  # the stream went on to its end
     cluster.wait_idle()
 
 
@@ -89,7 +111,7 @@ def answering(gate: asyncio.Event, starts: list[str]) -> Callable[..., Any]:
 
 
 def test_a_burst_of_probes_is_one_generation() -> None:
-    async def run() -> tuple[list[str], list[str]]:
+    async def run() -> tuple[list[ProbeAnswer], list[str]]:
         gate, starts = asyncio.Event(), list[str]()
         probe = GenerationProbe(answering(gate, starts))
         waiting = [asyncio.ensure_future(probe.check()) for _ in range(5)]
@@ -101,7 +123,7 @@ def test_a_burst_of_probes_is_one_generation() -> None:
         return answers, starts
 
     answers, starts = asyncio.run(run())
-    assert answers == ["w"] * 4 and len(starts) == 2 and starts[0] != starts[1]
+    assert answers == [ProbeAnswer("w")] * 4 and len(starts) == 2 and starts[0] != starts[1]
     assert all(s.startswith("health-generate-") for s in starts)
 
 
@@ -120,6 +142,36 @@ def test_a_refused_or_silent_generation_is_the_reason() -> None:
             asyncio.run(GenerationProbe(start).check())
     started = time.monotonic()
     never = asyncio.Event()
-    with pytest.raises(ProbeFailed, match=r"no token in 0\.2 s"):
+    with pytest.raises(ProbeFailed, match=r"no token in 0\.2 s, and no generation streamed"):
         asyncio.run(GenerationProbe(answering(never, []), timeout_s=0.2).check())
     assert time.monotonic() - started < 5
+
+
+def full(message: serving_pb2.GenerateRequest) -> Any:
+    raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED, "64 requests in flight")
+
+
+@pytest.mark.parametrize("own", ["refused", "slow"])
+def test_a_busy_router_passes_while_others_stream(own: str) -> None:
+    """The probe's own generation refused for load, or not answering in time: the probe
+    passes once any generation streams after it began, and fails when none does."""
+    clock = {"at": 0.0}
+
+    async def run(streaming: bool) -> ProbeAnswer:
+        async def others() -> None:
+            while streaming:
+                await asyncio.sleep(0.02)
+                clock["at"] = time.monotonic()
+
+        beside = asyncio.ensure_future(others())
+        start = full if own == "refused" else answering(asyncio.Event(), [])
+        try:
+            return await GenerationProbe(start, lambda: clock["at"], timeout_s=0.3).check()
+        finally:
+            beside.cancel()
+
+    answer = asyncio.run(run(streaming=True))
+    assert answer.worker is None
+    assert answer.busy == ("64 requests in flight" if own == "refused" else "no token in 0.3 s")
+    with pytest.raises(ProbeFailed, match="no generation streamed since the probe began"):
+        asyncio.run(run(streaming=False))
