@@ -115,6 +115,7 @@ from cluster.http.responses_background import BackgroundResponses
 from cluster.http.responses_chain import owner
 from cluster.http.several_prompts import merged
 from cluster.http.sse import ClientGone, EventStream, until_disconnected
+from cluster.http.state_files import subdirectory
 from cluster.http.stored_completions import (
     CompletionStore,
     Keep,
@@ -156,7 +157,7 @@ class HttpApi:
         self.embedding_calls = asyncio.Semaphore(embedding_calls(config.router.max_in_flight))
         """The embeddings API's inputs in flight, all its requests together."""
         router = config.router
-        self.files = FileStore(router.files_bytes)
+        self.files = FileStore(router.files_bytes, subdirectory(router.state_dir, "files"))
         """The Files API's files: batch inputs and outputs."""
         by_priority = config.engine.scheduling_policy == "priority"
         self.batches = Batches(
@@ -165,6 +166,7 @@ class HttpApi:
             router.batch_order,
             accepting=lambda: not self.draining,
             priority=router.batch_priority if by_priority else None,
+            directory=subdirectory(router.state_dir, "batches"),
         )
         """The Batch API's batches; each runs its requests through this app (`build_app`)."""
         self.probe = GenerationProbe(

@@ -50,7 +50,9 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
         if purpose not in UPLOAD_PURPOSES:
             raise HttpError.invalid("purpose", f"must be one of {list(UPLOAD_PURPOSES)}")
         content = await file.read()
-        return _json(api.files.upload(tenant, file.filename or "upload", purpose, content))
+        card = api.files.upload(tenant, file.filename or "upload", purpose, content)
+        await api.files.save(tenant, card.id)
+        return _json(card)
 
     async def list_files(request: Request) -> Response:
         query = request.query_params

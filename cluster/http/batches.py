@@ -24,9 +24,15 @@ worker calls closed, their pages freed), then `cancelled`, with the answers rece
 A router that drains sends no more requests: its batches end `cancelled` once those running
 have, with an error saying so; one that stops cancels them. An ended batch keeps only its
 object (its requests, answers and the creator's credentials are let go), the last MAX_ENDED
-of them. Batches live in the router's memory: a restart loses them (and their files), as
-vLLM's and SGLang's in-memory stores are lost; `completion_window` is accepted and not
-enforced.
+of them. Without `router.state_dir`, batches live in the router's memory: a restart loses
+them (and their files), as vLLM's and SGLang's in-memory stores are lost. With it, a batch
+outlives a restart: its object (with its creator's credentials while it runs) is written to
+`batches/<id>.json` as it changes state, and each answered line is appended to
+`batches/<id>.answers.jsonl` as it comes. A router that starts reads them back: an ended batch
+is listed as it ended; a running one runs the lines that have no answer yet (those in flight
+when the router went down run again), then writes its files as if it had never stopped. A
+router that stops leaves its running batches to the next one instead of cancelling them.
+`completion_window` is accepted and not enforced.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -60,6 +67,7 @@ from cluster.http.batch_schema import (
 from cluster.http.embeddings import overload_pauses
 from cluster.http.errors import HttpError
 from cluster.http.file_store import FileStore
+from cluster.http.state_files import append_line, journal, remove, write_json
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +105,14 @@ class Batches:
         order: str,
         accepting: Callable[[], bool] = lambda: True,
         priority: int | None = None,
+        directory: Path | None = None,
     ) -> None:
         self.files = files
+        self.directory = directory
+        """Where each batch's object and answers are written (None: nowhere; module docstring)."""
+        self._stopping = False
+        """Set as the router stops: with a `directory`, the running batches are left to the
+        next router, not ended."""
         self.order = order
         self.priority = priority
         """The priority of the requests whose body sets none (None: leave them at 0)."""
@@ -149,10 +163,12 @@ class Batches:
             batch.status, batch.failed_at = "failed", now
             batch.errors = BatchErrors(data=errors)
             self._ended(running)
+            self._save(running)
             return batch.model_copy(deep=True)
         batch.status, batch.in_progress_at = "in_progress", now
         batch.request_counts.total = len(lines)
         batch.model = next((m for x in lines if isinstance(m := x.body.get("model"), str)), None)
+        self._save(running)
         running.task = asyncio.ensure_future(self._run(running))
         return batch.model_copy(deep=True)
 
@@ -171,15 +187,18 @@ class Batches:
         batch = running.batch
         if batch.status == "in_progress":
             batch.status, batch.cancelling_at = "cancelling", int(time.time())
+            self._save(running)  # a router that starts before it ended ends it cancelled
             assert running.task is not None
             running.task.cancel()
         return batch.model_copy(deep=True)
 
     async def close(self) -> None:
-        """Cancel every running batch and wait for their ends (the router stops)."""
+        """Cancel every running batch and wait for their ends (the router stops); with a
+        `directory`, stop them where they are instead, for the next router to go on with."""
         tasks = [r.task for r in self._batches.values() if r.task is not None and not r.task.done()]
+        self._stopping = True
         for running in self._batches.values():
-            if running.batch.status == "in_progress":
+            if running.batch.status == "in_progress" and self.directory is None:
                 running.batch.status, running.batch.cancelling_at = "cancelling", int(time.time())
         for task in tasks:
             task.cancel()
@@ -213,6 +232,8 @@ class Batches:
                 prefix = self.order == "prefix"
                 order = await asyncio.to_thread(prefix_order, lines) if prefix else lines
                 for line in order:
+                    if line.number in running.answers:  # answered before a restart
+                        continue
                     await self._slots.acquire()  # released by the request as it ends
                     if not self.accepting():
                         self._slots.release()
@@ -228,7 +249,8 @@ class Batches:
                     task.cancel()
                 await asyncio.gather(*sent, return_exceptions=True)
             finally:
-                await self._finish(running, stopped)
+                if not (self._stopping and self.directory is not None):
+                    await self._finish(running, stopped)  # else the next router goes on
 
     async def _one(
         self, client: httpx2.AsyncClient, running: RunningBatch, line: BatchLine
@@ -272,14 +294,20 @@ class Batches:
         if response is not None:
             response["body"] = body
         error = None if failure is None else {"code": "request_failed", "message": failure}
-        running.answers[line.number] = {
-            "id": request_id,
-            "custom_id": line.custom_id,
-            "response": response,
-            "error": error,
-        }
+        answer = {"id": request_id, "custom_id": line.custom_id, "response": response}
+        running.answers[line.number] = answer | {"error": error}
         if ok and isinstance(body, dict):
             _add_usage(running.batch, body.get("usage"))
+        if self.directory is not None:
+            try:
+                append_line(
+                    self._answers(running),
+                    {"line": line.number, "answer": answer | {"error": error}},
+                )
+            except OSError:  # it runs again if the router restarts before the batch ends
+                log.exception(
+                    "batch %s: line %d's answer not written", running.batch.id, line.number
+                )
 
     async def _finish(self, running: RunningBatch, stopped: bool) -> None:
         """Write the output and error files (the input's order), end the batch, and let go of
@@ -295,19 +323,96 @@ class Batches:
         good, bad = await asyncio.to_thread(_encoded, running)
         name = f"{batch.id}_{{}}.jsonl"
         if good:
-            batch.output_file_id = self.files.keep(
-                running.tenant, name.format("output"), OUTPUT_PURPOSE, good
-            ).id
+            batch.output_file_id = await self._output(running, name.format("output"), good)
         if bad:
-            batch.error_file_id = self.files.keep(
-                running.tenant, name.format("errors"), OUTPUT_PURPOSE, bad
-            ).id
+            batch.error_file_id = await self._output(running, name.format("errors"), bad)
         now = int(time.time())
         if batch.status == "cancelling":
             batch.status, batch.cancelled_at = "cancelled", now
         else:
             batch.status, batch.completed_at = "completed", now
         self._ended(running)
+        self._save(running)
+        if self.directory is not None:
+            remove(self._answers(running))
+
+    async def _output(self, running: RunningBatch, name: str, content: bytes) -> str:
+        """An output or error file kept (and written to the state directory: if that fails it
+        is kept in memory all the same, and logged)."""
+        card = self.files.keep(running.tenant, name, OUTPUT_PURPOSE, content)
+        await self.files.save(running.tenant, card.id, refuse=False)
+        return card.id
+
+    # -- outliving a restart (module docstring) ---------------------------------------------
+    def _object_path(self, batch_id: str) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{batch_id}.json"
+
+    def _answers(self, running: RunningBatch) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{running.batch.id}.answers.jsonl"
+
+    def _save(self, running: RunningBatch) -> None:
+        """Write the batch's object as it stands (with the credentials its requests carry,
+        while it runs)."""
+        if self.directory is None:
+            return
+        saved = {
+            "batch": running.batch.model_dump(mode="json"),
+            "tenant": running.tenant,
+            "headers": running.headers,
+        }
+        try:
+            write_json(self._object_path(running.batch.id), saved)
+        except OSError:
+            log.exception("batch %s not written to router.state_dir", running.batch.id)
+
+    async def resume(self) -> None:
+        """Read back the batches a router before this one wrote, oldest first, and go on with
+        those that had not ended (the router's HTTP app attached: their requests need it)."""
+        if self.directory is None:
+            return
+        found = []
+        for path in self.directory.glob("batch_*.json"):
+            try:
+                saved = json.loads(path.read_bytes())
+                batch = Batch.model_validate(saved["batch"])
+                found.append((batch, str(saved["tenant"]), dict(saved["headers"])))
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                log.error("batch %s left out: %s", path.stem, err)
+        for batch, tenant, headers in sorted(found, key=lambda f: (f[0].created_at, f[0].id)):
+            running = RunningBatch(batch, tenant, headers, [])
+            self._keep(running)
+            if batch.status not in ENDED:
+                await self._go_on(running)
+
+    async def _go_on(self, running: RunningBatch) -> None:
+        """A batch that had not ended: its answered lines as they were, the rest run."""
+        batch = running.batch
+        source = self.files.find(running.tenant, batch.input_file_id)
+        if source is None:  # deleted before the router stopped: nothing left to run
+            batch.status, batch.failed_at = "failed", int(time.time())
+            message = f"its input file {batch.input_file_id!r} is gone"
+            batch.errors = BatchErrors(data=[BatchError(code="input_file_gone", message=message)])
+            self._ended(running)
+            self._save(running)
+            return
+        running.lines, _ = await asyncio.to_thread(read_lines, source.content, batch.endpoint)
+        counts, batch.usage = batch.request_counts, None
+        counts.completed = counts.failed = 0
+        for entry in journal(self._answers(running)):
+            answer = entry["answer"]
+            running.answers[entry["line"]] = answer
+            response = answer.get("response") or {}
+            ok = response.get("status_code") == 200
+            counts.completed += ok
+            counts.failed += not ok
+            if ok and isinstance(response.get("body"), dict):
+                _add_usage(batch, response["body"].get("usage"))
+        if batch.status == "in_progress":
+            running.task = asyncio.ensure_future(self._run(running))
+        else:  # cancelling or finalizing: ended with what was answered
+            running.task = asyncio.ensure_future(self._finish(running, False))
 
     @staticmethod
     def _ended(running: RunningBatch) -> None:

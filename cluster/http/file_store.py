@@ -5,20 +5,30 @@ One bound in bytes over every tenant's files (`router.files_bytes`): an upload t
 it, or MAX_UPLOAD_BYTES, is refused (413, naming the setting) before its body is read past
 that, and deleting files makes room. A batch's output and error files are kept even past it
 (refusing them would lose work already done); they count against it for the uploads that
-follow, and no batch is created while the files fill it. Nothing survives a restart of the
-router.
+follow, and no batch is created while the files fill it.
+
+With `router.state_dir` set, each file is also written there (`files/<id>.bin`, then its card
+`files/<id>.json`, which makes it whole) and read back when the router starts again; without it,
+nothing survives a restart of the router.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from cluster.http.errors import HttpError
+from cluster.http.state_files import remove, write_json, write_whole
+
+log = logging.getLogger(__name__)
 
 ENTRY_BYTES = 512
 """What Python takes to hold one file beside its content (the key, the entry, the strings)."""
@@ -47,13 +57,17 @@ class StoredFile:
 
 
 class FileStore:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, directory: Path | None = None) -> None:
         self.max_bytes = max_bytes
         """0: no Files API (and so no Batch API)."""
         self.held = 0
         """Bytes of every file kept, with ENTRY_BYTES each."""
         self._files: dict[tuple[str, str], StoredFile] = {}
         """(tenant, file id) -> the file, in the order added."""
+        self.directory = directory
+        """Where each file is written too, and read back from at the start (None: nowhere)."""
+        if directory is not None:
+            self._read_back(directory)
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +111,58 @@ class FileStore:
         self.held += len(content) + ENTRY_BYTES
         return card
 
+    async def save(self, tenant: str, file_id: str, refuse: bool = True) -> None:
+        """Write a file kept to `directory` (on a thread: an upload may be 200 MiB). One that
+        cannot be written is let go and refused (507: it would not outlive a restart), or,
+        not `refuse` (a batch's output), kept in memory only and logged."""
+        if self.directory is None:
+            return
+        stored = self._files[(tenant, file_id)]
+        try:
+            await asyncio.to_thread(self._write, self.directory, tenant, stored)
+        except OSError as err:
+            if not refuse:
+                log.exception("file %s not written to router.state_dir", file_id)
+                return
+            self.delete(tenant, file_id)
+            raise HttpError(
+                507, f"the file could not be written to router.state_dir: {err}"
+            ) from err
+
+    def find(self, tenant: str, file_id: str) -> StoredFile | None:
+        return self._files.get((tenant, file_id))
+
+    @staticmethod
+    def _write(directory: Path, tenant: str, stored: StoredFile) -> None:
+        write_whole(directory / f"{stored.card.id}.bin", stored.content)
+        write_json(
+            directory / f"{stored.card.id}.json",
+            {"tenant": tenant, "card": stored.card.model_dump()},
+        )
+
+    def _read_back(self, directory: Path) -> None:
+        """The files a router before this one kept, oldest first; a file whose card or content
+        is missing or unreadable is left out (and removed), logged."""
+        kept = []
+        for card_path in directory.glob("*.json"):
+            content_path = card_path.with_suffix(".bin")
+            try:
+                saved = json.loads(card_path.read_bytes())
+                card = FileObject.model_validate(saved["card"])
+                content = content_path.read_bytes()
+                if len(content) != card.bytes:
+                    raise ValueError(f"{len(content)} bytes, its card says {card.bytes}")
+                kept.append((card.created_at, str(saved["tenant"]), StoredFile(card, content)))
+            except (OSError, ValueError, KeyError, ValidationError) as err:
+                log.error("file %s left out: %s", card_path.stem, err)
+                remove(card_path, content_path)
+        for _, tenant, stored in sorted(kept, key=lambda k: (k[0], k[2].card.id)):
+            self._files[(tenant, stored.card.id)] = stored
+            self.held += stored.card.bytes + ENTRY_BYTES
+        for orphan in directory.glob("*.bin"):  # written, its card never: an upload cut short
+            if not orphan.with_suffix(".json").exists():
+                remove(orphan)
+
     def get(self, tenant: str, file_id: str) -> StoredFile:
         """404 for a file never kept, deleted, or another tenant's."""
         self.require()
@@ -109,6 +175,8 @@ class FileStore:
         found = self.get(tenant, file_id)
         del self._files[(tenant, file_id)]
         self.held -= found.card.bytes + ENTRY_BYTES
+        if self.directory is not None:  # the card first: a file without one is no file
+            remove(self.directory / f"{file_id}.json", self.directory / f"{file_id}.bin")
 
     def cards(self, tenant: str, purpose: str | None = None) -> list[FileObject]:
         """The tenant's files, oldest first (`purpose`: only those)."""

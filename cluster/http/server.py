@@ -68,6 +68,7 @@ async def start_http_server(
     if router.http_port is None:
         return None
     app, api = build_app(service, config)
+    await api.batches.resume()  # those a router before this one left running go on
     tls: dict[str, object] = {}
     if security.tls_cert and security.tls_key:
         tls = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
