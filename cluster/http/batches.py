@@ -6,8 +6,9 @@ ASGI transport), with its creator's credentials and tenant: it is served as the 
 sent by the client would be (the endpoint's schema, limits, routing, errors, metrics; a
 streamed or background body is refused with the file), and its answer is the line's
 `response` (`status_code`, `request_id`, `body`). A request refused for load (429: the
-router's or the workers' queues full) is sent again after a pause, for up to
-OVERLOAD_WAIT_S, before its line records the refusal.
+router's or the workers' queues full) or for want of a worker (503: a router just restarted,
+its workers not back yet) is sent again after a pause, for up to OVERLOAD_WAIT_S, before its
+line records the refusal.
 
 Order: the requests run `router.batch_order`: `prefix` (the default) sorted by their prompts,
 so that requests sharing a prefix (a system prompt, a document asked several questions) run
@@ -80,6 +81,10 @@ CREDENTIALS = ("authorization", "x-api-key")
 OVERLOAD_WAIT_S = 600.0
 """How long a request refused for load (429: the router's or the workers' queues full) is
 tried again before its line records the refusal: a batch is in no hurry."""
+WAIT_FOR = (429, 503)
+"""Answers a batch's request waits out (up to OVERLOAD_WAIT_S): the router's or the workers'
+queues full, or no worker attached (a router just restarted, its workers not back yet; every
+worker lost at once). A draining router's 503 is not waited out: it sends nothing more."""
 ENDED = ("failed", "completed", "cancelled", "expired")
 MAX_ENDED = 10_000
 """Ended batches kept (their objects, a kilobyte or two each; the oldest forgotten first)."""
@@ -263,9 +268,9 @@ class Batches:
         try:
             for pause in chain(overload_pauses(OVERLOAD_WAIT_S), [None]):
                 answer = await client.post(running.batch.endpoint, json=sent, headers=headers)
-                if answer.status_code != 429 or pause is None or not self.accepting():
+                if answer.status_code not in WAIT_FOR or pause is None or not self.accepting():
                     break
-                await asyncio.sleep(pause)  # the router or the workers are full: wait for room
+                await asyncio.sleep(pause)  # full, or no worker yet: wait for room, or one
             status, body = answer.status_code, answer.json()
         except asyncio.CancelledError:
             raise

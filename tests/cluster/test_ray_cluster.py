@@ -163,7 +163,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
-    return write_config(tmp_path_factory.mktemp("ray"), str(tiny_model))
+    base = tmp_path_factory.mktemp("ray")
+    state = str(base / "state")  # batches one at a time: a router killed under one cuts it
+    return write_config(base, str(tiny_model), state_dir=state, batch_max_in_flight=1)
 
 
 @contextlib.contextmanager
@@ -219,6 +221,64 @@ def stored_response(config_file: Path) -> str:
         made = client.responses.create(model=model, input=PROMPT, max_output_tokens=3)
         assert client.responses.retrieve(made.id).store
         return made.id
+
+
+BATCH_LINES = 6
+
+
+def running_batch(config_file: Path) -> str:
+    """A batch of the router actor's Batch API, once its first line is answered (its lines
+    run one at a time, each long enough that the batch still runs when the router is killed
+    right after)."""
+    with openai.OpenAI(base_url=f"{http_url(config_file)}/v1", api_key="none") as client:
+        model = client.models.list().data[0].id
+        lines = [
+            {
+                "custom_id": f"b{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": model, "prompt": f"{i} {PROMPT}", "max_tokens": 400,
+                         "ignore_eos": True},
+            }
+            for i in range(BATCH_LINES)
+        ]  # fmt: skip
+        text = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        file_id = client.files.create(file=("b.jsonl", text), purpose="batch").id
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
+
+        def answered() -> bool:
+            counts = client.batches.retrieve(batch.id).request_counts
+            return counts is not None and counts.completed >= 1
+
+        wait_for(answered, 120, "the batch's first line was not answered")
+        return batch.id
+
+
+def journalled(config_file: Path, batch_id: str) -> dict[str, str]:
+    """custom id -> request id of the lines the batch's journal holds (router.state_dir)."""
+    state = Path(yaml.safe_load(config_file.read_text())["router"]["state_dir"])
+    rows = (state / "batches" / f"{batch_id}.answers.jsonl").read_bytes().splitlines()
+    return {e["answer"]["custom_id"]: e["answer"]["id"] for e in map(json.loads, rows)}
+
+
+def batch_after_restart(config_file: Path, batch_id: str) -> dict[str, str]:
+    """custom id -> request id of the output of a batch created before the router restarted,
+    once the restarted router ended it (router.state_dir: it goes on)."""
+    with openai.OpenAI(base_url=f"{http_url(config_file)}/v1", api_key="none") as client:
+        deadline = time.monotonic() + 180
+        batch = client.batches.retrieve(batch_id)
+        while batch.status not in ("completed", "failed", "cancelled"):
+            assert time.monotonic() < deadline, f"batch still {batch.status}"
+            time.sleep(0.2)
+            batch = client.batches.retrieve(batch_id)
+        assert batch.status == "completed", batch
+        assert batch.output_file_id is not None and batch.error_file_id is None
+        output = client.files.content(batch.output_file_id).content.decode()
+        answered = [json.loads(row) for row in output.splitlines()]
+        assert all(a["response"]["status_code"] == 200 for a in answered)
+        return {a["custom_id"]: a["id"] for a in answered}
 
 
 def lost_response(config_file: Path, response_id: str) -> str:
@@ -384,7 +444,10 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         assert ray_call(head, describe) != pid_before, "the worker was not restarted"
 
         kept = stored_response(config_file)
+        batch_id = running_batch(config_file)
         ray_call(head, "ray.kill(actor('radixmesh-router'), no_restart=False)")
+        before = journalled(config_file, batch_id)  # what the killed router had answered
+        assert 1 <= len(before) < BATCH_LINES, before
         wait_serving(target)
         wait_for(
             lambda: len([w for w in client.stats().workers if w.healthy]) == 2,
@@ -394,6 +457,11 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         assert list(client.generate(text_request(PROMPT, max_tokens=3)))[-1].finished
         assert http_answer(config_file).choices[0].finish_reason == "length"  # the same port
         assert "nothing across a restart" in lost_response(config_file, kept)
+        # the batch, in router.state_dir, went on in the restarted router: each line once,
+        # in order, those answered before the kill not run again (the same request ids)
+        after = batch_after_restart(config_file, batch_id)
+        assert list(after) == [f"b{i}" for i in range(BATCH_LINES)]
+        assert {k: after[k] for k in before} == before
         serve.send_signal(signal.SIGTERM)
         code = serve.wait(timeout=120)
         stderr = serve.stderr.read()  # type: ignore[union-attr]
