@@ -167,6 +167,7 @@ class HttpApi:
             accepting=lambda: not self.draining,
             priority=router.batch_priority if by_priority else None,
             directory=subdirectory(router.state_dir, "batches"),
+            workers=lambda: bool(self.service.links.links),
         )
         """The Batch API's batches; each runs its requests through this app (`build_app`)."""
         self.probe = GenerationProbe(

@@ -74,7 +74,14 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
         return Response(found.content, media_type="application/octet-stream")
 
     async def delete_file(file_id: str, request: Request) -> Response:
-        api.files.delete(_tenant(api, request), file_id)
+        tenant = _tenant(api, request)
+        api.files.get(tenant, file_id)  # 404 first
+        reader = api.batches.reading(tenant, file_id)
+        if reader is not None:  # its lines are read from it again should the router restart
+            raise HttpError(
+                409, f"batch {reader!r} still runs the requests of {file_id!r}: cancel it first"
+            )
+        api.files.delete(tenant, file_id)
         return _raw({"id": file_id, "object": "file", "deleted": True})
 
     app.add_api_route("/v1/files", upload, methods=["POST"])

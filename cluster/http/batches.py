@@ -68,7 +68,7 @@ from cluster.http.batch_schema import (
 from cluster.http.embeddings import overload_pauses
 from cluster.http.errors import HttpError
 from cluster.http.file_store import FileStore
-from cluster.http.state_files import append_line, journal, remove, write_json
+from cluster.http.state_files import append_line, journal, remove, write_json, write_whole
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,7 @@ CREDENTIALS = ("authorization", "x-api-key")
 OVERLOAD_WAIT_S = 600.0
 """How long a request refused for load (429: the router's or the workers' queues full) is
 tried again before its line records the refusal: a batch is in no hurry."""
-WAIT_FOR = (429, 503)
-"""Answers a batch's request waits out (up to OVERLOAD_WAIT_S): the router's or the workers'
-queues full, or no worker attached (a router just restarted, its workers not back yet; every
-worker lost at once). A draining router's 503 is not waited out: it sends nothing more."""
+
 ENDED = ("failed", "completed", "cancelled", "expired")
 MAX_ENDED = 10_000
 """Ended batches kept (their objects, a kilobyte or two each; the oldest forgotten first)."""
@@ -111,10 +108,13 @@ class Batches:
         accepting: Callable[[], bool] = lambda: True,
         priority: int | None = None,
         directory: Path | None = None,
+        workers: Callable[[], bool] = lambda: True,
     ) -> None:
         self.files = files
         self.directory = directory
         """Where each batch's object and answers are written (None: nowhere; module docstring)."""
+        self.workers = workers
+        """Whether a worker is attached: a 503 while none is, is waited out (`_waits_out`)."""
         self._stopping = False
         """Set as the router stops: with a `directory`, the running batches are left to the
         next router, not ended."""
@@ -169,6 +169,7 @@ class Batches:
             batch.errors = BatchErrors(data=errors)
             self._ended(running)
             self._save(running)
+            self._prune()
             return batch.model_copy(deep=True)
         batch.status, batch.in_progress_at = "in_progress", now
         batch.request_counts.total = len(lines)
@@ -219,9 +220,15 @@ class Batches:
     def _keep(self, running: RunningBatch) -> None:
         """Add a batch; beyond MAX_ENDED ended ones, the oldest ended is forgotten."""
         self._batches[(running.tenant, running.batch.id)] = running
+        self._prune()
+
+    def _prune(self) -> None:
+        """Beyond MAX_ENDED ended batches, forget the oldest ended."""
         ended = [key for key, r in self._batches.items() if r.batch.status in ENDED]
         for key in ended[: max(0, len(ended) - MAX_ENDED)]:
             del self._batches[key]
+            if self.directory is not None:  # forgotten here: forgotten by the next router too
+                remove(self._object_path(key[1]))
 
     # -- running it ------------------------------------------------------------------------
     async def _run(self, running: RunningBatch) -> None:
@@ -254,8 +261,9 @@ class Batches:
                     task.cancel()
                 await asyncio.gather(*sent, return_exceptions=True)
             finally:
-                if not (self._stopping and self.directory is not None):
-                    await self._finish(running, stopped)  # else the next router goes on
+                # with a directory, a router that stops or drains leaves it to the next one
+                if not ((self._stopping or stopped) and self.directory is not None):
+                    await self._finish(running, stopped)
 
     async def _one(
         self, client: httpx2.AsyncClient, running: RunningBatch, line: BatchLine
@@ -268,7 +276,7 @@ class Batches:
         try:
             for pause in chain(overload_pauses(OVERLOAD_WAIT_S), [None]):
                 answer = await client.post(running.batch.endpoint, json=sent, headers=headers)
-                if answer.status_code not in WAIT_FOR or pause is None or not self.accepting():
+                if not self._waits_out(answer.status_code) or pause is None:
                     break
                 await asyncio.sleep(pause)  # full, or no worker yet: wait for room, or one
             status, body = answer.status_code, answer.json()
@@ -326,27 +334,52 @@ class Batches:
         if batch.status != "cancelling":
             batch.status, batch.finalizing_at = "finalizing", int(time.time())
         good, bad = await asyncio.to_thread(_encoded, running)
-        name = f"{batch.id}_{{}}.jsonl"
         if good:
-            batch.output_file_id = await self._output(running, name.format("output"), good)
+            batch.output_file_id = await self._output(running, "output", good)
         if bad:
-            batch.error_file_id = await self._output(running, name.format("errors"), bad)
+            batch.error_file_id = await self._output(running, "errors", bad)
         now = int(time.time())
         if batch.status == "cancelling":
             batch.status, batch.cancelled_at = "cancelled", now
         else:
             batch.status, batch.completed_at = "completed", now
         self._ended(running)
-        self._save(running)
-        if self.directory is not None:
+        if self._save(running) and self.directory is not None:  # else it ends again, the same
             remove(self._answers(running))
+        self._prune()
 
-    async def _output(self, running: RunningBatch, name: str, content: bytes) -> str:
+    async def _output(self, running: RunningBatch, kind: str, content: bytes) -> str:
         """An output or error file kept (and written to the state directory: if that fails it
-        is kept in memory all the same, and logged)."""
-        card = self.files.keep(running.tenant, name, OUTPUT_PURPOSE, content)
+        is kept in memory all the same, and logged). Its id is the batch's, so a batch ended
+        again after a restart (the router stopped while it ended) replaces it."""
+        batch_id = running.batch.id.removeprefix("batch_")
+        card = self.files.keep(
+            running.tenant,
+            f"{running.batch.id}_{kind}.jsonl",
+            OUTPUT_PURPOSE,
+            content,
+            file_id=f"file-{batch_id}-{kind}",
+        )
         await self.files.save(running.tenant, card.id, refuse=False)
         return card.id
+
+    def _waits_out(self, status: int) -> bool:
+        """Whether a batch's request answered `status` is sent again after a pause: refused
+        for load (429: the router's or the workers' queues full), or for want of a worker
+        (503 while none is attached: a router just restarted, its workers not back yet); not
+        once the router drains, which sends nothing more."""
+        if not self.accepting():
+            return False
+        return status == 429 or (status == 503 and not self.workers())
+
+    def reading(self, tenant: str, file_id: str) -> str | None:
+        """The batch still running that reads the file (its lines are read from it again
+        after a restart), if any."""
+        for (owner, _), running in self._batches.items():
+            batch = running.batch
+            if owner == tenant and batch.input_file_id == file_id and batch.status not in ENDED:
+                return batch.id
+        return None
 
     # -- outliving a restart (module docstring) ---------------------------------------------
     def _object_path(self, batch_id: str) -> Path:
@@ -357,11 +390,11 @@ class Batches:
         assert self.directory is not None
         return self.directory / f"{running.batch.id}.answers.jsonl"
 
-    def _save(self, running: RunningBatch) -> None:
+    def _save(self, running: RunningBatch) -> bool:
         """Write the batch's object as it stands (with the credentials its requests carry,
-        while it runs)."""
+        while it runs); False when that failed (logged)."""
         if self.directory is None:
-            return
+            return False
         saved = {
             "batch": running.batch.model_dump(mode="json"),
             "tenant": running.tenant,
@@ -371,6 +404,8 @@ class Batches:
             write_json(self._object_path(running.batch.id), saved)
         except OSError:
             log.exception("batch %s not written to router.state_dir", running.batch.id)
+            return False
+        return True
 
     async def resume(self) -> None:
         """Read back the batches a router before this one wrote, oldest first, and go on with
@@ -378,12 +413,14 @@ class Batches:
         if self.directory is None:
             return
         found = []
+        for partial in self.directory.glob("*.partial"):  # a write a crash cut short
+            remove(partial)
         for path in self.directory.glob("batch_*.json"):
             try:
                 saved = json.loads(path.read_bytes())
                 batch = Batch.model_validate(saved["batch"])
                 found.append((batch, str(saved["tenant"]), dict(saved["headers"])))
-            except (OSError, ValueError, KeyError, TypeError) as err:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
                 log.error("batch %s left out: %s", path.stem, err)
         for batch, tenant, headers in sorted(found, key=lambda f: (f[0].created_at, f[0].id)):
             running = RunningBatch(batch, tenant, headers, [])
@@ -400,12 +437,17 @@ class Batches:
             message = f"its input file {batch.input_file_id!r} is gone"
             batch.errors = BatchErrors(data=[BatchError(code="input_file_gone", message=message)])
             self._ended(running)
-            self._save(running)
+            if self._save(running):
+                remove(self._answers(running))
             return
         running.lines, _ = await asyncio.to_thread(read_lines, source.content, batch.endpoint)
         counts, batch.usage = batch.request_counts, None
         counts.completed = counts.failed = 0
+        numbers = {line.number for line in running.lines}
         for entry in journal(self._answers(running)):
+            if not _answer_entry(entry, numbers):
+                log.error("batch %s: a journal line left out: %.200r", batch.id, entry)
+                continue
             answer = entry["answer"]
             running.answers[entry["line"]] = answer
             response = answer.get("response") or {}
@@ -414,9 +456,18 @@ class Batches:
             counts.failed += not ok
             if ok and isinstance(response.get("body"), dict):
                 _add_usage(batch, response["body"].get("usage"))
+        # written again whole: the next answers start on a line of their own, not after a
+        # line a crash cut short
+        rows = [{"line": k, "answer": a} for k, a in sorted(running.answers.items())]
+        try:
+            write_whole(
+                self._answers(running), b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+            )
+        except OSError:
+            log.exception("batch %s: its journal could not be written again", batch.id)
         if batch.status == "in_progress":
             running.task = asyncio.ensure_future(self._run(running))
-        else:  # cancelling or finalizing: ended with what was answered
+        else:  # cancelling: ended with what was answered
             running.task = asyncio.ensure_future(self._finish(running, False))
 
     @staticmethod
@@ -435,6 +486,17 @@ def _encoded(running: RunningBatch) -> tuple[bytes, bytes]:
             ok = response is not None and response["status_code"] == 200
             (good if ok else bad).append(json.dumps(answer, ensure_ascii=False) + "\n")
     return "".join(good).encode(), "".join(bad).encode()
+
+
+def _answer_entry(entry: Any, numbers: set[int]) -> bool:
+    """Whether a journal line is an answer of one of the batch's lines."""
+    if not isinstance(entry, dict) or entry.get("line") not in numbers:
+        return False
+    answer = entry.get("answer")
+    if not isinstance(answer, dict):
+        return False
+    response = answer.get("response")
+    return response is None or isinstance(response, dict)
 
 
 def _add_usage(batch: Batch, usage: Any) -> None:

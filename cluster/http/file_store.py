@@ -98,10 +98,20 @@ class FileStore:
             )
         return self.keep(tenant, filename, purpose, content)
 
-    def keep(self, tenant: str, filename: str, purpose: str, content: bytes) -> FileObject:
-        """Keep a file whatever the bound (a batch's output)."""
+    def keep(
+        self,
+        tenant: str,
+        filename: str,
+        purpose: str,
+        content: bytes,
+        file_id: str | None = None,
+    ) -> FileObject:
+        """Keep a file whatever the bound (a batch's output); `file_id`: its id (replacing
+        the tenant's file of that id), else a new one."""
+        if file_id is not None and (tenant, file_id) in self._files:
+            self.delete(tenant, file_id)
         card = FileObject(
-            id=f"file-{uuid.uuid4().hex}",
+            id=file_id or f"file-{uuid.uuid4().hex}",
             bytes=len(content),
             created_at=int(time.time()),
             filename=filename,
@@ -124,10 +134,13 @@ class FileStore:
             if not refuse:
                 log.exception("file %s not written to router.state_dir", file_id)
                 return
-            self.delete(tenant, file_id)
+            if (tenant, file_id) in self._files:
+                self.delete(tenant, file_id)
             raise HttpError(
                 507, f"the file could not be written to router.state_dir: {err}"
             ) from err
+        if self._files.get((tenant, file_id)) is not stored:  # deleted while it was written
+            remove(self.directory / f"{file_id}.json", self.directory / f"{file_id}.bin")
 
     def find(self, tenant: str, file_id: str) -> StoredFile | None:
         return self._files.get((tenant, file_id))
@@ -144,6 +157,8 @@ class FileStore:
         """The files a router before this one kept, oldest first; a file whose card or content
         is missing or unreadable is left out (and removed), logged."""
         kept = []
+        for partial in directory.glob("*.partial"):  # a write a crash cut short
+            remove(partial)
         for card_path in directory.glob("*.json"):
             content_path = card_path.with_suffix(".bin")
             try:
@@ -153,7 +168,7 @@ class FileStore:
                 if len(content) != card.bytes:
                     raise ValueError(f"{len(content)} bytes, its card says {card.bytes}")
                 kept.append((card.created_at, str(saved["tenant"]), StoredFile(card, content)))
-            except (OSError, ValueError, KeyError, ValidationError) as err:
+            except (OSError, ValueError, KeyError, TypeError, ValidationError) as err:
                 log.error("file %s left out: %s", card_path.stem, err)
                 remove(card_path, content_path)
         for _, tenant, stored in sorted(kept, key=lambda k: (k[0], k[2].card.id)):

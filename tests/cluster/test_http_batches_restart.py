@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from cluster.config import RouterSection
+from cluster.http import batches
 from cluster.http.file_store import ENTRY_BYTES, FileStore
 from cluster.http.server import start_http_server
 from tests.cluster.local_cluster import ENGINE, LocalCluster, start_cluster
@@ -130,6 +131,8 @@ def test_a_journal_line_cut_short_is_left_out(cluster: LocalCluster) -> None:
     client = started_again(cluster)
     ended = finished(client, batch_id)
     assert ended.status == "completed" and ended.request_counts.completed == 8
+    # the journal was written again whole as the batch went on: no line glued to the cut one
+    assert not journal.exists() or all(json.loads(r) for r in journal.read_bytes().splitlines())
     assert [a["custom_id"] for a in answers(client, ended.output_file_id)] == [
         f"t{i}" for i in range(8)
     ]
@@ -148,3 +151,109 @@ def test_a_card_or_content_that_cannot_be_read_is_left_out(tmp_path: Path) -> No
     assert [c.id for c in back.cards("acme")] == [good.id]
     assert back.get("acme", good.id).content == b"{}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{good.id}.bin", f"{good.id}.json"]
+
+
+def test_a_drained_router_leaves_its_batch_to_the_next(cluster: LocalCluster) -> None:
+    """`radixmesh serve` drains before it stops: the batch stops sending, the requests in
+    flight end and are journalled, and the next router goes on with it."""
+    client = sdk(cluster)
+    lines = [
+        line(f"d{i}", chat(SYSTEMS[1], f"Drain {i}.", max_tokens=40, ignore_eos=True))
+        for i in range(10)
+    ]
+    batch_id = started(client, lines, 2)
+    assert cluster.http is not None
+    cluster.http.api.draining = True  # as the router actor drains
+    cluster.wait_idle()
+    stopped(cluster)
+    saved = json.loads((state(cluster) / "batches" / f"{batch_id}.json").read_bytes())
+    assert saved["batch"]["status"] == "in_progress"
+    client = started_again(cluster)
+    ended = finished(client, batch_id)
+    assert ended.status == "completed" and ended.request_counts.completed == 10
+    assert [a["custom_id"] for a in answers(client, ended.output_file_id)] == [
+        f"d{i}" for i in range(10)
+    ]
+
+
+def test_a_batch_ended_again_replaces_its_files(cluster: LocalCluster) -> None:
+    """A router that stopped after writing a batch's files but before its object said it
+    ended: the next one ends it again, with the same files, not a second set."""
+    client = sdk(cluster)
+    lines = [line(f"f{i}", chat(SYSTEMS[0], f"Once {i}.")) for i in range(4)]
+    batch_id = started(client, lines, 4)
+    ended = finished(client, batch_id)
+    got = answers(client, ended.output_file_id)
+    stopped(cluster)
+    folder = state(cluster) / "batches"
+    saved = json.loads((folder / f"{batch_id}.json").read_bytes())
+    saved["batch"]["status"] = "in_progress"  # as it was until it ended
+    (folder / f"{batch_id}.json").write_text(json.dumps(saved))
+    rows = [{"line": k, "answer": a} for k, a in enumerate(got, start=1)]
+    (folder / f"{batch_id}.answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = sorted(p.name for p in (state(cluster) / "files").iterdir())
+    client = started_again(cluster)
+    again = finished(client, batch_id)
+    assert again.status == "completed" and again.output_file_id == ended.output_file_id
+    assert answers(client, again.output_file_id) == got
+    assert sorted(p.name for p in (state(cluster) / "files").iterdir()) == before
+    assert len(client.files.list(purpose="batch_output").data) == 1
+
+
+def test_an_input_file_in_use_is_not_deleted(cluster: LocalCluster) -> None:
+    client = sdk(cluster)
+    lines = [
+        line(f"u{i}", chat(SYSTEMS[0], f"Use {i}.", max_tokens=60, ignore_eos=True))
+        for i in range(6)
+    ]
+    batch_id = started(client, lines, 1)
+    source = client.batches.retrieve(batch_id).input_file_id
+    with pytest.raises(openai.ConflictError, match="still runs the requests"):
+        client.files.delete(source)
+    finished(client, batch_id)
+    assert client.files.delete(source).deleted  # once it ended
+
+
+def test_a_batch_forgotten_here_is_forgotten_on_disk(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("cluster.http.batches.MAX_ENDED", 1)
+    client = sdk(cluster)
+    bad = upload(client, ['{"custom_id": "x"}'])  # not a request: the batch fails at once
+    first = client.batches.create(
+        input_file_id=bad, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    second = client.batches.create(
+        input_file_id=bad, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert (first.status, second.status) == ("failed", "failed")
+    names = sorted(p.name for p in (state(cluster) / "batches").iterdir())
+    assert names == [f"{second.id}.json"]
+
+
+def test_an_ended_batch_whose_object_cannot_be_written_keeps_its_journal(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its answers stay on disk: the next router ends it again from them, running nothing."""
+    client = sdk(cluster)
+    lines = [line(f"j{i}", chat(SYSTEMS[0], f"Keep {i}.")) for i in range(3)]
+    real = batches.write_json
+
+    def full_disk(path: Path, value: object) -> None:
+        if isinstance(value, dict) and value["batch"]["status"] in batches.ENDED:
+            raise OSError(28, "No space left on device")
+        real(path, value)
+
+    monkeypatch.setattr(batches, "write_json", full_disk)
+    batch_id = started(client, lines, 3)
+    ended = finished(client, batch_id)
+    assert ended.status == "completed"
+    journal = state(cluster) / "batches" / f"{batch_id}.answers.jsonl"
+    assert len(journal.read_bytes().splitlines()) == 3
+    monkeypatch.setattr(batches, "write_json", real)
+    client = restarted(cluster)
+    again = finished(client, batch_id)
+    assert [a["id"] for a in answers(client, again.output_file_id)] == [
+        a["id"] for a in answers(client, ended.output_file_id)
+    ]
+    assert not journal.exists()
