@@ -45,6 +45,16 @@ GREEDY: dict[str, Any] = {"model": MODEL, "messages": ASK, "temperature": 0, "ma
 TOOLS: list[Any] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
 ]
+CALLING: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": QUESTION}],
+    "tools": TOOLS,
+    "tool_choice": "required",
+    "max_tokens": 120,
+    "temperature": 0,
+    "store": True,
+}
+"""A stored request that must call get_weather."""
 
 
 @pytest.fixture
@@ -113,17 +123,7 @@ def test_a_stream_is_kept_as_it_ended(tenant: openai.OpenAI, cluster: LocalClust
 def test_tool_calls_and_logprobs_are_kept_as_answered(
     tenant: openai.OpenAI, cluster: LocalCluster
 ) -> None:
-    answered = tenant.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": QUESTION}],
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=120,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=2,
-        store=True,
-    )
+    answered = tenant.chat.completions.create(**CALLING, logprobs=True, top_logprobs=2)
     calls = answered.choices[0].message.tool_calls
     assert calls, answered
     kept = tenant.chat.completions.retrieve(answered.id)
@@ -136,18 +136,7 @@ def test_tool_calls_and_logprobs_are_kept_as_answered(
 def test_a_streamed_calls_ids_are_kept_as_streamed(
     tenant: openai.OpenAI, cluster: LocalCluster
 ) -> None:
-    chunks = list(
-        tenant.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": QUESTION}],
-            tools=TOOLS,
-            tool_choice="required",
-            max_tokens=120,
-            temperature=0,
-            store=True,
-            stream=True,
-        )
-    )
+    chunks = list(tenant.chat.completions.create(**CALLING, stream=True))
     streamed = [
         (call.id, call.function.name if call.function else None)
         for c in chunks
