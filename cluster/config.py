@@ -309,7 +309,8 @@ class RouterSection:
     state_dir: str | None = None
     """A directory where the Files and Batch APIs keep their files and batches too, so that
     they outlive a restart of the router (a running batch goes on where it was); on the
-    router's node, and on a volume that outlives its pod on Kubernetes. None: in memory only."""
+    router's node (on Kubernetes, the chart's routerState.persistence sets it to a claim in
+    the head pod). None: in memory only."""
     files_bytes: int = _at_least(1 << 30, 0)
     """The Files API's files (batch inputs, and the batches' output files), in the router's
     memory: an upload past this is refused (413); 0: no Files or Batch API."""

@@ -54,6 +54,7 @@ SCENARIOS: dict[str, list[str]] = {
         "--set", "model.volume.hostPath=/srv/models,model.source=smollm2.gguf",
         "--set", "podDisruptionBudget.head.enabled=false,service.port=443",
         "--set", "kvCache.persistence.enabled=true,kvCache.persistence.claimName=rm-kv",
+        "--set", "routerState.persistence.enabled=true,routerState.persistence.claimName=rm-state",
         "--set", "metrics.grafanaDashboard.enabled=true",
     ],
 }  # fmt: skip

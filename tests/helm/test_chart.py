@@ -363,6 +363,8 @@ def test_drain_outlives_serve_and_fits_the_grace_period() -> None:
         (["config.workers.cpus_per_worker=4"], "fewer CPUs than the 1 worker(s) of a pod need"),
         (["config.metrics.worker_port=0"], "ports 0 (any free port) cannot be scraped"),
         (["model.volume.type=persistentVolumeClaim,model.source=m"], "needs model.volume.claim"),
+        (["routerState.persistence.enabled=true"], "routerState.persistence.claimName"),
+        (["config.router.state_dir=/x"], "additional properties 'state_dir' not allowed"),
     ],
 )
 def test_bad_values_fail_with_a_message(sets: list[str], message: str) -> None:

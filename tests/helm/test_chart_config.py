@@ -37,7 +37,7 @@ CHART_OWNED = {
     "model": {"source"},
     "engine": {"persist_dir"},
     "workers": {"host"},
-    "router": {"host", "resource"},
+    "router": {"host", "resource", "state_dir"},
     "metrics": {"host"},
     "security": {"tls_cert", "tls_key", "tls_client_ca", "auth_tokens"},
 }
@@ -94,6 +94,8 @@ def test_configmap_values_per_example(tmp_path: Path) -> None:
     assert variants.security.tls_client_ca == "/etc/radixmesh/client-ca/ca.crt"
     assert variants.engine.persist_dir == "/var/lib/radixmesh/kv"  # kvCache.persistence
     assert cpu.engine.persist_dir is None
+    assert variants.router.state_dir == "/var/lib/radixmesh/state"  # routerState.persistence
+    assert cpu.router.state_dir is None
 
 
 @needs_helm
@@ -109,6 +111,25 @@ def test_the_saved_kv_cache_lives_on_its_claim_in_every_worker_pod() -> None:
     assert all(v["name"] != "kv-cache" for v in head.get("volumes", []))
     off = find(render("values-cpu"), "RayCluster", RELEASE)["spec"]["workerGroupSpecs"][0]
     assert all(v["name"] != "kv-cache" for v in off["template"]["spec"]["volumes"])
+
+
+@needs_helm
+def test_the_router_state_lives_on_its_claim_where_the_router_runs() -> None:
+    """The router actor runs in the head pod's Ray container (ray.routerResource): the claim
+    is mounted there, in no worker pod."""
+    cluster = find(render("values-cpu-variants"), "RayCluster", RELEASE)
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    (claim,) = [v for v in head["volumes"] if v["name"] == "router-state"]
+    assert claim["persistentVolumeClaim"] == {"claimName": "rm-state"}
+    mounts = {
+        c["name"]: [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "router-state"]
+        for c in head["containers"]
+    }
+    assert mounts["ray-head"] == ["/var/lib/radixmesh/state"]
+    (group,) = cluster["spec"]["workerGroupSpecs"]
+    assert all(v["name"] != "router-state" for v in group["template"]["spec"]["volumes"])
+    off = find(render("values-cpu"), "RayCluster", RELEASE)["spec"]["headGroupSpec"]
+    assert all(v["name"] != "router-state" for v in off["template"]["spec"]["volumes"])
 
 
 @needs_helm

@@ -130,6 +130,9 @@ are merged in at start by the render-config init container (they live in a Secre
 {{- $router := $cfg.router | default dict -}}
 {{- $_ := set $router "host" "0.0.0.0" -}}
 {{- $_ := set $router "resource" .Values.ray.routerResource -}}
+{{- if .Values.routerState.persistence.enabled -}}
+{{- $_ := set $router "state_dir" .Values.routerState.persistence.mountPath -}}
+{{- end -}}
 {{- /* Written even when null: helm drops a null key, and radixmesh's default (8000) would
        turn the HTTP API back on. */ -}}
 {{- if not (hasKey $router "http_port") -}}
