@@ -99,6 +99,8 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.counters = RouterCounters()
         self.latencies = RouterLatencies()
         """Each call's times as its client saw them (cluster/request_latency.py)."""
+        self.unmetered = RouterLatencies()
+        """Where the calls not metered are timed: never exported."""
         self.tenants = TenantUsageBook(config.metrics.max_tenants)
         """What each tenant's calls used (the metrics' `tenant` label, GetStats)."""
         self.adapter_admin = AdapterAdmin(links, config)
@@ -158,11 +160,14 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         fill_context: bool = False,
         image_fields: Sequence[str] = (),
         fill_cap: int | None = None,
+        metered: bool = True,
     ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         """Serve one request, whatever face it came through: the stream of the worker's
         messages, or ServingError. Closing the stream early cancels the worker's call (the
         worker frees the request's pages). `fill_context`, `image_fields`, `fill_cap`: see
-        cluster/requests.py `prepare`."""
+        cluster/requests.py `prepare`. Not `metered` (a probe's generation, SGLang's
+        `log_metrics: false`): left out of the calls counted by status, their latencies and
+        the tenants' usage (a refusal is still counted under its status)."""
         # under fcfs every request is 0 here (a priority is refused later, in prepare)
         mine = request.priority if self.engine.scheduling_policy == "priority" else 0
         limit = self.config.max_in_flight
@@ -172,7 +177,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             raise self._error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{why}; retry later")
         self.priorities[mine] += 1  # until the call ends, however it ends
         try:
-            admitted = self._admitted(request, caller, fill_context, image_fields, fill_cap)
+            admitted = self._admitted(
+                request, caller, fill_context, image_fields, fill_cap, metered
+            )
             async with contextlib.aclosing(admitted):  # closed with this: the worker call too
                 async for response in admitted:
                     yield response
@@ -188,9 +195,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         fill_context: bool,
         image_fields: Sequence[str],
         fill_cap: int | None = None,
+        metered: bool = True,
     ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         """`generate` once the request counts against router.max_in_flight."""
-        clock = self.latencies.call(embedding=request.HasField("pooling"))
+        latencies = self.latencies if metered else self.unmetered
+        clock = latencies.call(embedding=request.HasField("pooling"))
         prepared = await self._prepare(
             request, caller, fill_context, image_fields, fill_cap=fill_cap
         )
@@ -219,10 +228,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         finally:
             self.in_flight.pop(prepared.request_id, None)
             usage = clock.usage()
-            if usage is not None:  # however it ended: what was forwarded was used
+            if usage is not None and metered:  # however it ended: what was forwarded was used
                 self.tenants.add(prepared.namespace.tenant, *usage)
-            if done and not failed:  # a client that stopped reading at the last message (an
-                self._ended(clock)  # embedding's, over HTTP) is served all the same
+            if done and not failed and metered:  # a client that stopped reading at the last
+                self._ended(clock)  # message (an embedding's, over HTTP) is served all the same
 
     def _ended(self, clock: CallClock) -> None:
         """Count a call whose every sample's last message reached the router, by how its

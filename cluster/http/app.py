@@ -171,7 +171,7 @@ class HttpApi:
         )
         """The Batch API's batches; each runs its requests through this app (`build_app`)."""
         self.probe = GenerationProbe(
-            lambda message: self.start(message, Caller(ANY_TENANT)),
+            lambda message: self.start(message, Caller(ANY_TENANT), metered=False),
             lambda: self.service.forwarded_at,
         )
         """SGLang's /health_generate."""
@@ -242,14 +242,17 @@ class HttpApi:
         fill_context: bool = False,
         image_fields: Sequence[str] = (),
         fill_cap: int | None = None,
+        metered: bool = True,
     ) -> Responses:
         """The request's stream. `fill_context`: without max_tokens, generate up to the end of
         the context (chat, as OpenAI's chat API does) instead of 16 (legacy completions);
         `fill_cap`: at most so many of it. `image_fields`: the part each of the message's
-        images came in (for refusals)."""
+        images came in (for refusals). `metered`: RouterService.generate's."""
         if self.draining:
             raise HttpError(503, "the router is draining; retry on another")
-        return self.service.generate(message, caller, fill_context, image_fields, fill_cap)
+        return self.service.generate(
+            message, caller, fill_context, image_fields, fill_cap, metered=metered
+        )
 
     # -- OpenAI ------------------------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:

@@ -188,7 +188,9 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         answer = Answer(body, [m.request_id for m in messages], n, api.token_texts())
         cap = DEFAULT_MAX_NEW_TOKENS  # without max_new_tokens, cut to the room left
         started = [
-            api.start(m, caller, image_fields=f, fill_cap=cap)
+            api.start(
+                m, caller, image_fields=f, fill_cap=cap, metered=body.log_metrics is not False
+            )
             for m, f in zip(messages, fields, strict=True)
         ]
         stream = merged(started, n)

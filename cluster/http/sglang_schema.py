@@ -79,7 +79,8 @@ class GenerateRequest(Body):
     bootstrap_room: Any = None
     data_parallel_rank: Any = None
     log_metrics: bool | None = None
-    """SGLang's switch for its own request metrics: accepted, radixmesh counts every request."""
+    """SGLang's switch for its request metrics: false leaves the request out of the router's
+    calls by status, latencies and tenant usage (RouterService.generate's `metered`)."""
 
     @property
     def start(self) -> int:

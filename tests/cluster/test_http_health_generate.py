@@ -24,13 +24,19 @@ from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 
 
 def test_a_probe_generates_one_token(cluster: LocalCluster) -> None:
+    """One generation routed and run, and left out of the request metrics (SGLang's probe
+    sets log_metrics false): calls by status, latencies, the tenants' usage."""
     assert cluster.http is not None
-    before = cluster.service.counters.by_status.get("OK", 0)
+    service = cluster.service
+    routed, statuses = service.counters.routed, dict(service.counters.by_status)
+    usage = {name: vars(u).copy() for name, u in service.tenants.tenants.items()}
     answer = httpx.get(f"{cluster.http_url}/health_generate", timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.json()["status"] == "ok"
     assert answer.json()["worker"] in cluster.engines
-    assert cluster.service.counters.by_status.get("OK", 0) == before + 1  # one generation ran
+    assert service.counters.routed == routed + 1  # one generation ran
+    assert service.counters.by_status == statuses
+    assert {name: vars(u) for name, u in service.tenants.tenants.items()} == usage
     cluster.wait_idle()
 
 

@@ -206,6 +206,18 @@ def test_abort_request_ends_a_running_generation(
     assert nothing.status_code == 400 and nothing.json()["error"]["param"] == "rid"
 
 
+def test_log_metrics_false_leaves_the_request_out_of_the_metrics(cluster: LocalCluster) -> None:
+    service = cluster.service
+    for log_metrics, counted in ((False, 0), (True, 1), (None, 1)):
+        ok, usage = service.counters.by_status.get("OK", 0), service.tenants.tenants.get("")
+        requests = usage.requests if usage is not None else 0
+        body = {"text": PROMPT, "sampling_params": GREEDY, "log_metrics": log_metrics}
+        assert generate(cluster, body)["meta_info"]["completion_tokens"] == 8
+        assert service.counters.by_status.get("OK", 0) == ok + counted, log_metrics
+        assert service.tenants.tenants[""].requests == requests + counted, log_metrics
+    cluster.wait_idle()
+
+
 def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
     free = generate(cluster, {"text": PROMPT, "sampling_params": {**GREEDY, "ignore_eos": True}})
     word = free["text"][2:5]
