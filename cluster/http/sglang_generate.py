@@ -54,6 +54,8 @@ from cluster.http.sglang_schema import (
     AbortRequest,
     GenerateRequest,
     as_completion,
+    at_prompt,
+    per_prompt,
     sglang_names,
 )
 from cluster.http.sse import EventStream
@@ -175,16 +177,28 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         names = sglang_names(body)
         try:
             adapter = api.check_model(body.lora_path or api.model)
-            completion = as_completion(body, api.model)
+            parts = per_prompt(body)
             rid = body.rid if isinstance(body.rid, str) else api.request_id(request)
-            messages = openai_params.completion_requests(completion, rid, api.tenant(request))
-            _name(messages, body.rid)
         except HttpError as err:  # named as the completions API names it
+            raise err.renamed(names) from None
+        messages, n = [], 1
+        for p, part in enumerate(parts):  # one part, or a prompt each with its own sampling
+            alone = len(parts) == 1
+            try:
+                completion = as_completion(part, api.model)
+                n = completion.n or 1
+                messages += openai_params.completion_requests(
+                    completion, rid if alone else f"{rid}-{p}", api.tenant(request)
+                )
+            except HttpError as err:
+                raise err.renamed(names if alone else at_prompt(names, p)) from None
+        try:
+            _name(messages, body.rid)
+        except HttpError as err:
             raise err.renamed(names) from None
         fields = _images(messages, body)
         for message in messages:
             message.namespace.adapter = adapter or ""
-        n = completion.n or 1
         answer = Answer(body, [m.request_id for m in messages], n, api.token_texts())
         cap = DEFAULT_MAX_NEW_TOKENS  # without max_new_tokens, cut to the room left
         started = [

@@ -4,7 +4,8 @@
 A field left null takes SGLang's default, as in SGLang. What SGLang takes and radixmesh does
 not serve is refused by name unless it asks for nothing (`REFUSED`): video, audio, hidden states,
 custom logit processors, sessions, disaggregation; also an unknown field, per-prompt lists of
-`sampling_params` or of the logprob fields, and `spaces_between_special_tokens: false`.
+the logprob fields, and `spaces_between_special_tokens: false`. A batch may give
+`sampling_params` as one list entry per prompt (`per_prompt`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class SglangSampling(Strict):
 class GenerateRequest(Body):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SglangSampling | None = None
+    sampling_params: SglangSampling | list[SglangSampling] | None = None
+    """One for every prompt, or, in a batch, a list of one per prompt."""
     rid: str | list[str] | None = None
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
@@ -102,7 +104,9 @@ class GenerateRequest(Body):
     @property
     def listed(self) -> bool:
         """Whether the answer is a list: several prompts, or several samples of one."""
-        n = self.sampling_params.n if self.sampling_params is not None else None
+        given = self.sampling_params
+        first = given[0] if isinstance(given, list) and given else given
+        n = first.n if isinstance(first, SglangSampling) else None
         return self.several or (n or 1) > 1
 
 
@@ -170,6 +174,47 @@ def sglang_names(body: GenerateRequest) -> Renames:
     return rename
 
 
+def per_prompt(body: GenerateRequest) -> list[GenerateRequest]:
+    """A batch whose `sampling_params` is a list, as one request a prompt with its own (each
+    prompt's entry of `text` or `input_ids`, its `rid` and its `image_data` taken by the
+    route from the batch); else the request itself."""
+    given = body.sampling_params
+    if not isinstance(given, list):
+        return [body]
+    prompts = body.text if body.text is not None else body.input_ids
+    if not body.several or not isinstance(prompts, list):
+        raise HttpError.invalid("sampling_params", "a list is one entry per prompt of a batch")
+    if len(given) != len(prompts):
+        raise HttpError.invalid(
+            "sampling_params", f"{len(given)} entries for {len(prompts)} prompts: give one each"
+        )
+    ns = [each.n or 1 for each in given]
+    if len(set(ns)) > 1:
+        p = next(p for p, n in enumerate(ns) if n != ns[0])
+        raise HttpError.invalid(
+            f"sampling_params[{p}].n", f"{ns[p]}: every prompt takes the same n ({ns[0]})"
+        )
+    field = "text" if body.text is not None else "input_ids"
+    return [
+        body.model_copy(update={field: prompt, "sampling_params": each, "image_data": None})
+        for prompt, each in zip(prompts, given, strict=True)
+    ]
+
+
+def at_prompt(names: Renames, p: int) -> Renames:
+    """The names of a batch's prompt p's fields, read alone (`per_prompt`): its entry of the
+    prompts, and its `sampling_params`."""
+
+    def rename(param: str) -> str | None:
+        named = names(param) or param
+        for head in ("text", "input_ids", "sampling_params"):
+            if named == head or named.startswith((f"{head}.", f"{head}[")):
+                return f"{head}[{p}]{named.removeprefix(head)}"
+        return named
+
+    return rename
+
+
 def as_completion(body: GenerateRequest, model: str) -> CompletionRequest:
     """The same request as a text completion (vLLM's fields where OpenAI has none)."""
     refuse_unsupported(body, REFUSED)
@@ -183,6 +228,7 @@ def as_completion(body: GenerateRequest, model: str) -> CompletionRequest:
             "logprob_start_len", f"{start} is past the prompt's {len(body.input_ids)} tokens"
         )
     s = body.sampling_params or SglangSampling()
+    assert isinstance(s, SglangSampling), "a list is read prompt by prompt (per_prompt)"
     logprobs = body.top if body.return_logprob else None
     fields: dict[str, Any] = {
         "model": model,

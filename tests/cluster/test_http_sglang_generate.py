@@ -206,6 +206,25 @@ def test_abort_request_ends_a_running_generation(
     assert nothing.status_code == 400 and nothing.json()["error"]["param"] == "rid"
 
 
+def test_a_batch_takes_a_sampling_params_each(cluster: LocalCluster) -> None:
+    """A list of sampling_params, one per prompt: each prompt answered as if sent alone with
+    its own, in one request, under `{rid}_{i}`."""
+    own = [
+        {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "stop_token_ids": [2]},
+    ]
+    prompts = [PROMPT, PROMPT + " knows"]
+    alone = [
+        generate(cluster, {"text": t, "sampling_params": s})
+        for t, s in zip(prompts, own, strict=True)
+    ]
+    both = generate(cluster, {"text": prompts, "sampling_params": own, "rid": "pair"})
+    assert [a["output_ids"] for a in both] == [a["output_ids"] for a in alone]
+    assert [a["meta_info"]["completion_tokens"] for a in both] == [3, 5]
+    assert [a["meta_info"]["id"] for a in both] == ["pair_0", "pair_1"]
+    cluster.wait_idle()
+
+
 def test_log_metrics_false_leaves_the_request_out_of_the_metrics(cluster: LocalCluster) -> None:
     service = cluster.service
     for log_metrics, counted in ((False, 0), (True, 1), (None, 1)):
@@ -292,6 +311,35 @@ def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
             {"text": "a b", "return_logprob": True, "logprob_start_len": 40},
             "logprob_start_len",
             "past the prompt's",
+        ),
+        ({"text": PROMPT, "sampling_params": [GREEDY]}, "sampling_params", "one entry per prompt"),
+        (
+            {"text": [PROMPT, PROMPT], "sampling_params": [GREEDY]},
+            "sampling_params",
+            "1 entries for 2 prompts",
+        ),
+        (
+            {
+                "text": ["a", "b"],
+                "sampling_params": [{"n": 2, "temperature": 1}, {"temperature": 1}],
+            },
+            "sampling_params[1].n",
+            "the same n (2)",
+        ),
+        (
+            {"input_ids": [[1, 2], [3]], "sampling_params": [GREEDY, {"json_schema": "5"}]},
+            "sampling_params[1].json_schema",
+            "a JSON int, not a schema",
+        ),
+        (
+            {
+                "input_ids": [[1, 2], [3, 4]],
+                "return_logprob": True,
+                "logprob_start_len": 2,
+                "sampling_params": [GREEDY, GREEDY],
+            },
+            "logprob_start_len",
+            "past the prompt's 2 tokens",
         ),
     ],
 )
