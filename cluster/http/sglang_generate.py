@@ -182,8 +182,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         except HttpError as err:  # named as the completions API names it
             raise err.renamed(names) from None
         messages, n = [], 1
-        for p, part in enumerate(parts):  # one part, or a prompt each with its own sampling
-            alone = len(parts) == 1
+        alone = not isinstance(body.sampling_params, list)
+        for p, part in enumerate(parts):  # the request, or a prompt each with its own sampling
             try:
                 completion = as_completion(part, api.model)
                 n = completion.n or 1

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.openai_params import refuse_unsupported
 from cluster.http.openai_schema import Body, CompletionRequest, Strict, lone_surrogate
+from cluster.http.several_prompts import MAX_PROMPTS
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default `max_new_tokens`."""
@@ -182,6 +183,11 @@ def per_prompt(body: GenerateRequest) -> list[GenerateRequest]:
     if not isinstance(given, list):
         return [body]
     prompts = body.text if body.text is not None else body.input_ids
+    field = "text" if body.text is not None else "input_ids"
+    if isinstance(prompts, list) and not 1 <= len(prompts) <= MAX_PROMPTS:  # as one request
+        raise HttpError.invalid(
+            field, f"{len(prompts)} prompts in one request; send 1 to {MAX_PROMPTS}"
+        )
     if not body.several or not isinstance(prompts, list):
         raise HttpError.invalid("sampling_params", "a list is one entry per prompt of a batch")
     if len(given) != len(prompts):
@@ -194,7 +200,6 @@ def per_prompt(body: GenerateRequest) -> list[GenerateRequest]:
         raise HttpError.invalid(
             f"sampling_params[{p}].n", f"{ns[p]}: every prompt takes the same n ({ns[0]})"
         )
-    field = "text" if body.text is not None else "input_ids"
     return [
         body.model_copy(update={field: prompt, "sampling_params": each, "image_data": None})
         for prompt, each in zip(prompts, given, strict=True)

@@ -21,6 +21,7 @@ from cluster.http.generation_probe import GenerationProbe, ProbeAnswer, ProbeFai
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.test_http_sglang_generate import ended
 
 
 def test_a_probe_generates_one_token(cluster: LocalCluster) -> None:
@@ -29,6 +30,7 @@ def test_a_probe_generates_one_token(cluster: LocalCluster) -> None:
     assert cluster.http is not None
     service = cluster.service
     routed, statuses = service.counters.routed, dict(service.counters.by_status)
+    timed = ended(service)
     usage = {name: vars(u).copy() for name, u in service.tenants.tenants.items()}
     answer = httpx.get(f"{cluster.http_url}/health_generate", timeout=30)
     assert answer.status_code == 200, answer.text
@@ -37,6 +39,7 @@ def test_a_probe_generates_one_token(cluster: LocalCluster) -> None:
     assert service.counters.routed == routed + 1  # one generation ran
     assert service.counters.by_status == statuses
     assert {name: vars(u) for name, u in service.tenants.tenants.items()} == usage
+    assert ended(service) == timed  # nor timed
     cluster.wait_idle()
 
 

@@ -227,14 +227,25 @@ def test_a_batch_takes_a_sampling_params_each(cluster: LocalCluster) -> None:
 
 def test_log_metrics_false_leaves_the_request_out_of_the_metrics(cluster: LocalCluster) -> None:
     service = cluster.service
+
+    def requests() -> int:
+        usage = service.tenants.tenants.get("")
+        return usage.requests if usage is not None else 0
+
     for log_metrics, counted in ((False, 0), (True, 1), (None, 1)):
-        ok, usage = service.counters.by_status.get("OK", 0), service.tenants.tenants.get("")
-        requests = usage.requests if usage is not None else 0
+        ok, asked, timed = service.counters.by_status.get("OK", 0), requests(), ended(service)
         body = {"text": PROMPT, "sampling_params": GREEDY, "log_metrics": log_metrics}
         assert generate(cluster, body)["meta_info"]["completion_tokens"] == 8
         assert service.counters.by_status.get("OK", 0) == ok + counted, log_metrics
-        assert service.tenants.tenants[""].requests == requests + counted, log_metrics
+        assert requests() == asked + counted, log_metrics
+        assert ended(service) == timed + counted, log_metrics
     cluster.wait_idle()
+
+
+def ended(service: Any) -> float:
+    """The calls the router's latency histogram timed to their end."""
+    (family,) = service.latencies.end_to_end.collect()
+    return next(s.value for s in family.samples if s.name.endswith("_count"))
 
 
 def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
@@ -313,6 +324,13 @@ def test_stops_say_what_they_matched(cluster: LocalCluster) -> None:
             "past the prompt's",
         ),
         ({"text": PROMPT, "sampling_params": [GREEDY]}, "sampling_params", "one entry per prompt"),
+        ({"text": ["a"] * 257, "sampling_params": [GREEDY] * 257}, "text", "send 1 to 256"),
+        ({"text": [], "sampling_params": []}, "text", "0 prompts"),
+        (
+            {"text": ["a"], "sampling_params": [{"json_schema": "5"}]},
+            "sampling_params[0].json_schema",
+            "not a schema",
+        ),
         (
             {"text": [PROMPT, PROMPT], "sampling_params": [GREEDY]},
             "sampling_params",

@@ -125,7 +125,7 @@ def test_the_router_state_lives_on_its_claim_where_the_router_runs() -> None:
         c["name"]: [m["mountPath"] for m in c["volumeMounts"] if m["name"] == "router-state"]
         for c in head["containers"]
     }
-    assert mounts["ray-head"] == ["/var/lib/radixmesh/state"]
+    assert mounts == {"ray-head": ["/var/lib/radixmesh/state"], "radixmesh-serve": []}
     (group,) = cluster["spec"]["workerGroupSpecs"]
     assert all(v["name"] != "router-state" for v in group["template"]["spec"]["volumes"])
     off = find(render("values-cpu"), "RayCluster", RELEASE)["spec"]["headGroupSpec"]
