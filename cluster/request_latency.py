@@ -111,6 +111,11 @@ class CallClock:
         """The prompt's tokens and those cached, as the first message said (a worker that
         resumes the call after a failure reports its own hit: not the client's)."""
 
+    @property
+    def latest(self) -> float:
+        """When the latest message went out (time.perf_counter)."""
+        return self._latest
+
     def forwarded(self, response: serving_pb2.GenerateResponse) -> None:
         now = self._latest = time.perf_counter()
         if self._prompt is None:

@@ -108,7 +108,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         self.in_flight: dict[str, InFlight] = {}
         """request id -> its tenant and the worker serving it."""
         self.forwarded_at = 0.0
-        """When the last message of any generation went to its client (time.monotonic): a
+        """When the last message of any generation went to its client (time.perf_counter): a
         busy router's sign of life (cluster/http/generation_probe.py)."""
         self.priorities: Counter[int] = Counter()
         """The priorities of the calls counted against router.max_in_flight: every call from
@@ -217,7 +217,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             async with contextlib.aclosing(served):  # closed with this: the worker call ends
                 async for response in served:
                     clock.forwarded(response)
-                    self.forwarded_at = time.monotonic()
+                    self.forwarded_at = clock.latest
                     if not done and all(sample.finished for sample in progress.samples):
                         done = True  # registered before the client has the last message
                         self._remember_answers(prepared, progress)

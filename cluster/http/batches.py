@@ -68,7 +68,7 @@ from cluster.http.batch_schema import (
 from cluster.http.embeddings import overload_pauses
 from cluster.http.errors import HttpError
 from cluster.http.file_store import FileStore
-from cluster.http.state_files import append_line, journal, remove, write_json, write_whole
+from cluster.http.state_files import append_line, journal, remove, write_json, write_lines
 
 log = logging.getLogger(__name__)
 
@@ -299,24 +299,21 @@ class Batches:
         body: Any,
         failure: str | None,
     ) -> None:
-        counts = running.batch.request_counts
-        ok = status == 200
-        counts.completed += ok
-        counts.failed += not ok
         response = None if status is None else {"status_code": status, "request_id": request_id}
         if response is not None:
             response["body"] = body
         error = None if failure is None else {"code": "request_failed", "message": failure}
-        answer = {"id": request_id, "custom_id": line.custom_id, "response": response}
-        running.answers[line.number] = answer | {"error": error}
-        if ok and isinstance(body, dict):
-            _add_usage(running.batch, body.get("usage"))
+        answer = {
+            "id": request_id,
+            "custom_id": line.custom_id,
+            "response": response,
+            "error": error,
+        }
+        running.answers[line.number] = answer
+        _tally(running.batch, answer)
         if self.directory is not None:
             try:
-                append_line(
-                    self._answers(running),
-                    {"line": line.number, "answer": answer | {"error": error}},
-                )
+                append_line(self._answers(running), {"line": line.number, "answer": answer})
             except OSError:  # it runs again if the router restarts before the batch ends
                 log.exception(
                     "batch %s: line %d's answer not written", running.batch.id, line.number
@@ -448,21 +445,13 @@ class Batches:
             if not _answer_entry(entry, numbers):
                 log.error("batch %s: a journal line left out: %.200r", batch.id, entry)
                 continue
-            answer = entry["answer"]
-            running.answers[entry["line"]] = answer
-            response = answer.get("response") or {}
-            ok = response.get("status_code") == 200
-            counts.completed += ok
-            counts.failed += not ok
-            if ok and isinstance(response.get("body"), dict):
-                _add_usage(batch, response["body"].get("usage"))
+            running.answers[entry["line"]] = entry["answer"]
+            _tally(batch, entry["answer"])
         # written again whole: the next answers start on a line of their own, not after a
         # line a crash cut short
         rows = [{"line": k, "answer": a} for k, a in sorted(running.answers.items())]
         try:
-            write_whole(
-                self._answers(running), b"".join(json.dumps(r).encode() + b"\n" for r in rows)
-            )
+            write_lines(self._answers(running), rows)
         except OSError:
             log.exception("batch %s: its journal could not be written again", batch.id)
         if batch.status == "in_progress":
@@ -497,6 +486,16 @@ def _answer_entry(entry: Any, numbers: set[int]) -> bool:
         return False
     response = answer.get("response")
     return response is None or isinstance(response, dict)
+
+
+def _tally(batch: Batch, answer: dict[str, Any]) -> None:
+    """Count an answered line in the batch's counts, and a completed one's usage."""
+    response = answer.get("response") or {}
+    ok = response.get("status_code") == 200
+    batch.request_counts.completed += ok
+    batch.request_counts.failed += not ok
+    if ok and isinstance(response.get("body"), dict):
+        _add_usage(batch, response["body"].get("usage"))
 
 
 def _add_usage(batch: Batch, usage: Any) -> None:

@@ -71,7 +71,7 @@ class GenerationProbe:
         return await asyncio.shield(self._running)
 
     async def _probe(self) -> ProbeAnswer:
-        began = time.monotonic()
+        began = time.perf_counter()
         try:
             return ProbeAnswer(await self._generate())
         except TimeoutError:
@@ -83,7 +83,7 @@ class GenerationProbe:
         except (GenerationFailed, HttpError) as err:
             raise ProbeFailed(err.message if isinstance(err, HttpError) else str(err)) from None
         while self.forwarded_at() <= began:  # busy: alive if anything streams meanwhile
-            if time.monotonic() - began >= self.timeout_s:
+            if time.perf_counter() - began >= self.timeout_s:
                 raise ProbeFailed(f"{busy}, and no generation streamed since the probe began")
             await asyncio.sleep(WATCH_S)
         return ProbeAnswer(None, busy)

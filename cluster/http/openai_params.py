@@ -35,7 +35,7 @@ from cluster.http.openai_schema import (
     StructuredOutputs,
     ToolParam,
 )
-from cluster.http.several_prompts import MAX_PROMPTS, Prompt, prompts_of
+from cluster.http.several_prompts import Prompt, check_count, prompts_of
 from cluster.images import name_problem
 from protos.radixmesh.v1 import serving_pb2
 
@@ -270,10 +270,7 @@ def completion_requests(
             "the text sent",
         )
     prompts = prompts_of(request.prompt)
-    if not 1 <= len(prompts) <= MAX_PROMPTS:
-        raise HttpError.invalid(
-            "prompt", f"{len(prompts)} prompts in one request; send 1 to {MAX_PROMPTS}"
-        )
+    check_count(len(prompts), "prompt")
     alone = request.echo and request.max_tokens == 0  # the prompt alone: one token, dropped
     params = sampling(request, 1 if alone else request.max_tokens, request.logprobs)
     if request.echo and request.logprobs is not None:  # the prompt's logprobs too

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
 
+from cluster.http.errors import HttpError
 from cluster.stream_merge import merge_streams
 from protos.radixmesh.v1 import serving_pb2
 
@@ -22,6 +23,12 @@ Prompt = str | list[int]
 
 MAX_PROMPTS = 256
 """Prompts one request may hold; each is a generation in flight of its own."""
+
+
+def check_count(count: int, field: str) -> None:
+    """400 naming `field` unless a request holds 1 to MAX_PROMPTS prompts."""
+    if not 1 <= count <= MAX_PROMPTS:
+        raise HttpError.invalid(field, f"{count} prompts in one request; send 1 to {MAX_PROMPTS}")
 
 
 def prompts_of(prompt: str | list[int] | list[str] | list[list[int]]) -> list[Prompt]:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.openai_params import refuse_unsupported
 from cluster.http.openai_schema import Body, CompletionRequest, Strict, lone_surrogate
-from cluster.http.several_prompts import MAX_PROMPTS
+from cluster.http.several_prompts import check_count
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default `max_new_tokens`."""
@@ -184,10 +184,8 @@ def per_prompt(body: GenerateRequest) -> list[GenerateRequest]:
         return [body]
     prompts = body.text if body.text is not None else body.input_ids
     field = "text" if body.text is not None else "input_ids"
-    if isinstance(prompts, list) and not 1 <= len(prompts) <= MAX_PROMPTS:  # as one request
-        raise HttpError.invalid(
-            field, f"{len(prompts)} prompts in one request; send 1 to {MAX_PROMPTS}"
-        )
+    if isinstance(prompts, list):  # as for one request of them all
+        check_count(len(prompts), field)
     if not body.several or not isinstance(prompts, list):
         raise HttpError.invalid("sampling_params", "a list is one entry per prompt of a batch")
     if len(given) != len(prompts):

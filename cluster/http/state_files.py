@@ -47,7 +47,16 @@ def write_json(path: Path, value: Any) -> None:
 def append_line(path: Path, value: Any) -> None:
     """One JSON line more at the end of a journal."""
     with open(path, "ab", opener=private) as f:
-        f.write(json.dumps(value).encode() + b"\n")
+        f.write(_line(value))
+
+
+def write_lines(path: Path, values: list[Any]) -> None:
+    """A journal written whole, a JSON line a value."""
+    write_whole(path, b"".join(map(_line, values)))
+
+
+def _line(value: Any) -> bytes:
+    return json.dumps(value).encode() + b"\n"
 
 
 def journal(path: Path) -> list[Any]:

@@ -76,9 +76,9 @@ class StoredCompletion:
     messages: tuple[bytes, ...]
     """The request's messages, each with its id."""
     model: str
-    metadata: dict[str, str] = field(default_factory=dict)
-    sequence: int = field(default_factory=lambda: next(_SEQUENCE))
+    sequence: int
     """Its place in the listing: the order the requests came in (`next_place`)."""
+    metadata: dict[str, str] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
