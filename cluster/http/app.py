@@ -13,7 +13,8 @@
     POST /generate   GET /get_model_info   POST /abort_request   (SGLang's native API)
     POST /reset_prefix_cache (vLLM's)   GET, POST /flush_cache (SGLang's)  (admin)
     GET  /health, GET or POST /ping (vLLM's, SageMaker's)   (no token: probes carry none)
-    GET  /health_generate (SGLang's: a one-token generation)  (no token either)
+    GET  /health_generate (SGLang's: a one-token generation)  (no token either; its reasons
+                                                               and worker: an operator's)
     GET  /version               (vLLM's)
 
 A request's `model` is the base model's served name, or a LoRA adapter's name (vLLM's
@@ -220,6 +221,13 @@ class HttpApi:
         given = _bearer(headers.get(b"authorization", b"").decode("latin-1"))
         given = given or headers.get(b"x-api-key", b"").decode("latin-1") or None
         return known_token(given, self.config.security) is not None
+
+    def is_operator(self, request: Request) -> bool:
+        """Whether the caller's token is bound to every tenant (or no token is configured)."""
+        try:
+            return self.caller(request).tenant == ANY_TENANT
+        except HttpError:
+            return False
 
     def require_admin(self, request: Request) -> None:
         """403 unless the caller's token is bound to every tenant (the Admin service's rule)."""
@@ -660,18 +668,23 @@ class HttpApi:
             return JSONResponse({"status": status, "workers": workers}, status_code=503)
         return JSONResponse({"status": "ok", "workers": workers})
 
-    async def health_generate(self) -> Response:
+    async def health_generate(self, request: Request) -> Response:
         """SGLang's probe: 200 once a one-token generation answered, or, busy, once any
-        generation streamed (cluster/http/generation_probe.py); else 503 with the reason, as
-        /health says it."""
+        generation streamed (cluster/http/generation_probe.py); else 503, as /health says it.
+        Probes carry no token, so the reason (which may name workers and limits) and the worker
+        that answered are told only to an operator's token (or where no token is set)."""
         unhealthy = await self.health()
         if unhealthy.status_code != 200:
             return unhealthy
+        told = self.is_operator(request)
         try:
             answer = await self.probe.check()
         except ProbeFailed as err:
             workers = len(self.service.links.links)
-            return JSONResponse({"status": str(err), "workers": workers}, status_code=503)
+            status = str(err) if told else "the probe's generation failed"
+            return JSONResponse({"status": status, "workers": workers}, status_code=503)
+        if not told:
+            return JSONResponse({"status": "ok"})
         if answer.busy is not None:  # its own generation did not answer, others' streamed
             return JSONResponse({"status": "ok", "busy": answer.busy})
         return JSONResponse({"status": "ok", "worker": answer.worker})

@@ -1,8 +1,8 @@
 """SGLang's `GET /health_generate` over real HTTP on loopback against a local cluster of two
-tiny-model workers: 200 once a one-token generation came back (naming its worker), without a
-token; 503 with the reason when the engines are wedged (their steps blocked: no token in the
-probe's time), and while the router drains. A burst of probes is one generation, and a failed
-start is the probe's reason (the probe alone, on made-up starts)."""
+tiny-model workers: 200 once a one-token generation came back (naming its worker, to an
+operator), without a token; 503 with the reason when the engines are wedged (their steps
+blocked: no token in the probe's time), and while the router drains. A burst of probes is one
+generation, and a failed start is the probe's reason (the probe alone, on made-up starts)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
+from cluster.config import SecuritySection
 from cluster.http.generation_probe import GenerationProbe, ProbeAnswer, ProbeFailed
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
@@ -69,6 +70,45 @@ def test_wedged_engines_fail_the_probe(
         unblocked.set()
     cluster.wait_idle()
     assert httpx.get(f"{cluster.http_url}/health_generate", timeout=30).status_code == 200
+    cluster.wait_idle()
+
+
+def test_only_an_operator_is_told_the_reason_and_the_worker(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probes carry no token, and the probe's reasons name workers and limits: with tokens
+    set, a caller without an operator's token is told only ok, or that the generation failed."""
+    assert cluster.http is not None
+    api = cluster.http.api
+    tokens = {"t-admin": "*", "t-acme": "acme"}
+    security = SecuritySection(auth_tokens=tokens)
+    monkeypatch.setattr(api, "config", replace(api.config, security=security))
+    url = f"{cluster.http_url}/health_generate"
+
+    def probe(token: str | None) -> httpx.Response:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        return httpx.get(url, headers=headers, timeout=30)
+
+    for token in (None, "t-acme", "t-unknown"):
+        answer = probe(token)
+        assert (answer.status_code, answer.json()) == (200, {"status": "ok"}), token
+    assert probe("t-admin").json()["worker"] in cluster.engines
+    unblocked = threading.Event()
+    for engine in cluster.engines.values():
+
+        def step(original: Callable[[], bool] = engine.step) -> bool:
+            unblocked.wait(30)
+            return original()
+
+        monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(api.probe, "timeout_s", 0.5)
+    try:
+        hidden, told = probe("t-acme"), probe("t-admin")
+    finally:
+        unblocked.set()
+    assert hidden.status_code == told.status_code == 503
+    assert hidden.json() == {"status": "the probe's generation failed", "workers": 2}
+    assert told.json()["status"].startswith("no token in 0.5 s")
     cluster.wait_idle()
 
 
