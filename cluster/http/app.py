@@ -65,6 +65,7 @@ from cluster.http import (
     stored_completions,
 )
 from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
+from cluster.http.batch_runner import BatchRunner
 from cluster.http.batches import Batches
 from cluster.http.body_limit import BodyLimit
 from cluster.http.embeddings import (
@@ -161,16 +162,18 @@ class HttpApi:
         self.files = FileStore(router.files_bytes, subdirectory(router.state_dir, "files"))
         """The Files API's files: batch inputs and outputs."""
         by_priority = config.engine.scheduling_policy == "priority"
-        self.batches = Batches(
-            self.files,
+        self.batch_runner = BatchRunner(
             router.batch_max_in_flight,
             router.batch_order,
             accepting=lambda: not self.draining,
             priority=router.batch_priority if by_priority else None,
-            directory=subdirectory(router.state_dir, "batches"),
             workers=lambda: bool(self.service.links.links),
         )
-        """The Batch API's batches; each runs its requests through this app (`build_app`)."""
+        """Runs every batch's requests through this app (`build_app`), both APIs' together."""
+        self.batches = Batches(
+            self.files, self.batch_runner, subdirectory(router.state_dir, "batches")
+        )
+        """OpenAI's Batch API's batches."""
         self.probe = GenerationProbe(
             lambda message: self.start(message, Caller(ANY_TENANT), metered=False),
             lambda: self.service.forwarded_at,
@@ -766,7 +769,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
 
     limited = BodyLimit(app, body_limit, error_body)
     counted = StatusCounter(limited, service.counters.http_responses)  # 413s counted too
-    api.batches.app = counted  # a batch's requests are served as the same requests sent here
+    api.batch_runner.app = counted  # a batch's requests are served as the same requests sent here
     return counted, api
 
 

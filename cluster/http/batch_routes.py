@@ -25,8 +25,8 @@ from fastapi import FastAPI, Form, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from cluster.http.batch_runner import CREDENTIALS
 from cluster.http.batch_schema import BatchCreateRequest
-from cluster.http.batches import CREDENTIALS
 from cluster.http.errors import HttpError
 from cluster.http.responses_chain import check_metadata, owner
 

@@ -44,15 +44,11 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
-import httpx2
-from starlette.types import ASGIApp
-
+from cluster.http.batch_runner import BatchRunner
 from cluster.http.batch_schema import (
     COMPLETION_WINDOW,
     ENDPOINTS,
@@ -62,10 +58,8 @@ from cluster.http.batch_schema import (
     BatchErrors,
     BatchLine,
     BatchUsage,
-    prefix_order,
     read_lines,
 )
-from cluster.http.embeddings import overload_pauses
 from cluster.http.errors import HttpError
 from cluster.http.file_store import FileStore
 from cluster.http.state_files import append_line, journal, remove, write_json, write_lines
@@ -74,13 +68,6 @@ log = logging.getLogger(__name__)
 
 WINDOW_S = 24 * 3600
 OUTPUT_PURPOSE = "batch_output"
-BASE_URL = "http://batch.internal"
-"""What the in-process requests are addressed to (never resolved: the transport is the app)."""
-CREDENTIALS = ("authorization", "x-api-key")
-"""The creator's headers each of its batch's requests carries."""
-OVERLOAD_WAIT_S = 600.0
-"""How long a request refused for load (429: the router's or the workers' queues full) is
-tried again before its line records the refusal: a batch is in no hurry."""
 
 ENDED = ("failed", "completed", "cancelled", "expired")
 MAX_ENDED = 10_000
@@ -101,31 +88,16 @@ class RunningBatch:
 
 class Batches:
     def __init__(
-        self,
-        files: FileStore,
-        max_in_flight: int,
-        order: str,
-        accepting: Callable[[], bool] = lambda: True,
-        priority: int | None = None,
-        directory: Path | None = None,
-        workers: Callable[[], bool] = lambda: True,
+        self, files: FileStore, runner: BatchRunner, directory: Path | None = None
     ) -> None:
         self.files = files
+        self.runner = runner
+        """Sends the requests (shared with Anthropic's batches: one bound for both)."""
         self.directory = directory
         """Where each batch's object and answers are written (None: nowhere; module docstring)."""
-        self.workers = workers
-        """Whether a worker is attached: a 503 while none is, is waited out (`_waits_out`)."""
         self._stopping = False
         """Set as the router stops: with a `directory`, the running batches are left to the
         next router, not ended."""
-        self.order = order
-        self.priority = priority
-        """The priority of the requests whose body sets none (None: leave them at 0)."""
-        self.accepting = accepting
-        """False once the router drains: no batch sends another request."""
-        self.app: ASGIApp | None = None
-        """The router's HTTP app, which runs each request (set once it is built)."""
-        self._slots = asyncio.Semaphore(max_in_flight)
         self._batches: OrderedDict[tuple[str, str], RunningBatch] = OrderedDict()
         """(tenant, batch id) -> the batch, in the order created; at most MAX_ENDED ended."""
 
@@ -148,7 +120,7 @@ class Batches:
                 f"the files kept take {self.files.held} bytes of {self.files.max_bytes} "
                 "(router.files_bytes): delete files before creating a batch",
             )
-        if not self.accepting():
+        if not self.runner.accepting():
             raise HttpError(503, "the router is draining; retry on another")
         now = int(time.time())
         batch = Batch(
@@ -232,63 +204,20 @@ class Batches:
 
     # -- running it ------------------------------------------------------------------------
     async def _run(self, running: RunningBatch) -> None:
-        """Send the requests in order, as slots free up; on a cancel, end those running; once
-        the router drains, send no more."""
-        assert self.app is not None, "the app is attached when it is built"
-        transport = httpx2.ASGITransport(app=self.app)
-        sent: set[asyncio.Task[None]] = set()
+        """Send the requests (`BatchRunner.run`), then end the batch; with a directory, a
+        router that stops or drains leaves it to the next one instead."""
         stopped = False
-        async with httpx2.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None) as c:
-            try:  # a cancel from the first await on still ends the batch (`_finish`)
-                lines = running.lines
-                prefix = self.order == "prefix"
-                order = await asyncio.to_thread(prefix_order, lines) if prefix else lines
-                for line in order:
-                    if line.number in running.answers:  # answered before a restart
-                        continue
-                    await self._slots.acquire()  # released by the request as it ends
-                    if not self.accepting():
-                        self._slots.release()
-                        stopped = True
-                        break
-                    task = asyncio.ensure_future(self._one(c, running, line))
-                    sent.add(task)
-                    task.add_done_callback(sent.discard)
-                while sent:
-                    await asyncio.wait(set(sent))
-            except asyncio.CancelledError:
-                for task in sent:
-                    task.cancel()
-                await asyncio.gather(*sent, return_exceptions=True)
-            finally:
-                # with a directory, a router that stops or drains leaves it to the next one
-                if not ((self._stopping or stopped) and self.directory is not None):
-                    await self._finish(running, stopped)
-
-    async def _one(
-        self, client: httpx2.AsyncClient, running: RunningBatch, line: BatchLine
-    ) -> None:
-        request_id = f"batch_req_{uuid.uuid4().hex}"
-        headers = running.headers | {"x-request-id": request_id}
-        sent = line.body
-        if self.priority is not None and sent.get("priority") is None:
-            sent = sent | {"priority": self.priority}
-        try:
-            for pause in chain(overload_pauses(OVERLOAD_WAIT_S), [None]):
-                answer = await client.post(running.batch.endpoint, json=sent, headers=headers)
-                if not self._waits_out(answer.status_code) or pause is None:
-                    break
-                await asyncio.sleep(pause)  # full, or no worker yet: wait for room, or one
-            status, body = answer.status_code, answer.json()
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # the app failed, or answered other than JSON: this line only
-            log.exception("batch %s: line %d failed", running.batch.id, line.number)
-            self._record(running, line, request_id, None, None, f"{type(err).__name__}: {err}")
-        else:
-            self._record(running, line, request_id, status, body, None)
+        try:  # a cancel from the first await on still ends the batch (`_finish`)
+            stopped = await self.runner.run(
+                running.lines,
+                running.answers,
+                running.batch.endpoint,
+                running.headers,
+                lambda *answered: self._record(running, *answered),
+            )
         finally:
-            self._slots.release()
+            if not ((self._stopping or stopped) and self.directory is not None):
+                await self._finish(running, stopped)
 
     def _record(
         self,
@@ -359,15 +288,6 @@ class Batches:
         )
         await self.files.save(running.tenant, card.id, refuse=False)
         return card.id
-
-    def _waits_out(self, status: int) -> bool:
-        """Whether a batch's request answered `status` is sent again after a pause: refused
-        for load (429: the router's or the workers' queues full), or for want of a worker
-        (503 while none is attached: a router just restarted, its workers not back yet); not
-        once the router drains, which sends nothing more."""
-        if not self.accepting():
-            return False
-        return status == 429 or (status == 503 and not self.workers())
 
     def reading(self, tenant: str, file_id: str) -> str | None:
         """The batch still running that reads the file (its lines are read from it again
