@@ -44,7 +44,7 @@ from cluster.http.anthropic_schema import (
 from cluster.http.anthropic_thinking import Thinking, read_thinking, signature
 from cluster.http.errors import GenerationFailed, HttpError, Renames, renames
 from cluster.http.image_parts import anthropic_image
-from cluster.http.openai_params import ChatPrompt, refuse_unsupported, wire_tool
+from cluster.http.openai_params import ChatPrompt, refuse_unsupported, set_priority, wire_tool
 from cluster.http.openai_responses import (
     Counts,
     HeldCalls,
@@ -154,6 +154,7 @@ def generate_request(
         tools=request_tools(body),
         continue_final_message=ends_with_prefill(body),
     )
+    set_priority(message, body.priority)
     read_thinking(body.thinking, body.max_tokens).apply(message)
     choice = body.tool_choice
     if choice is not None:

@@ -65,6 +65,9 @@ class MessagesRequest(Body):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    priority: int | None = None
+    """vLLM's `priority` (lower first, under the `priority` scheduling policy), not Anthropic's:
+    a Message Batch's requests carry `router.batch_priority` in it."""
     service_tier: Any = None
     container: Any = None
     mcp_servers: Any = None

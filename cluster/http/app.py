@@ -8,6 +8,7 @@
     POST, GET /v1/files         GET, DELETE /v1/files/{id}   GET /v1/files/{id}/content
     POST, GET /v1/batches       GET /v1/batches/{id}         POST /v1/batches/{id}/cancel
     POST /v1/messages           POST /v1/messages/count_tokens            (Anthropic)
+    /v1/messages/batches...     (Anthropic's Message Batches: cluster/http/message_batches.py)
     POST /tokenize              POST /detokenize    GET /tokenizer_info   (vLLM's)
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter              (vLLM's; admin)
     POST /generate   GET /get_model_info   POST /abort_request   (SGLang's native API)
@@ -58,6 +59,7 @@ from cluster.http import (
     anthropic_routes,
     batch_routes,
     legacy_functions,
+    message_batches,
     openai_params,
     responses_routes,
     scores,
@@ -719,6 +721,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     stored_completions.add_routes(app, api)
     sglang_generate.add_routes(app, api)
     batch_routes.add_routes(app, api)
+    message_batches.add_routes(app, api)
     scores.add_routes(app, api)
 
     async def http_error(request: Request, err: Exception) -> Response:

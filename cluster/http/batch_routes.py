@@ -27,7 +27,9 @@ from pydantic import BaseModel
 
 from cluster.http.batch_runner import CREDENTIALS
 from cluster.http.batch_schema import BatchCreateRequest
+from cluster.http.batches import INPUT_PURPOSE
 from cluster.http.errors import HttpError
+from cluster.http.file_store import StoredFile
 from cluster.http.responses_chain import check_metadata, owner
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
     async def list_files(request: Request) -> Response:
         query = request.query_params
         cards = api.files.cards(_tenant(api, request), query.get("purpose"))
+        cards = [card for card in cards if card.purpose != INPUT_PURPOSE]
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise HttpError.invalid("order", f"must be 'asc' or 'desc', got {order!r}")
@@ -67,15 +70,15 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
         return _listed(page, more)
 
     async def retrieve_file(file_id: str, request: Request) -> Response:
-        return _json(api.files.get(_tenant(api, request), file_id).card)
+        return _json(_file(api, _tenant(api, request), file_id).card)
 
     async def file_content(file_id: str, request: Request) -> Response:
-        found = api.files.get(_tenant(api, request), file_id)
+        found = _file(api, _tenant(api, request), file_id)
         return Response(found.content, media_type="application/octet-stream")
 
     async def delete_file(file_id: str, request: Request) -> Response:
         tenant = _tenant(api, request)
-        api.files.get(tenant, file_id)  # 404 first
+        _file(api, tenant, file_id)  # 404 first
         reader = api.batches.reading(tenant, file_id)
         if reader is not None:  # its lines are read from it again should the router restart
             raise HttpError(
@@ -115,6 +118,14 @@ def _batch_routes(app: FastAPI, api: HttpApi) -> None:
     app.add_api_route("/v1/batches", list_batches, methods=["GET"])
     app.add_api_route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"])
     app.add_api_route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])
+
+
+def _file(api: HttpApi, tenant: str, file_id: str) -> StoredFile:
+    """A file of the Files API's: 404 for one never kept, or an Anthropic batch's."""
+    found = api.files.get(tenant, file_id)
+    if found.card.purpose == INPUT_PURPOSE:
+        raise HttpError(404, f"no file {file_id!r}", "file_id")
+    return found
 
 
 def _tenant(api: HttpApi, request: Request) -> str:

@@ -22,8 +22,13 @@ from cluster.http.openai_schema import Strict
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 """What a batch may call: the generations and the embeddings this router serves."""
+MESSAGES = "/v1/messages"
+"""What an Anthropic Message Batch calls (cluster/http/message_batches.py): its requests are
+kept as an input file's lines for this endpoint, which OpenAI's batches may not name."""
 MAX_REQUESTS = 50_000
 """Requests in one batch: OpenAI's limit."""
+MAX_MESSAGE_REQUESTS = 100_000
+"""Requests in one Anthropic Message Batch: Anthropic's limit."""
 MAX_ERRORS = 100
 """Errors a failed batch lists (the first ones, by line)."""
 COMPLETION_WINDOW = "24h"
@@ -135,8 +140,9 @@ def read_lines(content: bytes, endpoint: str) -> tuple[list[BatchLine], list[Bat
     numbered = [(i, raw) for i, raw in enumerate(rows, 1) if raw.strip()]
     if not numbered:
         return [], [BatchError(code="empty_file", message="the file holds no request")]
-    if len(numbered) > MAX_REQUESTS:
-        message = f"the file holds {len(numbered)} requests; at most {MAX_REQUESTS}"
+    most = MAX_MESSAGE_REQUESTS if endpoint == MESSAGES else MAX_REQUESTS
+    if len(numbered) > most:
+        message = f"the file holds {len(numbered)} requests; at most {most}"
         return [], [BatchError(code="too_many_requests", message=message)]
     for number, raw in numbered:
         try:
@@ -190,7 +196,8 @@ def _line(number: int, raw: str, endpoint: str, seen: dict[str, int]) -> BatchLi
 def prompt_key(line: BatchLine) -> str:
     """What a request's prompt begins with, as one string, for `prefix_order`: its model (an
     adapter's cache is its own), then the parts of the body a prompt is made of, in about the
-    order the prompt puts them: a stored conversation it continues, instructions, the messages
+    order the prompt puts them: a stored conversation it continues, instructions (Anthropic's
+    `system`), the messages
     (a system message's content first: JSON keys are sorted, `content` before `role`), the
     prompt or input, then the tools (chat templates put them after the system message, or
     last)."""
@@ -199,6 +206,7 @@ def prompt_key(line: BatchLine) -> str:
         body.get("model"),
         body.get("previous_response_id"),
         body.get("instructions"),
+        body.get("system"),
         body.get("messages"),
         body.get("prompt"),
         body.get("input"),

@@ -45,6 +45,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from cluster.http.batch_runner import BatchRunner
 from cluster.http.batch_schema import (
     COMPLETION_WINDOW,
     ENDPOINTS,
+    MESSAGES,
     Batch,
     BatchCreateRequest,
     BatchError,
@@ -61,13 +63,16 @@ from cluster.http.batch_schema import (
     read_lines,
 )
 from cluster.http.errors import HttpError
-from cluster.http.file_store import FileStore
+from cluster.http.file_store import FileStore, StoredFile
 from cluster.http.state_files import append_line, journal, remove, write_json, write_lines
 
 log = logging.getLogger(__name__)
 
 WINDOW_S = 24 * 3600
 OUTPUT_PURPOSE = "batch_output"
+INPUT_PURPOSE = "message_batch"
+"""The purpose of an Anthropic batch's files, its requests and its results: kept and bounded as
+files are, not listed or read by the Files API."""
 
 ENDED = ("failed", "completed", "cancelled", "expired")
 MAX_ENDED = 10_000
@@ -114,6 +119,21 @@ class Batches:
             raise HttpError.invalid(
                 "input_file_id", f"{body.input_file_id!r} is a {source.card.purpose!r} file"
             )
+        self._check_room()
+        return await self._start(tenant, headers, body.endpoint, source, body.metadata)
+
+    async def create_messages(self, tenant: str, headers: dict[str, str], content: bytes) -> Batch:
+        """Anthropic's Message Batch (cluster/http/message_batches.py): `content` is its
+        requests as an input file's lines for MESSAGES, kept as a file of its own (INPUT_PURPOSE,
+        not listed by the Files API) that counts against `router.files_bytes`."""
+        self.files.require()
+        self._check_room()
+        card = self.files.upload(tenant, "message_batch_requests.jsonl", INPUT_PURPOSE, content)
+        await self.files.save(tenant, card.id)
+        source = self.files.get(tenant, card.id)
+        return await self._start(tenant, headers, MESSAGES, source, None, "msgbatch")
+
+    def _check_room(self) -> None:
         if self.files.full:  # its output would be kept past the bound
             raise HttpError(
                 400,
@@ -122,18 +142,28 @@ class Batches:
             )
         if not self.runner.accepting():
             raise HttpError(503, "the router is draining; retry on another")
+
+    async def _start(
+        self,
+        tenant: str,
+        headers: dict[str, str],
+        endpoint: str,
+        source: StoredFile,
+        metadata: dict[str, str] | None,
+        kind: str = "batch",
+    ) -> Batch:
         now = int(time.time())
         batch = Batch(
-            id=f"batch_{uuid.uuid4().hex}",
-            endpoint=body.endpoint,
-            input_file_id=body.input_file_id,
-            completion_window=body.completion_window,
+            id=f"{kind}_{uuid.uuid4().hex}",
+            endpoint=endpoint,
+            input_file_id=source.card.id,
+            completion_window=COMPLETION_WINDOW,
             created_at=now,
             expires_at=now + WINDOW_S,
-            metadata=body.metadata,
+            metadata=metadata,
         )
         # a large file takes a while to read: off the loop every stream shares
-        lines, errors = await asyncio.to_thread(read_lines, source.content, body.endpoint)
+        lines, errors = await asyncio.to_thread(read_lines, source.content, endpoint)
         running = RunningBatch(batch, tenant, headers, lines)
         self._keep(running)
         if errors:
@@ -150,18 +180,36 @@ class Batches:
         running.task = asyncio.ensure_future(self._run(running))
         return batch.model_copy(deep=True)
 
-    def get(self, tenant: str, batch_id: str) -> Batch:
-        return self._running(tenant, batch_id).batch.model_copy(deep=True)
+    def get(self, tenant: str, batch_id: str, messages: bool = False) -> Batch:
+        return self._running(tenant, batch_id, messages).batch.model_copy(deep=True)
 
-    def listed(self, tenant: str) -> list[Batch]:
-        """The tenant's batches, most recent first."""
+    def listed(self, tenant: str, messages: bool = False) -> list[Batch]:
+        """The tenant's batches, most recent first: OpenAI's, or (`messages`) Anthropic's."""
         self.files.require()
-        mine = [r.batch for (owner, _), r in self._batches.items() if owner == tenant]
+        mine = [
+            r.batch
+            for (owner, _), r in self._batches.items()
+            if owner == tenant and (r.batch.endpoint == MESSAGES) == messages
+        ]
         return [b.model_copy(deep=True) for b in reversed(mine)]
 
-    async def cancel(self, tenant: str, batch_id: str) -> Batch:
+    def delete(self, tenant: str, batch_id: str) -> None:
+        """Forget an ended batch, with its files (Anthropic's delete; 400 while it runs)."""
+        batch = self._running(tenant, batch_id, messages=True).batch
+        if batch.status not in ENDED:
+            raise HttpError.invalid(
+                "message_batch_id", f"batch {batch_id!r} is {batch.status}: cancel it first"
+            )
+        del self._batches[(tenant, batch_id)]
+        if self.directory is not None:
+            remove(self._object_path(batch_id))
+        for file_id in (batch.input_file_id, batch.output_file_id, batch.error_file_id):
+            if file_id is not None and self.files.find(tenant, file_id) is not None:
+                self.files.delete(tenant, file_id)
+
+    async def cancel(self, tenant: str, batch_id: str, messages: bool = False) -> Batch:
         """Stop a running batch (one that ended is answered as it stands)."""
-        running = self._running(tenant, batch_id)
+        running = self._running(tenant, batch_id, messages)
         batch = running.batch
         if batch.status == "in_progress":
             batch.status, batch.cancelling_at = "cancelling", int(time.time())
@@ -182,10 +230,11 @@ class Batches:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _running(self, tenant: str, batch_id: str) -> RunningBatch:
+    def _running(self, tenant: str, batch_id: str, messages: bool = False) -> RunningBatch:
+        """The batch, OpenAI's or (`messages`) Anthropic's; 404 for one of the other kind."""
         self.files.require()
         found = self._batches.get((tenant, batch_id))
-        if found is None:
+        if found is None or (found.batch.endpoint == MESSAGES) != messages:
             raise HttpError(404, f"no batch {batch_id!r}", "batch_id")
         return found
 
@@ -282,7 +331,7 @@ class Batches:
         card = self.files.keep(
             running.tenant,
             f"{running.batch.id}_{kind}.jsonl",
-            OUTPUT_PURPOSE,
+            INPUT_PURPOSE if running.batch.endpoint == MESSAGES else OUTPUT_PURPOSE,
             content,
             file_id=f"file-{batch_id}-{kind}",
         )
@@ -332,7 +381,9 @@ class Batches:
         found = []
         for partial in self.directory.glob("*.partial"):  # a write a crash cut short
             remove(partial)
-        for path in self.directory.glob("batch_*.json"):
+        for path in chain(
+            self.directory.glob("batch_*.json"), self.directory.glob("msgbatch_*.json")
+        ):
             try:
                 saved = json.loads(path.read_bytes())
                 batch = Batch.model_validate(saved["batch"])
