@@ -1240,7 +1240,7 @@ class Engine:
             predicted = self._follow_prediction(sample, token, reason is not None)
         request = sample.request.request
         scored = (  # the first token of the first sample of a request that scores its prompt
-            request.sampling.prompt_logprobs is not None
+            (sampling.prompt_logprobs is not None or sampling.return_prompt_token_ids)
             and request.resume is None
             and sample.index == 0
             and sample.generated == 1

@@ -166,6 +166,9 @@ class SamplingParams:
     of this many most likely tokens at its position (vLLM's; what OpenAI's `echo` with
     `logprobs` reports). Every prompt position is computed for them, none read from the cache;
     None: none."""
+    return_prompt_token_ids: bool = False
+    """The prompt's token ids go out with the first token of the first sample
+    (`RequestOutput.prompt_token_ids`; vLLM's `return_token_ids`)."""
     prediction: str = ""
     """The text the output is expected to repeat, mostly (OpenAI's predicted outputs): decoding
     verifies its tokens as drafts (worker/predicted_output.py); the output does not change.

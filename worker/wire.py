@@ -57,6 +57,7 @@ def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:
         if message.HasField("prompt_logprobs")
         else None,
         bad_words=tuple(message.bad_words),
+        return_prompt_token_ids=message.return_prompt_token_ids,
         prediction=message.prediction,
         structured=structured_from_proto(message.structured)
         if message.HasField("structured")
@@ -166,6 +167,7 @@ def sampling_to_proto(params: SamplingParams) -> serving_pb2.SamplingParams:
         skip_special_tokens=params.skip_special_tokens,
         separate_reasoning=params.separate_reasoning,
         bad_words=list(params.bad_words),
+        return_prompt_token_ids=params.return_prompt_token_ids,
         prediction=params.prediction,
     )
     if params.seed is not None:

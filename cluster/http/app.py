@@ -281,6 +281,7 @@ class HttpApi:
             adapter or self.model,
             self.token_texts(),
             prompt_logprobs=body.prompt_logprobs is not None,
+            token_ids=bool(body.return_token_ids),
             request_ids=[message.request_id],
             n=body.n or 1,
         )
@@ -330,6 +331,7 @@ class HttpApi:
             self.token_texts(),
             echo=[await self.echo_text(m) for m in messages] if body.echo else None,
             prompt_logprobs=body.prompt_logprobs is not None,
+            token_ids=bool(body.return_token_ids),
             request_ids=[m.request_id for m in messages],
             n=body.n or 1,
         )

@@ -367,7 +367,8 @@ def sampling(
 
 
 def _token_fields(request: GenerationParams, message: serving_pb2.SamplingParams) -> None:
-    """The fields that name token ids: allowed_token_ids, logit_bias, prompt_logprobs."""
+    """The fields that name token ids: allowed_token_ids, logit_bias, prompt_logprobs,
+    return_token_ids."""
     if request.allowed_token_ids is not None:
         if not request.allowed_token_ids:
             raise HttpError.invalid("allowed_token_ids", "is empty: give at least one token id")
@@ -380,6 +381,7 @@ def _token_fields(request: GenerationParams, message: serving_pb2.SamplingParams
             raise HttpError.invalid("prompt_logprobs", "not available with stream, as in vLLM")
         check_range("prompt_logprobs", [request.prompt_logprobs], _INT32)
         message.prompt_logprobs = request.prompt_logprobs
+    message.return_prompt_token_ids = bool(request.return_token_ids)
 
 
 def logit_bias(biases: Mapping[str, float]) -> dict[int, float]:

@@ -71,6 +71,8 @@ class Reply:
     a prompt."""
     prompt_logprobs: bool = False
     """Whether the response carries vLLM's `prompt_logprobs`."""
+    token_ids: bool = False
+    """Whether it carries vLLM's `prompt_token_ids` and `token_ids` (`return_token_ids`)."""
     request_ids: list[str] = field(default_factory=list)
     """The generation of each prompt: a chat's one, or several in one completions request."""
     n: int = 1
@@ -92,6 +94,15 @@ class Reply:
     def scored(self, counts: Counts, index: int) -> ScoredPrompt | None:
         """The prompt logprobs of choice `index`'s prompt, once they came."""
         return counts.prompts.get(self.request_ids[self.prompt_of(index)])
+
+    def prompt_ids(self, counts: Counts, index: int) -> list[int] | None:
+        """Choice `index`'s prompt's token ids, when asked for (`token_ids`) and come."""
+        scored = self.scored(counts, index) if self.token_ids else None
+        return None if scored is None else scored.token_ids
+
+    def ids(self, token_ids: list[int]) -> list[int] | None:
+        """Generated token ids as a choice carries them: when asked for (`token_ids`)."""
+        return token_ids if self.token_ids else None
 
 
 def served_by(response: serving_pb2.GenerateResponse) -> dict[str, str]:
@@ -240,6 +251,20 @@ def worth_a_chunk(response: serving_pb2.GenerateResponse, logprobs: bool) -> boo
     )
 
 
+class PendingIds:
+    """Each choice's generated token ids not yet in a chunk: a message whose text is held back
+    makes no chunk, and its tokens go with the next one (vLLM's streamed `token_ids`)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, list[int]] = {}
+
+    def add(self, response: serving_pb2.GenerateResponse) -> None:
+        self._ids.setdefault(response.index, []).extend(response.token_ids)
+
+    def take(self, index: int) -> list[int]:
+        return self._ids.pop(index, [])
+
+
 async def collect(stream: Responses) -> tuple[dict[int, Sample], Counts]:
     samples: dict[int, Sample] = {}
     counts = Counts()
@@ -294,6 +319,7 @@ def chat_completion(
                 ),
                 logprobs=chat_logprobs(reply.texts, s.token_ids, s.logprobs) if logprobs else None,
                 finish_reason=_finish(s.finish_reason, calls, legacy),
+                token_ids=reply.ids(s.token_ids),
             )
         )
     return ChatCompletion(
@@ -303,6 +329,7 @@ def chat_completion(
         choices=choices,
         usage=counts.usage(),
         prompt_logprobs=_vllm_prompt_logprobs(reply, counts, 0),
+        prompt_token_ids=reply.prompt_ids(counts, 0),
     )
 
 
@@ -386,24 +413,30 @@ async def chat_chunks(
     counts = Counts()
     started: set[int] = set()
     held: dict[int, HeldCalls] = {}
+    pending = PendingIds()
     include_usage, continuous = options.include_usage, options.continuous_usage_stats
 
-    def chunk(choice: ChunkChoice) -> bytes:
+    def chunk(choice: ChunkChoice, prompt_ids: list[int] | None = None) -> bytes:
         message = ChatCompletionChunk(
             id=reply.id,
             created=reply.created,
             model=reply.model,
             choices=[choice],
             usage=counts.usage() if continuous else None,
+            prompt_token_ids=prompt_ids,
         )
         return _event(message.model_dump_json(exclude=_without_usage(include_usage, continuous)))
 
     async with contextlib.aclosing(read(stream, counts)) as responses:
         async for response in responses:
             index = response.index
+            pending.add(response)
             if index not in started:
                 started.add(index)
-                yield chunk(ChunkChoice(index=index, delta=Delta(role="assistant", content="")))
+                role = ChunkChoice(index=index, delta=Delta(role="assistant", content=""))
+                # the prompt's ids come with the first sample's first token (vLLM: first chunk)
+                given = reply.prompt_ids(counts, 0) if response.prompt_token_ids else None
+                yield chunk(role, given)
             if not worth_a_chunk(response, logprobs):
                 continue
             text, calls = response.text, list[ToolCall]()
@@ -436,6 +469,7 @@ async def chat_chunks(
                 ),
                 logprobs=chat_logprobs(reply.texts, ids, values) if logprobs else None,
                 finish_reason=ended,
+                token_ids=reply.ids(pending.take(index)),
             )
             yield chunk(choice)
     if include_usage:
@@ -533,6 +567,8 @@ def completion(
                 else None,
                 finish_reason=s.finish_reason,
                 prompt_logprobs=_vllm_prompt_logprobs(reply, counts, index),
+                prompt_token_ids=reply.prompt_ids(counts, index),
+                token_ids=reply.ids(s.token_ids),
             )
         )
     return Completion(
@@ -549,10 +585,13 @@ async def completion_chunks(
     """As chat_chunks, for text completions (no role chunk)."""
     counts = Counts()
     offsets: dict[int, int] = {}
+    pending = PendingIds()
     async with contextlib.aclosing(read(stream, counts)) as responses:
         async for response in responses:
+            pending.add(response)
             if worth_a_chunk(response, logprobs):
-                yield _completion_chunk(reply, response, logprobs, offsets, counts, options)
+                ids = pending.take(response.index)
+                yield _completion_chunk(reply, response, logprobs, offsets, counts, options, ids)
     if options.include_usage:
         final = Completion(
             id=reply.id, created=reply.created, model=reply.model, choices=[], usage=counts.usage()
@@ -568,11 +607,15 @@ def _completion_chunk(
     offsets: dict[int, int],
     counts: Counts,
     options: StreamOptions,
+    generated: list[int],
 ) -> bytes:
+    """A choice's chunk: `generated`, the tokens since its last chunk (some messages make
+    none: their text is held back)."""
     index, ids, text = response.index, list(response.token_ids), response.text
     prompt = None
     echo = reply.echo_of(index)
-    if index not in offsets and echo is not None:  # a choice's first chunk: its prompt
+    first = index not in offsets
+    if first and echo is not None:  # a choice's first chunk: its prompt
         text = echo + text
         prompt = echo_logprobs(reply, counts, logprobs, index)
     offset = offsets.get(index, _after(prompt, len(text) - len(response.text)))
@@ -592,6 +635,8 @@ def _completion_chunk(
         if logprobs
         else None,
         finish_reason=response.finish_reason if response.finished else None,
+        prompt_token_ids=reply.prompt_ids(counts, index) if first else None,
+        token_ids=reply.ids(generated),
     )
     continuous = options.continuous_usage_stats
     message = Completion(

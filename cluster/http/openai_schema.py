@@ -11,7 +11,7 @@ Responses follow OpenAI's schema field for field, so its SDK parses them as it p
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -184,6 +184,10 @@ class GenerationParams(Body):
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob, rank and this many alternatives, in the response's
     `prompt_logprobs` (not with `stream`, as vLLM)."""
+    return_token_ids: bool | None = None
+    """vLLM's: the prompt's token ids (`prompt_token_ids`) and each choice's generated ones
+    (`token_ids`) in the response; streamed, the prompt's in the first chunk and each chunk's
+    new tokens in it."""
     text_match: Literal["exact", "anchored", "off"] | None = None
     """radixmesh: how the prompt's text reuses the router's text index (docs/router.md)."""
     priority: int | None = None
@@ -389,11 +393,16 @@ class ToolCallDelta(BaseModel):
     function: FunctionCall
 
 
+TokenIds = Annotated[list[int] | None, Field(exclude_if=lambda ids: ids is None)]
+"""vLLM's `prompt_token_ids` and `token_ids` (`return_token_ids`): absent unless asked."""
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
+    token_ids: TokenIds = None
 
 
 class ChatCompletion(BaseModel):
@@ -405,6 +414,7 @@ class ChatCompletion(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: TokenIds = None
 
 
 class Delta(BaseModel):
@@ -434,6 +444,7 @@ class ChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: TokenIds = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -444,6 +455,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: TokenIds = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -473,6 +485,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: TokenIds = None
+    token_ids: TokenIds = None
 
 
 class Completion(BaseModel):

@@ -163,7 +163,7 @@ class Namespace(_message.Message):
     def __init__(self, adapter: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "structured", "min_p", "min_tokens", "logit_bias", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "bad_words", "separate_reasoning", "thinking_token_budget", "prediction")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "structured", "min_p", "min_tokens", "logit_bias", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "bad_words", "separate_reasoning", "thinking_token_budget", "prediction", "return_prompt_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class SamplingParams(_message.Message):
     SEPARATE_REASONING_FIELD_NUMBER: _ClassVar[int]
     THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -221,7 +222,8 @@ class SamplingParams(_message.Message):
     separate_reasoning: bool
     thinking_token_budget: int
     prediction: str
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ..., separate_reasoning: _Optional[bool] = ..., thinking_token_budget: _Optional[int] = ..., prediction: _Optional[str] = ...) -> None: ...
+    return_prompt_token_ids: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ..., separate_reasoning: _Optional[bool] = ..., thinking_token_budget: _Optional[int] = ..., prediction: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
