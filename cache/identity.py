@@ -88,13 +88,15 @@ class BlockHasher:
         """The hash every chain in `namespace` starts from."""
         seed = self._seeds.get(namespace)
         if seed is None:
-            fields = (
+            fields: tuple[str | int | None, ...] = (
                 self.scheme.version,
                 self.scheme.model_revision,
                 namespace.adapter,
                 namespace.tenant,
                 namespace.image_hash,
             )
+            if namespace.salt is not None:  # unsalted chains keep the hashes they had
+                fields += (namespace.salt,)
             digest = blake2b(
                 b"".join(_field(f) for f in fields), digest_size=_DIGEST, person=_PERSON
             ).digest()

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_TENANT_CHARS = 256
 """A tenant names a cache namespace that every cached node of it keeps."""
+MAX_SALT_CHARS = 1024
+"""vLLM's cache_salt: the client's secret, long enough to be unguessable (256 bits is 43
+characters of base64), not a store."""
 
 
 class TenantRefused(PermissionError):
@@ -128,6 +131,8 @@ def prepare(
     tenant = message.namespace.tenant
     if len(tenant) > MAX_TENANT_CHARS:
         raise InvalidRequest("namespace.tenant", f"at most {MAX_TENANT_CHARS} characters")
+    if len(message.namespace.cache_salt) > MAX_SALT_CHARS:
+        raise InvalidRequest("namespace.cache_salt", f"at most {MAX_SALT_CHARS} characters")
     if allowed_tenant != ANY_TENANT and tenant and tenant != allowed_tenant:
         raise TenantRefused(f"namespace.tenant: this token may only use tenant {allowed_tenant!r}")
     prompt, order = _prompt(message)
@@ -251,7 +256,8 @@ def request_namespace(
     a LoRA request's adapter is its identity. Raises InvalidRequest for an unknown adapter."""
     tenant = message.namespace.tenant if allowed_tenant == ANY_TENANT else allowed_tenant
     identity = adapter_identity(message.namespace.adapter or None, adapters)
-    return CacheNamespace(adapter=identity, tenant=tenant or None)
+    salt = message.namespace.cache_salt or None
+    return CacheNamespace(adapter=identity, tenant=tenant or None, salt=salt)
 
 
 def adapter_identity(name: str | None, adapters: Mapping[str, str] | None) -> str | None:

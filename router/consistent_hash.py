@@ -34,6 +34,7 @@ class ConsistentHash(BaseRouter):
             key = hashes[min(self.key_blocks, len(hashes)) - 1]
         else:
             ns = request.namespace
-            key = worker_seed(f"{ns.adapter}\x1f{ns.tenant}\x1f{ns.image_hash}")
+            salted = "" if ns.salt is None else f"\x1f{ns.salt}"  # unsalted: the key it had
+            key = worker_seed(f"{ns.adapter}\x1f{ns.tenant}\x1f{ns.image_hash}{salted}")
         seeds = self.members.seed
         return RouteDecision(best(key, ((seeds[w], w) for w in self.members.order)), 0)

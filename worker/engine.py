@@ -515,7 +515,8 @@ class Engine:
         if checked:
             assert self.limits.image_spec is not None
             original = len(prompt) - request.generated_before
-            salt = request.namespace.tenant
+            ns = request.namespace
+            salt = ns.tenant if ns.salt is None else (ns.tenant, ns.salt)
             images = place(prompt, original, checked, self.limits.image_spec, salt)
         with self._lock:
             if request.request_id in self._active_ids:

@@ -141,13 +141,15 @@ class LoadReport:
 
 def _namespace_fields(ns: CacheNamespace) -> dict[str, Any]:
     image = None if ns.image_hash is None else format(ns.image_hash, "x")
-    return {"adapter": ns.adapter, "tenant": ns.tenant, "image_hash": image}
+    fields = {"adapter": ns.adapter, "tenant": ns.tenant, "image_hash": image}
+    return fields if ns.salt is None else fields | {"salt": ns.salt}
 
 
 def _namespace(fields: dict[str, Any]) -> CacheNamespace:
     image = fields.get("image_hash")
     image_hash = None if image is None else int(image, 16)
-    return CacheNamespace(fields.get("adapter"), fields.get("tenant"), image_hash)
+    adapter, tenant, salt = fields.get("adapter"), fields.get("tenant"), fields.get("salt")
+    return CacheNamespace(adapter, tenant, image_hash, salt)
 
 
 def _node_name(parent: str | None, ns: dict[str, Any], node: Node) -> str:

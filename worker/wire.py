@@ -24,11 +24,19 @@ _INT32 = 2**31 - 1
 
 
 def namespace_from_proto(message: serving_pb2.Namespace) -> CacheNamespace:
-    return CacheNamespace(adapter=message.adapter or None, tenant=message.tenant or None)
+    return CacheNamespace(
+        adapter=message.adapter or None,
+        tenant=message.tenant or None,
+        salt=message.cache_salt or None,
+    )
 
 
 def namespace_to_proto(namespace: CacheNamespace) -> serving_pb2.Namespace:
-    return serving_pb2.Namespace(adapter=namespace.adapter or "", tenant=namespace.tenant or "")
+    return serving_pb2.Namespace(
+        adapter=namespace.adapter or "",
+        tenant=namespace.tenant or "",
+        cache_salt=namespace.salt or "",
+    )
 
 
 def sampling_from_proto(message: serving_pb2.SamplingParams) -> SamplingParams:

@@ -30,6 +30,8 @@ class EmbeddingRequest(Strict):
     """vLLM's: false leaves the hidden state's own scale."""
     priority: int | None = None
     """vLLM's: lower is served earlier, under the workers' `priority` scheduling policy."""
+    cache_salt: str | None = None
+    """vLLM's, as for generations: only requests of the same salt share cached KV."""
     text_match: Literal["exact", "anchored", "off"] | None = None
     """How a text input reuses the router's text index (docs/router.md), as for completions."""
 

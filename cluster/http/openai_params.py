@@ -37,6 +37,7 @@ from cluster.http.openai_schema import (
 )
 from cluster.http.several_prompts import Prompt, check_count, prompts_of
 from cluster.images import name_problem
+from cluster.requests import MAX_SALT_CHARS
 from protos.radixmesh.v1 import serving_pb2
 
 ROLES = {
@@ -104,6 +105,7 @@ def chat_request(
     if request.prediction is not None:
         message.sampling.prediction = prediction_text(request.prediction)
     message.namespace.tenant = tenant
+    set_cache_salt(message, request.cache_salt)
     message.text_match = TEXT_MATCH[request.text_match]
     set_priority(message, request.priority)
     _tools(request, message)
@@ -309,6 +311,7 @@ def prompt_requests(
             check_range(name(i), prompt, _INT64)
             message.token_ids.ids.extend(prompt)
         message.namespace.tenant = tenant
+        set_cache_salt(message, body.cache_salt)
         message.text_match = TEXT_MATCH[body.text_match]
         set_priority(message, body.priority)
         messages.append(message)
@@ -507,6 +510,17 @@ def _one(kind: str, value: object, where: str) -> serving_pb2.StructuredOutput:
         assert isinstance(value, str)
         setattr(message, kind, value)
     return message
+
+
+def set_cache_salt(message: serving_pb2.GenerateRequest, salt: str | None) -> None:
+    """vLLM's `cache_salt`: only requests of the same salt (in the tenant) share KV."""
+    if salt is None:
+        return
+    if not salt:
+        raise HttpError.invalid("cache_salt", "must be a non-empty string")
+    if len(salt) > MAX_SALT_CHARS:
+        raise HttpError.invalid("cache_salt", f"at most {MAX_SALT_CHARS} characters")
+    message.namespace.cache_salt = salt
 
 
 def set_priority(message: serving_pb2.GenerateRequest, priority: int | None) -> None:

@@ -184,6 +184,9 @@ class GenerationParams(Body):
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob, rank and this many alternatives, in the response's
     `prompt_logprobs` (not with `stream`, as vLLM)."""
+    cache_salt: str | None = None
+    """vLLM's: only requests of the same salt share cached KV (within the tenant), so users of
+    one tenant cannot learn each other's prompts by timing."""
     return_token_ids: bool | None = None
     """vLLM's: the prompt's token ids (`prompt_token_ids`) and each choice's generated ones
     (`token_ids`) in the response; streamed, the prompt's in the first chunk and each chunk's
@@ -279,6 +282,9 @@ class ChatCompletionRequest(GenerationParams):
     prompt_cache_key: str | None = None
     """Accepted: what OpenAI's asks for, a conversation routed to its cache, the router does for
     every prompt by its prefix (docs/router.md)."""
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    """Accepted: a cached prefix stays while the pages it holds are not needed (least recently
+    used first, then the host and disk tiers where configured), whichever was asked."""
     safety_identifier: str | None = None
     store: bool | None = None
     """OpenAI's: keep the completion, to be listed and read back

@@ -34,6 +34,7 @@ from cluster.http.openai_params import (
     ROLES,
     effort_variables,
     refuse_unsupported,
+    set_cache_salt,
     set_priority,
     wire_tool,
 )
@@ -244,6 +245,7 @@ def generate_request(
     if body.parallel_tool_calls is not None:
         message.parallel_tool_calls = body.parallel_tool_calls
     message.namespace.tenant = tenant
+    set_cache_salt(message, body.cache_salt)
     set_priority(message, body.priority)
     return message, origins
 

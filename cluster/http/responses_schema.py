@@ -103,6 +103,10 @@ class ResponsesRequest(Body):
     prompt: Any = None
     prompt_cache_key: str | None = None
     """Accepted, as on chat completions: the router routes every prompt to its cache."""
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    """Accepted, as on chat completions."""
+    cache_salt: str | None = None
+    """vLLM's, as on chat completions: only requests of the same salt share cached KV."""
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     """How many of the likeliest tokens each position's logprob lists, with `include:
     ["message.output_text.logprobs"]` (without it, no logprobs are returned, as vLLM does)."""

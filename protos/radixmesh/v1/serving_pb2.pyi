@@ -155,12 +155,14 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Namespace(_message.Message):
-    __slots__ = ("adapter", "tenant")
+    __slots__ = ("adapter", "tenant", "cache_salt")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     adapter: str
     tenant: str
-    def __init__(self, adapter: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "structured", "min_p", "min_tokens", "logit_bias", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "bad_words", "separate_reasoning", "thinking_token_budget", "prediction", "return_prompt_token_ids")

@@ -1,0 +1,129 @@
+"""vLLM's `cache_salt` through the `openai` SDK over real HTTP on loopback to a local cluster of
+two tiny-model workers: a prompt sent again with the same salt reads its prefix from the cache;
+with another salt, or none, it reads nothing a salted request computed (and a salted request
+nothing an unsalted one did), on chat, completions, embeddings and the Responses API; the
+answer is the same whatever the salt; a bad salt is refused by name. Below the HTTP face, a
+salt changes a namespace's block hashes and an unsalted namespace keeps the ones it had."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from cache.identity import BlockHasher, IdentityScheme
+from cache.namespace import CacheNamespace
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
+from tests.cluster.test_http_openai import assert_no_leak
+from tests.cluster.tool_fixtures import served
+from worker.loader import LoadedModel
+from worker.wire import namespace_from_proto, namespace_to_proto
+
+MODEL = SERVED_NAME
+DOCUMENT = "Salted caches keep one user's prompts from another's timing. " * 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    yield from served(tiny, ENGINE)
+
+
+def chat(client: openai.OpenAI, question: str, salt: str | None) -> Any:
+    extra = {} if salt is None else {"cache_salt": salt}
+    messages = [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": question}]
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_body=extra
+    )
+
+
+def cached(answer: Any) -> int:
+    return int(answer.usage.prompt_tokens_details.cached_tokens or 0)
+
+
+def test_only_the_same_salt_reads_a_salted_prefix(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    first = chat(client, "What is kept?", "salt-alice-3f9a")
+    assert cached(first) == 0
+    cluster.wait_idle()
+    again = chat(client, "What is kept apart?", "salt-alice-3f9a")
+    assert cached(again) > 0  # the system prompt, from the cache
+    other = chat(client, "What is kept?", "salt-bob-77c1")
+    assert cached(other) == 0
+    assert other.choices[0].message.content == first.choices[0].message.content
+    unsalted = chat(client, "What is kept?", None)
+    assert cached(unsalted) == 0  # nothing a salted request computed
+    cluster.wait_idle()
+    assert cached(chat(client, "And then?", None)) > 0  # unsalted requests share as before
+    assert cached(chat(client, "And then?", "salt-carol-0b2e")) == 0  # nor the other way
+    assert_no_leak(cluster)
+
+
+def test_completions_embeddings_and_responses_take_a_salt(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    prompt = DOCUMENT + "Completions:"
+    salted = {"extra_body": {"cache_salt": "salt-completions"}}
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **salted)
+    cluster.wait_idle()
+    hit = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **salted)
+    assert cached(hit) > 0
+    miss = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": "salt-other"}
+    )
+    assert cached(miss) == 0
+    text = DOCUMENT + "Embeddings."
+    client.embeddings.create(model=MODEL, input=text, extra_body={"cache_salt": "salt-e"})
+    cluster.wait_idle()
+    again = client.embeddings.create(model=MODEL, input=text, extra_body={"cache_salt": "salt-e"})
+    other = client.embeddings.create(model=MODEL, input=text, extra_body={"cache_salt": "salt-f"})
+    # the same vector (to rounding: one read its prefix's KV from the cache, one computed it)
+    assert again.data[0].embedding == pytest.approx(other.data[0].embedding, abs=1e-4)
+    assert_no_leak(cluster)
+    body = {"model": MODEL, "input": DOCUMENT + "Responses.", "max_output_tokens": 2}
+    client.responses.create(**body, extra_body={"cache_salt": "salt-r"})  # type: ignore[call-overload]
+    cluster.wait_idle()
+    hit_r = client.responses.create(**body, extra_body={"cache_salt": "salt-r"})  # type: ignore[call-overload]
+    miss_r = client.responses.create(**body, extra_body={"cache_salt": "salt-s"})  # type: ignore[call-overload]
+    assert hit_r.usage.input_tokens_details.cached_tokens > 0
+    assert miss_r.usage.input_tokens_details.cached_tokens == 0
+    assert_no_leak(cluster)
+
+
+@pytest.mark.parametrize(
+    ("salt", "why"),
+    [("", "cache_salt: must be a non-empty string"), ("x" * 1025, "at most 1024 characters")],
+)
+def test_a_bad_salt_is_refused_by_name(
+    client: openai.OpenAI, cluster: LocalCluster, salt: str, why: str
+) -> None:
+    with pytest.raises(openai.BadRequestError, match=why):
+        chat(client, "Refused?", salt)
+    with pytest.raises(openai.BadRequestError, match=why):
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=1, extra_body={"cache_salt": salt}
+        )
+    assert chat(client, "Still serving?", "fine").choices  # the cluster serves on
+    assert_no_leak(cluster)
+
+
+def test_a_salt_changes_the_chain_and_none_keeps_it() -> None:
+    hasher = BlockHasher(IdentityScheme(block_size=4, model_revision="m"))
+    plain = CacheNamespace(tenant="acme")
+    seeds = {
+        hasher.namespace_seed(ns)
+        for ns in (
+            plain,
+            CacheNamespace(tenant="acme", salt="a"),
+            CacheNamespace(tenant="acme", salt="b"),
+        )
+    }
+    assert len(seeds) == 3
+    assert hasher.namespace_seed(CacheNamespace(tenant="acme", salt=None)) == hasher.namespace_seed(
+        plain
+    )
+    salted = CacheNamespace(adapter="lora@1", tenant="acme", salt="s")
+    assert namespace_from_proto(namespace_to_proto(salted)) == salted
+    assert namespace_from_proto(namespace_to_proto(plain)) == plain
