@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 import time
 import uuid
@@ -135,6 +136,7 @@ from worker.tokenizer import Tokenizer, TokenizerError
 from worker.validation import RequestLimits
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 UPLOAD_LIMIT = "router.files_bytes less the files kept, at most 200 MiB an upload"
 TENANT_HEADER = "x-radixmesh-tenant"
 CLIENT_GONE = 499
@@ -687,6 +689,7 @@ class HttpApi:
         try:
             answer = await self.probe.check()
         except ProbeFailed as err:
+            log.warning("GET /health_generate failed: %s", err)  # told to operators alone
             workers = len(self.service.links.links)
             status = str(err) if told else "the probe's generation failed"
             return JSONResponse({"status": status, "workers": workers}, status_code=503)
@@ -759,7 +762,8 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     app.add_exception_handler(ClientGone, client_gone)
 
     def body_limit(path: str, headers: dict[bytes, bytes]) -> tuple[int, str]:
-        if path == "/v1/files" and api.files.enabled and api.may_upload(headers):
+        uploads = ("/v1/files", "/v1/messages/batches")  # a batch's requests are a file too
+        if path in uploads and api.files.enabled and api.may_upload(headers):
             # an upload, from a caller with a known token: what the files kept leave
             return api.files.room(), UPLOAD_LIMIT
         limits = service.links.limits
@@ -924,6 +928,7 @@ _ROUTES = (
     "/v2/rerank",
     "/v1/files",
     "/v1/batches",
+    "/v1/messages/batches",
     "/health",
     "/ping",
     "/health_generate",
@@ -942,6 +947,7 @@ _BY_ID = {
     "/v1/responses/": ("input_items", "cancel"),
     "/v1/files/": ("content",),
     "/v1/batches/": ("cancel",),
+    "/v1/messages/batches/": ("cancel", "results"),
     "/v1/chat/completions/": ("messages",),
 }
 """The routes of a stored object by id, and what may follow the id."""

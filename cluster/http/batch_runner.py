@@ -59,16 +59,17 @@ class BatchRunner:
 
     async def run(
         self,
+        name: str,
         lines: list[BatchLine],
         answered: Container[int],
         endpoint: str,
         headers: dict[str, str],
         record: Record,
     ) -> bool:
-        """Send the lines not `answered` (by number) in order, as slots free up, each answer
-        to `record`; True when the router drained before every one was sent (no more are).
-        On a cancel, the requests running are ended (their worker calls closed, their pages
-        freed) and it returns as if they had answered."""
+        """Send batch `name`'s lines not `answered` (by number) in order, as slots free up,
+        each answer to `record`; True when the router drained before every one was sent (no
+        more are). On a cancel, the requests running are ended (their worker calls closed,
+        their pages freed) and it returns as if they had answered."""
         assert self.app is not None, "the app is attached when it is built"
         transport = httpx2.ASGITransport(app=self.app)
         sent: set[asyncio.Task[None]] = set()
@@ -85,7 +86,8 @@ class BatchRunner:
                         self._slots.release()
                         stopped = True
                         break
-                    task = asyncio.ensure_future(self._one(c, endpoint, headers, line, record))
+                    one = self._one(c, name, endpoint, headers, line, record)
+                    task = asyncio.ensure_future(one)
                     sent.add(task)
                     task.add_done_callback(sent.discard)
                 while sent:
@@ -99,6 +101,7 @@ class BatchRunner:
     async def _one(
         self,
         client: httpx2.AsyncClient,
+        name: str,
         endpoint: str,
         headers: dict[str, str],
         line: BatchLine,
@@ -119,7 +122,7 @@ class BatchRunner:
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the app failed, or answered other than JSON: this line only
-            log.exception("batch request %s (line %d) failed", request_id, line.number)
+            log.exception("batch %s: line %d (%s) failed", name, line.number, request_id)
             record(line, request_id, None, None, f"{type(err).__name__}: {err}")
         else:
             record(line, request_id, status, body, None)

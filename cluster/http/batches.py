@@ -115,6 +115,8 @@ class Batches:
         if body.completion_window != COMPLETION_WINDOW:
             raise HttpError.invalid("completion_window", f"must be {COMPLETION_WINDOW!r}")
         source = self.files.get(tenant, body.input_file_id)
+        if source.card.purpose == INPUT_PURPOSE:  # not a file of the Files API's
+            raise HttpError(404, f"no file {body.input_file_id!r}", "input_file_id")
         if source.card.purpose != "batch":
             raise HttpError.invalid(
                 "input_file_id", f"{body.input_file_id!r} is a {source.card.purpose!r} file"
@@ -201,11 +203,7 @@ class Batches:
                 "message_batch_id", f"batch {batch_id!r} is {batch.status}: cancel it first"
             )
         del self._batches[(tenant, batch_id)]
-        if self.directory is not None:
-            remove(self._object_path(batch_id))
-        for file_id in (batch.input_file_id, batch.output_file_id, batch.error_file_id):
-            if file_id is not None and self.files.find(tenant, file_id) is not None:
-                self.files.delete(tenant, file_id)
+        self._forget(tenant, batch, own_files=True)
 
     async def cancel(self, tenant: str, batch_id: str, messages: bool = False) -> Batch:
         """Stop a running batch (one that ended is answered as it stands)."""
@@ -244,12 +242,22 @@ class Batches:
         self._prune()
 
     def _prune(self) -> None:
-        """Beyond MAX_ENDED ended batches, forget the oldest ended."""
+        """Beyond MAX_ENDED ended batches, forget the oldest ended (an Anthropic batch with its
+        files, which nothing else reaches)."""
         ended = [key for key, r in self._batches.items() if r.batch.status in ENDED]
         for key in ended[: max(0, len(ended) - MAX_ENDED)]:
-            del self._batches[key]
-            if self.directory is not None:  # forgotten here: forgotten by the next router too
-                remove(self._object_path(key[1]))
+            self._forget(key[0], self._batches.pop(key).batch, own_files=False)
+
+    def _forget(self, tenant: str, batch: Batch, own_files: bool) -> None:
+        """Let go of a batch: on disk, and its files if they are its own (`own_files`, or an
+        Anthropic batch's, which the Files API does not reach)."""
+        if self.directory is not None:  # forgotten here: forgotten by the next router too
+            remove(self._object_path(batch.id), self.directory / f"{batch.id}.answers.jsonl")
+        if not (own_files or batch.endpoint == MESSAGES):
+            return
+        for file_id in (batch.input_file_id, batch.output_file_id, batch.error_file_id):
+            if file_id is not None and self.files.find(tenant, file_id) is not None:
+                self.files.delete(tenant, file_id)
 
     # -- running it ------------------------------------------------------------------------
     async def _run(self, running: RunningBatch) -> None:
@@ -258,6 +266,7 @@ class Batches:
         stopped = False
         try:  # a cancel from the first await on still ends the batch (`_finish`)
             stopped = await self.runner.run(
+                running.batch.id,
                 running.lines,
                 running.answers,
                 running.batch.endpoint,
@@ -395,6 +404,26 @@ class Batches:
             self._keep(running)
             if batch.status not in ENDED:
                 await self._go_on(running)
+        self._drop_orphans()
+
+    def _drop_orphans(self) -> None:
+        """What no batch read back refers to: a journal whose object was never written or
+        was removed, and an Anthropic batch's file (a crash between writing it and the batch's
+        object, or an object left out): nothing could reach them."""
+        assert self.directory is not None
+        for answers in self.directory.glob("*.answers.jsonl"):
+            batch_id = answers.name.removesuffix(".answers.jsonl")
+            if not self._object_path(batch_id).exists():
+                remove(answers)
+        referred = {
+            (tenant, file_id)
+            for (tenant, _), r in self._batches.items()
+            for file_id in (r.batch.input_file_id, r.batch.output_file_id, r.batch.error_file_id)
+        }
+        for tenant, card in self.files.every():
+            if card.purpose == INPUT_PURPOSE and (tenant, card.id) not in referred:
+                log.warning("file %s of no message batch removed", card.id)
+                self.files.delete(tenant, card.id)
 
     async def _go_on(self, running: RunningBatch) -> None:
         """A batch that had not ended: its answered lines as they were, the rest run."""

@@ -193,6 +193,10 @@ class FileStore:
         if self.directory is not None:  # the card first: a file without one is no file
             remove(self.directory / f"{file_id}.json", self.directory / f"{file_id}.bin")
 
+    def every(self) -> list[tuple[str, FileObject]]:
+        """Every tenant's files: (tenant, card), oldest first."""
+        return [(owner, f.card) for (owner, _), f in self._files.items()]
+
     def cards(self, tenant: str, purpose: str | None = None) -> list[FileObject]:
         """The tenant's files, oldest first (`purpose`: only those)."""
         self.require()

@@ -14,8 +14,9 @@ creator's credentials, in the order that reuses the cache (`router.batch_order`)
 `router.batch_max_in_flight` together with OpenAI's batches, at `router.batch_priority` under
 the `priority` scheduling policy; it is cancelled, drained, and (with `router.state_dir`)
 outlives a restart as they do. Its requests and its results are kept as files that count
-against `router.files_bytes` and that the Files API does not show; without files (the bound
-0) this API is 404, as the Batch API is.
+against `router.files_bytes` and that the Files API does not show, forgotten with the batch
+(deleted, or the oldest past the ended batches kept); without files (the bound 0) this API is
+404, as the Batch API is. The body of a create may be as large as an upload to /v1/files.
 
 The requests are checked when the batch is created: at least one, at most 100,000 (Anthropic's
 limits), each an object of a `custom_id` (1-64 letters, digits, `-` or `_`, unique in the batch)
@@ -30,6 +31,7 @@ line a request in the order sent.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from datetime import UTC, datetime
@@ -52,6 +54,11 @@ CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """What Anthropic allows a request's `custom_id` to be."""
 MAX_PAGE = 1000
 """The most batches a list answers with (Anthropic's)."""
+REFUSED_PARAMS = {
+    "stream": "a batch request cannot stream",
+    "background": "a batch request cannot run in the background",
+}
+"""What a request's `params` may not ask for (the batch's input file's rules, batch_schema)."""
 
 
 class BatchRequest(Body):
@@ -108,15 +115,18 @@ def requests_file(requests: list[dict[str, Any]]) -> bytes:
         params = item.get("params")
         if not isinstance(params, dict):
             raise HttpError.invalid(f"{where}.params", "must be an object of Messages parameters")
-        if params.get("stream"):
-            raise HttpError.invalid(f"{where}.params.stream", "a batch request cannot stream")
+        for name, why in REFUSED_PARAMS.items():  # read_lines' rules, named here by request
+            if params.get(name):
+                raise HttpError.invalid(f"{where}.params.{name}", why)
         line = {"custom_id": custom_id, "method": "POST", "url": MESSAGES, "body": params}
         lines.append(json.dumps(line, ensure_ascii=False) + "\n")
     return "".join(lines).encode()
 
 
-def shown(batch: Batch, base_url: str) -> MessageBatch:
-    """The batch as Anthropic shows it (`base_url`: where its results are read from)."""
+def shown(batch: Batch) -> MessageBatch:
+    """The batch as Anthropic shows it. Its `results_url` is a path, which the SDK reads from
+    the address it calls (an absolute URL built from the request would name the address
+    behind a proxy that ends TLS, or lose the path a gateway routes by)."""
     status = {"cancelling": "canceling", "in_progress": "in_progress", "finalizing": "in_progress"}
     counts = batch.request_counts
     view = MessageBatch(
@@ -131,7 +141,7 @@ def shown(batch: Batch, base_url: str) -> MessageBatch:
         view.request_counts.processing = counts.total
         return view
     view.ended_at = _rfc3339(batch.completed_at or batch.cancelled_at or batch.failed_at or 0)
-    view.results_url = f"{base_url}v1/messages/batches/{batch.id}/results"
+    view.results_url = f"/v1/messages/batches/{batch.id}/results"
     if batch.status == "failed":  # its requests could not be read: none ran
         view.request_counts.errored = counts.total
         return view
@@ -183,13 +193,13 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         return owner(api.caller(request), api.tenant(request))
 
     def answer(batch: Batch, request: Request) -> Response:
-        view = shown(batch, str(request.base_url))
+        view = shown(batch)
         return Response(view.model_dump_json(), media_type="application/json")
 
     async def create(body: BatchRequest, request: Request) -> Response:
         who = tenant(request)
         batches.files.require()
-        content = requests_file(body.requests)
+        content = await asyncio.to_thread(requests_file, body.requests)  # up to 200 MiB
         headers = {k: v for k in CREDENTIALS if (v := request.headers.get(k)) is not None}
         headers["x-radixmesh-tenant"] = who
         return answer(await batches.create_messages(who, headers, content), request)
@@ -199,7 +209,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         mine = batches.listed(tenant(request), messages=True)
         limit = _limit(query.get("limit"))
         page, more = _page(mine, query.get("before_id"), query.get("after_id"), limit)
-        data = [shown(batch, str(request.base_url)).model_dump() for batch in page]
+        data = [shown(batch).model_dump() for batch in page]
         first, last = (page[0].id, page[-1].id) if page else (None, None)
         listing = {"data": data, "has_more": more, "first_id": first, "last_id": last}
         return Response(json.dumps(listing), media_type="application/json")
@@ -219,14 +229,15 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def read_results(message_batch_id: str, request: Request) -> Response:
         who = tenant(request)
         batch = batches.get(who, message_batch_id, messages=True)
-        if shown(batch, "").processing_status != "ended":
+        if shown(batch).processing_status != "ended":
             raise HttpError.invalid(
                 "message_batch_id", f"batch {message_batch_id!r} is still processing"
             )
         files = [batch.input_file_id, batch.output_file_id, batch.error_file_id]
         kept = [None if f is None else batches.files.find(who, f) for f in files]
         requests = kept[0].content if kept[0] is not None else b""
-        content = results(requests, [k.content for k in kept[1:] if k is not None])
+        answers = [k.content for k in kept[1:] if k is not None]
+        content = await asyncio.to_thread(results, requests, answers)  # off the streams' loop
         return Response(content, media_type="application/binary")
 
     path = "/v1/messages/batches"

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from cluster.config import RouterSection
+from cluster.http import batches
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_http_batches import SYSTEMS
 from tests.cluster.test_http_batches_restart import started_again, stopped
@@ -76,9 +77,9 @@ def running(cluster: LocalCluster, client: anthropic.Anthropic, count: int, answ
     ]
     batch = client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
     assert cluster.http is not None
-    batches = cluster.http.api.batches
+    kept = cluster.http.api.batches
     deadline = time.monotonic() + 60
-    while batches.get("", batch.id, messages=True).request_counts.completed < answered:
+    while kept.get("", batch.id, messages=True).request_counts.completed < answered:
         assert time.monotonic() < deadline, f"fewer than {answered} answered"
         time.sleep(0.02)
     return batch.id
@@ -98,7 +99,8 @@ def test_each_request_is_answered_as_messages_answers_it(
     counts = done.request_counts
     assert (counts.processing, counts.succeeded, counts.errored, counts.canceled) == (0, 6, 0, 0)
     assert done.ended_at is not None and done.results_url is not None
-    assert done.results_url.startswith(cluster.http_url)
+    # a path, read from the address the SDK calls (behind a proxy too)
+    assert done.results_url == f"/v1/messages/batches/{batch.id}/results"
     got = list(client.messages.batches.results(batch.id))
     assert [r.custom_id for r in got] == [f"q{i}" for i in range(6)]  # the order sent
     cached = 0
@@ -149,6 +151,10 @@ def test_a_refused_request_is_its_errored_result_and_the_others_run(
             "requests[0].params.stream: a batch request cannot stream",
         ),
         ([{"custom_id": "a", "params": {}, "x": 1}], "requests[0].x: is not a field"),
+        (
+            [{"custom_id": "a", "params": {}}, {"custom_id": "b", "params": {"background": True}}],
+            "requests[1].params.background: a batch request cannot run in the background",
+        ),
     ],
 )
 def test_creating_refuses_bad_requests_by_name(
@@ -274,9 +280,9 @@ def test_a_running_batch_goes_on_after_a_restart(tiny: LoadedModel, tmp_path: Pa
         ]
         batch = client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
         assert cluster.http is not None
-        batches = cluster.http.api.batches
+        kept = cluster.http.api.batches
         deadline = time.monotonic() + 60
-        while batches.get("", batch.id, messages=True).request_counts.completed < 3:
+        while kept.get("", batch.id, messages=True).request_counts.completed < 3:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         stopped(cluster)
@@ -290,6 +296,73 @@ def test_a_running_batch_goes_on_after_a_restart(tiny: LoadedModel, tmp_path: Pa
         assert all(
             r.type == "succeeded" and r.message.usage.output_tokens == 40 for r in got.values()
         )
+        state = tmp_path / "state"
+        client.messages.batches.delete(batch.id)  # gone from the directory too
+        assert not [p for p in (state / "batches").iterdir() if batch.id in p.name]
+        assert not [p for p in (state / "files").iterdir() if p.suffix == ".bin"]
+        # what nothing refers to: a journal without its object, a batch's file without it
+        (state / "batches" / "msgbatch_gone.answers.jsonl").write_text("{}\n")
+        assert cluster.http is not None
+        card = cluster.http.api.files.keep("", "stray.jsonl", batches.INPUT_PURPOSE, b"{}\n")
+        cluster.loop.run(cluster.http.api.files.save("", card.id))
+        assert (state / "files" / f"{card.id}.bin").exists()
+        stopped(cluster)
+        started_again(cluster)
+        assert not (state / "batches" / "msgbatch_gone.answers.jsonl").exists()
+        assert cluster.http.api.files.find("", card.id) is None
+        assert not (state / "files" / f"{card.id}.bin").exists()
         assert_no_leak(cluster)
     finally:
         cluster.close()
+
+
+def test_a_create_may_be_as_large_as_an_upload(
+    client: anthropic.Anthropic, cluster: LocalCluster
+) -> None:
+    """Past router.max_message_bytes (4 MiB), as an upload to /v1/files may be: the batch is
+    made, and its request too large for /v1/messages is that request's refusal."""
+    assert cluster.http is not None
+    big = cluster.config.router.max_message_bytes + 1000
+    requests = [
+        {"custom_id": "big", "params": params(SYSTEMS[0], "x" * big)},
+        {"custom_id": "small", "params": params(SYSTEMS[0], "Small?")},
+    ]
+    batch = client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+    counts = ended(client, batch.id).request_counts
+    assert (counts.succeeded, counts.errored) == (1, 1)
+    got = results(client, batch.id)
+    assert got["big"].error.error.type == "request_too_large"
+    client.messages.batches.delete(batch.id)
+    assert_no_leak(cluster)
+
+
+def test_a_forgotten_batch_takes_its_files_and_they_stay_apart_from_openais(
+    client: anthropic.Anthropic, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the ended batches kept, the oldest Message Batch is forgotten with its requests and
+    results, which nothing else reaches; OpenAI's batch API cannot name those files either."""
+    assert cluster.http is not None
+    api = cluster.http.api
+    first = client.messages.batches.create(
+        requests=[{"custom_id": "a", "params": params(SYSTEMS[0], "First?")}]  # type: ignore[list-item]
+    )
+    kept = api.batches.get("", ended(client, first.id).id, messages=True)
+    oa = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0)
+    with oa, pytest.raises(openai.NotFoundError):
+        oa.batches.create(
+            input_file_id=kept.input_file_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+    order = [k for k, r in api.batches._batches.items() if r.batch.status in batches.ENDED]
+    # one more ended batch forgets every one up to the first
+    monkeypatch.setattr(batches, "MAX_ENDED", len(order) - order.index(("", first.id)))
+    second = client.messages.batches.create(
+        requests=[{"custom_id": "b", "params": params(SYSTEMS[0], "Second?")}]  # type: ignore[list-item]
+    )
+    ended(client, second.id)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.batches.retrieve(first.id)
+    for file_id in (kept.input_file_id, kept.output_file_id):
+        assert file_id is not None and api.files.find("", file_id) is None
+    assert_no_leak(cluster)
