@@ -29,6 +29,7 @@ import secrets
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
 from cache import CacheNamespace
@@ -71,6 +72,9 @@ class ModelLimits:
     """Their vision model (None: a text model, images refused)."""
     hidden_size: int = 0
     """An embedding's length (0: a worker did not say; embeddings are then refused)."""
+    cache_salts: bool = True
+    """Whether every worker keeps cache salts apart (False: one predates them, and a salted
+    request is refused rather than served from an unsalted cache)."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +135,7 @@ def prepare(
     tenant = message.namespace.tenant
     if len(tenant) > MAX_TENANT_CHARS:
         raise InvalidRequest("namespace.tenant", f"at most {MAX_TENANT_CHARS} characters")
-    if len(message.namespace.cache_salt) > MAX_SALT_CHARS:
-        raise InvalidRequest("namespace.cache_salt", f"at most {MAX_SALT_CHARS} characters")
+    check_salt(message.namespace.cache_salt, limits)
     if allowed_tenant != ANY_TENANT and tenant and tenant != allowed_tenant:
         raise TenantRefused(f"namespace.tenant: this token may only use tenant {allowed_tenant!r}")
     prompt, order = _prompt(message)
@@ -247,6 +250,24 @@ def _checked_images(
         raise router_images.renamed(err, fields) from None
 
 
+def check_salt(salt: str, limits: RequestLimits) -> None:
+    if len(salt) > MAX_SALT_CHARS:
+        raise InvalidRequest("namespace.cache_salt", f"at most {MAX_SALT_CHARS} characters")
+    if salt and not limits.cache_salts:
+        raise InvalidRequest(
+            "namespace.cache_salt",
+            "a worker of this cluster predates cache salts and would serve the request from the "
+            "unsalted cache: upgrade it, or send no salt",
+        )
+
+
+def salt_digest(salt: str) -> str:
+    """What a cache salt is kept as from the router on (the namespace's `salt`): a digest of a
+    fixed 32 characters, so a client's secret is neither written to a saved cache nor held
+    at its length in every tree and index."""
+    return blake2b(salt.encode(), digest_size=16, person=b"radixmesh-salt").hexdigest()
+
+
 def request_namespace(
     message: serving_pb2.GenerateRequest,
     allowed_tenant: str,
@@ -256,7 +277,8 @@ def request_namespace(
     a LoRA request's adapter is its identity. Raises InvalidRequest for an unknown adapter."""
     tenant = message.namespace.tenant if allowed_tenant == ANY_TENANT else allowed_tenant
     identity = adapter_identity(message.namespace.adapter or None, adapters)
-    salt = message.namespace.cache_salt or None
+    raw = message.namespace.cache_salt
+    salt = salt_digest(raw) if raw else None
     return CacheNamespace(adapter=identity, tenant=tenant or None, salt=salt)
 
 

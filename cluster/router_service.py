@@ -255,6 +255,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             vision.spec if vision else None,
             vision.limits if vision else None,
             hidden_size=model.hidden_size,
+            cache_salts=model.cache_salts,
         )
 
     async def count_prompt(

@@ -260,7 +260,9 @@ class WorkerLinks:
         model's spec is the cluster's: `_checked` said so)."""
         vision = ModelVision.of(info)
         if self.limits is None:
-            return ModelLimits(info.vocab_size, info.max_model_len, vision, info.hidden_size)
+            return ModelLimits(
+                info.vocab_size, info.max_model_len, vision, info.hidden_size, info.cache_salts
+            )
         if vision is not None and self.limits.vision is not None:
             vision = self.limits.vision.smallest(vision)
         return ModelLimits(
@@ -268,6 +270,7 @@ class WorkerLinks:
             min(self.limits.max_model_len, info.max_model_len),
             vision,
             min(self.limits.hidden_size, info.hidden_size),
+            self.limits.cache_salts and info.cache_salts,
         )
 
     @staticmethod

@@ -69,6 +69,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 FORMAT = 1
+SALTED_FORMAT = 2
+"""A manifest holding a salted node (vLLM's cache_salt): a release from before salts refuses
+it whole, where it would have read the salted KV into the unsalted namespace."""
 MANIFEST = "manifest.json"
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 """A write refused for want of room: the disk or the caller's quota is smaller than
@@ -431,7 +434,9 @@ class KvStore:
         kept = self._place([*tree, *spilled, *evicted])
         placed = {record["name"] for record in kept}
         self.directory.mkdir(parents=True, exist_ok=True)
-        manifest = {"format": FORMAT, "identity": asdict(identity), "nodes": kept}
+        salted = any("salt" in record["namespace"] for record in kept)
+        form = SALTED_FORMAT if salted else FORMAT
+        manifest = {"format": form, "identity": asdict(identity), "nodes": kept}
         if room_first:
             self._delete_unplaced(placed)
         tmp = self.directory / f"{MANIFEST}.tmp"
@@ -703,8 +708,9 @@ class KvStore:
                 record.blocks = tuple(int(b) for b in record.blocks)
         except (OSError, ValueError, TypeError, KeyError) as err:
             return self._refuse(f"its manifest is unreadable ({err})")
-        if manifest.get("format") != FORMAT:
-            return self._refuse(f"format {manifest.get('format')!r}, this worker reads {FORMAT}")
+        if manifest.get("format") not in (FORMAT, SALTED_FORMAT):
+            read = f"{FORMAT} and {SALTED_FORMAT}"
+            return self._refuse(f"format {manifest.get('format')!r}, this worker reads {read}")
         diffs = ours.differences(saved)
         if diffs:
             return self._refuse("it was saved with " + ", ".join(diffs))

@@ -328,6 +328,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_running=self.engine.config.max_running,
             vision=vision_info(self.engine),
             hidden_size=self.engine.limits.hidden_size,
+            cache_salts=True,
         )
 
     async def Abort(

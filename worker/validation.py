@@ -144,6 +144,9 @@ class RequestLimits:
     hidden_size: int = 0
     """The model's hidden size, an embedding's length (0: not known, as on a router with a
     worker older than embeddings, which then refuses them: `validate_embedding`)."""
+    cache_salts: bool = True
+    """Whether a request may carry a cache salt (False: on a router with a worker older than
+    salts, which would serve it from the unsalted cache)."""
 
     @classmethod
     def of(
@@ -155,6 +158,7 @@ class RequestLimits:
         images: ImageLimits | None = None,
         end_token_ids: Iterable[int] = (),
         hidden_size: int = 0,
+        cache_salts: bool = True,
     ) -> RequestLimits:
         """The model's limits with the operator's: what the router and every worker check."""
         stop = StopLimits(settings.max_stop_strings, settings.max_stop_chars)
@@ -168,6 +172,7 @@ class RequestLimits:
             frozenset(end_token_ids),
             settings.scheduling_policy == "priority",
             hidden_size,
+            cache_salts,
         )
 
 

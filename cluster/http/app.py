@@ -310,7 +310,7 @@ class HttpApi:
         if not stored_completions.storing(body, self.chat_store):
             return None
         tenant = owner(caller, self.tenant(request))
-        large = bool(body.logprobs)
+        large = bool(body.logprobs or body.return_token_ids)
         place = stored_completions.next_place()
 
         async def keep(completion: BaseModel) -> None:

@@ -204,6 +204,7 @@ def prompt_key(line: BatchLine) -> str:
     body = line.body
     parts = [
         body.get("model"),
+        body.get("cache_salt"),  # vLLM's: a salt's requests share only with each other
         body.get("previous_response_id"),
         body.get("instructions"),
         body.get("system"),

@@ -10,13 +10,13 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from cluster.http.openai_schema import PromptTokensDetails, Strict
+from cluster.http.openai_schema import Body, PromptTokensDetails
 
 MAX_INPUTS = 2048
 """Inputs in one request: OpenAI's limit."""
 
 
-class EmbeddingRequest(Strict):
+class EmbeddingRequest(Body):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"

@@ -434,9 +434,9 @@ async def chat_chunks(
             if index not in started:
                 started.add(index)
                 role = ChunkChoice(index=index, delta=Delta(role="assistant", content=""))
-                # the prompt's ids come with the first sample's first token (vLLM: first chunk)
-                given = reply.prompt_ids(counts, 0) if response.prompt_token_ids else None
-                yield chunk(role, given)
+                # each choice's first chunk, as vLLM's (the first sample draws first: its
+                # first token, which brings them, comes before any other choice's)
+                yield chunk(role, reply.prompt_ids(counts, 0))
             if not worth_a_chunk(response, logprobs):
                 continue
             text, calls = response.text, list[ToolCall]()

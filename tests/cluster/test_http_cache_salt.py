@@ -7,14 +7,20 @@ salt changes a namespace's block hashes and an unsalted namespace keeps the ones
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
+import httpx2 as httpx
 import openai
 import pytest
 
 from cache.identity import BlockHasher, IdentityScheme
 from cache.namespace import CacheNamespace
+from cluster.requests import request_namespace
+from cluster.serving_call import ANY_TENANT
+from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak
 from tests.cluster.tool_fixtures import served
@@ -107,6 +113,57 @@ def test_a_bad_salt_is_refused_by_name(
         )
     assert chat(client, "Still serving?", "fine").choices  # the cluster serves on
     assert_no_leak(cluster)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+def test_a_salt_that_is_not_unicode_text_is_refused_by_name(
+    cluster: LocalCluster, path: str
+) -> None:
+    asked = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+        "/v1/completions": {"prompt": "x"},
+        "/v1/embeddings": {"input": "x"},
+    }
+    body: dict[str, Any] = {"model": MODEL, **asked[path]}
+    raw = json.dumps(body | {"cache_salt": "\ud800"})  # a lone surrogate, escaped
+    answer = httpx.post(
+        cluster.http_url + path,
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert answer.status_code == 400, answer.text
+    assert "cache_salt" in answer.json()["error"]["message"]
+
+
+def test_a_cluster_with_a_worker_before_salts_refuses_salted_requests(
+    client: openai.OpenAI, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that does not say it keeps salts (WorkerInfo.cache_salts false: an older
+    release, as in a rolling upgrade) would serve a salted request from the unsalted cache:
+    the router refuses salted requests by name, and serves the rest."""
+    links = cluster.service.links
+    assert links.limits is not None and links.limits.cache_salts  # today's workers say so
+    monkeypatch.setattr(links, "limits", replace(links.limits, cache_salts=False))
+    with pytest.raises(openai.BadRequestError, match="predates cache salts"):
+        chat(client, "Refused?", "salt-x")
+    assert chat(client, "Served?", None).choices
+    assert_no_leak(cluster)
+
+
+def test_the_router_keeps_a_digest_of_the_salt_not_the_salt() -> None:
+    """From the router on, the namespace holds a fixed-size digest: the client's secret is not
+    written to a saved cache, nor held at its length in every tree and index."""
+    message = serving_pb2.GenerateRequest()
+    message.namespace.tenant = "acme"
+    message.namespace.cache_salt = "the-client-secret" * 40
+    salted = request_namespace(message, ANY_TENANT)
+    assert salted.salt is not None and len(salted.salt) == 32
+    assert "secret" not in salted.salt
+    message.namespace.cache_salt = "another"
+    assert request_namespace(message, ANY_TENANT).salt not in (None, salted.salt)
+    message.namespace.cache_salt = ""
+    assert request_namespace(message, ANY_TENANT) == CacheNamespace(tenant="acme")
 
 
 def test_a_salt_changes_the_chain_and_none_keeps_it() -> None:

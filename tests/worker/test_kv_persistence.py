@@ -18,6 +18,7 @@ import torch
 from cache import DEFAULT_NAMESPACE, CacheNamespace
 from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA, drain, greedy, recorded_engine, relative_error
+from worker import kv_persistence
 from worker.engine import Engine, EngineConfig
 from worker.kv_persistence import MANIFEST, BackgroundSaver
 from worker.model import CausalLM
@@ -178,6 +179,27 @@ def test_a_reload_never_serves_one_tenants_kv_to_another(tmp_path: Path) -> None
     _, own, _ = ask(engine, TURNS[0], acme)
     assert (other, shared) == (0, 0)
     assert own == len(TURNS[0]) - 1
+
+
+def test_a_reload_keeps_salts_apart_and_a_release_before_salts_refuses_them(
+    tmp_path: Path,
+) -> None:
+    """A salted node (vLLM's cache_salt) is read back in its salt alone. Its manifest takes a
+    format of its own, which a release before salts refuses rather than read the salted KV into
+    the unsalted namespace; an unsalted cache keeps the format it had."""
+    salted = CacheNamespace(tenant="acme", salt="d1")
+    directory = saved(tmp_path / "salted", salted)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["format"] == kv_persistence.SALTED_FORMAT
+    engine = Engine(model(), None, config(tmp_path / "salted"), source="w0")
+    _, unsalted, _ = ask(engine, TURNS[0], CacheNamespace(tenant="acme"))
+    _, other, _ = ask(engine, TURNS[0], CacheNamespace(tenant="acme", salt="d2"))
+    _, own, _ = ask(engine, TURNS[0], salted)
+    assert (unsalted, other) == (0, 0)
+    assert own == len(TURNS[0]) - 1
+    engine.stop()
+    plain = saved(tmp_path / "plain")
+    assert json.loads((plain / "manifest.json").read_text())["format"] == kv_persistence.FORMAT
 
 
 def test_disk_use_stays_under_its_bound_keeping_the_most_recent(tmp_path: Path) -> None:

@@ -158,7 +158,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker", "identity_version", "block_size", "model_revision", "page_size", "total_pages", "vocab_size", "max_model_len", "max_running", "vision", "hidden_size")
+    __slots__ = ("worker", "identity_version", "block_size", "model_revision", "page_size", "total_pages", "vocab_size", "max_model_len", "max_running", "vision", "hidden_size", "cache_salts")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_VERSION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class WorkerInfo(_message.Message):
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
     worker: str
     identity_version: int
     block_size: int
@@ -181,7 +182,8 @@ class WorkerInfo(_message.Message):
     max_running: int
     vision: VisionInfo
     hidden_size: int
-    def __init__(self, worker: _Optional[str] = ..., identity_version: _Optional[int] = ..., block_size: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_running: _Optional[int] = ..., vision: _Optional[_Union[VisionInfo, _Mapping]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    cache_salts: bool
+    def __init__(self, worker: _Optional[str] = ..., identity_version: _Optional[int] = ..., block_size: _Optional[int] = ..., model_revision: _Optional[str] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_running: _Optional[int] = ..., vision: _Optional[_Union[VisionInfo, _Mapping]] = ..., hidden_size: _Optional[int] = ..., cache_salts: _Optional[bool] = ...) -> None: ...
 
 class VisionInfo(_message.Message):
     __slots__ = ("image_token_id", "image_seq_len", "tile_size", "longest_edge", "do_image_splitting", "max_images", "max_image_pixels", "max_image_bytes")
