@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models     (OpenAI)
     GET /v1/chat/completions    GET, POST, DELETE /v1/chat/completions/{id}[/messages]  (stored)
+    /v1/conversations...        (OpenAI's Conversations API: cluster/http/conversations.py)
     POST /v1/embeddings         POST /v1/score, /score   POST /v1/rerank, /rerank, /v2/rerank
     POST /v1/responses          GET, DELETE /v1/responses/{id}[/input_items]
                                 POST /v1/responses/{id}/cancel
@@ -59,6 +60,7 @@ from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.http import (
     anthropic_routes,
     batch_routes,
+    conversations,
     legacy_functions,
     message_batches,
     openai_params,
@@ -71,6 +73,7 @@ from cluster.http.anthropic_schema import ModelInfo, ModelInfoList
 from cluster.http.batch_runner import BatchRunner
 from cluster.http.batches import Batches
 from cluster.http.body_limit import BodyLimit
+from cluster.http.conversations import ConversationStore
 from cluster.http.embeddings import (
     embed_all,
     embedding_calls,
@@ -157,6 +160,8 @@ class HttpApi:
         self.responses = ResponseStore(config.router.response_store_bytes)
         """The Responses API's stored responses."""
         self.chat_store = CompletionStore(config.router.response_store_bytes)
+        self.conversations = ConversationStore(config.router.response_store_bytes)
+        """OpenAI's Conversations API's conversations, in a store of their own."""
         """The stored chat completions (`store: true`)."""
         self.background = BackgroundResponses()
         """The Responses API's background generations running."""
@@ -724,6 +729,7 @@ def build_app(service: RouterService, config: ClusterConfig) -> tuple[ASGIApp, H
     anthropic_routes.add_routes(app, api)
     responses_routes.add_routes(app, api)
     stored_completions.add_routes(app, api)
+    conversations.add_routes(app, api)
     sglang_generate.add_routes(app, api)
     batch_routes.add_routes(app, api)
     message_batches.add_routes(app, api)
@@ -929,6 +935,7 @@ _ROUTES = (
     "/v1/files",
     "/v1/batches",
     "/v1/messages/batches",
+    "/v1/conversations",
     "/health",
     "/ping",
     "/health_generate",
@@ -949,6 +956,7 @@ _BY_ID = {
     "/v1/batches/": ("cancel",),
     "/v1/messages/batches/": ("cancel", "results"),
     "/v1/chat/completions/": ("messages",),
+    "/v1/conversations/": ("items",),
 }
 """The routes of a stored object by id, and what may follow the id."""
 
@@ -960,6 +968,8 @@ def _by_id(path: str) -> str | None:
             key, *tail = path.removeprefix(prefix).split("/")
             if key and (not tail or (len(tail) == 1 and tail[0] in tails)):
                 return prefix + "{id}" + "".join(f"/{t}" for t in tail)
+            if key and len(tail) == 2 and tail[0] in tails and tail[1]:  # an item of it
+                return prefix + "{id}/" + tail[0] + "/{item}"
     return None
 
 

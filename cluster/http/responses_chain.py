@@ -72,7 +72,7 @@ def continued(body: ResponsesRequest, store: ResponseStore, tenant: str) -> Stor
     return earlier
 
 
-def _turn(item: Item) -> Item:
+def as_turn(item: Item) -> Item:
     """An output item as the conversation keeps it for a follow-up: without its text's
     logprobs, which a next turn does not read (the response object keeps them)."""
     for part in item.get("content") or ():
@@ -94,7 +94,7 @@ def keep(
     prompt left out, with truncation auto); the response as stored (`store` false when it is
     larger than the whole store and was not kept)."""
     response = answered.model_copy(update={"store": True})
-    outputs = tuple(StoredResponse.encoded(_turn(item.model_dump())) for item in response.output)
+    outputs = tuple(StoredResponse.encoded(as_turn(item.model_dump())) for item in response.output)
     before = earlier.conversation if earlier is not None else ()
     kept = StoredResponse(
         response=response.model_dump_json().encode(),
@@ -116,14 +116,19 @@ def encoded_inputs(body: ResponsesRequest) -> tuple[bytes, ...]:
 
 
 def input_items(body: ResponsesRequest) -> list[Item]:
-    """The request's `input` as OpenAI lists it back: items with an `id` and a `status`, a
-    message's content as text parts (a string input is one user message). The chat they
-    render is the one the request's own items render."""
+    """The request's `input` as OpenAI lists it back (`listed_items`; a string input is one
+    user message)."""
     given = (
         [{"type": "message", "role": "user", "content": body.input}]
         if isinstance(body.input, str)
         else body.input
     )
+    return listed_items(given)
+
+
+def listed_items(given: list[Item]) -> list[Item]:
+    """Items as OpenAI lists them back: with an `id` and a `status`, a message's content as
+    text parts. The chat they render is the one the items as given render."""
     items = []
     for item in given:
         kind = item.get("type", "message")

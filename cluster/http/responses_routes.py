@@ -12,8 +12,10 @@ built in cluster/http/responses_output.py, its events in cluster/http/responses_
 
 A response is stored as it ends unless `store: false` (cluster/http/responses_chain.py; read,
 deleted and cancelled by id in cluster/http/stored_routes.py), and `previous_response_id`
-continues a stored one: its conversation comes before `input`. `background: true` answers at
-once and generates apart from the request (cluster/http/responses_background.py).
+continues a stored one: its conversation comes before `input`; `conversation` continues a
+conversation's items, and adds the response's to it (cluster/http/conversations.py).
+`background: true` answers at once and generates apart from the request
+(cluster/http/responses_background.py).
 `truncation: "auto"` cuts a conversation the core refuses for its length
 (cluster/http/responses_truncation.py).
 """
@@ -29,9 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response as HttpResponse
 
 from cluster.http import stored_routes
+from cluster.http.conversations import ORIGIN, extend, joined
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.openai_params import (
-    ROLES,
     effort_variables,
     refuse_unsupported,
     set_cache_salt,
@@ -40,13 +42,19 @@ from cluster.http.openai_params import (
 )
 from cluster.http.openai_responses import collect, served_by
 from cluster.http.response_store import StoredResponse
-from cluster.http.responses_chain import continued, encoded_inputs, keep, owner, stored
+from cluster.http.responses_chain import continued, input_items, keep, owner, stored
+from cluster.http.responses_items import (
+    chat_message,
+    reasoning_text,
+    tool_call,
+    tool_output,
+    unknown_kind,
+)
 from cluster.http.responses_output import (
     INCLUDES,
     done,
     message_logprobs,
     shell,
-    unsealed,
     wants_logprobs,
 )
 from cluster.http.responses_schema import REFUSED, NamedFunction, Response, ResponsesRequest
@@ -61,9 +69,6 @@ if TYPE_CHECKING:
     from cluster.http.openai_responses import Responses
     from cluster.serving_call import Caller
 
-TEXT_PARTS = ("input_text", "output_text")
-"""The content parts of an input message served (an assistant's earlier turn is output_text)."""
-
 
 def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def responses(body: ResponsesRequest, request: Request) -> HttpResponse:
@@ -73,25 +78,32 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         rid = api.request_id(request)
         storing = stored(body, api.responses)
         earlier = continued(body, api.responses, tenant)
-        message, origins = generate_request(
-            body,
-            rid,
-            api.tenant(request),
-            StoredResponse.decoded(earlier.conversation) if earlier else (),
+        talk = joined(body, api.conversations, tenant)
+        before, source = (
+            (StoredResponse.decoded(earlier.conversation), "previous_response_id")
+            if earlier is not None
+            else (talk.decoded() if talk is not None else [], ORIGIN)
         )
+        message, origins = generate_request(body, rid, api.tenant(request), before, source)
         message.namespace.adapter = adapter or ""
         started = shell(body, f"resp_{rid}", adapter or api.model, storing)
+        if talk is not None:
+            started.conversation = {"id": talk.id}
         tools = (
             frozenset(t.name for t in body.tools or [])
             if body.tool_choice != "none"
             else frozenset()
         )
 
-        inputs = encoded_inputs(body) if storing else ()
+        listed = input_items(body) if storing or talk is not None else []
+        inputs = tuple(map(StoredResponse.encoded, listed)) if storing else ()
         truncation = truncated(body, message, origins, earlier)
 
         def ended(answered: Response) -> Response:
-            """The response as it ends: stored, unless the request said not to."""
+            """The response as it ends: its items added to its conversation, and stored
+            unless the request said not to."""
+            if talk is not None:
+                extend(api.conversations, tenant, talk.id, listed, answered)
             if not storing:
                 return answered
             dropped = truncation.dropped if truncation is not None else 0
@@ -210,9 +222,10 @@ def generate_request(
     request_id: str,
     tenant: str,
     earlier: Sequence[dict[str, Any]] = (),
+    source: str = "previous_response_id",
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
-    """The request, and the field each turn of its chat came from (`earlier`: the stored
-    conversation it continues)."""
+    """The request, and the field each turn of its chat came from (`earlier`: the items it
+    continues, of a stored response or a conversation, as `source` names them)."""
     refuse_unsupported(body, REFUSED)
     for i, asked in enumerate(body.include or ()):
         if asked not in INCLUDES:
@@ -225,7 +238,7 @@ def generate_request(
     variables = effort_variables(body.reasoning.effort if body.reasoning is not None else None)
     if variables:
         message.chat_template_kwargs = json.dumps(variables)
-    origins = conversation(body, message.chat.messages, earlier)
+    origins = conversation(body, message.chat.messages, earlier, source)
     for name, value in (
         ("max_tokens", body.max_output_tokens),
         ("temperature", body.temperature),
@@ -266,11 +279,15 @@ def _format(body: ResponsesRequest, params: serving_pb2.SamplingParams) -> None:
 
 
 def conversation(
-    body: ResponsesRequest, turns: Any, earlier: Sequence[dict[str, Any]] = ()
+    body: ResponsesRequest,
+    turns: Any,
+    earlier: Sequence[dict[str, Any]] = (),
+    source: str = "previous_response_id",
 ) -> list[str]:
-    """Append `instructions` as the system message, then the items of the stored conversation
-    `previous_response_id` continues (`earlier`), then `input`'s items, as the chat's turns, to
-    `turns`; returns the field each turn came from. A string is one user turn; consecutive
+    """Append `instructions` as the system message, then the items the request continues
+    (`earlier`: of the stored response `previous_response_id` names, or of its `conversation`:
+    `source`), then `input`'s items, as the chat's turns, to `turns`; returns the field each
+    turn came from. A string is one user turn; consecutive
     `function_call` items are one assistant turn's calls (with the assistant message before
     them, if any); a `function_call_output` is a tool turn. A `reasoning` item's text is the
     reasoning of the assistant turn it comes with (`reasoning_content`, which the template may
@@ -288,31 +305,25 @@ def conversation(
         items, named = body.input, [f"input[{i}]" for i in range(len(body.input))]
     said = False  # whether `input` gave a turn, or calls to the turn before it
     thoughts: list[str] = []  # reasoning items waiting for their assistant turn
-    for item, where in zip(
-        [*earlier, *items], ["previous_response_id"] * len(earlier) + named, strict=True
-    ):
+    for item, where in zip([*earlier, *items], [source] * len(earlier) + named, strict=True):
         kind = item.get("type", "message")
         if kind == "reasoning":
-            thoughts.append(_reasoning(item, where))
+            thoughts.append(reasoning_text(item, where))
             continue
-        said |= where != "previous_response_id"
+        said |= where != source
         if kind == "message":
-            turns.append(_message(item, where))
+            turns.append(chat_message(item, where))
         elif kind == "function_call":
-            call = _function_call(item, where)
+            call = tool_call(item, where)
             if len(turns) and turns[-1].role == "assistant":
                 turns[-1].tool_calls.append(call)  # one turn with what came before it
                 _think(turns[-1], thoughts)
                 continue
             turns.append(serving_pb2.ChatMessage(role="assistant", tool_calls=[call]))
         elif kind == "function_call_output":
-            turns.append(_function_output(item, where))
+            turns.append(tool_output(item, where))
         else:
-            raise HttpError.invalid(
-                f"{where}.type",
-                f"{kind!r}: the items served are message, reasoning, function_call and "
-                "function_call_output",
-            )
+            raise unknown_kind(kind, where)
         if turns[-1].role == "assistant":
             _think(turns[-1], thoughts)
         thoughts.clear()
@@ -329,81 +340,3 @@ def _think(turn: serving_pb2.ChatMessage, thoughts: list[str]) -> None:
     """Add the reasoning items before it to an assistant turn's reasoning."""
     turn.reasoning_content = "\n".join(t for t in (turn.reasoning_content, *thoughts) if t)
     thoughts.clear()
-
-
-def _reasoning(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text: its `content` (the reasoning text a thinking model wrote), else
-    its `summary`, else the text its `encrypted_content` holds if radixmesh wrote it
-    (responses_output.py `sealed`; another server's is nothing radixmesh can read)."""
-    for name, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
-        parts = item.get(name) or []
-        if not isinstance(parts, list):
-            raise HttpError.invalid(f"{where}.{name}", "must be a list of text parts")
-        texts = []
-        for j, part in enumerate(parts):
-            if not isinstance(part, dict) or part.get("type") != part_type:
-                raise HttpError.invalid(f"{where}.{name}[{j}]", f"must be a {part_type} part")
-            if not isinstance(part.get("text"), str):
-                raise HttpError.invalid(f"{where}.{name}[{j}].text", "must be a string")
-            texts.append(part["text"])
-        if texts:
-            return "\n".join(texts)
-    return unsealed(item.get("encrypted_content")) or ""
-
-
-def _message(item: dict[str, Any], where: str) -> serving_pb2.ChatMessage:
-    unknown = set(item) - {"type", "role", "content", "id", "status"}
-    if unknown:
-        raise HttpError.invalid(f"{where}.{sorted(unknown)[0]}", "is not a field of a message")
-    given = item.get("role")
-    role = ROLES.get(given) if isinstance(given, str) else None
-    if role is None or role == "tool":
-        raise HttpError.invalid(
-            f"{where}.role",
-            f"{item.get('role')!r} is not one of system, developer, user, assistant",
-        )
-    content = item.get("content")
-    if isinstance(content, str):
-        return serving_pb2.ChatMessage(role=role, content=content)
-    if not isinstance(content, list):
-        raise HttpError.invalid(f"{where}.content", "must be a string or a list of parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise HttpError.invalid(
-                f"{where}.content[{j}]",
-                f"only input_text and output_text parts are served, got {kind!r}",
-            )
-        texts.append(part["text"])
-    return serving_pb2.ChatMessage(role=role, content="\n".join(texts))
-
-
-def _function_call(item: dict[str, Any], where: str) -> serving_pb2.ToolCall:
-    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
-    for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
-        if not isinstance(value, str):
-            raise HttpError.invalid(f"{where}.{field}", "is required, a string")
-    try:
-        parsed = json.loads(arguments)  # type: ignore[arg-type]
-    except ValueError as err:
-        raise HttpError.invalid(f"{where}.arguments", f"is not JSON: {err}") from None
-    if not isinstance(parsed, dict):
-        raise HttpError.invalid(f"{where}.arguments", "is a JSON object of the arguments")
-    return serving_pb2.ToolCall(id=call_id, name=name, arguments=arguments)
-
-
-def _function_output(item: dict[str, Any], where: str) -> serving_pb2.ChatMessage:
-    call_id, output = item.get("call_id"), item.get("output")
-    if not isinstance(call_id, str):
-        raise HttpError.invalid(f"{where}.call_id", "is required, a string")
-    if isinstance(output, list):  # text parts
-        texts = [
-            p.get("text") for p in output if isinstance(p, dict) and p.get("type") in TEXT_PARTS
-        ]
-        if len(texts) != len(output) or not all(isinstance(t, str) for t in texts):
-            raise HttpError.invalid(f"{where}.output", "only input_text parts are served")
-        output = "\n".join(texts)  # type: ignore[arg-type]
-    if not isinstance(output, str):
-        raise HttpError.invalid(f"{where}.output", "must be a string or text parts")
-    return serving_pb2.ChatMessage(role="tool", content=output, tool_call_id=call_id)

@@ -83,6 +83,8 @@ class ResponsesRequest(Body):
     """A stored response this one continues: its conversation comes before `input` (its
     `instructions` do not)."""
     conversation: Any = None
+    """A conversation (cluster/http/conversations.py), by id or `{"id": ...}`: its items come
+    before `input`, and this response's input and output are added to it as it ends."""
     metadata: dict[str, str] | None = None
     """Up to 16 pairs, keys of up to 64 characters, values of up to 512, as at OpenAI; returned
     with the response."""
@@ -116,10 +118,6 @@ class ResponsesRequest(Body):
 
 REFUSED: dict[str, tuple[str, tuple[object, ...]]] = {
     # parameter: (why it is refused, the values that ask for nothing and are accepted)
-    "conversation": (
-        "conversations are not stored; send previous_response_id, or the turns in input",
-        (),
-    ),
     "service_tier": ("there is one tier", ("auto", "default")),
     "prompt": ("stored prompts are not supported", ()),
 }
@@ -221,6 +219,8 @@ class Response(BaseModel):
     reasoning: dict[str, Any] | None = None
     store: bool = False
     previous_response_id: str | None = None
+    conversation: dict[str, str] | None = None
+    """The conversation it was made in (`{"id": ...}`)."""
     background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"
     seal: bool = Field(default=False, exclude=True)

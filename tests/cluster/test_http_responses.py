@@ -212,7 +212,7 @@ def test_a_stream_that_fails_ends_with_response_failed() -> None:
         ({"metadata": {"k" * 65: "v"}}, "metadata", "over 64 characters"),
         ({"metadata": {"k": "v" * 513}}, "metadata.k", "over 512 characters"),
         ({"metadata": {"k": 1}}, "metadata.k", "string"),
-        ({"conversation": "conv_1"}, "conversation", "send previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation", "is not a conversation of this tenant"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "'item_reference'"),
         (

@@ -1,0 +1,301 @@
+"""OpenAI's Conversations API, as the `openai` SDK calls it (`client.conversations`), and the
+Responses API's `conversation`:
+
+    POST   /v1/conversations                      `items` (up to 20), `metadata`
+    GET    /v1/conversations/{id}
+    POST   /v1/conversations/{id}                 `metadata` replaced
+    DELETE /v1/conversations/{id}
+    POST   /v1/conversations/{id}/items           up to 20 more items, at its end
+    GET    /v1/conversations/{id}/items           `order` (desc), `after`, `limit` (20, 1-100)
+    GET    /v1/conversations/{id}/items/{item}
+    DELETE /v1/conversations/{id}/items/{item}    answers the conversation
+
+A conversation is a list of Responses API items (messages, reasoning, function calls and their
+outputs), each with an id. A response created with `conversation` renders the conversation's
+items before its `input`, as `previous_response_id` renders a stored response's, and once it
+ends (completed, or incomplete) its input and output items are added to the conversation's
+end, whether the response is stored or not. Items are checked as a response's input is when
+they are added, so a conversation always renders.
+
+Conversations are kept as the stored responses are: in the router's memory, each its tenant's
+(another's id is 404), within `router.response_store_bytes` of their own, the least recently
+used dropped first, nothing across a restart. A conversation that would pass the bound whole
+is refused its new items (400), and a response's items that would make it so are not added
+(logged; the response is answered all the same).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response as HttpResponse
+
+from cluster.http.errors import HttpError
+from cluster.http.kept_store import KeptStore
+from cluster.http.openai_schema import Body
+from cluster.http.response_store import ITEM_BYTES, Item
+from cluster.http.responses_chain import as_turn, check_metadata, listed_items, owner
+from cluster.http.responses_items import check_item
+from cluster.http.responses_schema import Response, ResponsesRequest
+from cluster.http.stored_routes import page_of
+
+if TYPE_CHECKING:
+    from cluster.http.app import HttpApi
+
+log = logging.getLogger(__name__)
+MAX_ADDED = 20
+"""Items one call adds (OpenAI's bound)."""
+ENTRY_BYTES = 512
+"""What Python takes to hold one conversation beside its items' bytes."""
+ORIGIN = "conversation"
+"""What a refusal calls the conversation's items in a response's chat."""
+
+
+@dataclass(slots=True)
+class Conversation:
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    items: list[bytes] = field(default_factory=list)
+    """Each item as JSON, in the conversation's order."""
+    ids: list[str] = field(default_factory=list)
+    """Each item's id, beside `items`."""
+
+    @property
+    def size(self) -> int:
+        meta = sum(len(k) + len(v) for k, v in self.metadata.items())
+        return sum(map(len, self.items)) + len(self.items) * ITEM_BYTES + ENTRY_BYTES + meta
+
+    def shown(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "conversation",
+            "created_at": self.created_at,
+            "metadata": self.metadata,
+        }
+
+    def decoded(self) -> list[Item]:
+        return [json.loads(item) for item in self.items]
+
+
+class ConversationStore(KeptStore[Conversation]):
+    """Conversations by (tenant, id); a conversation whose items change is kept again, so its
+    size is counted anew (Used from the router's event loop only)."""
+
+    def add(self, tenant: str, conversation: Conversation, items: list[Item]) -> bool:
+        """Add `items` at the conversation's end; False, changing nothing, when it would then
+        be larger than the whole store."""
+        encoded = [json.dumps(item).encode() for item in items]
+        grown = Conversation(
+            conversation.id,
+            conversation.created_at,
+            conversation.metadata,
+            [*conversation.items, *encoded],
+            [*conversation.ids, *(item["id"] for item in items)],
+        )
+        if grown.size > self.max_bytes:
+            return False
+        return self.put(tenant, conversation.id, grown)
+
+
+class CreateConversation(Body):
+    items: list[dict[str, Any]] | None = None
+    metadata: dict[str, str] | None = None
+
+
+class UpdateConversation(Body):
+    metadata: dict[str, str] | None
+
+
+class AddItems(Body):
+    items: list[dict[str, Any]]
+
+
+def checked_items(given: list[dict[str, Any]], where: str) -> list[Item]:
+    """Items to add, each with an id and a status, as a response's input lists them; 400
+    naming the first that would not render (`where`: what the request calls the list)."""
+    if len(given) > MAX_ADDED:
+        raise HttpError.invalid(where, f"{len(given)} items; at most {MAX_ADDED} at a time")
+    for i, item in enumerate(given):
+        if not isinstance(item, dict):
+            raise HttpError.invalid(f"{where}[{i}]", "must be an item object")
+        check_item(item, f"{where}[{i}]")
+    return listed_items(given)
+
+
+def named(body_conversation: Any) -> str | None:
+    """The id a response's `conversation` names (a string, or `{"id": ...}`)."""
+    if body_conversation is None:
+        return None
+    if isinstance(body_conversation, str):
+        return body_conversation
+    if isinstance(body_conversation, dict) and isinstance(body_conversation.get("id"), str):
+        if set(body_conversation) - {"id"}:
+            raise HttpError.invalid("conversation", "an object holds only its id")
+        return str(body_conversation["id"])
+    raise HttpError.invalid("conversation", "must be a conversation's id, or {'id': ...}")
+
+
+def joined(body: ResponsesRequest, store: ConversationStore, tenant: str) -> Conversation | None:
+    """The conversation a response's `conversation` names (None: it names none)."""
+    conversation_id = named(body.conversation)
+    if conversation_id is None:
+        return None
+    if body.previous_response_id is not None:
+        raise HttpError.invalid("conversation", "cannot be given with previous_response_id")
+    kept = store.get(tenant, conversation_id) if store.enabled else None
+    if kept is None:
+        raise HttpError.invalid(
+            "conversation",
+            f"{conversation_id!r} is not a conversation of this tenant (never made, deleted, or "
+            "dropped from the router's store, which keeps nothing across a restart)",
+        )
+    return kept
+
+
+def extend(
+    store: ConversationStore,
+    tenant: str,
+    conversation_id: str,
+    inputs: list[Item],
+    answered: Response,
+) -> None:
+    """Add a response's input and output items to its conversation as it ends: completed, or
+    incomplete (a failed or cancelled one adds nothing)."""
+    if answered.status not in ("completed", "incomplete"):
+        return
+    kept = store.get(tenant, conversation_id)  # as it is now: items may have come meanwhile
+    if kept is None:
+        log.warning("conversation %s went before response %s ended", conversation_id, answered.id)
+        return
+    outputs = [as_turn(item.model_dump()) for item in answered.output]
+    if not store.add(tenant, kept, [*inputs, *outputs]):
+        log.warning(
+            "conversation %s: response %s's items not added (router.response_store_bytes)",
+            conversation_id,
+            answered.id,
+        )
+
+
+def add_routes(app: FastAPI, api: HttpApi) -> None:
+    _conversation_routes(app, api)
+    _item_routes(app, api)
+
+
+def _conversation_routes(app: FastAPI, api: HttpApi) -> None:
+    store = api.conversations
+
+    async def create(body: CreateConversation, request: Request) -> HttpResponse:
+        who = _tenant(api, request)
+        check_metadata(body.metadata)
+        items = checked_items(body.items or [], "items")
+        made = Conversation(f"conv_{uuid.uuid4().hex}", int(time.time()), body.metadata or {})
+        if not store.add(who, made, items):
+            raise _too_large()
+        return _answer(made.shown())
+
+    async def retrieve(conversation_id: str, request: Request) -> HttpResponse:
+        return _answer(_found(api, _tenant(api, request), conversation_id).shown())
+
+    async def update(
+        conversation_id: str, body: UpdateConversation, request: Request
+    ) -> HttpResponse:
+        who = _tenant(api, request)
+        kept = _found(api, who, conversation_id)
+        check_metadata(body.metadata)
+        kept.metadata = body.metadata or {}
+        store.put(who, conversation_id, kept)  # counted again
+        return _answer(kept.shown())
+
+    async def delete(conversation_id: str, request: Request) -> HttpResponse:
+        who = _tenant(api, request)
+        _found(api, who, conversation_id)
+        store.delete(who, conversation_id)
+        return _answer({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+    path = "/v1/conversations"
+    app.add_api_route(path, create, methods=["POST"])
+    app.add_api_route(path + "/{conversation_id}", retrieve, methods=["GET"])
+    app.add_api_route(path + "/{conversation_id}", update, methods=["POST"])
+    app.add_api_route(path + "/{conversation_id}", delete, methods=["DELETE"])
+
+
+def _item_routes(app: FastAPI, api: HttpApi) -> None:
+    store = api.conversations
+
+    async def add_items(conversation_id: str, body: AddItems, request: Request) -> HttpResponse:
+        who = _tenant(api, request)
+        kept = _found(api, who, conversation_id)
+        items = checked_items(body.items, "items")
+        if not store.add(who, kept, items):
+            raise _too_large()
+        first, last = (items[0]["id"], items[-1]["id"]) if items else (None, None)
+        listing = {"object": "list", "data": items, "first_id": first, "last_id": last}
+        return _answer(listing | {"has_more": False})
+
+    async def list_items(conversation_id: str, request: Request) -> HttpResponse:
+        kept = _found(api, _tenant(api, request), conversation_id)
+        page = page_of(kept.ids, request.query_params, "desc", "an item of this conversation")
+        return _answer(page | {"data": [json.loads(kept.items[k]) for k in page["data"]]})
+
+    async def retrieve_item(conversation_id: str, item_id: str, request: Request) -> HttpResponse:
+        kept = _found(api, _tenant(api, request), conversation_id)
+        k = _item(kept, item_id)
+        return HttpResponse(kept.items[k], media_type="application/json")
+
+    async def delete_item(conversation_id: str, item_id: str, request: Request) -> HttpResponse:
+        who = _tenant(api, request)
+        kept = _found(api, who, conversation_id)
+        k = _item(kept, item_id)
+        del kept.items[k], kept.ids[k]
+        store.put(who, conversation_id, kept)  # counted again
+        return _answer(kept.shown())
+
+    path = "/v1/conversations/{conversation_id}/items"
+    app.add_api_route(path, add_items, methods=["POST"])
+    app.add_api_route(path, list_items, methods=["GET"])
+    app.add_api_route(path + "/{item_id}", retrieve_item, methods=["GET"])
+    app.add_api_route(path + "/{item_id}", delete_item, methods=["DELETE"])
+
+
+def _tenant(api: HttpApi, request: Request) -> str:
+    if not api.conversations.enabled:
+        raise HttpError(
+            404, "this router keeps no conversations (router.response_store_bytes is 0)"
+        )
+    return owner(api.caller(request), api.tenant(request))
+
+
+def _found(api: HttpApi, tenant: str, conversation_id: str) -> Conversation:
+    kept = api.conversations.get(tenant, conversation_id)
+    if kept is None:
+        raise HttpError(
+            404,
+            f"no conversation {conversation_id!r} (never made, deleted, or dropped from the "
+            "router's store)",
+            "conversation_id",
+        )
+    return kept
+
+
+def _item(conversation: Conversation, item_id: str) -> int:
+    if item_id not in conversation.ids:
+        raise HttpError(404, f"no item {item_id!r} in {conversation.id!r}", "item_id")
+    return conversation.ids.index(item_id)
+
+
+def _answer(body: dict[str, Any]) -> HttpResponse:
+    return HttpResponse(json.dumps(body), media_type="application/json")
+
+
+def _too_large() -> HttpError:
+    return HttpError.invalid(
+        "items",
+        "the conversation would be larger than the router keeps (router.response_store_bytes)",
+    )
