@@ -304,8 +304,9 @@ class RouterSection:
     response_store_bytes: int = _at_least(256 << 20, 0)
     """The Responses API's stored responses (`store`, `previous_response_id`), in the router's
     memory: at most this many bytes of conversations, least recently used dropped first; the
-    stored chat completions (`store: true`) have a store of their own with the same bound; 0:
-    none stored (`store: true` is refused)."""
+    stored chat completions (`store: true`) and the Conversations API's conversations have a
+    store each of their own with the same bound (so up to three times this in all); 0: none
+    stored (`store: true` is refused, and there are no conversations)."""
     state_dir: str | None = None
     """A directory where the Files and Batch APIs keep their files and batches too, so that
     they outlive a restart of the router (a running batch goes on where it was); on the

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import grpc
@@ -289,6 +289,9 @@ class WorkerLinks:
             return
         self._adapter_view = None
         self.policy.remove_worker(name)
+        if self.limits is not None and not self.limits.cache_salts:  # was it the one without?
+            salts = all(other.info.cache_salts for other in self.links.values())
+            self.limits = replace(self.limits, cache_salts=salts)
         try:
             if link.poll is not None and link.poll is not asyncio.current_task():
                 link.poll.cancel()

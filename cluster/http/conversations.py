@@ -30,7 +30,8 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -53,8 +54,8 @@ MAX_ADDED = 20
 """Items one call adds (OpenAI's bound)."""
 ENTRY_BYTES = 512
 """What Python takes to hold one conversation beside its items' bytes."""
-ORIGIN = "conversation"
-"""What a refusal calls the conversation's items in a response's chat."""
+HOLD_S = 600.0
+"""How long a response's hold on its conversation lasts at most, should it never let go."""
 
 
 @dataclass(slots=True)
@@ -65,7 +66,11 @@ class Conversation:
     items: list[bytes] = field(default_factory=list)
     """Each item as JSON, in the conversation's order."""
     ids: list[str] = field(default_factory=list)
-    """Each item's id, beside `items`."""
+    """Each item's id, beside `items` (no two alike)."""
+    dropped: int = 0
+    """With truncation auto: the turns after its head the last response's prompt left out
+    (cluster/http/responses_truncation.py); the next starts from the same cut. Deleting an
+    item starts it again from none."""
 
     @property
     def size(self) -> int:
@@ -86,11 +91,19 @@ class Conversation:
 
 class ConversationStore(KeptStore[Conversation]):
     """Conversations by (tenant, id); a conversation whose items change is kept again, so its
-    size is counted anew (Used from the router's event loop only)."""
+    size is counted anew. One response at a time runs in a conversation (`hold`). Used from
+    the router's event loop only."""
 
-    def add(self, tenant: str, conversation: Conversation, items: list[Item]) -> bool:
-        """Add `items` at the conversation's end; False, changing nothing, when it would then
-        be larger than the whole store."""
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self._held: dict[tuple[str, str], float] = {}
+        """(tenant, conversation id) -> when a response took it (time.monotonic)."""
+
+    def add(
+        self, tenant: str, conversation: Conversation, items: list[Item], dropped: int = 0
+    ) -> bool:
+        """Add `items` at the conversation's end (`dropped`: its truncation's cut now); False,
+        changing nothing, when it would then be larger than the whole store."""
         encoded = [json.dumps(item).encode() for item in items]
         grown = Conversation(
             conversation.id,
@@ -98,10 +111,38 @@ class ConversationStore(KeptStore[Conversation]):
             conversation.metadata,
             [*conversation.items, *encoded],
             [*conversation.ids, *(item["id"] for item in items)],
+            dropped,
         )
-        if grown.size > self.max_bytes:
+        return self.keep(tenant, grown)
+
+    def keep(self, tenant: str, conversation: Conversation) -> bool:
+        """Keep a conversation as it now is; False, keeping the one kept before, when it is
+        larger than the whole store."""
+        if conversation.size > self.max_bytes:
             return False
-        return self.put(tenant, conversation.id, grown)
+        return self.put(tenant, conversation.id, conversation)
+
+    def hold(self, tenant: str, conversation_id: str) -> Callable[[], None]:
+        """Take the conversation for one response (OpenAI's `conversation_locked` while
+        another runs in it); what lets it go, once (a holder that vanished without letting go,
+        a client gone before its stream began, lets go after HOLD_S)."""
+        key, now = (tenant, conversation_id), time.monotonic()
+        taken = self._held.get(key)
+        if taken is not None and now - taken < HOLD_S:
+            raise HttpError(
+                400,
+                f"another response is running in conversation {conversation_id!r}: wait for "
+                "it to end",
+                "conversation",
+                code="conversation_locked",
+            )
+        self._held[key] = now
+
+        def release() -> None:
+            if self._held.get(key) == now:
+                del self._held[key]
+
+        return release
 
 
 class CreateConversation(Body):
@@ -117,16 +158,35 @@ class AddItems(Body):
     items: list[dict[str, Any]]
 
 
-def checked_items(given: list[dict[str, Any]], where: str) -> list[Item]:
+def checked_items(given: list[dict[str, Any]], where: str, taken: Sequence[str] = ()) -> list[Item]:
     """Items to add, each with an id and a status, as a response's input lists them; 400
-    naming the first that would not render (`where`: what the request calls the list)."""
+    naming the first that would not render (`where`: what the request calls the list), or
+    whose id is one of `taken` (the conversation's) or another's of the list."""
     if len(given) > MAX_ADDED:
         raise HttpError.invalid(where, f"{len(given)} items; at most {MAX_ADDED} at a time")
     for i, item in enumerate(given):
         if not isinstance(item, dict):
             raise HttpError.invalid(f"{where}[{i}]", "must be an item object")
         check_item(item, f"{where}[{i}]")
+    check_new_ids(given, where, taken)
     return listed_items(given)
+
+
+def check_new_ids(given: Sequence[Any], where: str, taken: Sequence[str]) -> None:
+    """400 for an item whose id is not a string, or is one of `taken` or of an item before it
+    (a conversation's ids are its items' names: no two alike)."""
+    seen = set(taken)
+    for i, item in enumerate(given):
+        item_id = item.get("id") if isinstance(item, dict) else None
+        if item_id is None:
+            continue
+        if not isinstance(item_id, str) or not item_id:
+            raise HttpError.invalid(f"{where}[{i}].id", "must be a non-empty string")
+        if item_id in seen:
+            raise HttpError.invalid(
+                f"{where}[{i}].id", f"{item_id!r} is already an item of the conversation"
+            )
+        seen.add(item_id)
 
 
 def named(body_conversation: Any) -> str | None:
@@ -149,7 +209,11 @@ def joined(body: ResponsesRequest, store: ConversationStore, tenant: str) -> Con
         return None
     if body.previous_response_id is not None:
         raise HttpError.invalid("conversation", "cannot be given with previous_response_id")
-    kept = store.get(tenant, conversation_id) if store.enabled else None
+    if not store.enabled:
+        raise HttpError.invalid(
+            "conversation", "this router keeps no conversations (router.response_store_bytes is 0)"
+        )
+    kept = store.get(tenant, conversation_id)
     if kept is None:
         raise HttpError.invalid(
             "conversation",
@@ -165,9 +229,10 @@ def extend(
     conversation_id: str,
     inputs: list[Item],
     answered: Response,
+    dropped: int = 0,
 ) -> None:
     """Add a response's input and output items to its conversation as it ends: completed, or
-    incomplete (a failed or cancelled one adds nothing)."""
+    incomplete (a failed or cancelled one adds nothing); `dropped`: its truncation's cut."""
     if answered.status not in ("completed", "incomplete"):
         return
     kept = store.get(tenant, conversation_id)  # as it is now: items may have come meanwhile
@@ -175,7 +240,7 @@ def extend(
         log.warning("conversation %s went before response %s ended", conversation_id, answered.id)
         return
     outputs = [as_turn(item.model_dump()) for item in answered.output]
-    if not store.add(tenant, kept, [*inputs, *outputs]):
+    if not store.add(tenant, kept, [*inputs, *outputs], dropped):
         log.warning(
             "conversation %s: response %s's items not added (router.response_store_bytes)",
             conversation_id,
@@ -209,9 +274,10 @@ def _conversation_routes(app: FastAPI, api: HttpApi) -> None:
         who = _tenant(api, request)
         kept = _found(api, who, conversation_id)
         check_metadata(body.metadata)
-        kept.metadata = body.metadata or {}
-        store.put(who, conversation_id, kept)  # counted again
-        return _answer(kept.shown())
+        relabelled = replace(kept, metadata=body.metadata or {})
+        if not store.keep(who, relabelled):
+            raise _too_large("metadata")
+        return _answer(relabelled.shown())
 
     async def delete(conversation_id: str, request: Request) -> HttpResponse:
         who = _tenant(api, request)
@@ -232,8 +298,8 @@ def _item_routes(app: FastAPI, api: HttpApi) -> None:
     async def add_items(conversation_id: str, body: AddItems, request: Request) -> HttpResponse:
         who = _tenant(api, request)
         kept = _found(api, who, conversation_id)
-        items = checked_items(body.items, "items")
-        if not store.add(who, kept, items):
+        items = checked_items(body.items, "items", kept.ids)
+        if not store.add(who, kept, items, kept.dropped):
             raise _too_large()
         first, last = (items[0]["id"], items[-1]["id"]) if items else (None, None)
         listing = {"object": "list", "data": items, "first_id": first, "last_id": last}
@@ -253,8 +319,8 @@ def _item_routes(app: FastAPI, api: HttpApi) -> None:
         who = _tenant(api, request)
         kept = _found(api, who, conversation_id)
         k = _item(kept, item_id)
-        del kept.items[k], kept.ids[k]
-        store.put(who, conversation_id, kept)  # counted again
+        items, ids = kept.items[:k] + kept.items[k + 1 :], kept.ids[:k] + kept.ids[k + 1 :]
+        store.keep(who, replace(kept, items=items, ids=ids, dropped=0))  # smaller: it fits
         return _answer(kept.shown())
 
     path = "/v1/conversations/{conversation_id}/items"
@@ -265,11 +331,12 @@ def _item_routes(app: FastAPI, api: HttpApi) -> None:
 
 
 def _tenant(api: HttpApi, request: Request) -> str:
+    who = owner(api.caller(request), api.tenant(request))  # 401 first
     if not api.conversations.enabled:
         raise HttpError(
             404, "this router keeps no conversations (router.response_store_bytes is 0)"
         )
-    return owner(api.caller(request), api.tenant(request))
+    return who
 
 
 def _found(api: HttpApi, tenant: str, conversation_id: str) -> Conversation:
@@ -294,8 +361,8 @@ def _answer(body: dict[str, Any]) -> HttpResponse:
     return HttpResponse(json.dumps(body), media_type="application/json")
 
 
-def _too_large() -> HttpError:
+def _too_large(param: str = "items") -> HttpError:
     return HttpError.invalid(
-        "items",
+        param,
         "the conversation would be larger than the router keeps (router.response_store_bytes)",
     )

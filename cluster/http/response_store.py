@@ -55,6 +55,9 @@ class StoredResponse:
     dropped: int = 0
     """With truncation auto: the turns after the conversation's head its prompt left out
     (cluster/http/responses_truncation.py); a follow-up starts from the same cut."""
+    in_conversation: str | None = None
+    """The conversation it was made in (cluster/http/conversations.py): it is continued there,
+    not by `previous_response_id`, as its chain holds only its own turn."""
 
     @property
     def size(self) -> int:

@@ -55,6 +55,12 @@ def continued(body: ResponsesRequest, store: ResponseStore, tenant: str) -> Stor
             "send the conversation in input",
         )
     earlier = store.get(tenant, body.previous_response_id)
+    if earlier is not None and earlier.in_conversation is not None:
+        raise HttpError.invalid(
+            "previous_response_id",
+            f"{body.previous_response_id!r} was made in conversation "
+            f"{earlier.in_conversation!r}: continue that conversation instead",
+        )
     if earlier is not None and earlier.status in UNFINISHED:
         raise HttpError.invalid(
             "previous_response_id",
@@ -105,6 +111,7 @@ def keep(
         status=response.status,
         background=response.background,
         dropped=dropped,
+        in_conversation=response.conversation["id"] if response.conversation else None,
     )
     if store.put(tenant, response.id, kept):
         return response
@@ -137,9 +144,13 @@ def listed_items(given: list[Item]) -> list[Item]:
             listed["id"] = new_item_id(_ID_PREFIX.get(kind, "fco"))
         if kind != "reasoning":
             listed.setdefault("status", "completed")
+        else:
+            listed.setdefault("summary", [])  # the SDK's reasoning item has one, if empty
         if kind == "message" and isinstance(item.get("content"), str):
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            listed["content"] = [{"type": part, "text": item["content"]}]
+            text = {"type": "input_text", "text": item["content"]}
+            if item.get("role") == "assistant":
+                text = {"type": "output_text", "text": item["content"], "annotations": []}
+            listed["content"] = [text]
         items.append(listed)
     return items
 

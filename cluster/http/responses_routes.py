@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response as HttpResponse
 
 from cluster.http import stored_routes
-from cluster.http.conversations import ORIGIN, extend, joined
+from cluster.http.conversations import Conversation, check_new_ids, extend, joined
 from cluster.http.errors import HttpError, Renames, renames
 from cluster.http.openai_params import (
     effort_variables,
@@ -41,8 +42,15 @@ from cluster.http.openai_params import (
     wire_tool,
 )
 from cluster.http.openai_responses import collect, served_by
-from cluster.http.response_store import StoredResponse
-from cluster.http.responses_chain import continued, input_items, keep, owner, stored
+from cluster.http.response_store import Item, StoredResponse
+from cluster.http.responses_chain import (
+    UNFINISHED,
+    continued,
+    input_items,
+    keep,
+    owner,
+    stored,
+)
 from cluster.http.responses_items import (
     chat_message,
     reasoning_text,
@@ -76,87 +84,137 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         tenant = owner(caller, api.tenant(request))
         adapter = api.check_model(body.model)
         rid = api.request_id(request)
-        storing = stored(body, api.responses)
-        earlier = continued(body, api.responses, tenant)
-        talk = joined(body, api.conversations, tenant)
-        before, source = (
-            (StoredResponse.decoded(earlier.conversation), "previous_response_id")
-            if earlier is not None
-            else (talk.decoded() if talk is not None else [], ORIGIN)
-        )
-        message, origins = generate_request(body, rid, api.tenant(request), before, source)
-        message.namespace.adapter = adapter or ""
-        started = shell(body, f"resp_{rid}", adapter or api.model, storing)
-        if talk is not None:
-            started.conversation = {"id": talk.id}
-        tools = (
-            frozenset(t.name for t in body.tools or [])
-            if body.tool_choice != "none"
-            else frozenset()
-        )
-
-        listed = input_items(body) if storing or talk is not None else []
-        inputs = tuple(map(StoredResponse.encoded, listed)) if storing else ()
-        truncation = truncated(body, message, origins, earlier)
-
-        def ended(answered: Response) -> Response:
-            """The response as it ends: its items added to its conversation, and stored
-            unless the request said not to."""
-            if talk is not None:
-                extend(api.conversations, tenant, talk.id, listed, answered)
-            if not storing:
-                return answered
-            dropped = truncation.dropped if truncation is not None else 0
-            return keep(api.responses, tenant, inputs, answered, earlier, dropped)
-
-        _background(body, storing)
-        rename = refusal_names(body, origins)
-        texts = api.token_texts() if wants_logprobs(body) else None
-        stream = served(api, message, caller, truncation)
-        if body.background:
-            queued = started.model_copy(update={"status": "queued"})
-            reply, written = await api.background.start(
-                tenant, queued, stream, tools, rename, ended, streamed=body.stream, texts=texts
-            )
-            if body.stream:
-                return EventStream(written.follow())
-            return HttpResponse(reply.model_dump_json(), media_type="application/json")
-        if body.stream:
-            first = await api.finish(request, anext(stream), rename)  # a refusal: a status
-            return EventStream(
-                events(started, first, stream, tools, ended, rename, texts), served_by(first)
-            )
-        samples, counts = await api.finish(request, collect(stream), rename)
-        sample = samples[0]
-        text = "".join(sample.text)
-        content, calls = read_calls(text, tools) if tools else (text, [])
-        logprobs = message_logprobs(texts, sample, tools) if texts is not None else None
-        reply = done(
-            started, content, calls, sample.finish_reason, counts,
-            thought="".join(sample.reasoning), logprobs=logprobs,
-        )  # fmt: skip
-        return HttpResponse(
-            ended(reply).model_dump_json(),
-            media_type="application/json",
-            headers=counts.served_by(),
-        )
+        turn = Turn.of(api, body, tenant)
+        try:
+            return await _respond(api, body, request, caller, turn, rid, adapter)
+        except BaseException:  # refused, or failed, before its end let its conversation go
+            turn.release()
+            raise
 
     app.add_api_route("/v1/responses", responses, methods=["POST"])
     stored_routes.add_routes(app, api)
+
+
+@dataclass
+class Turn:
+    """What a response continues (a stored response, or a conversation it holds while it
+    runs) and what its end keeps."""
+
+    api: HttpApi
+    tenant: str
+    storing: bool
+    earlier: StoredResponse | None
+    talk: Conversation | None
+    release: Callable[[], None]
+    listed: list[Item]
+    """The request's input items, with their ids (to store, or to add to the conversation)."""
+
+    @classmethod
+    def of(cls, api: HttpApi, body: ResponsesRequest, tenant: str) -> Turn:
+        storing = stored(body, api.responses)
+        earlier = continued(body, api.responses, tenant)
+        talk = joined(body, api.conversations, tenant)
+        listed = input_items(body) if storing or talk is not None else []
+        if talk is None:
+            return cls(api, tenant, storing, earlier, None, lambda: None, listed)
+        check_new_ids(body.input if isinstance(body.input, list) else [], "input", talk.ids)
+        release = api.conversations.hold(tenant, talk.id)
+        return cls(api, tenant, storing, earlier, talk, release, listed)
+
+    def before(self) -> tuple[list[Item], list[str]]:
+        """The items the response continues, and what a refusal calls each."""
+        if self.earlier is not None:
+            items = StoredResponse.decoded(self.earlier.conversation)
+            return items, ["previous_response_id"] * len(items)
+        if self.talk is not None:
+            return self.talk.decoded(), [f"conversation.items[{i}]" for i in self.talk.ids]
+        return [], []
+
+    def dropped(self) -> int:
+        """The truncation's cut it starts from."""
+        if self.earlier is not None:
+            return self.earlier.dropped
+        return self.talk.dropped if self.talk is not None else 0
+
+    def ended(self, answered: Response, truncation: Truncation | None) -> Response:
+        """The response as it stands: stored unless the request said not to; as it ends, its
+        items added to its conversation, which it lets go."""
+        cut = truncation.dropped if truncation is not None else 0
+        if answered.status not in UNFINISHED and self.talk is not None:
+            extend(self.api.conversations, self.tenant, self.talk.id, self.listed, answered, cut)
+            self.release()
+        if not self.storing:
+            return answered
+        inputs = tuple(map(StoredResponse.encoded, self.listed))
+        return keep(self.api.responses, self.tenant, inputs, answered, self.earlier, cut)
+
+
+async def _respond(
+    api: HttpApi,
+    body: ResponsesRequest,
+    request: Request,
+    caller: Caller,
+    turn: Turn,
+    rid: str,
+    adapter: str | None,
+) -> HttpResponse:
+    before, names = turn.before()
+    message, origins = generate_request(body, rid, api.tenant(request), before, names)
+    message.namespace.adapter = adapter or ""
+    started = shell(body, f"resp_{rid}", adapter or api.model, turn.storing)
+    if turn.talk is not None:
+        started.conversation = {"id": turn.talk.id}
+    tools = (
+        frozenset(t.name for t in body.tools or []) if body.tool_choice != "none" else frozenset()
+    )
+    truncation = truncated(body, message, origins, turn.dropped())
+
+    def ended(answered: Response) -> Response:
+        return turn.ended(answered, truncation)
+
+    _background(body, turn.storing)
+    rename = refusal_names(body, origins)
+    texts = api.token_texts() if wants_logprobs(body) else None
+    stream = served(api, message, caller, truncation)
+    if body.background:
+        queued = started.model_copy(update={"status": "queued"})
+        reply, written = await api.background.start(
+            turn.tenant, queued, stream, tools, rename, ended, streamed=body.stream, texts=texts
+        )
+        if body.stream:
+            return EventStream(written.follow())
+        return HttpResponse(reply.model_dump_json(), media_type="application/json")
+    if body.stream:
+        first = await api.finish(request, anext(stream), rename)  # a refusal: a status
+        return EventStream(
+            events(started, first, stream, tools, ended, rename, texts), served_by(first)
+        )
+    samples, counts = await api.finish(request, collect(stream), rename)
+    sample = samples[0]
+    text = "".join(sample.text)
+    content, calls = read_calls(text, tools) if tools else (text, [])
+    logprobs = message_logprobs(texts, sample, tools) if texts is not None else None
+    reply = done(
+        started, content, calls, sample.finish_reason, counts,
+        thought="".join(sample.reasoning), logprobs=logprobs,
+    )  # fmt: skip
+    return HttpResponse(
+        ended(reply).model_dump_json(), media_type="application/json", headers=counts.served_by()
+    )
 
 
 def truncated(
     body: ResponsesRequest,
     message: serving_pb2.GenerateRequest,
     origins: list[str],
-    earlier: StoredResponse | None,
+    dropped: int = 0,
 ) -> Truncation | None:
-    """The request's truncation with `truncation: "auto"`, starting from the cut of the
-    response it continues (None: it is never cut)."""
+    """The request's truncation with `truncation: "auto"`, starting from the cut `dropped` of
+    what it continues (None: it is never cut)."""
     if body.truncation != "auto":
         return None
     reserve = body.max_output_tokens or 1
-    return Truncation(message, origins, reserve, earlier.dropped if earlier is not None else 0)
+    return Truncation(message, origins, reserve, dropped)
 
 
 def served(
@@ -222,10 +280,10 @@ def generate_request(
     request_id: str,
     tenant: str,
     earlier: Sequence[dict[str, Any]] = (),
-    source: str = "previous_response_id",
+    names: Sequence[str] = (),
 ) -> tuple[serving_pb2.GenerateRequest, list[str]]:
     """The request, and the field each turn of its chat came from (`earlier`: the items it
-    continues, of a stored response or a conversation, as `source` names them)."""
+    continues, of a stored response or a conversation, as `names` call them)."""
     refuse_unsupported(body, REFUSED)
     for i, asked in enumerate(body.include or ()):
         if asked not in INCLUDES:
@@ -238,7 +296,7 @@ def generate_request(
     variables = effort_variables(body.reasoning.effort if body.reasoning is not None else None)
     if variables:
         message.chat_template_kwargs = json.dumps(variables)
-    origins = conversation(body, message.chat.messages, earlier, source)
+    origins = conversation(body, message.chat.messages, earlier, names)
     for name, value in (
         ("max_tokens", body.max_output_tokens),
         ("temperature", body.temperature),
@@ -282,16 +340,16 @@ def conversation(
     body: ResponsesRequest,
     turns: Any,
     earlier: Sequence[dict[str, Any]] = (),
-    source: str = "previous_response_id",
+    names: Sequence[str] = (),
 ) -> list[str]:
     """Append `instructions` as the system message, then the items the request continues
-    (`earlier`: of the stored response `previous_response_id` names, or of its `conversation`:
-    `source`), then `input`'s items, as the chat's turns, to `turns`; returns the field each
-    turn came from. A string is one user turn; consecutive
-    `function_call` items are one assistant turn's calls (with the assistant message before
-    them, if any); a `function_call_output` is a tool turn. A `reasoning` item's text is the
-    reasoning of the assistant turn it comes with (`reasoning_content`, which the template may
-    write back); one with no assistant turn after it is left out."""
+    (`earlier`: of the stored response `previous_response_id` names, or of its `conversation`,
+    each called as `names` says; by default "previous_response_id"), then `input`'s items, as
+    the chat's turns, to `turns`; returns the field each turn came from. A string is one user
+    turn; consecutive `function_call` items are one assistant turn's calls (with the assistant
+    message before them, if any); a `function_call_output` is a tool turn. A `reasoning` item's
+    text is the reasoning of the assistant turn it comes with (`reasoning_content`, which the
+    template may write back); one with no assistant turn after it is left out."""
     origins = []
     if body.instructions is not None:
         turns.append(serving_pb2.ChatMessage(role="system", content=body.instructions))
@@ -305,12 +363,13 @@ def conversation(
         items, named = body.input, [f"input[{i}]" for i in range(len(body.input))]
     said = False  # whether `input` gave a turn, or calls to the turn before it
     thoughts: list[str] = []  # reasoning items waiting for their assistant turn
-    for item, where in zip([*earlier, *items], [source] * len(earlier) + named, strict=True):
+    called = list(names) or ["previous_response_id"] * len(earlier)
+    for k, (item, where) in enumerate(zip([*earlier, *items], called + named, strict=True)):
         kind = item.get("type", "message")
         if kind == "reasoning":
             thoughts.append(reasoning_text(item, where))
             continue
-        said |= where != source
+        said |= k >= len(earlier)
         if kind == "message":
             turns.append(chat_message(item, where))
         elif kind == "function_call":

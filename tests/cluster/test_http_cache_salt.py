@@ -21,7 +21,7 @@ from cache.namespace import CacheNamespace
 from cluster.requests import request_namespace
 from cluster.serving_call import ANY_TENANT
 from protos.radixmesh.v1 import serving_pb2
-from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
+from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_http_openai import assert_no_leak
 from tests.cluster.tool_fixtures import served
 from worker.loader import LoadedModel
@@ -184,3 +184,23 @@ def test_a_salt_changes_the_chain_and_none_keeps_it() -> None:
     salted = CacheNamespace(adapter="lora@1", tenant="acme", salt="s")
     assert namespace_from_proto(namespace_to_proto(salted)) == salted
     assert namespace_from_proto(namespace_to_proto(plain)) == plain
+
+
+def test_salts_come_back_when_the_worker_before_them_goes(tiny: LoadedModel) -> None:
+    """The refusal lasts while a worker without salts is attached, not until a restart."""
+    cluster = start_cluster(tiny, http=True, engine=ENGINE)
+    try:
+        links = cluster.service.links
+        assert links.limits is not None
+        links.links["worker-1"].info.cache_salts = False  # as an older release describes itself
+        links.limits = replace(links.limits, cache_salts=False)  # as its attach left them
+        with openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", max_retries=0) as oa:
+            with pytest.raises(openai.BadRequestError, match="predates cache salts"):
+                chat(oa, "Refused?", "salt-y")
+            cluster.loop.run(links.detach("worker-0"))  # another goes: still refused
+            with pytest.raises(openai.BadRequestError, match="predates cache salts"):
+                chat(oa, "Refused?", "salt-y")
+            cluster.loop.run(links.detach("worker-1"))
+            assert links.limits.cache_salts  # no worker left without them
+    finally:
+        cluster.close()

@@ -198,3 +198,49 @@ def test_a_conversation_past_the_bound_is_refused_its_items(
     with pytest.raises(openai.BadRequestError, match=r"router\.response_store_bytes"):
         client.conversations.items.create(made.id, items=big)  # type: ignore[arg-type]
     assert len(kinds(client, made.id)) == 1  # as it was
+
+
+def test_an_item_id_is_the_conversations_once(client: openai.OpenAI) -> None:
+    """Ids name items (to read, delete and page by): one already in the conversation, twice
+    in a call, or not a string, is refused by name, on the items route and in a response's
+    input alike."""
+    made = client.conversations.create(items=[{**SYSTEM, "id": "msg_a"}])  # type: ignore[list-item]
+    again = [{"type": "message", "role": "user", "content": "x", "id": "msg_a"}]
+    with pytest.raises(openai.BadRequestError, match=r"items\[0\]\.id: 'msg_a' is already"):
+        client.conversations.items.create(made.id, items=again)  # type: ignore[arg-type]
+    twice = [{"type": "message", "role": "user", "content": "x", "id": "msg_b"}] * 2
+    with pytest.raises(openai.BadRequestError, match=r"items\[1\]\.id: 'msg_b' is already"):
+        client.conversations.items.create(made.id, items=twice)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match=r"items\[0\]\.id: must be a non-empty"):
+        client.conversations.items.create(made.id, items=[{**again[0], "id": 7}])  # type: ignore[list-item]
+    with pytest.raises(openai.BadRequestError, match=r"input\[0\]\.id: 'msg_a' is already"):
+        client.responses.create(model=MODEL, conversation=made.id, input=again, **GREEDY)  # type: ignore[arg-type]
+    assert kinds(client, made.id) == [("message", "system")]
+
+
+def test_one_response_at_a_time_runs_in_a_conversation(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """While a response runs in a conversation, another is refused (OpenAI's
+    conversation_locked); a response refused, streamed or failed lets it go."""
+    assert cluster.http is not None
+    store = cluster.http.api.conversations
+    talk = client.conversations.create(items=[SYSTEM])
+    release = store.hold("", talk.id)  # as a response running in it does
+    with pytest.raises(openai.BadRequestError) as locked:
+        client.responses.create(model=MODEL, conversation=talk.id, input="x", **GREEDY)
+    assert locked.value.code == "conversation_locked"
+    release()
+    with pytest.raises(openai.BadRequestError, match="temperature"):  # the core's refusal
+        client.responses.create(
+            model=MODEL, conversation=talk.id, input="x", **(GREEDY | {"temperature": -1})
+        )
+    list(
+        client.responses.create(model=MODEL, conversation=talk.id, input="y", stream=True, **GREEDY)
+    )
+    answered = client.responses.create(model=MODEL, conversation=talk.id, input="z", **GREEDY)
+    assert answered.conversation is not None  # each let it go
+    assert len(kinds(client, talk.id)) == 5
+    with pytest.raises(openai.BadRequestError, match="continue that conversation"):
+        client.responses.create(model=MODEL, previous_response_id=answered.id, input="w", **GREEDY)
+    assert_no_leak(cluster)

@@ -265,3 +265,22 @@ def test_a_cut_the_core_refuses_for_another_reason_counts_as_one_that_does_not_f
     broken = functools.partial(_counted, {8: grpc.StatusCode.UNAVAILABLE}, [1] * 10)
     with pytest.raises(ServingError):
         asyncio.run(truncation._cut(broken, 100))
+
+
+def test_a_conversation_past_the_context_keeps_its_cut_turn_after_turn(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """As a chain does: the cut of a conversation's response is kept with the conversation,
+    so the next turn starts from it and reads the cut prompt from the cache."""
+    talk = client.conversations.create()
+    for turn in range(4):
+        client.responses.create(input=[said(turn)], conversation=talk.id, **BRIEF)
+    cut = client.responses.create(input=[said(4)], conversation=talk.id, truncation="auto", **BRIEF)
+    assert cut.usage is not None and cut.usage.input_tokens <= SLACK * (CONTEXT - ANSWER)
+    cluster.wait_idle()
+    follow = client.responses.create(
+        input=[said(5)], conversation=talk.id, truncation="auto", **BRIEF
+    )
+    assert follow.usage is not None
+    assert follow.usage.input_tokens_details.cached_tokens >= cut.usage.input_tokens - 4
+    cluster.wait_idle()

@@ -167,3 +167,24 @@ def test_tokens_whose_text_is_held_back_go_with_the_next_chunk(
         assert got[0]["prompt_token_ids"] == [1, 2, 3]
     else:
         assert got[0]["choices"][0]["prompt_token_ids"] == [1, 2, 3]
+
+
+def test_every_streamed_chat_choice_begins_with_the_prompts_ids(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """As vLLM streams n choices: each choice's first (role) chunk carries the prompt's ids."""
+    chunks = [
+        c.model_dump()
+        for c in client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, n=3, seed=5, stream=True, extra_body=ASKED
+        )
+    ]
+    prompt = tokenized(cluster, messages=MESSAGES)
+    firsts: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            firsts.setdefault(choice["index"], chunk)
+    assert sorted(firsts) == [0, 1, 2]
+    assert all(first["prompt_token_ids"] == prompt for first in firsts.values())
+    assert sum("prompt_token_ids" in c for c in chunks) == 3  # there, and nowhere else
+    assert_no_leak(cluster)
