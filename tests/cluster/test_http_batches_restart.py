@@ -119,12 +119,14 @@ def test_files_stay_as_they_were_left(cluster: LocalCluster) -> None:
 
 def test_a_journal_line_cut_short_is_left_out(cluster: LocalCluster) -> None:
     client = sdk(cluster)
-    lines = [
-        line(f"t{i}", chat(SYSTEMS[0], f"Count {i}.", max_tokens=30, ignore_eos=True))
+    lines = [  # long enough that the batch still runs when the router stops, however slow
+        line(f"t{i}", chat(SYSTEMS[0], f"Count {i}.", max_tokens=200, ignore_eos=True))
         for i in range(8)
     ]
     batch_id = started(client, lines, 2)
     stopped(cluster)
+    saved = json.loads((state(cluster) / "batches" / f"{batch_id}.json").read_bytes())
+    assert saved["batch"]["status"] == "in_progress"
     journal = state(cluster) / "batches" / f"{batch_id}.answers.jsonl"
     with journal.open("ab") as f:
         f.write(b'{"line": 7, "answer": {"id": "cut')  # as a crash mid-write leaves it
