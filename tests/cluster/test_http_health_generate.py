@@ -44,12 +44,8 @@ def test_a_probe_generates_one_token(cluster: LocalCluster) -> None:
     cluster.wait_idle()
 
 
-def test_wedged_engines_fail_the_probe(
-    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every engine's step blocks (as a hung device would): /health still says ok, the probe
-    says no token came in its time; once the engines step again it is ok."""
-    assert cluster.http is not None
+def wedged(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every engine's step blocks (as a hung device would) until the event is set."""
     unblocked = threading.Event()
     for engine in cluster.engines.values():
 
@@ -58,6 +54,16 @@ def test_wedged_engines_fail_the_probe(
             return original()
 
         monkeypatch.setattr(engine, "step", step)
+    return unblocked
+
+
+def test_wedged_engines_fail_the_probe(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every engine's step blocks (as a hung device would): /health still says ok, the probe
+    says no token came in its time; once the engines step again it is ok."""
+    assert cluster.http is not None
+    unblocked = wedged(cluster, monkeypatch)
     monkeypatch.setattr(cluster.http.api.probe, "timeout_s", 0.5)
     try:
         assert httpx.get(f"{cluster.http_url}/health", timeout=10).status_code == 200
@@ -93,14 +99,7 @@ def test_only_an_operator_is_told_the_reason_and_the_worker(
         answer = probe(token)
         assert (answer.status_code, answer.json()) == (200, {"status": "ok"}), token
     assert probe("t-admin").json()["worker"] in cluster.engines
-    unblocked = threading.Event()
-    for engine in cluster.engines.values():
-
-        def step(original: Callable[[], bool] = engine.step) -> bool:
-            unblocked.wait(30)
-            return original()
-
-        monkeypatch.setattr(engine, "step", step)
+    unblocked = wedged(cluster, monkeypatch)
     monkeypatch.setattr(api.probe, "timeout_s", 0.5)
     try:
         hidden, told = probe("t-acme"), probe("t-admin")
