@@ -11,17 +11,18 @@ Responses API's `conversation`:
     DELETE /v1/conversations/{id}/items/{item}    answers the conversation
 
 A conversation is a list of Responses API items (messages, reasoning, function calls and their
-outputs), each with an id. A response created with `conversation` renders the conversation's
-items before its `input`, as `previous_response_id` renders a stored response's, and once it
-ends (completed, or incomplete) its input and output items are added to the conversation's
-end, whether the response is stored or not. Items are checked as a response's input is when
-they are added, so a conversation always renders.
+outputs), each with an id of its own. A response created with `conversation` renders the
+conversation's items before its `input`, as `previous_response_id` renders a stored response's,
+and once it ends (completed, or incomplete) its input and output items are added to the
+conversation's end, whether the response is stored or not, with its truncation's cut. One
+response at a time runs in a conversation (`conversation_locked` for another). Each item is
+checked as a response's input is when it is added.
 
 Conversations are kept as the stored responses are: in the router's memory, each its tenant's
 (another's id is 404), within `router.response_store_bytes` of their own, the least recently
 used dropped first, nothing across a restart. A conversation that would pass the bound whole
-is refused its new items (400), and a response's items that would make it so are not added
-(logged; the response is answered all the same).
+is refused its new items or metadata (400), and a response's items that would make it so are
+not added (logged; the response is answered all the same).
 """
 
 from __future__ import annotations
