@@ -168,6 +168,15 @@ def config_file(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> P
     return write_config(base, str(tiny_model), state_dir=state, batch_max_in_flight=1)
 
 
+def ended_with(serve: subprocess.Popen[str]) -> str:
+    """Why `radixmesh serve` printed nothing: its exit status and the end of its stderr."""
+    try:
+        code = serve.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        return "serve closed its stdout and still runs"
+    return f"serve exited {code}: {serve.stderr.read()[-3000:]}"  # type: ignore[union-attr]
+
+
 @contextlib.contextmanager
 def serving(head: dict[str, str], config: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`radixmesh serve --config config` joined to the cluster, once it prints its endpoint; a
@@ -180,9 +189,10 @@ def serving(head: dict[str, str], config: Path) -> Iterator[tuple[subprocess.Pop
     target = endpoint(config)
     try:
         line = serve.stdout.readline()  # type: ignore[union-attr]
-        assert line.strip() == f"radixmesh serving on {target}", line
+        assert line.strip() == f"radixmesh serving on {target}", line or ended_with(serve)
         line = serve.stdout.readline()  # type: ignore[union-attr]
-        assert line.strip() == f"OpenAI and Anthropic APIs on {http_url(config)}/v1", line
+        expected = f"OpenAI and Anthropic APIs on {http_url(config)}/v1"
+        assert line.strip() == expected, line or ended_with(serve)
         yield serve, target
     finally:
         if serve.poll() is None:
