@@ -167,6 +167,9 @@ def prepare(
     if text_prompts is not None and not images and message.WhichOneof("prompt") in ("text", "chat"):
         encoder = text_prompts.encoder(request.namespace, text_prompts.mode(_text_match(message)))
     ids = validation.prompt_ids(request, encoder or tokenizer, limits, images)
+    cut = truncated_prompt(message, ids, limits, images)
+    if cut is not None:  # the text index's turn would name ids the worker never saw
+        ids, encoder = cut, None
     request = validation.with_fim_ends(request, tokenizer)
     filled = (fill_context or fill_cap) and not request.pooling
     if filled and not message.sampling.HasField("max_tokens"):
@@ -196,6 +199,27 @@ def prepare(
         request.priority,
         request.pooling,
     )
+
+
+def truncated_prompt(
+    message: serving_pb2.GenerateRequest,
+    ids: list[int],
+    limits: RequestLimits,
+    images: Sequence[object],
+) -> list[int] | None:
+    """The prompt's last `truncate_prompt_tokens` ids (vLLM's; -1: the context length), or
+    None where it asks none or the prompt is no longer."""
+    if not message.HasField("truncate_prompt_tokens"):
+        return None
+    keep = message.truncate_prompt_tokens
+    if keep == -1:
+        keep = limits.max_model_len
+    if keep < 1:
+        raise InvalidRequest("truncate_prompt_tokens", f"must be -1 or at least 1, got {keep}")
+    if images or message.suffix:
+        what = "images" if images else "a suffix"
+        raise InvalidRequest("truncate_prompt_tokens", f"is not served with {what}")
+    return ids[-keep:] if len(ids) > keep else None
 
 
 def _text_match(message: serving_pb2.GenerateRequest) -> int:

@@ -32,6 +32,8 @@ class EmbeddingRequest(Body):
     """vLLM's: lower is served earlier, under the workers' `priority` scheduling policy."""
     cache_salt: str | None = None
     """vLLM's, as for generations: only requests of the same salt share cached KV."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: only the input's last this many tokens are embedded (-1: the context length)."""
     text_match: Literal["exact", "anchored", "off"] | None = None
     """How a text input reuses the router's text index (docs/router.md), as for completions."""
 

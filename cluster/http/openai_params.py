@@ -106,6 +106,7 @@ def chat_request(
         message.sampling.prediction = prediction_text(request.prediction)
     message.namespace.tenant = tenant
     set_cache_salt(message, request.cache_salt)
+    set_truncation(message, request.truncate_prompt_tokens)
     message.text_match = TEXT_MATCH[request.text_match]
     set_priority(message, request.priority)
     _tools(request, message)
@@ -271,6 +272,10 @@ def completion_requests(
             "not with suffix: the prompt the model reads is the fill-in-the-middle form, not "
             "the text sent",
         )
+    if request.echo and request.truncate_prompt_tokens is not None:
+        raise HttpError.invalid(
+            "echo", "not with truncate_prompt_tokens: the prompt served is not the text sent"
+        )
     prompts = prompts_of(request.prompt)
     check_count(len(prompts), "prompt")
     alone = request.echo and request.max_tokens == 0  # the prompt alone: one token, dropped
@@ -312,6 +317,7 @@ def prompt_requests(
             message.token_ids.ids.extend(prompt)
         message.namespace.tenant = tenant
         set_cache_salt(message, body.cache_salt)
+        set_truncation(message, body.truncate_prompt_tokens)
         message.text_match = TEXT_MATCH[body.text_match]
         set_priority(message, body.priority)
         messages.append(message)
@@ -521,6 +527,14 @@ def set_cache_salt(message: serving_pb2.GenerateRequest, salt: str | None) -> No
     if len(salt) > MAX_SALT_CHARS:
         raise HttpError.invalid("cache_salt", f"at most {MAX_SALT_CHARS} characters")
     message.namespace.cache_salt = salt
+
+
+def set_truncation(message: serving_pb2.GenerateRequest, keep: int | None) -> None:
+    """vLLM's `truncate_prompt_tokens`: only the prompt's last `keep` tokens are served (-1:
+    the context length; the serving core checks the rest)."""
+    if keep is not None:
+        check_range("truncate_prompt_tokens", [keep], _INT32)
+        message.truncate_prompt_tokens = keep
 
 
 def set_priority(message: serving_pb2.GenerateRequest, priority: int | None) -> None:

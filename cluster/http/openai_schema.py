@@ -187,6 +187,8 @@ class GenerationParams(Body):
     cache_salt: str | None = None
     """vLLM's: only requests of the same salt share cached KV (within the tenant), so users of
     one tenant cannot learn each other's prompts by timing."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: only the prompt's last this many tokens are served (-1: the context length)."""
     return_token_ids: bool | None = None
     """vLLM's: the prompt's token ids (`prompt_token_ids`) and each choice's generated ones
     (`token_ids`) in the response; streamed, the prompt's in the first chunk and each chunk's

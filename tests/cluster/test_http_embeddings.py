@@ -131,7 +131,7 @@ def test_the_routers_grpc_service_embeds(client: openai.OpenAI, cluster: LocalCl
         ({"input": "x", "dimensions": 0}, "dimensions", "out of range"),
         ({"input": "x", "dimensions": 10**6}, "dimensions", "embeddings have 64 values"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", "float"),
-        ({"input": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens", "unknown"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "at least 1"),
         ({"input": ["x"] * 2049}, "input", "send 1 to 2048"),
         ({"input": list(range(3, 600))}, "input", "maximum context length is 512"),
         ({"input": "x", "priority": 1}, "priority", "fcfs"),
