@@ -166,7 +166,10 @@ def prepare(
     encoder = None
     if text_prompts is not None and not images and message.WhichOneof("prompt") in ("text", "chat"):
         encoder = text_prompts.encoder(request.namespace, text_prompts.mode(_text_match(message)))
-    ids = validation.prompt_ids(request, encoder or tokenizer, limits, images)
+    cutting = message.HasField("truncate_prompt_tokens")
+    # a prompt to be cut is tokenized whole (within max_prompt_chars), not refused by its head
+    whole = replace(limits, max_model_len=max(limits.max_model_len, limits.max_prompt_chars))
+    ids = validation.prompt_ids(request, encoder or tokenizer, whole if cutting else limits, images)
     cut = truncated_prompt(message, ids, limits, images)
     if cut is not None:  # the text index's turn would name ids the worker never saw
         ids, encoder = cut, None
@@ -207,15 +210,23 @@ def truncated_prompt(
     limits: RequestLimits,
     images: Sequence[object],
 ) -> list[int] | None:
-    """The prompt's last `truncate_prompt_tokens` ids (vLLM's; -1: the context length), or
-    None where it asks none or the prompt is no longer."""
+    """The prompt's last `truncate_prompt_tokens` ids (vLLM's), or None where it asks none or
+    the prompt is no longer. -1: as many as the context holds, with room for `max_tokens` (or
+    one token) when it generates."""
     if not message.HasField("truncate_prompt_tokens"):
         return None
     keep = message.truncate_prompt_tokens
     if keep == -1:
-        keep = limits.max_model_len
+        generates = not message.HasField("pooling")
+        asked = message.sampling.max_tokens if message.sampling.HasField("max_tokens") else 1
+        keep = max(1, limits.max_model_len - (max(asked, 1) if generates else 0))
     if keep < 1:
         raise InvalidRequest("truncate_prompt_tokens", f"must be -1 or at least 1, got {keep}")
+    if keep > limits.max_model_len:
+        raise InvalidRequest(
+            "truncate_prompt_tokens",
+            f"{keep} is over the model's context length, {limits.max_model_len}",
+        )
     if images or message.suffix:
         what = "images" if images else "a suffix"
         raise InvalidRequest("truncate_prompt_tokens", f"is not served with {what}")

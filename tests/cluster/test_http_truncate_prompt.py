@@ -77,20 +77,31 @@ def test_a_chat_and_an_embedding_are_cut_too(client: openai.OpenAI, cluster: Loc
     assert_no_leak(cluster)
 
 
-def test_minus_one_cuts_a_prompt_past_the_context_to_the_context(
+def test_minus_one_cuts_a_document_many_times_the_context_to_fit(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:
+    """A document far past the context (more characters than the head that refuses an uncut
+    prompt unread) is cut to the context for an embedding, and to leave room for max_tokens
+    for a completion."""
     links = cluster.service.links
     assert links.limits is not None
     context = links.limits.max_model_len
-    long = PROMPT * (context // 10)
-    assert len(tokenized(cluster, prompt=long)) > context
-    with pytest.raises(openai.BadRequestError):
+    long = PROMPT * (context // 2)  # 40 characters a position: past the 16 a head reads
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.embeddings.create(model=MODEL, input=long)
     embedded = client.embeddings.create(
         model=MODEL, input=long, extra_body={"truncate_prompt_tokens": -1}
     )
     assert embedded.usage.prompt_tokens == context
+    answered = client.completions.create(
+        model=MODEL, prompt=long, max_tokens=3, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert answered.usage is not None
+    assert answered.usage.prompt_tokens == context - 3
+    cut = client.embeddings.create(
+        model=MODEL, input=long, extra_body={"truncate_prompt_tokens": 6}
+    )
+    assert cut.usage.prompt_tokens == 6
     assert_no_leak(cluster)
 
 
@@ -100,6 +111,7 @@ def test_minus_one_cuts_a_prompt_past_the_context_to_the_context(
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must be -1 or at least 1"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens: must be -1 or at least 1"),
         ({"truncate_prompt_tokens": 2**40}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 10**6}, "over the model's context length"),
         ({"truncate_prompt_tokens": 3, "echo": True}, "echo: not with truncate_prompt_tokens"),
     ],
 )
