@@ -166,10 +166,7 @@ def prepare(
     encoder = None
     if text_prompts is not None and not images and message.WhichOneof("prompt") in ("text", "chat"):
         encoder = text_prompts.encoder(request.namespace, text_prompts.mode(_text_match(message)))
-    cutting = message.HasField("truncate_prompt_tokens")
-    # a prompt to be cut is tokenized whole (within max_prompt_chars), not refused by its head
-    whole = replace(limits, max_model_len=max(limits.max_model_len, limits.max_prompt_chars))
-    ids = validation.prompt_ids(request, encoder or tokenizer, whole if cutting else limits, images)
+    ids = validation.prompt_ids(request, encoder or tokenizer, _reading(message, limits), images)
     cut = truncated_prompt(message, ids, limits, images)
     if cut is not None:  # the text index's turn would name ids the worker never saw
         ids, encoder = cut, None
@@ -202,6 +199,14 @@ def prepare(
         request.priority,
         request.pooling,
     )
+
+
+def _reading(message: serving_pb2.GenerateRequest, limits: RequestLimits) -> RequestLimits:
+    """The limits a prompt is tokenized under: a prompt to be cut (`truncate_prompt_tokens`) is
+    read whole, within max_prompt_chars, not refused by its head as one past the context is."""
+    if not message.HasField("truncate_prompt_tokens"):
+        return limits
+    return replace(limits, max_model_len=max(limits.max_model_len, limits.max_prompt_chars))
 
 
 def truncated_prompt(

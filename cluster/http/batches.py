@@ -124,16 +124,19 @@ class Batches:
         self._check_room()
         return await self._start(tenant, headers, body.endpoint, source, body.metadata)
 
-    async def create_messages(self, tenant: str, headers: dict[str, str], content: bytes) -> Batch:
+    async def create_messages(
+        self, tenant: str, headers: dict[str, str], content: bytes, lines: list[BatchLine]
+    ) -> Batch:
         """Anthropic's Message Batch (cluster/http/message_batches.py): `content` is its
         requests as an input file's lines for MESSAGES, kept as a file of its own (INPUT_PURPOSE,
-        not listed by the Files API) that counts against `router.files_bytes`."""
+        not listed by the Files API) that counts against `router.files_bytes`; `lines`: the
+        same requests read (not read again from `content`)."""
         self.files.require()
         self._check_room()
         card = self.files.upload(tenant, "message_batch_requests.jsonl", INPUT_PURPOSE, content)
         await self.files.save(tenant, card.id)
         source = self.files.get(tenant, card.id)
-        return await self._start(tenant, headers, MESSAGES, source, None, "msgbatch")
+        return await self._start(tenant, headers, MESSAGES, source, None, "msgbatch", lines)
 
     def _check_room(self) -> None:
         if self.files.full:  # its output would be kept past the bound
@@ -153,6 +156,7 @@ class Batches:
         source: StoredFile,
         metadata: dict[str, str] | None,
         kind: str = "batch",
+        read: list[BatchLine] | None = None,
     ) -> Batch:
         now = int(time.time())
         batch = Batch(
@@ -164,8 +168,11 @@ class Batches:
             expires_at=now + WINDOW_S,
             metadata=metadata,
         )
-        # a large file takes a while to read: off the loop every stream shares
-        lines, errors = await asyncio.to_thread(read_lines, source.content, endpoint)
+        errors: list[BatchError] = []
+        if read is not None:  # its requests, read as they were written
+            lines = read
+        else:  # a large file takes a while to read: off the loop every stream shares
+            lines, errors = await asyncio.to_thread(read_lines, source.content, endpoint)
         running = RunningBatch(batch, tenant, headers, lines)
         self._keep(running)
         if errors:

@@ -42,7 +42,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from cluster.http.batch_runner import CREDENTIALS
-from cluster.http.batch_schema import MAX_MESSAGE_REQUESTS, MESSAGES, Batch
+from cluster.http.batch_schema import MAX_MESSAGE_REQUESTS, MESSAGES, Batch, BatchLine
+from cluster.http.batches import ENDED
 from cluster.http.errors import HttpError
 from cluster.http.openai_schema import Body
 from cluster.http.responses_chain import owner
@@ -88,15 +89,15 @@ class MessageBatch(BaseModel):
     results_url: str | None = None
 
 
-def requests_file(requests: list[dict[str, Any]]) -> bytes:
-    """The batch's requests as an input file's lines for /v1/messages; 400 naming the first
-    request at fault."""
+def requests_file(requests: list[dict[str, Any]]) -> tuple[bytes, list[BatchLine]]:
+    """The batch's requests as an input file's lines for /v1/messages, and as the lines read
+    from it; 400 naming the first request at fault."""
     if not 1 <= len(requests) <= MAX_MESSAGE_REQUESTS:
         raise HttpError.invalid(
             "requests", f"holds {len(requests)} requests; from 1 to {MAX_MESSAGE_REQUESTS}"
         )
     seen: dict[str, int] = {}
-    lines = []
+    lines, read = [], []
     for i, item in enumerate(requests):
         where = f"requests[{i}]"
         unknown = sorted(set(item) - {"custom_id", "params"})
@@ -120,7 +121,8 @@ def requests_file(requests: list[dict[str, Any]]) -> bytes:
                 raise HttpError.invalid(f"{where}.params.{name}", why)
         line = {"custom_id": custom_id, "method": "POST", "url": MESSAGES, "body": params}
         lines.append(json.dumps(line, ensure_ascii=False) + "\n")
-    return "".join(lines).encode()
+        read.append(BatchLine(i + 1, custom_id, params))
+    return "".join(lines).encode(), read
 
 
 def shown(batch: Batch) -> MessageBatch:
@@ -199,10 +201,10 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def create(body: BatchRequest, request: Request) -> Response:
         who = tenant(request)
         batches.files.require()
-        content = await asyncio.to_thread(requests_file, body.requests)  # up to 200 MiB
+        content, lines = await asyncio.to_thread(requests_file, body.requests)  # up to 200 MiB
         headers = {k: v for k in CREDENTIALS if (v := request.headers.get(k)) is not None}
         headers["x-radixmesh-tenant"] = who
-        return answer(await batches.create_messages(who, headers, content), request)
+        return answer(await batches.create_messages(who, headers, content, lines), request)
 
     async def listed(request: Request) -> Response:
         query = request.query_params
@@ -229,7 +231,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
     async def read_results(message_batch_id: str, request: Request) -> Response:
         who = tenant(request)
         batch = batches.get(who, message_batch_id, messages=True)
-        if shown(batch).processing_status != "ended":
+        if batch.status not in ENDED:
             raise HttpError.invalid(
                 "message_batch_id", f"batch {message_batch_id!r} is still processing"
             )

@@ -22,6 +22,7 @@ conversation's items, and adds the response's to it (cluster/http/conversations.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -109,6 +110,11 @@ class Turn:
     listed: list[Item]
     """The request's input items, with their ids (to store, or to add to the conversation)."""
 
+    @functools.cached_property
+    def inputs(self) -> tuple[bytes, ...]:
+        """`listed` encoded, once however often the response is stored as it runs."""
+        return tuple(map(StoredResponse.encoded, self.listed))
+
     @classmethod
     def of(cls, api: HttpApi, body: ResponsesRequest, tenant: str) -> Turn:
         storing = stored(body, api.responses)
@@ -145,8 +151,7 @@ class Turn:
             self.release()
         if not self.storing:
             return answered
-        inputs = tuple(map(StoredResponse.encoded, self.listed))
-        return keep(self.api.responses, self.tenant, inputs, answered, self.earlier, cut)
+        return keep(self.api.responses, self.tenant, self.inputs, answered, self.earlier, cut)
 
 
 async def _respond(

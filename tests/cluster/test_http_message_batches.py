@@ -22,6 +22,8 @@ import pytest
 
 from cluster.config import RouterSection
 from cluster.http import batches
+from cluster.http.batch_schema import MESSAGES, read_lines
+from cluster.http.message_batches import requests_file
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster, start_cluster
 from tests.cluster.test_http_batches import SYSTEMS
 from tests.cluster.test_http_batches_restart import started_again, stopped
@@ -110,7 +112,7 @@ def test_each_request_is_answered_as_messages_answers_it(
         alone = greedy(client, params(system, question))
         assert message.content == alone.content and message.stop_reason == alone.stop_reason
         cached += message.usage.cache_read_input_tokens or 0
-    assert cached > 0  # the requests sharing a system prompt ran together
+    assert cached > 0  # a system prompt read from the cache
     assert_no_leak(cluster)
 
 
@@ -366,3 +368,13 @@ def test_a_forgotten_batch_takes_its_files_and_they_stay_apart_from_openais(
     for file_id in (kept.input_file_id, kept.output_file_id):
         assert file_id is not None and api.files.find("", file_id) is None
     assert_no_leak(cluster)
+
+
+def test_the_requests_are_kept_as_the_lines_they_are_read_back_as() -> None:
+    """A batch runs the lines it was created with, and after a restart the lines read back from
+    its requests file: the two are the same."""
+    requests = [
+        {"custom_id": f"r{i}", "params": params(SYSTEMS[i % 2], f"Q{i} \u2028 é")} for i in range(5)
+    ]
+    content, lines = requests_file(requests)
+    assert read_lines(content, MESSAGES) == (lines, [])

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import httpx2 as httpx
 import openai
 import pytest
 
@@ -17,6 +16,7 @@ from cluster.requests import truncated_prompt
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak
+from tests.cluster.test_http_token_ids import tokenized
 from tests.cluster.tool_fixtures import served
 from worker.errors import InvalidRequest
 from worker.loader import LoadedModel
@@ -28,13 +28,6 @@ PROMPT = "The router sends each prompt to the worker whose cache holds its longe
 @pytest.fixture(scope="module")
 def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
     yield from served(tiny, ENGINE)
-
-
-def tokenized(cluster: LocalCluster, **body: Any) -> list[int]:
-    answer = httpx.post(f"{cluster.http_url}/tokenize", json={"model": MODEL, **body}, timeout=30)
-    assert answer.status_code == 200, answer.text
-    tokens: list[int] = answer.json()["tokens"]
-    return tokens
 
 
 def test_a_completion_serves_the_prompts_last_tokens(
