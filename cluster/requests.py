@@ -294,11 +294,17 @@ def check_salt(salt: str, limits: RequestLimits) -> None:
     if len(salt) > MAX_SALT_CHARS:
         raise InvalidRequest("namespace.cache_salt", f"at most {MAX_SALT_CHARS} characters")
     if salt and not limits.cache_salts:
-        raise InvalidRequest(
-            "namespace.cache_salt",
-            "a worker of this cluster predates cache salts and would serve the request from the "
-            "unsalted cache: upgrade it, or send no salt",
-        )
+        raise salt_unkept()
+
+
+def salt_unkept() -> InvalidRequest:
+    """The refusal of a salted request that a worker without salts would serve from the
+    unsalted cache: at its check, or when routed to one attached since (cluster/router_service)."""
+    return InvalidRequest(
+        "namespace.cache_salt",
+        "a worker of this cluster predates cache salts and would serve the request from the "
+        "unsalted cache: upgrade it, or send no salt",
+    )
 
 
 def salt_digest(salt: str) -> str:

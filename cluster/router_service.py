@@ -37,7 +37,13 @@ from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.grpc_tool_calls import with_tool_calls
 from cluster.policies import router_config
 from cluster.request_latency import CallClock, RouterLatencies
-from cluster.requests import PreparedRequest, TenantRefused, prepare, request_namespace
+from cluster.requests import (
+    PreparedRequest,
+    TenantRefused,
+    prepare,
+    request_namespace,
+    salt_unkept,
+)
 from cluster.serving_call import Caller, ServingError
 from cluster.stream_merge import merge_streams
 from cluster.stream_progress import StreamProgress
@@ -396,6 +402,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             self.counters.routed += 1
             self.counters.predicted_cached_tokens += decision.predicted_cached_tokens
             link = self.links.links[decision.worker]
+            if prepared.namespace.salt is not None and not link.info.cache_salts:
+                self.links.policy.finished(link.name, prepared.request_id)
+                raise self._refused_salt()  # the worker attached after the request was checked
             requests = progress.worker_requests(
                 decision.predicted_cached_tokens, hashes, self._kv_peer(route, decision)
             )
@@ -412,6 +421,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                     call.cancel()
                 if self.links.links.get(link.name) is link:  # not detached (or replaced) since
                     self.links.policy.finished(link.name, prepared.request_id)
+
+    def _refused_salt(self) -> ServingError:
+        refusal = salt_unkept()
+        return self._error(grpc.StatusCode.INVALID_ARGUMENT, str(refusal), field=refusal.field)
 
     def _kv_peer(self, route: RouteRequest, decision: RouteDecision) -> worker_pb2.KvPeer | None:
         """The worker holding at least `peer_kv_min_tokens` more of the prompt in memory than

@@ -151,6 +151,26 @@ def test_a_cluster_with_a_worker_before_salts_refuses_salted_requests(
     assert_no_leak(cluster)
 
 
+def test_a_salted_request_is_not_routed_to_a_worker_attached_without_salts(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """The cluster's limits said salts are kept when the request was checked, and a worker
+    without them attached before it was routed (the limits as they stood at the check): the
+    router refuses it by name rather than have that worker serve it from the unsalted cache."""
+    links = cluster.service.links
+    assert links.limits is not None and links.limits.cache_salts
+    try:
+        for link in links.links.values():
+            link.info.cache_salts = False  # as an older release describes itself
+        with pytest.raises(openai.BadRequestError, match="predates cache salts"):
+            chat(client, "Routed?", "salt-z")
+        assert chat(client, "Served?", None).choices
+    finally:
+        for link in links.links.values():
+            link.info.cache_salts = True
+    assert_no_leak(cluster)
+
+
 def test_the_router_keeps_a_digest_of_the_salt_not_the_salt() -> None:
     """From the router on, the namespace holds a fixed-size digest: the client's secret is not
     written to a saved cache, nor held at its length in every tree and index."""
