@@ -303,7 +303,8 @@ class RouterSection:
     max_restarts: int = _at_least(-1, -1)
     response_store_bytes: int = _at_least(256 << 20, 0)
     """The Responses API's stored responses (`store`, `previous_response_id`), in the router's
-    memory: at most this many bytes of conversations, least recently used dropped first; the
+    memory: at most this many bytes of conversations, the largest tenant's least recently used
+    dropped first (one tenant storing much pushes out its own, not another's); the
     stored chat completions (`store: true`) and the Conversations API's conversations have a
     store each of their own with the same bound (so up to three times this in all); 0: none
     stored (`store: true` is refused, and there are no conversations)."""

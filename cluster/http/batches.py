@@ -18,22 +18,22 @@ counted against `router.max_in_flight` as any request is; under the `priority` s
 policy those that set no `priority` run at `router.batch_priority` (1: after interactive
 requests, at 0 by default). The output file keeps the input's order whatever the order run.
 
-Statuses: `in_progress` from creation (the file is read and checked then: a bad file makes the
-batch `failed` at once, its errors naming each line at fault), `finalizing` while the files are
-written, `completed`; `cancelling` from a cancel until the requests running have ended (their
-worker calls closed, their pages freed), then `cancelled`, with the answers received so far.
-A router that drains sends no more requests: its batches end `cancelled` once those running
-have, with an error saying so; one that stops cancels them. An ended batch keeps only its
-object (its requests, answers and the creator's credentials are let go), the last MAX_ENDED
-of them. Without `router.state_dir`, batches live in the router's memory: a restart loses
-them (and their files), as vLLM's and SGLang's in-memory stores are lost. With it, a batch
+Statuses: `in_progress` from creation (the file is read and checked then: a bad file makes the batch
+`failed` at once, its errors naming each line at fault), `finalizing` while the files are written,
+`completed`; `cancelling` from a cancel until the requests running have ended (their worker calls
+closed, their pages freed), then `cancelled`, with the answers received so far. A router that drains
+sends no more requests: its batches end `cancelled` once those running have, with an error saying
+so; one that stops cancels them. An ended batch keeps only its object (its requests, answers and the
+creator's credentials are let go), MAX_ENDED of them (past that, the oldest of the tenant with the
+most ended is forgotten). Without `router.state_dir`, batches live in the router's memory: a restart
+loses them (and their files), as vLLM's and SGLang's in-memory stores are lost. With it, a batch
 outlives a restart: its object (with its creator's credentials while it runs) is written to
 `batches/<id>.json` as it changes state, and each answered line is appended to
-`batches/<id>.answers.jsonl` as it comes. A router that starts reads them back: an ended batch
-is listed as it ended; a running one runs the lines that have no answer yet (those in flight
-when the router went down run again), then writes its files as if it had never stopped. A
-router that stops leaves its running batches to the next one instead of cancelling them.
-`completion_window` is accepted and not enforced.
+`batches/<id>.answers.jsonl` as it comes. A router that starts reads them back: an ended batch is
+listed as it ended; a running one runs the lines that have no answer yet (those in flight when the
+router went down run again), then writes its files as if it had never stopped. A router that stops
+leaves its running batches to the next one instead of cancelling them. `completion_window` is
+accepted and not enforced.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -76,7 +76,8 @@ files are, not listed or read by the Files API."""
 
 ENDED = ("failed", "completed", "cancelled", "expired")
 MAX_ENDED = 10_000
-"""Ended batches kept (their objects, a kilobyte or two each; the oldest forgotten first)."""
+"""Ended batches kept (their objects, a kilobyte or two each; the oldest of the tenant with the
+most forgotten first)."""
 
 
 @dataclass
@@ -104,7 +105,8 @@ class Batches:
         """Set as the router stops: with a `directory`, the running batches are left to the
         next router, not ended."""
         self._batches: OrderedDict[tuple[str, str], RunningBatch] = OrderedDict()
-        """(tenant, batch id) -> the batch, in the order created; at most MAX_ENDED ended."""
+        """(tenant, batch id) -> the batch, in the order created; at most MAX_ENDED ended
+        (`_prune`)."""
 
     # -- the API ---------------------------------------------------------------------------
     async def create(self, tenant: str, headers: dict[str, str], body: BatchCreateRequest) -> Batch:
@@ -249,10 +251,16 @@ class Batches:
         self._prune()
 
     def _prune(self) -> None:
-        """Beyond MAX_ENDED ended batches, forget the oldest ended (an Anthropic batch with its
-        files, which nothing else reaches)."""
+        """Beyond MAX_ENDED ended batches, forget the oldest ended of the tenant with the most
+        ended (the oldest such on a tie): a tenant running many pushes out its own, not
+        another's. An Anthropic batch goes with its files, which nothing else reaches."""
         ended = [key for key, r in self._batches.items() if r.batch.status in ENDED]
-        for key in ended[: max(0, len(ended) - MAX_ENDED)]:
+        counts = Counter(tenant for tenant, _ in ended)
+        for _ in range(len(ended) - MAX_ENDED):
+            most = max(counts.values())
+            key = next(key for key in ended if counts[key[0]] == most)
+            ended.remove(key)
+            counts[key[0]] -= 1
             self._forget(key[0], self._batches.pop(key).batch, own_files=False)
 
     def _forget(self, tenant: str, batch: Batch, own_files: bool) -> None:

@@ -19,9 +19,9 @@ response at a time runs in a conversation (`conversation_locked` for another). E
 checked as a response's input is when it is added.
 
 Conversations are kept as the stored responses are: in the router's memory, each its tenant's
-(another's id is 404), within `router.response_store_bytes` of their own, the least recently
-used dropped first, nothing across a restart. A conversation that would pass the bound whole
-is refused its new items or metadata (400), and a response's items that would make it so are
+(another's id is 404), within `router.response_store_bytes` of their own, the largest tenant's least
+recently used dropped first, nothing across a restart. A conversation that would pass the bound
+whole is refused its new items or metadata (400), and a response's items that would make it so are
 not added (logged; the response is answered all the same).
 """
 

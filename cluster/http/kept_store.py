@@ -1,6 +1,11 @@
 """What the router keeps for the HTTP API's stored objects (the Responses API's responses, the
-stored chat completions): each its tenant's, by id, within one bound in bytes, the least
-recently stored or read dropped first. Nothing survives a restart of the router.
+stored chat completions, the conversations): each its tenant's, by id, within one bound in
+bytes. Nothing survives a restart of the router.
+
+When an object needs room, the tenant holding the most bytes (counting the one being kept) gives
+up its least recently stored or read object first. So one tenant storing much pushes out its
+own objects, not another's, until the tenants hold alike; with one tenant (a router without
+API keys) it is a plain least-recently-used store.
 """
 
 from __future__ import annotations
@@ -21,52 +26,82 @@ V = TypeVar("V", bound=Sized)
 
 
 class KeptStore(Generic[V]):
-    """Kept objects by (tenant, id), least recently used dropped first beyond `max_bytes`.
-    Used from the router's event loop only."""
+    """Kept objects by (tenant, id) within `max_bytes`, the largest tenant's least recently
+    used dropped first (the module docstring). Used from the router's event loop only."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._kept: OrderedDict[tuple[str, str], tuple[V, int]] = OrderedDict()
+        self._kept: dict[str, OrderedDict[str, tuple[V, int]]] = {}
+        """Tenant -> id -> (object, its size), least recently used first."""
+        self._held: dict[str, int] = {}
+        """Tenant -> the bytes of its objects (no entry: none)."""
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return sum(len(kept) for kept in self._kept.values())
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
+    def held(self, tenant: str) -> int:
+        """The bytes of the tenant's objects."""
+        return self._held.get(tenant, 0)
+
     def put(self, tenant: str, key: str, value: V) -> bool:
-        """Keep `value` (replacing the tenant's of that id), dropping the least recently used
-        until it fits; False, keeping nothing new, when it is larger than the whole store (the
-        id's older one is gone all the same: the id is the new one's)."""
+        """Keep `value` (replacing the tenant's of that id), dropping objects until it fits;
+        False, keeping nothing new, when it is larger than the whole store (the id's older one
+        is gone all the same: the id is the new one's)."""
         self.delete(tenant, key)  # an id used again: the older one goes
         size = value.size
         if size > self.max_bytes:
             return False
         while self.bytes + size > self.max_bytes:
-            (owner, old), (dropped, taken) = self._kept.popitem(last=False)
-            self.bytes -= taken
-            self.gone(owner, old, dropped)
-        self._kept[tenant, key] = (value, size)
+            self._drop_one(tenant, size)
+        self._kept.setdefault(tenant, OrderedDict())[key] = (value, size)
+        self._held[tenant] = self._held.get(tenant, 0) + size
         self.bytes += size
         return True
+
+    def _drop_one(self, putting: str, size: int) -> None:
+        """Drop the least recently used object of the tenant holding the most, `putting`
+        counted with the `size` it is about to add (the first such tenant on a tie)."""
+        owner = max(self._held, key=lambda t: self._held[t] + (size if t == putting else 0))
+        key, (dropped, taken) = self._kept[owner].popitem(last=False)
+        self._taken(owner, taken)
+        self.gone(owner, key, dropped)
+
+    def _taken(self, tenant: str, size: int) -> None:
+        self.bytes -= size
+        left = self._held[tenant] - size
+        if self._kept[tenant]:
+            self._held[tenant] = left
+        else:
+            assert left == 0, f"tenant {tenant!r}: {left} bytes counted with nothing kept"
+            del self._held[tenant], self._kept[tenant]
+
+    def peek(self, tenant: str, key: str) -> V | None:
+        """The tenant's object of that id, its use not counted (None: not kept)."""
+        kept = self._kept.get(tenant)
+        found = kept.get(key) if kept is not None else None
+        return found[0] if found is not None else None
 
     def get(self, tenant: str, key: str) -> V | None:
         """The tenant's object of that id (None: never stored, deleted or dropped), now the
         most recently used."""
-        kept = self._kept.get((tenant, key))
-        if kept is None:
+        kept = self._kept.get(tenant)
+        if kept is None or key not in kept:
             return None
-        self._kept.move_to_end((tenant, key))
-        return kept[0]
+        kept.move_to_end(key)
+        return kept[key][0]
 
     def delete(self, tenant: str, key: str) -> bool:
-        kept = self._kept.pop((tenant, key), None)
-        if kept is None:
+        kept = self._kept.get(tenant)
+        found = kept.pop(key, None) if kept is not None else None
+        if found is None:
             return False
-        self.bytes -= kept[1]
-        self.gone(tenant, key, kept[0])
+        self._taken(tenant, found[1])
+        self.gone(tenant, key, found[0])
         return True
 
     def gone(self, tenant: str, key: str, value: V) -> None:
@@ -74,6 +109,5 @@ class KeptStore(Generic[V]):
 
     def of(self, tenant: str) -> Iterator[tuple[str, V]]:
         """The tenant's ids and objects, least recently used first (none made more recent)."""
-        for (owner, key), (value, _) in self._kept.items():
-            if owner == tenant:
-                yield key, value
+        for key, (value, _) in self._kept.get(tenant, {}).items():
+            yield key, value

@@ -8,13 +8,13 @@ items of every earlier turn of its chain, its input and its output. A request th
 so agents send only their new turn; the router renders the same chat and routes it to the
 worker whose cache holds it.
 
-Everything is kept encoded as JSON. The bound is on what each stored response would need
-alone (its whole conversation and its response object), so it holds however the turns share
-their items; it is one bound over every tenant's responses. The least recently stored or read
-response is dropped first; a response larger than the whole store is not kept (its `store`
-then says false). Nothing survives a restart of the router, as nothing
-survives one of vLLM's or SGLang's in-memory stores: a follow-up naming a lost response is
-refused by name.
+Everything is kept encoded as JSON. The bound is on what each stored response would need alone (its
+whole conversation and its response object), so it holds however the turns share their items; it is
+one bound over every tenant's responses. The tenant holding the most gives up its least recently
+stored or read response first (cluster/http/kept_store.py); a response larger than the whole store
+is not kept (its `store` then says false). Nothing survives a restart of the router, as nothing
+survives one of vLLM's or SGLang's in-memory stores: a follow-up naming a lost response is refused
+by name.
 """
 
 from __future__ import annotations
@@ -76,5 +76,6 @@ class StoredResponse:
 
 
 class ResponseStore(KeptStore[StoredResponse]):
-    """Stored responses by (tenant, id), least recently used dropped first beyond `max_bytes`.
+    """Stored responses by (tenant, id), the largest tenant's least recently used dropped first
+    beyond `max_bytes`.
     Used from the router's event loop only."""

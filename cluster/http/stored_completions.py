@@ -11,11 +11,11 @@ routes that read them back (the SDKs' `chat.completions.list / retrieve / update
     DELETE /v1/chat/completions/{id}
     GET    /v1/chat/completions/{id}/messages    its request's messages, each with an id
 
-A completion is kept as answered, streamed or not, once it ended (one that failed or whose
-client went away is not kept), in the router's memory within `router.response_store_bytes`
-(a store apart from the Responses API's, with the same bound), least recently used dropped
-first; nothing survives a restart. Each is its tenant's (responses_chain.py `owner`): another's
-id is 404, as one never stored.
+A completion is kept as answered, streamed or not, once it ended (one that failed or whose client
+went away is not kept), in the router's memory within `router.response_store_bytes` (a store apart
+from the Responses API's, with the same bound), the largest tenant's least recently used dropped
+first; nothing survives a restart. Each is its tenant's (responses_chain.py `owner`): another's id
+is 404, as one never stored.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ class CompletionStore(KeptStore[StoredCompletion]):
 
     def place(self, tenant: str, key: str) -> int | None:
         """The completion's place in the listing, kept or recently gone (None: unknown)."""
-        kept = self._kept.get((tenant, key))
-        return kept[0].sequence if kept is not None else self._gone.get((tenant, key))
+        kept = self.peek(tenant, key)
+        return kept.sequence if kept is not None else self._gone.get((tenant, key))
 
 
 class MetadataUpdate(Strict):

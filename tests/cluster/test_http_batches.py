@@ -306,7 +306,9 @@ def test_a_worker_killed_under_a_batch_costs_it_nothing(tiny: LoadedModel) -> No
         cluster.close()
 
 
-def test_files_and_batches_are_their_tenants(tiny: LoadedModel) -> None:
+def test_files_and_batches_are_their_tenants(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tokens = {"acme-token": "acme", "globex-token": "globex", "admin-token": "*"}
     # a small body bound: a body just past it fits the sockets' buffers, so the client reads
     # the early 413 instead of racing the server's close while it still sends
@@ -340,6 +342,21 @@ def test_files_and_batches_are_their_tenants(tiny: LoadedModel) -> None:
         assert acme.files.create(file=("big.jsonl", big), purpose="batch").bytes == len(big)
         # an ended batch keeps no credentials
         assert all(not kept.headers for kept in cluster.http.api.batches._batches.values())  # type: ignore[union-attr]
+        # past the ended batches kept, globex's own oldest is forgotten, not acme's older one
+        monkeypatch.setattr("cluster.http.batches.MAX_ENDED", 2)
+        theirs = [
+            finished(
+                globex,
+                globex.batches.create(
+                    input_file_id=upload(globex, [line(f"g{i}", chat(SYSTEMS[0], f"G{i}?"))]),
+                    endpoint=CHAT,
+                    completion_window="24h",
+                ).id,
+            ).id
+            for i in range(2)
+        ]
+        assert acme.batches.retrieve(batch.id).status == "completed"
+        assert [b.id for b in globex.batches.list()] == theirs[1:]
     finally:
         cluster.close()
 

@@ -40,31 +40,60 @@ def response(response_id: str, grown: int) -> StoredResponse:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(operation, max_size=60))
-def test_the_store_is_an_lru_within_its_bound(operations: list[tuple[str, str, str, int]]) -> None:
+def test_the_store_drops_the_largest_tenants_least_recent_within_its_bound(
+    operations: list[tuple[str, str, str, int]],
+) -> None:
     store = ResponseStore(BOUND)
-    model: OrderedDict[tuple[str, str], int] = OrderedDict()  # key -> size, least recent first
+    # tenant -> id -> size, least recent first
+    model: dict[str, OrderedDict[str, int]] = {"acme": OrderedDict(), "globex": OrderedDict()}
+    holders: list[str] = []  # tenants holding any, in the order they began to: ties go first
+
+    def held(tenant: str) -> int:
+        return sum(model[tenant].values())
+
+    def taken(tenant: str, response_id: str) -> bool:
+        found = model[tenant].pop(response_id, None) is not None
+        if found and not model[tenant]:
+            holders.remove(tenant)
+        return found
+
     for kind, tenant, response_id, grown in operations:
-        key = (tenant, response_id)
         if kind == "put":
             kept = response(response_id, grown)
             fits = kept.size <= BOUND
             assert store.put(tenant, response_id, kept) is fits
-            model.pop(key, None)  # replaced, or gone with a put too large to keep
+            taken(tenant, response_id)  # replaced, or gone with a put too large to keep
             if fits:
-                while sum(model.values()) + kept.size > BOUND:
-                    model.popitem(last=False)
-                model[key] = kept.size
+                while held("acme") + held("globex") + kept.size > BOUND:
+                    owner = max(holders, key=lambda t: held(t) + kept.size * (t == tenant))
+                    taken(owner, next(iter(model[owner])))
+                if not model[tenant]:
+                    holders.append(tenant)
+                model[tenant][response_id] = kept.size
         elif kind == "get":
             found = store.get(tenant, response_id)
-            assert (found is not None) is (key in model)
+            assert (found is not None) is (response_id in model[tenant])
             if found is not None:
                 assert json.loads(found.response)["id"] == response_id
-                model.move_to_end(key)
+                model[tenant].move_to_end(response_id)
         else:
-            assert store.delete(tenant, response_id) is (model.pop(key, None) is not None)
-        assert store.bytes == sum(model.values()) <= BOUND
-        assert list(store._kept) == list(model)
-        assert len(store) == len(model)
+            assert store.delete(tenant, response_id) is taken(tenant, response_id)
+        assert store.bytes == held("acme") + held("globex") <= BOUND
+        for name, ids in model.items():
+            assert [key for key, _ in store.of(name)] == list(ids)
+            assert store.held(name) == held(name)
+        assert len(store) == sum(len(ids) for ids in model.values())
+
+
+def test_a_tenant_storing_much_pushes_out_its_own_not_anothers() -> None:
+    """globex keeps putting; acme's one response, older than all of globex's, stays."""
+    store = ResponseStore(BOUND)
+    assert store.put("acme", "resp_a", response("resp_a", 100))
+    for i in range(20):
+        assert store.put("globex", f"resp_{i}", response(f"resp_{i}", 300))
+    assert store.get("acme", "resp_a") is not None
+    assert store.get("globex", "resp_19") is not None and store.get("globex", "resp_0") is None
+    assert store.bytes <= BOUND
 
 
 def test_a_tenant_reads_only_its_own() -> None:
