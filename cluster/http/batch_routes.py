@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Form, Request, UploadFile
@@ -30,6 +31,7 @@ from cluster.http.batch_schema import BatchCreateRequest
 from cluster.http.batches import INPUT_PURPOSE
 from cluster.http.errors import HttpError
 from cluster.http.file_store import StoredFile
+from cluster.http.list_places import past
 from cluster.http.responses_chain import check_metadata, owner
 
 if TYPE_CHECKING:
@@ -58,7 +60,8 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
 
     async def list_files(request: Request) -> Response:
         query = request.query_params
-        cards = api.files.cards(_tenant(api, request), query.get("purpose"))
+        tenant = _tenant(api, request)
+        cards = api.files.cards(tenant, query.get("purpose"))
         cards = [card for card in cards if card.purpose != INPUT_PURPOSE]
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -66,8 +69,10 @@ def _file_routes(app: FastAPI, api: HttpApi) -> None:
         if order == "desc":
             cards.reverse()
         limit = _limit(query.get("limit"), MAX_PAGE, MAX_PAGE)
-        page, more = _page(cards, query.get("after"), limit)
-        return _listed(page, more)
+        if (after := query.get("after")) is not None:
+            place_of = partial(api.files.places.place, tenant)
+            cards = past(cards, "after", after, place_of, newer=order == "asc")
+        return _listed(cards[:limit], len(cards) > limit)
 
     async def retrieve_file(file_id: str, request: Request) -> Response:
         return _json(_file(api, _tenant(api, request), file_id).card)
@@ -103,10 +108,13 @@ def _batch_routes(app: FastAPI, api: HttpApi) -> None:
         return _json(await api.batches.create(tenant, headers, body))
 
     async def list_batches(request: Request) -> Response:
-        query = request.query_params
-        batches = api.batches.listed(_tenant(api, request))
-        page, more = _page(batches, query.get("after"), _limit(query.get("limit"), 20, 100))
-        return _listed(page, more)
+        query, tenant = request.query_params, _tenant(api, request)
+        batches = api.batches.listed(tenant)
+        limit = _limit(query.get("limit"), 20, 100)
+        if (after := query.get("after")) is not None:
+            place_of = partial(api.batches.places.place, tenant)
+            batches = past(batches, "after", after, place_of, newer=False)
+        return _listed(batches[:limit], len(batches) > limit)
 
     async def retrieve_batch(batch_id: str, request: Request) -> Response:
         return _json(api.batches.get(_tenant(api, request), batch_id))
@@ -138,19 +146,6 @@ def _limit(given: str | None, default: int, most: int) -> int:
     if not given.isdigit() or not 1 <= int(given) <= most:
         raise HttpError.invalid("limit", f"must be a whole number in [1, {most}], got {given!r}")
     return int(given)
-
-
-def _page(items: Sequence[Any], after: str | None, limit: int) -> tuple[list[Any], bool]:
-    """The items past the one whose id is `after` (from the first without it), at most
-    `limit`, and whether more follow. An `after` that names none is refused."""
-    start = 0
-    if after is not None:
-        ids = [item.id for item in items]
-        if after not in ids:
-            raise HttpError.invalid("after", f"{after!r} is not in the list")
-        start = ids.index(after) + 1
-    page = list(items[start : start + limit])
-    return page, start + limit < len(items)
 
 
 def _listed(page: Sequence[BaseModel], more: bool) -> Response:

@@ -64,6 +64,7 @@ from cluster.http.batch_schema import (
 )
 from cluster.http.errors import HttpError
 from cluster.http.file_store import FileStore, StoredFile
+from cluster.http.list_places import ListPlaces
 from cluster.http.state_files import append_line, journal, remove, write_json, write_lines
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class Batches:
         self._batches: OrderedDict[tuple[str, str], RunningBatch] = OrderedDict()
         """(tenant, batch id) -> the batch, in the order created; at most MAX_ENDED ended
         (`_prune`)."""
+        self.places = ListPlaces()
+        """Each batch's place in that order, and those of the batches forgotten last."""
 
     # -- the API ---------------------------------------------------------------------------
     async def create(self, tenant: str, headers: dict[str, str], body: BatchCreateRequest) -> Batch:
@@ -248,6 +251,7 @@ class Batches:
     def _keep(self, running: RunningBatch) -> None:
         """Add a batch; beyond MAX_ENDED ended ones, the oldest ended is forgotten."""
         self._batches[(running.tenant, running.batch.id)] = running
+        self.places.add(running.tenant, running.batch.id)
         self._prune()
 
     def _prune(self) -> None:
@@ -266,6 +270,7 @@ class Batches:
     def _forget(self, tenant: str, batch: Batch, own_files: bool) -> None:
         """Let go of a batch: on disk, and its files if they are its own (`own_files`, or an
         Anthropic batch's, which the Files API does not reach)."""
+        self.places.remove(tenant, batch.id)
         if self.directory is not None:  # forgotten here: forgotten by the next router too
             remove(self._object_path(batch.id), self.directory / f"{batch.id}.answers.jsonl")
         if not (own_files or batch.endpoint == MESSAGES):

@@ -26,6 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ValidationError
 
 from cluster.http.errors import HttpError
+from cluster.http.list_places import ListPlaces
 from cluster.http.state_files import remove, write_json, write_whole
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class FileStore:
         """Bytes of every file kept, with ENTRY_BYTES each."""
         self._files: dict[tuple[str, str], StoredFile] = {}
         """(tenant, file id) -> the file, in the order added."""
+        self.places = ListPlaces()
+        """Each file's place in that order, and those of the files deleted last."""
         self.directory = directory
         """Where each file is written too, and read back from at the start (None: nowhere)."""
         if directory is not None:
@@ -118,6 +121,7 @@ class FileStore:
             purpose=purpose,
         )
         self._files[(tenant, card.id)] = StoredFile(card, content)
+        self.places.add(tenant, card.id)
         self.held += len(content) + ENTRY_BYTES
         return card
 
@@ -173,6 +177,7 @@ class FileStore:
                 remove(card_path, content_path)
         for _, tenant, stored in sorted(kept, key=lambda k: (k[0], k[2].card.id)):
             self._files[(tenant, stored.card.id)] = stored
+            self.places.add(tenant, stored.card.id)
             self.held += stored.card.bytes + ENTRY_BYTES
         for orphan in directory.glob("*.bin"):  # written, its card never: an upload cut short
             if not orphan.with_suffix(".json").exists():
@@ -189,6 +194,7 @@ class FileStore:
     def delete(self, tenant: str, file_id: str) -> None:
         found = self.get(tenant, file_id)
         del self._files[(tenant, file_id)]
+        self.places.remove(tenant, file_id)
         self.held -= found.card.bytes + ENTRY_BYTES
         if self.directory is not None:  # the card first: a file without one is no file
             remove(self.directory / f"{file_id}.json", self.directory / f"{file_id}.bin")

@@ -34,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -45,6 +47,7 @@ from cluster.http.batch_runner import CREDENTIALS
 from cluster.http.batch_schema import MAX_MESSAGE_REQUESTS, MESSAGES, Batch, BatchLine
 from cluster.http.batches import ENDED
 from cluster.http.errors import HttpError
+from cluster.http.list_places import past
 from cluster.http.openai_schema import Body
 from cluster.http.responses_chain import owner
 
@@ -210,7 +213,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         query = request.query_params
         mine = batches.listed(tenant(request), messages=True)
         limit = _limit(query.get("limit"))
-        page, more = _page(mine, query.get("before_id"), query.get("after_id"), limit)
+        place_of = partial(batches.places.place, tenant(request))
+        page, more = _page(mine, query.get("before_id"), query.get("after_id"), limit, place_of)
         data = [shown(batch).model_dump() for batch in page]
         first, last = (page[0].id, page[-1].id) if page else (None, None)
         listing = {"data": data, "has_more": more, "first_id": first, "last_id": last}
@@ -262,20 +266,21 @@ def _limit(given: str | None) -> int:
 
 
 def _page(
-    batches: list[Batch], before: str | None, after: str | None, limit: int
+    batches: list[Batch],
+    before: str | None,
+    after: str | None,
+    limit: int,
+    place_of: Callable[[str], int | None],
 ) -> tuple[list[Batch], bool]:
     """Anthropic's paging of a list, most recent first: the `limit` batches right after the
     one `after_id` names (older), or right before the one `before_id` names (newer), or the
-    first `limit`; and whether more lie that way."""
+    first `limit`; and whether more lie that way. The batch named may have been deleted
+    meanwhile (cluster/http/list_places.py)."""
     if before is not None and after is not None:
         raise HttpError.invalid("before_id", "cannot be given with after_id")
-    ids = [batch.id for batch in batches]
-    for name, given in (("before_id", before), ("after_id", after)):
-        if given is not None and given not in ids:
-            raise HttpError.invalid(name, f"{given!r} is not in the list")
     if before is not None:
-        end = ids.index(before)
-        start = max(0, end - limit)
-        return batches[start:end], start > 0
-    start = ids.index(after) + 1 if after is not None else 0
-    return batches[start : start + limit], start + limit < len(batches)
+        newer = past(batches, "before_id", before, place_of, newer=True)
+        return newer[-limit:], len(newer) > limit
+    if after is not None:
+        batches = past(batches, "after_id", after, place_of, newer=False)
+    return batches[:limit], len(batches) > limit

@@ -268,6 +268,28 @@ def test_files_are_listed_read_and_deleted(client: openai.OpenAI) -> None:
         client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
 
 
+def test_a_client_deleting_the_files_it_pages_through_pages_on(client: openai.OpenAI) -> None:
+    """`for f in client.files.list(): client.files.delete(f.id)`: the SDK asks for the page
+    after the file it just deleted, and the listing goes on from where that file stood."""
+    mine = [client.files.create(file=(f"d{i}.jsonl", b"{}"), purpose="batch").id for i in range(4)]
+    for order in ("asc", "desc"):
+        listed = [f.id for f in client.files.list(purpose="batch", order=order)]
+        client.files.delete(mine[1])
+        after = [f.id for f in client.files.list(purpose="batch", order=order, after=mine[1])]
+        assert after == listed[listed.index(mine[1]) + 1 :]
+        mine[1] = client.files.create(file=("again.jsonl", b"{}"), purpose="batch").id
+    seen = []
+    for card in client.files.list(purpose="batch", limit=1):
+        seen.append(card.id)
+        if card.id in mine:
+            client.files.delete(card.id)
+    # newest first: mine[1] was made again last
+    assert [each for each in seen if each in mine] == [mine[1], mine[3], mine[2], mine[0]]
+    assert not set(mine) & {f.id for f in client.files.list()}
+    with pytest.raises(openai.BadRequestError, match="after"):
+        client.files.list(after="file-none")
+
+
 def test_a_cancel_ends_the_requests_running_and_keeps_what_was_answered(
     client: openai.OpenAI, cluster: LocalCluster
 ) -> None:

@@ -220,6 +220,34 @@ def test_batches_list_newest_first_apart_from_openais(
         client.messages.batches.retrieve("batch_none")
 
 
+def test_a_client_deleting_what_it_pages_through_pages_on(
+    client: anthropic.Anthropic, cluster: LocalCluster
+) -> None:
+    """The SDK asks for the page after the last batch it read, which the loop has just deleted:
+    the listing goes on from where that batch stood, in both directions."""
+    made = []
+    for i in range(4):
+        requests = [{"custom_id": "only", "params": params(SYSTEMS[1], f"Paged {i}?")}]
+        made.append(client.messages.batches.create(requests=requests).id)  # type: ignore[arg-type]
+    for batch_id in made:
+        ended(client, batch_id)
+    client.messages.batches.delete(made[1])
+    page = client.messages.batches.list(limit=1, before_id=made[1])  # newer than it stood
+    assert [b.id for b in page.data] == [made[2]] and page.has_more
+    page = client.messages.batches.list(limit=1, after_id=made[1])  # older
+    assert [b.id for b in page.data] == [made[0]]
+    seen = []
+    for batch in client.messages.batches.list(limit=1):
+        seen.append(batch.id)
+        if batch.id in made:
+            client.messages.batches.delete(batch.id)
+    assert [each for each in seen if each in made] == [made[3], made[2], made[0]]
+    assert not set(made) & {b.id for b in client.messages.batches.list()}
+    with pytest.raises(anthropic.BadRequestError, match="before_id"):
+        client.messages.batches.list(before_id="msgbatch_none")
+    assert_no_leak(cluster)
+
+
 def test_an_ended_batch_is_deleted_with_its_files(
     client: anthropic.Anthropic, cluster: LocalCluster
 ) -> None:
