@@ -34,7 +34,7 @@ class KeptStore(Generic[V]):
         self.bytes = 0
         self._kept: dict[str, OrderedDict[str, tuple[V, int]]] = {}
         """Tenant -> id -> (object, its size), least recently used first."""
-        self._held: dict[str, int] = {}
+        self._bytes_of: dict[str, int] = {}
         """Tenant -> the bytes of its objects (no entry: none)."""
 
     def __len__(self) -> int:
@@ -46,7 +46,7 @@ class KeptStore(Generic[V]):
 
     def held(self, tenant: str) -> int:
         """The bytes of the tenant's objects."""
-        return self._held.get(tenant, 0)
+        return self._bytes_of.get(tenant, 0)
 
     def put(self, tenant: str, key: str, value: V) -> bool:
         """Keep `value` (replacing the tenant's of that id), dropping objects until it fits;
@@ -59,26 +59,26 @@ class KeptStore(Generic[V]):
         while self.bytes + size > self.max_bytes:
             self._drop_one(tenant, size)
         self._kept.setdefault(tenant, OrderedDict())[key] = (value, size)
-        self._held[tenant] = self._held.get(tenant, 0) + size
+        self._bytes_of[tenant] = self._bytes_of.get(tenant, 0) + size
         self.bytes += size
         return True
 
     def _drop_one(self, putting: str, size: int) -> None:
         """Drop the least recently used object of the tenant holding the most, `putting`
         counted with the `size` it is about to add (the first such tenant on a tie)."""
-        owner = max(self._held, key=lambda t: self._held[t] + (size if t == putting else 0))
+        owner = max(self._bytes_of, key=lambda t: self._bytes_of[t] + (size if t == putting else 0))
         key, (dropped, taken) = self._kept[owner].popitem(last=False)
         self._taken(owner, taken)
         self.gone(owner, key, dropped)
 
     def _taken(self, tenant: str, size: int) -> None:
         self.bytes -= size
-        left = self._held[tenant] - size
+        left = self._bytes_of[tenant] - size
         if self._kept[tenant]:
-            self._held[tenant] = left
+            self._bytes_of[tenant] = left
         else:
             assert left == 0, f"tenant {tenant!r}: {left} bytes counted with nothing kept"
-            del self._held[tenant], self._kept[tenant]
+            del self._bytes_of[tenant], self._kept[tenant]
 
     def peek(self, tenant: str, key: str) -> V | None:
         """The tenant's object of that id, its use not counted (None: not kept)."""

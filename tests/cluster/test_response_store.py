@@ -13,6 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cluster.http.conversations import ENTRY_BYTES, Conversation, ConversationStore
+from cluster.http.errors import HttpError
 from cluster.http.openai_responses import Counts
 from cluster.http.response_store import ResponseStore, StoredResponse
 from cluster.http.responses_chain import encoded_inputs, keep
@@ -123,3 +125,19 @@ def test_what_the_store_counts_is_at_least_what_it_holds(words: int) -> None:
     finally:
         tracemalloc.stop()
     assert len(store) == 300 and held <= store.bytes
+
+
+def test_conversations_held_by_a_response_make_room_as_the_other_stores() -> None:
+    """The conversation store keeps its holds beside what KeptStore counts: holding one while
+    two tenants fill the store leaves the accounting whole and the hold in place."""
+    store = ConversationStore(6 * ENTRY_BYTES)
+    store.keep("acme", Conversation("conv_a", 0, {}))
+    release = store.hold("acme", "conv_a")
+    for i in range(12):
+        assert store.keep("globex", Conversation(f"conv_{i}", 0, {}))
+    assert store.get("acme", "conv_a") is not None  # globex pushed out its own
+    assert store.bytes == sum(c.size for t in ("acme", "globex") for _, c in store.of(t))
+    with pytest.raises(HttpError, match="another response is running"):
+        store.hold("acme", "conv_a")
+    release()
+    store.hold("acme", "conv_a")()
