@@ -309,8 +309,9 @@ class RouterSection:
     store each of their own with the same bound (so up to three times this in all); 0: none
     stored (`store: true` is refused, and there are no conversations)."""
     state_dir: str | None = None
-    """A directory where the Files and Batch APIs keep their files and batches too, so that
-    they outlive a restart of the router (a running batch goes on where it was); on the
+    """A directory where the Files and Batch APIs keep their files and batches, and the stored
+    responses, chat completions and conversations are written too, so that they outlive a
+    restart of the router (a running batch goes on where it was); on the
     router's node (on Kubernetes, the chart's routerState.persistence sets it to a claim in
     the head pod). None: in memory only."""
     files_bytes: int = _at_least(1 << 30, 0)

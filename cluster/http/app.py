@@ -157,12 +157,15 @@ class HttpApi:
         self.draining = False
         """Set when the router drains: /health says 503 and new generations are refused."""
         self._texts: tuple[Tokenizer | None, TokenTexts] | None = None
-        self.responses = ResponseStore(config.router.response_store_bytes)
+        kept, state = config.router.response_store_bytes, config.router.state_dir
+        self.responses = ResponseStore(kept, subdirectory(state, "responses"))
         """The Responses API's stored responses."""
-        self.chat_store = CompletionStore(config.router.response_store_bytes)
-        self.conversations = ConversationStore(config.router.response_store_bytes)
-        """OpenAI's Conversations API's conversations, in a store of their own."""
+        self.chat_store = CompletionStore(kept, subdirectory(state, "chat_completions"))
         """The stored chat completions (`store: true`)."""
+        self.conversations = ConversationStore(kept, subdirectory(state, "conversations"))
+        """OpenAI's Conversations API's conversations, in a store of their own."""
+        for store in (self.responses, self.chat_store, self.conversations):
+            store.restore()  # what a router before this one kept (router.state_dir)
         self.background = BackgroundResponses()
         """The Responses API's background generations running."""
         self.embedding_calls = asyncio.Semaphore(embedding_calls(config.router.max_in_flight))
@@ -316,7 +319,7 @@ class HttpApi:
             return None
         tenant = owner(caller, self.tenant(request))
         large = bool(body.logprobs or body.return_token_ids)
-        place = stored_completions.next_place()
+        place = self.chat_store.next_place()
 
         async def keep(completion: BaseModel) -> None:
             record = functools.partial(stored_completions.kept, body, completion, place)

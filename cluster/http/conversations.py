@@ -20,9 +20,9 @@ checked as a response's input is when it is added.
 
 Conversations are kept as the stored responses are: in the router's memory, each its tenant's
 (another's id is 404), within `router.response_store_bytes` of their own, the largest tenant's least
-recently used dropped first, nothing across a restart. A conversation that would pass the bound
-whole is refused its new items or metadata (400), and a response's items that would make it so are
-not added (logged; the response is answered all the same).
+recently used dropped first, across a restart only with `router.state_dir`. A conversation that
+would pass the bound whole is refused its new items or metadata (400), and a response's items that
+would make it so are not added (logged; the response is answered all the same).
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response as HttpResponse
 
 from cluster.http.errors import HttpError
+from cluster.http.kept_files import json_text
 from cluster.http.kept_store import KeptStore
 from cluster.http.openai_schema import Body
 from cluster.http.response_store import ITEM_BYTES, Item
@@ -95,10 +97,36 @@ class ConversationStore(KeptStore[Conversation]):
     size is counted anew. One response at a time runs in a conversation (`hold`). Used from
     the router's event loop only."""
 
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(max_bytes)
+    def __init__(self, max_bytes: int, directory: Path | None = None) -> None:
+        super().__init__(max_bytes, directory)
         self._held: dict[tuple[str, str], float] = {}
         """(tenant, conversation id) -> when a response took it (time.monotonic)."""
+
+    def saved(self, value: Conversation) -> dict[str, Any]:
+        return {
+            "id": value.id,
+            "created_at": value.created_at,
+            "metadata": value.metadata,
+            "items": [item.decode() for item in value.items],
+            "ids": value.ids,
+            "dropped": value.dropped,
+        }
+
+    def restored(self, saved: dict[str, Any]) -> Conversation:
+        metadata, ids = saved["metadata"], saved["ids"]
+        items = list(map(json_text, saved["items"]))
+        if not all(isinstance(v, str) for v in metadata.values()):
+            raise TypeError("metadata values are not all strings")
+        if len(ids) != len(items) or not all(isinstance(i, str) for i in ids):
+            raise ValueError("the item ids are not one string an item")
+        return Conversation(
+            str(saved["id"]),
+            int(saved["created_at"]),
+            dict(metadata),
+            items,
+            list(ids),
+            int(saved["dropped"]),
+        )
 
     def add(
         self, tenant: str, conversation: Conversation, items: list[Item], dropped: int = 0
@@ -219,7 +247,7 @@ def joined(body: ResponsesRequest, store: ConversationStore, tenant: str) -> Con
         raise HttpError.invalid(
             "conversation",
             f"{conversation_id!r} is not a conversation of this tenant (never made, deleted, or "
-            "dropped from the router's store, which keeps nothing across a restart)",
+            "dropped from the router's store)",
         )
     return kept
 

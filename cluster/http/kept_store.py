@@ -1,6 +1,8 @@
 """What the router keeps for the HTTP API's stored objects (the Responses API's responses, the
 stored chat completions, the conversations): each its tenant's, by id, within one bound in
-bytes. Nothing survives a restart of the router.
+bytes. With `router.state_dir`, each object is also written to a file of its own
+(cluster/http/kept_files.py) and read back when the router starts again (`restore`); without
+it, nothing survives a restart of the router.
 
 When an object needs room, the tenant holding the most bytes (counting the one being kept) gives
 up its least recently stored or read object first. So one tenant storing much pushes out its
@@ -10,9 +12,15 @@ API keys) it is a plain least-recently-used store.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Generic, Protocol, TypeVar
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+from cluster.http.kept_files import KeptFiles
+
+log = logging.getLogger(__name__)
 
 
 class Sized(Protocol):
@@ -29,9 +37,14 @@ class KeptStore(Generic[V]):
     """Kept objects by (tenant, id) within `max_bytes`, the largest tenant's least recently
     used dropped first (the module docstring). Used from the router's event loop only."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, directory: Path | None = None) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
+        self.files = KeptFiles(directory) if directory is not None and max_bytes > 0 else None
+        """Where each object is written too (None: nowhere); read back by `restore`."""
+        self._order = 0
+        """The next object's place in the order kept, which `restore` keeps them in again."""
+        self._restoring = False
         self._kept: dict[str, OrderedDict[str, tuple[V, int]]] = {}
         """Tenant -> id -> (object, its size), least recently used first."""
         self._bytes_of: dict[str, int] = {}
@@ -61,6 +74,9 @@ class KeptStore(Generic[V]):
         self._kept.setdefault(tenant, OrderedDict())[key] = (value, size)
         self._bytes_of[tenant] = self._bytes_of.get(tenant, 0) + size
         self.bytes += size
+        if self.files is not None and not self._restoring:
+            self.files.write(tenant, key, self._order, self.saved(value))
+        self._order += 1
         return True
 
     def _drop_one(self, putting: str, size: int) -> None:
@@ -69,6 +85,8 @@ class KeptStore(Generic[V]):
         owner = max(self._bytes_of, key=lambda t: self._bytes_of[t] + (size if t == putting else 0))
         key, (dropped, taken) = self._kept[owner].popitem(last=False)
         self._taken(owner, taken)
+        if self.files is not None:
+            self.files.remove(owner, key)
         self.gone(owner, key, dropped)
 
     def _taken(self, tenant: str, size: int) -> None:
@@ -101,6 +119,8 @@ class KeptStore(Generic[V]):
         if found is None:
             return False
         self._taken(tenant, found[1])
+        if self.files is not None:
+            self.files.remove(tenant, key)
         self.gone(tenant, key, found[0])
         return True
 
@@ -111,3 +131,42 @@ class KeptStore(Generic[V]):
         """The tenant's ids and objects, least recently used first (none made more recent)."""
         for key, (value, _) in self._kept.get(tenant, {}).items():
             yield key, value
+
+    # -- on disk (`files`) ----------------------------------------------------------------------
+    def saved(self, value: V) -> dict[str, Any]:
+        """The object as JSON, for its file (a store kept on disk says how)."""
+        raise NotImplementedError(f"{type(self).__name__} is not kept on disk")
+
+    def restored(self, saved: dict[str, Any]) -> V:
+        """The object its file held (raises ValueError, KeyError, TypeError or AttributeError
+        if it cannot)."""
+        raise NotImplementedError(f"{type(self).__name__} is not kept on disk")
+
+    def restore(self) -> int:
+        """Read back what a router before this one kept, in the order it was kept (and so
+        within the bound as it is now); a file that cannot be read is left out and removed,
+        logged. How many objects were read back."""
+        if self.files is None:
+            return 0
+        records = self.files.read_back()
+        self._restoring = True
+        try:
+            for record in records:
+                tenant, key = record["tenant"], record["key"]
+                try:
+                    value = self.restored(record["value"])
+                except (ValueError, KeyError, TypeError, AttributeError) as err:
+                    log.error("%s %r of %r left out: %s", type(self).__name__, key, tenant, err)
+                    self.files.remove(tenant, key)
+                    continue
+                if not self.put(tenant, key, value):  # larger than the bound is now
+                    self.files.remove(tenant, key)
+                self._order = max(self._order, record["order"] + 1)
+        finally:
+            self._restoring = False
+        return len(self)
+
+    def close(self) -> None:
+        """Write out what waits to be written (blocks: call it off the event loop)."""
+        if self.files is not None:
+            self.files.close()

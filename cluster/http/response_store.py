@@ -12,9 +12,10 @@ Everything is kept encoded as JSON. The bound is on what each stored response wo
 whole conversation and its response object), so it holds however the turns share their items; it is
 one bound over every tenant's responses. The tenant holding the most gives up its least recently
 stored or read response first (cluster/http/kept_store.py); a response larger than the whole store
-is not kept (its `store` then says false). Nothing survives a restart of the router, as nothing
-survives one of vLLM's or SGLang's in-memory stores: a follow-up naming a lost response is refused
-by name.
+is not kept (its `store` then says false). With `router.state_dir` each is written there too and
+read back by the next router (cluster/http/kept_files.py); without it nothing survives a restart,
+as nothing survives one of vLLM's or SGLang's in-memory stores: a follow-up naming a lost response
+is refused by name.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.http.kept_files import json_text
 from cluster.http.kept_store import KeptStore
 
 ENTRY_BYTES = 640
@@ -79,3 +81,37 @@ class ResponseStore(KeptStore[StoredResponse]):
     """Stored responses by (tenant, id), the largest tenant's least recently used dropped first
     beyond `max_bytes`.
     Used from the router's event loop only."""
+
+    def saved(self, value: StoredResponse) -> dict[str, Any]:
+        return {
+            "response": value.response.decode(),
+            "inputs": [item.decode() for item in value.inputs],
+            "conversation": [item.decode() for item in value.conversation],
+            "status": value.status,
+            "background": value.background,
+            "dropped": value.dropped,
+            "in_conversation": value.in_conversation,
+        }
+
+    def restored(self, saved: dict[str, Any]) -> StoredResponse:
+        """As saved; one that was still running (the router went down under it, without the
+        stop that ends it cancelled) is failed, as nothing will end it now."""
+        conversation = tuple(json_text(item) for item in saved["conversation"])
+        response, status = json_text(saved["response"]), str(saved["status"])
+        if status in RUNNING:
+            status = "failed"
+            response = json.dumps(json.loads(response) | {"status": status, "error": LOST}).encode()
+        return StoredResponse(
+            response=response,
+            inputs=tuple(json_text(item) for item in saved["inputs"]),
+            conversation=conversation,
+            conversation_bytes=sum(map(len, conversation)),
+            status=status,
+            background=bool(saved["background"]),
+            dropped=int(saved["dropped"]),
+            in_conversation=None if (held := saved["in_conversation"]) is None else str(held),
+        )
+
+
+RUNNING = ("queued", "in_progress")
+LOST = {"code": "server_error", "message": "the router stopped while the response ran"}

@@ -44,6 +44,8 @@ class HttpServer:
             await asyncio.wait_for(self.api.background.close(), grace + 1.0)
         with contextlib.suppress(TimeoutError):  # the batches still running end cancelled
             await asyncio.wait_for(self.api.batches.close(), grace + 1.0)
+        for store in (self.api.responses, self.api.chat_store, self.api.conversations):
+            await asyncio.to_thread(store.close)  # what waits to be written (router.state_dir)
 
 
 def bind(host: str, port: int) -> socket.socket:

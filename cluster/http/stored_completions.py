@@ -14,7 +14,8 @@ routes that read them back (the SDKs' `chat.completions.list / retrieve / update
 A completion is kept as answered, streamed or not, once it ended (one that failed or whose client
 went away is not kept), in the router's memory within `router.response_store_bytes` (a store apart
 from the Responses API's, with the same bound), the largest tenant's least recently used dropped
-first; nothing survives a restart. Each is its tenant's (responses_chain.py `owner`): another's id
+first; with `router.state_dir` they outlive a restart (cluster/http/kept_files.py), without it
+not. Each is its tenant's (responses_chain.py `owner`): another's id
 is 404, as one never stored.
 """
 
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -34,6 +35,7 @@ from fastapi.responses import Response as HttpResponse
 from pydantic import BaseModel
 
 from cluster.http.errors import HttpError
+from cluster.http.kept_files import json_text
 from cluster.http.kept_store import KeptStore
 from cluster.http.openai_responses import FINISH_ERROR, Counts, Responses, Sample
 from cluster.http.openai_schema import ChatCompletionRequest, ChatMessage, Strict
@@ -62,7 +64,6 @@ PARAMETERS = (
 """The request's parameters a stored completion shows beside its `metadata` (null: not set)."""
 MAX_GONE = 4096
 """Deleted or dropped completions whose place in the listing is remembered."""
-_SEQUENCE = itertools.count()
 Keep = Callable[[BaseModel], Awaitable[None]]
 """Keeps a whole response (cluster/http/app.py `respond`)."""
 
@@ -96,8 +97,10 @@ class CompletionStore(KeptStore[StoredCompletion]):
     `MAX_GONE` that were deleted or dropped, so that a listing paged after one of them goes on
     (a client deleting what it lists, page by page, names a deleted one in `after`)."""
 
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(max_bytes)
+    def __init__(self, max_bytes: int, directory: Path | None = None) -> None:
+        self._places = 0
+        """The next request's place in the listing (`next_place`)."""
+        super().__init__(max_bytes, directory)
         self._gone: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def gone(self, tenant: str, key: str, value: StoredCompletion) -> None:
@@ -105,10 +108,42 @@ class CompletionStore(KeptStore[StoredCompletion]):
         if len(self._gone) > MAX_GONE:
             self._gone.popitem(last=False)
 
+    def next_place(self) -> int:
+        """A request's place in the listing, drawn as it comes in (as OpenAI lists by
+        `created`)."""
+        self._places += 1
+        return self._places - 1
+
     def place(self, tenant: str, key: str) -> int | None:
         """The completion's place in the listing, kept or recently gone (None: unknown)."""
         kept = self.peek(tenant, key)
         return kept.sequence if kept is not None else self._gone.get((tenant, key))
+
+    def saved(self, value: StoredCompletion) -> dict[str, Any]:
+        return {
+            "completion": value.completion.decode(),
+            "messages": [message.decode() for message in value.messages],
+            "model": value.model,
+            "sequence": value.sequence,
+            "metadata": value.metadata,
+        }
+
+    def restored(self, saved: dict[str, Any]) -> StoredCompletion:
+        """As saved; the places drawn from now on follow its place (`next_place`)."""
+        completion = json_text(saved["completion"])
+        metadata = saved["metadata"]
+        if not all(isinstance(v, str) for v in metadata.values()):
+            raise TypeError("metadata values are not all strings")
+        restored = StoredCompletion(
+            key=str(json.loads(completion)["id"]),
+            completion=completion,
+            messages=tuple(map(json_text, saved["messages"])),
+            model=str(saved["model"]),
+            sequence=int(saved["sequence"]),
+            metadata=dict(metadata),
+        )
+        self._places = max(self._places, restored.sequence + 1)  # drawn from past it on
+        return restored
 
 
 class MetadataUpdate(Strict):
@@ -127,11 +162,6 @@ def storing(body: ChatCompletionRequest, store: CompletionStore) -> bool:
             "store", "this router keeps no chat completions (router.response_store_bytes is 0)"
         )
     return bool(body.store)
-
-
-def next_place() -> int:
-    """A request's place in the listing, drawn as it comes in (as OpenAI lists by `created`)."""
-    return next(_SEQUENCE)
 
 
 def kept(body: ChatCompletionRequest, completion: BaseModel, place: int) -> StoredCompletion:

@@ -25,7 +25,6 @@ from cluster.http.stored_completions import (
     CompletionStore,
     kept,
     kept_at_the_end,
-    next_place,
     storing,
 )
 from protos.radixmesh.v1 import serving_pb2
@@ -319,7 +318,7 @@ def test_the_store_keeps_within_its_bound() -> None:
                 }
             ),
         )
-        record = kept(body, answered, next_place())
+        record = kept(body, answered, store.next_place())
         assert record.size > len(record.completion) + sum(map(len, record.messages))
         assert store.put("t", record.key, record)
         ids.append(record.key)

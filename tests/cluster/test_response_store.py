@@ -8,6 +8,7 @@ import gc
 import json
 import tracemalloc
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -141,3 +142,37 @@ def test_conversations_held_by_a_response_make_room_as_the_other_stores() -> Non
         store.hold("acme", "conv_a")
     release()
     store.hold("acme", "conv_a")()
+
+
+def chained(response_id: str, grown: int) -> StoredResponse:
+    """A response whose conversation is one item of about `grown` bytes, as a store keeps one
+    (its count the sum of its items')."""
+    item = json.dumps({"type": "message", "content": "x" * grown}).encode()
+    kept = response(response_id, len(item))
+    return StoredResponse(kept.response, (item,), (item,), len(item))
+
+
+def test_on_disk_read_back_in_the_order_kept_within_the_bound_as_it_is_now(
+    tmp_path: Path,
+) -> None:
+    store = ResponseStore(10 * BOUND, tmp_path)
+    for i in range(4):
+        assert store.put("acme", f"resp_{i}", chained(f"resp_{i}", 100))
+    store.get("acme", "resp_0")  # a read is not written: read back, it is as old as it was put
+    assert store.put("acme", "resp_1", chained("resp_1", 150))  # kept again: the most recent
+    store.delete("acme", "resp_2")
+    store.close()
+    assert len(list(tmp_path.glob("*.json"))) == 3
+    sizes = {key: kept.size for key, kept in store.of("acme")}
+    smaller = ResponseStore(sizes["resp_3"] + sizes["resp_1"], tmp_path)
+    assert smaller.restore() == 2
+    assert [key for key, _ in smaller.of("acme")] == ["resp_3", "resp_1"]
+    assert smaller.get("acme", "resp_1") == store.get("acme", "resp_1")
+    smaller.close()
+    assert len(list(tmp_path.glob("*.json"))) == 2  # the one dropped is removed
+
+
+def test_a_store_without_a_directory_writes_nothing(tmp_path: Path) -> None:
+    store = ResponseStore(BOUND)
+    assert store.files is None and store.restore() == 0
+    assert ResponseStore(0, tmp_path).files is None  # keeping nothing: nothing on disk
