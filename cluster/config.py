@@ -317,6 +317,10 @@ class RouterSection:
     files_bytes: int = _at_least(1 << 30, 0)
     """The Files API's files (batch inputs, and the batches' output files), in the router's
     memory: an upload past this is refused (413); 0: no Files or Batch API."""
+    files_bytes_per_tenant: int = _at_least(0, 0)
+    """The most of `files_bytes` one tenant's files may take: its upload past it is refused
+    (413), and no batch of its starts while its files take it, so that one tenant cannot
+    fill the files for every other; 0: no bound apart from `files_bytes`."""
     batch_max_in_flight: int = _at_least(16, 1)
     """A batch's requests running at once, every batch's together (each also counts against
     max_in_flight)."""

@@ -171,7 +171,11 @@ class HttpApi:
         self.embedding_calls = asyncio.Semaphore(embedding_calls(config.router.max_in_flight))
         """The embeddings API's inputs in flight, all its requests together."""
         router = config.router
-        self.files = FileStore(router.files_bytes, subdirectory(router.state_dir, "files"))
+        self.files = FileStore(
+            router.files_bytes,
+            subdirectory(router.state_dir, "files"),
+            router.files_bytes_per_tenant,
+        )
         """The Files API's files: batch inputs and outputs."""
         by_priority = config.engine.scheduling_policy == "priority"
         self.batch_runner = BatchRunner(

@@ -126,7 +126,7 @@ class Batches:
             raise HttpError.invalid(
                 "input_file_id", f"{body.input_file_id!r} is a {source.card.purpose!r} file"
             )
-        self._check_room()
+        self._check_room(tenant)
         return await self._start(tenant, headers, body.endpoint, source, body.metadata)
 
     async def create_messages(
@@ -137,19 +137,16 @@ class Batches:
         not listed by the Files API) that counts against `router.files_bytes`; `lines`: the
         same requests read (not read again from `content`)."""
         self.files.require()
-        self._check_room()
+        self._check_room(tenant)
         card = self.files.upload(tenant, "message_batch_requests.jsonl", INPUT_PURPOSE, content)
         await self.files.save(tenant, card.id)
         source = self.files.get(tenant, card.id)
         return await self._start(tenant, headers, MESSAGES, source, None, "msgbatch", lines)
 
-    def _check_room(self) -> None:
-        if self.files.full:  # its output would be kept past the bound
-            raise HttpError(
-                400,
-                f"the files kept take {self.files.held} bytes of {self.files.max_bytes} "
-                "(router.files_bytes): delete files before creating a batch",
-            )
+    def _check_room(self, tenant: str) -> None:
+        full = self.files.full(tenant)
+        if full is not None:  # its output would be kept past the bound
+            raise HttpError(400, f"{full}: delete files before creating a batch")
         if not self.runner.accepting():
             raise HttpError(503, "the router is draining; retry on another")
 

@@ -3,7 +3,8 @@ batches write (`batch_output`), kept in the router's memory, each its tenant's.
 
 One bound in bytes over every tenant's files (`router.files_bytes`): an upload that would pass
 it, or MAX_UPLOAD_BYTES, is refused (413, naming the setting) before its body is read past
-that, and deleting files makes room. A batch's output and error files are kept even past it
+that, and deleting files makes room. `router.files_bytes_per_tenant` bounds each tenant's share
+too (checked once the body is read). A batch's output and error files are kept even past it
 (refusing them would lose work already done); they count against it for the uploads that
 follow, and no batch is created while the files fill it.
 
@@ -58,11 +59,18 @@ class StoredFile:
 
 
 class FileStore:
-    def __init__(self, max_bytes: int, directory: Path | None = None) -> None:
+    def __init__(
+        self, max_bytes: int, directory: Path | None = None, tenant_bytes: int = 0
+    ) -> None:
         self.max_bytes = max_bytes
         """0: no Files API (and so no Batch API)."""
+        self.tenant_bytes = tenant_bytes
+        """The most one tenant's files may take (router.files_bytes_per_tenant; 0: no bound of
+        its own)."""
         self.held = 0
         """Bytes of every file kept, with ENTRY_BYTES each."""
+        self._held_by: dict[str, int] = {}
+        """Tenant -> the bytes of its files, with ENTRY_BYTES each."""
         self._files: dict[tuple[str, str], StoredFile] = {}
         """(tenant, file id) -> the file, in the order added."""
         self.places = ListPlaces()
@@ -76,9 +84,20 @@ class FileStore:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    @property
-    def full(self) -> bool:
-        return self.held >= self.max_bytes
+    def full(self, tenant: str) -> str | None:
+        """What the tenant's files or every file fill, if either: a batch would keep its output
+        past it (None: neither)."""
+        if self.tenant_bytes and self.held_by(tenant) >= self.tenant_bytes:
+            return (
+                f"this tenant's files take {self.held_by(tenant)} bytes of {self.tenant_bytes} "
+                "(router.files_bytes_per_tenant)"
+            )
+        if self.held >= self.max_bytes:
+            return f"the files kept take {self.held} bytes of {self.max_bytes} (router.files_bytes)"
+        return None
+
+    def held_by(self, tenant: str) -> int:
+        return self._held_by.get(tenant, 0)
 
     def room(self) -> int:
         """The most bytes an upload may have now: MAX_UPLOAD_BYTES, or what the bound leaves."""
@@ -98,6 +117,13 @@ class FileStore:
                 413,
                 f"the file is {len(content)} bytes and the files kept take {self.held} of "
                 f"{self.max_bytes} (router.files_bytes); delete files to make room",
+            )
+        if self.tenant_bytes and self.held_by(tenant) + size > self.tenant_bytes:
+            raise HttpError(
+                413,
+                f"the file is {len(content)} bytes and this tenant's files take "
+                f"{self.held_by(tenant)} of {self.tenant_bytes} (router.files_bytes_per_tenant); "
+                "delete files to make room",
             )
         return self.keep(tenant, filename, purpose, content)
 
@@ -122,8 +148,17 @@ class FileStore:
         )
         self._files[(tenant, card.id)] = StoredFile(card, content)
         self.places.add(tenant, card.id)
-        self.held += len(content) + ENTRY_BYTES
+        self._count(tenant, len(content) + ENTRY_BYTES)
         return card
+
+    def _count(self, tenant: str, size: int) -> None:
+        """Count `size` bytes more (or fewer) against the bound and the tenant's."""
+        self.held += size
+        held = self._held_by.get(tenant, 0) + size
+        if held:
+            self._held_by[tenant] = held
+        else:
+            self._held_by.pop(tenant, None)
 
     async def save(self, tenant: str, file_id: str, refuse: bool = True) -> None:
         """Write a file kept to `directory` (on a thread: an upload may be 200 MiB). One that
@@ -178,7 +213,7 @@ class FileStore:
         for _, tenant, stored in sorted(kept, key=lambda k: (k[0], k[2].card.id)):
             self._files[(tenant, stored.card.id)] = stored
             self.places.add(tenant, stored.card.id)
-            self.held += stored.card.bytes + ENTRY_BYTES
+            self._count(tenant, stored.card.bytes + ENTRY_BYTES)
         for orphan in directory.glob("*.bin"):  # written, its card never: an upload cut short
             if not orphan.with_suffix(".json").exists():
                 remove(orphan)
@@ -195,7 +230,7 @@ class FileStore:
         found = self.get(tenant, file_id)
         del self._files[(tenant, file_id)]
         self.places.remove(tenant, file_id)
-        self.held -= found.card.bytes + ENTRY_BYTES
+        self._count(tenant, -(found.card.bytes + ENTRY_BYTES))
         if self.directory is not None:  # the card first: a file without one is no file
             remove(self.directory / f"{file_id}.json", self.directory / f"{file_id}.bin")
 

@@ -383,6 +383,40 @@ def test_files_and_batches_are_their_tenants(
         cluster.close()
 
 
+def test_one_tenants_files_cannot_fill_the_files_for_another(tiny: LoadedModel) -> None:
+    """router.files_bytes_per_tenant: acme's upload past its share is refused naming it, and
+    once its batch's output takes its share no batch of its starts; globex's still do."""
+    tokens = {"acme-token": "acme", "globex-token": "globex"}
+    router = RouterSection(port=0, files_bytes=1 << 20, files_bytes_per_tenant=3000)
+    security = SecuritySection(auth_tokens=tokens)
+    cluster = start_cluster(tiny, workers=1, http=True, router=router, security=security)
+    try:
+        acme, globex = sdk(cluster, "acme-token"), sdk(cluster, "globex-token")
+        with pytest.raises(openai.APIStatusError, match=r"files_bytes_per_tenant") as refused:
+            acme.files.create(file=("big.jsonl", b"x" * 3000), purpose="batch")
+        assert refused.value.status_code == 413
+        lines = [line(f"a{i}", chat(SYSTEMS[0], f"Q{i}?")) for i in range(6)]
+        batch = run(acme, lines)  # its input fits; input and output together pass the share
+        assert batch.status == "completed" and batch.output_file_id is not None
+        with pytest.raises(openai.BadRequestError, match=r"files_bytes_per_tenant"):
+            acme.batches.create(
+                input_file_id=batch.input_file_id, endpoint=CHAT, completion_window="24h"
+            )
+        assert run(globex, lines).status == "completed"  # another tenant's share is its own
+        acme.files.delete(batch.output_file_id)  # room made: acme's batches start again
+        assert (
+            finished(
+                acme,
+                acme.batches.create(
+                    input_file_id=batch.input_file_id, endpoint=CHAT, completion_window="24h"
+                ).id,
+            ).status
+            == "completed"
+        )
+    finally:
+        cluster.close()
+
+
 def test_an_upload_past_the_bound_is_refused_naming_it(tiny: LoadedModel) -> None:
     router = RouterSection(port=0, files_bytes=6000)
     cluster = start_cluster(tiny, workers=1, http=True, router=router)
