@@ -3,11 +3,13 @@
 JSON file of its own under `state_dir/<store>/`, written whole (cluster/http/state_files.py) and
 removed when the object is deleted or dropped.
 
-One thread writes them, apart from the event loop: a store's `put` only hands over the bytes.
-What waits to be written is the latest state of each object and no more (a second write of one
-object replaces the first, a removal replaces both), so a slow disk holds back at most one
-encoding of each object kept. A router that stops writes out what waits first (`close`); one
-that crashes loses what had not been written, as a journal loses its last line.
+One thread encodes and writes them, apart from the event loop: a store's `put` only hands over
+the object and how to encode it (the objects are immutable, replaced rather than changed). What
+waits is the latest state of each object and no more (a second write of one object replaces the
+first in its place in the queue, a removal replaces both), so a slow disk holds back at most one
+state of each object kept. A router that stops writes out what waits first (`close`); what comes
+after that is written at once by its caller; a router that crashes loses what had not been
+written, as a journal loses its last line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from hashlib import blake2b
 from pathlib import Path
 from typing import Any
@@ -23,14 +26,18 @@ from cluster.http.state_files import remove, write_whole
 
 log = logging.getLogger(__name__)
 
+Encode = Callable[[], dict[str, Any]]
+"""An object as JSON, made when it is written (on the writer's thread)."""
+
 
 class KeptFiles:
     """The files of one store's objects in `directory`, one writer thread behind them."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._waiting: dict[Path, bytes | None] = {}
-        """File -> what to write there (None: remove it), the latest of each."""
+        self._waiting: dict[Path, tuple[str, str, int, Encode] | None] = {}
+        """File -> what to write there (tenant, id, order, encoding; None: remove the file),
+        the latest of each, in the order first handed over."""
         self._changed = threading.Condition()
         self._closing = False
         self._writer = threading.Thread(target=self._write, name=f"kept {directory.name}")
@@ -42,23 +49,23 @@ class KeptFiles:
         name = blake2b(f"{tenant}\0{key}".encode(), digest_size=16, person=b"radixmesh-kept")
         return self.directory / f"{name.hexdigest()}.json"
 
-    def write(self, tenant: str, key: str, order: int, value: dict[str, Any]) -> None:
-        """Write the object (`value`, as JSON) with its tenant, id and place in the order kept,
-        once the writer gets to it."""
-        record = {"tenant": tenant, "key": key, "order": order, "value": value}
-        self._hand_over(self.path(tenant, key), json.dumps(record).encode())
+    def write(self, tenant: str, key: str, order: int, encode: Encode) -> None:
+        """Write the object (`encode`d) with its tenant, id and place in the order kept, once
+        the writer gets to it."""
+        self._hand_over(self.path(tenant, key), (tenant, key, order, encode))
 
     def remove(self, tenant: str, key: str) -> None:
         self._hand_over(self.path(tenant, key), None)
 
-    def _hand_over(self, path: Path, data: bytes | None) -> None:
+    def _hand_over(self, path: Path, change: tuple[str, str, int, Encode] | None) -> None:
         with self._changed:
-            if self._closing:  # a request that outlived the router's stop: kept in memory
-                log.warning("%s: not written, the router has stopped: %s", self.directory, path)
+            if not self._closing:
+                self._waiting[path] = change
+                self._changed.notify()
                 return
-            self._waiting.pop(path, None)  # to the end: written after what waited before it
-            self._waiting[path] = data
-            self._changed.notify()
+        # a request that outlived the router's stop (its grace): written here and now, so
+        # that a deletion is not undone by the next router
+        self._apply(path, change)
 
     def _write(self) -> None:
         while True:
@@ -68,14 +75,20 @@ class KeptFiles:
                 if not self._waiting:
                     return
                 path = next(iter(self._waiting))
-                data = self._waiting.pop(path)
-            try:
-                if data is None:
-                    remove(path)
-                else:
-                    write_whole(path, data)
-            except OSError as err:  # the object stays kept in memory; logged, not raised
-                log.error("%s: not written: %s", path, err)
+                change = self._waiting.pop(path)
+            self._apply(path, change)
+
+    @staticmethod
+    def _apply(path: Path, change: tuple[str, str, int, Encode] | None) -> None:
+        try:
+            if change is None:
+                remove(path)
+                return
+            tenant, key, order, encode = change
+            record = {"tenant": tenant, "key": key, "order": order, "value": encode()}
+            write_whole(path, json.dumps(record).encode())
+        except OSError as err:  # the object stays kept in memory; logged, not raised
+            log.error("%s: not written: %s", path, err)
 
     def read_back(self) -> list[dict[str, Any]]:
         """The records written before (`tenant`, `key`, `order`, `value`), in the order kept; a
@@ -92,7 +105,7 @@ class KeptFiles:
                 if not isinstance(record["order"], int) or not isinstance(record["value"], dict):
                     raise ValueError("no order or value")
                 records.append(record)
-            except (OSError, ValueError, KeyError, TypeError) as err:
+            except Exception as err:  # whatever it holds: left out, not fatal
                 log.error("%s left out: %s", path, err)
                 remove(path)
         return sorted(records, key=lambda record: record["order"])

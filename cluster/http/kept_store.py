@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -75,7 +76,7 @@ class KeptStore(Generic[V]):
         self._bytes_of[tenant] = self._bytes_of.get(tenant, 0) + size
         self.bytes += size
         if self.files is not None and not self._restoring:
-            self.files.write(tenant, key, self._order, self.saved(value))
+            self.files.write(tenant, key, self._order, partial(self.saved, value))
         self._order += 1
         return True
 
@@ -134,12 +135,12 @@ class KeptStore(Generic[V]):
 
     # -- on disk (`files`) ----------------------------------------------------------------------
     def saved(self, value: V) -> dict[str, Any]:
-        """The object as JSON, for its file (a store kept on disk says how)."""
+        """The object as JSON, for its file (a store kept on disk says how). Called on the
+        writer's thread: it only reads the object, which is never changed in place."""
         raise NotImplementedError(f"{type(self).__name__} is not kept on disk")
 
     def restored(self, saved: dict[str, Any]) -> V:
-        """The object its file held (raises ValueError, KeyError, TypeError or AttributeError
-        if it cannot)."""
+        """The object its file held (raises if it cannot be one)."""
         raise NotImplementedError(f"{type(self).__name__} is not kept on disk")
 
     def restore(self) -> int:
@@ -155,7 +156,7 @@ class KeptStore(Generic[V]):
                 tenant, key = record["tenant"], record["key"]
                 try:
                     value = self.restored(record["value"])
-                except (ValueError, KeyError, TypeError, AttributeError) as err:
+                except Exception as err:  # whatever it holds: left out, not fatal
                     log.error("%s %r of %r left out: %s", type(self).__name__, key, tenant, err)
                     self.files.remove(tenant, key)
                     continue

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cluster.http.kept_files import json_text
@@ -82,6 +83,18 @@ class ResponseStore(KeptStore[StoredResponse]):
     beyond `max_bytes`.
     Used from the router's event loop only."""
 
+    def __init__(self, max_bytes: int, directory: Path | None = None) -> None:
+        super().__init__(max_bytes, directory)
+        self._shared: dict[bytes, bytes] = {}
+        """While restoring: each item read back once, so a chain's turns share their earlier
+        items again as they did before the restart (each file holds its whole chain)."""
+
+    def restore(self) -> int:
+        try:
+            return super().restore()
+        finally:
+            self._shared = {}
+
     def saved(self, value: StoredResponse) -> dict[str, Any]:
         return {
             "response": value.response.decode(),
@@ -96,14 +109,14 @@ class ResponseStore(KeptStore[StoredResponse]):
     def restored(self, saved: dict[str, Any]) -> StoredResponse:
         """As saved; one that was still running (the router went down under it, without the
         stop that ends it cancelled) is failed, as nothing will end it now."""
-        conversation = tuple(json_text(item) for item in saved["conversation"])
+        conversation = tuple(self._once(item) for item in saved["conversation"])
         response, status = json_text(saved["response"]), str(saved["status"])
         if status in RUNNING:
             status = "failed"
             response = json.dumps(json.loads(response) | {"status": status, "error": LOST}).encode()
         return StoredResponse(
             response=response,
-            inputs=tuple(json_text(item) for item in saved["inputs"]),
+            inputs=tuple(self._once(item) for item in saved["inputs"]),
             conversation=conversation,
             conversation_bytes=sum(map(len, conversation)),
             status=status,
@@ -111,6 +124,10 @@ class ResponseStore(KeptStore[StoredResponse]):
             dropped=int(saved["dropped"]),
             in_conversation=None if (held := saved["in_conversation"]) is None else str(held),
         )
+
+    def _once(self, item: Any) -> bytes:
+        encoded = json_text(item)
+        return self._shared.setdefault(encoded, encoded)
 
 
 RUNNING = ("queued", "in_progress")

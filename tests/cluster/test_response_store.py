@@ -176,3 +176,52 @@ def test_a_store_without_a_directory_writes_nothing(tmp_path: Path) -> None:
     store = ResponseStore(BOUND)
     assert store.files is None and store.restore() == 0
     assert ResponseStore(0, tmp_path).files is None  # keeping nothing: nothing on disk
+
+
+def test_what_no_file_holds_is_left_out_and_the_store_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record whose numbers overflow or whose JSON nests past the parser's depth is left out
+    and removed, as a file cut short is: the router starts with the rest."""
+    store = ConversationStore(10 * BOUND, tmp_path)
+    for i in range(3):
+        assert store.keep("acme", Conversation(f"conv_{i}", 0, {}))
+    store.close()
+    path = store.files.path("acme", "conv_0")  # type: ignore[union-attr]
+    record = json.loads(path.read_bytes())
+    path.write_text(json.dumps(record).replace('"created_at": 0', '"created_at": 1e999'))
+    store.files.path("acme", "conv_1").write_text("[" * 100_000)  # type: ignore[union-attr]
+    again = ConversationStore(10 * BOUND, tmp_path)
+    assert again.restore() == 1 and again.get("acme", "conv_2") is not None
+    again.close()
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert caplog.text.count("left out") == 2
+
+
+def test_a_deletion_after_the_stop_is_not_undone_by_the_next_router(tmp_path: Path) -> None:
+    """A request that outlived the router's stop deletes a response: its file goes at once."""
+    store = ResponseStore(10 * BOUND, tmp_path)
+    assert store.put("acme", "resp_1", chained("resp_1", 10))
+    store.close()
+    assert store.delete("acme", "resp_1")
+    assert ResponseStore(10 * BOUND, tmp_path).restore() == 0
+
+
+def test_a_chain_read_back_shares_its_earlier_items_again(tmp_path: Path) -> None:
+    """Each file holds its whole chain; read back, the turns share the items they did."""
+    store = ResponseStore(10 * BOUND, tmp_path)
+    first = chained("resp_1", 10)
+    second = StoredResponse(
+        response("resp_2", 0).response,
+        (b'"next"',),
+        (*first.conversation, b'"next"'),
+        first.conversation_bytes + 6,
+    )
+    store.put("acme", "resp_1", first)
+    store.put("acme", "resp_2", second)
+    store.close()
+    again = ResponseStore(10 * BOUND, tmp_path)
+    assert again.restore() == 2
+    one, two = again.get("acme", "resp_1"), again.get("acme", "resp_2")
+    assert one is not None and two is not None and two.conversation[0] is one.conversation[0]
+    assert two == second
