@@ -31,7 +31,7 @@ from cluster.http.batch_schema import BatchCreateRequest
 from cluster.http.batches import INPUT_PURPOSE
 from cluster.http.errors import HttpError
 from cluster.http.file_store import StoredFile
-from cluster.http.list_places import past
+from cluster.http.list_places import ListPlaces, past
 from cluster.http.responses_chain import check_metadata, owner
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def _batch_routes(app: FastAPI, api: HttpApi) -> None:
         batches = api.batches.listed(tenant)
         limit = _limit(query.get("limit"), 20, 100)
         if (after := query.get("after")) is not None:
-            place_of = partial(api.batches.places.place, tenant)
+            place_of = partial(_openai_place, api.batches.places, tenant)
             batches = past(batches, "after", after, place_of, newer=False)
         return _listed(batches[:limit], len(batches) > limit)
 
@@ -126,6 +126,11 @@ def _batch_routes(app: FastAPI, api: HttpApi) -> None:
     app.add_api_route("/v1/batches", list_batches, methods=["GET"])
     app.add_api_route("/v1/batches/{batch_id}", retrieve_batch, methods=["GET"])
     app.add_api_route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])
+
+
+def _openai_place(places: ListPlaces, tenant: str, batch_id: str) -> int | None:
+    """An OpenAI batch's place (none for a Message Batch's id, listed apart)."""
+    return None if batch_id.startswith("msgbatch_") else places.place(tenant, batch_id)
 
 
 def _file(api: HttpApi, tenant: str, file_id: str) -> StoredFile:

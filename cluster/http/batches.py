@@ -256,6 +256,8 @@ class Batches:
         ended (the oldest such on a tie): a tenant running many pushes out its own, not
         another's. An Anthropic batch goes with its files, which nothing else reaches."""
         ended = [key for key, r in self._batches.items() if r.batch.status in ENDED]
+        if len(ended) <= MAX_ENDED:
+            return
         counts = Counter(tenant for tenant, _ in ended)
         for _ in range(len(ended) - MAX_ENDED):
             most = max(counts.values())

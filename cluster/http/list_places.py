@@ -15,7 +15,8 @@ from typing import Protocol, TypeVar
 from cluster.http.errors import HttpError
 
 MAX_GONE = 4096
-"""Ids gone whose place is remembered (the least recent forgotten first)."""
+"""Ids gone whose place is remembered, every tenant's together: past it, the tenant with the
+most remembered forgets its least recent, so one tenant deleting much forgets its own."""
 
 
 class ListPlaces:
@@ -25,27 +26,42 @@ class ListPlaces:
     def __init__(self) -> None:
         self._draw = count()
         self._kept: dict[tuple[str, str], int] = {}
-        self._gone: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._gone: dict[str, OrderedDict[str, int]] = {}
+        """Tenant -> id gone -> its place, least recent first."""
+        self._gone_count = 0
 
     def add(self, tenant: str, key: str) -> None:
         """An object added, after every one there is; one kept already keeps its place."""
         if (tenant, key) not in self._kept:
             self._kept[tenant, key] = next(self._draw)
-            self._gone.pop((tenant, key), None)
+            self._forget(tenant, key)
 
     def remove(self, tenant: str, key: str) -> None:
         """An object gone: its place is remembered (MAX_GONE)."""
         place = self._kept.pop((tenant, key), None)
         if place is None:
             return
-        self._gone[tenant, key] = place
-        if len(self._gone) > MAX_GONE:
-            self._gone.popitem(last=False)
+        self._gone.setdefault(tenant, OrderedDict())[key] = place
+        self._gone_count += 1
+        if self._gone_count > MAX_GONE:
+            most = max(self._gone, key=lambda owner: len(self._gone[owner]))
+            self._forget(most, next(iter(self._gone[most])))
+
+    def _forget(self, tenant: str, key: str) -> None:
+        gone = self._gone.get(tenant)
+        if gone is None or gone.pop(key, None) is None:
+            return
+        self._gone_count -= 1
+        if not gone:
+            del self._gone[tenant]
 
     def place(self, tenant: str, key: str) -> int | None:
         """The object's place, kept or recently gone (None: unknown)."""
         found = self._kept.get((tenant, key))
-        return found if found is not None else self._gone.get((tenant, key))
+        if found is not None:
+            return found
+        gone = self._gone.get(tenant)
+        return gone.get(key) if gone is not None else None
 
 
 class Listed(Protocol):

@@ -47,7 +47,7 @@ from cluster.http.batch_runner import CREDENTIALS
 from cluster.http.batch_schema import MAX_MESSAGE_REQUESTS, MESSAGES, Batch, BatchLine
 from cluster.http.batches import ENDED
 from cluster.http.errors import HttpError
-from cluster.http.list_places import past
+from cluster.http.list_places import ListPlaces, past
 from cluster.http.openai_schema import Body
 from cluster.http.responses_chain import owner
 
@@ -213,7 +213,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         query = request.query_params
         mine = batches.listed(tenant(request), messages=True)
         limit = _limit(query.get("limit"))
-        place_of = partial(batches.places.place, tenant(request))
+        place_of = partial(_place, batches.places, tenant(request))
         page, more = _page(mine, query.get("before_id"), query.get("after_id"), limit, place_of)
         data = [shown(batch).model_dump() for batch in page]
         first, last = (page[0].id, page[-1].id) if page else (None, None)
@@ -263,6 +263,11 @@ def _limit(given: str | None) -> int:
             "limit", f"must be a whole number in [1, {MAX_PAGE}], got {given!r}"
         )
     return int(given)
+
+
+def _place(places: ListPlaces, tenant: str, batch_id: str) -> int | None:
+    """A Message Batch's place (none for an id of OpenAI's batches, listed apart)."""
+    return places.place(tenant, batch_id) if batch_id.startswith("msgbatch_") else None
 
 
 def _page(

@@ -245,6 +245,11 @@ def test_a_client_deleting_what_it_pages_through_pages_on(
     assert not set(made) & {b.id for b in client.messages.batches.list()}
     with pytest.raises(anthropic.BadRequestError, match="before_id"):
         client.messages.batches.list(before_id="msgbatch_none")
+    assert cluster.http is not None
+    cluster.http.api.batches.places.add("", "batch_openais")  # as OpenAI's batch API keeps one
+    with pytest.raises(anthropic.BadRequestError, match="after_id"):  # listed apart
+        client.messages.batches.list(after_id="batch_openais")
+    cluster.http.api.batches.places.remove("", "batch_openais")
     assert_no_leak(cluster)
 
 

@@ -40,20 +40,30 @@ def test_paging_goes_on_from_where_an_id_stood(
         places = ListPlaces()
         added: dict[str, list[str]] = {"acme": [], "globex": []}  # in the order added
         kept: dict[str, set[str]] = {"acme": set(), "globex": set()}
-        gone: list[tuple[str, str]] = []  # least recent first
+        gone: dict[str, list[str]] = {}  # tenant -> ids gone, least recent first
+
+        def forget(tenant: str, key: str) -> None:
+            if key in gone.get(tenant, []):
+                gone[tenant].remove(key)
+                if not gone[tenant]:
+                    del gone[tenant]
+
         for kind, tenant, key, newer in operations:
             if kind == "add" and key not in kept[tenant]:
                 places.add(tenant, key)
                 added[tenant] = [k for k in added[tenant] if k != key] + [key]
                 kept[tenant].add(key)
-                gone = [g for g in gone if g != (tenant, key)]
+                forget(tenant, key)
             elif kind == "remove" and key in kept[tenant]:
                 places.remove(tenant, key)
                 kept[tenant].discard(key)
-                gone = [*gone, (tenant, key)][-GONE:]
+                gone.setdefault(tenant, []).append(key)
+                if sum(map(len, gone.values())) > GONE:  # the tenant with the most forgets
+                    most = max(gone, key=lambda owner: len(gone[owner]))
+                    forget(most, gone[most][0])
             elif kind == "page":
                 listing = [Item(k) for k in added[tenant] if k in kept[tenant]]
-                known = key in kept[tenant] or (tenant, key) in gone
+                known = key in kept[tenant] or key in gone.get(tenant, [])
                 if not known:
                     with pytest.raises(HttpError, match="after"):
                         past(listing, "after", key, partial(places.place, tenant), newer)
@@ -74,3 +84,6 @@ def test_the_last_max_gone_places_are_remembered(monkeypatch: pytest.MonkeyPatch
     assert places.place("acme", "id0") is None  # the least recent gone: forgotten
     assert [places.place("acme", f"id{i}") for i in range(1, GONE + 2)] == [1, 2, 3, 4]
     assert places.place("globex", "id4") is None  # another tenant's
+    places.add("globex", "g")
+    places.remove("globex", "g")  # past the bound: acme, remembering the most, forgets
+    assert places.place("globex", "g") == GONE + 2 and places.place("acme", "id1") is None
