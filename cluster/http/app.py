@@ -60,6 +60,7 @@ from cluster.config import ANY_TENANT, ClusterConfig
 from cluster.http import (
     anthropic_routes,
     batch_routes,
+    beam_search,
     conversations,
     legacy_functions,
     message_batches,
@@ -303,7 +304,11 @@ class HttpApi:
         options = body.stream_options or StreamOptions()
         tools = openai_params.callable_tools(body)
         old = legacy_functions.legacy(body)  # its call comes back as function_call
-        stream = self.start(message, caller, fill_context=True, image_fields=image_fields)
+        if body.use_beam_search:
+            top = (body.top_logprobs or 0) if logprobs else 0
+            stream = self.beam_searched(body, [message], caller, True, top)
+        else:
+            stream = self.start(message, caller, fill_context=True, image_fields=image_fields)
         if not body.include_reasoning:
             stream = without_reasoning(stream)
         return await self.respond(
@@ -316,6 +321,42 @@ class HttpApi:
             openai_params.refusal_names(body),
             keep,
         )
+
+    def beam_searched(
+        self,
+        body: GenerationParams,
+        messages: list[serving_pb2.GenerateRequest],
+        caller: Caller,
+        fill_context: bool,
+        top: int,
+    ) -> Responses:
+        """vLLM's beam search of each prompt (cluster/http/beam_search.py), its best beams as the
+        finished samples of a stream; what it does not do refused here, by name. Each step is
+        a request of its own through the router (and counted as one by the tenants' usage)."""
+        beam_search.check(body, any(m.images for m in messages))
+        if self.draining:
+            raise HttpError(503, "the router is draining; retry on another")
+        tokenizer, limits = self.tokenizer()
+        given = messages[0].sampling
+        if given.HasField("max_tokens") and given.max_tokens < 1:
+            raise HttpError.invalid("max_tokens", "at least 1 with use_beam_search")
+        default = None if fill_context else beam_search.DEFAULT_MAX_TOKENS
+        asked = beam_search.asked_search(
+            body, given.max_tokens if given.HasField("max_tokens") else default, top
+        )
+        eos = frozenset(tokenizer.eos_token_ids)
+
+        async def run(message: serving_pb2.GenerateRequest) -> tuple[dict[int, Sample], Counts]:
+            return await collect(self.start(message, caller))
+
+        async def decode(ids: list[int]) -> str:
+            return await asyncio.to_thread(tokenizer.decode, ids, body.skip_special_tokens)
+
+        searches = [
+            functools.partial(beam_search.search, run, m, asked, eos, limits.max_model_len)
+            for m in messages
+        ]
+        return beam_search.responses(searches, decode, asked.width, bool(body.return_token_ids))
 
     def _keeper(self, body: ChatCompletionRequest, caller: Caller, request: Request) -> Keep | None:
         """What keeps a chat completion asked to be stored (None: not asked)."""
@@ -350,7 +391,10 @@ class HttpApi:
             n=body.n or 1,
         )
         logprobs = body.logprobs is not None
-        stream = merged([self.start(m, caller) for m in messages], reply.n)
+        if body.use_beam_search:
+            stream = self.beam_searched(body, messages, caller, False, body.logprobs or 0)
+        else:
+            stream = merged([self.start(m, caller) for m in messages], reply.n)
         if body.echo and body.max_tokens == 0:
             stream = prompt_alone(stream)
         options = body.stream_options or StreamOptions()

@@ -172,6 +172,10 @@ class GenerationParams(Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    use_beam_search: bool = False
+    """vLLM's: the `n` best of a beam search (cluster/http/beam_search.py), not samples."""
+    length_penalty: float = 1.0
+    """vLLM's, with use_beam_search: a beam's score is its logprob over its length to this."""
     min_p: float | None = None
     min_tokens: int | None = None
     allowed_token_ids: list[int] | None = None

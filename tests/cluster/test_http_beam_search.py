@@ -1,0 +1,179 @@
+"""vLLM's beam search (`use_beam_search`) through the `openai` SDK over real HTTP on loopback
+to a local cluster of two tiny-model workers: the beams equal those of a search written out
+here over SGLang's `/generate` (each step's top logprobs by token id), on text completions of
+one and several prompts and on chat; one beam is greedy decoding; each step after the first
+reads the prompt from the cache; what beam search does not do is refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from cluster.http.beam_search import MAX_WIDTH
+from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from tests.cluster.test_http_openai import assert_no_leak
+from tests.cluster.tool_fixtures import served
+from worker.loader import LoadedModel
+
+MODEL = SERVED_NAME
+BEAMS = {"use_beam_search": True, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: LoadedModel) -> Iterator[LocalCluster]:
+    yield from served(tiny)
+
+
+def top(cluster: LocalCluster, ids: Sequence[int], k: int) -> list[tuple[float, int]]:
+    """The k most likely next tokens after `ids`, by SGLang's API: (logprob, id)."""
+    body = {
+        "input_ids": list(ids),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": k,
+    }
+    answer = httpx.post(f"{cluster.http_url}/generate", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return [(lp, token) for lp, token, _ in answer.json()["meta_info"]["output_top_logprobs"][0]]
+
+
+def searched(
+    cluster: LocalCluster,
+    prompt: list[int],
+    width: int,
+    steps: int,
+    eos: frozenset[int] = frozenset(),
+    length_penalty: float = 1.0,
+) -> list[tuple[tuple[int, ...], float]]:
+    """vLLM's beam search written out: the best `width` (tokens, cumulative logprob)."""
+    live: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+    ended: list[tuple[tuple[int, ...], float]] = []
+    for _ in range(steps):
+        grown = []
+        for tokens, total in live:
+            for logprob, token in top(cluster, [*prompt, *tokens], 2 * width):
+                if token in eos:
+                    ended.append((tokens, total + logprob))
+                else:
+                    grown.append(((*tokens, token), total + logprob))
+        live = sorted(grown, key=lambda beam: beam[1], reverse=True)[:width]
+        if not live:
+            break
+    every = [*ended, *live]
+    every.sort(key=lambda b: b[1] / (len(prompt) + len(b[0])) ** length_penalty, reverse=True)
+    return every[:width]
+
+
+def test_the_beams_are_those_of_the_search_written_out(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    served_before = cluster.service.counters.actual_cached_tokens
+    answer = client.completions.create(
+        model=MODEL,
+        prompt="The three primary colours are",
+        max_tokens=4,
+        n=3,
+        extra_body=BEAMS | {"ignore_eos": True, "length_penalty": 0.5},
+    )
+    prompt = answer.choices[0].model_extra["prompt_token_ids"]  # type: ignore[index]
+    expected = searched(cluster, prompt, 3, 4, length_penalty=0.5)
+    got = [tuple(choice.model_extra["token_ids"]) for choice in answer.choices]  # type: ignore[index]
+    assert got == [tokens for tokens, _ in expected]
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in answer.choices)
+    texts = [
+        httpx.post(
+            f"{cluster.http_url}/detokenize", json={"model": MODEL, "tokens": list(t)}
+        ).json()["prompt"]
+        for t in got
+    ]
+    assert [c.text for c in answer.choices] == texts
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.usage.completion_tokens == 3 * 4
+    # every step after the first reads the prompt and the beam so far from the cache
+    assert cluster.service.counters.actual_cached_tokens - served_before >= 3 * len(prompt)
+    assert_no_leak(cluster)
+
+
+def test_one_beam_is_greedy_decoding(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    asked: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6}
+    greedy = client.completions.create(
+        **asked, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}
+    )
+    beam = client.completions.create(**asked, extra_body=BEAMS | {"ignore_eos": True})
+    assert beam.choices[0].model_extra["token_ids"] == greedy.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert beam.choices[0].text == greedy.choices[0].text
+
+
+def test_several_prompts_and_the_end_of_sequence(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """Each prompt's beams in its own choices (p x n + i), an end-of-sequence token ending a
+    beam as the search written out ends it (whether the tiny model ranks one high or not)."""
+    info = httpx.get(f"{cluster.http_url}/tokenizer_info", timeout=30).json()
+    eos_text = info["eos_token"]
+    eos = frozenset(
+        httpx.post(
+            f"{cluster.http_url}/tokenize", json={"model": MODEL, "prompt": eos_text}
+        ).json()["tokens"]
+    )
+    prompts = ["A list of fruit:", "Numbers: 1, 2,"]
+    answer = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=3, n=2, extra_body=BEAMS
+    )
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    for p, text in enumerate(prompts):
+        ids = httpx.post(
+            f"{cluster.http_url}/tokenize", json={"model": MODEL, "prompt": text}
+        ).json()["tokens"]
+        expected = [tokens for tokens, _ in searched(cluster, ids, 2, 3, eos)]
+        got = [tuple(c.model_extra["token_ids"]) for c in answer.choices[2 * p : 2 * p + 2]]  # type: ignore[index]
+        assert got == expected
+
+
+def test_chat_beams_with_their_logprobs(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a planet."}],
+        max_tokens=3,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=BEAMS | {"ignore_eos": True},
+    )
+    prompt = answer.model_extra["prompt_token_ids"]  # type: ignore[index]
+    best = searched(cluster, prompt, 2, 3)
+    assert [tuple(c.model_extra["token_ids"]) for c in answer.choices] == [t for t, _ in best]  # type: ignore[index]
+    for choice, (_, total) in zip(answer.choices, best, strict=True):
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert len(choice.logprobs.content) == 3
+        assert all(len(each.top_logprobs) == 2 for each in choice.logprobs.content)
+        assert sum(each.logprob for each in choice.logprobs.content) == pytest.approx(
+            total, abs=1e-4
+        )
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"stream": True}, "stream"),
+        ({"stop": ["."]}, "stop"),
+        ({"n": MAX_WIDTH + 1}, "n"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_what_beam_search_does_not_do_is_refused_by_name(
+    cluster: LocalCluster, extra: dict[str, Any], field: str
+) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "use_beam_search": True, **extra}
+    answer = httpx.post(f"{cluster.http_url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"].startswith(field), answer.text
+    assert_no_leak(cluster)
