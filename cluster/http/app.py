@@ -136,6 +136,7 @@ from cluster.router_admin import clear_caches
 from cluster.router_service import RouterService
 from cluster.serving_call import Caller, ServingError
 from protos.radixmesh.v1 import serving_pb2
+from worker.reasoning import template_thinks
 from worker.tokenizer import Tokenizer, TokenizerError
 from worker.validation import RequestLimits
 
@@ -345,9 +346,17 @@ class HttpApi:
             body, given.max_tokens if given.HasField("max_tokens") else default, top
         )
         eos = frozenset(tokenizer.eos_token_ids)
+        if given.separate_reasoning and template_thinks(tokenizer.chat_template):
+            raise HttpError.invalid(
+                "use_beam_search",
+                "a thinking model's reasoning is not told apart from its beams: send "
+                "separate_reasoning false for their whole text",
+            )
+        steps = asyncio.Semaphore(beam_search.STEPS_IN_FLIGHT)
 
         async def run(message: serving_pb2.GenerateRequest) -> tuple[dict[int, Sample], Counts]:
-            return await collect(self.start(message, caller))
+            async with steps:
+                return await collect(self.start(message, caller))
 
         async def decode(ids: list[int]) -> str:
             return await asyncio.to_thread(tokenizer.decode, ids, body.skip_special_tokens)

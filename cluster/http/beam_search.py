@@ -23,8 +23,10 @@ have no effect, as in vLLM: the search draws nothing.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cluster.http.errors import HttpError
 from cluster.http.openai_responses import Counts, Sample
@@ -35,6 +37,9 @@ DEFAULT_MAX_TOKENS = 16
 """A text completion's steps without max_tokens (the legacy API's default, as the workers')."""
 MAX_WIDTH = 10
 """The most beams: a step asks for 2 x n logprobs, at most 20 (the workers' bound)."""
+STEPS_IN_FLIGHT = 16
+"""A search's step requests at once, all its prompts' together, so that one request does not
+take `router.max_in_flight` for itself."""
 REFUSED = (
     "stop",
     "stop_token_ids",
@@ -61,6 +66,7 @@ REFUSED = (
     "best_of",
 )
 """Parameters refused with `use_beam_search` when set to more than their default."""
+T = TypeVar("T")
 Run = Callable[[serving_pb2.GenerateRequest], Awaitable[tuple[dict[int, Sample], Counts]]]
 """Serve one request through the router, whole."""
 
@@ -106,11 +112,29 @@ def check(body: GenerationParams, images: bool) -> None:
         raise HttpError.invalid("n", f"the beams: from 1 to {MAX_WIDTH} with use_beam_search")
 
 
-def step_sampling(width: int) -> serving_pb2.SamplingParams:
-    """One greedy token with the 2 x width most likely in its place."""
+def step_sampling(asked: Search) -> serving_pb2.SamplingParams:
+    """One greedy token with the 2 x width most likely in its place (more when the client
+    asked for more alternatives: only the first 2 x width are candidates)."""
     return serving_pb2.SamplingParams(
-        max_tokens=1, temperature=0.0, n=1, ignore_eos=True, logprobs=2 * width
+        max_tokens=1,
+        temperature=0.0,
+        n=1,
+        ignore_eos=True,
+        logprobs=max(2 * asked.width, asked.top),
     )
+
+
+async def every(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Each awaited together; on the first failure (or a cancellation), the rest are cancelled
+    and awaited (their worker calls closed) before it is raised as it was."""
+    tasks = [asyncio.ensure_future(each) for each in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def search(
@@ -121,23 +145,34 @@ async def search(
     max_model_len: int,
 ) -> tuple[list[Beam], list[int], Counts]:
     """The best beams, best first; the prompt's ids; the first step's counts (its prompt and
-    how much of it was cached)."""
+    how much of it was cached). A max_tokens the context cannot hold after the prompt is
+    refused by name, as without beam search."""
     first = serving_pb2.GenerateRequest()
     first.CopyFrom(message)
-    first.sampling.CopyFrom(step_sampling(asked.width))
+    first.sampling.CopyFrom(step_sampling(asked))
     first.sampling.return_prompt_token_ids = True
+    if message.truncate_prompt_tokens == -1 and asked.max_tokens is not None:
+        # -1 leaves room for max_tokens, not for the first step's one token
+        first.truncate_prompt_tokens = max(1, max_model_len - asked.max_tokens)
     samples, counts = await run(first)
     prompt = list(_first(counts).prompt_token_ids)
     limit = max_model_len - len(prompt)
-    steps = limit if asked.max_tokens is None else min(asked.max_tokens, limit)
+    if asked.max_tokens is not None and asked.max_tokens > limit:
+        raise HttpError.invalid(
+            "max_tokens",
+            f"{asked.max_tokens} tokens after the prompt's {len(prompt)}: the context "
+            f"({max_model_len}) leaves {limit}",
+        )
+    steps = limit if asked.max_tokens is None else asked.max_tokens
     live, ended = _next([Beam()], [samples[0]], asked, eos)
+    tag = uuid.uuid4().hex[:8]  # the prompts of one request share a cut request id
     for step in range(1, steps):
         if not live:
             break
         requests = [
-            _step(message, prompt, beam, asked.width, step, k) for k, beam in enumerate(live)
+            _step(message, prompt, beam, asked, f"{tag}.{step}.{k}") for k, beam in enumerate(live)
         ]
-        answers = await asyncio.gather(*(run(r) for r in requests))
+        answers = await every([run(r) for r in requests])
         live, done = _next(live, [a[0][0] for a in answers], asked, eos)
         ended += done
     prompt_length = len(prompt)
@@ -158,15 +193,15 @@ def _step(
     message: serving_pb2.GenerateRequest,
     prompt: list[int],
     beam: Beam,
-    width: int,
-    step: int,
-    k: int,
+    asked: Search,
+    suffix: str,
 ) -> serving_pb2.GenerateRequest:
-    """A beam's step: its ids so far, in the client's namespace, at its priority."""
+    """A beam's step: its ids so far, in the client's namespace, at its priority; its id the
+    request's, cut to leave room for `suffix` (within the 128 characters an id may have)."""
     request = serving_pb2.GenerateRequest(
-        request_id=f"{message.request_id[:96]}.{step}.{k}",
+        request_id=f"{message.request_id[: 127 - len(suffix)]}.{suffix}",
         token_ids=serving_pb2.TokenIds(ids=[*prompt, *beam.tokens]),
-        sampling=step_sampling(width),
+        sampling=step_sampling(asked),
         priority=message.priority,
         text_match=message.text_match,
     )
@@ -185,8 +220,9 @@ def _next(
         if not answer.logprobs:
             raise HttpError(500, f"a beam step came back without logprobs ({answer.finish_reason})")
         place = answer.logprobs[0]
+        candidates = 2 * asked.width
         for rank, (token, logprob) in enumerate(
-            zip(place.top_ids, place.top_logprobs, strict=True), start=1
+            zip(place.top_ids[:candidates], place.top_logprobs[:candidates], strict=True), start=1
         ):
             shown = serving_pb2.TokenLogprob(
                 logprob=logprob,
@@ -222,7 +258,7 @@ async def responses(
 ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
     """Each prompt's best beams as the messages of its finished samples (sample p x width + i
     is prompt p's i-th best), as a generation's stream would end them."""
-    found = await asyncio.gather(*(each() for each in searches))
+    found = await every([each() for each in searches])
     for p, (beams, prompt, counts) in enumerate(found):
         first = _first(counts)
         for i, beam in enumerate(beams):

@@ -121,9 +121,9 @@ class FileStore:
         if self.tenant_bytes and self.held_by(tenant) + size > self.tenant_bytes:
             raise HttpError(
                 413,
-                f"the file is {len(content)} bytes and this tenant's files take "
-                f"{self.held_by(tenant)} of {self.tenant_bytes} (router.files_bytes_per_tenant); "
-                "delete files to make room",
+                f"the file is {len(content)} bytes ({size} with what keeping it takes) and this "
+                f"tenant's files take {self.held_by(tenant)} of {self.tenant_bytes} "
+                "(router.files_bytes_per_tenant); delete files to make room",
             )
         return self.keep(tenant, filename, purpose, content)
 

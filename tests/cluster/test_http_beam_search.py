@@ -177,3 +177,47 @@ def test_what_beam_search_does_not_do_is_refused_by_name(
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["message"].startswith(field), answer.text
     assert_no_leak(cluster)
+
+
+def test_a_long_request_id_over_several_prompts_and_more_alternatives_than_candidates(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """Each prompt's steps keep ids of their own however long the client's X-Request-Id (the
+    router cuts it to fit 128 characters); `top_logprobs` past 2 x n still gets that many."""
+    answer = client.completions.create(
+        model=MODEL,
+        prompt=["First prompt", "Second prompt"],
+        max_tokens=2,
+        n=2,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+        extra_headers={"X-Request-Id": "r" * 124},  # its prompts: 126 characters
+    )
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello."}],
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and all(len(each.top_logprobs) == 5 for each in content)
+    assert_no_leak(cluster)
+
+
+def test_a_thinking_models_reasoning_apart_is_refused(thinking_cluster: LocalCluster) -> None:
+    """Beams are searched over the whole text: a thinking model's reasoning would land in its
+    content, so asking for it apart (the chat default) is refused by name; whole, it is served."""
+    url = f"{thinking_cluster.http_url}/v1/chat/completions"
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Think."}],
+        "max_tokens": 2,
+        "use_beam_search": True,
+    }
+    refused = httpx.post(url, json=body, timeout=60)
+    assert refused.status_code == 400 and "use_beam_search" in refused.text
+    whole = httpx.post(url, json=body | {"separate_reasoning": False}, timeout=60)
+    assert whole.status_code == 200, whole.text
+    assert_no_leak(thinking_cluster)
