@@ -22,15 +22,14 @@ have no effect, as in vLLM: the search draws nothing.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 from cluster.http.errors import HttpError
 from cluster.http.openai_responses import Counts, Sample
 from cluster.http.openai_schema import GenerationParams
+from cluster.http.several_prompts import every
 from protos.radixmesh.v1 import serving_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -66,7 +65,6 @@ REFUSED = (
     "best_of",
 )
 """Parameters refused with `use_beam_search` when set to more than their default."""
-T = TypeVar("T")
 Run = Callable[[serving_pb2.GenerateRequest], Awaitable[tuple[dict[int, Sample], Counts]]]
 """Serve one request through the router, whole."""
 
@@ -122,19 +120,6 @@ def step_sampling(asked: Search) -> serving_pb2.SamplingParams:
         ignore_eos=True,
         logprobs=max(2 * asked.width, asked.top),
     )
-
-
-async def every(work: Sequence[Awaitable[T]]) -> list[T]:
-    """Each awaited together; on the first failure (or a cancellation), the rest are cancelled
-    and awaited (their worker calls closed) before it is raised as it was."""
-    tasks = [asyncio.ensure_future(each) for each in work]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 async def search(

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from typing import TypeVar
 
 from cluster.http.errors import HttpError
 from cluster.stream_merge import merge_streams
 from protos.radixmesh.v1 import serving_pb2
+
+T = TypeVar("T")
 
 Responses = AsyncGenerator[serving_pb2.GenerateResponse, None]
 Prompt = str | list[int]
@@ -72,7 +75,13 @@ async def _firsts(streams: Sequence[Responses]) -> list[serving_pb2.GenerateResp
     async def first(stream: Responses) -> serving_pb2.GenerateResponse:
         return await anext(stream)
 
-    tasks = [asyncio.create_task(first(s)) for s in streams]
+    return await every([first(s) for s in streams])
+
+
+async def every(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Each awaited together; on the first failure (or a cancellation), the rest are cancelled
+    and awaited (their worker calls closed) before it is raised as it was."""
+    tasks = [asyncio.ensure_future(each) for each in work]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
