@@ -72,7 +72,8 @@ def continued(body: ResponsesRequest, store: ResponseStore, tenant: str) -> Stor
             "previous_response_id",
             f"{body.previous_response_id!r} is not a stored response of this tenant (never "
             "stored, deleted, or dropped from the router's store, which keeps the most "
-            f"recently used {store.max_bytes:,} bytes and nothing across a restart); "
+            f"recently used {store.max_bytes:,} bytes"
+            f"{'' if store.files is not None else ' and nothing across a restart'}); "
             "send the conversation in input",
         )
     return earlier

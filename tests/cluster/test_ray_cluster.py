@@ -291,20 +291,16 @@ def batch_after_restart(config_file: Path, batch_id: str) -> dict[str, str]:
         return {a["custom_id"]: a["id"] for a in answered}
 
 
-def lost_response(config_file: Path, response_id: str) -> str:
-    """What continuing a stored response answers after the router restarted: refused by name
-    (the store is the router's memory)."""
+def continued_response(config_file: Path, response_id: str) -> str:
+    """A response stored before the router was killed, continued after it restarted (its
+    file in router.state_dir read back); the follow-up's status."""
     url = http_url(config_file)
     with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         model = client.models.list().data[0].id
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.responses.create(
-                model=model, input="Go on.", previous_response_id=response_id, max_output_tokens=3
-            )
-        assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
-        with pytest.raises(openai.NotFoundError):
-            client.responses.retrieve(response_id)
-        return refused.value.message
+        assert client.responses.retrieve(response_id).id == response_id
+        return client.responses.create(
+            model=model, input="Go on.", previous_response_id=response_id, max_output_tokens=3
+        ).status
 
 
 def structured_answer(config_file: Path) -> str:
@@ -466,7 +462,7 @@ def test_serve_survives_worker_and_router_deaths(head: dict[str, str], config_fi
         )
         assert list(client.generate(text_request(PROMPT, max_tokens=3)))[-1].finished
         assert http_answer(config_file).choices[0].finish_reason == "length"  # the same port
-        assert "nothing across a restart" in lost_response(config_file, kept)
+        assert continued_response(config_file, kept) in ("completed", "incomplete")
         # the batch, in router.state_dir, went on in the restarted router: each line once,
         # in order, those answered before the kill not run again (the same request ids)
         after = batch_after_restart(config_file, batch_id)
