@@ -87,8 +87,8 @@ class KeptFiles:
             tenant, key, order, encode = change
             record = {"tenant": tenant, "key": key, "order": order, "value": encode()}
             write_whole(path, json.dumps(record).encode())
-        except OSError as err:  # the object stays kept in memory; logged, not raised
-            log.error("%s: not written: %s", path, err)
+        except Exception:  # the object stays kept in memory; logged, and the writer goes on
+            log.exception("%s: not written", path)
 
     def read_back(self) -> list[dict[str, Any]]:
         """The records written before (`tenant`, `key`, `order`, `value`), in the order kept; a
