@@ -9,6 +9,7 @@ import json
 import tracemalloc
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -225,3 +226,21 @@ def test_a_chain_read_back_shares_its_earlier_items_again(tmp_path: Path) -> Non
     one, two = again.get("acme", "resp_1"), again.get("acme", "resp_2")
     assert one is not None and two is not None and two.conversation[0] is one.conversation[0]
     assert two == second
+
+
+def test_a_write_that_fails_leaves_the_writer_writing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Failing(ResponseStore):
+        def saved(self, value: StoredResponse) -> dict[str, Any]:
+            if b"resp_bad" in value.response:
+                raise TypeError("cannot encode it")
+            return super().saved(value)
+
+    store = Failing(10 * BOUND, tmp_path)
+    assert store.put("acme", "resp_bad", chained("resp_bad", 10))
+    assert store.put("acme", "resp_good", chained("resp_good", 10))
+    store.close()
+    again = ResponseStore(10 * BOUND, tmp_path)
+    assert again.restore() == 1 and again.get("acme", "resp_good") is not None
+    assert "not written" in caplog.text
