@@ -22,6 +22,7 @@ have no effect, as in vLLM: the search draws nothing.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -105,9 +106,13 @@ def check(body: GenerationParams, images: bool) -> None:
         default = type(body).model_fields[name].default if name in type(body).model_fields else None
         if value is not None and value != default and value not in ([], {}, ""):
             raise HttpError.invalid(name, "not with use_beam_search")
-    width = body.n or 1
+    width = 1 if body.n is None else body.n
     if not 1 <= width <= MAX_WIDTH:
         raise HttpError.invalid("n", f"the beams: from 1 to {MAX_WIDTH} with use_beam_search")
+    if not math.isfinite(body.length_penalty):
+        raise HttpError.invalid(
+            "length_penalty", f"must be a finite number, got {body.length_penalty}"
+        )
 
 
 def step_sampling(asked: Search) -> serving_pb2.SamplingParams:
@@ -229,10 +234,14 @@ def _next(
 
 
 def _score(beam: Beam, prompt_length: int, asked: Search) -> float:
-    """vLLM's: the cumulative logprob over the length (prompt and beam, an ending
-    end-of-sequence token not counted) to the power `length_penalty`."""
+    """What ranks the beams as vLLM's score does, the cumulative logprob over the length
+    (prompt and beam, an ending end-of-sequence token not counted) to the power
+    `length_penalty`, but taken in logs: `-log(-score)`, which orders as the score and cannot
+    overflow whatever the penalty (a score of 0, a beam certain, ranks first)."""
     length = prompt_length + len(beam.tokens) - (1 if beam.ended and asked.keep_eos else 0)
-    return beam.cumulative / (max(length, 1) ** asked.length_penalty)
+    if beam.cumulative >= 0:
+        return math.inf
+    return asked.length_penalty * math.log(max(length, 1)) - math.log(-beam.cumulative)
 
 
 async def responses(
@@ -267,7 +276,7 @@ async def responses(
 
 def asked_search(body: GenerationParams, max_tokens: int | None, top: int) -> Search:
     return Search(
-        width=body.n or 1,
+        width=1 if body.n is None else body.n,
         max_tokens=max_tokens,
         length_penalty=body.length_penalty,
         ignore_eos=body.ignore_eos,

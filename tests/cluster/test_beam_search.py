@@ -157,3 +157,12 @@ def test_a_failed_step_ends_the_search_with_no_step_left_running() -> None:
         assert not running
 
     asyncio.run(asyncio.wait_for(searched(), 10))
+
+
+@pytest.mark.parametrize("length_penalty", [1e300, -1e300])
+def test_a_penalty_of_any_size_ranks_without_overflowing(length_penalty: float) -> None:
+    """vLLM's score divides by the length to the penalty, which overflows (a 500) for a large
+    one; ranked in logs, the longest (or, negative, the shortest) beams come first."""
+    ranked = best(asked_for(length_penalty))
+    lengths = [len(tokens) for tokens, _, _ in ranked]
+    assert lengths == sorted(lengths, reverse=length_penalty > 0)

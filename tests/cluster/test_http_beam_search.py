@@ -6,6 +6,7 @@ reads the prompt from the cache; what beam search does not do is refused by name
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -167,13 +168,21 @@ def test_chat_beams_with_their_logprobs(client: openai.OpenAI, cluster: LocalClu
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 0}, "n"),
+        ({"length_penalty": float("nan")}, "length_penalty"),
     ],
 )
 def test_what_beam_search_does_not_do_is_refused_by_name(
     cluster: LocalCluster, extra: dict[str, Any], field: str
 ) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "use_beam_search": True, **extra}
-    answer = httpx.post(f"{cluster.http_url}/v1/completions", json=body, timeout=30)
+    raw = json.dumps(body)  # NaN written as JavaScript writes it, which the server parses
+    answer = httpx.post(
+        f"{cluster.http_url}/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["message"].startswith(field), answer.text
     assert_no_leak(cluster)
