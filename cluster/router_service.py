@@ -399,12 +399,12 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             began = time.perf_counter()
             decision = self.links.policy.route(route)
             self.counters.decision_seconds += time.perf_counter() - began
-            self.counters.routed += 1
-            self.counters.predicted_cached_tokens += decision.predicted_cached_tokens
             link = self.links.links[decision.worker]
             if prepared.namespace.salt is not None and not link.info.cache_salts:
                 self.links.policy.finished(link.name, prepared.request_id)
                 raise self._refused_salt()  # the worker attached after the request was checked
+            self.counters.routed += 1
+            self.counters.predicted_cached_tokens += decision.predicted_cached_tokens
             requests = progress.worker_requests(
                 decision.predicted_cached_tokens, hashes, self._kv_peer(route, decision)
             )

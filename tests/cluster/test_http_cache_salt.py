@@ -162,8 +162,10 @@ def test_a_salted_request_is_not_routed_to_a_worker_attached_without_salts(
     try:
         for link in links.links.values():
             link.info.cache_salts = False  # as an older release describes itself
+        routed = cluster.service.counters.routed
         with pytest.raises(openai.BadRequestError, match="predates cache salts"):
             chat(client, "Routed?", "salt-z")
+        assert cluster.service.counters.routed == routed  # refused, not counted as routed
         assert chat(client, "Served?", None).choices
     finally:
         for link in links.links.values():
