@@ -30,10 +30,11 @@ class ListPlaces:
         """Tenant -> id gone -> its place, least recent first."""
         self._gone_count = 0
 
-    def add(self, tenant: str, key: str) -> None:
-        """An object added, after every one there is; one kept already keeps its place."""
+    def add(self, tenant: str, key: str, place: int | None = None) -> None:
+        """An object added, after every one there is (or at `place`, for a store whose order
+        is drawn elsewhere); one kept already keeps its place."""
         if (tenant, key) not in self._kept:
-            self._kept[tenant, key] = next(self._draw)
+            self._kept[tenant, key] = next(self._draw) if place is None else place
             self._forget(tenant, key)
 
     def remove(self, tenant: str, key: str) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +36,7 @@ from pydantic import BaseModel
 from cluster.http.errors import HttpError
 from cluster.http.kept_files import json_text
 from cluster.http.kept_store import KeptStore
+from cluster.http.list_places import ListPlaces
 from cluster.http.openai_responses import FINISH_ERROR, Counts, Responses, Sample
 from cluster.http.openai_schema import ChatCompletionRequest, ChatMessage, Strict
 from cluster.http.responses_chain import check_metadata, owner
@@ -62,8 +62,6 @@ PARAMETERS = (
     "response_format",
 )
 """The request's parameters a stored completion shows beside its `metadata` (null: not set)."""
-MAX_GONE = 4096
-"""Deleted or dropped completions whose place in the listing is remembered."""
 Keep = Callable[[BaseModel], Awaitable[None]]
 """Keeps a whole response (cluster/http/app.py `respond`)."""
 
@@ -93,20 +91,26 @@ class StoredCompletion:
 
 
 class CompletionStore(KeptStore[StoredCompletion]):
-    """The stored chat completions, by (tenant, id); and the place in the listing of the last
-    `MAX_GONE` that were deleted or dropped, so that a listing paged after one of them goes on
-    (a client deleting what it lists, page by page, names a deleted one in `after`)."""
+    """The stored chat completions, by (tenant, id); and the places in the listing of those
+    deleted or dropped last (cluster/http/list_places.py), so that a listing paged after one of
+    them goes on (a client deleting what it lists, page by page, names a deleted one in
+    `after`)."""
 
     def __init__(self, max_bytes: int, directory: Path | None = None) -> None:
         self._places = 0
         """The next request's place in the listing (`next_place`)."""
+        self._listed = ListPlaces()
+        """Each completion's place (its `sequence`), and those of the last gone."""
         super().__init__(max_bytes, directory)
-        self._gone: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    def put(self, tenant: str, key: str, value: StoredCompletion) -> bool:
+        if not super().put(tenant, key, value):
+            return False
+        self._listed.add(tenant, key, value.sequence)
+        return True
 
     def gone(self, tenant: str, key: str, value: StoredCompletion) -> None:
-        self._gone[tenant, key] = value.sequence
-        if len(self._gone) > MAX_GONE:
-            self._gone.popitem(last=False)
+        self._listed.remove(tenant, key)
 
     def next_place(self) -> int:
         """A request's place in the listing, drawn as it comes in (as OpenAI lists by
@@ -116,8 +120,7 @@ class CompletionStore(KeptStore[StoredCompletion]):
 
     def place(self, tenant: str, key: str) -> int | None:
         """The completion's place in the listing, kept or recently gone (None: unknown)."""
-        kept = self.peek(tenant, key)
-        return kept.sequence if kept is not None else self._gone.get((tenant, key))
+        return self._listed.place(tenant, key)
 
     def saved(self, value: StoredCompletion) -> dict[str, Any]:
         return {

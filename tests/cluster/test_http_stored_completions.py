@@ -18,6 +18,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from cluster.http import list_places
 from cluster.http.errors import HttpError
 from cluster.http.openai_responses import Counts, Sample
 from cluster.http.openai_schema import ChatChoice, ChatCompletion, ChatCompletionRequest, Usage
@@ -333,6 +334,16 @@ def test_the_store_keeps_within_its_bound() -> None:
     assert store.get("t", last.key) is None
     assert store.place("t", ids[0]) == store.place("t", ids[0]) is not None  # dropped: placed
     assert store.place("t", "chatcmpl-never") is None
+    # the gone places are forgotten from the tenant remembering the most: another tenant
+    # deleting many does not forget this one's
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(list_places, "MAX_GONE", 3)
+        mine = replace(last, key="chatcmpl-mine", sequence=store.next_place())
+        assert store.put("u", mine.key, mine) and store.delete("u", mine.key)
+        for k in range(5):
+            theirs = replace(last, key=f"chatcmpl-x{k}", sequence=store.next_place())
+            assert store.put("v", theirs.key, theirs) and store.delete("v", theirs.key)
+        assert store.place("u", mine.key) == mine.sequence
 
 
 def test_paging_goes_on_past_deleted_and_changed_ones(
