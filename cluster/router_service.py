@@ -239,6 +239,30 @@ class RouterService(serving_pb2_grpc.ServingServicer):
             if done and not failed and metered:  # a client that stopped reading at the last
                 self._ended(clock)  # message (an embedding's, over HTTP) is served all the same
 
+    async def metered_whole(
+        self,
+        stream: AsyncIterator[serving_pb2.GenerateResponse],
+        tenant: str | None,
+        calls: int,
+        samples: int,
+    ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
+        """Meter, as `generate` meters a call, what requests not metered served and what
+        reaches the client all at once: a beam search's best beams, found by step requests
+        of their own. Each `samples` consecutive sample indices are one call, counted in the
+        tenant's usage and timed once its messages come, so that the usage and the latencies
+        hold the `calls` calls clients made, not the steps that served them."""
+        clocks = [self.latencies.call(embedding=False) for _ in range(calls)]
+        found = [response async for response in stream]
+        for response in found:
+            clocks[response.index // samples].forwarded(response)
+        for clock in clocks:
+            usage = clock.usage()
+            if usage is not None:
+                self.tenants.add(tenant, *usage)
+                self._ended(clock)
+        for response in found:
+            yield response
+
     def _ended(self, clock: CallClock) -> None:
         """Count a call whose every sample's last message reached the router, by how its
         samples ended (an error or an abort on the worker ends a stream, not the call), and

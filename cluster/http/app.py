@@ -333,7 +333,8 @@ class HttpApi:
     ) -> Responses:
         """vLLM's beam search of each prompt (cluster/http/beam_search.py), its best beams as the
         finished samples of a stream; what it does not do refused here, by name. Each step is
-        a request of its own through the router (and counted as one by the tenants' usage)."""
+        a request of its own through the router, not metered: each prompt's search is metered
+        as one call (RouterService.metered_whole)."""
         beam_search.check(body, any(m.images for m in messages))
         if self.draining:
             raise HttpError(503, "the router is draining; retry on another")
@@ -356,7 +357,7 @@ class HttpApi:
 
         async def run(message: serving_pb2.GenerateRequest) -> tuple[dict[int, Sample], Counts]:
             async with steps:
-                return await collect(self.start(message, caller))
+                return await collect(self.start(message, caller, metered=False))
 
         async def decode(ids: list[int]) -> str:
             return await asyncio.to_thread(tokenizer.decode, ids, body.skip_special_tokens)
@@ -365,7 +366,10 @@ class HttpApi:
             functools.partial(beam_search.search, run, m, asked, eos, limits.max_model_len)
             for m in messages
         ]
-        return beam_search.responses(searches, decode, asked.width, bool(body.return_token_ids))
+        found = beam_search.responses(searches, decode, asked.width, bool(body.return_token_ids))
+        named = messages[0].namespace.tenant
+        tenant = named if caller.tenant == ANY_TENANT else caller.tenant
+        return self.service.metered_whole(found, tenant or None, len(messages), asked.width)
 
     def _keeper(self, body: ChatCompletionRequest, caller: Caller, request: Request) -> Keep | None:
         """What keeps a chat completion asked to be stored (None: not asked)."""

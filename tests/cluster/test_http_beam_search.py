@@ -17,6 +17,7 @@ import pytest
 from cluster.http.beam_search import MAX_WIDTH
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak
+from tests.cluster.test_http_sglang_generate import ended
 from tests.cluster.tool_fixtures import served
 from worker.loader import LoadedModel
 
@@ -135,6 +136,37 @@ def test_several_prompts_and_the_end_of_sequence(
         expected = [tokens for tokens, _ in searched(cluster, ids, 2, 3, eos)]
         got = [tuple(c.model_extra["token_ids"]) for c in answer.choices[2 * p : 2 * p + 2]]  # type: ignore[index]
         assert got == expected
+
+
+def test_a_search_is_metered_as_one_call_a_prompt(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """Its steps are routed but not metered: the tenant's usage, the calls by status and the
+    latencies hold the two prompts' calls, their prompts' tokens and their beams' tokens, not
+    the dozen steps that served them."""
+    service = cluster.service
+    ok, timed, routed = service.counters.by_status.get("OK", 0), ended(service), routed_now(cluster)
+    answer = client.completions.create(
+        model=MODEL,
+        prompt=["The sky is", "Water is"],
+        max_tokens=3,
+        n=2,
+        extra_body=BEAMS | {"ignore_eos": True},
+        extra_headers={"X-Radixmesh-Tenant": "beams"},
+    )
+    assert answer.usage is not None
+    usage = service.tenants.tenants["beams"]
+    assert usage.requests == 2
+    assert usage.prompt_tokens == answer.usage.prompt_tokens
+    assert usage.generated_tokens == answer.usage.completion_tokens == 2 * 2 * 3
+    assert service.counters.by_status.get("OK", 0) == ok + 2
+    assert ended(service) == timed + 2
+    assert routed_now(cluster) >= routed + 2 * 3  # each prompt's steps: one a beam a token
+    assert_no_leak(cluster)
+
+
+def routed_now(cluster: LocalCluster) -> int:
+    return cluster.service.counters.routed
 
 
 def test_chat_beams_with_their_logprobs(client: openai.OpenAI, cluster: LocalCluster) -> None:
