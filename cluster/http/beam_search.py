@@ -15,7 +15,8 @@ the cache of the worker the cache-aware router sends it to: a step computes one 
 
 What would change a token's logprob and so the search (penalties, biases, allowed or bad
 tokens, min_tokens, a structured output, tools, a prediction) is refused by name, and so are
-stop strings (an end-of-sequence token ends a beam), streaming and images. The sampling
+stop strings (an end-of-sequence token ends a beam) and images. Streamed, as vLLM streams it,
+each choice comes whole in a chunk of its own once the search ends. The sampling
 parameters that only shape a draw (temperature, top_p, top_k, min_p, seed) are accepted and
 have no effect, as in vLLM: the search draws nothing.
 """
@@ -97,8 +98,6 @@ class Search:
 
 def check(body: GenerationParams, images: bool) -> None:
     """Refuse, by name, what beam search does not do."""
-    if body.stream:
-        raise HttpError.invalid("stream", "beam search answers whole: not with use_beam_search")
     if images:
         raise HttpError.invalid("messages", "images are not searched: not with use_beam_search")
     for name in REFUSED:

@@ -165,6 +165,40 @@ def test_a_search_is_metered_as_one_call_a_prompt(
     assert_no_leak(cluster)
 
 
+def test_streamed_beams_are_the_whole_answers(client: openai.OpenAI, cluster: LocalCluster) -> None:
+    """As vLLM streams a beam search: each choice in a chunk of its own once the beams are
+    found (its whole text, ids and logprobs), then the usage; the same beams as unstreamed."""
+    asked: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "n": 2, "extra_body": BEAMS}
+    prompts = ["The sky is", "Water is"]
+    whole = client.completions.create(prompt=prompts, logprobs=2, **asked)
+    chunks = list(
+        client.completions.create(
+            prompt=prompts, logprobs=2, stream=True, stream_options={"include_usage": True}, **asked
+        )
+    )
+    streamed = {c.choices[0].index: c.choices[0] for c in chunks if c.choices}
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for choice in whole.choices:
+        got = streamed[choice.index]
+        assert (got.text, got.finish_reason) == (choice.text, choice.finish_reason)
+        assert got.model_extra["token_ids"] == choice.model_extra["token_ids"]  # type: ignore[index]
+        assert got.logprobs is not None and choice.logprobs is not None
+        assert got.logprobs.tokens == choice.logprobs.tokens
+    assert chunks[-1].usage is not None and whole.usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 12
+    chat: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}], **asked}
+    answer = client.chat.completions.create(**chat)
+    texts: dict[int, str] = {}
+    ends: dict[int, str | None] = {}
+    for chunk in client.chat.completions.create(**chat, stream=True):
+        for delta in chunk.choices:
+            texts[delta.index] = texts.get(delta.index, "") + (delta.delta.content or "")
+            ends[delta.index] = delta.finish_reason or ends.get(delta.index)
+    assert texts == {c.index: c.message.content for c in answer.choices}
+    assert ends == {c.index: c.finish_reason for c in answer.choices}
+    assert_no_leak(cluster)
+
+
 def routed_now(cluster: LocalCluster) -> int:
     return cluster.service.counters.routed
 
@@ -194,7 +228,6 @@ def test_chat_beams_with_their_logprobs(client: openai.OpenAI, cluster: LocalClu
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
-        ({"stream": True}, "stream"),
         ({"stop": ["."]}, "stop"),
         ({"n": MAX_WIDTH + 1}, "n"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
