@@ -177,9 +177,9 @@ class RouterActor:
             if self.http is not None:
                 self.http.api.draining = True
             deadline = asyncio.get_running_loop().time() + timeout
-            while self.service.in_flight and asyncio.get_running_loop().time() < deadline:
+            while self.service.busy() and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
-            idle = not self.service.in_flight
+            idle = not self.service.busy()
             if self.http is not None:
                 await self.http.stop(grace=1.0)
             await self.server.stop(grace=1.0)

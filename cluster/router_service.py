@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -71,6 +71,16 @@ CANCELLED is a worker's server stopping under calls that had sent nothing yet (a
 killed, or a drain's grace over); the router's own cancellations never reach it as errors."""
 
 
+def no_failure(err: ServingError) -> bool:
+    """`generate`'s default `uncounted`: every failure is counted with its call."""
+    return False
+
+
+def every_failure(err: ServingError) -> bool:
+    """`uncounted` for the steps of a call counted whole (`RouterService.metered_whole`)."""
+    return True
+
+
 @dataclass
 class InFlight:
     tenant: str | None
@@ -113,6 +123,9 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         """Loads and unloads LoRA adapters on every worker (the Admin RPCs, the HTTP API)."""
         self.in_flight: dict[str, InFlight] = {}
         """request id -> its tenant and the worker serving it."""
+        self.whole_calls = 0
+        """Calls metered whole running (`metered_whole`: beam searches), which a drain waits
+        for as for `in_flight`: between two of its steps a search has nothing there."""
         self.forwarded_at = 0.0
         """When the last message of any generation went to its client (time.perf_counter): a
         busy router's sign of life (cluster/http/generation_probe.py)."""
@@ -153,6 +166,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         (cluster/config.py `grpc_message_bytes`); all but the images must fit the first."""
         size = request.ByteSize() - sum(len(image) for image in request.images)
         if size > self.config.max_message_bytes:
+            self._count(grpc.StatusCode.RESOURCE_EXHAUSTED.name)  # a call that never began
             raise self._error(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request is {size} bytes besides its images; at most "
@@ -167,13 +181,38 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         image_fields: Sequence[str] = (),
         fill_cap: int | None = None,
         metered: bool = True,
+        uncounted: Callable[[ServingError], bool] = no_failure,
     ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
         """Serve one request, whatever face it came through: the stream of the worker's
         messages, or ServingError. Closing the stream early cancels the worker's call (the
         worker frees the request's pages). `fill_context`, `image_fields`, `fill_cap`: see
         cluster/requests.py `prepare`. Not `metered` (a probe's generation, SGLang's
         `log_metrics: false`): left out of the calls counted by status, their latencies and
-        the tenants' usage (a refusal is still counted under its status)."""
+        the tenants' usage (a refusal or failure is still counted under its status). A
+        ServingError ends the call counted under its status, once, unless `uncounted` says
+        whoever made the call counts it (each step of a beam search, counted as one call by
+        `metered_whole`; a first attempt refused for its length, and then cut and sent
+        again: cluster/http/responses_truncation.py)."""
+        try:
+            async for response in self._generate(
+                request, caller, fill_context, image_fields, fill_cap, metered
+            ):
+                yield response
+        except ServingError as err:
+            if not uncounted(err):
+                self._count(err.code.name)
+            raise
+
+    async def _generate(
+        self,
+        request: serving_pb2.GenerateRequest,
+        caller: Caller,
+        fill_context: bool,
+        image_fields: Sequence[str],
+        fill_cap: int | None,
+        metered: bool,
+    ) -> AsyncGenerator[serving_pb2.GenerateResponse, None]:
+        """`generate`, its failures not yet counted."""
         # under fcfs every request is 0 here (a priority is refused later, in prepare)
         mine = request.priority if self.engine.scheduling_policy == "priority" else 0
         limit = self.config.max_in_flight
@@ -229,7 +268,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                         self._remember_answers(prepared, progress)
                     yield response
         except ServingError:
-            failed = True  # counted under its status where it was raised
+            failed = True  # counted under its status by `generate`
             raise
         finally:
             self.in_flight.pop(prepared.request_id, None)
@@ -252,7 +291,17 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         tenant's usage and timed once its messages come, so that the usage and the latencies
         hold the `calls` calls clients made, not the steps that served them."""
         clocks = [self.latencies.call(embedding=False) for _ in range(calls)]
-        found = [response async for response in stream]
+        self.whole_calls += 1
+        try:
+            found = [response async for response in stream]
+        except ServingError as err:  # its steps' are not counted: the call's is, once
+            self._count(err.code.name)
+            raise
+        except Exception:  # a step's sample failed on its worker, as a call's that ends INTERNAL
+            self._count(grpc.StatusCode.INTERNAL.name)
+            raise
+        finally:
+            self.whole_calls -= 1
         for response in found:
             clocks[response.index // samples].forwarded(response)
         for clock in clocks:
@@ -540,9 +589,17 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         reason: str | None = None,
         anthropic: str | None = None,
     ) -> ServingError:
-        """The error to raise, counted under its status."""
-        self._count(code.name)
+        """The error to raise (counted under its status where its call ends: `generate`)."""
         return ServingError(code, details, field=field, reason=reason, anthropic=anthropic)
+
+    def busy(self) -> bool:
+        """Whether a call is running: a request in flight, or a call metered whole between
+        two of its steps."""
+        return bool(self.in_flight or self.whole_calls)
+
+    def count_failure(self, err: ServingError) -> None:
+        """Count under its status a failure a call's maker counts (`generate`'s `uncounted`)."""
+        self._count(err.code.name)
 
     def _count(self, status: str) -> None:
         self.counters.by_status[status] = self.counters.by_status.get(status, 0) + 1

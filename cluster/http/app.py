@@ -133,7 +133,7 @@ from cluster.http.stored_completions import (
 )
 from cluster.http.token_texts import TokenTexts
 from cluster.router_admin import clear_caches
-from cluster.router_service import RouterService
+from cluster.router_service import RouterService, every_failure, no_failure
 from cluster.serving_call import Caller, ServingError
 from protos.radixmesh.v1 import serving_pb2
 from worker.reasoning import template_thinks
@@ -272,15 +272,16 @@ class HttpApi:
         image_fields: Sequence[str] = (),
         fill_cap: int | None = None,
         metered: bool = True,
+        uncounted: Callable[[ServingError], bool] = no_failure,
     ) -> Responses:
         """The request's stream. `fill_context`: without max_tokens, generate up to the end of
         the context (chat, as OpenAI's chat API does) instead of 16 (legacy completions);
         `fill_cap`: at most so many of it. `image_fields`: the part each of the message's
-        images came in (for refusals). `metered`: RouterService.generate's."""
+        images came in (for refusals). `metered`, `uncounted`: RouterService.generate's."""
         if self.draining:
             raise HttpError(503, "the router is draining; retry on another")
         return self.service.generate(
-            message, caller, fill_context, image_fields, fill_cap, metered=metered
+            message, caller, fill_context, image_fields, fill_cap, metered, uncounted
         )
 
     # -- OpenAI ------------------------------------------------------------------------------------
@@ -356,8 +357,10 @@ class HttpApi:
         steps = asyncio.Semaphore(beam_search.STEPS_IN_FLIGHT)
 
         async def run(message: serving_pb2.GenerateRequest) -> tuple[dict[int, Sample], Counts]:
+            # not self.start: a draining router finishes the searches it took, as any call
+            step = self.service.generate(message, caller, metered=False, uncounted=every_failure)
             async with steps:
-                return await collect(self.start(message, caller, metered=False))
+                return await collect(step)
 
         async def decode(ids: list[int]) -> str:
             return await asyncio.to_thread(tokenizer.decode, ids, body.skip_special_tokens)

@@ -28,10 +28,13 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from cluster.http.errors import HttpError
 from cluster.http.openai_responses import Counts, Sample
 from cluster.http.openai_schema import GenerationParams
 from cluster.http.several_prompts import every
+from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -147,10 +150,11 @@ async def search(
     prompt = list(_first(counts).prompt_token_ids)
     limit = max_model_len - len(prompt)
     if asked.max_tokens is not None and asked.max_tokens > limit:
-        raise HttpError.invalid(
-            "max_tokens",
-            f"{asked.max_tokens} tokens after the prompt's {len(prompt)}: the context "
-            f"({max_model_len}) leaves {limit}",
+        raise ServingError(  # as the core refuses it, and counted as its refusals are
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"max_tokens: {asked.max_tokens} tokens after the prompt's {len(prompt)}: the "
+            f"context ({max_model_len}) leaves {limit}",
+            field="max_tokens",
         )
     steps = limit if asked.max_tokens is None else asked.max_tokens
     live, ended = _next([Beam()], [samples[0]], asked, eos)

@@ -68,7 +68,7 @@ from cluster.http.responses_output import (
 )
 from cluster.http.responses_schema import REFUSED, NamedFunction, Response, ResponsesRequest
 from cluster.http.responses_stream import events
-from cluster.http.responses_truncation import Truncation
+from cluster.http.responses_truncation import Truncation, over_length
 from cluster.http.sse import EventStream
 from protos.radixmesh.v1 import serving_pb2
 from worker.tool_calls import read_calls
@@ -230,18 +230,21 @@ def served(
 ) -> Responses:
     """The request's stream; cut and sent again with a truncation, if the core refuses it for its
     length."""
-    stream = api.start(message, caller, fill_context=True)  # a draining router: 503 now
-    if truncation is None:
-        return stream
     limits = api.service.request_limits()
-    if limits is None:  # no worker: the core says so
-        return stream
+    if truncation is None or limits is None:  # no worker: the core says so
+        return api.start(message, caller, fill_context=True)  # a draining router: 503 now
+    # a refusal for its length is cut and sent again, or counted by `serve` if nothing fits
+    stream = api.start(message, caller, fill_context=True, uncounted=over_length)
 
     async def count(trial: serving_pb2.GenerateRequest) -> int:
         return len(await api.service.count_prompt(trial, caller))
 
     return truncation.serve(
-        stream, lambda cut: api.start(cut, caller, fill_context=True), count, limits.max_model_len
+        stream,
+        lambda cut: api.start(cut, caller, fill_context=True),
+        count,
+        limits.max_model_len,
+        api.service.count_failure,
     )
 
 

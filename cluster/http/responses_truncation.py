@@ -51,6 +51,11 @@ SLACK = 0.75
 OVER_LENGTH = (ContextOverflow.reason, PromptTooLarge.reason)
 
 
+def over_length(err: ServingError) -> bool:
+    """Whether the serving core refused a request for its length (what a cut may cure)."""
+    return err.reason in OVER_LENGTH
+
+
 def cuts(turns: Sequence[serving_pb2.ChatMessage]) -> tuple[int, list[int]]:
     """(head, the turns a conversation may be cut before): `turns[head:cut]` may be dropped.
     The head runs to the first place a cut could fall after the first turn that is not a
@@ -98,19 +103,23 @@ class Truncation:
         start: Callable[[serving_pb2.GenerateRequest], Responses],
         count: Callable[[serving_pb2.GenerateRequest], Awaitable[int]],
         max_model_len: int,
+        refused: Callable[[ServingError], None],
     ) -> Responses:
         """`stream`, the request's, as it is; cut and sent again (`start`) when the serving core
         refuses it for its length. `count`: a prompt's tokens (raises ServingError when it
-        cannot even be counted: over the characters the core reads). The stream served is
-        closed with this one, so its worker call ends with the client's."""
+        cannot even be counted: over the characters the core reads). `stream`'s refusal for
+        its length is not counted under its status (`over_length`): `refused` counts it when
+        it stands, nothing fitting. The stream served is closed with this one, so its worker
+        call ends with the client's."""
         try:
             try:
                 first = await anext(stream)
             except ServingError as err:
-                if err.reason not in OVER_LENGTH:
+                if not over_length(err):
                     raise
                 cut = await self._cut(count, max_model_len)
                 if cut is None:
+                    refused(err)
                     raise
                 self._drop(cut)
                 stream = start(self.message)

@@ -16,6 +16,7 @@ import pytest
 from cluster.http.beam_search import Search, search
 from cluster.http.errors import HttpError
 from cluster.http.openai_responses import Counts, Sample
+from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 
 EOS = 9
@@ -123,7 +124,7 @@ def test_each_tokens_logprob_shows_its_rank_and_the_steps_alternatives() -> None
 
 def test_the_context_bounds_the_steps() -> None:
     assert len(best(asked_for(steps=2), context=3)[1][0]) == 2  # the prompt's 1 and 2 more
-    with pytest.raises(HttpError, match="max_tokens"):
+    with pytest.raises(ServingError, match="max_tokens"):
         best(asked_for(steps=3), context=3)
 
 

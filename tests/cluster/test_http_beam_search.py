@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx2 as httpx
@@ -197,6 +198,67 @@ def test_streamed_beams_are_the_whole_answers(client: openai.OpenAI, cluster: Lo
     assert texts == {c.index: c.message.content for c in answer.choices}
     assert ends == {c.index: c.finish_reason for c in answer.choices}
     assert_no_leak(cluster)
+
+
+def test_a_failed_search_is_counted_once_under_its_status(
+    client: openai.OpenAI, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many of its steps fail together: a step refused for load (five beams past
+    three calls in flight) is the call's 429, counted once; so is a max_tokens the context
+    cannot hold, found after the first step, as the same refusal without beam search is."""
+    service = cluster.service
+    limits = service.request_limits()
+    assert limits is not None
+    asked: dict[str, Any] = {"model": MODEL, "prompt": "The sky is", "extra_body": BEAMS}
+    before = dict(service.counters.by_status)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(max_tokens=limits.max_model_len - 2, n=2, **asked)
+    assert gained(cluster, before) == {"INVALID_ARGUMENT": 1}
+    monkeypatch.setattr(service, "config", replace(service.config, max_in_flight=3))
+    before = dict(service.counters.by_status)
+    with pytest.raises(openai.RateLimitError):
+        client.with_options(max_retries=0).completions.create(max_tokens=4, n=5, **asked)
+    assert gained(cluster, before) == {"RESOURCE_EXHAUSTED": 1}
+    assert_no_leak(cluster)
+
+
+def test_a_draining_router_finishes_the_searches_it_took(
+    client: openai.OpenAI, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its later steps are served, and the search is a call the drain waits for throughout
+    (`busy`), between two steps too, when no step is in flight; a search asked for once
+    draining is refused."""
+    assert cluster.http is not None
+    api, service = cluster.http.api, cluster.service
+    steps: list[tuple[int, bool]] = []  # as each step starts: the calls in flight, busy
+    generate = service.generate
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        steps.append((len(service.in_flight), service.busy()))
+        if len(steps) == 3:
+            api.draining = True  # RouterActor.drain, once the search is under way
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(service, "generate", step)
+    monkeypatch.setattr(api, "draining", False)
+    asked: dict[str, Any] = {"model": MODEL, "prompt": "The sky is", "extra_body": BEAMS}
+    answer = client.completions.create(
+        max_tokens=6, n=2, **asked | {"extra_body": BEAMS | {"ignore_eos": True}}
+    )
+    assert api.draining and len(answer.choices) == 2
+    assert len(steps) == 1 + 5 * 2  # the first, then two beams a step
+    assert all(busy for _, busy in steps)
+    assert (0, True) in steps[1:]  # between two steps: nothing in flight, and still busy
+    assert not service.busy()
+    with pytest.raises(openai.InternalServerError, match="draining"):
+        client.with_options(max_retries=0).completions.create(max_tokens=2, n=2, **asked)
+    assert_no_leak(cluster)
+
+
+def gained(cluster: LocalCluster, before: dict[str, int]) -> dict[str, int]:
+    """What each status's count gained since `before`."""
+    now = cluster.service.counters.by_status
+    return {k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)}
 
 
 def routed_now(cluster: LocalCluster) -> int:

@@ -164,6 +164,40 @@ def test_a_conversation_nothing_makes_fit_is_still_refused(
     cluster.wait_idle()
 
 
+def test_a_cut_call_is_counted_once_and_a_refusal_that_stands_once(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """Under radixmesh_router_requests{status}: the refusal a cut cures, and the prompts
+    counted to find the cut, are no calls of their own; a refusal nothing cures is one."""
+    turns: list[dict[str, Any]] = []
+    for turn in range(5):
+        turns += [said(turn), {"role": "assistant", "content": "Noted."}]
+    conversation = [*turns, said(5)]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(input=conversation, store=False, **BRIEF)
+    before = dict(cluster.service.counters.by_status)
+    client.responses.create(input=conversation, store=False, truncation="auto", **BRIEF)
+    assert gained(cluster, before) == {"OK": 1}
+    before = dict(cluster.service.counters.by_status)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.responses.create(
+            input=[said(0), said(1), {"role": "user", "content": "y" * 1100}],
+            store=False,
+            truncation="auto",
+            **BRIEF,
+        )
+    assert gained(cluster, before) == {"INVALID_ARGUMENT": 1}
+    cluster.wait_idle()
+
+
+def gained(cluster: LocalCluster, before: dict[str, int]) -> dict[str, int]:
+    """What each status's count gained since `before`."""
+    now = cluster.service.counters.by_status
+    return {
+        status: n - before.get(status, 0) for status, n in now.items() if n != before.get(status, 0)
+    }
+
+
 def test_cuts_fall_before_a_user_turn_or_the_step_after_a_tools_output() -> None:
     def turns(*roles: str) -> list[serving_pb2.ChatMessage]:
         return [serving_pb2.ChatMessage(role=role) for role in roles]
