@@ -50,7 +50,9 @@ from worker.wire import pooling_from_proto, sampling_from_proto, tools_from_prot
 if TYPE_CHECKING:
     from cluster.text_prompts import TextPrompts, TextTurn
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:\-]{{1,{MAX_REQUEST_ID_CHARS}}}")
+REQUEST_ID_RULE = f"1-{MAX_REQUEST_ID_CHARS} characters of [A-Za-z0-9._:-]"
 MAX_TENANT_CHARS = 256
 """A tenant names a cache namespace that every cached node of it keeps."""
 MAX_SALT_CHARS = 1024
@@ -102,6 +104,22 @@ class PreparedRequest:
         return self.token_ids if self.cache_keys is None else self.cache_keys
 
 
+def valid_request_id(request_id: str) -> bool:
+    return _REQUEST_ID.fullmatch(request_id) is not None
+
+
+def suffixed(request_id: str, suffix: str) -> str:
+    """`request_id` and `suffix` (one prompt's of several, a beam search step's) as one id of at
+    most MAX_REQUEST_ID_CHARS: a long id is cut to make room, with a digest of it kept, so
+    that two long ids that begin alike stay apart."""
+    whole = request_id + suffix
+    if len(whole) <= MAX_REQUEST_ID_CHARS:
+        return whole
+    digest = blake2b(request_id.encode(), digest_size=4).hexdigest()
+    keep = MAX_REQUEST_ID_CHARS - len(suffix) - len(digest) - 1
+    return f"{request_id[:keep]}.{digest}{suffix}"
+
+
 def prepare(
     message: serving_pb2.GenerateRequest,
     tokenizer: validation.PromptTokenizer | None,
@@ -127,7 +145,7 @@ def prepare(
     it)."""
     request_id = message.request_id or uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(request_id):
-        raise InvalidRequest("request_id", "1-128 characters of [A-Za-z0-9._:-]")
+        raise InvalidRequest("request_id", REQUEST_ID_RULE)
     fields = _image_fields(message, limits, image_fields)
     adapter = message.namespace.adapter or None
     adapter_identity(adapter, adapters)  # refused before any tokenising

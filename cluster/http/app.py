@@ -132,6 +132,7 @@ from cluster.http.stored_completions import (
     kept_at_the_end,
 )
 from cluster.http.token_texts import TokenTexts
+from cluster.requests import REQUEST_ID_RULE, valid_request_id
 from cluster.router_admin import clear_caches
 from cluster.router_service import RouterService, every_failure, no_failure
 from cluster.serving_call import Caller, ServingError
@@ -256,7 +257,14 @@ class HttpApi:
             raise HttpError(403, "this call needs a token bound to tenant '*' (an operator's)")
 
     def request_id(self, request: Request) -> str:
-        return request.headers.get("x-request-id") or uuid.uuid4().hex
+        """The client's `X-Request-Id` (refused, naming it, unless it can be an id), or a new
+        one."""
+        given = request.headers.get("x-request-id")
+        if not given:
+            return uuid.uuid4().hex
+        if not valid_request_id(given):
+            raise HttpError.invalid("X-Request-Id", REQUEST_ID_RULE)
+        return given
 
     def token_texts(self) -> TokenTexts:
         tokenizer = self.service.links.tokenizer

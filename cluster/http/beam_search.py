@@ -34,6 +34,7 @@ from cluster.http.errors import HttpError
 from cluster.http.openai_responses import Counts, Sample
 from cluster.http.openai_schema import GenerationParams
 from cluster.http.several_prompts import every
+from cluster.requests import suffixed
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 
@@ -190,9 +191,9 @@ def _step(
     suffix: str,
 ) -> serving_pb2.GenerateRequest:
     """A beam's step: its ids so far, in the client's namespace, at its priority; its id the
-    request's, cut to leave room for `suffix` (within the 128 characters an id may have)."""
+    request's and `suffix` (`suffixed`)."""
     request = serving_pb2.GenerateRequest(
-        request_id=f"{message.request_id[: 127 - len(suffix)]}.{suffix}",
+        request_id=suffixed(message.request_id, f".{suffix}"),
         token_ids=serving_pb2.TokenIds(ids=[*prompt, *beam.tokens]),
         sampling=step_sampling(asked),
         priority=message.priority,

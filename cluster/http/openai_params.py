@@ -37,7 +37,7 @@ from cluster.http.openai_schema import (
 )
 from cluster.http.several_prompts import Prompt, check_count, prompts_of
 from cluster.images import name_problem
-from cluster.requests import MAX_SALT_CHARS
+from cluster.requests import MAX_SALT_CHARS, suffixed
 from protos.radixmesh.v1 import serving_pb2
 
 ROLES = {
@@ -308,7 +308,7 @@ def prompt_requests(
     messages = []
     for i, prompt in enumerate(prompts):
         message = serving_pb2.GenerateRequest(
-            request_id=request_id if len(prompts) == 1 else f"{request_id}-{i}", **fields
+            request_id=request_id if len(prompts) == 1 else suffixed(request_id, f"-{i}"), **fields
         )
         if isinstance(prompt, str):
             message.text = prompt

@@ -60,6 +60,7 @@ from cluster.http.sglang_schema import (
 )
 from cluster.http.sse import EventStream
 from cluster.http.token_texts import TokenTexts
+from cluster.requests import suffixed
 from protos.radixmesh.v1 import serving_pb2
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ def _name(messages: list[serving_pb2.GenerateRequest], rid: str | list[str] | No
             message.request_id = each
     elif rid is not None and len(messages) > 1:
         for i, message in enumerate(messages):
-            message.request_id = f"{rid}_{i}"
+            message.request_id = suffixed(rid, f"_{i}")
 
 
 def _images(messages: list[serving_pb2.GenerateRequest], body: GenerateRequest) -> list[list[str]]:

@@ -16,6 +16,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from cluster.requests import suffixed
 from tests.cluster.local_cluster import ENGINE, SERVED_NAME, LocalCluster
 from tests.cluster.test_http_openai import assert_no_leak
 from tests.cluster.tool_fixtures import served
@@ -127,4 +128,33 @@ def test_a_client_that_goes_away_cancels_every_prompt(
         assert not cluster.service.in_flight, "a prompt's generation outlived its client"
     finally:
         release.set()
+    assert_no_leak(cluster)
+
+
+def test_an_x_request_id_of_any_valid_length_serves_several_prompts(
+    cluster: LocalCluster,
+) -> None:
+    """Each prompt runs under the header's id and its index, cut to the 128 characters an id
+    may have when the two are longer (two long ids that begin alike stay apart); a header
+    that cannot be an id is refused naming it, on every API."""
+    one, other = suffixed("a" * 127 + "b", "-1"), suffixed("a" * 128, "-1")
+    assert one != other and len(one) == len(other) == 128 and one.endswith("-1")
+    assert suffixed("x", "-1") == "x-1"
+    url = f"{cluster.http_url}/v1/completions"
+    body = {"model": MODEL, "prompt": PROMPTS[:2], "max_tokens": 2, "temperature": 0}
+    for header in ("a" * 127 + "b", "a" * 128, "x"):
+        answer = httpx.post(url, json=body, headers={"x-request-id": header}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["id"] == f"cmpl-{header}"
+    sglang = {"text": PROMPTS[:2], "rid": "r" * 127, "sampling_params": {"max_new_tokens": 2}}
+    answer = httpx.post(f"{cluster.http_url}/generate", json=sglang, timeout=60)
+    assert answer.status_code == 200, answer.text
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, sent in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        for header in ("a" * 129, "has space"):
+            refused = httpx.post(
+                f"{cluster.http_url}{path}", json=sent, headers={"x-request-id": header}
+            )
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "X-Request-Id"
     assert_no_leak(cluster)
