@@ -542,8 +542,7 @@ class RouterService(serving_pb2_grpc.ServingServicer):
                     if not progress.started:
                         self.counters.actual_cached_tokens += response.cached_prompt_tokens
                 progress.record(response)
-                if response.request_id != public_id:  # a sample resumed under its own id
-                    response.request_id = public_id
+                response.request_id = public_id  # a worker runs each call under its own id
                 yield response
         finally:
             for dispatch in dispatches:

@@ -15,6 +15,7 @@ max_tokens, and draws the next one with the randomness of sample i at that posit
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +23,12 @@ from cluster.requests import PreparedRequest
 from protos.radixmesh.v1 import serving_pb2, worker_pb2
 from worker.request import Resume
 from worker.wire import namespace_to_proto, pooling_to_proto, resume_to_proto, sampling_to_proto
+
+_WORKER_CALLS = itertools.count()
+"""Numbers the router's calls to workers, so that each runs there under an id of its own: a
+worker still ending an earlier call of the same public id (its client gone, the Abort waiting
+for the engine's next step) takes a new call of that id, where it would refuse the id as
+already running."""
 
 
 @dataclass
@@ -66,10 +73,11 @@ class StreamProgress:
         namespace.adapter = p.adapter or ""  # workers know an adapter by its name
         if p.images:
             prompt_block_hashes = ()
+        call = next(_WORKER_CALLS)
         if not self.started:
             return [
                 worker_pb2.WorkerGenerateRequest(
-                    request_id=p.request_id,
+                    request_id=f"{p.request_id}@{call}",
                     token_ids=p.token_ids,
                     namespace=namespace,
                     sampling=sampling_to_proto(p.sampling),
@@ -85,7 +93,7 @@ class StreamProgress:
         alone.n = 1
         return [
             worker_pb2.WorkerGenerateRequest(
-                request_id=self.worker_request_id(index),
+                request_id=f"{self.worker_request_id(index)}@{call}",
                 token_ids=[*p.token_ids, *sample.token_ids],
                 namespace=namespace,
                 sampling=alone,
@@ -102,6 +110,6 @@ class StreamProgress:
 
     def worker_request_id(self, index: int) -> str:
         """The id sample `index` runs under on a worker once resumed alone (n > 1 needs one
-        per sample; a public id never contains '#')."""
+        per sample; a public id never contains '#'), before the call's number ('@')."""
         n = len(self.samples)
         return self.prepared.request_id if n == 1 else f"{self.prepared.request_id}#{index}"

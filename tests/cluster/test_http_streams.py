@@ -146,6 +146,36 @@ def choices(chunks: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
+def test_a_request_id_sent_again_after_its_client_left_is_served(
+    one_slot: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gives up on a stream and sends the request again under its X-Request-Id once
+    the router has let the id go: the worker, still ending the first call until its engine's
+    next step (50 ms here, a loaded GPU's), serves the second under an id of its own."""
+    for engine in one_slot.engines.values():
+
+        def step(original: Any = engine.step) -> bool:
+            busy = original()
+            if busy:
+                time.sleep(0.05)
+            return busy
+
+        monkeypatch.setattr(engine, "step", step)
+    url = f"{one_slot.http_url}/v1/completions"
+    body = {"model": MODEL, "prompt": "the same prompt", "max_tokens": 400, "ignore_eos": True}
+    headers = {"x-request-id": "again"}
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers) as first:
+        next(first.iter_lines())  # its first token; then the client leaves
+    deadline = time.monotonic() + 5
+    while one_slot.service.in_flight:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    again = httpx.post(url, json={**body, "max_tokens": 2}, headers=headers, timeout=30)
+    assert again.status_code == 200, again.text
+    assert again.json()["id"] == "cmpl-again"
+    one_slot.wait_idle()
+
+
 def test_openai_defaults_nulls_and_seeds(one_slot: LocalCluster) -> None:
     url = one_slot.http_url
     legacy = httpx.post(
