@@ -200,7 +200,9 @@ BAD = {
     "unknown role": Bad(
         {"messages": [{"role": "robot", "content": "x"}]}, 400, "'robot'", "messages[0].role"
     ),
-    "request id": Bad({}, 400, "request_id", "request_id", {"X-Request-Id": "no spaces allowed"}),
+    "request id": Bad(
+        {}, 400, "X-Request-Id", "X-Request-Id", {"X-Request-Id": "no spaces allowed"}
+    ),
     "string max_tokens": Bad({"max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
     # parameters radixmesh does not implement: refused by name, not ignored
     # tools: each refusal names the tool or the turn at fault
