@@ -96,7 +96,7 @@ from worker.request import (
 )
 from worker.samples import Phase, RequestState, SampleState, TextDecoder
 from worker.sampling import Sampler
-from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from worker.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from worker.scheduler import IN_BATCH_SHARED, Scheduler, SchedulerConfig
 from worker.speculation import NgramIndex, SpeculationConfig, draft_limit
 from worker.stop import StopChecker
@@ -507,9 +507,7 @@ class Engine:
         structured = request.sampling.structured
         grammar = self.grammars.compile(structured) if structured is not None else None
         bad_words = bad_word_ids(request.sampling.bad_words, self.tokenizer, self.vocab_size)
-        allowed = request.sampling.allowed_token_ids
-        if allowed and set(allowed) <= {s[0] for s in bad_words if len(s) == 1}:
-            raise InvalidRequest("bad_words", "bans every allowed token: nothing could be drawn")
+        self._refuse_bans_of_all_allowed(request.sampling, bad_words)
         predicted = self._predicted(request)
         images = None
         if checked:
@@ -518,14 +516,6 @@ class Engine:
             ns = request.namespace
             salt = ns.tenant if ns.salt is None else (ns.tenant, ns.salt)
             images = place(prompt, original, checked, self.limits.image_spec, salt)
-        with self._lock:
-            if request.request_id in self._active_ids:
-                raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
-            # a resumed sample was admitted by the cluster already (its worker died): refusing
-            # it for load would end a stream its client has half received
-            if request.resume is None and (why := self._overloaded(request.priority)):
-                raise EngineOverloaded(why)
-            self._active_ids[request.request_id] = request.priority
         inside = self._reasoning_opened(request, prompt[: len(prompt) - request.generated_before])
         state = RequestState(request, prompt, sink, adapter, images, grammar, bad_words, inside)
         state.submitted = began
@@ -538,9 +528,32 @@ class Engine:
             state.ngrams.extend(prompt, len(prompt))
         waits = bool(inside) and request.sampling.separate_reasoning  # the answer is apart
         state.grammar_waits = waits and not may_hold_reasoning(structured)
+        with self._lock:  # last: a submit that raised before it holds no id
+            if request.request_id in self._active_ids:
+                raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
+            # a resumed sample was admitted by the cluster already (its worker died): refusing
+            # it for load would end a stream its client has half received
+            if request.resume is None and (why := self._overloaded(request.priority)):
+                raise EngineOverloaded(why)
+            self._active_ids[request.request_id] = request.priority
         self._inbox.put(("add", state))
         self._wake.set()
         return len(prompt)
+
+    def _refuse_bans_of_all_allowed(
+        self, sampling: SamplingParams, bad_words: Sequence[Sequence[int]]
+    ) -> None:
+        """Refuse allowed tokens that one-token bad words ban and min_tokens holds back the rest
+        of (held alone: `validation.validate`): the sample could draw nothing, its first token
+        failing after its prefill."""
+        allowed = sampling.allowed_token_ids
+        banned = {s[0] for s in bad_words if len(s) == 1}
+        held = sampling.held_tokens(self.limits.end_token_ids)
+        if not allowed or not set(allowed) <= banned | held:
+            return
+        holds = held.intersection(allowed)
+        rest = f", and min_tokens {sampling.min_tokens} holds back the rest" if holds else ""
+        raise InvalidRequest("bad_words", f"bans every allowed token{rest}: nothing could be drawn")
 
     def _overloaded(self, priority: int) -> str | None:
         """Why the engine turns a new request of `priority` away (None: it takes it): see
@@ -726,6 +739,7 @@ class Engine:
         return predicted_output(
             request.sampling.prediction,
             self.tokenizer,
+            self.vocab_size,
             self.max_model_len,
             spec.prompt_lookup_min,
             max(spec.prompt_lookup_max, PREDICTION_LOOKUP_MAX),
@@ -1451,7 +1465,7 @@ class Engine:
                 decoder=self.tokenizer.incremental_decoder(sampling.skip_special_tokens)
                 if self.tokenizer
                 else None,
-                phase=Phase.WAITING if index == first else Phase.UNBORN,
+                phase=Phase.UNBORN,  # until queued (the first) or forked from the first
                 reasoning=ReasoningSplit(inside)
                 if inside is not None and sampling.separate_reasoning
                 else None,
@@ -1516,8 +1530,12 @@ class Engine:
             return False  # held to its grammar from the first token: the answer, all of it
         # a grammar of the answer alone (JSON, a required call) of a prompt that opened the
         # reasoning waits for the reasoning's end, if the answer is told apart (`submit`)
-        tail = tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        return prompt_opens(tail)
+        tail = prompt[-PROMPT_TAIL_TOKENS:]
+        # an id past the tokenizer's, in a model's padded vocabulary (Qwen3's 151,936 ids of
+        # 151,669), has no text: only the tokens after the last one can end with `<think>`
+        unknown = [i for i, token in enumerate(tail) if token >= tokenizer.vocab_size]
+        known = tail[unknown[-1] + 1 :] if unknown else tail
+        return prompt_opens(tokenizer.decode(known, skip_special_tokens=False))
 
     def _penalties(self, state: RequestState) -> Penalties | None:
         """A new sample's penalty state (None if its request penalizes nothing)."""

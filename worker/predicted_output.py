@@ -142,14 +142,18 @@ class PredictionCheck:
 
 
 def predicted_output(
-    text: str, tokenizer: WordEncoder | None, max_tokens: int, lo: int, hi: int
+    text: str, tokenizer: WordEncoder | None, vocab_size: int, max_tokens: int, lo: int, hi: int
 ) -> PredictedOutput | None:
     """A request's prediction, tokenized as the model writes text (no special tokens) and cut
-    to `max_tokens` (a sequence's positions: no answer is longer); None for none. Refused when
-    the model has no tokenizer."""
+    to `max_tokens` (a sequence's positions: no answer is longer) and before its first id past
+    the model's `vocab_size` (a tokenizer may spell more ids than its model has: a hint is cut,
+    never refused, as vLLM and OpenAI never fail a request for its prediction); None for none.
+    Refused when the model has no tokenizer."""
     if not text:
         return None
     if tokenizer is None:
         raise InvalidRequest("prediction", "this model has no tokenizer to read it with")
     tokens = tokenizer.encode(text[: max_tokens * CHARS_PER_TOKEN], add_special_tokens=False)
-    return PredictedOutput(tokens[:max_tokens], lo, hi)
+    tokens = tokens[:max_tokens]
+    outside = next((i for i, token in enumerate(tokens) if token >= vocab_size), len(tokens))
+    return PredictedOutput(tokens[:outside], lo, hi)

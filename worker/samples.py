@@ -6,8 +6,9 @@ A sample is what holds a cache sequence and generates tokens. Its positions:
     computed: KV written for tokens[:computed]; tokens[computed:] are computed next
               (one token while decoding, a chunk of the prompt while prefilling)
 
-Samples 1..n-1 of a request are UNBORN until sample 0's prompt is complete; then they fork
-from it and share its prompt pages.
+A request's samples are UNBORN until sample 0 is queued (`Scheduler.enqueue`, as the request is
+added) and samples 1..n-1 until sample 0's prompt is complete; then they fork from it and share
+its prompt pages.
 
 A request's prompt keys are made once, on the thread that submits it (`prompt_keys`); a
 sample starts the cache from them and the keys of the tokens it generated since (`cache_keys`).

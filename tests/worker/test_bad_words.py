@@ -5,6 +5,8 @@ token ending their request with an error that says so."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
@@ -170,3 +172,37 @@ def test_a_sampler_whose_bans_leave_nothing_says_so() -> None:
         assert draw(row, 0) == 1
         with pytest.raises(NothingToDraw):
             draw(row, 1)
+
+
+def test_allowed_tokens_banned_or_held_between_them_are_refused_at_submit(
+    tiny: LoadedModel,
+) -> None:
+    """Allowed tokens that bad_words ban one-token words of and min_tokens holds back the rest
+    of leave nothing to draw: refused at submit naming both fields, as either alone is, not
+    failed after the prefill. Each ban alone leaves a token, and that request is served."""
+    tokenizer = tiny.tokenizer
+    assert tokenizer is not None
+    engine = Engine(tiny.model, tokenizer, EngineConfig(num_pages=64, page_size=4))
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    (eos,) = engine.eos_token_ids
+    both = SamplingParams(
+        max_tokens=3, temperature=0, allowed_token_ids=(eos, a), bad_words=("a",), min_tokens=1
+    )
+    with pytest.raises(InvalidRequest, match="min_tokens 1 holds back the rest") as refused:
+        engine.submit(GenerateRequest("x", (5, 6, 7), sampling=both), lambda _: None)
+    assert refused.value.field == "bad_words"
+    assert not engine.active_requests
+    outputs: list[RequestOutput] = []
+    for rid, sampling in {
+        "banned": dataclasses.replace(both, min_tokens=0),  # EOS ends it at once
+        "held": dataclasses.replace(both, bad_words=()),  # a first, EOS held back
+        "x": dataclasses.replace(both, ignore_eos=True),  # the refused id; EOS is not held
+    }.items():
+        engine.submit(GenerateRequest(rid, (5, 6, 7), sampling=sampling), outputs.append)
+    drain(engine)
+    finals = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    assert finals == {"banned": "stop", "held": "length", "x": "length"}
+    held = [t for o in outputs if o.request_id == "held" for t in o.token_ids]
+    assert held[0] == a
+    assert not engine.active_requests and engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)

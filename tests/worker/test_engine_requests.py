@@ -13,14 +13,17 @@ from cache.integrity import check_sequence_cache
 from tests.worker.helpers import LLAMA, Recorder, drain, greedy
 from worker.engine import Engine, EngineConfig
 from worker.errors import ContextOverflow, EngineOverloaded, EngineStopped, InvalidRequest
+from worker.penalties import Penalties
 from worker.request import (
     FINISH_ABORT,
+    FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     GenerateRequest,
     RequestOutput,
     Resume,
 )
+from worker.samples import RequestState
 from worker.sampling_params import SamplingParams
 from worker.tiny_model import tiny_model
 
@@ -354,3 +357,56 @@ def test_kv_tiers_past_the_machines_memory_are_refused_before_any_allocation() -
         make_engine(num_pages=memory // page + 2)
     with pytest.raises(ValueError, match=words):
         make_engine(host_pages=memory // page)  # the host tier counts too
+
+
+def test_a_submit_that_fails_after_its_checks_leaves_its_id_free() -> None:
+    """A submit that raises once its request has passed every check (a fault injected where
+    the prompt's reasoning is read) queues nothing and holds nothing: its id is not left
+    running, so a retry with it is served and it never counts against the engine's limit."""
+    engine = make_engine(max_running=1, max_waiting=1)
+
+    def failing(*_: object) -> None:
+        raise RuntimeError("injected")
+
+    engine._reasoning_opened = failing  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.submit(greedy("a", [1, 2, 3], 3), lambda _: None)
+    assert not engine.active_requests
+    del engine._reasoning_opened
+    recorder = Recorder()
+    engine.submit(greedy("a", [1, 2, 3], 3), recorder.outputs.append)
+    engine.submit(greedy("b", [4, 5, 6], 3), recorder.outputs.append)  # 2 of 2: not overloaded
+    drain(engine)
+    assert recorder.final("a").finish_reason == recorder.final("b").finish_reason == FINISH_LENGTH
+    assert not engine.active_requests and engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)
+
+
+def test_a_request_whose_second_sample_cannot_be_made_ends_with_an_error() -> None:
+    """A fault while a request's samples are made (here the second's penalties) ends that
+    request alone: each of its n samples with one error output naming the fault, none twice,
+    its id freed and no page held; the engine goes on serving the request beside it."""
+    engine = make_engine()
+    made: list[object] = []
+    real = engine._penalties
+
+    def failing_second(state: RequestState) -> Penalties | None:
+        made.append(state)
+        if len(made) == 2:
+            raise RuntimeError("injected")
+        return real(state)
+
+    engine._penalties = failing_second  # type: ignore[method-assign]
+    recorder = Recorder()
+    sampling = SamplingParams(max_tokens=3, temperature=0.5, n=2)
+    engine.submit(GenerateRequest("x", ids(5, 6, 7), sampling=sampling), recorder.outputs.append)
+    engine.submit(greedy("beside", [1, 2, 3], 3), recorder.outputs.append)
+    drain(engine)
+    failed = [o for o in recorder.outputs if o.request_id == "x"]
+    assert sorted(o.index for o in failed) == [0, 1] and all(o.finished for o in failed)
+    assert {(o.finish_reason, o.error, o.token_ids) for o in failed} == {
+        (FINISH_ERROR, "RuntimeError: injected", ())
+    }
+    assert recorder.final("beside").finish_reason == FINISH_LENGTH
+    assert not engine.active_requests and engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)

@@ -26,8 +26,9 @@ from worker.predicted_output import (
     PredictionCursor,
     predicted_output,
 )
-from worker.request import GenerateRequest, Resume
+from worker.request import FINISH_LENGTH, GenerateRequest, Resume
 from worker.sampling_params import MAX_PREDICTION_CHARS, SamplingParams
+from worker.tiny_model import TINY_CONFIG, tiny_model
 
 PROMPT = "the quick brown"
 
@@ -311,9 +312,9 @@ def test_a_bad_prediction_is_refused_naming_it_and_a_long_one_is_cut(tiny: Loade
         too_many.validate(512, 100)
     assert chars.value.field == "prediction"
     with pytest.raises(InvalidRequest, match="no tokenizer") as none:
-        predicted_output("some text", None, 100, 2, 8)
+        predicted_output("some text", None, 512, 100, 2, 8)
     assert none.value.field == "prediction"
-    long = predicted_output(" the" * 100, tiny.tokenizer, 64, 2, 8)
+    long = predicted_output(" the" * 100, tiny.tokenizer, 512, 64, 2, 8)
     assert long is not None and len(long.tokens) == 64
     # an engine whose context a prediction outgrows serves the request with it, every page back
     recorder, _ = _run(
@@ -366,3 +367,40 @@ def test_a_resumed_sample_counts_what_the_uninterrupted_one_does(tiny: LoadedMod
         rest, _ = _run(_engine(tiny), resumed)
         assert rest.tokens("r") == answer[cut:]
         assert _usage(rest, "r")[0] == sum(each[cut:]), cut
+
+
+def test_prediction_tokens_past_the_models_vocabulary_are_cut_and_fail_no_one(
+    tiny: LoadedModel,
+) -> None:
+    """A tokenizer may spell ids its model does not have (its vocabulary past the model's).
+    A prediction is a hint, never a reason to fail (vLLM and OpenAI never fail a request for
+    it), so it is cut at its first such id and only the tokens before it are drafted; an id
+    the embedding cannot look up once failed every request of its step. The request and one
+    beside it are served to their length, every page and id back."""
+    tokenizer = tiny.tokenizer
+    assert tokenizer is not None
+    model = tiny_model(dataclasses.replace(TINY_CONFIG, vocab_size=384), seed=1)
+    words = _words(tiny)
+    inside, outside = next(t for t in words if t < 384), next(t for t in words if t >= 384)
+    cut = predicted_output(tokenizer.decode([inside, outside, inside]), tokenizer, 384, 64, 2, 8)
+    assert cut is not None and list(cut.tokens) == [inside]
+    engine = Engine(model, tokenizer, EngineConfig(num_pages=64, page_size=4, max_model_len=64))
+    prediction = tokenizer.decode([inside] * 3 + [outside] * 3)
+    predicted = SamplingParams(
+        max_tokens=10, temperature=0, allowed_token_ids=(inside,), prediction=prediction
+    )
+    plain = SamplingParams(max_tokens=10, temperature=0)
+    recorder, _ = _run(
+        engine,
+        GenerateRequest("p", (5, 6, 7), sampling=predicted),
+        GenerateRequest("bystander", (8, 9, 10), sampling=plain),
+    )
+    for request_id in ("p", "bystander"):
+        final = recorder.final(request_id)
+        assert (final.finish_reason, final.error) == (FINISH_LENGTH, None), request_id
+        assert len(recorder.tokens(request_id)) == 10
+    assert recorder.tokens("p") == [inside] * 10
+    # drafted from the three tokens before the cut alone (at the start, then realigned on
+    # them), each draft drawn: an id past the cut would have been rejected, if not failed
+    assert _usage(recorder, "p") == (6, 0) and engine.stats().prediction_draft_tokens == 5
+    assert not engine.active_requests

@@ -8,6 +8,7 @@ reasoning (unless a structured output makes it write the tags)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,8 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cache.integrity import check_sequence_cache
 from protos.radixmesh.v1 import serving_pb2
-from tests.worker.helpers import run_to_end
+from tests.worker.helpers import drain, run_to_end
 from worker.engine import Engine, EngineConfig
 from worker.errors import InvalidRequest
 from worker.loader import LoadedModel
@@ -24,6 +26,7 @@ from worker.reasoning import CLOSE
 from worker.request import FINISH_LENGTH, GenerateRequest, RequestOutput, Resume
 from worker.sampling_params import SamplingParams, StructuredOutput
 from worker.thinking_tokens import ThinkingTokens
+from worker.tiny_model import TINY_CONFIG, tiny_model
 from worker.wire import sampling_from_proto, sampling_to_proto
 
 MESSAGES = ({"role": "user", "content": "Which city?"},)
@@ -309,3 +312,41 @@ def test_the_reasoning_tokens_do_not_wait_for_the_stop_strings(thinking: LoadedM
     assert tokens(plain) == tokens(held) and texts(plain) == texts(held) == ("rain", "Paris")
     counts = [o.reasoning_tokens for o in held]
     assert counts == [o.reasoning_tokens for o in plain] and 0 < sum(counts) < len(counts)
+
+
+def test_a_prompt_with_ids_past_the_tokenizers_is_served(thinking: LoadedModel) -> None:
+    """A model's vocabulary may be padded past its tokenizer's (Qwen3's 151,936 ids of
+    151,669), and a prompt may hold such an id, as vLLM takes it. Whether the prompt opened
+    the reasoning is read from the tokens after the last such id: a prompt ending with one
+    did not open it (nothing forced, all of the text the answer); one whose `<think>`
+    follows it did (the close forced at the budget). Neither fails, nor keeps its id."""
+    tokenizer = thinking.tokenizer
+    assert tokenizer is not None
+    padded = tokenizer.vocab_size  # a valid id of the model's that the tokenizer cannot decode
+    model = tiny_model(dataclasses.replace(TINY_CONFIG, vocab_size=padded + 64), seed=1)
+    engine = Engine(model, tokenizer, EngineConfig(num_pages=64, page_size=4, max_model_len=64))
+    opens = tokenizer.encode("<think>\n", add_special_tokens=False)
+    sampling = SamplingParams(
+        max_tokens=12,
+        temperature=0,
+        ignore_eos=True,
+        separate_reasoning=True,
+        thinking_token_budget=3,
+        allowed_token_ids=tuple(range(padded)),  # what the tokenizer can write
+    )
+    outputs: list[RequestOutput] = []
+    for request_id, prompt in (("ends", (5, 6, padded)), ("opens", (5, padded, *opens))):
+        request = GenerateRequest(request_id, prompt, sampling=sampling)
+        assert engine.submit(request, outputs.append) == len(prompt)
+    drain(engine)
+    for request_id in ("ends", "opens"):
+        mine = [o for o in outputs if o.request_id == request_id]
+        assert (mine[-1].finish_reason, mine[-1].error) == (FINISH_LENGTH, None), request_id
+        assert len(tokens(mine)) == 12
+    ended = [o for o in outputs if o.request_id == "ends"]
+    assert texts(ended)[0] == "" and sum(o.reasoning_tokens for o in ended) == 0
+    opened = [o for o in outputs if o.request_id == "opens"]
+    assert tokens(opened)[3 : 3 + len(close_ids(thinking))] == close_ids(thinking)
+    assert texts(opened)[0] == tokenizer.decode(tokens(opened)[:3])
+    assert not engine.active_requests and engine.cache.pool.num_private == 0
+    check_sequence_cache(engine.cache)
