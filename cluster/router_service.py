@@ -193,11 +193,11 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         whoever made the call counts it (each step of a beam search, counted as one call by
         `metered_whole`; a first attempt refused for its length, and then cut and sent
         again: cluster/http/responses_truncation.py)."""
+        served = self._generate(request, caller, fill_context, image_fields, fill_cap, metered)
         try:
-            async for response in self._generate(
-                request, caller, fill_context, image_fields, fill_cap, metered
-            ):
-                yield response
+            async with contextlib.aclosing(served):  # closed with this: the worker call too
+                async for response in served:
+                    yield response
         except ServingError as err:
             if not uncounted(err):
                 self._count(err.code.name)

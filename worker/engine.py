@@ -497,6 +497,8 @@ class Engine:
         began = time.perf_counter()
         if self._stopping.is_set():
             raise EngineStopped("the engine is stopping")
+        with self._lock:  # first too: a refusal for load costs none of the work below
+            self._check_admission(request)
         request, adapter = self.lora.bind(request)
         checked = validation.request_images(request, self.limits)
         prompt = validation.prompt_ids(request, self.tokenizer, self.limits, checked)
@@ -528,17 +530,21 @@ class Engine:
             state.ngrams.extend(prompt, len(prompt))
         waits = bool(inside) and request.sampling.separate_reasoning  # the answer is apart
         state.grammar_waits = waits and not may_hold_reasoning(structured)
-        with self._lock:  # last: a submit that raised before it holds no id
-            if request.request_id in self._active_ids:
-                raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
-            # a resumed sample was admitted by the cluster already (its worker died): refusing
-            # it for load would end a stream its client has half received
-            if request.resume is None and (why := self._overloaded(request.priority)):
-                raise EngineOverloaded(why)
+        with self._lock:  # the id taken last: a submit that raised before it holds none
+            self._check_admission(request)
             self._active_ids[request.request_id] = request.priority
         self._inbox.put(("add", state))
         self._wake.set()
         return len(prompt)
+
+    def _check_admission(self, request: GenerateRequest) -> None:
+        """Refuse a request whose id runs, or one the engine is too busy for; under the lock."""
+        if request.request_id in self._active_ids:
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already running")
+        # a resumed sample was admitted by the cluster already (its worker died): refusing it
+        # for load would end a stream its client has half received
+        if request.resume is None and (why := self._overloaded(request.priority)):
+            raise EngineOverloaded(why)
 
     def _refuse_bans_of_all_allowed(
         self, sampling: SamplingParams, bad_words: Sequence[Sequence[int]]

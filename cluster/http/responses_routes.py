@@ -241,7 +241,8 @@ def served(
 
     return truncation.serve(
         stream,
-        lambda cut: api.start(cut, caller, fill_context=True),
+        # not api.start: a draining router serves the calls it took, cut or not
+        lambda cut: api.service.generate(cut, caller, fill_context=True),
         count,
         limits.max_model_len,
         api.service.count_failure,

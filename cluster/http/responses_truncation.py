@@ -109,15 +109,20 @@ class Truncation:
         refuses it for its length. `count`: a prompt's tokens (raises ServingError when it
         cannot even be counted: over the characters the core reads). `stream`'s refusal for
         its length is not counted under its status (`over_length`): `refused` counts it when
-        it stands, nothing fitting. The stream served is closed with this one, so its worker
-        call ends with the client's."""
+        it stands, nothing fitting, or what ended the search for a cut (counting a prompt
+        counts nothing). The stream served is closed with this one, so its worker call ends
+        with the client's."""
         try:
             try:
                 first = await anext(stream)
             except ServingError as err:
                 if not over_length(err):
                     raise
-                cut = await self._cut(count, max_model_len)
+                try:
+                    cut = await self._cut(count, max_model_len)
+                except ServingError as failed:  # no worker left to count with, say
+                    refused(failed)
+                    raise
                 if cut is None:
                     refused(err)
                     raise

@@ -23,6 +23,7 @@ from cluster.http.responses_truncation import SLACK, Truncation, cuts
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
+from worker.errors import ContextOverflow
 
 CONTEXT, ANSWER = 1024, 6
 BRIEF: dict[str, Any] = {
@@ -299,6 +300,42 @@ def test_a_cut_the_core_refuses_for_another_reason_counts_as_one_that_does_not_f
     broken = functools.partial(_counted, {8: grpc.StatusCode.UNAVAILABLE}, [1] * 10)
     with pytest.raises(ServingError):
         asyncio.run(truncation._cut(broken, 100))
+
+
+def test_what_ends_the_search_for_a_cut_is_counted_once() -> None:
+    """The first attempt's refusal for length is no call of its own; what stands instead, the
+    refusal when nothing fits or a failure of counting, is counted by `refused`."""
+    chat = ["user", "assistant"] * 5
+
+    async def refused_for_length() -> Any:
+        raise ServingError(
+            grpc.StatusCode.INVALID_ARGUMENT, "prompt: too long", reason=ContextOverflow.reason
+        )
+        yield  # an async generator, as a stream is
+
+    async def served(
+        count: Any, max_model_len: int, counted: list[grpc.StatusCode]
+    ) -> grpc.StatusCode:
+        truncation = Truncation(_message(*chat), [f"input[{i}]" for i in range(10)], reserve=0)
+        stream = truncation.serve(
+            refused_for_length(),
+            lambda cut: refused_for_length(),
+            count,
+            max_model_len,
+            lambda err: counted.append(err.code),
+        )
+        with pytest.raises(ServingError) as failed:
+            await anext(stream)
+        return failed.value.code
+
+    for refusals, room, code in (
+        ({}, 1, grpc.StatusCode.INVALID_ARGUMENT),  # nothing fits: the refusal stands
+        ({8: grpc.StatusCode.UNAVAILABLE}, 100, grpc.StatusCode.UNAVAILABLE),  # no worker left
+    ):
+        counted: list[grpc.StatusCode] = []
+        count = functools.partial(_counted, refusals, [1] * 10)
+        assert asyncio.run(served(count, room, counted)) == code
+        assert counted == [code]
 
 
 def test_a_conversation_past_the_context_keeps_its_cut_turn_after_turn(
