@@ -592,9 +592,10 @@ class RouterService(serving_pb2_grpc.ServingServicer):
         return ServingError(code, details, field=field, reason=reason, anthropic=anthropic)
 
     def busy(self) -> bool:
-        """Whether a call is running: a request in flight, or a call metered whole between
-        two of its steps."""
-        return bool(self.in_flight or self.whole_calls)
+        """Whether a call is running: one taken (`priorities`, from before its prompt is
+        tokenised, where `in_flight` has it only after), or a call metered whole between two
+        of its steps."""
+        return bool(self.priorities or self.whole_calls)
 
     def count_failure(self, err: ServingError) -> None:
         """Count under its status a failure a call's maker counts (`generate`'s `uncounted`)."""

@@ -4,6 +4,7 @@ penalties and logprobs included), and the OpenAI defaults and ranges that real c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -174,6 +175,36 @@ def test_a_request_id_sent_again_after_its_client_left_is_served(
     assert again.status_code == 200, again.text
     assert again.json()["id"] == "cmpl-again"
     one_slot.wait_idle()
+
+
+def test_a_call_is_busy_from_before_its_prompt_is_tokenised(
+    one_slot: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a drain waits for (`RouterService.busy`): a call the router took and is still
+    tokenising, before it has the call in flight."""
+    service = one_slot.service
+    entered, release = threading.Event(), threading.Event()
+    prepare = service._prepare
+
+    async def tokenising(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await asyncio.to_thread(release.wait, 10)
+        return await prepare(*args, **kwargs)
+
+    monkeypatch.setattr(service, "_prepare", tokenising)
+    body = {"model": MODEL, "prompt": "busy", "max_tokens": 2}
+    answers: list[httpx.Response] = []
+    url = f"{one_slot.http_url}/v1/completions"
+    caller = threading.Thread(target=lambda: answers.append(httpx.post(url, json=body, timeout=30)))
+    caller.start()
+    try:
+        assert entered.wait(10)
+        assert not service.in_flight and service.busy()
+    finally:
+        release.set()
+        caller.join()
+    assert answers[0].status_code == 200, answers[0].text
+    assert not service.busy()
 
 
 def test_openai_defaults_nulls_and_seeds(one_slot: LocalCluster) -> None:
