@@ -37,6 +37,7 @@ from cluster.http.several_prompts import every
 from cluster.requests import suffixed
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
+from worker.request import FINISH_ABORT
 
 DEFAULT_MAX_TOKENS = 16
 """A text completion's steps without max_tokens (the legacy API's default, as the workers')."""
@@ -211,6 +212,12 @@ def _next(
     grown: list[Beam] = []
     ended: list[Beam] = []
     for beam, answer in zip(beams, answers, strict=True):
+        if answer.finish_reason == FINISH_ABORT:  # as an aborted call is counted: CANCELLED
+            raise ServingError(
+                grpc.StatusCode.CANCELLED,
+                "use_beam_search: a step of the search was aborted (an Abort, or its worker "
+                "stopping)",
+            )
         if not answer.logprobs:
             raise HttpError(500, f"a beam step came back without logprobs ({answer.finish_reason})")
         place = answer.logprobs[0]

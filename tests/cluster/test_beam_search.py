@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import grpc
 import pytest
 
 from cluster.http.beam_search import Search, search
@@ -158,6 +159,28 @@ def test_a_failed_step_ends_the_search_with_no_step_left_running() -> None:
         assert not running
 
     asyncio.run(asyncio.wait_for(searched(), 10))
+
+
+def test_an_aborted_step_cancels_the_search() -> None:
+    """A step aborted (an Abort, a worker stopping) comes back with no logprobs: the search
+    ends CANCELLED, as an aborted call is counted, not as a server error."""
+    inner = scripted([0], [])
+
+    async def run(message: serving_pb2.GenerateRequest) -> tuple[dict[int, Sample], Counts]:
+        if not message.HasField("token_ids"):
+            return await inner(message)
+        aborted = serving_pb2.GenerateResponse(
+            request_id=message.request_id, finished=True, finish_reason="abort"
+        )
+        counts, sample = Counts(), Sample()
+        counts.record(aborted)
+        sample.take(aborted)
+        return {0: sample}, counts
+
+    message = serving_pb2.GenerateRequest(request_id="r", text="x")
+    with pytest.raises(ServingError, match="aborted") as ended:
+        asyncio.run(search(run, message, asked_for(), frozenset({EOS}), 100))
+    assert ended.value.code == grpc.StatusCode.CANCELLED
 
 
 @pytest.mark.parametrize("length_penalty", [1e300, -1e300])
