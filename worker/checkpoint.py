@@ -110,8 +110,8 @@ def read_raw_config(path: Path) -> dict[str, Any]:
     if not config_path.is_file():
         raise CheckpointError(f"{config_path} is missing: a checkpoint directory needs config.json")
     try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"{config_path} is not valid JSON: {error}") from error
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_path} holds {type(raw).__name__}, not an object")
@@ -141,9 +141,16 @@ def weight_files(path: Path) -> dict[str, list[str]]:
     index_path = path / INDEX_FILE
     if index_path.is_file():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as error:
             raise CheckpointError(f"{index_path} has no usable weight_map: {error!r}") from error
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{index_path}: weight_map must map tensor names to file names, "
+                f"not {json.dumps(weight_map)[:80]}"
+            )
         files: dict[str, list[str]] = {}
         for name, file_name in weight_map.items():
             files.setdefault(file_name, []).append(name)
@@ -151,6 +158,16 @@ def weight_files(path: Path) -> dict[str, list[str]]:
     if (path / SINGLE_FILE).is_file():
         return {SINGLE_FILE: []}  # every tensor in the file
     raise CheckpointError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def _non_finite(tensor: torch.Tensor) -> int:
+    """How many of `tensor`'s values are NaN or infinite. One summing pass when there are none
+    (a NaN or an infinity makes the sum NaN or infinite); a counting pass only when the sum is
+    not finite (then there are some, or finite values overflowed it). Checking all of
+    SmolLM2-135M this way takes 0.02-0.06 s, where `isfinite().all()` took 0.5-1.1 s."""
+    if bool(tensor.sum().isfinite()):
+        return 0
+    return int(tensor.numel() - tensor.isfinite().sum())
 
 
 def _read_file(
@@ -175,7 +192,14 @@ def _read_file(
                         f"{name} in {file_path.name} is {tensor.dtype}; weights must be one of "
                         f"{[dtype_name(d) for d in FLOAT_DTYPES]}"
                     )
-                tensors[name] = tensor if dtype is None else tensor.to(dtype)
+                tensor = tensor if dtype is None else tensor.to(dtype)
+                bad = _non_finite(tensor)
+                if bad:  # served, every answer would be token 0
+                    cast = "" if dtype is None else f" as {dtype_name(dtype)}"
+                    raise CheckpointError(
+                        f"{name} in {file_path} holds {bad} NaN or infinite value(s){cast}"
+                    )
+                tensors[name] = tensor
     except SafetensorError as error:
         raise CheckpointError(f"{file_path} is not a readable safetensors file: {error}") from error
     return tensors

@@ -11,11 +11,11 @@ first, each with its namespace, its file and the file's XXH3-128 checksum.
 
 A node's file name is a digest of its namespace, its parent's name and its keys, so a node that
 did not change is not written again, and files that no manifest names are deleted. Loading
-refuses a manifest computed with anything else (one log line; the worker starts cold) and drops
-a node whose file is missing, truncated or fails its checksum, with everything below it: no KV
-is served that was not written for exactly that prefix of exactly that namespace. A node goes
-back under its own namespace (tenant salt and adapter included), so a reload cannot give one
-tenant's KV to another.
+refuses a manifest computed with anything else, or malformed (one log line; the worker starts
+cold), and drops a node whose file is missing, truncated or fails its checksum, with everything
+below it: no KV is served that was not written for exactly that prefix of exactly that
+namespace. A node goes back under its own namespace (tenant salt and adapter included), so a
+reload cannot give one tenant's KV to another.
 
 Disk use is bounded: the most recently used nodes are kept (a node only with its parent) until
 the next would pass `max_bytes`.
@@ -78,6 +78,8 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 `persist_max_bytes` says (the store then keeps what fits), or the file is over the process's
 size limit (that node is left out): `KvStore._disk_full`."""
 SUFFIX = ".safetensors"
+_HEX_DIGITS = frozenset("0123456789abcdef")
+_NAMESPACE_FIELDS = frozenset({"adapter", "tenant", "image_hash", "salt"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,59 @@ def _namespace(fields: dict[str, Any]) -> CacheNamespace:
     image_hash = None if image is None else int(image, 16)
     adapter, tenant, salt = fields.get("adapter"), fields.get("tenant"), fields.get("salt")
     return CacheNamespace(adapter, tenant, image_hash, salt)
+
+
+def _is_hex(value: object, most: int = 32) -> bool:
+    """A str of 1 to `most` lowercase hex digits (as `format(n, "x")` writes them)."""
+    return isinstance(value, str) and 0 < len(value) <= most and set(value) <= _HEX_DIGITS
+
+
+def _is_digest(value: object) -> bool:
+    """An XXH3-128 hex digest: a node's name, its checksum."""
+    return isinstance(value, str) and len(value) == 32 and _is_hex(value)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _namespace_error(fields: object) -> str:
+    """What is wrong with a manifest's namespace fields ('' when they make a namespace)."""
+    if not isinstance(fields, dict) or not fields.keys() <= _NAMESPACE_FIELDS:
+        return "is not an object of " + ", ".join(sorted(_NAMESPACE_FIELDS))
+    image = fields.get("image_hash")
+    if image is not None and not _is_hex(image):
+        return f"has image_hash {image!r}, not 1-32 hex digits"
+    try:
+        _namespace(fields)
+    except ValueError as err:  # InvalidToken: an adapter, tenant or salt that is not a str
+        return str(err)
+    return ""
+
+
+def _record(index: int, fields: Any) -> NodeRecord:
+    """Node `index` of a manifest, every field's type and value checked: a manifest edited
+    or written by something else must not reach the engine's start or a save (a null nbytes
+    made every later save raise). ValueError / TypeError naming the node and the field."""
+    record = NodeRecord(**fields)  # TypeError: not an object, a field missing or unknown
+    checks = {
+        "name": _is_digest(record.name),
+        "parent": record.parent is None or _is_digest(record.parent),
+        "start": _is_count(record.start),
+        "positions": _is_count(record.positions),
+        "last_access": _is_count(record.last_access),
+        "checksum": _is_digest(record.checksum),
+        "nbytes": _is_count(record.nbytes),
+        "blocks": isinstance(record.blocks, list) and all(map(_is_count, record.blocks)),
+    }
+    for field, fits in checks.items():
+        if not fits:
+            raise ValueError(f"node {index}: {field} {getattr(record, field)!r}")
+    problem = _namespace_error(record.namespace)
+    if problem:
+        raise ValueError(f"node {index}: namespace {problem}")
+    record.blocks = tuple(record.blocks)
+    return record
 
 
 def _node_name(parent: str | None, ns: dict[str, Any], node: Node) -> str:
@@ -703,11 +758,9 @@ class KvStore:
         try:
             manifest = json.loads(path.read_text())
             saved = StoreIdentity(**manifest["identity"])
-            records = [NodeRecord(**r) for r in manifest["nodes"]]
-            for record in records:
-                record.blocks = tuple(int(b) for b in record.blocks)
+            records = [_record(i, fields) for i, fields in enumerate(manifest["nodes"])]
         except (OSError, ValueError, TypeError, KeyError) as err:
-            return self._refuse(f"its manifest is unreadable ({err})")
+            return self._refuse(f"its {MANIFEST} is unreadable ({err})")
         if manifest.get("format") not in (FORMAT, SALTED_FORMAT):
             read = f"{FORMAT} and {SALTED_FORMAT}"
             return self._refuse(f"format {manifest.get('format')!r}, this worker reads {read}")

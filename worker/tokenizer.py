@@ -69,8 +69,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise TokenizerError(f"{path} is not valid JSON: {error}") from error
     return data if isinstance(data, dict) else {}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,13 @@ from worker.checkpoint import (
     save_checkpoint,
 )
 from worker.config import ModelConfig
-from worker.tiny_model import TINY_CONFIG, TINY_QWEN3_CONFIG, tiny_state_dict
+from worker.loader import load_model
+from worker.tiny_model import (
+    TINY_CONFIG,
+    TINY_QWEN3_CONFIG,
+    build_tiny_checkpoint,
+    tiny_state_dict,
+)
 
 QWEN2_CONFIG = replace(TINY_CONFIG, architecture="qwen2", attention_bias=True, num_layers=1)
 
@@ -183,6 +190,60 @@ def test_integer_weights_are_refused(tmp_path: Path) -> None:
     save_file(state, str(tmp_path / SINGLE_FILE))
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight .* is torch\.int32"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "value,stored,dtype",
+    [(float("nan"), torch.float32, None), (float("-inf"), torch.float32, None),
+     (float("nan"), torch.bfloat16, None), (1e6, torch.float32, torch.float16)],
+    ids=["nan", "inf", "bf16-nan", "overflows-float16"],
+)  # fmt: skip
+def test_a_non_finite_weight_is_refused_naming_the_tensor_and_the_file(
+    tmp_path: Path, value: float, stored: torch.dtype, dtype: torch.dtype | None
+) -> None:
+    """A NaN or infinite weight (stored, or made by the dtype asked for: 1e6 is inf in
+    float16) is refused with the tensor and the file named, as a LoRA adapter's is: it loaded
+    before, and every answer was token 0."""
+    state = {name: t.to(stored) for name, t in tiny_state_dict(TINY_CONFIG).items()}
+    state["model.layers.1.mlp.down_proj.weight"][3, 5] = value
+    save_checkpoint(tmp_path, TINY_CONFIG, state)
+    cast = "" if dtype is None else " as float16"
+    with pytest.raises(
+        CheckpointError,
+        match=rf"model\.layers\.1\.mlp\.down_proj\.weight in {re.escape(str(tmp_path))}/"
+        rf"model\.safetensors holds 1 NaN or infinite value\(s\){cast}$",
+    ):
+        load_model(tmp_path, dtype=dtype)
+
+
+def test_finite_weights_whose_sum_overflows_still_load(tmp_path: Path) -> None:
+    """The check sums each tensor first (a NaN or an infinity makes the sum so); finite
+    float16 weights whose sum passes float16's range are counted exactly and load."""
+    state = {name: t.half() for name, t in tiny_state_dict(TINY_CONFIG).items()}
+    state["model.norm.weight"] = torch.full((64,), 60_000.0, dtype=torch.float16)
+    save_checkpoint(tmp_path, TINY_CONFIG, state)
+    _, loaded = load_checkpoint(tmp_path)
+    assert torch.equal(loaded["model.norm.weight"], state["model.norm.weight"])
+
+
+@pytest.mark.parametrize(
+    "name,content,why",
+    [("config.json", b"\xff\xfe{}", "is not valid JSON"),
+     (INDEX_FILE, b"\xff", "has no usable weight_map"),
+     (INDEX_FILE, b'{"weight_map": ["model.safetensors"]}', "weight_map must map"),
+     (INDEX_FILE, b'{"weight_map": {"model.norm.weight": 3}}', "weight_map must map")],
+    ids=["config-not-utf8", "index-not-utf8", "index-map-a-list", "index-file-not-a-name"],
+)  # fmt: skip
+def test_a_checkpoint_file_that_cannot_be_read_is_named(
+    tmp_path: Path, name: str, content: bytes, why: str
+) -> None:
+    """config.json or the shard index holding bytes that are not UTF-8, or an index whose
+    weight_map is not names to file names, is a CheckpointError naming the file: before, a
+    bare UnicodeDecodeError or AttributeError said neither which file nor what was wrong."""
+    directory = build_tiny_checkpoint(tmp_path / "m")
+    (directory / name).write_bytes(content)
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(directory / name))}:? {why}"):
+        load_model(directory)
 
 
 def test_save_refuses_a_state_dict_that_would_not_load(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from tests.worker.helpers import LLAMA, drain, greedy, recorded_engine, relative
 from worker import kv_persistence
 from worker.engine import Engine, EngineConfig
 from worker.kv_persistence import MANIFEST, BackgroundSaver
+from worker.loader import load_model
 from worker.model import CausalLM
-from worker.tiny_model import tiny_model
+from worker.tiny_model import build_tiny_checkpoint, tiny_model
 
 RNG = random.Random(8)
 SYSTEM = [RNG.randrange(1, 384) for _ in range(40)]
@@ -125,11 +127,70 @@ def test_a_cache_saved_with_anything_else_is_refused_and_the_engine_starts_cold(
     assert cached == 0
 
 
+def test_new_weights_written_over_a_checkpoint_never_get_its_old_kv(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Weights retrained and written over a checkpoint (same file names, shapes and dtype, so
+    the same sizes) get a new model revision: the next start refuses the cache the old weights
+    computed and answers as a cold engine on the new weights does. A second host holding the
+    same bytes (copied, other file times) agrees on the revision."""
+    checkpoint = tmp_path / "model"
+    old = load_model(build_tiny_checkpoint(checkpoint, seed=0))
+    sizes = {f.name: f.stat().st_size for f in checkpoint.iterdir()}
+    engine = Engine(old.model, None, config(tmp_path, model_revision=old.revision), source="w0")
+    serve(engine, [TURNS[0]])
+    engine.stop()  # the drain saves the cache
+    new = load_model(build_tiny_checkpoint(checkpoint, seed=1))  # retrained, written in place
+    assert {f.name: f.stat().st_size for f in checkpoint.iterdir()} == sizes
+    assert new.revision != old.revision
+    shutil.copytree(checkpoint, tmp_path / "host2" / "model", copy_function=shutil.copy)
+    assert load_model(tmp_path / "host2" / "model").revision == new.revision
+    with caplog.at_level(logging.WARNING, logger="worker.kv_persistence"):
+        warm = Engine(new.model, None, config(tmp_path, model_revision=new.revision), source="w0")
+    assert "model_revision" in warm.loaded.refused and warm.loaded.nodes == 0
+    assert len([r for r in caplog.records if "not loading" in r.getMessage()]) == 1
+    cold = Engine(new.model, None, config(None, model_revision=new.revision), source="w0")
+    prompt = [*TURNS[0], 7]
+    tokens, cached, _ = ask(warm, prompt)
+    assert cached == 0, "KV the old weights computed was served"
+    assert tokens == ask(cold, prompt)[0]
+
+
 def test_another_dtype_is_refused(tmp_path: Path) -> None:
     saved(tmp_path)
     half = tiny_model(LLAMA, seed=4).to(torch.bfloat16)
     engine = Engine(half, None, config(tmp_path), source="w0")
     assert "dtype" in engine.loaded.refused and engine.cache.tree.node_count == 0
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("namespace", {"image_hash": "zz"}), ("namespace", None), ("namespace", {"tenant": 7}),
+     ("parent", ["x"]), ("positions", "40"), ("nbytes", None), ("start", -4),
+     ("name", "../../escape"), ("checksum", 5), ("blocks", ["1"])],
+)  # fmt: skip
+def test_a_manifest_field_of_the_wrong_type_is_refused_and_the_engine_starts_cold(
+    tmp_path: Path, field: str, value: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A manifest whose node holds a field of the wrong type or value (edited by hand, written
+    by something else) is refused whole, with one warning naming manifest.json, the node and
+    the field, as an unreadable manifest is: the engine starts cold and serves, and its drain
+    saves a cache the next start loads. Before, the engine's start raised an error naming
+    neither, or (nbytes null) every background save and the drain raised TypeError."""
+    directory = saved(tmp_path)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest["nodes"][0][field] = value
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="worker.kv_persistence"):
+        engine = Engine(model(), None, config(tmp_path), source="w0")
+    assert f"node 0: {field}" in engine.loaded.refused and engine.loaded.nodes == 0
+    (line,) = [r.getMessage() for r in caplog.records if "not loading" in r.getMessage()]
+    assert MANIFEST in line and f"node 0: {field}" in line
+    _, cached, _ = ask(engine, TURNS[0])
+    assert cached == 0
+    engine.stop()  # the drain saves over the refused manifest
+    again = Engine(model(), None, config(tmp_path), source="w0")
+    assert again.loaded.refused == "" and again.loaded.nodes > 0
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])

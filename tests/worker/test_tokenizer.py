@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,17 @@ def test_stop_ids_gather_config_and_generation_config(tiny_dir: Path, tmp_path: 
         (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     assert Tokenizer.from_dir(tmp_path).eos_token_ids == (2, 0)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+def test_a_json_file_that_is_not_utf8_is_named(tiny_dir: Path, tmp_path: Path, name: str) -> None:
+    """A tokenizer's JSON file holding bytes that are not UTF-8 is a TokenizerError naming the
+    file, as invalid JSON is: before, a bare UnicodeDecodeError named no file."""
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / file).write_bytes((tiny_dir / file).read_bytes())
+    (tmp_path / name).write_bytes(b"\xff\xfe{}")
+    with pytest.raises(TokenizerError, match=f"{re.escape(str(tmp_path / name))} is not valid"):
+        Tokenizer.from_dir(tmp_path)
 
 
 def test_missing_tokenizer_file(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from xxhash import xxh3_128_hexdigest
 
 from tests.worker.vlm_fixtures import build_tiny_vlm, smolvlm_256m_config, tiny_vlm_config
 from worker.checkpoint import CheckpointError, load_checkpoint
@@ -183,12 +184,12 @@ def test_revision_covers_the_processor_settings(checkpoint: Path) -> None:
     assert load_model(checkpoint).revision == after
 
 
-def test_text_models_have_no_vision_and_keep_their_revision(tmp_path: Path) -> None:
+def test_text_models_have_no_vision_and_no_processor_in_their_revision(tmp_path: Path) -> None:
     path = build_tiny_checkpoint(tmp_path / "text", seed=2)
     loaded = load_model(path)
     assert loaded.vision is None
     assert not is_vision_checkpoint(path)
-    digest = hashlib.blake2b(digest_size=6)  # the revision as it was before vision models
+    digest = hashlib.blake2b(digest_size=6)  # config and weights: no processor files
     digest.update((path / "config.json").read_bytes())
-    digest.update(f"{WEIGHTS}:{(path / WEIGHTS).stat().st_size}".encode())
+    digest.update(f"{WEIGHTS}:{xxh3_128_hexdigest((path / WEIGHTS).read_bytes())}".encode())
     assert loaded.revision == f"text@{digest.hexdigest()}"
