@@ -57,12 +57,16 @@ from cluster.http.openai_responses import (
 from cluster.http.sse import EventStream
 from cluster.serving_call import ServingError
 from protos.radixmesh.v1 import serving_pb2
+from worker.request import FINISH_ABORT
 from worker.tool_calls import ToolCall, read_calls
 
 if TYPE_CHECKING:
     from cluster.http.app import HttpApi
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+ABORTED = HttpError(499, "the generation was aborted (an Abort of its id, or its worker stopping)")
+"""What an aborted generation answers: an error, as none of Anthropic's stop reasons says it (a
+streamed one: an `error` event; a Message Batch's request: `errored`)."""
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 """Anthropic's tool_choice types -> the serving core's ("tool" names the function)."""
 
@@ -85,6 +89,8 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
             return EventStream(reply_events, served_by(first))
         samples, counts = await api.finish(request, collect(stream), fields)
         sample = samples[0]
+        if sample.finish_reason == FINISH_ABORT:  # Anthropic has no stop reason for it
+            raise ABORTED
         text = "".join(sample.text)
         content, calls = read_calls(text, tools) if tools else (text, [])
         blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
@@ -189,10 +195,15 @@ def refusal_names(body: MessagesRequest | CountTokensRequest) -> Renames:
     fields = {
         "sampling.structured.structural_tag": "tools",
         "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+        "stop": "stop_sequences",
     }
     if body.tool_choice is not None and body.tool_choice.type == "tool":
         fields["tool_choice"] = "tool_choice.name"  # the tool it names
-    return renames(fields, [(r"tools\[(\d+)\]\.parameters", r"tools[\1].input_schema")])
+    patterns = [
+        (r"tools\[(\d+)\]\.parameters", r"tools[\1].input_schema"),
+        (r"stop\[(\d+)\]", r"stop_sequences[\1]"),
+    ]
+    return renames(fields, patterns)
 
 
 def request_tools(body: MessagesRequest | CountTokensRequest) -> list[serving_pb2.Tool]:
@@ -395,6 +406,9 @@ async def events(
                 if thinking.shown and response.reasoning_text:
                     yield blocks.think(response.reasoning_text)
                 text = held.feed(response.text) if held is not None else response.text
+                if response.finished and response.finish_reason == FINISH_ABORT:
+                    yield _event("error", ABORTED.anthropic_body())
+                    return
                 if response.finished:
                     finish, stop_string = response.finish_reason, response.stop_string or None
                     if held is not None:

@@ -87,6 +87,8 @@ class CountTokensRequest(Body):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    cache_control: dict[str, Any] | None = None
+    """Accepted, as on a message: the prefix cache needs no marker."""
 
 
 class ThinkingBlock(BaseModel):

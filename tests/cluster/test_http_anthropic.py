@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -444,3 +446,68 @@ def test_a_model_that_does_not_think_answers_as_always_when_asked_to(
     asked = client.messages.create(**ask, extra_body=greedy, thinking=thinking)  # type: ignore[arg-type]
     assert [b.type for b in asked.content] == ["text"]
     assert asked.content == plain.content and asked.usage == plain.usage
+
+
+STOP_REASONS = {"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_aborted_message_is_an_error_not_a_stop_reason_of_its_own(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """Anthropic has no stop reason for an abort (SGLang's /abort_request of its id here):
+    answered whole, a 499 in Anthropic's error shape; streamed, an `error` event and no
+    message_delta or message_stop after it."""
+    rid = f"to-abort-{int(stream)}"
+    body = {"model": MODEL, "max_tokens": 200, "messages": MESSAGES, "stream": stream}
+    headers = {"x-request-id": rid, "anthropic-version": "2023-06-01", "x-api-key": KEY}
+    release = cluster.hold_engines_after(4, monkeypatch)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            url = f"{cluster.http_url}/v1/messages"
+            answer = pool.submit(httpx.post, url, json=body, headers=headers, timeout=60)
+            deadline = time.monotonic() + 10
+            while rid not in cluster.service.in_flight:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            aborted = pool.submit(  # answered once the held engine takes the Abort
+                httpx.post,
+                f"{cluster.http_url}/abort_request",
+                json={"rid": rid},
+                headers={"authorization": f"Bearer {KEY}"},
+                timeout=60,
+            )
+            time.sleep(0.3)
+            release.set()
+            assert aborted.result(timeout=60).json() == {"aborted": [rid]}
+            response = answer.result(timeout=60)
+    finally:
+        release.set()
+    cluster.wait_idle()
+    if not stream:
+        assert response.status_code == 499, response.text
+        assert response.json()["type"] == "error"
+        assert "aborted" in response.json()["error"]["message"]
+        return
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line[:6] == "data: "]
+    assert events[-1]["type"] == "error" and "aborted" in events[-1]["error"]["message"]
+    assert all(e["type"] not in ("message_delta", "message_stop") for e in events)
+
+
+def test_count_tokens_takes_what_a_message_takes(client: anthropic.Anthropic) -> None:
+    """The request's `cache_control` (the SDK's count_tokens declares it) as create does; and a
+    refused stop sequence is named as the body names it."""
+    ask: dict[str, Any] = {"model": MODEL, "messages": MESSAGES}
+    cached = {"cache_control": {"type": "ephemeral"}}
+    real = client.messages.create(max_tokens=1, **ask, extra_body=cached)
+    counted = client.messages.count_tokens(**ask, extra_body=cached)
+    assert counted.input_tokens == real.usage.input_tokens + (
+        real.usage.cache_read_input_tokens or 0
+    )
+    for stops, named in (
+        ([""], "stop_sequences[0]"),
+        ([str(i) for i in range(17)], "stop_sequences"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.create(max_tokens=2, stop_sequences=stops, **ask)
+        assert refused.value.body["error"]["message"].startswith(named + ":")  # type: ignore[index]
