@@ -64,9 +64,15 @@ if TYPE_CHECKING:
     from cluster.http.app import HttpApi
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
-ABORTED = HttpError(499, "the generation was aborted (an Abort of its id, or its worker stopping)")
-"""What an aborted generation answers: an error, as none of Anthropic's stop reasons says it (a
-streamed one: an `error` event; a Message Batch's request: `errored`)."""
+
+
+def aborted() -> HttpError:
+    """What an aborted generation answers: an error, as none of Anthropic's stop reasons says
+    it (a streamed one: an `error` event; a Message Batch's request: `errored`). A new one each
+    time: an exception raised again keeps every earlier raise's frames."""
+    return HttpError(499, "the generation was aborted (an Abort of its id, or its worker stopping)")
+
+
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 """Anthropic's tool_choice types -> the serving core's ("tool" names the function)."""
 
@@ -90,7 +96,7 @@ def add_routes(app: FastAPI, api: HttpApi) -> None:
         samples, counts = await api.finish(request, collect(stream), fields)
         sample = samples[0]
         if sample.finish_reason == FINISH_ABORT:  # Anthropic has no stop reason for it
-            raise ABORTED
+            raise aborted()
         text = "".join(sample.text)
         content, calls = read_calls(text, tools) if tools else (text, [])
         blocks: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
@@ -407,7 +413,7 @@ async def events(
                     yield blocks.think(response.reasoning_text)
                 text = held.feed(response.text) if held is not None else response.text
                 if response.finished and response.finish_reason == FINISH_ABORT:
-                    yield _event("error", ABORTED.anthropic_body())
+                    yield _event("error", aborted().anthropic_body())
                     return
                 if response.finished:
                     finish, stop_string = response.finish_reason, response.stop_string or None

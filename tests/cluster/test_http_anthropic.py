@@ -448,9 +448,6 @@ def test_a_model_that_does_not_think_answers_as_always_when_asked_to(
     assert asked.content == plain.content and asked.usage == plain.usage
 
 
-STOP_REASONS = {"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"}
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_aborted_message_is_an_error_not_a_stop_reason_of_its_own(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, stream: bool
