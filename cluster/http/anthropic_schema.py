@@ -32,6 +32,10 @@ class ToolParam(Strict):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
+    strict: bool | None = None
+    """Accepted: every tool's input is held to its schema, strict or not (a grammar)."""
+    eager_input_streaming: bool | None = None
+    """Accepted: a call's input is streamed in one delta once the call is whole."""
 
 
 class ToolChoice(Strict):

@@ -63,6 +63,20 @@ def test_a_named_tool_once(client: anthropic.Anthropic, cluster: LocalCluster) -
     cluster.wait_idle()
 
 
+def test_a_strict_tool_is_served_as_every_tool_is(
+    client: anthropic.Anthropic, cluster: LocalCluster
+) -> None:
+    """The SDK's `strict` and `eager_input_streaming` on a tool are accepted: every call's
+    input is held to its schema anyway, and streamed whole."""
+    tools = [TOOLS[0] | {"strict": True, "eager_input_streaming": True}, TOOLS[1]]
+    message = ask(client, tools=tools, tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    calls = tool_uses(message)
+    assert calls and message.stop_reason == "tool_use", message
+    for call in calls:
+        jsonschema.validate(call.input, SCHEMAS[call.name])
+    cluster.wait_idle()
+
+
 def test_the_stream_gives_the_same_message(
     client: anthropic.Anthropic, cluster: LocalCluster
 ) -> None:
