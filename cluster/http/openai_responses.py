@@ -459,6 +459,9 @@ async def chat_chunks(
                 for k, c in enumerate(calls)
             ]
             ended = _finish(response.finish_reason, calls, legacy) if response.finished else None
+            # calls end their choice in a chunk of its own, as OpenAI's do: the SDK's stream
+            # helper tells a call done only once a later chunk of its choice comes
+            apart = ended if deltas else None
             choice = ChunkChoice(
                 index=index,
                 delta=Delta(
@@ -468,10 +471,12 @@ async def chat_chunks(
                     reasoning_content=thought,
                 ),
                 logprobs=chat_logprobs(reply.texts, ids, values) if logprobs else None,
-                finish_reason=ended,
+                finish_reason=None if apart else ended,
                 token_ids=reply.ids(pending.take(index)),
             )
             yield chunk(choice)
+            if apart:
+                yield chunk(ChunkChoice(index=index, delta=Delta(), finish_reason=apart))
     if include_usage:
         final = ChatCompletionChunk(
             id=reply.id, created=reply.created, model=reply.model, choices=[], usage=counts.usage()

@@ -100,6 +100,8 @@ class CalledFunction(Strict):
     name: str
     arguments: str
     """A JSON object, as JSON text."""
+    parsed_arguments: Any = None
+    """What the SDK's `parse` read `arguments` into, sent back with the message: ignored."""
 
 
 class ToolCallParam(Strict):
@@ -125,6 +127,10 @@ class ChatMessage(Strict):
     thinking model's template may write it back into its turn)."""
     reasoning: str | None = None
     """The same, by vLLM's newer name."""
+    parsed: Any = None
+    """What the SDK's `parse` read the content into, sent back with the message: ignored."""
+    annotations: Any = None
+    """An answer's annotations (OpenAI's citations), sent back with it: ignored."""
 
 
 class JsonSchemaFormat(Strict):
@@ -288,7 +294,7 @@ class ChatCompletionRequest(GenerationParams):
     prompt_cache_key: str | None = None
     """Accepted: what OpenAI's asks for, a conversation routed to its cache, the router does for
     every prompt by its prefix (docs/router.md)."""
-    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
     """Accepted: a cached prefix stays while the pages it holds are not needed (least recently
     used first, then the host and disk tiers where configured), whichever was asked."""
     safety_identifier: str | None = None
@@ -302,7 +308,7 @@ class ChatCompletionRequest(GenerationParams):
 class CompletionRequest(GenerationParams):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     """The prompt, then the completion, in `text` (with `logprobs`: the prompt tokens' too,
     the first's null)."""
     best_of: Any = None

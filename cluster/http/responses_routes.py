@@ -184,7 +184,14 @@ async def _respond(
     if body.background:
         queued = started.model_copy(update={"status": "queued"})
         reply, written = await api.background.start(
-            turn.tenant, queued, stream, tools, rename, ended, streamed=body.stream, texts=texts
+            turn.tenant,
+            queued,
+            stream,
+            tools,
+            rename,
+            ended,
+            streamed=bool(body.stream),
+            texts=texts,
         )
         if body.stream:
             return EventStream(written.follow())

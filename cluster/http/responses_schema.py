@@ -74,7 +74,7 @@ class ResponsesRequest(Body):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    stream: bool = False
+    stream: bool | None = False
     user: str | None = None
     safety_identifier: str | None = None
     store: bool | None = None
@@ -105,7 +105,7 @@ class ResponsesRequest(Body):
     prompt: Any = None
     prompt_cache_key: str | None = None
     """Accepted, as on chat completions: the router routes every prompt to its cache."""
-    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
     """Accepted, as on chat completions."""
     cache_salt: str | None = None
     """vLLM's, as on chat completions: only requests of the same salt share cached KV."""

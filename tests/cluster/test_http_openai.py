@@ -388,3 +388,23 @@ def test_a_pool_smaller_than_the_context_cuts_it_and_a_default_request_is_served
         assert_no_leak(small)
     finally:
         small.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": None}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                  "prompt_cache_retention": "in_memory"}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2,
+                           "prompt_cache_retention": "in_memory"}),
+    ],
+)  # fmt: skip
+def test_what_the_sdk_sends_for_nothing_is_accepted(
+    cluster: LocalCluster, path: str, body: dict[str, object]
+) -> None:
+    """OpenAI's nullable booleans sent as null (clients that write unset fields so), and the
+    cache retention as the SDK spells it (`in_memory`; the API reference's `in-memory`)."""
+    reply = httpx.post(f"{cluster.http_url}{path}", json={"model": MODEL, **body}, timeout=60)
+    assert reply.status_code == 200, reply.text

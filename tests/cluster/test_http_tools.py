@@ -207,3 +207,62 @@ def test_a_conversation_with_calls_and_results_goes_on(
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     cluster.wait_idle()
     assert not cluster.service.in_flight
+
+
+def test_a_streamed_call_ends_its_choice_in_a_chunk_of_its_own(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """As OpenAI's streams end a choice: the SDK's stream helper tells a call's arguments done
+    only once a later chunk of its choice comes, so the finish reason comes after the calls."""
+    tools: list = [{"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+    with client.chat.completions.stream(
+        model=SERVED_NAME,
+        messages=[{"role": "user", "content": "What time is it?"}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_completion_tokens=200,
+        temperature=0,
+    ) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls or []
+    assert [e.name for e in done] == ["get_time"]
+    assert done[0].arguments == call.function.arguments
+    assert final.choices[0].finish_reason == "tool_calls"
+    cluster.wait_idle()
+
+
+class Zone(BaseModel):
+    zone: Literal["UTC", "CET"]
+
+
+def test_a_message_the_sdk_parsed_can_be_sent_back(
+    client: openai.OpenAI, cluster: LocalCluster
+) -> None:
+    """`parse` leaves `parsed` on the message and `parsed_arguments` on each call, which the
+    SDK sends back with it in the next turn: ignored, as OpenAI's chat API ignores them."""
+    messages: list = [{"role": "user", "content": "Which zone?"}]
+    answered = client.chat.completions.parse(
+        model=SERVED_NAME, messages=messages, response_format=Zone, max_completion_tokens=100
+    )
+    assert answered.choices[0].message.parsed is not None
+    called = client.chat.completions.parse(
+        model=SERVED_NAME,
+        messages=messages,
+        tools=[openai.pydantic_function_tool(Zone)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_completion_tokens=200,
+    )
+    (call,) = called.choices[0].message.tool_calls or []
+    assert call.function.parsed_arguments is not None
+    turns = [
+        *messages,
+        answered.choices[0].message,
+        {"role": "user", "content": "And the call?"},
+        called.choices[0].message,
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    again = client.chat.completions.create(model=SERVED_NAME, messages=turns, max_tokens=2)
+    assert again.choices[0].message is not None
+    cluster.wait_idle()
