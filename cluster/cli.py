@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("generate", "chat"):
             sub.add_argument("--max-tokens", type=int32, default=128)
             sub.add_argument("--temperature", type=float, default=0.0)
-            sub.add_argument("--seed", type=int, default=None)
+            sub.add_argument("--seed", type=int64, default=None)
             sub.add_argument("--tenant", default="")
             sub.add_argument("--system", default=None, help="a system message")
             sub.add_argument("--adapter", default="", help="a LoRA adapter's name")
@@ -170,6 +170,10 @@ def _stream(client: Client, request: serving_pb2.GenerateRequest) -> tuple[str, 
 
 
 def generate(args: argparse.Namespace, client: Client) -> int:
+    if args.system is not None and (args.raw or args.suffix is not None):
+        flag = "--raw" if args.raw else "--suffix"  # the text is completed as is: no messages
+        console.print(f"[red]--system: not with {flag} (no chat template)[/]", soft_wrap=True)
+        return 2
     try:
         images = [Path(path).read_bytes() for path in args.image]
     except OSError as err:
@@ -191,7 +195,7 @@ def generate(args: argparse.Namespace, client: Client) -> int:
     )
     try:
         structured = _structured(args)
-    except OSError as err:
+    except (OSError, UnicodeDecodeError) as err:
         console.print(f"[red]--json-schema: {escape(str(err))}[/]", soft_wrap=True)
         return 2
     if args.raw or args.suffix is not None:
@@ -238,6 +242,14 @@ def int32(text: str) -> int:
     value = int(text)
     if not -(2**31) <= value < 2**31:
         raise argparse.ArgumentTypeError(f"{value} does not fit in 32 bits")
+    return value
+
+
+def int64(text: str) -> int:
+    """An argument the wire carries in an int64 (a seed)."""
+    value = int(text)
+    if not -(2**63) <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} does not fit in 64 bits")
     return value
 
 

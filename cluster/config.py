@@ -19,6 +19,7 @@ actor after the workers have loaded the model.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -352,6 +353,22 @@ class SecuritySection:
     auth_tokens: dict[str, str] = field(default_factory=dict)
     """Bearer token -> the tenant it may use ("*": any). Empty: no token is required."""
 
+    def __post_init__(self) -> None:
+        """Half a TLS setting is refused: the servers speak TLS only with both tls_cert and
+        tls_key, and would otherwise serve plaintext without a word. A token that is empty or
+        padded with whitespace (a YAML slip no client would send) is refused, never quoted."""
+        if self.tls_cert and not self.tls_key:
+            raise ConfigError("tls_key: required with tls_cert (else the port speaks plaintext)")
+        if self.tls_key and not self.tls_cert:
+            raise ConfigError("tls_cert: required with tls_key (else the port speaks plaintext)")
+        if self.tls_client_ca and not (self.tls_cert and self.tls_key):
+            raise ConfigError("tls_client_ca: mutual TLS requires tls_cert and tls_key")
+        for i, token in enumerate(self.auth_tokens):
+            if not token or token != token.strip():
+                raise ConfigError(
+                    f"auth_tokens: token {i + 1} is empty or starts or ends with whitespace"
+                )
+
 
 @dataclass(frozen=True)
 class MetricsSection:
@@ -376,6 +393,11 @@ class ClusterConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     drain_timeout_s: float = _at_least(30.0, 0)
 
+    def __post_init__(self) -> None:
+        """Worker i's metrics port, metrics.worker_port + i, must be a port for every worker
+        counted (a count left to the cluster is checked when the workers are placed)."""
+        check_worker_ports(self, self.workers.count or 1)
+
     @property
     def endpoint(self) -> str:
         return f"{self.router.host}:{self.router.port}"
@@ -386,7 +408,9 @@ class ClusterConfig:
             return cls()
         path = Path(path)
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
+        except yaml.MarkedYAMLError as err:  # one line: the file, the line, the problem
+            raise ConfigError(f"{path}: {yaml_problem(err)}") from None
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
             raise ConfigError(f"{path}: {err}") from err
         if not isinstance(raw, dict):
@@ -395,6 +419,48 @@ class ClusterConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader refusing a key given twice in one mapping: PyYAML keeps the last, so a
+    second `engine:` section would silently replace the first whole."""
+
+
+def _unique_mapping(loader: UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    first: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+            continue  # merge keys (<<) may be overridden; other keys are refused by `build`
+        key = loader.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        if key in first:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} given twice (first on line {first[key]})",
+                key_node.start_mark,
+            )  # fmt: skip
+        first[key] = line
+    return loader.construct_mapping(node)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def yaml_problem(err: yaml.MarkedYAMLError) -> str:
+    """A YAML error in one line: where (line and column) and what."""
+    mark = err.problem_mark or err.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    context = f" ({err.context})" if err.context else ""
+    return f"{where}{err.problem or 'cannot be parsed'}{context}"
+
+
+def check_worker_ports(config: ClusterConfig, count: int) -> None:
+    """Refuse `count` workers whose metrics ports (metrics.worker_port + index) pass 65535."""
+    port = config.metrics.worker_port
+    if config.metrics.enabled and port and port + count - 1 > 65535:
+        raise ConfigError(
+            f"metrics.worker_port: {port} + {count} workers passes port 65535 (worker i serves "
+            "on worker_port + i): lower it, or set it to 0 (any free port)"
+        )
 
 
 def adapter_name_problem(name: str) -> str | None:
@@ -433,6 +499,11 @@ def build(kind: type[T], raw: dict[str, Any], where: str) -> T:
     outside their field's range or choices."""
     hints = get_type_hints(kind)
     fields = {f.name: f for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
+    odd = [key for key in raw if not isinstance(key, str)]
+    if odd:  # `2: 3` is read as an int: no key's name, and not sortable with the names
+        raise ConfigError(
+            f"{where}: key {odd[0]!r} is not a name; expected some of {sorted(fields)}"
+        )
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(fields)}")
@@ -448,12 +519,19 @@ def build(kind: type[T], raw: dict[str, Any], where: str) -> T:
     values = {}
     for name, value in raw.items():
         key = f"{where}.{name}" if where else name
-        values[name] = _convert(hints[name], value, key)
+        values[name] = _convert(hints[name], _switch(fields[name].metadata, value), key)
         _check_range(fields[name].metadata, values[name], key)
     try:
         return kind(**values)
     except ConfigError as err:  # a section's own check across its keys: name where it is
         raise ConfigError(f"{where}.{err}" if where else str(err)) from None
+
+
+def _switch(metadata: Any, value: Any) -> Any:
+    """ "off" ("on") for false (true) where it is a choice: YAML 1.1 reads them unquoted so."""
+    if isinstance(value, bool) and ("on" if value else "off") in metadata.get("choices", ()):
+        return "on" if value else "off"
+    return value
 
 
 def _check_range(metadata: Any, value: Any, where: str) -> None:
@@ -493,6 +571,8 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number, got {value!r}")
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value

@@ -17,6 +17,7 @@ it and its error, exit 1.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -27,8 +28,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 from rich.markup import escape
 
-from cluster.config import ClusterConfig, ConfigError, engine_options
+from cluster.config import ClusterConfig, ConfigError, check_worker_ports, engine_options
 from cluster.ray_runtime import actor_name, connect, gpu_count
+from cluster.ray_token import PATH_ENV, embedded_cluster_token
 from cluster.router_actor import RouterActor
 from cluster.router_watch import RouterWatch, first_line
 from worker.actor import WorkerActor
@@ -53,6 +55,7 @@ def place_workers(config: ClusterConfig, fixed: bool = False) -> dict[str, Any]:
             "model.device is cuda but the Ray cluster has no GPU: set model.device to cpu, or "
             "workers.count to the GPUs an autoscaler will add"
         )
+    check_worker_ports(config, count)
     missing = missing_resources(config, device, count)
     if missing and fixed:  # Ray would keep them pending, and serve would wait forever
         raise ConfigError(missing)
@@ -86,6 +89,7 @@ def place_workers(config: ClusterConfig, fixed: bool = False) -> dict[str, Any]:
                 port,
                 max(1, int(config.workers.cpus_per_worker)),
                 weights=config.model.weights_for(device),
+                metrics_host=metrics.host,
             )
         )
     return handles
@@ -128,6 +132,7 @@ def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
     """0 after a drain on SIGTERM / Ctrl-C (or `stop`); 1 when the router died for good, or
     an actor could not start."""
     stop = stop or threading.Event()
+    check_token_file()
     started = connect()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())
@@ -148,6 +153,19 @@ def serve(config: ClusterConfig, stop: threading.Event | None = None) -> int:
     finally:
         if started:
             ray.shutdown()
+
+
+def check_token_file() -> None:
+    """Make the token an embedded Ray cluster needs before Ray starts (`connect` finds it
+    there): a RAY_AUTH_TOKEN_PATH that is a directory, or a file that is not text, is a
+    ConfigError naming it, as `radixmesh ray-token` says, not a traceback."""
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        return  # a cluster of the user's has its own token
+    try:
+        embedded_cluster_token()
+    except (OSError, UnicodeDecodeError) as err:
+        where = f"{PATH_ENV} {os.environ[PATH_ENV]}" if os.environ.get(PATH_ENV) else "Ray token"
+        raise ConfigError(f"{where}: {err}") from None
 
 
 class StartFailed(Exception):

@@ -1,9 +1,10 @@
 """One worker as a Ray actor: the model, its engine thread and its grpc.aio server.
 
 A plain class; the cluster wraps it with `ray.remote` (one GPU, or CPUs) and restarts it when
-it dies. It binds its gRPC server to `host` on a free port and its metrics to `metrics_port`,
-and tells whoever asks where they are. `drain` stops taking requests (health NOT_SERVING), lets
-the running ones finish (or aborts them at the deadline) and stops.
+it dies. It binds its gRPC server to `host` on a free port and its metrics to `metrics_port` on
+`metrics_host` (config metrics.host; default: `host`), and tells whoever asks where they are.
+`drain` stops taking requests (health NOT_SERVING), lets the running ones finish (or aborts
+them at the deadline) and stops.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class WorkerActor:
         metrics_port: int | None = None,
         threads: int | None = None,
         weights: str = "float32",
+        metrics_host: str | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -79,7 +81,7 @@ class WorkerActor:
         self.metrics_port = None
         if metrics_port is not None:
             self.metrics_port = serve_metrics(
-                EngineCollector(self.engine, name), host, metrics_port
+                EngineCollector(self.engine, name), metrics_host or host, metrics_port
             )
         log.info(
             "worker %s serving %s (weights %s) on %s (pid %d)",

@@ -219,3 +219,166 @@ def test_the_in_batch_prefix_setting_reaches_each_worker_engine(tmp_path: Path) 
     options = engine_options(ClusterConfig.load(tmp_path / "radixmesh.yaml"))
     assert options["in_batch_prefix_tokens"] == 0
     assert engine_options(ClusterConfig())["in_batch_prefix_tokens"] == 32
+
+
+def _load(tmp_path: Path, text: str) -> ClusterConfig:
+    path = tmp_path / "radixmesh.yaml"
+    path.write_text(text)
+    return ClusterConfig.load(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("{tls_cert: /c.pem}", r"security\.tls_key: required with tls_cert"),
+        ("{tls_key: /k.pem}", r"security\.tls_cert: required with tls_key"),
+        ("{tls_client_ca: /ca.pem}", r"security\.tls_client_ca: mutual TLS requires tls_cert"),
+        ("{tls_client_ca: /ca.pem, tls_cert: /c.pem}", r"security\.tls_key: required with"),
+    ],
+)
+def test_half_a_tls_setting_is_refused_naming_the_missing_key(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    """The servers speak TLS only with tls_cert and tls_key both: a file without the other (or
+    a client CA without both) loaded fine and the public ports spoke plaintext without a word."""
+    with pytest.raises(ConfigError, match=expected):
+        _load(tmp_path, f"security: {text}\n")
+    config = _load(tmp_path, "security: {tls_cert: /c.pem, tls_key: /k.pem, tls_client_ca: /a}\n")
+    assert config.security.tls_client_ca == "/a"
+
+
+@pytest.mark.parametrize("token", ["''", "' s3cret'", '"s3cret\\t"'])
+def test_an_empty_or_padded_token_is_refused_without_quoting_it(tmp_path: Path, token: str) -> None:
+    """No client sends such a token (an HTTP header's value is trimmed): a YAML slip, refused
+    at load; the message never repeats a token."""
+    with pytest.raises(ConfigError, match=r"security\.auth_tokens: token 2 is empty or") as err:
+        _load(tmp_path, f'security: {{auth_tokens: {{good: "*", {token}: acme}}}}\n')
+    assert "s3cret" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("engine: {gpu_memory_utilization: .nan}", "engine.gpu_memory_utilization"),
+        ("workers: {cpus_per_worker: .nan}", "workers.cpus_per_worker"),
+        ("workers: {cpus_per_worker: .inf}", "workers.cpus_per_worker"),
+        ("drain_timeout_s: .nan", "drain_timeout_s"),
+        ("drain_timeout_s: .inf", "drain_timeout_s"),
+        ("router: {text_index: {min_fraction: .nan}}", "router.text_index.min_fraction"),
+        ("router: {peer_kv_rate: -.inf}", "router.peer_kv_rate"),
+        ("engine: {persist_interval_s: .inf}", "engine.persist_interval_s"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused_naming_its_key(
+    tmp_path: Path, text: str, key: str
+) -> None:
+    """NaN passes every comparison and infinity every lower bound: they loaded, then failed
+    after Ray started (int(nan) placing workers), at router start (an infinite drain timeout
+    overflowed the HTTP server) or not at all (a NaN drain never waited)."""
+    with pytest.raises(ConfigError, match=rf"\.{key}: must be a finite number, got -?(nan|inf)"):
+        _load(tmp_path, text + "\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "where"), [("foo: 1\n2: 3\n", ""), ("router: {2: 3}\n", ".router")]
+)
+def test_a_key_that_is_not_a_name_is_refused(tmp_path: Path, text: str, where: str) -> None:
+    """`2: 3` is an int key: sorting it with the names for the unknown-key message raised a
+    TypeError traceback."""
+    path = tmp_path / "radixmesh.yaml"
+    with pytest.raises(ConfigError, match=rf"^{path}{where}: key 2 is not a name; expected"):
+        _load(tmp_path, text)
+
+
+def test_serve_refuses_a_key_that_is_not_a_name_in_one_line(tmp_path: Path) -> None:
+    """`radixmesh serve` on such a file: one line, exit 2, no traceback."""
+    path = tmp_path / "radixmesh.yaml"
+    path.write_text("foo: 1\n2: 3\n")
+    script = Path(sys.executable).parent / "radixmesh"
+    out = subprocess.run(
+        [script, "serve", "--config", str(path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "key 2 is not a name" in out.stderr
+
+
+def test_an_unquoted_off_is_the_text_index_mode_off(tmp_path: Path) -> None:
+    """YAML 1.1 reads `off` unquoted as false; "off" is a documented choice of the mode, so
+    false is taken as "off" there, and a boolean is still refused where it is no choice."""
+    assert _load(tmp_path, "router: {text_index: {mode: off}}\n").router.text_index.mode == "off"
+    assert _load(tmp_path, 'router: {text_index: {mode: "off"}}\n').router.text_index.mode == "off"
+    with pytest.raises(ConfigError, match=r"router\.text_index\.mode: expected str, got True"):
+        _load(tmp_path, "router: {text_index: {mode: on}}\n")
+    with pytest.raises(ConfigError, match=r"model\.dtype: expected str, got False"):
+        _load(tmp_path, "model: {dtype: off}\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("engine: {page_size: 32}\nengine: {max_running: 4}\n", "line 2, column 1: key 'engine'"),
+        ("router:\n  port: 1\n  port: 2\n", "line 3, column 3: key 'port' given twice"),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    """PyYAML keeps the last of a repeated key: a second `engine:` section silently replaced
+    the first whole. Merge keys (<<) may still be overridden."""
+    path = tmp_path / "radixmesh.yaml"
+    with pytest.raises(ConfigError, match=rf"^{path}: {expected}.*\(first on line"):
+        _load(tmp_path, text)
+    merged = (
+        "router: {port: 1}\nmetrics:\n  <<: {router_port: 1, worker_port: 2}\n  worker_port: 3\n"
+    )
+    assert _load(tmp_path, merged).metrics.worker_port == 3
+
+
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "radixmesh.yaml"
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, "router: {port: 1}\nengine: {page_size: [\n")
+    message = str(err.value)
+    assert message.startswith(f"{path}: line 3, column 1: ") and "\n" not in message, message
+
+
+def test_worker_metrics_ports_past_65535_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker i serves its metrics on worker_port + i: a count that runs past port 65535 is
+    refused at load, and a count left to the cluster (one per GPU) when the workers are placed."""
+    from cluster import serve
+
+    with pytest.raises(ConfigError, match=r"metrics\.worker_port: 65534 \+ 3 workers passes"):
+        _load(tmp_path, "metrics: {worker_port: 65534}\nworkers: {count: 3}\n")
+    assert _load(tmp_path, "metrics: {worker_port: 65534}\nworkers: {count: 2}\n")
+    assert _load(tmp_path, "metrics: {enabled: false, worker_port: 65535}\nworkers: {count: 9}\n")
+    config = _load(tmp_path, "metrics: {worker_port: 65535}\nmodel: {device: cuda}\n")
+    monkeypatch.setattr(serve, "gpu_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"metrics\.worker_port: 65535 \+ 2 workers passes"):
+        serve.place_workers(config)
+
+
+def test_worker_metrics_bind_metrics_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """metrics.host is where the worker's Prometheus server binds, as the router's does; it
+    used to bind workers.host, ignoring metrics.host (the actor's arguments are captured)."""
+    from cluster import serve
+
+    config = _load(tmp_path, "metrics: {host: 127.0.0.2}\nworkers: {count: 2, host: 127.0.0.3}\n")
+    placed: list[tuple[tuple[object, ...], dict[str, object]]] = []
+
+    class Placed:
+        def options(self, **_: object) -> Placed:
+            return self
+
+        def remote(self, *args: object, **kwargs: object) -> object:
+            placed.append((args, kwargs))
+            return object()
+
+    monkeypatch.setattr(serve, "gpu_count", lambda: 0)
+    monkeypatch.setattr(serve.ray, "cluster_resources", lambda: {"CPU": 4.0})
+    monkeypatch.setattr(serve.ray, "remote", lambda cls: Placed())
+    serve.place_workers(config)
+    assert [kwargs["metrics_host"] for _, kwargs in placed] == ["127.0.0.2", "127.0.0.2"]
+    assert [args[5:7] for args, _ in placed] == [("127.0.0.3", 9401), ("127.0.0.3", 9402)]

@@ -127,6 +127,35 @@ def test_an_embedded_cluster_keeps_the_users_token(
     assert embedded_cluster_token() is None and PATH_ENV not in os.environ
 
 
+@pytest.mark.parametrize("kind", ["a directory", "not text"])
+def test_serve_names_a_token_path_it_cannot_use_in_one_line(
+    kind: str, ray_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """`radixmesh serve` with RAY_AUTH_TOKEN_PATH a directory, or a file that is not UTF-8:
+    one line naming it and exit 2, as `radixmesh ray-token` says, before Ray starts (it was
+    a traceback from inside `connect`)."""
+    import ray
+
+    from cluster import serve
+
+    path = tmp_path
+    if kind == "not text":
+        path = tmp_path / "token"
+        path.write_bytes(b"\xff\xfe")
+    monkeypatch.setenv(PATH_ENV, str(path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def no_ray(*_: object, **__: object) -> None:
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    assert serve.main(None) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"radixmesh serve: {PATH_ENV} {path}: "), err
+
+
 PROBE = """
 import os
 from pathlib import Path
