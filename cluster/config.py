@@ -411,6 +411,10 @@ class ClusterConfig:
             raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
         except yaml.MarkedYAMLError as err:  # one line: the file, the line, the problem
             raise ConfigError(f"{path}: {yaml_problem(err)}") from None
+        except yaml.reader.ReaderError as err:  # a character YAML does not take
+            raise ConfigError(
+                f"{path}: position {err.position}: unacceptable character #x{err.character:04x}"
+            ) from None
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
             raise ConfigError(f"{path}: {err}") from err
         if not isinstance(raw, dict):
@@ -546,6 +550,18 @@ def _check_range(metadata: Any, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: must be {bounds}, got {value!r}")
 
 
+def _finite(value: int | float, where: str) -> float:
+    """A float key's value, an int widened; refused, naming `where`, unless finite."""
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a float's range
+        number = math.inf
+    if not math.isfinite(number):
+        got = repr(value) if isinstance(value, float) else "an int past a float's range"
+        raise ConfigError(f"{where}: must be a finite number, got {got}")
+    return number
+
+
 def _convert(hint: Any, value: Any, where: str) -> Any:
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
@@ -569,10 +585,8 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         ):
             raise ConfigError(f"{where}: expected a mapping of strings, got {value!r}")
         return dict(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: must be a finite number, got {value!r}")
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return _finite(value, where)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
     return value

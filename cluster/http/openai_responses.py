@@ -408,8 +408,8 @@ async def chat_chunks(
 ) -> AsyncIterator[bytes]:
     """The stream's events: a first chunk per choice with the role, then its text as it comes
     (the last with finish_reason), a usage chunk if asked, then [DONE]. Closing it closes the
-    request's stream. With `tools`, a choice's calls come whole in its last chunk (as its
-    `function_call` when `legacy`)."""
+    request's stream. With `tools`, a choice's calls come whole in the chunk before its last
+    (as its `function_call` when `legacy`), its finish_reason in a chunk of its own."""
     counts = Counts()
     started: set[int] = set()
     held: dict[int, HeldCalls] = {}

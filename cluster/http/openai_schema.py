@@ -100,8 +100,9 @@ class CalledFunction(Strict):
     name: str
     arguments: str
     """A JSON object, as JSON text."""
-    parsed_arguments: Any = None
-    """What the SDK's `parse` read `arguments` into, sent back with the message: ignored."""
+    parsed_arguments: Any = Field(default=None, exclude=True)
+    """What the SDK's `parse` read `arguments` into, sent back with the message: ignored (and
+    not stored with it)."""
 
 
 class ToolCallParam(Strict):
@@ -127,9 +128,10 @@ class ChatMessage(Strict):
     thinking model's template may write it back into its turn)."""
     reasoning: str | None = None
     """The same, by vLLM's newer name."""
-    parsed: Any = None
-    """What the SDK's `parse` read the content into, sent back with the message: ignored."""
-    annotations: Any = None
+    parsed: Any = Field(default=None, exclude=True)
+    """What the SDK's `parse` read the content into, sent back with the message: ignored (and
+    not stored with it)."""
+    annotations: Any = Field(default=None, exclude=True)
     """An answer's annotations (OpenAI's citations), sent back with it: ignored."""
 
 

@@ -382,3 +382,19 @@ def test_worker_metrics_bind_metrics_host(tmp_path: Path, monkeypatch: pytest.Mo
     serve.place_workers(config)
     assert [kwargs["metrics_host"] for _, kwargs in placed] == ["127.0.0.2", "127.0.0.2"]
     assert [args[5:7] for args, _ in placed] == [("127.0.0.3", 9401), ("127.0.0.3", 9402)]
+
+
+def test_a_character_yaml_refuses_and_an_integer_past_a_float_are_one_line(
+    tmp_path: Path,
+) -> None:
+    """Neither is a marked syntax error nor a float: each still says what is wrong in one
+    line, naming the file and the position or key."""
+    bell = tmp_path / "bell.yaml"
+    bell.write_text("router: {port: 1}\x07\n")
+    with pytest.raises(ConfigError) as refused:
+        ClusterConfig.load(bell)
+    assert "\n" not in str(refused.value) and "unacceptable character #x0007" in str(refused.value)
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("drain_timeout_s: 1" + "0" * 400 + "\n")
+    with pytest.raises(ConfigError, match="drain_timeout_s: must be a finite number"):
+        ClusterConfig.load(huge)

@@ -13,6 +13,7 @@ import jsonschema
 import openai
 from pydantic import BaseModel, Field
 
+from cluster.http.openai_schema import ChatMessage
 from tests.cluster.local_cluster import SERVED_NAME, LocalCluster
 from tests.cluster.tool_fixtures import ASK, SCHEMAS, TIME, WEATHER
 
@@ -265,4 +266,6 @@ def test_a_message_the_sdk_parsed_can_be_sent_back(
     ]
     again = client.chat.completions.create(model=SERVED_NAME, messages=turns, max_tokens=2)
     assert again.choices[0].message is not None
+    kept = ChatMessage.model_validate(called.choices[0].message.model_dump()).model_dump()
+    assert "parsed" not in kept and "parsed_arguments" not in json.dumps(kept)  # not stored
     cluster.wait_idle()

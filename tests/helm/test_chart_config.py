@@ -282,6 +282,18 @@ def test_render_config_refuses_bad_tokens_without_printing_them(tmp_path: Path) 
     assert "must be a non-empty string" in result.stderr and "s3cret" not in result.stderr
 
 
+def test_render_config_refuses_a_token_given_twice_without_printing_it(tmp_path: Path) -> None:
+    """The last of a repeated key would win: a token bound to one tenant, then to all."""
+    base = tmp_path / "base.yaml"
+    base.write_text("router: {port: 50051}\n")
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("s3cret-one: acme\ns3cret-one: '*'\n")
+    result = run_script(RENDER_CONFIG, base, tmp_path / "out.yaml", "--tokens", tokens)
+    assert result.returncode != 0
+    assert "line 2: a key given twice" in result.stderr and "s3cret" not in result.stderr
+    assert not (tmp_path / "out.yaml").exists()
+
+
 def test_render_config_refuses_what_radixmesh_refuses(tmp_path: Path) -> None:
     base = tmp_path / "base.yaml"
     base.write_text("router: {port: 50051, polcy: cache_aware}\n")

@@ -21,11 +21,30 @@ from typing import Any
 import yaml
 
 
+class RepeatedKey(yaml.YAMLError):
+    pass
+
+
+class UniqueKeys(yaml.SafeLoader):
+    """safe_load's reading, but a key given twice in one mapping is an error: the last would
+    silently win (a token given twice, bound to one tenant and then to every tenant)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key_node.tag != "tag:yaml.org,2002:merge" and key in seen:
+                raise RepeatedKey(f"line {key_node.start_mark.line + 1}: a key given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_tokens(path: Path) -> dict[str, str]:
     try:
-        tokens = yaml.safe_load(path.read_text())
+        tokens = yaml.load(path.read_text(), Loader=UniqueKeys)  # a SafeLoader
     except (OSError, yaml.YAMLError) as err:
-        raise SystemExit(f"{path}: cannot read the bearer tokens: {type(err).__name__}") from None
+        why = str(err) if isinstance(err, RepeatedKey) else type(err).__name__  # never a token
+        raise SystemExit(f"{path}: cannot read the bearer tokens: {why}") from None
     if not isinstance(tokens, dict) or not tokens:
         raise SystemExit(f"{path}: expected a non-empty mapping of token to tenant")
     for token, tenant in tokens.items():
@@ -37,7 +56,7 @@ def read_tokens(path: Path) -> dict[str, str]:
 
 
 def render(base: Path, out: Path, tokens: Path | None) -> dict[str, Any]:
-    config = yaml.safe_load(base.read_text()) or {}
+    config = yaml.load(base.read_text(), Loader=UniqueKeys) or {}  # a SafeLoader
     if tokens is not None:
         security = config.setdefault("security", {}) or {}
         security["auth_tokens"] = read_tokens(tokens)
