@@ -576,6 +576,8 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         item = get_args(hint)[0]
         return tuple(_convert(item, each, f"{where}[{i}]") for i, each in enumerate(value))
     if dataclasses.is_dataclass(hint):
+        if value is None:  # a section whose every key is commented out: its defaults
+            value = {}
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return build(hint, value, where)  # type: ignore[arg-type]

@@ -398,3 +398,14 @@ def test_a_character_yaml_refuses_and_an_integer_past_a_float_are_one_line(
     huge.write_text("drain_timeout_s: 1" + "0" * 400 + "\n")
     with pytest.raises(ConfigError, match="drain_timeout_s: must be a finite number"):
         ClusterConfig.load(huge)
+
+
+def test_a_section_whose_every_key_is_commented_out_takes_its_defaults(tmp_path: Path) -> None:
+    """YAML reads `engine:` with nothing after it as null: the section as if left out."""
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  # page_size: 32\nrouter:\n  port: 50052\n")
+    config = ClusterConfig.load(path)
+    assert config.engine == ClusterConfig().engine and config.router.port == 50052
+    path.write_text("engine: 5\n")
+    with pytest.raises(ConfigError, match="engine: expected a mapping, got 5"):
+        ClusterConfig.load(path)
