@@ -127,14 +127,19 @@ def test_the_edges_of_each_range_load(tmp_path: Path) -> None:
     assert config.engine.max_model_len is None and config.workers.count is None
 
 
-def test_serve_refuses_a_bad_config_in_one_line(tmp_path: Path) -> None:
+def serve_with(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """`radixmesh serve --config` on a file holding `text` (refused before Ray starts)."""
     path = tmp_path / "radixmesh.yaml"
-    path.write_text("router: {max_retries: -1}\n")
+    path.write_text(text)
     script = Path(sys.executable).parent / "radixmesh"
-    out = subprocess.run(
+    return subprocess.run(
         [script, "serve", "--config", str(path)],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
+
+
+def test_serve_refuses_a_bad_config_in_one_line(tmp_path: Path) -> None:
+    out = serve_with(tmp_path, "router: {max_retries: -1}\n")
     assert out.returncode == 2
     assert "router.max_retries: must be at least 0" in out.stderr
     assert "Traceback" not in out.stderr
@@ -292,13 +297,7 @@ def test_a_key_that_is_not_a_name_is_refused(tmp_path: Path, text: str, where: s
 
 def test_serve_refuses_a_key_that_is_not_a_name_in_one_line(tmp_path: Path) -> None:
     """`radixmesh serve` on such a file: one line, exit 2, no traceback."""
-    path = tmp_path / "radixmesh.yaml"
-    path.write_text("foo: 1\n2: 3\n")
-    script = Path(sys.executable).parent / "radixmesh"
-    out = subprocess.run(
-        [script, "serve", "--config", str(path)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    out = serve_with(tmp_path, "foo: 1\n2: 3\n")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "key 2 is not a name" in out.stderr
 

@@ -272,23 +272,24 @@ def test_render_config_merges_tokens_and_checks_the_result(tmp_path: Path) -> No
     assert config.workers.count == 16
 
 
-def test_render_config_refuses_bad_tokens_without_printing_them(tmp_path: Path) -> None:
+def render_tokens(tmp_path: Path, tokens: str) -> subprocess.CompletedProcess[str]:
+    """render_config.py on a plain base config and a Secret's tokens.yaml holding `tokens`."""
     base = tmp_path / "base.yaml"
     base.write_text("router: {port: 50051}\n")
-    tokens = tmp_path / "tokens.yaml"
-    tokens.write_text("s3cret-one: 5\n")
-    result = run_script(RENDER_CONFIG, base, tmp_path / "out.yaml", "--tokens", tokens)
+    path = tmp_path / "tokens.yaml"
+    path.write_text(tokens)
+    return run_script(RENDER_CONFIG, base, tmp_path / "out.yaml", "--tokens", path)
+
+
+def test_render_config_refuses_bad_tokens_without_printing_them(tmp_path: Path) -> None:
+    result = render_tokens(tmp_path, "s3cret-one: 5\n")
     assert result.returncode != 0
     assert "must be a non-empty string" in result.stderr and "s3cret" not in result.stderr
 
 
 def test_render_config_refuses_a_token_given_twice_without_printing_it(tmp_path: Path) -> None:
     """The last of a repeated key would win: a token bound to one tenant, then to all."""
-    base = tmp_path / "base.yaml"
-    base.write_text("router: {port: 50051}\n")
-    tokens = tmp_path / "tokens.yaml"
-    tokens.write_text("s3cret-one: acme\ns3cret-one: '*'\n")
-    result = run_script(RENDER_CONFIG, base, tmp_path / "out.yaml", "--tokens", tokens)
+    result = render_tokens(tmp_path, "s3cret-one: acme\ns3cret-one: '*'\n")
     assert result.returncode != 0
     assert "line 2: a key given twice" in result.stderr and "s3cret" not in result.stderr
     assert not (tmp_path / "out.yaml").exists()
